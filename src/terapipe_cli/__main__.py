@@ -1,0 +1,3 @@
+from terapipe_cli.cli import main
+
+main()

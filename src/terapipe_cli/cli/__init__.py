@@ -1,0 +1,66 @@
+"""The ``terapipe`` command. Thin: each command module parses, validates, calls the library, renders.
+
+Every command lives in its own module here and registers itself through ``register(app)``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+import typer
+
+from terapipe_cli.errors import UserError
+
+app = typer.Typer(
+    name="terapipe",
+    help="Plan and launch token-level pipeline-parallel training (TeraPipe): profile -> plan -> train -> report.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
+)
+
+# Command modules, in the order a user runs them.
+COMMANDS: tuple[str, ...] = ()
+
+
+def _register() -> None:
+    import importlib
+
+    for name in COMMANDS:
+        importlib.import_module(f"terapipe_cli.cli.{name}").register(app)
+
+
+_register()
+
+
+def fail(message: str) -> None:
+    """One line on stderr, exit code 2."""
+    sys.stderr.write(f"terapipe: error: {message}\n")
+    sys.stderr.flush()
+    raise SystemExit(2)
+
+
+def main(argv: list[str] | None = None) -> None:
+    command = typer.main.get_command(app)
+    try:
+        code = command.main(args=argv, prog_name="terapipe", standalone_mode=False)
+    except UserError as e:
+        fail(str(e))
+    except click.exceptions.NoArgsIsHelpError as e:
+        click.echo(e.ctx.get_help())
+        raise SystemExit(0) from None
+    except click.UsageError as e:
+        where = f"{e.ctx.command_path}: " if e.ctx is not None else ""
+        hint = " (see --help)" if e.ctx is not None else ""
+        fail(f"{where}{e.format_message()}{hint}")
+    except click.ClickException as e:
+        fail(e.format_message())
+    except click.exceptions.Abort:
+        sys.stderr.write("terapipe: interrupted\n")
+        raise SystemExit(130) from None
+    except KeyboardInterrupt:
+        sys.stderr.write("terapipe: interrupted\n")
+        raise SystemExit(130) from None
+    raise SystemExit(code if isinstance(code, int) else 0)

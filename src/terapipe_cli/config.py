@@ -1,0 +1,93 @@
+"""Model configurations: TOML files under ``configs/models/`` loaded into a validated dataclass.
+
+    [model]
+    name = "tiny"
+    layers = 4        # decoder layers N
+    hidden = 256      # H
+    heads = 4
+    vocab = 256
+    seq_len = 1024    # L
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from terapipe_cli.errors import UserError
+from terapipe_cli.files import Fields
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    seq_len: int
+    mlp_ratio: int = 4
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, obj: dict, where: str, prefix: str = "model.") -> ModelConfig:
+        """Build and validate from a mapping (a TOML table or a JSON object); errors name ``where``."""
+        f = Fields(obj, where, prefix)
+        cfg = cls(
+            name=f.str("name"),
+            layers=f.int("layers", minimum=1),
+            hidden=f.int("hidden", minimum=1),
+            heads=f.int("heads", minimum=1),
+            vocab=f.int("vocab", minimum=2),
+            seq_len=f.int("seq_len", minimum=1),
+            mlp_ratio=f.int("mlp_ratio", minimum=1, default=4),
+        )
+        if cfg.hidden % cfg.heads:
+            raise f.fail("heads", f"must divide hidden ({cfg.hidden}), got {cfg.heads}")
+        known = {"name", "layers", "hidden", "heads", "vocab", "seq_len", "mlp_ratio"}
+        unknown = sorted(set(obj) - known)
+        if unknown:
+            raise f.fail(unknown[0], "is not a model setting (known: " + ", ".join(sorted(known)) + ")")
+        return cfg
+
+    def stage_layers(self, stages: int, where: str = "stages") -> int:
+        """Layers per stage; the layer count must divide evenly (SPEC §6)."""
+        if stages < 1:
+            raise UserError(f"must be at least 1, got {stages}", where=where)
+        if self.layers % stages:
+            raise UserError(
+                f"{stages} stages do not divide the {self.layers} layers of model '{self.name}'", where=where
+            )
+        return self.layers // stages
+
+
+def load_toml(path: str | Path, what: str = "config") -> dict:
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"{what} file not found", where=str(path))
+    if path.is_dir():
+        raise UserError(f"expected a {what} TOML file, found a folder", where=str(path))
+    try:
+        return tomllib.loads(path.read_text())
+    except UnicodeDecodeError:
+        raise UserError(f"not a {what} file: not text", where=str(path)) from None
+    except tomllib.TOMLDecodeError as e:
+        raise UserError(f"malformed TOML: {e}", where=str(path)) from None
+    except OSError as e:
+        raise UserError(f"cannot read ({e.strerror})", where=str(path)) from None
+
+
+def load_model_config(path: str | Path) -> ModelConfig:
+    """Load ``[model]`` from a TOML file."""
+    data = load_toml(path, "model config")
+    table = data.get("model")
+    if not isinstance(table, dict):
+        raise UserError("missing the [model] table", where=str(path))
+    return ModelConfig.from_dict(table, str(path))

@@ -1,0 +1,21 @@
+"""The one user-facing error type.
+
+Anything the user can get wrong (a file, a field, an option) raises `UserError`. The CLI turns it into
+one line on stderr and exit code 2 — never a traceback.
+"""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """A mistake in the user's input, reported as one line: ``<where>: <what is wrong>``."""
+
+    exit_code = 2
+
+    def __init__(self, message: str, *, where: str | None = None) -> None:
+        self.message = " ".join(str(message).split())  # always one line
+        self.where = where
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.message}" if self.where else self.message

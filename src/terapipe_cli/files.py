@@ -1,0 +1,130 @@
+"""Versioned JSON files: atomic writes and validated reads.
+
+Every file terapipe writes carries a ``"schema"`` field (``"terapipe.plan/1"``); every reader checks it.
+Writes go to a temporary file in the same folder and are renamed into place, so an interrupted or failed
+command never leaves a half-written output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from terapipe_cli.errors import UserError
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` to ``path`` via a temporary file and a rename."""
+    return write_bytes_atomic(path, text.encode())
+
+
+def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> Path:
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create folder ({e.strerror})", where=str(path.parent)) from None
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:
+        raise UserError(f"cannot write here ({e.strerror})", where=str(path)) from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return path
+
+
+def write_json_atomic(path: str | os.PathLike, obj: Any) -> Path:
+    return write_text_atomic(path, json.dumps(obj, indent=2) + "\n")
+
+
+def read_json(path: str | os.PathLike, *, schema: str | None = None, what: str = "file") -> dict:
+    """Read a JSON object; with ``schema``, require its ``"schema"`` field to equal it."""
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"{what} not found", where=str(path))
+    if path.is_dir():
+        raise UserError(f"expected a {what} (JSON file), found a folder", where=str(path))
+    try:
+        obj = json.loads(path.read_text())
+    except UnicodeDecodeError:
+        raise UserError(f"not a {what}: not text", where=str(path)) from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"malformed JSON at line {e.lineno} column {e.colno}: {e.msg}", where=str(path)) from None
+    except OSError as e:
+        raise UserError(f"cannot read ({e.strerror})", where=str(path)) from None
+    if not isinstance(obj, dict):
+        raise UserError(f"not a {what}: expected a JSON object", where=str(path))
+    if schema is not None:
+        found = obj.get("schema")
+        if found != schema:
+            raise UserError(f"field 'schema' is {found!r}, expected {schema!r} (not a {what}?)", where=str(path))
+    return obj
+
+
+class Fields:
+    """Typed, validated access to the fields of a JSON object, with errors naming file and field."""
+
+    def __init__(self, obj: dict, where: str, prefix: str = "") -> None:
+        self.obj, self.where, self.prefix = obj, where, prefix
+
+    def _name(self, key: str) -> str:
+        return f"{self.prefix}{key}"
+
+    def fail(self, key: str, message: str) -> UserError:
+        return UserError(f"field '{self._name(key)}' {message}", where=self.where)
+
+    def get(self, key: str, default: Any = ...) -> Any:
+        if key not in self.obj:
+            if default is ...:
+                raise self.fail(key, "is missing")
+            return default
+        return self.obj[key]
+
+    def int(self, key: str, *, minimum: int | None = None, default: Any = ...) -> int:
+        v = self.get(key, default)
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise self.fail(key, f"must be an integer, got {v!r}")
+        if minimum is not None and v < minimum:
+            raise self.fail(key, f"must be at least {minimum}, got {v}")
+        return v
+
+    def number(self, key: str, *, minimum: float | None = None, positive: bool = False, default: Any = ...) -> float:
+        v = self.get(key, default)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+            raise self.fail(key, f"must be a number, got {v!r}")
+        if positive and not v > 0:
+            raise self.fail(key, f"must be positive, got {v}")
+        if minimum is not None and v < minimum:
+            raise self.fail(key, f"must be at least {minimum}, got {v}")
+        return float(v)
+
+    def str(self, key: str, default: Any = ...) -> str:
+        v = self.get(key, default)
+        if not isinstance(v, str):
+            raise self.fail(key, f"must be a string, got {v!r}")
+        return v
+
+    def list(self, key: str, default: Any = ...) -> list:
+        v = self.get(key, default)
+        if not isinstance(v, list):
+            raise self.fail(key, f"must be a list, got {type(v).__name__}")
+        return v
+
+    def sub(self, key: str) -> Fields:
+        v = self.get(key)
+        if not isinstance(v, dict):
+            raise self.fail(key, "must be an object")
+        return Fields(v, self.where, f"{self._name(key)}.")

@@ -1,0 +1,173 @@
+"""The plan: a slicing scheme and everything needed to run it. Schema ``terapipe.plan/1``. Imports no torch.
+
+A *scheme* is a list of batch slices, each ``(b, [token slice lengths])`` (SPEC §2). The stable keys other
+tools read are ``schema, model, stages, batch_size, seq_len, token_step, slices, predicted_s, t_max_s,
+baselines.{gpipe,uniform}.{slices,predicted_s}, solver, profile``; other fields may be added freely.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from terapipe_cli.config import ModelConfig
+from terapipe_cli.errors import UserError
+from terapipe_cli.files import Fields, read_json, write_json_atomic
+
+PLAN_SCHEMA = "terapipe.plan/1"
+
+Slices = list[tuple[int, list[int]]]
+
+
+def normalize_slices(slices: Sequence, *, where: str = "slices") -> Slices:
+    """Turn ``[[b, [l, ...]], ...]`` (JSON) or tuples into ``[(b, [l, ...]), ...]``; check types only."""
+    out: Slices = []
+    if not isinstance(slices, (list, tuple)) or not slices:
+        raise UserError("must be a non-empty list of [batch size, [token slice lengths]]", where=where)
+    for d, entry in enumerate(slices):
+        if not isinstance(entry, (list, tuple)) or len(entry) != 2:
+            raise UserError(f"entry {d} must be [batch size, [token slice lengths]], got {entry!r}", where=where)
+        b, lengths = entry
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+            raise UserError(f"entry {d}: batch size must be a positive integer, got {b!r}", where=where)
+        if not isinstance(lengths, (list, tuple)) or not lengths:
+            raise UserError(f"entry {d}: token slices must be a non-empty list, got {lengths!r}", where=where)
+        for n in lengths:
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise UserError(f"entry {d}: token slice lengths must be positive integers, got {n!r}", where=where)
+        out.append((int(b), [int(n) for n in lengths]))
+    return out
+
+
+def check_slices(slices: Slices, *, seq_len: int, batch_size: int, where: str = "slices") -> None:
+    """Every batch slice's token slices sum to L, and the batch slices sum to B (SPEC §9)."""
+    for d, (b, lengths) in enumerate(slices):
+        if sum(lengths) != seq_len:
+            raise UserError(
+                f"batch slice {d}: token slices sum to {sum(lengths)}, expected the sequence length {seq_len}",
+                where=where,
+            )
+    total = sum(b for b, _ in slices)
+    if total != batch_size:
+        raise UserError(f"batch slices sum to {total} sequences, expected the batch size {batch_size}", where=where)
+
+
+def short_form(slices: Sequence) -> str:
+    """``[(1, [776, 640, 632])] * 16``; runs of equal batch slices are folded, different ones joined by +."""
+    parts: list[str] = []
+    k = 0
+    while k < len(slices):
+        run = 1
+        while k + run < len(slices) and _same(slices[k + run], slices[k]):
+            run += 1
+        b, lengths = slices[k]
+        body = f"[({b}, [{', '.join(str(n) for n in lengths)}])]"
+        parts.append(body if run == 1 else f"{body} * {run}")
+        k += run
+    return " + ".join(parts)
+
+
+def _same(x, y) -> bool:
+    return x[0] == y[0] and list(x[1]) == list(y[1])
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A validated plan file."""
+
+    model: ModelConfig
+    stages: int
+    batch_size: int
+    seq_len: int
+    token_step: int
+    slices: Slices
+    predicted_s: float | None = None
+    data_parallel: int = 1
+    raw: dict = field(default_factory=dict, repr=False, compare=False)
+    path: str | None = None
+
+    @property
+    def layers_per_stage(self) -> int:
+        return self.model.layers // self.stages
+
+    def short_form(self) -> str:
+        return short_form(self.slices)
+
+
+def plan_from_dict(obj: dict, where: str) -> Plan:
+    if obj.get("schema") != PLAN_SCHEMA:
+        raise UserError(f"field 'schema' is {obj.get('schema')!r}, expected {PLAN_SCHEMA!r}", where=where)
+    f = Fields(obj, where)
+    model_obj = f.get("model")
+    if not isinstance(model_obj, dict):
+        raise f.fail("model", "must be an object")
+    model = ModelConfig.from_dict(model_obj, where)
+    stages = f.int("stages", minimum=1)
+    model.stage_layers(stages, where=f"{where}: field 'stages'")
+    batch_size = f.int("batch_size", minimum=1)
+    seq_len = f.int("seq_len", minimum=1)
+    token_step = f.int("token_step", minimum=1, default=1)
+    if seq_len > model.seq_len:
+        raise f.fail("seq_len", f"is {seq_len}, longer than the model's seq_len {model.seq_len}")
+    slices = normalize_slices(f.get("slices"), where=f"{where}: field 'slices'")
+    check_slices(slices, seq_len=seq_len, batch_size=batch_size, where=f"{where}: field 'slices'")
+    predicted = obj.get("predicted_s")
+    if predicted is not None:
+        predicted = f.number("predicted_s", minimum=0)
+    return Plan(
+        model=model,
+        stages=stages,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        token_step=token_step,
+        slices=slices,
+        predicted_s=predicted,
+        data_parallel=f.int("data_parallel", minimum=1, default=1),
+        raw=obj,
+        path=where,
+    )
+
+
+def read_plan(path: str | Path) -> Plan:
+    """Read and validate a plan file (one clear error naming the file and field)."""
+    obj = read_json(path, what="plan")
+    if "schema" not in obj:
+        raise UserError(f"field 'schema' is missing (expected {PLAN_SCHEMA!r}; not a plan?)", where=str(path))
+    return plan_from_dict(obj, str(path))
+
+
+def write_plan(path: str | Path, obj: dict) -> Path:
+    """Validate, then write atomically."""
+    plan_from_dict(obj, str(path))
+    return write_json_atomic(path, obj)
+
+
+def make_plan_dict(
+    *,
+    model: ModelConfig,
+    stages: int,
+    batch_size: int,
+    seq_len: int,
+    token_step: int,
+    slices: Slices,
+    predicted_s: float | None = None,
+    data_parallel: int = 1,
+    **extra,
+) -> dict:
+    """The plan object for hand-made schemes (tests, baselines, the report's GPipe run)."""
+    slices = [[int(b), [int(n) for n in lengths]] for b, lengths in slices]
+    obj = {
+        "schema": PLAN_SCHEMA,
+        "model": model.to_dict(),
+        "stages": stages,
+        "data_parallel": data_parallel,
+        "batch_size": batch_size,
+        "seq_len": seq_len,
+        "token_step": token_step,
+        "slices": slices,
+        "short_form": short_form(slices),
+        "predicted_s": predicted_s,
+    }
+    obj.update(extra)
+    return obj
