@@ -5,9 +5,9 @@ Every command lives in its own module here and registers itself through ``regist
 
 from __future__ import annotations
 
+import importlib
 import sys
 
-import click
 import typer
 
 from terapipe_cli.errors import UserError
@@ -26,8 +26,6 @@ COMMANDS: tuple[str, ...] = ()
 
 
 def _register() -> None:
-    import importlib
-
     for name in COMMANDS:
         importlib.import_module(f"terapipe_cli.cli.{name}").register(app)
 
@@ -42,22 +40,27 @@ def fail(message: str) -> None:
     raise SystemExit(2)
 
 
+# Newer typer vendors click (typer.main._click); older typer uses the click package. Use whichever typer uses.
+_click = getattr(typer.main, "_click", None) or importlib.import_module("click")
+_exceptions = _click.exceptions
+
+
 def main(argv: list[str] | None = None) -> None:
     command = typer.main.get_command(app)
     try:
         code = command.main(args=argv, prog_name="terapipe", standalone_mode=False)
     except UserError as e:
         fail(str(e))
-    except click.exceptions.NoArgsIsHelpError as e:
-        click.echo(e.ctx.get_help())
+    except getattr(_exceptions, "NoArgsIsHelpError", ()) as e:
+        print(e.ctx.get_help())
         raise SystemExit(0) from None
-    except click.UsageError as e:
+    except _exceptions.UsageError as e:
         where = f"{e.ctx.command_path}: " if e.ctx is not None else ""
         hint = " (see --help)" if e.ctx is not None else ""
         fail(f"{where}{e.format_message()}{hint}")
-    except click.ClickException as e:
+    except _exceptions.ClickException as e:
         fail(e.format_message())
-    except click.exceptions.Abort:
+    except typer.Abort:
         sys.stderr.write("terapipe: interrupted\n")
         raise SystemExit(130) from None
     except KeyboardInterrupt:
