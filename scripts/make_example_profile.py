@@ -47,7 +47,7 @@ def main() -> None:
         "note": "MADE UP from a formula by scripts/make_example_profile.py, not measured: a single-thread CPU at "
         f"{FLOPS_PER_S / 1e9:.0f} GFLOP/s with {OVERHEAD_FWD_S * 1e3:.2f}/{OVERHEAD_BWD_S * 1e3:.2f} ms "
         "forward/backward overhead per layer per slice. Use `terapipe profile` for real numbers.",
-        "created": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "created": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "device": {"kind": "cpu", "name": "formula (example)", "threads": 1},
         "model": model.to_dict(),
         "dtype_bytes": 4,

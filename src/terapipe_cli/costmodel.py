@@ -127,7 +127,7 @@ def _ascending_ints(f: Fields, key: str) -> tuple[int, ...]:
     values = f.list(key)
     if not values or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in values):
         raise f.fail(key, "must be a non-empty list of positive integers")
-    if any(a >= b for a, b in zip(values, values[1:])):
+    if any(a >= b for a, b in zip(values, values[1:], strict=False)):
         raise f.fail(key, "must be strictly ascending")
     return tuple(values)
 

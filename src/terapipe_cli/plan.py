@@ -42,7 +42,7 @@ def normalize_slices(slices: Sequence, *, where: str = "slices") -> Slices:
 
 def check_slices(slices: Slices, *, seq_len: int, batch_size: int, where: str = "slices") -> None:
     """Every batch slice's token slices sum to L, and the batch slices sum to B (SPEC §9)."""
-    for d, (b, lengths) in enumerate(slices):
+    for d, (_, lengths) in enumerate(slices):
         if sum(lengths) != seq_len:
             raise UserError(
                 f"batch slice {d}: token slices sum to {sum(lengths)}, expected the sequence length {seq_len}",

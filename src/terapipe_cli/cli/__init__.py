@@ -21,8 +21,16 @@ app = typer.Typer(
     rich_markup_mode="rich",
 )
 
+
+
+@app.callback()
+def _root() -> None:
+    """Plan and launch token-level pipeline-parallel training (TeraPipe): profile -> plan -> train -> report."""
+    # A callback keeps `terapipe` a command group even while only one command is registered.
+
+
 # Command modules, in the order a user runs them.
-COMMANDS: tuple[str, ...] = ()
+COMMANDS: tuple[str, ...] = ("plan",)
 
 
 def _register() -> None:

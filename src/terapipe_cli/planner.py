@@ -1,0 +1,449 @@
+"""The slicing planner (SPEC §4–§5): pure numpy, no torch, no I/O.
+
+Given ``cost(b, i, j)`` — seconds for one stage's forward + backward of a tile of ``b`` sequences × ``i`` new
+tokens after ``j`` context tokens — find the scheme ``[(b_1, [l_11, …]), (b_2, [l_21, …]), …]`` minimising
+
+    T = Σ tiles t + (K − 1) · max tile t   (+ cost.step_s, a per-step constant)
+
+The exact method (the default)
+------------------------------
+``T* = min over t_max of S*(t_max) + (K−1)·t_max`` where ``S*(t)`` is the least total tile time over schemes whose
+tiles all cost ≤ t. For one t, ``S*(t)`` is a one-dimensional DP over the prefix length per batch-slice size b,
+followed by an unbounded knapsack over b. The published method evaluates t_max for the distinct tile costs in
+ascending order (optionally skipping candidates within ε). We instead run an exact branch-and-bound over the
+sorted candidate costs ``c[0] < c[1] < …``:
+
+* Evaluating at ``c[p]`` gives ``S*(c[p])`` and a scheme whose largest tile is ``c[q] ≤ c[p]``. Every candidate in
+  ``[c[q], c[p]]`` has the same ``S*`` (the scheme stays feasible, and S* is non-increasing), so that whole range is
+  settled by one value: ``S*(c[p]) + (K−1)·c[q]``.
+* For a still-open index interval ``[lo, hi]`` whose upper neighbour was evaluated with value ``S_up``:
+  ``T(t) ≥ S_up + (K−1)·c[lo]`` for every t in it (S* only grows as t falls). Intervals whose bound reaches the
+  best objective found are discarded; the others are probed again.
+* Everything above ``(best − S*(∞)) / (K−1)`` is discarded up front, since ``T(t) ≥ S*(∞) + (K−1)·t``.
+
+Each round probes many candidates at once: the DP runs vectorised over (candidates × batch-slice sizes × slice
+lengths), one numpy step per prefix length, and only over slice lengths whose cost can fit under the round's
+largest candidate. With ε > 0, intervals within K·ε of the best are discarded too, so the answer is within K·ε of
+the optimum.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from terapipe_cli.errors import UserError
+from terapipe_cli.plan import Slices, short_form
+
+Cost = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+
+METHODS = ("exact", "enumerate")
+# Candidates probed per round of the exact search, and per batch of the enumeration. Larger rounds amortise the
+# per-prefix numpy overhead; smaller ones prune more between rounds.
+_PROBES_PER_ROUND = 24
+_ENUMERATE_BATCH = 32
+# Two objectives closer than this (relative) are treated as equal when pruning: floating-point summation noise.
+_REL_TOL = 1e-12
+
+
+@dataclass
+class PlanResult:
+    """A scheme and its predicted iteration time."""
+
+    slices: Slices
+    predicted_s: float
+    t_max_s: float
+    stages: int
+    seq_len: int
+    batch_size: int
+    token_step: int
+    method: str = "exact"
+    epsilon: float = 0.0
+    seconds: float = 0.0
+    candidates: int = 0
+    sum_s: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    def short_form(self) -> str:
+        return short_form(self.slices)
+
+    @property
+    def tiles(self) -> int:
+        return sum(len(lengths) for _, lengths in self.slices)
+
+    def to_dict(self) -> dict:
+        return {
+            "slices": [[b, list(lengths)] for b, lengths in self.slices],
+            "short_form": self.short_form(),
+            "predicted_s": self.predicted_s,
+            "t_max_s": self.t_max_s,
+            "sum_s": self.sum_s,
+            "tiles": self.tiles,
+        }
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Pricing any scheme
+
+
+def _tile_arrays(slices: Sequence) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    bs, ii, jj = [], [], []
+    for b, lengths in slices:
+        j = 0
+        for n in lengths:
+            bs.append(b)
+            ii.append(n)
+            jj.append(j)
+            j += n
+    return np.asarray(bs, dtype=np.int64), np.asarray(ii, dtype=np.int64), np.asarray(jj, dtype=np.int64)
+
+
+def tile_costs(cost: Cost, slices: Sequence) -> np.ndarray:
+    """Cost of every tile of a scheme, in pipeline order."""
+    b, i, j = _tile_arrays(slices)
+    return np.broadcast_to(np.asarray(cost(b, i, j), dtype=float), b.shape)
+
+
+def evaluate(cost: Cost, slices: Sequence, stages: int) -> float:
+    """The objective of SPEC §4 for any scheme: Σ t + (K−1)·max t, plus the cost's per-step constant."""
+    if stages < 1:
+        raise UserError(f"must be at least 1, got {stages}", where="stages")
+    t = tile_costs(cost, slices)
+    return float(t.sum() + (stages - 1) * t.max() + getattr(cost, "step_s", 0.0))
+
+
+def _result(
+    cost: Cost, slices: Slices, *, stages: int, seq_len: int, batch_size: int, token_step: int, **kw
+) -> PlanResult:
+    t = tile_costs(cost, slices)
+    return PlanResult(
+        slices=slices,
+        predicted_s=float(t.sum() + (stages - 1) * t.max() + getattr(cost, "step_s", 0.0)),
+        t_max_s=float(t.max()),
+        sum_s=float(t.sum()),
+        stages=stages,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        token_step=token_step,
+        **kw,
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Baselines
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def gpipe_baseline(cost: Cost, *, seq_len: int, batch_size: int, stages: int) -> PlanResult:
+    """GPipe: whole sequences, microbatch size m among the divisors of B, the best m by the same objective."""
+    _check_sizes(seq_len=seq_len, batch_size=batch_size, stages=stages, token_step=1)
+    best = None
+    for m in _divisors(batch_size):
+        slices = [(m, [seq_len])] * (batch_size // m)
+        res = _result(cost, slices, stages=stages, seq_len=seq_len, batch_size=batch_size, token_step=seq_len,
+                      method="gpipe")
+        res.extra["microbatch"] = m
+        if best is None or res.predicted_s < best.predicted_s:
+            best = res
+    return best
+
+
+def uniform_baseline(cost: Cost, *, seq_len: int, batch_size: int, stages: int, token_step: int = 1) -> PlanResult:
+    """The best uniform slicing: n equal token slices (n a power of two dividing L/g), batch slices all of size m."""
+    _check_sizes(seq_len=seq_len, batch_size=batch_size, stages=stages, token_step=token_step)
+    units = seq_len // token_step
+    best = None
+    n = 1
+    while n <= units:
+        if units % n == 0:
+            for m in _divisors(batch_size):
+                slices = [(m, [seq_len // n] * n)] * (batch_size // m)
+                res = _result(cost, slices, stages=stages, seq_len=seq_len, batch_size=batch_size,
+                              token_step=token_step, method="uniform")
+                res.extra.update(token_slices=n, microbatch=m)
+                if best is None or res.predicted_s < best.predicted_s:
+                    best = res
+        n *= 2
+    return best
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The DP for many t_max at once
+
+
+class _Tables:
+    """Tile costs laid out for the DP, in units of the token step.
+
+    ``by_end[b-1, p, i]`` is the cost of the tile of ``b`` sequences that ends at prefix ``p`` (units) and is ``i``
+    units long, so its context is ``p − i``. Entries with ``i > p`` or ``i == 0`` are +inf.
+    """
+
+    def __init__(self, cost: Cost, *, seq_len: int, batch_size: int, token_step: int) -> None:
+        n = seq_len // token_step
+        self.units, self.batch_size, self.token_step = n, batch_size, token_step
+        p = np.arange(n + 1)[:, None]
+        i = np.arange(n + 1)[None, :]
+        valid = (i >= 1) & (i <= p)
+        j_units = np.where(valid, p - i, 0)
+        i_units = np.where(valid, i, 1)
+        b = np.arange(1, batch_size + 1)[:, None, None]
+        raw = np.asarray(cost(b, i_units[None] * token_step, j_units[None] * token_step), dtype=float)
+        raw = np.broadcast_to(raw, (batch_size, n + 1, n + 1))
+        if not np.all(np.isfinite(raw[:, valid])):
+            raise UserError("the cost function returned a non-finite time", where="cost")
+        self.by_end = np.where(valid[None], raw, np.inf)
+        # suffix_min[b, p, i] = the cheapest slice of length ≥ i ending at p. Under a threshold t, the lengths
+        # 0..w with suffix_min ≤ t are exactly those up to the longest slice that fits, so the DP can skip the rest.
+        self._suffix_min = np.minimum.accumulate(self.by_end[:, :, ::-1], axis=2)[:, :, ::-1]
+
+    def widths(self, t_max: float) -> np.ndarray:
+        """For each prefix p: the longest slice (over all b) ending there whose cost is ≤ t_max (0 if none)."""
+        fits = (self._suffix_min <= t_max).sum(axis=2)  # longest fitting length + 1 (index 0 counts), or 0
+        return np.maximum(fits.max(axis=0) - 1, 0)
+
+    def distinct_costs(self, lo: float, hi: float) -> np.ndarray:
+        c = self.by_end[np.isfinite(self.by_end)]
+        c = c[(c >= lo) & (c <= hi)]
+        return np.unique(c)
+
+
+def _batched_dp(tables: _Tables, t_max: np.ndarray, b_max: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Token-slicing DP for every candidate t_max and every batch-slice size at once.
+
+    Returns ``best[m, b-1, p]`` (least total tile time covering the first p units of a batch slice of b sequences
+    with every tile ≤ t_max[m]; +inf if impossible) and ``choice[m, b-1, p]`` (the length of the last slice).
+    """
+    n = tables.units
+    B = tables.batch_size if b_max is None else b_max
+    M = len(t_max)
+    best = np.full((M, B, n + 1), np.inf)
+    best[:, :, 0] = 0.0
+    choice = np.zeros((M, B, n + 1), dtype=np.int32)
+    widths = np.minimum(tables.widths(float(np.max(t_max))), np.arange(n + 1))
+    limit = t_max[:, None, None]
+    by_end = tables.by_end[:B]
+    for p in range(1, n + 1):
+        w = int(widths[p])
+        if w == 0:
+            continue
+        c = by_end[:, p, 1 : w + 1]  # (B, w): slice lengths 1..w ending at p
+        prev = best[:, :, p - 1 :: -1][:, :, :w] if p - 1 - w < 0 else best[:, :, p - 1 : p - 1 - w : -1]
+        vals = np.where(c <= limit, prev + c, np.inf)  # (M, B, w)
+        k = vals.argmin(axis=2)
+        best[:, :, p] = np.take_along_axis(vals, k[:, :, None], axis=2)[:, :, 0]
+        choice[:, :, p] = k + 1
+    return best, choice
+
+
+def _knapsack(per_b: np.ndarray, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Unbounded knapsack over batch-slice sizes, for every candidate: ``total[m, s]`` for s sequences."""
+    M, B = per_b.shape
+    total = np.full((M, batch_size + 1), np.inf)
+    total[:, 0] = 0.0
+    last = np.zeros((M, batch_size + 1), dtype=np.int32)
+    for s in range(1, batch_size + 1):
+        k = min(s, B)
+        vals = total[:, s - 1 :: -1][:, :k] + per_b[:, :k]  # using b = 1..k as the last batch slice
+        arg = vals.argmin(axis=1)
+        total[:, s] = vals[np.arange(M), arg]
+        last[:, s] = arg + 1
+    return total, last
+
+
+def _scheme(tables: _Tables, choice: np.ndarray, last: np.ndarray, m: int) -> Slices:
+    """Read candidate m's scheme back from the argmins (larger batch slices first)."""
+    g = tables.token_step
+    sizes = []
+    s = tables.batch_size
+    while s > 0:
+        b = int(last[m, s])
+        sizes.append(b)
+        s -= b
+    sizes.sort(reverse=True)
+    paths: dict[int, list[int]] = {}
+    for b in set(sizes):
+        lengths = []
+        p = tables.units
+        while p > 0:
+            i = int(choice[m, b - 1, p])
+            lengths.append(i * g)
+            p -= i
+        paths[b] = lengths[::-1]
+    return [(b, list(paths[b])) for b in sizes]
+
+
+def _scheme_max(tables: _Tables, slices: Slices) -> float:
+    g = tables.token_step
+    worst = 0.0
+    for b, lengths in slices:
+        p = 0
+        for n in lengths:
+            p += n // g
+            worst = max(worst, float(tables.by_end[b - 1, p, n // g]))
+    return worst
+
+
+@dataclass
+class _Probe:
+    t_max: float
+    total: float  # S*(t_max)
+    slices: Slices | None
+    realised: float  # the scheme's largest tile (≤ t_max)
+
+
+def _probe(tables: _Tables, t_values: np.ndarray) -> list[_Probe]:
+    t_values = np.asarray(t_values, dtype=float)
+    best, choice = _batched_dp(tables, t_values)
+    total, last = _knapsack(best[:, :, tables.units], tables.batch_size)
+    out = []
+    for m, t in enumerate(t_values):
+        s_star = float(total[m, tables.batch_size])
+        if not math.isfinite(s_star):
+            out.append(_Probe(float(t), math.inf, None, math.inf))
+            continue
+        slices = _scheme(tables, choice, last, m)
+        out.append(_Probe(float(t), s_star, slices, _scheme_max(tables, slices)))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Searching t_max
+
+
+def _check_sizes(*, seq_len: int, batch_size: int, stages: int, token_step: int) -> None:
+    for name, v in (("seq_len", seq_len), ("batch_size", batch_size), ("stages", stages), ("token_step", token_step)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise UserError(f"must be a positive integer, got {v!r}", where=name)
+    if seq_len % token_step:
+        raise UserError(f"the sequence length {seq_len} is not a multiple of the token step {token_step}",
+                        where="token_step")
+
+
+def _search_exact(tables: _Tables, stages: int, epsilon: float) -> tuple[Slices, int]:
+    top = _probe(tables, np.array([np.inf]))[0]
+    probes = 1
+    best_T = top.total + (stages - 1) * top.realised
+    best_slices = top.slices
+    if stages == 1:
+        return best_slices, probes
+    slack = stages * epsilon
+
+    def cutoff() -> float:
+        # No t above this can win: T(t) ≥ S*(∞) + (K−1)·t.
+        return (best_T - top.total) / (stages - 1)
+
+    c = tables.distinct_costs(0.0, cutoff())
+    # Open intervals of candidate indices [lo, hi] with s_up = a value ≤ S*(t) for all t in them.
+    open_ = [(0, len(c) - 1, top.total)]
+    while open_:
+        limit = best_T - slack - _REL_TOL * abs(best_T)
+        hi_cut = int(np.searchsorted(c, cutoff(), side="right")) - 1
+        live = []
+        for lo, hi, s_up in open_:
+            hi = min(hi, hi_cut)
+            if lo <= hi and s_up + (stages - 1) * c[lo] < limit:
+                live.append((lo, hi, s_up))
+        if not live:
+            break
+        # Spread this round's probes over the live intervals, more where the interval is wider.
+        sizes = np.array([hi - lo + 1 for lo, hi, _ in live], dtype=float)
+        share = np.maximum(1, np.floor(_PROBES_PER_ROUND * sizes / sizes.sum())).astype(int)
+        picks: list[tuple[int, int]] = []  # (interval number, candidate index)
+        for k, ((lo, hi, _), q) in enumerate(zip(live, share, strict=True)):
+            q = min(q, hi - lo + 1)
+            idx = np.unique(np.linspace(lo, hi, q + 1)[1:].round().astype(int))
+            picks += [(k, int(x)) for x in idx]
+        results = _probe(tables, c[[x for _, x in picks]])
+        probes += len(picks)
+        # Update the best, then split each interval at its probes.
+        for pr in results:
+            if pr.slices is not None:
+                T = pr.total + (stages - 1) * pr.realised
+                if T < best_T:
+                    best_T, best_slices = T, pr.slices
+        new_open = []
+        for k, (lo, hi, s_up) in enumerate(live):
+            mine = sorted((x, results[n]) for n, (kk, x) in enumerate(picks) if kk == k)
+            cursor_hi, cursor_s = hi, s_up
+            for x, pr in reversed(mine):  # from the top of the interval down
+                if x < cursor_hi:
+                    new_open.append((x + 1, cursor_hi, cursor_s))
+                if pr.slices is None:  # infeasible at c[x]: so is everything below
+                    cursor_hi = lo - 1
+                    break
+                q = int(np.searchsorted(c, pr.realised, side="left"))
+                cursor_hi, cursor_s = min(q, x) - 1, pr.total
+            if lo <= cursor_hi:
+                new_open.append((lo, cursor_hi, cursor_s))
+        open_ = new_open
+    return best_slices, probes
+
+
+def _search_enumerate(tables: _Tables, stages: int, epsilon: float) -> tuple[Slices, int]:
+    """The published method: t_max ascending over the distinct tile costs, stopping once K·t_max exceeds the best.
+
+    With ε > 0 the costs are taken in windows [s, s + ε] and only the window's largest cost is evaluated: every
+    skipped t* in the window then has S*(top) ≤ S*(t*) and a largest tile ≤ t* + ε, so the answer stays within
+    (K−1)·ε of the optimum.
+    """
+    c = tables.distinct_costs(0.0, np.inf)
+    starts, tops = [], []
+    k = 0
+    while k < len(c):
+        top = int(np.searchsorted(c, c[k] + epsilon, side="right")) - 1 if epsilon > 0 else k
+        starts.append(c[k])
+        tops.append(c[top])
+        k = top + 1
+    starts, tops = np.asarray(starts), np.asarray(tops)
+    best_T, best_slices, probes = math.inf, None, 0
+    for first in range(0, len(tops), _ENUMERATE_BATCH):
+        window = slice(first, first + _ENUMERATE_BATCH)
+        # A scheme whose largest tile is t costs at least K·t: nothing from here on can beat best_T.
+        alive = stages * starts[window] <= best_T
+        if not alive.any():
+            break
+        results = _probe(tables, tops[window][alive])
+        probes += len(results)
+        for pr in results:
+            if pr.slices is not None:
+                T = pr.total + (stages - 1) * pr.realised
+                if T < best_T:
+                    best_T, best_slices = T, pr.slices
+    return best_slices, probes
+
+
+def solve(
+    cost: Cost,
+    *,
+    seq_len: int,
+    batch_size: int,
+    stages: int,
+    token_step: int = 1,
+    epsilon: float = 0.0,
+    method: str = "exact",
+) -> PlanResult:
+    """Choose token and batch slicing minimising the SPEC §4 objective.
+
+    ``method="exact"`` (default) returns the exact optimum for ``epsilon=0`` and stays within ``stages·epsilon``
+    of it otherwise; ``method="enumerate"`` is the published ε-enumeration, kept for comparison.
+    """
+    _check_sizes(seq_len=seq_len, batch_size=batch_size, stages=stages, token_step=token_step)
+    if not (isinstance(epsilon, (int, float)) and epsilon >= 0 and math.isfinite(epsilon)):
+        raise UserError(f"must be a non-negative number of seconds, got {epsilon!r}", where="epsilon")
+    if method not in METHODS:
+        raise UserError(f"must be one of {', '.join(METHODS)}, got {method!r}", where="method")
+    started = time.perf_counter()
+    tables = _Tables(cost, seq_len=seq_len, batch_size=batch_size, token_step=token_step)
+    search = _search_exact if method == "exact" else _search_enumerate
+    slices, probes = search(tables, stages, float(epsilon))
+    res = _result(cost, slices, stages=stages, seq_len=seq_len, batch_size=batch_size, token_step=token_step,
+                  method=method, epsilon=float(epsilon), candidates=probes)
+    res.seconds = time.perf_counter() - started
+    return res
