@@ -1,0 +1,69 @@
+"""Hardware TOML files: the shipped ones load and document every constant; bad ones fail in one line."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from terapipe_cli.errors import UserError
+from terapipe_cli.hardware import load_hardware
+
+ROOT = Path(__file__).resolve().parents[1]
+FILES = sorted((ROOT / "configs" / "hardware").glob("*.toml"))
+
+
+def test_the_three_published_nodes_are_there():
+    names = {load_hardware(p).name for p in FILES}
+    assert {"aws-p3.16xlarge", "aws-p4d.24xlarge", "aws-p5.48xlarge"} <= names
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
+def test_every_constant_has_a_source_comment(path: Path):
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        m = re.match(r"\s*(\w+)\s*=\s*([^#]*)", line)
+        if m and m.group(1) not in {"name", "dtype"}:
+            assert "#" in line and len(line.split("#", 1)[1].strip()) > 10, f"{path.name}:{n} has no source: {line}"
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
+def test_numbers_are_sane(path: Path):
+    hw = load_hardware(path)
+    d = hw.device
+    # Compute-to-bandwidth ratios of real accelerators lie between ~50 and ~500 FLOP/byte.
+    assert 50 < d.peak_flops / d.memory_bytes_per_s < 500
+    assert hw.intra_node.bytes_per_s > hw.network.bytes_per_s / hw.gpus_per_node
+    assert hw.training.dtype_bytes == 2
+
+
+V100 = (ROOT / "configs" / "hardware" / "v100.toml").read_text()
+
+
+@pytest.mark.parametrize(
+    "edit, field",
+    [
+        (lambda s: s.replace("peak_flops = 125e12", "peak_flops = -1"), "device.peak_flops"),
+        (lambda s: s.replace("matmul_efficiency = 0.8", "matmul_efficiency = 1.5"), "device.matmul_efficiency"),
+        (lambda s: s.replace("latency_s = 50e-6", "latency_s = \"fast\""), "network.latency_s"),
+        (lambda s: s.replace("gpus_per_node = 8", "gpus_per_nod = 8"), "hardware.gpus_per_nod"),
+        (lambda s: s.replace("[intra_node]", "[intranode]"), "intranode"),
+        (lambda s: s.replace("dtype_bytes = 2", ""), "training.dtype_bytes"),
+    ],
+)
+def test_bad_file_is_one_line_naming_the_field(tmp_path: Path, edit, field: str):
+    path = tmp_path / "hw.toml"
+    path.write_text(edit(V100))
+    with pytest.raises(UserError) as e:
+        load_hardware(path)
+    msg = str(e.value)
+    assert "\n" not in msg and str(path) in msg and field in msg
+
+
+def test_missing_and_malformed_files(tmp_path: Path):
+    with pytest.raises(UserError, match="not found"):
+        load_hardware(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[device\n")
+    with pytest.raises(UserError, match="malformed TOML"):
+        load_hardware(bad)
