@@ -1,0 +1,168 @@
+"""Hardware descriptions for analytic profiles: TOML files under ``configs/hardware/``, one validated dataclass.
+
+A file describes one kind of node (e.g. an AWS p3.16xlarge) and the network between nodes. Every number
+is a public figure (vendor datasheet, instance page, paper) or a modelling constant chosen from public
+measurements; the file's comments give the source of each.
+
+    [hardware]
+    name = "aws-p3.16xlarge"
+    gpus_per_node = 8
+
+    [device]                       # one accelerator
+    name = "NVIDIA V100-SXM2-16GB"
+    memory_bytes = 17179869184     # usable device memory
+    peak_flops = 125e12            # dense matrix-product peak in the training dtype
+    memory_bytes_per_s = 900e9     # device memory bandwidth
+    matmul_efficiency = 0.75       # fraction of peak a large matrix product reaches
+    matmul_half_dim = 64           # a matrix dimension this small halves the efficiency (x / (x + h) per dim)
+    memory_efficiency = 0.83       # fraction of memory bandwidth a streaming kernel reaches
+    kernel_launch_s = 5e-6         # no kernel takes less than this
+
+    [intra_node]                   # GPU-to-GPU inside a node (NVLink): tensor-parallel all-reduces
+    bytes_per_s = 150e9
+    latency_s = 5e-6
+
+    [network]                      # node-to-node: stage-to-stage transfers, data-parallel all-reduces
+    bytes_per_s = 3.125e9
+    latency_s = 30e-6
+
+    [training]                     # the numeric format of training (software, not silicon)
+    dtype = "fp16"
+    dtype_bytes = 2
+    state_bytes_per_param = 16     # weights + gradients + optimizer state held per parameter
+    optimizer_bytes_per_param = 28 # memory traffic of one optimizer update per parameter
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from terapipe_cli.config import load_toml
+from terapipe_cli.files import Fields
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    memory_bytes: float
+    peak_flops: float
+    memory_bytes_per_s: float
+    matmul_efficiency: float
+    matmul_half_dim: float
+    memory_efficiency: float
+    kernel_launch_s: float
+
+
+@dataclass(frozen=True)
+class Link:
+    """A latency + bytes/bandwidth link."""
+
+    bytes_per_s: float
+    latency_s: float
+
+    def seconds(self, nbytes: float) -> float:
+        return self.latency_s + nbytes / self.bytes_per_s
+
+
+@dataclass(frozen=True)
+class Training:
+    dtype: str
+    dtype_bytes: int
+    state_bytes_per_param: float
+    optimizer_bytes_per_param: float
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    gpus_per_node: int
+    device: Device
+    intra_node: Link
+    network: Link
+    training: Training
+    path: str | None = None
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out.pop("path")
+        return out
+
+
+def _check_keys(f: Fields, obj: dict, known: tuple[str, ...]) -> None:
+    unknown = sorted(set(obj) - set(known))
+    if unknown:
+        raise f.fail(unknown[0], "is not a known setting here (known: " + ", ".join(known) + ")")
+
+
+def _fraction(f: Fields, key: str) -> float:
+    value = f.number(key, positive=True)
+    if value > 1:
+        raise f.fail(key, f"is a fraction and must be at most 1, got {value}")
+    return value
+
+
+def _table(f: Fields, obj: dict, key: str) -> tuple[Fields, dict]:
+    sub = f.sub(key)
+    return sub, obj[key]
+
+
+def _link(f: Fields, obj: dict, key: str) -> Link:
+    sub, table = _table(f, obj, key)
+    _check_keys(sub, table, ("bytes_per_s", "latency_s"))
+    return Link(bytes_per_s=sub.number("bytes_per_s", positive=True), latency_s=sub.number("latency_s", minimum=0))
+
+
+def hardware_from_dict(obj: dict, where: str) -> Hardware:
+    """Validate a parsed hardware TOML; every error names ``where`` and the field."""
+    top = Fields(obj, where)
+    _check_keys(top, obj, ("hardware", "device", "intra_node", "network", "training"))
+
+    hw, hw_obj = _table(top, obj, "hardware")
+    _check_keys(hw, hw_obj, ("name", "gpus_per_node"))
+
+    dev, dev_obj = _table(top, obj, "device")
+    device_keys = (
+        "name",
+        "memory_bytes",
+        "peak_flops",
+        "memory_bytes_per_s",
+        "matmul_efficiency",
+        "matmul_half_dim",
+        "memory_efficiency",
+        "kernel_launch_s",
+    )
+    _check_keys(dev, dev_obj, device_keys)
+    device = Device(
+        name=dev.str("name"),
+        memory_bytes=dev.number("memory_bytes", positive=True),
+        peak_flops=dev.number("peak_flops", positive=True),
+        memory_bytes_per_s=dev.number("memory_bytes_per_s", positive=True),
+        matmul_efficiency=_fraction(dev, "matmul_efficiency"),
+        matmul_half_dim=dev.number("matmul_half_dim", minimum=0),
+        memory_efficiency=_fraction(dev, "memory_efficiency"),
+        kernel_launch_s=dev.number("kernel_launch_s", minimum=0),
+    )
+
+    tr, tr_obj = _table(top, obj, "training")
+    _check_keys(tr, tr_obj, ("dtype", "dtype_bytes", "state_bytes_per_param", "optimizer_bytes_per_param"))
+    training = Training(
+        dtype=tr.str("dtype"),
+        dtype_bytes=tr.int("dtype_bytes", minimum=1),
+        state_bytes_per_param=tr.number("state_bytes_per_param", minimum=0),
+        optimizer_bytes_per_param=tr.number("optimizer_bytes_per_param", minimum=0),
+    )
+    return Hardware(
+        name=hw.str("name"),
+        gpus_per_node=hw.int("gpus_per_node", minimum=1),
+        device=device,
+        intra_node=_link(top, obj, "intra_node"),
+        network=_link(top, obj, "network"),
+        training=training,
+        path=where,
+    )
+
+
+def load_hardware(path: str | Path) -> Hardware:
+    """Load and validate a hardware TOML (one-line `UserError` naming the file and field)."""
+    return hardware_from_dict(load_toml(path, "hardware"), str(path))
