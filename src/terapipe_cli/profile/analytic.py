@@ -1,0 +1,303 @@
+"""Analytic profiles: the cost model of SPEC §3 estimated for hardware we do not have. Pure numpy, no torch.
+
+One decoder layer (Megatron-style: pre-norm attention and MLP blocks, tensor parallelism over heads and the
+MLP's inner dimension, two all-reduces forward and two backward) is written down kernel by kernel, and each
+kernel is timed with a roofline:
+
+* a matrix product ``batch × (m × k)·(k × n)`` takes ``max(flops / (peak · eff), bytes / memory bandwidth,
+  launch)`` where ``eff = matmul_efficiency · s(m)·s(n)·s(k)``, ``s(x) = x / (x + matmul_half_dim)``: a short
+  slice (small m) leaves the device under-used, exactly the effect that makes very fine slicing slow. The
+  FLOP counts are exact (2·m·n·k per product; forward and backward are listed product by product);
+* an element-wise kernel (layer norm, softmax, GeLU, dropout, residual) moves its bytes over the memory
+  bandwidth, and no kernel beats the launch floor;
+* a tensor-parallel all-reduce is a ring over the intra-node link: ``2(t−1)·latency + 2(t−1)/t · bytes/bw``.
+
+Placement assumed: consecutive stages of one pipeline fill a node (tensor-parallel groups inside a node),
+so at least one stage boundary per node crosses the network, which sets the pipeline's pace; every
+stage-to-stage transfer is therefore priced on the inter-node network. All GPUs of a node reduce their
+gradients across replicas at the same time, so the data-parallel all-reduce of one GPU gets 1/gpus_per_node
+of the node's network bandwidth.
+
+The context term t_ctx(b, i, j) is fitted to the analytic times with the same relative least squares as a
+measured profile (`terapipe_cli.profile.fit.fit_context`) and checked on held-out points.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from terapipe_cli.config import ModelConfig
+from terapipe_cli.costmodel import PROFILE_SCHEMA
+from terapipe_cli.errors import UserError
+from terapipe_cli.hardware import Device, Hardware, Link
+from terapipe_cli.profile.fit import fit_context
+
+# One matrix product: (name, batch count, m, n, k) with broadcastable numpy arrays; flops = 2·batch·m·n·k.
+Gemm = tuple[str, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+def check_tensor_parallel(model: ModelConfig, hardware: Hardware, tensor_parallel: int) -> None:
+    """Tensor parallelism splits heads and the MLP across GPUs of one node (SPEC §7)."""
+    t = tensor_parallel
+    if isinstance(t, bool) or not isinstance(t, int) or t < 1:
+        raise UserError(f"must be a positive integer, got {t!r}", where="tensor_parallel")
+    if t > hardware.gpus_per_node:
+        raise UserError(
+            f"is {t}, more than the {hardware.gpus_per_node} GPUs of a node of '{hardware.name}' "
+            "(tensor parallelism stays inside a node)",
+            where="tensor_parallel",
+        )
+    if model.heads % t or (model.mlp_ratio * model.hidden) % t:
+        raise UserError(f"{t} does not divide the {model.heads} heads of model '{model.name}'", where="tensor_parallel")
+
+
+def forward_gemms(model: ModelConfig, b, i, j, tensor_parallel: int = 1) -> list[Gemm]:
+    """The matrix products of one layer's forward pass for a tile of b sequences × i new tokens after j.
+
+    Per device with tensor parallelism t: the QKV and first MLP products are split by columns, the output
+    and second MLP products by rows, attention by heads.
+    """
+    b, i, j = (np.asarray(x, dtype=float) for x in (b, i, j))
+    H, t = float(model.hidden), tensor_parallel
+    d, heads = float(model.head_dim), model.heads / t
+    inner = model.mlp_ratio * H / t
+    rows = b * i  # tokens of the tile: the m of every weight product
+    one = np.ones_like(rows)
+    ctx = i + j  # every new token attends over the context and its own slice's tokens
+    return [
+        ("qkv", one, rows, one * 3 * H / t, one * H),
+        # Scores Q·Kᵀ and the weighted sum P·V run over i × (i + j) per head: causal masking does not shrink
+        # the dense products that attention kernels of the time ran, so the full rectangle is counted.
+        ("scores", b * heads, i * one, ctx * one, one * d),
+        ("values", b * heads, i * one, one * d, ctx * one),
+        ("proj", one, rows, one * H, one * H / t),
+        ("fc1", one, rows, one * inner, one * H),
+        ("fc2", one, rows, one * H, one * inner),
+    ]
+
+
+def backward_gemms(forward: Sequence[Gemm]) -> list[Gemm]:
+    """Each forward product C = A·B needs dA = dC·Bᵀ (m × n · n × k) and dB = Aᵀ·dC (k × m · m × n).
+
+    For attention, dB is the gradient of the keys/values — of the context slices too, which is what the
+    runtime hands back to earlier slices.
+    """
+    out: list[Gemm] = []
+    for name, batch, m, n, k in forward:
+        out.append((f"{name}.dgrad", batch, m, k, n))
+        out.append((f"{name}.wgrad", batch, k, n, m))
+    return out
+
+
+def gemm_flops(gemms: Iterable[Gemm]) -> np.ndarray:
+    return sum(2.0 * batch * m * n * k for _, batch, m, n, k in gemms)
+
+
+def layer_flops(model: ModelConfig, b, i, j, tensor_parallel: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """Exact forward and backward FLOPs of one layer on one device for a tile (b, i, j)."""
+    fwd = forward_gemms(model, b, i, j, tensor_parallel)
+    return gemm_flops(fwd), gemm_flops(backward_gemms(fwd))
+
+
+def _gemm_seconds(dev: Device, dtype_bytes: int, gemm: Gemm) -> np.ndarray:
+    _, batch, m, n, k = gemm
+    h = dev.matmul_half_dim
+    efficiency = dev.matmul_efficiency * (m / (m + h)) * (n / (n + h)) * (k / (k + h))
+    compute = 2.0 * batch * m * n * k / (dev.peak_flops * efficiency)
+    memory = dtype_bytes * batch * (m * k + k * n + m * n) / (dev.memory_bytes_per_s * dev.memory_efficiency)
+    return np.maximum(np.maximum(compute, memory), dev.kernel_launch_s)
+
+
+def _stream_seconds(dev: Device, nbytes: np.ndarray) -> np.ndarray:
+    return np.maximum(nbytes / (dev.memory_bytes_per_s * dev.memory_efficiency), dev.kernel_launch_s)
+
+
+def ring_allreduce_seconds(link: Link, nbytes, ranks: int) -> np.ndarray:
+    """Ring all-reduce of ``nbytes`` over ``ranks`` peers: 2(r−1) steps, each moving nbytes/r."""
+    nbytes = np.asarray(nbytes, dtype=float)
+    if ranks <= 1:
+        return np.zeros_like(nbytes)
+    steps = 2 * (ranks - 1)
+    return steps * link.latency_s + steps / ranks * nbytes / link.bytes_per_s
+
+
+def layer_seconds(
+    model: ModelConfig, hardware: Hardware, b, i, j, tensor_parallel: int = 1
+) -> tuple[np.ndarray, np.ndarray]:
+    """Forward and backward seconds of one layer on one device for tiles (b, i, j) (broadcast arrays)."""
+    dev, e = hardware.device, hardware.training.dtype_bytes
+    b, i, j = np.broadcast_arrays(*(np.asarray(x, dtype=float) for x in (b, i, j)))
+    t = tensor_parallel
+    H = float(model.hidden)
+    act = b * i * H * e  # bytes of one b × i × H activation
+    inner = act * model.mlp_ratio / t
+    scores = b * (model.heads / t) * i * (i + j) * e  # bytes of one attention score matrix
+
+    fwd_gemms = forward_gemms(model, b, i, j, t)
+    forward = sum(_gemm_seconds(dev, e, g) for g in fwd_gemms)
+    backward = sum(_gemm_seconds(dev, e, g) for g in backward_gemms(fwd_gemms))
+
+    # Element-wise kernels, bytes moved (read + write; a dropout mask is one byte per element).
+    mask = 1.0 / e
+    fwd_stream = [
+        2 * act,  # layer norm 1
+        2 * scores,  # scale + causal mask + softmax (fused)
+        (2 + mask) * scores,  # attention dropout
+        (3 + mask) * act,  # bias + dropout + residual after the projection (fused)
+        2 * act,  # layer norm 2
+        2 * inner,  # bias + GeLU
+        (3 + mask) * act,  # bias + dropout + residual after the MLP (fused)
+    ]
+    bwd_stream = [
+        3 * act,  # layer norm 1: read dy and x, write dx
+        3 * scores,  # softmax: read dy and y, write dx
+        (2 + mask) * scores,  # attention dropout
+        (2 + mask) * act,  # residual + dropout
+        3 * act,  # layer norm 2
+        3 * inner,  # GeLU: read dy and x, write dx
+        (2 + mask) * act,  # residual + dropout
+    ]
+    forward = forward + sum(_stream_seconds(dev, x) for x in fwd_stream)
+    backward = backward + sum(_stream_seconds(dev, x) for x in bwd_stream)
+
+    # Megatron's f/g operators: two all-reduces of the activation forward, two of its gradient backward.
+    allreduce = ring_allreduce_seconds(hardware.intra_node, act, t)
+    return forward + 2 * allreduce, backward + 2 * allreduce
+
+
+def params_per_layer(model: ModelConfig, tensor_parallel: int = 1) -> int:
+    """Parameters of one decoder layer held by one device: sharded weights and biases, replicated norms."""
+    H, t, inner = model.hidden, tensor_parallel, model.mlp_ratio * model.hidden
+    sharded = (3 * H * H + 3 * H) + H * H + (H * inner + inner) + inner * H  # qkv, proj, fc1, fc2 (+ split biases)
+    replicated = H + H + 4 * H  # the row-parallel biases of proj and fc2; two layer norms (weight + bias)
+    return sharded // t + replicated
+
+
+def activation_bytes_per_token(model: ModelConfig, dtype_bytes: int, tensor_parallel: int = 1) -> float:
+    """Activation bytes one layer keeps for the backward per token, without the attention matrices.
+
+    Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", eq. 2, for
+    fp16 with no sequence parallelism): s·b·h·(10 + 24/t) + 5·a·s²·b/t bytes per layer. The first term per
+    token is returned here; `attention_bytes_per_token_pair` is the second, per (new token, attended token).
+    """
+    return model.hidden * (10 + 24 / tensor_parallel) * dtype_bytes / 2
+
+
+def attention_bytes_per_token_pair(model: ModelConfig, dtype_bytes: int, tensor_parallel: int = 1) -> float:
+    """Bytes per layer per (new token × attended token): scores, softmax output and dropout mask (eq. 2)."""
+    return 5 * model.heads / tensor_parallel * dtype_bytes / 2
+
+
+def _context_points(
+    batch_sizes: Sequence[int], seq_len: int, token_step: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Tiles (b, i, j > 0) spread geometrically over the slice and context lengths a plan can use."""
+    lengths = np.unique(np.geomspace(token_step, seq_len, 12).round() // token_step * token_step).astype(int)
+    lengths = lengths[lengths >= 1]
+    pts = [(b, i, j) for b in batch_sizes for i in lengths for j in lengths if i + j <= seq_len]
+    if len(pts) < 8:  # very short sequences: use every pair
+        grid = range(1, seq_len + 1)
+        pts = [(b, i, j) for b in batch_sizes for i in grid for j in grid if i + j <= seq_len]
+    b, i, j = (np.array(x, dtype=float) for x in zip(*pts, strict=True))
+    return b, i, j
+
+
+def token_grid(seq_len: int, token_step: int) -> list[int]:
+    """Every multiple of the token step up to L, and L itself."""
+    grid = list(range(token_step, seq_len + 1, token_step))
+    if not grid or grid[-1] != seq_len:
+        grid.append(seq_len)
+    return grid
+
+
+def analytic_profile(
+    model: ModelConfig,
+    hardware: Hardware,
+    *,
+    tensor_parallel: int = 1,
+    batch_sizes: Sequence[int] = (1, 2, 4, 8),
+    token_step: int = 8,
+) -> dict:
+    """A ``terapipe.profile/1`` object (``"source": "analytic"``) for ``model`` on ``hardware``.
+
+    Times are per layer on one device of a tensor-parallel group of ``tensor_parallel`` GPUs, on the grid
+    (``batch_sizes``) × (every multiple of ``token_step`` up to the model's seq_len).
+    """
+    check_tensor_parallel(model, hardware, tensor_parallel)
+    if isinstance(token_step, bool) or not isinstance(token_step, int) or token_step < 1:
+        raise UserError(f"must be a positive integer, got {token_step!r}", where="token_step")
+    sizes = sorted(set(batch_sizes))
+    if not sizes or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in sizes):
+        raise UserError(f"must be positive integers, got {list(batch_sizes)!r}", where="batch_sizes")
+    t, e, L = tensor_parallel, hardware.training.dtype_bytes, model.seq_len
+    lengths = token_grid(L, token_step)
+
+    bb, ii = np.meshgrid(np.array(sizes, dtype=float), np.array(lengths, dtype=float), indexing="ij")
+    fwd, bwd = layer_seconds(model, hardware, bb, ii, 0.0, t)
+
+    # Context term: fit on two thirds of the points, report the relative tile-time error on the rest.
+    b, i, j = _context_points(sizes, L, token_step)
+    f_ctx, b_ctx = layer_seconds(model, hardware, b, i, j, t)
+    f_nc, b_nc = layer_seconds(model, hardware, b, i, 0.0, t)
+    held = np.random.default_rng(0).permutation(b.size) % 3 == 0
+    context = {}
+    for name, nc, full in (("forward", f_nc, f_ctx), ("backward", b_nc, b_ctx)):
+        fit = fit_context(b[~held], i[~held], j[~held], nc[~held], full[~held])
+        err = fit.errors(b[held], i[held], j[held], nc[held], full[held])
+        context[name] = {
+            "coef": list(fit.coef),
+            "heldout_rel_err_mean": err.mean,
+            "heldout_rel_err_max": err.max,
+            "heldout_points": err.count,
+            "fit_rel_err_max": fit.fit_err.max,
+        }
+
+    params = params_per_layer(model, t)
+    dev = hardware.device
+    optimizer_s = max(
+        params * hardware.training.optimizer_bytes_per_param / (dev.memory_bytes_per_s * dev.memory_efficiency),
+        dev.kernel_launch_s,
+    )
+    net = hardware.network
+    return {
+        "schema": PROFILE_SCHEMA,
+        "source": "analytic",
+        "note": (
+            f"ESTIMATED, not measured: roofline model of one decoder layer on {dev.name} "
+            f"({hardware.name}, hardware file {hardware.path}), {hardware.training.dtype} training "
+            f"({e}-byte activations), tensor parallelism {t} inside a node; stage-to-stage transfers over the "
+            "inter-node network. Made by terapipe_cli.profile.analytic."
+        ),
+        "created": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "device": {
+            "kind": "cuda",
+            "name": dev.name,
+            "hardware": hardware.name,
+            "hardware_file": hardware.path,
+            "memory_bytes": dev.memory_bytes,
+            "gpus_per_node": hardware.gpus_per_node,
+            "tensor_parallel": t,
+        },
+        "model": model.to_dict(),
+        "dtype": hardware.training.dtype,
+        "dtype_bytes": e,
+        "token_step": token_step,
+        "batch_sizes": sizes,
+        "token_lengths": lengths,
+        "forward_s": fwd.tolist(),
+        "backward_s": bwd.tolist(),
+        "context": context,
+        "comm": {"latency_s": net.latency_s, "bytes_per_s": net.bytes_per_s},
+        "optimizer_s_per_layer": optimizer_s,
+        "params_per_layer": params,
+        "data_parallel_link": {
+            "latency_s": net.latency_s,
+            "bytes_per_s": net.bytes_per_s / hardware.gpus_per_node,
+        },
+        "activation_bytes_per_token_per_layer": activation_bytes_per_token(model, e, t),
+        "attention_bytes_per_token_pair_per_layer": attention_bytes_per_token_pair(model, e, t),
+        "state_bytes_per_param": hardware.training.state_bytes_per_param,
+    }
