@@ -1,0 +1,247 @@
+#!/usr/bin/env python3
+"""Plan every published TeraPipe setting from analytic profiles and print one table.
+
+For each experiment file (default: configs/experiments/paper-*.toml, the ten settings of SPEC §7 and the
+long-sequence runs) this builds an analytic profile of the experiment's model on its hardware, plans one
+pipeline replica (B / data-parallel sequences) with the exact planner, and compares it with the best GPipe
+microbatching and the best uniform token slicing, all priced by the same cost model (data-parallel
+all-reduce and optimizer step included):
+
+    python scripts/paper_table.py                                   # V100 (p3.16xlarge), as published
+    python scripts/paper_table.py --hardware configs/hardware/h100.toml   # the same settings on p5 nodes
+    python scripts/paper_table.py --markdown                        # a Markdown table for the README
+
+Columns: GPipe scheme and predicted latency per step, TeraPipe scheme and predicted latency, the predicted
+speed-up, the DP's gain over the best uniform slicing (uniform / DP latency), and the planner's seconds.
+Schemes are in the short form of SPEC §2; long ones are shortened in the middle (--full shows them whole).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from rich.console import Console  # noqa: E402
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from terapipe_cli.costmodel import CostModel, profile_from_dict  # noqa: E402
+from terapipe_cli.errors import UserError  # noqa: E402
+from terapipe_cli.experiments import Experiment, load_experiment  # noqa: E402
+from terapipe_cli.hardware import load_hardware  # noqa: E402
+from terapipe_cli.planner import gpipe_baseline, solve, uniform_baseline  # noqa: E402
+from terapipe_cli.profile.analytic import analytic_profile  # noqa: E402
+
+
+@dataclass
+class Row:
+    experiment: Experiment
+    gpipe_scheme: str
+    gpipe_s: float
+    terapipe_scheme: str
+    terapipe_s: float
+    uniform_scheme: str
+    uniform_s: float
+    step_s: float
+    planner_s: float
+
+    @property
+    def speedup(self) -> float:
+        return self.gpipe_s / self.terapipe_s
+
+    @property
+    def dp_gain(self) -> float:
+        return self.uniform_s / self.terapipe_s
+
+
+def plan_experiment(exp: Experiment) -> Row:
+    """Analytic profile -> cost model -> exact plan and the two baselines, for one pipeline replica."""
+    B, K, L, g = exp.batch_per_replica, exp.stages, exp.seq_len, exp.token_step
+    # Every batch-slice size the planner may choose is on the profile's grid: analytic times cost nothing to
+    # compute, and it spares the cost model's interpolation along b.
+    obj = analytic_profile(
+        exp.model, exp.hardware, tensor_parallel=exp.tensor_parallel, batch_sizes=range(1, B + 1), token_step=g
+    )
+    cost = CostModel(
+        profile_from_dict(obj, f"analytic profile of {exp.path}"), stages=K, data_parallel=exp.data_parallel
+    )
+    res = solve(cost, seq_len=L, batch_size=B, stages=K, token_step=g)
+    gp = gpipe_baseline(cost, seq_len=L, batch_size=B, stages=K)
+    un = uniform_baseline(cost, seq_len=L, batch_size=B, stages=K, token_step=g)
+    return Row(
+        experiment=exp,
+        gpipe_scheme=compact_form(gp.slices),
+        gpipe_s=gp.predicted_s,
+        terapipe_scheme=compact_form(res.slices),
+        terapipe_s=res.predicted_s,
+        uniform_scheme=compact_form(un.slices),
+        uniform_s=un.predicted_s,
+        step_s=cost.step_s,
+        planner_s=res.seconds,
+    )
+
+
+def _runs(lengths: list[int]) -> str:
+    """``[72, 72, 72, 64]`` -> ``[72]*3 + [64]``: long DP schemes are mostly runs of equal slices."""
+    parts: list[str] = []
+    singles: list[int] = []
+    k = 0
+    while k < len(lengths):
+        n = 1
+        while k + n < len(lengths) and lengths[k + n] == lengths[k]:
+            n += 1
+        if n >= 3:
+            if singles:
+                parts.append(str(singles))
+                singles = []
+            parts.append(f"[{lengths[k]}]*{n}")
+        else:
+            singles.extend(lengths[k : k + n])
+        k += n
+    if singles:
+        parts.append(str(singles))
+    return " + ".join(parts)
+
+
+def compact_form(slices) -> str:
+    """The short form of SPEC §2 with runs of equal token slices folded; still a valid Python expression."""
+    parts: list[str] = []
+    k = 0
+    while k < len(slices):
+        run = 1
+        while (
+            k + run < len(slices)
+            and slices[k + run][0] == slices[k][0]
+            and list(slices[k + run][1]) == list(slices[k][1])
+        ):
+            run += 1
+        b, lengths = slices[k]
+        body = f"[({b}, {_runs(list(lengths))})]"
+        parts.append(body if run == 1 else f"{body} * {run}")
+        k += run
+    return " + ".join(parts)
+
+
+def _shorten(scheme: str, width: int) -> str:
+    if width <= 0 or len(scheme) <= width:
+        return scheme
+    keep = (width - 5) // 2
+    return f"{scheme[:keep]} ... {scheme[-keep:]}"
+
+
+def _cells(row: Row, width: int) -> list[str]:
+    e = row.experiment
+    return [
+        e.setting,
+        e.model.name,
+        str(e.gpus),
+        str(e.batch_size),
+        str(e.data_parallel),
+        str(e.stages),
+        str(e.tensor_parallel),
+        _shorten(row.gpipe_scheme, width),
+        f"{row.gpipe_s:.3f}",
+        _shorten(row.terapipe_scheme, width),
+        f"{row.terapipe_s:.3f}",
+        f"{row.speedup:.2f}x",
+        f"{row.dp_gain:.3f}x",
+        f"{row.planner_s:.2f}",
+    ]
+
+
+HEADERS = [
+    "setting",
+    "model",
+    "GPUs",
+    "B",
+    "DP",
+    "stages",
+    "TP",
+    "GPipe scheme",
+    "GPipe s",
+    "TeraPipe scheme",
+    "TeraPipe s",
+    "speed-up",
+    "DP vs uniform",
+    "planner s",
+]
+
+
+def render_rich(rows: list[Row], console: Console, width: int, title: str) -> None:
+    table = Table(title=title, show_lines=False)
+    for h in HEADERS:
+        table.add_column(
+            h, justify="right" if h not in {"model", "GPipe scheme", "TeraPipe scheme"} else "left", overflow="fold"
+        )
+    for row in rows:
+        table.add_row(*_cells(row, width))
+    console.print(table)
+
+
+def render_markdown(rows: list[Row], width: int) -> str:
+    lines = ["| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
+    for row in rows:
+        cells = _cells(row, width)
+        cells[7], cells[9] = f"`{cells[7]}`", f"`{cells[9]}`"
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("experiments", nargs="*", help="experiment TOML files (default: configs/experiments/paper-*.toml)")
+    ap.add_argument("--hardware", help="plan every setting on this hardware file instead of the experiment's own")
+    ap.add_argument("--markdown", action="store_true", help="print a Markdown table (for the README)")
+    ap.add_argument("--full", action="store_true", help="show long schemes whole instead of shortened")
+    args = ap.parse_args(argv)
+    # Piped into a file, rich would wrap rows at 80 columns; a wide canvas keeps one line per setting.
+    console = Console(width=None if sys.stdout.isatty() else 240)
+    try:
+        paths = [Path(p) for p in args.experiments] or sorted((ROOT / "configs" / "experiments").glob("paper-*.toml"))
+        if not paths:
+            raise UserError("no experiment files found", where=str(ROOT / "configs" / "experiments"))
+        experiments = [load_experiment(p) for p in paths]
+        if args.hardware:
+            hw = load_hardware(args.hardware)
+            experiments = [replace(e, hardware=hw, hardware_path=str(args.hardware)) for e in experiments]
+        rows: list[Row] = []
+        start = time.perf_counter()
+        with Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TimeElapsedColumn(),
+            console=Console(stderr=True),
+            transient=True,
+        ) as progress:
+            task = progress.add_task("planning", total=len(experiments))
+            for exp in experiments:
+                progress.update(task, description=f"planning {exp.name}")
+                rows.append(plan_experiment(exp))
+                progress.advance(task)
+        total = time.perf_counter() - start
+    except UserError as e:
+        sys.stderr.write(f"paper_table: error: {e}\n")
+        return 2
+    width = 0 if args.full else 60
+    hardware = sorted({e.hardware.name for e in experiments})
+    title = (
+        f"TeraPipe vs GPipe, predicted from analytic profiles on {', '.join(hardware)} "
+        f"(per step, data-parallel all-reduce and optimizer included); {total:.1f} s in all"
+    )
+    if args.markdown:
+        print(f"{title}\n")
+        print(render_markdown(rows, width))
+    else:
+        render_rich(rows, console, width, title)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
