@@ -1,0 +1,144 @@
+"""The plan file (schema terapipe.plan/1): the short form, building, writing and validated reading."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from terapipe_cli.config import ModelConfig
+from terapipe_cli.errors import UserError
+from terapipe_cli.files import write_json_atomic
+from terapipe_cli.plan import (
+    PLAN_SCHEMA,
+    check_slices,
+    make_plan_dict,
+    normalize_slices,
+    read_plan,
+    short_form,
+    write_plan,
+)
+
+MODEL = ModelConfig(name="t", layers=4, hidden=32, heads=2, vocab=256, seq_len=64)
+
+
+def plan_dict(**changes) -> dict:
+    kw = dict(model=MODEL, stages=2, batch_size=3, seq_len=64, token_step=8,
+              slices=[(2, [32, 16, 16]), (1, [40, 24])], predicted_s=0.5)
+    kw.update(changes)
+    return make_plan_dict(**kw)
+
+
+# --- short form ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "slices, text",
+    [
+        ([(1, [776, 640, 632])] * 16, "[(1, [776, 640, 632])] * 16"),  # SPEC §2's example
+        ([(4, [2048])] * 2, "[(4, [2048])] * 2"),  # GPipe, microbatch 4
+        ([(8, [2048])], "[(8, [2048])]"),
+        ([(2, [8, 8]), (2, [8, 8]), (1, [16])], "[(2, [8, 8])] * 2 + [(1, [16])]"),
+        ([(1, [16]), (2, [8, 8]), (1, [16])], "[(1, [16])] + [(2, [8, 8])] + [(1, [16])]"),
+        ([[1, [16]], [1, [16]]], "[(1, [16])] * 2"),  # JSON lists as read back from a file
+    ],
+)
+def test_short_form(slices, text: str) -> None:
+    assert short_form(slices) == text
+
+
+# --- round trip ---------------------------------------------------------------------------------------
+
+
+def test_make_write_read_round_trip(tmp_path: Path) -> None:
+    obj = plan_dict(solver={"method": "exact"})
+    path = write_plan(tmp_path / "sub" / "plan.json", obj)
+    assert json.loads(path.read_text()) == obj
+    plan = read_plan(path)
+    assert plan.model == MODEL
+    assert (plan.stages, plan.batch_size, plan.seq_len, plan.token_step) == (2, 3, 64, 8)
+    assert plan.slices == [(2, [32, 16, 16]), (1, [40, 24])]
+    assert plan.predicted_s == 0.5
+    assert plan.data_parallel == 1
+    assert plan.layers_per_stage == 2
+    assert plan.short_form() == obj["short_form"] == "[(2, [32, 16, 16])] + [(1, [40, 24])]"
+    assert plan.raw["solver"] == {"method": "exact"}  # extra fields survive
+    assert obj["schema"] == PLAN_SCHEMA
+
+
+def test_normalize_accepts_json_lists_and_tuples() -> None:
+    assert normalize_slices([[1, [8, 8]], (2, (16,))]) == [(1, [8, 8]), (2, [16])]
+
+
+# --- bad plans ----------------------------------------------------------------------------------------
+
+
+def _tamper(**changes) -> dict:
+    obj = plan_dict()
+    for key, value in changes.items():
+        if value is ...:
+            del obj[key]
+        else:
+            obj[key] = value
+    return obj
+
+
+BAD = [
+    ("token slices not summing to L", _tamper(slices=[[2, [32, 16]], [1, [40, 24]]]), "sum to 48"),
+    ("batch slices not summing to B", _tamper(slices=[[2, [64]], [2, [64]]]), "batch size 3"),
+    ("layers not divisible by stages", _tamper(stages=3), "do not divide"),
+    ("wrong schema", _tamper(schema="terapipe.profile/1"), "schema"),
+    ("no schema", _tamper(schema=...), "schema"),
+    ("missing slices", _tamper(slices=...), "slices"),
+    ("missing stages", _tamper(stages=...), "stages"),
+    ("empty slices", _tamper(slices=[]), "slices"),
+    ("zero batch slice", _tamper(slices=[[0, [64]], [3, [64]]]), "batch size"),
+    ("zero-length token slice", _tamper(slices=[[3, [64, 0]]]), "positive"),
+    ("token slice not an int", _tamper(slices=[[3, [32.0, 32]]]), "positive integers"),
+    ("entry not a pair", _tamper(slices=[[3]]), "entry 0"),
+    ("stages zero", _tamper(stages=0), "stages"),
+    ("batch_size a string", _tamper(batch_size="3"), "batch_size"),
+    ("seq_len longer than the model", _tamper(seq_len=128, slices=[[3, [128]]]), "seq_len"),
+    ("negative predicted_s", _tamper(predicted_s=-1.0), "predicted_s"),
+    ("model not an object", _tamper(model="tiny"), "model"),
+]
+
+
+@pytest.mark.parametrize("what, obj, word", BAD, ids=[b[0] for b in BAD])
+def test_read_plan_rejects(tmp_path: Path, what: str, obj: dict, word: str) -> None:
+    path = write_json_atomic(tmp_path / "plan.json", obj)
+    with pytest.raises(UserError) as err:
+        read_plan(path)
+    message = str(err.value)
+    assert str(path) in message and word in message, message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("what, obj, word", BAD[:3], ids=[b[0] for b in BAD[:3]])
+def test_write_plan_validates_before_writing(tmp_path: Path, what: str, obj: dict, word: str) -> None:
+    path = tmp_path / "plan.json"
+    with pytest.raises(UserError, match=word):
+        write_plan(path, obj)
+    assert list(tmp_path.iterdir()) == []  # nothing written, not even a temporary file
+
+
+@pytest.mark.parametrize("text, word", [("{", "malformed JSON"), ("[]", "JSON object"), ("", "malformed JSON")])
+def test_read_plan_rejects_bad_json(tmp_path: Path, text: str, word: str) -> None:
+    path = tmp_path / "plan.json"
+    path.write_text(text)
+    with pytest.raises(UserError, match=word):
+        read_plan(path)
+
+
+def test_read_plan_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="not found"):
+        read_plan(tmp_path / "missing.json")
+
+
+def test_check_slices_directly() -> None:
+    check_slices([(1, [4, 4]), (2, [8])], seq_len=8, batch_size=3)
+    with pytest.raises(UserError, match="batch slice 1"):
+        check_slices([(1, [4, 4]), (2, [7])], seq_len=8, batch_size=3)
+    with pytest.raises(UserError, match="expected the batch size 4"):
+        check_slices([(1, [4, 4]), (2, [8])], seq_len=8, batch_size=4)
