@@ -45,7 +45,7 @@ V100 = (ROOT / "configs" / "hardware" / "v100.toml").read_text()
     [
         (lambda s: s.replace("peak_flops = 125e12", "peak_flops = -1"), "device.peak_flops"),
         (lambda s: s.replace("matmul_efficiency = 0.8", "matmul_efficiency = 1.5"), "device.matmul_efficiency"),
-        (lambda s: s.replace("latency_s = 50e-6", "latency_s = \"fast\""), "network.latency_s"),
+        (lambda s: s.replace("latency_s = 50e-6", 'latency_s = "fast"'), "network.latency_s"),
         (lambda s: s.replace("gpus_per_node = 8", "gpus_per_nod = 8"), "hardware.gpus_per_nod"),
         (lambda s: s.replace("[intra_node]", "[intranode]"), "intranode"),
         (lambda s: s.replace("dtype_bytes = 2", ""), "training.dtype_bytes"),
