@@ -1,0 +1,180 @@
+"""`terapipe plan` run as a user runs it: a real process, its exit code, stdout/stderr and the file it writes."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from terapipe_cli.costmodel import CostModel
+from terapipe_cli.plan import read_plan, short_form
+from terapipe_cli.planner import evaluate, gpipe_baseline, solve, uniform_baseline
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "configs" / "profiles" / "example-tiny-cpu.json"
+RAW = json.loads(EXAMPLE.read_text())
+
+PLAN_KEYS = {"schema", "model", "stages", "batch_size", "seq_len", "token_step", "data_parallel", "slices",
+             "short_form", "predicted_s", "t_max_s", "baselines", "solver", "profile"}
+
+
+def terapipe(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1", "TERM": "dumb"}
+    return subprocess.run([sys.executable, "-m", "terapipe_cli", *map(str, args)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def plan_args(*extra: str, profile: Path = EXAMPLE, stages: int = 2, batch: int = 2) -> list[str]:
+    return ["plan", "--profile", str(profile), "--stages", str(stages), "--batch", str(batch), *extra]
+
+
+# --- a good run ---------------------------------------------------------------------------------------
+
+
+def test_plan_writes_a_complete_plan(tmp_path: Path) -> None:
+    out = tmp_path / "plans" / "p.json"
+    proc = terapipe(*plan_args("--out", out), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    obj = json.loads(out.read_text())
+    assert PLAN_KEYS <= set(obj)
+    assert obj["schema"] == "terapipe.plan/1"
+    # Defaults: L and g from the profile, one replica.
+    assert (obj["stages"], obj["batch_size"], obj["data_parallel"]) == (2, 2, 1)
+    assert obj["seq_len"] == RAW["model"]["seq_len"] and obj["token_step"] == RAW["token_step"]
+    assert obj["model"]["name"] == RAW["model"]["name"]
+    assert obj["short_form"] == short_form(obj["slices"])
+    assert obj["solver"]["method"] == "exact" and obj["solver"]["epsilon"] == 0
+    assert obj["solver"]["seconds"] >= 0 and obj["solver"]["candidates"] >= 1
+    assert obj["profile"]["sha256"] == hashlib.sha256(EXAMPLE.read_bytes()).hexdigest()
+    assert Path(obj["profile"]["path"]).resolve() == EXAMPLE.resolve()
+
+    # The plan reads back through the one validating reader, and its numbers are the cost model's.
+    plan = read_plan(out)
+    cost = CostModel.from_profile(EXAMPLE, stages=2)
+    assert obj["predicted_s"] == pytest.approx(evaluate(cost, plan.slices, 2), rel=1e-12)
+    tiles_max = max(float(cost(b, n, sum(lengths[:k]))) for b, lengths in plan.slices for k, n in enumerate(lengths))
+    assert obj["t_max_s"] == pytest.approx(tiles_max, rel=1e-12)
+    L, g = obj["seq_len"], obj["token_step"]
+    assert obj["predicted_s"] == pytest.approx(solve(cost, seq_len=L, batch_size=2, stages=2, token_step=g).predicted_s)
+    for name, ref in (("gpipe", gpipe_baseline(cost, seq_len=L, batch_size=2, stages=2)),
+                      ("uniform", uniform_baseline(cost, seq_len=L, batch_size=2, stages=2, token_step=g))):
+        base = obj["baselines"][name]
+        assert base["predicted_s"] == pytest.approx(ref.predicted_s, rel=1e-12)
+        assert base["predicted_s"] == pytest.approx(evaluate(cost, base["slices"], 2), rel=1e-12)
+        assert obj["predicted_s"] <= base["predicted_s"]
+    assert all(lengths == [L] for _, lengths in obj["baselines"]["gpipe"]["slices"])
+
+    # The table names all three schemes with their short forms.
+    assert "GPipe" in proc.stdout and "uniform" in proc.stdout.lower()
+    assert obj["short_form"] in proc.stdout
+    assert obj["baselines"]["gpipe"]["short_form"] in proc.stdout
+    assert sorted(os.listdir(out.parent)) == ["p.json"]  # no temporary file left
+
+
+def test_default_out_is_plan_json_in_the_current_folder(tmp_path: Path) -> None:
+    proc = terapipe(*plan_args(stages=4, batch=1), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert os.listdir(tmp_path) == ["plan.json"]
+    assert read_plan(tmp_path / "plan.json").stages == 4
+
+
+def test_options_reach_the_plan(tmp_path: Path) -> None:
+    exact = terapipe(*plan_args("--seq-len", "512", "--token-step", "16", "--out", "exact.json"), cwd=tmp_path)
+    assert exact.returncode == 0, exact.stderr
+    eps = 1e-3
+    approx = terapipe(*plan_args("--seq-len", "512", "--token-step", "16", "--method", "enumerate",
+                                 "--epsilon", str(eps), "--out", "enum.json"), cwd=tmp_path)
+    assert approx.returncode == 0, approx.stderr
+    e, a = (json.loads((tmp_path / n).read_text()) for n in ("exact.json", "enum.json"))
+    for obj in (e, a):
+        assert (obj["seq_len"], obj["token_step"]) == (512, 16)
+        assert all(sum(lengths) == 512 and all(n % 16 == 0 for n in lengths) for _, lengths in obj["slices"])
+    assert a["solver"]["method"] == "enumerate" and a["solver"]["epsilon"] == eps
+    assert e["predicted_s"] <= a["predicted_s"] * (1 + 1e-12) <= e["predicted_s"] + 2 * eps + 1e-12  # K·ε, K = 2
+
+
+def test_data_parallel(tmp_path: Path) -> None:
+    # The example profile has no data-parallel link: planning with replicas is a clear error.
+    proc = terapipe(*plan_args("--data-parallel", "2", "--out", "p.json"), cwd=tmp_path)
+    assert proc.returncode == 2 and "data_parallel_link" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "p.json").exists()
+    obj = copy.deepcopy(RAW)
+    obj["params_per_layer"] = 800_000
+    obj["data_parallel_link"] = {"latency_s": 5e-5, "bytes_per_s": 1e9}
+    profile = tmp_path / "dp.json"
+    profile.write_text(json.dumps(obj))
+    proc = terapipe(*plan_args("--data-parallel", "2", "--out", "p.json", profile=profile), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads((tmp_path / "p.json").read_text())
+    assert plan["data_parallel"] == 2
+    cost = CostModel.from_profile(profile, stages=2, data_parallel=2)
+    assert cost.allreduce_s > 0
+    assert plan["predicted_s"] == pytest.approx(evaluate(cost, plan["slices"], 2), rel=1e-12)
+
+
+def test_help_has_an_example(tmp_path: Path) -> None:
+    proc = terapipe("plan", "--help", cwd=tmp_path)
+    assert proc.returncode == 0
+    for flag in ("--profile", "--stages", "--batch", "--seq-len", "--token-step", "--epsilon", "--method",
+                 "--data-parallel", "--out"):
+        assert flag in proc.stdout, flag
+    assert "terapipe plan --profile" in proc.stdout
+
+
+# --- bad input: one line, exit 2, no traceback, no file -----------------------------------------------
+
+
+def _profile_file(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "bad-profile.json"
+    path.write_text(text)
+    return path
+
+
+BAD = [
+    # (id, arguments given a tmp folder, a word stderr must contain)
+    ("missing profile", lambda t: plan_args(profile=t / "nope.json"), "nope.json"),
+    ("malformed JSON", lambda t: plan_args(profile=_profile_file(t, "{")), "malformed JSON"),
+    ("wrong schema", lambda t: plan_args(profile=_profile_file(t, json.dumps({**RAW, "schema": "x/1"}))), "schema"),
+    ("missing field", lambda t: plan_args(profile=_profile_file(
+        t, json.dumps({k: v for k, v in RAW.items() if k != "backward_s"}))), "backward_s"),
+    ("zero stages", lambda t: plan_args(stages=0), "--stages"),
+    ("negative batch", lambda t: plan_args(batch=-1), "--batch"),
+    ("zero batch", lambda t: plan_args(batch=0), "--batch"),
+    ("L not a multiple of g", lambda t: plan_args("--seq-len", "100"), "multiple"),
+    ("layers not divisible", lambda t: plan_args(stages=3), "divide"),
+    ("negative epsilon", lambda t: plan_args("--epsilon", "-0.5"), "--epsilon"),
+    ("unknown method", lambda t: plan_args("--method", "greedy"), "--method"),
+    ("L longer than the model", lambda t: plan_args("--seq-len", "2048"), "--seq-len"),
+    ("stages not a number", lambda t: plan_args("--stages", "two"), "--stages"),
+    ("missing --batch", lambda t: ["plan", "--profile", str(EXAMPLE), "--stages", "2"], "--batch"),
+]
+
+
+@pytest.mark.parametrize("make_args, word", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_input(tmp_path: Path, make_args, word: str) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    args = make_args(tmp_path)
+    proc = terapipe(*args, "--out", work / "plan.json", cwd=work)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert word in lines[0], lines[0]
+    assert os.listdir(work) == []  # no plan, no temporary file
+
+
+@pytest.mark.xfail(strict=True, reason="bug: files.write_bytes_atomic lets os.replace's IsADirectoryError through "
+                   "(traceback, exit 1); reported to the lead")
+def test_out_is_a_folder(tmp_path: Path) -> None:
+    (tmp_path / "outdir").mkdir()
+    proc = terapipe(*plan_args("--out", "outdir"), cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "outdir" in proc.stderr
+    assert os.listdir(tmp_path / "outdir") == [] and os.listdir(tmp_path) == ["outdir"]
