@@ -1,0 +1,247 @@
+"""The schedule simulator: walk the one schedule form with a cost model -> predicted timeline. No torch, no I/O.
+
+The planner's objective (SPEC §4) is a closed formula, ``Σ t + (K−1)·max t``. This module instead replays the
+step the way the runtime executes it (`terapipe_cli.runtime.worker`):
+
+* every stage runs its actions (`schedule.build_schedule`) strictly in order, one at a time;
+* a forward on stage k waits for the activation of the same tile from stage k−1; a backward waits for the
+  gradient of the same tile from stage k+1 (the last stage starts a tile's backward as soon as it reaches it
+  in its order: its loss is computed in the forward);
+* sends are asynchronous (the runtime's ``isend``): the sender moves on at once, the message travels over the
+  link between the two stages, which carries one message at a time per direction, in the order sent;
+* after its last backward a stage pays the per-step constant (optimizer update and data-parallel all-reduce).
+
+Each action costs its own forward or backward time, so unequal tiles, the uneven fill and drain of the pipeline,
+and transfers that overlap with compute are all visible; on equal tiles with free transfers the result is
+exactly the formula. Events come out in the runtime's timeline form (`schedule.Event`), times from the step's
+start, so predicted and measured timelines can be drawn and compared side by side.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from terapipe_cli.costmodel import ContextFit, CostModel
+from terapipe_cli.schedule import Action, Event, build_schedule, plan_tiles
+
+# parts(b, i, j) -> (forward_s, backward_s, send_forward_s, send_backward_s), arrays over tiles: one stage's
+# compute of the tile's forward and backward, and the transfer of its activation / gradient to the neighbour.
+TileParts = Callable[[np.ndarray, np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]
+
+
+@dataclass
+class SimResult:
+    """A simulated step: its latency, per-action events, and what the latency is made of."""
+
+    latency_s: float
+    events: list[Event]
+    compute_end_s: float  # when the last stage action ends, before the per-step constant
+    step_s: float  # per-step constant (optimizer, data-parallel all-reduce) paid after each stage's last action
+    stages: int
+
+    def busy_s(self) -> list[float]:
+        """Seconds each stage spends computing."""
+        busy = [0.0] * self.stages
+        for e in self.events:
+            busy[e.stage] += e.end_s - e.start_s
+        return busy
+
+    def bubble_fraction(self) -> float:
+        """Share of stage-time spent waiting during the pipelined part of the step."""
+        if self.compute_end_s <= 0:
+            return 0.0
+        return 1.0 - sum(self.busy_s()) / (self.stages * self.compute_end_s)
+
+
+def cost_model_parts(cost: CostModel) -> TileParts:
+    """Split a `CostModel` into forward, backward and one-way transfer times per tile.
+
+    Built from two copies of the cost model that keep only the forward (resp. backward) measurements, so the
+    interpolation is the cost model's own; their sum plus the two transfers is exactly ``cost(b, i, j)``.
+    """
+    p = cost.profile
+    zero_fit = ContextFit((0.0, 0.0, 0.0, 0.0))
+    zeros = np.zeros_like(p.forward_s)
+    fwd_only = CostModel(replace(p, backward_s=zeros, context_backward=zero_fit), cost.stages)
+    bwd_only = CostModel(replace(p, forward_s=zeros, context_forward=zero_fit), cost.stages)
+    layers = cost.layers_per_stage
+
+    def parts(b, i, j):
+        b, i, j = np.broadcast_arrays(*(np.asarray(x, dtype=float) for x in (b, i, j)))
+        fwd = layers * (fwd_only.no_context(b, i) + fwd_only.context(b, i, j))
+        bwd = layers * (bwd_only.no_context(b, i) + bwd_only.context(b, i, j))
+        # comm() is the round trip (activation forward + gradient back), each one latency + bytes/bandwidth.
+        one_way = np.broadcast_to(cost.comm(b, i) / 2.0, b.shape)
+        return fwd, bwd, one_way, one_way
+
+    return parts
+
+
+def uniform_parts(forward_s: float, backward_s: float, send_s: float = 0.0) -> TileParts:
+    """Every tile costs the same on every stage (for checks against the closed formula)."""
+
+    def parts(b, i, j):
+        shape = np.broadcast(np.asarray(b), np.asarray(i), np.asarray(j)).shape
+        return (np.full(shape, forward_s), np.full(shape, backward_s), np.full(shape, send_s), np.full(shape, send_s))
+
+    return parts
+
+
+def simulate(
+    slices: Sequence,
+    cost_parts: CostModel | TileParts,
+    stages: int,
+    *,
+    step_s: float | None = None,
+    schedule: list[list[Action]] | None = None,
+    replica: int = 0,
+    step: int = 0,
+) -> SimResult:
+    """Simulate one training step of a scheme on ``stages`` stages.
+
+    ``cost_parts``: a `CostModel` (its forward/backward split and its transfers are used; its ``step_s`` is the
+    per-step constant unless ``step_s`` is given) or a `TileParts` callable. ``schedule`` defaults to
+    `build_schedule(slices, stages)`; any per-stage order the runtime could walk is accepted, and an order that
+    can never finish raises ValueError. Ranks in the events are the stage numbers of this replica.
+    """
+    if isinstance(cost_parts, CostModel):
+        parts = cost_model_parts(cost_parts)
+        if cost_parts.stages != stages:
+            raise ValueError(f"the cost model is for {cost_parts.stages} stages, simulating {stages}")
+        if step_s is None:
+            step_s = cost_parts.step_s
+    else:
+        parts = cost_parts
+    step_s = float(step_s or 0.0)
+    tiles = plan_tiles(slices)
+    if schedule is None:
+        schedule = build_schedule(slices, stages)
+    if len(schedule) != stages:
+        raise ValueError(f"the schedule has {len(schedule)} stages, expected {stages}")
+    index = {t: n for n, t in enumerate(tiles)}
+    b = np.array([t.batch_size for t in tiles], dtype=float)
+    i = np.array([t.tokens for t in tiles], dtype=float)
+    j = np.array([t.token_start for t in tiles], dtype=float)
+    fwd, bwd, send_f, send_b = (np.broadcast_to(np.asarray(x, dtype=float), b.shape) for x in parts(b, i, j))
+
+    T, K = len(tiles), stages
+    nan = float("nan")
+    # Arrival time at stage k of tile n's activation (forward) or gradient (backward); NaN until sent.
+    act_in = np.full((K, T), nan)
+    grad_in = np.full((K, T), nan)
+    forward_done = np.zeros((K, T), dtype=bool)
+    link_fwd_free = np.zeros(K)  # link k -> k+1, free from this time
+    link_bwd_free = np.zeros(K)  # link k -> k-1
+    stage_free = np.zeros(K)
+    pos = [0] * K
+    events: list[Event] = []
+
+    def ready(k: int, action: Action) -> float | None:
+        n = index[action.tile]
+        if action.phase == "F":
+            if k == 0:
+                return 0.0
+            t = act_in[k, n]
+        else:
+            if not forward_done[k, n]:
+                return None
+            if k == K - 1:
+                return 0.0
+            t = grad_in[k, n]
+        return None if np.isnan(t) else float(t)
+
+    remaining = sum(len(s) for s in schedule)
+    while remaining:
+        progressed = False
+        for k in range(K):
+            while pos[k] < len(schedule[k]):
+                action = schedule[k][pos[k]]
+                t_ready = ready(k, action)
+                if t_ready is None:
+                    break
+                n = index[action.tile]
+                start = max(stage_free[k], t_ready)
+                if action.phase == "F":
+                    end = start + fwd[n]
+                    forward_done[k, n] = True
+                    if k + 1 < K:
+                        depart = max(end, link_fwd_free[k])
+                        link_fwd_free[k] = depart + send_f[n]
+                        act_in[k + 1, n] = depart + send_f[n]
+                else:
+                    end = start + bwd[n]
+                    if k > 0:
+                        depart = max(end, link_bwd_free[k])
+                        link_bwd_free[k] = depart + send_b[n]
+                        grad_in[k - 1, n] = depart + send_b[n]
+                stage_free[k] = end
+                tile = action.tile
+                events.append(
+                    Event(
+                        k,
+                        action.phase,
+                        tile.batch_slice,
+                        tile.token_slice,
+                        float(start),
+                        float(end),
+                        rank=k,
+                        replica=replica,
+                        step=step,
+                    )
+                )
+                pos[k] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            stuck = {k: schedule[k][pos[k]] for k in range(K) if pos[k] < len(schedule[k])}
+            raise ValueError(f"the schedule deadlocks: stages waiting forever at {stuck}")
+
+    compute_end = float(stage_free.max()) if K else 0.0
+    events.sort(key=lambda e: (e.start_s, e.stage))
+    return SimResult(latency_s=compute_end + step_s, events=events, compute_end_s=compute_end, step_s=step_s, stages=K)
+
+
+@dataclass(frozen=True)
+class TimelineError:
+    """How far a predicted timeline is from a measured one (one step, one replica)."""
+
+    predicted_s: float
+    measured_s: float
+    rel_err: float  # (predicted − measured) / measured of the step's span
+    action_rel_err_mean: float  # mean |predicted − measured| / measured duration, matched action by action
+    matched: int
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def _span(events: Sequence[Event]) -> float:
+    return max(e.end_s for e in events) - min(e.start_s for e in events) if events else 0.0
+
+
+def compare_timelines(predicted: Sequence[Event], measured: Sequence[Event]) -> TimelineError:
+    """Compare a simulated timeline with a measured one of the same plan (span and per-action durations).
+
+    The span runs from the first action's start to the last one's end in each, so the per-step constant
+    (optimizer, all-reduce) and any start-up offset are left out of both.
+    """
+    if not predicted or not measured:
+        raise ValueError("both timelines need events")
+    key = lambda e: (e.stage, e.phase, e.batch_slice, e.token_slice)  # noqa: E731
+    pred = {key(e): e.end_s - e.start_s for e in predicted}
+    errs = []
+    for e in measured:
+        d = e.end_s - e.start_s
+        if key(e) in pred and d > 0:
+            errs.append(abs(pred[key(e)] - d) / d)
+    p, m = _span(predicted), _span(measured)
+    return TimelineError(
+        predicted_s=p,
+        measured_s=m,
+        rel_err=(p - m) / m if m > 0 else float("nan"),
+        action_rel_err_mean=float(np.mean(errs)) if errs else float("nan"),
+        matched=len(errs),
+    )
