@@ -226,3 +226,19 @@ def test_missing_profile_file(tmp_path: Path) -> None:
 def test_profile_that_is_a_folder(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="folder"):
         read_profile(tmp_path)
+
+
+def test_single_grid_point_profiles(tmp_path: Path) -> None:
+    # One measured batch size / token length: time proportional to size above it, held below it (costmodel.py).
+    obj = copy.deepcopy(RAW)
+    obj["batch_sizes"] = [2]
+    obj["token_lengths"] = [64]
+    obj["forward_s"] = [[RAW["forward_s"][1][3]]]
+    obj["backward_s"] = [[RAW["backward_s"][1][3]]]
+    cost = CostModel.from_profile(write_profile(tmp_path, obj), stages=1)
+    base = NC[1, 3]
+    assert float(cost.no_context(2, 64)) == pytest.approx(base, rel=1e-12)
+    assert float(cost.no_context(2, 128)) == pytest.approx(2 * base, rel=1e-12)
+    assert float(cost.no_context(4, 64)) == pytest.approx(2 * base, rel=1e-12)
+    assert float(cost.no_context(4, 256)) == pytest.approx(8 * base, rel=1e-12)
+    assert float(cost.no_context(1, 8)) == pytest.approx(base, rel=1e-12)
