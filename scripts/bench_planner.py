@@ -31,9 +31,17 @@ from terapipe_cli.planner import solve  # noqa: E402
 class SyntheticGpuCost:
     """t(b, i, j) for one stage of `layers` decoder layers of hidden size H on a V100-like device (fp16)."""
 
-    def __init__(self, hidden: int, layers: int, tensor_parallel: int = 8, peak_flops: float = 100e12,
-                 half_efficiency_tokens: float = 96.0, launch_s: float = 150e-6, latency_s: float = 20e-6,
-                 bytes_per_s: float = 25e9 / 8) -> None:
+    def __init__(
+        self,
+        hidden: int,
+        layers: int,
+        tensor_parallel: int = 8,
+        peak_flops: float = 100e12,
+        half_efficiency_tokens: float = 96.0,
+        launch_s: float = 150e-6,
+        latency_s: float = 20e-6,
+        bytes_per_s: float = 25e9 / 8,
+    ) -> None:
         self.H, self.layers, self.tp = hidden, layers, tensor_parallel
         self.peak, self.x0, self.launch = peak_flops, half_efficiency_tokens, launch_s
         self.latency, self.bw = latency_s, bytes_per_s
@@ -70,8 +78,17 @@ def main() -> None:
     console = Console(width=max(Console().width, 200))  # a wide table; piped output would wrap it unreadably
     title = f"Planner: exact default vs ε-enumeration (ε = {args.epsilon:g} s), {args.repeats} interleaved repeats"
     table = Table(title=title)
-    for col in ("shape", "exact s", "enumerate s", "speed-up", "exact T (s)", "enumerate T (s)", "Δ objective",
-                "probes exact / enum", "exact scheme"):
+    for col in (
+        "shape",
+        "exact s",
+        "enumerate s",
+        "speed-up",
+        "exact T (s)",
+        "enumerate T (s)",
+        "Δ objective",
+        "probes exact / enum",
+        "exact scheme",
+    ):
         table.add_column(col, justify="left" if col in ("shape", "exact scheme") else "right")
     for label, L, g, B, K, H, layers in rows:
         cost = SyntheticGpuCost(H, layers)
@@ -82,8 +99,9 @@ def main() -> None:
             t_exact.append(time.perf_counter() - started)
             if not args.no_enumerate:
                 started = time.perf_counter()
-                res_enum = solve(cost, seq_len=L, batch_size=B, stages=K, token_step=g, epsilon=args.epsilon,
-                                 method="enumerate")
+                res_enum = solve(
+                    cost, seq_len=L, batch_size=B, stages=K, token_step=g, epsilon=args.epsilon, method="enumerate"
+                )
                 t_enum.append(time.perf_counter() - started)
 
         def fmt(ts: list[float]) -> str:
@@ -91,10 +109,17 @@ def main() -> None:
 
         speedup = f"{statistics.median(t_enum) / statistics.median(t_exact):.1f}×" if t_enum else "—"
         delta = f"{(res_exact.predicted_s - res_enum.predicted_s) / res_enum.predicted_s:+.4%}" if res_enum else "—"
-        table.add_row(label, fmt(t_exact), fmt(t_enum), speedup, f"{res_exact.predicted_s:.6f}",
-                      f"{res_enum.predicted_s:.6f}" if res_enum else "—", delta,
-                      f"{res_exact.candidates} / {res_enum.candidates if res_enum else '—'}",
-                      res_exact.short_form() if len(res_exact.short_form()) < 60 else res_exact.short_form()[:57] + "…")
+        table.add_row(
+            label,
+            fmt(t_exact),
+            fmt(t_enum),
+            speedup,
+            f"{res_exact.predicted_s:.6f}",
+            f"{res_enum.predicted_s:.6f}" if res_enum else "—",
+            delta,
+            f"{res_exact.candidates} / {res_enum.candidates if res_enum else '—'}",
+            res_exact.short_form() if len(res_exact.short_form()) < 60 else res_exact.short_form()[:57] + "…",
+        )
         console.print(f"done: {label}", style="dim")
     console.print(table)
 

@@ -1,12 +1,12 @@
 """Model configurations: TOML files under ``configs/models/`` loaded into a validated dataclass.
 
-    [model]
-    name = "tiny"
-    layers = 4        # decoder layers N
-    hidden = 256      # H
-    heads = 4
-    vocab = 256
-    seq_len = 1024    # L
+[model]
+name = "tiny"
+layers = 4        # decoder layers N
+hidden = 256      # H
+heads = 4
+vocab = 256
+seq_len = 1024    # L
 """
 
 from __future__ import annotations

@@ -44,8 +44,10 @@ Cost = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
 METHODS = ("exact", "enumerate")
 # Candidates probed per round of the exact search, and per batch of the enumeration. Larger rounds amortise the
 # per-prefix numpy overhead; smaller ones prune more between rounds.
-_PROBES_PER_ROUND = 24
+_PROBES_PER_ROUND = 32
 _ENUMERATE_BATCH = 32
+# Batch-slice sizes whose widest usable token slice is within this factor share one DP array.
+_GROUP_RATIO = 3
 # Two objectives closer than this (relative) are treated as equal when pruning: floating-point summation noise.
 _REL_TOL = 1e-12
 
@@ -147,8 +149,9 @@ def gpipe_baseline(cost: Cost, *, seq_len: int, batch_size: int, stages: int) ->
     best = None
     for m in _divisors(batch_size):
         slices = [(m, [seq_len])] * (batch_size // m)
-        res = _result(cost, slices, stages=stages, seq_len=seq_len, batch_size=batch_size, token_step=seq_len,
-                      method="gpipe")
+        res = _result(
+            cost, slices, stages=stages, seq_len=seq_len, batch_size=batch_size, token_step=seq_len, method="gpipe"
+        )
         res.extra["microbatch"] = m
         if best is None or res.predicted_s < best.predicted_s:
             best = res
@@ -165,8 +168,15 @@ def uniform_baseline(cost: Cost, *, seq_len: int, batch_size: int, stages: int, 
         if units % n == 0:
             for m in _divisors(batch_size):
                 slices = [(m, [seq_len // n] * n)] * (batch_size // m)
-                res = _result(cost, slices, stages=stages, seq_len=seq_len, batch_size=batch_size,
-                              token_step=token_step, method="uniform")
+                res = _result(
+                    cost,
+                    slices,
+                    stages=stages,
+                    seq_len=seq_len,
+                    batch_size=batch_size,
+                    token_step=token_step,
+                    method="uniform",
+                )
                 res.extra.update(token_slices=n, microbatch=m)
                 if best is None or res.predicted_s < best.predicted_s:
                     best = res
@@ -188,57 +198,108 @@ class _Tables:
     def __init__(self, cost: Cost, *, seq_len: int, batch_size: int, token_step: int) -> None:
         n = seq_len // token_step
         self.units, self.batch_size, self.token_step = n, batch_size, token_step
-        p = np.arange(n + 1)[:, None]
-        i = np.arange(n + 1)[None, :]
-        valid = (i >= 1) & (i <= p)
-        j_units = np.where(valid, p - i, 0)
-        i_units = np.where(valid, i, 1)
-        b = np.arange(1, batch_size + 1)[:, None, None]
-        raw = np.asarray(cost(b, i_units[None] * token_step, j_units[None] * token_step), dtype=float)
-        raw = np.broadcast_to(raw, (batch_size, n + 1, n + 1))
-        if not np.all(np.isfinite(raw[:, valid])):
+        # Only the valid (prefix, length) pairs are priced: half the cube, and the cost model's time.
+        ends, lengths = np.nonzero(np.tri(n + 1, dtype=bool) & (np.arange(n + 1) >= 1)[None, :])
+        b = np.arange(1, batch_size + 1)[:, None]
+        i = (lengths * token_step)[None, :]
+        j = ((ends - lengths) * token_step)[None, :]
+        raw = np.broadcast_to(np.asarray(cost(b, i, j), dtype=float), (batch_size, len(ends)))
+        if not np.all(np.isfinite(raw)):
             raise UserError("the cost function returned a non-finite time", where="cost")
-        self.by_end = np.where(valid[None], raw, np.inf)
-        # suffix_min[b, p, i] = the cheapest slice of length ≥ i ending at p. Under a threshold t, the lengths
-        # 0..w with suffix_min ≤ t are exactly those up to the longest slice that fits, so the DP can skip the rest.
-        self._suffix_min = np.minimum.accumulate(self.by_end[:, :, ::-1], axis=2)[:, :, ::-1]
+        self.by_end = np.full((batch_size, n + 1, n + 1), np.inf)
+        offset = 0
+        for p in range(1, n + 1):  # np.nonzero is row-major: prefix p's lengths 1..p are contiguous in `raw`
+            self.by_end[:, p, 1 : p + 1] = raw[:, offset : offset + p]
+            offset += p
+        self._valid = raw
+        # Reversed suffix minimum: _longer_min[b, p, k] = the cheapest slice of length ≥ n − k ending at p. Under a
+        # threshold t the entries ≤ t count the lengths 0..w up to the longest slice that fits, so the DP can skip
+        # longer ones. (Stored reversed and contiguous because the accumulation is then 4× faster.)
+        self._longer_min = np.ascontiguousarray(self.by_end[:, :, ::-1])
+        np.minimum.accumulate(self._longer_min, axis=2, out=self._longer_min)
+        self.bottleneck = self._bottleneck()
+
+    def _bottleneck(self) -> np.ndarray:
+        """For each b: the smallest possible largest tile over all token slicings of one batch slice of b."""
+        n = self.units
+        worst = np.full((self.batch_size, n + 1), np.inf)
+        worst[:, 0] = -np.inf
+        for p in range(1, n + 1):
+            worst[:, p] = np.maximum(worst[:, p - 1 :: -1][:, :p], self.by_end[:, p, 1 : p + 1]).min(axis=1)
+        return worst[:, n]
+
+    def smallest_feasible_t_max(self) -> float:
+        """Below this no scheme exists: the batch cannot be composed of batch slices that fit."""
+        for t in np.unique(self.bottleneck):
+            allowed = np.nonzero(self.bottleneck <= t)[0] + 1
+            reach = np.zeros(self.batch_size + 1, dtype=bool)
+            reach[0] = True
+            for s in range(1, self.batch_size + 1):
+                use = allowed[allowed <= s]
+                reach[s] = bool(reach[s - use].any())
+            if reach[self.batch_size]:
+                return float(t)
+        raise AssertionError("batch slices of one sequence always compose the batch")
 
     def widths(self, t_max: float) -> np.ndarray:
-        """For each prefix p: the longest slice (over all b) ending there whose cost is ≤ t_max (0 if none)."""
-        fits = (self._suffix_min <= t_max).sum(axis=2)  # longest fitting length + 1 (index 0 counts), or 0
-        return np.maximum(fits.max(axis=0) - 1, 0)
+        """``w[b-1, p]``: the longest slice ending at p whose cost for b sequences is ≤ t_max (0 if none)."""
+        fits = (self._longer_min <= t_max).sum(axis=2)  # longest fitting length + 1 (length 0 counts), or 0
+        return np.maximum(fits - 1, 0)
 
     def distinct_costs(self, lo: float, hi: float) -> np.ndarray:
-        c = self.by_end[np.isfinite(self.by_end)]
-        c = c[(c >= lo) & (c <= hi)]
+        c = self._valid[(self._valid >= lo) & (self._valid <= hi)]
         return np.unique(c)
 
 
-def _batched_dp(tables: _Tables, t_max: np.ndarray, b_max: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def _width_groups(b_alive: np.ndarray, widest: np.ndarray) -> list[np.ndarray]:
+    """Group batch-slice sizes whose widest usable slice is within 2× of each other.
+
+    Large batch slices can only use short token slices under a given t_max; padding their DP rows to the width of
+    small batch slices would multiply the work, so each group runs with its own widths.
+    """
+    order = b_alive[np.argsort(-widest[b_alive], kind="stable")]
+    groups: list[list[int]] = []
+    for b in order:
+        if groups and widest[b] * _GROUP_RATIO >= widest[groups[-1][0]]:
+            groups[-1].append(int(b))
+        else:
+            groups.append([int(b)])
+    return [np.sort(np.asarray(g)) for g in groups]
+
+
+def _batched_dp(tables: _Tables, t_max: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Token-slicing DP for every candidate t_max and every batch-slice size at once.
 
     Returns ``best[m, b-1, p]`` (least total tile time covering the first p units of a batch slice of b sequences
     with every tile ≤ t_max[m]; +inf if impossible) and ``choice[m, b-1, p]`` (the length of the last slice).
     """
-    n = tables.units
-    B = tables.batch_size if b_max is None else b_max
-    M = len(t_max)
+    n, B, M = tables.units, tables.batch_size, len(t_max)
     best = np.full((M, B, n + 1), np.inf)
     best[:, :, 0] = 0.0
     choice = np.zeros((M, B, n + 1), dtype=np.int32)
-    widths = np.minimum(tables.widths(float(np.max(t_max))), np.arange(n + 1))
+    t_top = float(np.max(t_max))
+    widths = np.minimum(tables.widths(t_top), np.arange(n + 1)[None, :])  # (B, n+1)
+    alive = np.nonzero(tables.bottleneck <= t_top)[0]  # the others cannot be sliced under any t_max here
     limit = t_max[:, None, None]
-    by_end = tables.by_end[:B]
-    for p in range(1, n + 1):
-        w = int(widths[p])
-        if w == 0:
-            continue
-        c = by_end[:, p, 1 : w + 1]  # (B, w): slice lengths 1..w ending at p
-        prev = best[:, :, p - 1 :: -1][:, :, :w] if p - 1 - w < 0 else best[:, :, p - 1 : p - 1 - w : -1]
-        vals = np.where(c <= limit, prev + c, np.inf)  # (M, B, w)
-        k = vals.argmin(axis=2)
-        best[:, :, p] = np.take_along_axis(vals, k[:, :, None], axis=2)[:, :, 0]
-        choice[:, :, p] = k + 1
+    for group in _width_groups(alive, widths.max(axis=1)):
+        contiguous = group[-1] - group[0] + 1 == len(group)
+        rows = slice(int(group[0]), int(group[-1]) + 1) if contiguous else group
+        by_end = tables.by_end[rows]
+        sub = best[:, rows]
+        sub_choice = choice[:, rows]
+        group_widths = widths[rows].max(axis=0)
+        for p in range(1, n + 1):
+            w = int(group_widths[p])
+            if w == 0:
+                continue
+            c = by_end[:, p, 1 : w + 1]  # (G, w): slice lengths 1..w ending at p
+            prev = sub[:, :, p - 1 :: -1][:, :, :w] if p - 1 - w < 0 else sub[:, :, p - 1 : p - 1 - w : -1]
+            vals = np.where(c <= limit, prev + c, np.inf)  # (M, G, w)
+            sub[:, :, p] = vals.min(axis=2)
+            sub_choice[:, :, p] = vals.argmin(axis=2) + 1
+        if not contiguous:  # fancy indexing copied the rows: write them back
+            best[:, rows] = sub
+            choice[:, rows] = sub_choice
     return best, choice
 
 
@@ -279,15 +340,37 @@ def _scheme(tables: _Tables, choice: np.ndarray, last: np.ndarray, m: int) -> Sl
     return [(b, list(paths[b])) for b in sizes]
 
 
-def _scheme_max(tables: _Tables, slices: Slices) -> float:
+def _scheme_sum_max(tables: _Tables, slices: Slices) -> tuple[float, float]:
+    """Total and largest tile cost of a scheme, read from the tables (identical batch slices priced once)."""
     g = tables.token_step
-    worst = 0.0
+    total, worst = 0.0, 0.0
+    counts: dict[tuple[int, tuple[int, ...]], int] = {}
     for b, lengths in slices:
-        p = 0
-        for n in lengths:
-            p += n // g
-            worst = max(worst, float(tables.by_end[b - 1, p, n // g]))
-    return worst
+        key = (b, tuple(lengths))
+        counts[key] = counts.get(key, 0) + 1
+    for (b, lengths), count in counts.items():
+        units = np.asarray(lengths) // g
+        t = tables.by_end[b - 1, np.cumsum(units), units]
+        total += count * float(t.sum())
+        worst = max(worst, float(t.max()))
+    return total, worst
+
+
+def _scheme_max(tables: _Tables, slices: Slices) -> float:
+    return _scheme_sum_max(tables, slices)[1]
+
+
+def _seed_schemes(tables: _Tables) -> list[Slices]:
+    """GPipe and the uniform slicings: cheap to price and often close to the optimum, so the exact search starts
+    with a tight bound and a small candidate range."""
+    n, B, g = tables.units, tables.batch_size, tables.token_step
+    seeds = []
+    k = 1
+    while k <= n:
+        if n % k == 0:
+            seeds += [[(m, [n // k * g] * k)] * (B // m) for m in _divisors(B)]
+        k *= 2
+    return seeds
 
 
 @dataclass
@@ -322,8 +405,9 @@ def _check_sizes(*, seq_len: int, batch_size: int, stages: int, token_step: int)
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
             raise UserError(f"must be a positive integer, got {v!r}", where=name)
     if seq_len % token_step:
-        raise UserError(f"the sequence length {seq_len} is not a multiple of the token step {token_step}",
-                        where="token_step")
+        raise UserError(
+            f"the sequence length {seq_len} is not a multiple of the token step {token_step}", where="token_step"
+        )
 
 
 def _search_exact(tables: _Tables, stages: int, epsilon: float) -> tuple[Slices, int]:
@@ -333,13 +417,17 @@ def _search_exact(tables: _Tables, stages: int, epsilon: float) -> tuple[Slices,
     best_slices = top.slices
     if stages == 1:
         return best_slices, probes
+    for seed in _seed_schemes(tables):
+        total, worst = _scheme_sum_max(tables, seed)
+        if total + (stages - 1) * worst < best_T:
+            best_T, best_slices = total + (stages - 1) * worst, seed
     slack = stages * epsilon
 
     def cutoff() -> float:
         # No t above this can win: T(t) ≥ S*(∞) + (K−1)·t.
         return (best_T - top.total) / (stages - 1)
 
-    c = tables.distinct_costs(0.0, cutoff())
+    c = tables.distinct_costs(tables.smallest_feasible_t_max(), cutoff())
     # Open intervals of candidate indices [lo, hi] with s_up = a value ≤ S*(t) for all t in them.
     open_ = [(0, len(c) - 1, top.total)]
     while open_:
@@ -443,7 +531,16 @@ def solve(
     tables = _Tables(cost, seq_len=seq_len, batch_size=batch_size, token_step=token_step)
     search = _search_exact if method == "exact" else _search_enumerate
     slices, probes = search(tables, stages, float(epsilon))
-    res = _result(cost, slices, stages=stages, seq_len=seq_len, batch_size=batch_size, token_step=token_step,
-                  method=method, epsilon=float(epsilon), candidates=probes)
+    res = _result(
+        cost,
+        slices,
+        stages=stages,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        token_step=token_step,
+        method=method,
+        epsilon=float(epsilon),
+        candidates=probes,
+    )
     res.seconds = time.perf_counter() - started
     return res

@@ -22,7 +22,6 @@ app = typer.Typer(
 )
 
 
-
 @app.callback()
 def _root() -> None:
     """Plan and launch token-level pipeline-parallel training (TeraPipe): profile -> plan -> train -> report."""
@@ -30,7 +29,7 @@ def _root() -> None:
 
 
 # Command modules, in the order a user runs them.
-COMMANDS: tuple[str, ...] = ("plan",)
+COMMANDS: tuple[str, ...] = ("profile", "plan", "train")
 
 
 def _register() -> None:

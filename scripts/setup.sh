@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Set up .venv with terapipe and its dependencies (idempotent; fast when nothing changed).
+#
+# torch: on a machine without an NVIDIA GPU the CPU build is installed FIRST and explicitly (torch==2.13.0, which
+# this kind of machine serves as a local CPU wheel), so that the package's `torch>=2.11` is already satisfied and
+# pip never pulls the multi-GB CUDA wheels. Elsewhere, point pip at a CPU wheel index with TERAPIPE_TORCH_INDEX.
+# With a GPU, pip's default torch (CUDA) is used.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+TORCH_CPU=${TERAPIPE_TORCH_CPU:-torch==2.13.0}
+log() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
+
+if [ ! -x .venv/bin/python ]; then
+  log "creating .venv with $($PYTHON --version 2>&1)"
+  "$PYTHON" -m venv .venv
+fi
+PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
+
+if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    log "NVIDIA GPU found: installing torch with CUDA"
+    "${PIP[@]}" install "torch>=2.11"
+  else
+    log "no NVIDIA GPU: installing the CPU build of torch ($TORCH_CPU)"
+    if [ -n "${TERAPIPE_TORCH_INDEX:-}" ]; then
+      "${PIP[@]}" install "$TORCH_CPU" --index-url "$TERAPIPE_TORCH_INDEX"
+    else
+      "${PIP[@]}" install "$TORCH_CPU"
+    fi
+  fi
+fi
+
+stamp=.venv/.terapipe-installed
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  log "installing terapipe (editable) with its dependencies"
+  "${PIP[@]}" install -e '.[test]' 2>&1 | grep -v "^WARNING: Location" >&2 || true
+  .venv/bin/python -c "import terapipe_cli, typer, rich, numpy, scipy, matplotlib, torch" \
+    || { log "installation failed"; exit 1; }
+  echo "$want" > "$stamp"
+fi
+.venv/bin/python - <<'PY' >&2
+import torch
+gpu = torch.cuda.is_available()
+print(f"[setup] torch {torch.__version__} ({'CUDA ' + torch.version.cuda if gpu else 'CPU'}) ready in .venv")
+PY
