@@ -13,7 +13,10 @@ all-reduce and optimizer step included):
 
 Columns: GPipe scheme and predicted latency per step, TeraPipe scheme and predicted latency, the predicted
 speed-up, the DP's gain over the best uniform slicing (uniform / DP latency), and the planner's seconds.
-Schemes are in the short form of SPEC §2; long ones are shortened in the middle (--full shows them whole).
+Schemes are in the short form of SPEC §2, runs of equal slices folded (``[72]*12``); long ones are
+shortened in the middle (--full shows them whole). Two more columns: the latencies the schedule simulator
+predicts for the GPipe and TeraPipe schemes (transfers overlapping compute, as the runtime's asynchronous
+sends do), and the TeraPipe plan's estimated peak memory of its fullest stage, "(!)" above the device's.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from terapipe_cli.experiments import Experiment, load_experiment  # noqa: E402
 from terapipe_cli.hardware import load_hardware  # noqa: E402
 from terapipe_cli.planner import gpipe_baseline, solve, uniform_baseline  # noqa: E402
 from terapipe_cli.profile.analytic import analytic_profile  # noqa: E402
+from terapipe_cli.simulate import simulate, stage_memory  # noqa: E402
 
 
 @dataclass
@@ -50,6 +54,10 @@ class Row:
     uniform_s: float
     step_s: float
     planner_s: float
+    gpipe_sim_s: float
+    terapipe_sim_s: float
+    peak_memory_bytes: float
+    device_memory_bytes: float
 
     @property
     def speedup(self) -> float:
@@ -74,6 +82,7 @@ def plan_experiment(exp: Experiment) -> Row:
     res = solve(cost, seq_len=L, batch_size=B, stages=K, token_step=g)
     gp = gpipe_baseline(cost, seq_len=L, batch_size=B, stages=K)
     un = uniform_baseline(cost, seq_len=L, batch_size=B, stages=K, token_step=g)
+    memory = stage_memory(res.slices, cost.profile, K) or []
     return Row(
         experiment=exp,
         gpipe_scheme=compact_form(gp.slices),
@@ -84,6 +93,10 @@ def plan_experiment(exp: Experiment) -> Row:
         uniform_s=un.predicted_s,
         step_s=cost.step_s,
         planner_s=res.seconds,
+        gpipe_sim_s=simulate(gp.slices, cost, K).latency_s,
+        terapipe_sim_s=simulate(res.slices, cost, K).latency_s,
+        peak_memory_bytes=max((m.total_bytes for m in memory), default=float("nan")),
+        device_memory_bytes=exp.hardware.device.memory_bytes,
     )
 
 
@@ -152,6 +165,8 @@ def _cells(row: Row, width: int) -> list[str]:
         f"{row.speedup:.2f}x",
         f"{row.dp_gain:.3f}x",
         f"{row.planner_s:.2f}",
+        f"{row.gpipe_sim_s:.3f} / {row.terapipe_sim_s:.3f}",
+        f"{row.peak_memory_bytes / 2**30:.1f}" + (" (!)" if row.peak_memory_bytes > row.device_memory_bytes else ""),
     ]
 
 
@@ -170,6 +185,8 @@ HEADERS = [
     "speed-up",
     "DP vs uniform",
     "planner s",
+    "simulated GPipe / TeraPipe s",
+    "peak GiB",
 ]
 
 

@@ -245,3 +245,71 @@ def compare_timelines(predicted: Sequence[Event], measured: Sequence[Event]) -> 
         action_rel_err_mean=float(np.mean(errs)) if errs else float("nan"),
         matched=len(errs),
     )
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Estimated peak device memory of one stage (bytes)."""
+
+    stage: int
+    state_bytes: float  # weights, gradients and optimizer state of the stage's parameters
+    activation_bytes: float  # the largest total of activations held by tiles in flight under the schedule
+    tiles_in_flight: int  # how many tiles those were
+
+    @property
+    def total_bytes(self) -> float:
+        return self.state_bytes + self.activation_bytes
+
+
+def stage_memory(
+    slices: Sequence, profile, stages: int, *, schedule: list[list[Action]] | None = None
+) -> list[StageMemory] | None:
+    """Peak memory per stage for a scheme, from the profile's per-parameter and per-token sizes.
+
+    A tile's activations live on a stage from its forward until its backward; walking the stage's action order
+    gives the largest set alive at once (with the runtime's order — all forwards, then all backwards — that is
+    every tile of the step, which is why TeraPipe and GPipe hold the same activations for the same batch).
+    Per layer a tile holds ``b·i·activation_bytes_per_token_per_layer`` plus, when the profile has it,
+    ``b·i·(i+j)·attention_bytes_per_token_pair_per_layer`` for the attention matrices. Stage 0 also holds the
+    token and position embeddings, the last stage the LM head (vocabulary-parallel under tensor parallelism)
+    and its fp32 logits per tile. Returns None when the profile lacks the sizes (a measured CPU profile).
+    """
+    raw = getattr(profile, "raw", {}) or {}
+    per_token = profile.activation_bytes_per_token_per_layer
+    params = profile.params_per_layer
+    if per_token is None or params is None:
+        return None
+    pair = float(raw.get("attention_bytes_per_token_pair_per_layer", 0.0))
+    state_per_param = float(raw.get("state_bytes_per_param", 16.0))
+    tp = int((profile.device or {}).get("tensor_parallel", 1))
+    model = profile.model
+    layers = model.stage_layers(stages)
+    if schedule is None:
+        schedule = build_schedule(slices, stages)
+    tile_bytes = {
+        t: layers * t.batch_size * t.tokens * (per_token + pair * (t.tokens + t.token_start))
+        for t in plan_tiles(slices)
+    }
+    out: list[StageMemory] = []
+    for k in range(stages):
+        stage_params = layers * params
+        logits = 0.0
+        if k == 0:
+            stage_params += (model.vocab * model.hidden) / tp + model.seq_len * model.hidden
+        if k == stages - 1:
+            stage_params += (model.vocab * model.hidden) / tp
+            logits = 4.0 * model.vocab / tp  # fp32 logits per token, kept for the loss's backward
+        alive = peak = 0.0
+        count = peak_count = 0
+        for a in schedule[k]:
+            extra = tile_bytes[a.tile] + (logits * a.tile.batch_size * a.tile.tokens)
+            if a.phase == "F":
+                alive += extra
+                count += 1
+                if alive > peak:
+                    peak, peak_count = alive, count
+            else:
+                alive -= extra
+                count -= 1
+        out.append(StageMemory(k, stage_params * state_per_param, peak, peak_count))
+    return out
