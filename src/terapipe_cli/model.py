@@ -48,8 +48,10 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.heads, self.hidden = cfg.heads, cfg.hidden
-        self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden)
-        self.proj = nn.Linear(cfg.hidden, cfg.hidden)
+        # No biases in the linear layers (nanoGPT's bias=False). A key bias has an exactly zero gradient
+        # (softmax ignores a shift shared by all keys), so AdamW would turn its rounding noise into updates.
+        self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden, bias=False)
+        self.proj = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
 
     def forward(self, x: torch.Tensor, context: list[KV] | None = None) -> tuple[torch.Tensor, ...]:
         """x: (b, i, H); context: the (k, v) of earlier slices, each (b, heads, j_s, head_dim).
@@ -74,8 +76,8 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.fc = nn.Linear(cfg.hidden, cfg.mlp_ratio * cfg.hidden)
-        self.proj = nn.Linear(cfg.mlp_ratio * cfg.hidden, cfg.hidden)
+        self.fc = nn.Linear(cfg.hidden, cfg.mlp_ratio * cfg.hidden, bias=False)
+        self.proj = nn.Linear(cfg.mlp_ratio * cfg.hidden, cfg.hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(F.gelu(self.fc(x)))

@@ -1,0 +1,122 @@
+"""``terapipe train``: check everything, write the run directory, launch the torchrun workers, verify."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+DROP_KV_GRADS_ENV = "TERAPIPE_TEST_DROP_KV_GRADS"  # test-only negative control: "1" drops the K/V hand-back
+
+HELP = """Train on a plan: launch K x D torchrun workers (K pipeline stages, D data-parallel replicas) that run
+every step cut into the plan's tiles, with exactly the update single-device training would make.
+
+Example:  terapipe train --plan plan.json --steps 30 --verify
+
+Writes runs/NAME/: config.json, plan.json, metrics.jsonl, timelines/, checkpoints/, summary.json.
+gloo on CPU (one thread per worker unless --threads), NCCL on CUDA, chosen automatically.
+"""
+
+
+def register(app: typer.Typer) -> None:
+    app.command("train", help=HELP)(train)
+
+
+def train(
+    plan: Annotated[
+        Path | None, typer.Option("--plan", help="Plan JSON from `terapipe plan` (optional with --resume).")
+    ] = None,
+    steps: Annotated[int, typer.Option("--steps", help="Training steps (with --resume: the new total).")] = 20,
+    data: Annotated[
+        Path | None,
+        typer.Option("--data", help="Text file (bytes) or uint16 token file (.bin/.npy) (default: the embedded text)."),
+    ] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="Run directory (default: runs/<timestamp>).")] = None,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the weights and of the batches.")] = 0,
+    lr: Annotated[float, typer.Option("--lr", help="AdamW learning rate.")] = 1e-3,
+    data_parallel: Annotated[
+        int | None, typer.Option("--data-parallel", help="Data-parallel replicas D (default: the plan's).")
+    ] = None,
+    verify: Annotated[
+        bool, typer.Option("--verify", help="Compare with a single-process reference; exit 1 on a mismatch.")
+    ] = False,
+    resume: Annotated[
+        bool, typer.Option("--resume", help="Continue the run in --out from its last complete checkpoint.")
+    ] = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Check everything, print the torchrun command, run nothing.")
+    ] = False,
+    nnodes: Annotated[int, typer.Option("--nnodes", help="Machines (torchrun rendezvous; --out must be shared).")] = 1,
+    node_rank: Annotated[int, typer.Option("--node-rank", help="This machine's rank among --nnodes.")] = 0,
+    rdzv_endpoint: Annotated[
+        str | None, typer.Option("--rdzv-endpoint", help="HOST:PORT of the rendezvous on node 0.")
+    ] = None,
+    checkpoint_every: Annotated[
+        int, typer.Option("--checkpoint-every", help="Checkpoint every N steps (and after the last).")
+    ] = 10,
+    threads: Annotated[int, typer.Option("--threads", help="CPU threads per worker.")] = 1,
+    timeout_s: Annotated[float, typer.Option("--timeout-s", help="Limit on every distributed wait (seconds).")] = 120.0,
+    device: Annotated[str, typer.Option("--device", help="auto (CUDA when present), cpu or cuda.")] = "auto",
+) -> None:
+    from terapipe_cli.runtime.launch import WorkerFailed, command_line, launch
+    from terapipe_cli.runtime.prepare import prepare_run
+
+    console = Console(stderr=False, highlight=False)
+    prepared = prepare_run(
+        plan_path=plan, steps=steps, data=data, out=out, seed=seed, lr=lr, data_parallel=data_parallel,
+        verify=verify, resume=resume, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
+        checkpoint_every=checkpoint_every, threads=threads, timeout_s=timeout_s, device=device,
+        kv_handback=os.environ.get(DROP_KV_GRADS_ENV) != "1", write=not dry_run,
+    )
+    spec = prepared.launch
+    if dry_run:
+        print(command_line(spec))
+        return
+    p = prepared.plan
+    console.print(
+        f"[bold]terapipe train[/] {p.short_form()}  K={p.stages} D={prepared.args.data_parallel} "
+        f"({spec.nproc_per_node * spec.nnodes} workers, {prepared.backend} on {prepared.device})  -> {spec.run_dir}"
+        + (f"  (resuming after step {spec.resume_step})" if spec.resume_step is not None else "")
+    )
+    start = time.perf_counter()
+    try:
+        launch(spec)
+    except WorkerFailed as e:
+        sys.stdout.flush()
+        sys.stderr.write(f"terapipe: error: {e}\n")
+        raise SystemExit(WorkerFailed.exit_code) from None
+    console.print(f"done in {time.perf_counter() - start:.1f} s: {spec.run_dir}")
+    if verify:
+        _verify(console, prepared)
+
+
+def _verify(console: Console, prepared) -> None:
+    from terapipe_cli.runtime.rundir import read_summary, write_summary
+    from terapipe_cli.runtime.verify import verify_run
+
+    args = prepared.args
+    console.print("verifying against a single-process reference (same seed, same batches) ...")
+    result = verify_run(prepared.launch.run_dir, prepared.plan, prepared.data, seed=args.seed, lr=args.lr,
+                        steps=args.steps, data_parallel=args.data_parallel, device=prepared.device)
+    table = Table(title="--verify: pipelined run vs single process (fp32)")
+    for col in ("compared", "max abs", "max rel", "tol (rel)", "worst at", "result"):
+        table.add_column(col)
+    for c in result.checks:
+        table.add_row(c.what, f"{c.max_abs:.3g}", f"{c.max_rel:.3g}", f"{c.tolerance:g}", c.worst,
+                      "[green]ok[/]" if c.ok else "[red]MISMATCH[/]")
+    console.print(table)
+    summary = read_summary(prepared.launch.run_dir)
+    summary.pop("schema", None)
+    write_summary(prepared.launch.run_dir, {**summary, "verify": result.to_dict()})
+    if not result.ok:
+        bad = ", ".join(c.what for c in result.checks if not c.ok)
+        sys.stdout.flush()
+        sys.stderr.write(f"terapipe: error: verification failed ({bad}): see the table above\n")
+        raise SystemExit(1)
+    console.print("[green]verified[/]: the pipelined run matches single-device training")

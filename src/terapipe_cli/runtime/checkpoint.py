@@ -1,0 +1,96 @@
+"""Checkpoints: one file per stage, complete only when a marker says every stage wrote its file.
+
+    checkpoints/step_000010/stage_000.pt      {"schema": "terapipe.checkpoint/1", "step", "stage", "stages",
+    checkpoints/step_000010/stage_001.pt       "model": state_dict, "optimizer": state_dict}
+    checkpoints/step_000010/complete.json     {"schema": "terapipe.checkpoint-marker/1", "step", "stages", "files"}
+
+Each stage file is written to a temporary file and renamed; after a collective confirms all stages have
+written theirs, rank 0 writes the marker (also atomically). A run killed at any moment therefore leaves the
+last *marked* checkpoint intact, and `latest_complete` ignores a half-written one. Data-parallel replicas
+hold identical weights, so only replica 0 writes. The two newest complete checkpoints are kept.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from terapipe_cli.files import read_json, write_json_atomic
+
+CHECKPOINT_SCHEMA = "terapipe.checkpoint/1"
+MARKER_SCHEMA = "terapipe.checkpoint-marker/1"
+MARKER = "complete.json"
+KEEP = 2
+
+
+def step_dir(run_dir: str | Path, step: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"step_{step:06d}"
+
+
+def stage_file(run_dir: str | Path, step: int, stage: int) -> Path:
+    return step_dir(run_dir, step) / f"stage_{stage:03d}.pt"
+
+
+def save_stage(run_dir: str | Path, step: int, stage: int, stages: int, model: dict, optimizer: dict) -> Path:
+    path = stage_file(run_dir, step, stage)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(
+                {"schema": CHECKPOINT_SCHEMA, "step": step, "stage": stage, "stages": stages,
+                 "model": model, "optimizer": optimizer},
+                f,
+            )
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def mark_complete(run_dir: str | Path, step: int, stages: int) -> None:
+    """Call once every stage file of ``step`` is written; then prune older checkpoints."""
+    files = [stage_file(run_dir, step, k).name for k in range(stages)]
+    missing = [f for f in files if not (step_dir(run_dir, step) / f).exists()]
+    if missing:
+        raise RuntimeError(f"checkpoint of step {step} lacks {missing}")
+    write_json_atomic(
+        step_dir(run_dir, step) / MARKER, {"schema": MARKER_SCHEMA, "step": step, "stages": stages, "files": files}
+    )
+    for old in complete_steps(run_dir)[:-KEEP]:
+        shutil.rmtree(step_dir(run_dir, old), ignore_errors=True)
+
+
+def complete_steps(run_dir: str | Path) -> list[int]:
+    """Steps with a complete checkpoint, ascending."""
+    root = Path(run_dir) / "checkpoints"
+    steps = []
+    if root.is_dir():
+        for d in root.iterdir():
+            if d.name.startswith("step_") and (d / MARKER).is_file():
+                try:
+                    marker = read_json(d / MARKER, schema=MARKER_SCHEMA, what="checkpoint marker")
+                except Exception:
+                    continue
+                if all((d / f).is_file() for f in marker.get("files", [])):
+                    steps.append(int(marker["step"]))
+    return sorted(steps)
+
+
+def latest_complete(run_dir: str | Path) -> int | None:
+    steps = complete_steps(run_dir)
+    return steps[-1] if steps else None
+
+
+def load_stage(run_dir: str | Path, step: int, stage: int, map_location: str | torch.device = "cpu") -> dict:
+    obj = torch.load(stage_file(run_dir, step, stage), map_location=map_location, weights_only=True)
+    if obj.get("schema") != CHECKPOINT_SCHEMA or obj.get("step") != step or obj.get("stage") != stage:
+        raise RuntimeError(f"{stage_file(run_dir, step, stage)}: not the checkpoint of stage {stage} at step {step}")
+    return obj

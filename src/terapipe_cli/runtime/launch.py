@@ -1,0 +1,117 @@
+"""Launch the stage workers through torchrun, and turn a worker failure into one line.
+
+The command is exactly ``python -m torch.distributed.run <torchrun_args(...)>``; `launch` runs the same
+arguments in this process through ``torch.distributed.run.run`` (not ``main``, whose ``@record`` would print
+torchrun's failure table), so ``--dry-run`` prints what actually runs. torchrun's own failure handling does
+the rest: when a worker exits non-zero or is killed, it stops the others and raises ``ChildFailedError``
+with each failed rank's exit code and error file (written by the worker), which `launch` reduces to the
+root cause: a rank that died or raised, rather than one that merely lost contact with it (`PeerLost`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import terapipe_cli
+
+WORKER_MODULE = "terapipe_cli.runtime.worker"
+
+
+class WorkerFailed(Exception):
+    """The distributed job failed; the message names the rank and the cause (one line)."""
+
+    exit_code = 1
+
+
+@dataclass(frozen=True)
+class Launch:
+    run_dir: Path
+    nproc_per_node: int
+    stages: int
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str | None = None
+    resume_step: int | None = None
+    threads: int = 1
+    device: str = "cpu"
+
+
+def torchrun_args(spec: Launch) -> list[str]:
+    """torchrun's arguments: standalone on one machine, or the given static rendezvous across nodes."""
+    args = ["--nproc-per-node", str(spec.nproc_per_node), "--max-restarts", "0", "--monitor-interval", "0.1"]
+    if spec.nnodes == 1 and spec.rdzv_endpoint is None:
+        args = ["--standalone", "--nnodes", "1", *args]
+    else:
+        args = ["--nnodes", str(spec.nnodes), "--node-rank", str(spec.node_rank),
+                "--rdzv-endpoint", spec.rdzv_endpoint or "localhost:29500", *args]
+    args += ["--module", WORKER_MODULE, "--run-dir", str(spec.run_dir)]
+    if spec.resume_step is not None:
+        args += ["--resume-step", str(spec.resume_step)]
+    return args
+
+
+def worker_env(spec: Launch) -> dict[str, str]:
+    """Environment the workers need beyond the caller's: thread count, and the package on the path (so
+    ``PYTHONPATH=src python -m terapipe_cli`` works from any folder)."""
+    package_root = str(Path(terapipe_cli.__file__).resolve().parent.parent)
+    path = os.environ.get("PYTHONPATH", "")
+    env = {"OMP_NUM_THREADS": str(spec.threads),
+           "PYTHONPATH": package_root + (os.pathsep + path if path else "")}
+    return env
+
+
+def command_line(spec: Launch) -> str:
+    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in worker_env(spec).items())
+    return f"{env} {shlex.quote(sys.executable)} -m torch.distributed.run " + shlex.join(torchrun_args(spec))
+
+
+def launch(spec: Launch) -> None:
+    """Run the workers to completion; raise WorkerFailed naming the failed rank and its cause."""
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    os.environ.update(worker_env(spec))
+    # torchrun's agent logs rendezvous details and a failure table at INFO/ERROR; our one line replaces them.
+    for name in ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher.api"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    try:
+        torchrun.run(torchrun.parse_args(torchrun_args(spec)))
+    except ChildFailedError as e:
+        raise WorkerFailed(describe_failure(e.failures, spec)) from None
+    except SignalException as e:
+        raise WorkerFailed(f"the launcher received {e.sigval.name}; workers stopped") from None
+
+
+def _message(failure) -> str:
+    m = failure.message
+    if isinstance(m, dict):
+        m = m.get("message", "")
+    return " ".join(str(m).split())
+
+
+def describe_failure(failures: dict, spec: Launch) -> str:
+    """One line: the root-cause rank (a rank that died or raised before ones that lost contact with it)."""
+
+    def secondary(rank: int) -> bool:
+        return _message(failures[rank]).startswith("PeerLost")
+
+    rank = min(failures, key=lambda r: (secondary(r), failures[r].timestamp, r))
+    f = failures[rank]
+    if f.exitcode < 0:
+        cause = f"killed by signal {f.signal_name()} (exit code {f.exitcode})"
+    else:
+        cause = _message(f) if f.error_file != "<N/A>" else f"exited with code {f.exitcode}"
+        if len(cause) > 400:
+            cause = cause[:400] + "..."
+    where = f"rank {rank} (stage {rank % spec.stages}, replica {rank // spec.stages})"
+    others = sorted(r for r in failures if r != rank)
+    tail = f"; ranks {others} then failed too" if others else ""
+    log = spec.run_dir / "errors" / f"rank_{rank:05d}.txt"
+    hint = f" — traceback in {log}" if log.exists() else ""
+    return f"worker {where} failed: {cause}{hint}{tail}"

@@ -1,0 +1,92 @@
+"""Point-to-point messages between neighbouring stages, pre-posted from the plan's shapes.
+
+Every tile's activation (forward) and gradient (backward) has a shape known from the plan, (b, i, H), so a
+stage posts an ``irecv`` for each one up front and starts a tile the moment its input has arrived — no
+shape exchange, no polling. Why pre-post: gloo's ``send`` does not complete until the receiver has posted
+the matching receive, and a gloo request's ``is_completed()`` stays False until ``wait()`` is called.
+
+Forward receives are posted at the start of a step; backward receives only once this stage has issued all
+its forward sends. On NCCL the sends and receives between a pair of ranks run in order on one stream, so a
+receive of a gradient posted before the activation sends would block them; on gloo the order is harmless.
+
+Every wait has a timeout; a failed or timed-out wait raises `PeerLost`, naming the peer, so the launcher
+can tell a consequence (this rank lost its neighbour) from a root cause.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from terapipe_cli.schedule import Tile
+
+
+class PeerLost(RuntimeError):
+    """A distributed wait failed or timed out: most likely another rank died first."""
+
+
+class Links:
+    """A stage's messages to and from its neighbours in one pipeline replica."""
+
+    def __init__(
+        self,
+        *,
+        prev_rank: int | None,
+        next_rank: int | None,
+        hidden: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        timeout_s: float,
+    ) -> None:
+        self.prev_rank, self.next_rank = prev_rank, next_rank
+        self.hidden, self.dtype, self.device = hidden, dtype, device
+        self.timeout = timedelta(seconds=timeout_s)
+        self._sends: list[tuple[dist.Work, torch.Tensor, str]] = []
+
+    def _post(self, tiles: list[Tile], src: int, tag_base: int) -> dict[Tile, tuple[torch.Tensor, dist.Work]]:
+        posted = {}
+        for n, t in enumerate(tiles):
+            buf = torch.empty(t.batch_size, t.tokens, self.hidden, dtype=self.dtype, device=self.device)
+            posted[t] = (buf, dist.irecv(buf, src=src, tag=tag_base + n))
+        return posted
+
+    def post_forward_recvs(self, tiles: list[Tile]) -> dict[Tile, tuple[torch.Tensor, dist.Work]]:
+        """Receives for every tile's activation from the previous stage (tags 0..T-1)."""
+        return self._post(tiles, self.prev_rank, 0) if self.prev_rank is not None else {}
+
+    def post_backward_recvs(self, tiles: list[Tile]) -> dict[Tile, tuple[torch.Tensor, dist.Work]]:
+        """Receives for every tile's output gradient from the next stage (tags T..2T-1)."""
+        return self._post(tiles, self.next_rank, len(tiles)) if self.next_rank is not None else {}
+
+    def wait(self, posted: tuple[torch.Tensor, dist.Work], what: str, peer: int) -> torch.Tensor:
+        buf, work = posted
+        self._wait(work, what, peer)
+        return buf
+
+    def send_forward(self, out: torch.Tensor, index: int) -> None:
+        self._send(out, self.next_rank, index, "an activation")
+
+    def send_backward(self, grad: torch.Tensor, index: int, tiles: int) -> None:
+        self._send(grad, self.prev_rank, tiles + index, "a gradient")
+
+    def _send(self, tensor: torch.Tensor, dst: int, tag: int, what: str) -> None:
+        tensor = tensor.contiguous()
+        # Keep the tensor alive until the send completes.
+        self._sends.append((dist.isend(tensor, dst=dst, tag=tag), tensor, f"sending {what} to rank {dst}"))
+
+    def finish_sends(self) -> None:
+        """Wait for every send of the step (the receivers have posted them all, so this is quick)."""
+        sends, self._sends = self._sends, []
+        for work, _, what in sends:
+            self._wait(work, what, None)
+
+    def _wait(self, work: dist.Work, what: str, peer: int | None) -> None:
+        try:
+            ok = work.wait(self.timeout)
+        except Exception as e:  # gloo raises on a closed connection or a timeout
+            who = f" rank {peer}" if peer is not None else ""
+            raise PeerLost(f"lost{who or ' a peer'} while {what}: {' '.join(str(e).split())[:300]}") from None
+        if ok is False:
+            raise PeerLost(f"timed out after {self.timeout.total_seconds():.0f} s while {what}")

@@ -1,0 +1,117 @@
+"""The run directory written by ``terapipe train`` (read by the report). Every JSON file has a schema.
+
+    runs/NAME/
+      config.json        terapipe.run/1: {"plan": <the plan object>, "arguments": {steps, data, seed, lr,
+                         data_parallel, checkpoint_every, threads, timeout_s, verify, kv_handback},
+                         "world_size", "stages", "device", "backend", "nnodes", "versions": {...}, "created"}
+      plan.json          the plan as given (terapipe.plan/1)
+      metrics.jsonl      one JSON object per line and step (terapipe.metrics/1): {"schema", "step", "loss",
+                         "iteration_s", "tokens_per_s", "memory_bytes" (peak, largest rank),
+                         "memory_bytes_per_rank": [...]}
+      timelines/rank_00000.json   terapipe.timeline/1 (see schedule.py): every tile of every step, F and B
+      checkpoints/step_000010/...  see checkpoint.py
+      errors/rank_00001.txt       the traceback of a worker that failed (only then)
+      verify/            step-1 gradients of each stage (only with --verify)
+      summary.json       terapipe.run-summary/1: {"status": "complete", "steps", "first_loss", "final_loss",
+                         "median_iteration_s", "tokens_per_s", "wall_s", "verify": {...} (with --verify)}
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from terapipe_cli.files import Fields, read_json, write_json_atomic, write_text_atomic
+
+RUN_SCHEMA = "terapipe.run/1"
+METRICS_SCHEMA = "terapipe.metrics/1"
+SUMMARY_SCHEMA = "terapipe.run-summary/1"
+
+
+@dataclass(frozen=True)
+class RunArguments:
+    steps: int
+    data: str | None
+    seed: int
+    lr: float
+    data_parallel: int
+    checkpoint_every: int
+    threads: int
+    timeout_s: float
+    verify: bool
+    kv_handback: bool = True  # False only for the test-only negative control
+
+
+def write_config(run_dir: Path, *, plan: dict, args: RunArguments, world_size: int, device: str, backend: str,
+                 nnodes: int, versions: dict, created: str) -> None:
+    write_json_atomic(run_dir / "plan.json", plan)
+    write_json_atomic(
+        run_dir / "config.json",
+        {"schema": RUN_SCHEMA, "plan": plan, "arguments": asdict(args), "world_size": world_size,
+         "stages": plan["stages"], "device": device, "backend": backend, "nnodes": nnodes,
+         "versions": versions, "created": created},
+    )
+
+
+def read_config(run_dir: Path) -> tuple[dict, RunArguments]:
+    """The run's config: (raw object, arguments)."""
+    path = run_dir / "config.json"
+    obj = read_json(path, schema=RUN_SCHEMA, what="run config")
+    f = Fields(obj, str(path)).sub("arguments")
+    args = RunArguments(
+        steps=f.int("steps", minimum=1),
+        data=f.get("data"),
+        seed=f.int("seed"),
+        lr=f.number("lr", positive=True),
+        data_parallel=f.int("data_parallel", minimum=1),
+        checkpoint_every=f.int("checkpoint_every", minimum=1),
+        threads=f.int("threads", minimum=1),
+        timeout_s=f.number("timeout_s", positive=True),
+        verify=bool(f.get("verify")),
+        kv_handback=bool(f.get("kv_handback", True)),
+    )
+    return obj, args
+
+
+def append_metrics(run_dir: Path, record: dict) -> None:
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"schema": METRICS_SCHEMA, **record}) + "\n")
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    lines = path.read_text().splitlines()
+    for n, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            if n == len(lines) - 1:
+                break  # a last line cut short by a killed run
+            raise
+        if rec.get("schema") == METRICS_SCHEMA:
+            out.append(rec)
+    return out
+
+
+def keep_metrics_until(run_dir: Path, step: int) -> None:
+    """On resume: drop the records of steps after the checkpoint (they will be run again)."""
+    kept = [r for r in read_metrics(run_dir) if r["step"] <= step]
+    write_text_atomic(run_dir / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in kept))
+
+
+def timeline_path(run_dir: Path, rank: int) -> Path:
+    return run_dir / "timelines" / f"rank_{rank:05d}.json"
+
+
+def write_summary(run_dir: Path, summary: dict) -> None:
+    write_json_atomic(run_dir / "summary.json", {"schema": SUMMARY_SCHEMA, **summary})
+
+
+def read_summary(run_dir: Path) -> dict:
+    return read_json(run_dir / "summary.json", schema=SUMMARY_SCHEMA, what="run summary")

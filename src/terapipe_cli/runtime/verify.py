@@ -1,0 +1,120 @@
+"""``--verify``: the same training on one process, whole model, whole batch — and the comparison.
+
+The reference builds the full model from the same seed, takes the same batches (`data.step_batch`: the
+global batch of B·D sequences), divides the summed token loss by all predicted tokens of the step and takes
+the same AdamW steps. The pipelined run must match it within fp32 tolerances (SPEC §6): relative 1e-5 on
+every step's loss, 1e-4 on every parameter's gradient at step 1 and on every weight after the last step.
+
+A tensor's relative difference is ``max|a − b| / max|b|`` (a norm-wise measure: it does not blow up on
+elements that happen to be near zero).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from terapipe_cli.model import GPT, optimizer_for, token_loss_sum
+from terapipe_cli.plan import Plan
+from terapipe_cli.runtime import checkpoint
+from terapipe_cli.runtime.data import TokenData, step_batch
+from terapipe_cli.runtime.rundir import read_metrics
+
+LOSS_RTOL = 1e-5
+TENSOR_RTOL = 1e-4
+
+
+@dataclass
+class Check:
+    what: str
+    max_abs: float
+    max_rel: float
+    tolerance: float
+    worst: str = ""  # the step or parameter with the largest relative difference
+
+    @property
+    def ok(self) -> bool:
+        return self.max_rel <= self.tolerance
+
+
+@dataclass
+class Verification:
+    checks: list[Check] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.checks)
+
+    def to_dict(self) -> dict:
+        return {"ok": self.ok, "checks": [
+            {"what": c.what, "max_abs": c.max_abs, "max_rel": c.max_rel, "tolerance": c.tolerance,
+             "worst": c.worst, "ok": c.ok} for c in self.checks]}
+
+
+def reference_run(plan: Plan, data: TokenData, *, seed: int, lr: float, steps: int, data_parallel: int,
+                  device: str | torch.device = "cpu") -> tuple[list[float], dict, dict]:
+    """(loss per step, gradients at step 1, final weights), by name, from the single-process reference."""
+    model = GPT(plan.model, seed=seed).to(device)
+    optimizer = optimizer_for(model, lr)
+    sequences, L = plan.batch_size * data_parallel, plan.seq_len
+    losses: list[float] = []
+    grads1: dict = {}
+    for step in range(1, steps + 1):
+        batch = step_batch(data, seed=seed, step=step, sequences=sequences, seq_len=L).to(device)
+        optimizer.zero_grad(set_to_none=True)
+        logits, _ = model(batch[:, :-1])
+        loss = token_loss_sum(logits, batch[:, 1:]) / (sequences * L)
+        loss.backward()
+        losses.append(loss.item())
+        if step == 1:
+            grads1 = {n: p.grad.detach().cpu().clone() for n, p in model.named_parameters()}
+        optimizer.step()
+    weights = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+    return losses, grads1, weights
+
+
+def _compare(what: str, got: dict, ref: dict) -> Check:
+    if set(got) != set(ref):
+        missing = sorted(set(ref) ^ set(got))
+        return Check(what, float("inf"), float("inf"), TENSOR_RTOL, f"names differ: {missing[:3]}")
+    worst, max_abs, max_rel = "", 0.0, 0.0
+    for name, r in ref.items():
+        diff = (got[name].double() - r.double()).abs().max().item()
+        rel = diff / max(r.double().abs().max().item(), 1e-30)
+        max_abs = max(max_abs, diff)
+        if rel >= max_rel:
+            worst, max_rel = name, rel
+    return Check(what, max_abs, max_rel, TENSOR_RTOL, worst)
+
+
+def verify_run(run_dir: Path, plan: Plan, data: TokenData, *, seed: int, lr: float, steps: int,
+               data_parallel: int, device: str | torch.device = "cpu") -> Verification:
+    """Compare the finished run in ``run_dir`` with the reference."""
+    ref_losses, ref_grads, ref_weights = reference_run(
+        plan, data, seed=seed, lr=lr, steps=steps, data_parallel=data_parallel, device=device
+    )
+    result = Verification()
+    run_losses = {r["step"]: r["loss"] for r in read_metrics(run_dir)}
+    rows = []  # (relative, absolute, step); a missing or NaN loss counts as infinitely far off
+    for step, ref in enumerate(ref_losses, 1):
+        diff = abs(run_losses.get(step, float("nan")) - ref)
+        diff = diff if diff == diff else float("inf")
+        rows.append((diff / max(abs(ref), 1e-30), diff, step))
+    max_rel, _, worst_step = max(rows)
+    max_abs, worst = max(r[1] for r in rows), f"step {worst_step}"
+    result.checks.append(Check(f"loss, {steps} steps", max_abs, max_rel, LOSS_RTOL, worst))
+
+    grads: dict = {}
+    for k in range(plan.stages):
+        grads.update(torch.load(run_dir / "verify" / f"grads_step1_stage_{k:03d}.pt", weights_only=True))
+    result.checks.append(_compare("gradients at step 1", grads, ref_grads))
+
+    last = checkpoint.latest_complete(run_dir)
+    weights: dict = {}
+    if last == steps:
+        for k in range(plan.stages):
+            weights.update(checkpoint.load_stage(run_dir, last, k)["model"])
+    result.checks.append(_compare(f"weights after step {steps}", weights, ref_weights))
+    return result
