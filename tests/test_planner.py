@@ -320,3 +320,29 @@ def test_baselines_reject_bad_arguments() -> None:
         gpipe_baseline(_context_cost, seq_len=8, batch_size=0, stages=2)
     with pytest.raises(UserError):
         uniform_baseline(_context_cost, seq_len=10, batch_size=1, stages=2, token_step=4)
+
+
+# --- properties that hold whatever the cost -----------------------------------------------------------
+
+
+def test_finer_token_step_is_never_worse() -> None:
+    # Multiples of 16 are multiples of 8, 4, 2 and 1: each finer grid contains every scheme of the coarser one.
+    cost = CostModel.from_profile(EXAMPLE_PROFILE, stages=4)
+    values = [solve(cost, seq_len=256, batch_size=2, stages=4, token_step=g).predicted_s for g in (32, 16, 8, 4, 2, 1)]
+    assert all(b <= a * (1 + REL) for a, b in zip(values, values[1:], strict=False)), values
+    assert values[-1] < values[0]  # and on this cost the finer grid really helps
+
+
+@pytest.mark.parametrize("seed", range(0, 200, 10))
+def test_more_stages_never_cost_less(seed: int) -> None:
+    # For a fixed cost function every scheme's T grows with K, so the optimum does too, by at most the
+    # largest tile of the best scheme at the lower K per extra stage.
+    case = make_case(seed)
+    previous = None
+    for stages in range(1, 7):
+        res = solve(case.cost, seq_len=case.seq_len, batch_size=case.batch, stages=stages,
+                    token_step=case.token_step)
+        if previous is not None:
+            assert res.predicted_s >= previous.predicted_s * (1 - REL)
+            assert res.predicted_s <= previous.predicted_s + previous.t_max_s * (1 + REL)
+        previous = res
