@@ -36,7 +36,7 @@ def test_failed_rename_leaves_old_file_and_no_temp(tmp_path: Path, monkeypatch: 
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(files.os, "replace", broken_replace)
-    with pytest.raises(OSError):
+    with pytest.raises((OSError, UserError)):  # a UserError naming the file would be better (see test_cli_plan)
         write_json_atomic(path, {"schema": "s/1", "old": False})
     assert json.loads(path.read_text()) == {"schema": "s/1", "old": True}
     assert os.listdir(tmp_path) == ["plan.json"]
@@ -47,7 +47,7 @@ def test_failed_write_leaves_no_temp(tmp_path: Path, monkeypatch: pytest.MonkeyP
         raise OSError(5, "Input/output error")
 
     monkeypatch.setattr(files.os, "fsync", broken_fsync)
-    with pytest.raises(OSError):
+    with pytest.raises((OSError, UserError)):
         write_bytes_atomic(tmp_path / "out.bin", b"data")
     assert os.listdir(tmp_path) == []
 
@@ -61,6 +61,17 @@ def test_interrupt_during_write_leaves_no_temp(tmp_path: Path, monkeypatch: pyte
     with pytest.raises(KeyboardInterrupt):
         write_text_atomic(tmp_path / "out.txt", "x")
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.xfail(strict=True, reason="bug: mkstemp makes every output 0600, ignoring the umask; reported to the lead")
+def test_written_files_follow_the_umask(tmp_path: Path) -> None:
+    # A plan or profile written by one user must be readable by workers that the umask lets read it.
+    old = os.umask(0o022)
+    try:
+        path = write_json_atomic(tmp_path / "x.json", {})
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o644
 
 
 def test_unserialisable_object_writes_nothing(tmp_path: Path) -> None:
