@@ -1,0 +1,291 @@
+"""``terapipe profile``: measure (or, with --analytic, estimate) the cost model and write the profile JSON."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from terapipe_cli.errors import UserError
+
+HELP = """Measure the cost model t(b, i, j) of SPEC §3 on this machine and write a profile JSON for `terapipe plan`.
+
+Times one decoder layer through the runtime's own per-slice code path (forward and backward on a grid of token lengths and batch sizes), fits the context term on random tiles and reports its error on held-out ones, and measures the stage-to-stage link between two torchrun processes and the optimizer step. One thread on CPU (a stage owns one core); CUDA when a GPU is present (--device auto).
+
+--check also times tiles off the measured grids and compares them with the profile's prediction; --check-profile does that for an existing profile. --analytic estimates a profile for hardware you do not have.
+
+Examples:
+
+    terapipe profile --model configs/models/tiny.toml --out profile.json
+
+    terapipe profile --model configs/models/tiny.toml --quick --check
+
+    terapipe profile --check-profile profile.json
+
+    terapipe profile --analytic --hardware configs/hardware/v100.toml --model configs/models/gpt3-175b.toml -t 8
+"""  # noqa: E501
+
+DEFAULT_BATCH_SIZES = "1,2,4"
+
+
+def parse_batch_sizes(text: str) -> tuple[int, ...]:
+    """``"1,2,4"`` -> (1, 2, 4): positive integers, any order, duplicates folded."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    try:
+        sizes = [int(p) for p in parts]
+    except ValueError:
+        raise UserError(
+            f"must be a comma-separated list of positive integers, got {text!r}", where="--batch-sizes"
+        ) from None
+    if not sizes or any(b < 1 for b in sizes):
+        raise UserError(f"must be a comma-separated list of positive integers, got {text!r}", where="--batch-sizes")
+    return tuple(sorted(set(sizes)))
+
+
+def _check_writable(out: Path) -> None:
+    """Fail before minutes of measuring, not after: the output must be a writable file path."""
+    if out.is_dir():
+        raise UserError("is a folder; give a file name for the profile JSON", where=str(out))
+    parent = out.parent if str(out.parent) else Path(".")
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not os.access(parent, os.W_OK):
+        raise UserError(f"cannot write here (folder {parent} is not writable)", where=str(out))
+
+
+def profile(
+    model: Annotated[Path | None, typer.Option("--model", "-m", help="Model TOML (configs/models/NAME.toml).")] = None,
+    batch_sizes: Annotated[
+        str | None,
+        typer.Option(
+            "--batch-sizes", help=f"Batch-slice sizes to measure, comma-separated (default {DEFAULT_BATCH_SIZES})."
+        ),
+    ] = None,
+    token_step: Annotated[
+        int, typer.Option("--token-step", "-g", help="Token slices are multiples of this (the profile's grid).")
+    ] = 8,
+    device: Annotated[str, typer.Option("--device", help="auto (CUDA if present), cpu or cuda.")] = "auto",
+    quick: Annotated[
+        bool, typer.Option("--quick", help="Coarse grid, few repeats: under 30 s for tests/demos.")
+    ] = False,
+    check: Annotated[
+        bool, typer.Option("--check", help="Also time tiles off the grids and compare with the profile's prediction.")
+    ] = False,
+    check_profile: Annotated[
+        Path | None,
+        typer.Option("--check-profile", help="Check an existing profile against direct timings now; writes nothing."),
+    ] = None,
+    no_comm: Annotated[
+        bool, typer.Option("--no-comm", help="Skip the torchrun link measurement (the profile records a free link).")
+    ] = False,
+    clock: Annotated[
+        str | None,
+        typer.Option(
+            "--clock",
+            help="CPU only: cpu (process CPU time: a stage owns its core, other processes' time is not its cost) "
+            "or wall (default cpu; with --check-profile, the profile's clock).",
+        ),
+    ] = None,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the weights and of the random tile choice.")] = 0,
+    analytic: Annotated[
+        bool, typer.Option("--analytic", help="Estimate from a hardware file instead of measuring (needs --hardware).")
+    ] = False,
+    hardware: Annotated[
+        Path | None, typer.Option("--hardware", help="Hardware TOML for --analytic (configs/hardware/NAME.toml).")
+    ] = None,
+    tensor_parallel: Annotated[
+        int, typer.Option("--tensor-parallel", "-t", help="With --analytic: GPUs per tensor-parallel group.")
+    ] = 1,
+    out: Annotated[Path, typer.Option("--out", "-o", help="Where to write the profile JSON.")] = Path("profile.json"),
+) -> None:
+    console = Console()
+    if check_profile is not None:
+        if model is not None or analytic:
+            raise UserError(
+                "checks an existing profile; do not combine it with --model or --analytic", where="--check-profile"
+            )
+        _recheck(console, check_profile, device, quick, seed, clock)
+        return
+    if model is None:
+        raise UserError("is required (a model TOML such as configs/models/tiny.toml)", where="--model")
+
+    from terapipe_cli.config import load_model_config
+
+    cfg = load_model_config(model)
+    sizes = parse_batch_sizes(batch_sizes) if batch_sizes is not None else None
+    _check_writable(out)
+    if analytic:
+        _analytic(console, cfg, hardware, tensor_parallel, sizes, token_step, out)
+        return
+    if hardware is not None or tensor_parallel != 1:
+        raise UserError(
+            "only applies with --analytic", where="--hardware" if hardware is not None else "--tensor-parallel"
+        )
+
+    from terapipe_cli.files import write_json_atomic
+    from terapipe_cli.profile.measure import Settings, check_fits_in_memory, measure_profile, resolve_device
+
+    dev = resolve_device(device)
+    settings = Settings.make(
+        cfg,
+        sizes or parse_batch_sizes(DEFAULT_BATCH_SIZES),
+        token_step,
+        quick=quick,
+        check=check,
+        seed=seed,
+        clock=clock or "cpu",
+    )
+    check_fits_in_memory(cfg, max(settings.batch_sizes), dev)
+    console.print(
+        f"Profiling one decoder layer of [bold]{cfg.name}[/bold] (H={cfg.hidden}, heads={cfg.heads}, L={cfg.seq_len}) "
+        f"on {dev.type}: batch sizes {list(settings.batch_sizes)}, {len(settings.token_lengths)} token lengths "
+        f"(step {token_step}), {settings.fit_points}+{settings.heldout_points} context tiles"
+        + (f", {settings.check_points} check tiles" if settings.check_points else "")
+        + f", {settings.repeats} rounds"
+        + (" [quick]" if quick else "")
+    )
+    started = time.perf_counter()
+    with _progress(console) as update:
+        prof = measure_profile(cfg, settings, dev, progress=update, measure_comm=not no_comm)
+    write_json_atomic(out, prof)
+    _render(console, prof, time.perf_counter() - started)
+    console.print(f"wrote [bold]{out}[/bold]")
+
+
+class _progress:
+    """A rich progress bar with an ETA, one task per measurement phase; yields the update callback."""
+
+    def __init__(self, console: Console) -> None:
+        self.bar = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TaskProgressColumn(),
+            TimeElapsedColumn(),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+            console=console,
+            transient=False,
+        )
+        self.tasks: dict[str, int] = {}
+
+    def update(self, phase: str, done: float, total: float) -> None:
+        key = phase.split(" (")[0]
+        if key not in self.tasks:
+            self.tasks[key] = self.bar.add_task(phase, total=total)
+        self.bar.update(self.tasks[key], completed=done, total=total, description=phase)
+
+    def __enter__(self):
+        self.bar.__enter__()
+        return self.update
+
+    def __exit__(self, *exc) -> None:
+        self.bar.__exit__(*exc)
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.3f} ms" if s < 1 else f"{s:.3f} s"
+
+
+def _render(console: Console, prof: dict, seconds: float) -> None:
+    dev = prof["device"]
+    t = Table(title=f"profile of {prof['model']['name']} on {dev['kind']} ({dev['name']})", show_header=False)
+    t.add_column(style="bold")
+    t.add_column()
+    fwd, bwd = prof["forward_s"], prof["backward_s"]
+    t.add_row(
+        "no-context tile, smallest",
+        f"b={prof['batch_sizes'][0]}, i={prof['token_lengths'][0]}: "
+        f"{_ms(fwd[0][0])} forward + {_ms(bwd[0][0])} backward",
+    )
+    t.add_row(
+        "no-context tile, largest",
+        f"b={prof['batch_sizes'][-1]}, i={prof['token_lengths'][-1]}: "
+        f"{_ms(fwd[-1][-1])} forward + {_ms(bwd[-1][-1])} backward",
+    )
+    for which in ("forward", "backward"):
+        c = prof["context"][which]
+        t.add_row(
+            f"context fit, {which}",
+            f"held-out tile error mean {c['heldout_rel_err_mean']:.1%}, max {c['heldout_rel_err_max']:.1%} "
+            f"({c['heldout_points']} tiles); context term alone: mean {c['heldout_context_only_rel_err_mean']:.0%}",
+        )
+    comm = prof["comm"]
+    t.add_row(
+        "link", f"{comm['latency_s'] * 1e6:.1f} µs + bytes / {comm['bytes_per_s'] / 1e9:.2f} GB/s ({comm['method']})"
+    )
+    t.add_row("optimizer step", f"{_ms(prof['optimizer_s_per_layer'])} per layer (AdamW)")
+    t.add_row("activations", f"{prof['activation_bytes_per_token_per_layer'] / 1024:.1f} KiB per token per layer")
+    t.add_row("took", f"{seconds:.1f} s")
+    console.print(t)
+    if "check" in prof:
+        _render_check(console, prof["check"])
+
+
+def _render_check(console: Console, check: dict) -> None:
+    t = Table(title="check: tiles off the grids, the profile's cost(b, i, j) vs a direct timing (one layer)")
+    for col in ("b", "i", "j", "measured", "predicted", "error"):
+        t.add_column(col, justify="right")
+    for r in check["points"]:
+        t.add_row(
+            str(r["b"]), str(r["i"]), str(r["j"]), _ms(r["measured_s"]), _ms(r["predicted_s"]), f"{r['rel_err']:.1%}"
+        )
+    console.print(t)
+    console.print(f"check: relative error mean {check['rel_err_mean']:.1%}, max {check['rel_err_max']:.1%}")
+
+
+def _recheck(console: Console, path: Path, device: str, quick: bool, seed: int, clock: str | None) -> None:
+    from terapipe_cli.costmodel import read_profile
+    from terapipe_cli.profile.measure import recheck_profile, resolve_device
+
+    prof = read_profile(path)
+    dev = resolve_device(device)
+    kind = prof.device.get("kind")
+    if prof.source != "measured":
+        raise UserError(
+            f"is an {prof.source!r} profile; only a measured profile can be checked by timing", where=str(path)
+        )
+    if kind != dev.type:
+        raise UserError(
+            f"was measured on {kind!r}, but this check would time {dev.type!r} (see --device)", where=str(path)
+        )
+    console.print(f"Checking [bold]{path}[/bold] ({prof.device.get('name')}) against direct timings on {dev.type}")
+    with _progress(console) as update:
+        result = recheck_profile(
+            prof.raw, dev, count=4 if quick else 8, repeats=3 if quick else 5, seed=seed, clock=clock, progress=update
+        )
+    _render_check(console, result)
+
+
+def _analytic(
+    console: Console, cfg, hardware: Path | None, tensor_parallel: int, sizes, token_step: int, out: Path
+) -> None:
+    from terapipe_cli.files import write_json_atomic
+    from terapipe_cli.hardware import load_hardware
+    from terapipe_cli.profile.analytic import analytic_profile
+
+    if hardware is None:
+        raise UserError(
+            "is required with --analytic (a hardware TOML such as configs/hardware/v100.toml)", where="--hardware"
+        )
+    kwargs = {"tensor_parallel": tensor_parallel, "token_step": token_step}
+    if sizes is not None:
+        kwargs["batch_sizes"] = sizes
+    prof = analytic_profile(cfg, load_hardware(hardware), **kwargs)
+    write_json_atomic(out, prof)
+    ctx = prof["context"]
+    console.print(
+        f"analytic profile of {cfg.name} on {prof['device']['name']} (tensor parallel {tensor_parallel}): "
+        f"context fit held-out error forward {ctx['forward']['heldout_rel_err_mean']:.2%} mean, "
+        f"backward {ctx['backward']['heldout_rel_err_mean']:.2%} mean"
+    )
+    console.print(f"wrote [bold]{out}[/bold]")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("profile", help=HELP)(profile)

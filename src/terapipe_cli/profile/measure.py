@@ -1,0 +1,750 @@
+"""Measure the cost model on the local device (SPEC §3) through the runtime's own per-slice code path.
+
+Every time here is a tile run by `terapipe_cli.runtime.stage.StageRunner` — the object the training workers
+use — on the middle stage of a 3-layer copy of the model, which holds exactly one decoder layer. So the
+per-slice overhead the workers pay (K/V concatenation, the context mask, the K/V gradient hand-back, Python)
+is in the numbers; on a CPU it is a large part of a small slice's cost.
+
+A tile (b, i, j) is timed as: forward a context tile of j tokens (token slice 0, untimed), then forward
+(timed) and backward (timed) the tile of i tokens as token slice 1, then reset. With j = 0 the tile is token
+slice 0 itself, and an untimed forward of another batch slice goes first, as in a pipeline step.
+
+Timing discipline: one thread on CPU (a stage owns one core), timed by default with the process's CPU
+clock: time the OS gives to other processes on a shared machine is not the stage's cost (with both cores
+of this machine kept busy by others, a tile's wall time triples while its CPU time moves by ~1%). CUDA
+events after a synchronisation on GPU. A warm-up, then ``repeats`` rounds, each visiting every point in a
+fresh random order, so a drift of the machine's speed spreads over all points instead of bending the
+curve; the median is kept, with min and max. The Python garbage collector is paused while timing.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import gc
+import os
+import platform
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from terapipe_cli.config import ModelConfig
+from terapipe_cli.costmodel import PROFILE_SCHEMA, CostModel, profile_from_dict
+from terapipe_cli.errors import UserError
+from terapipe_cli.profile.fit import RelErr, fit_context
+
+# (phase, done, total): work done so far in arbitrary units, for a progress bar with an ETA.
+Progress = Callable[[str, float, float], None]
+
+DTYPE_BYTES = 4  # the runtime trains in fp32
+CLOCKS = ("cpu", "wall")
+CLOCK_NAMES = {
+    "cpu": "process CPU time (time.process_time)",
+    "wall": "wall time (time.perf_counter)",
+    "cuda-events": "CUDA events after torch.cuda.synchronize",
+}
+
+
+# ----------------------------------------------------------------------------------------------- device
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` picks CUDA when a GPU is visible, else the CPU; ``cuda`` without a GPU is a user error."""
+    if name not in ("auto", "cpu", "cuda"):
+        raise UserError(f"must be auto, cpu or cuda, got {name!r}", where="--device")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UserError("cuda asked for, but no CUDA GPU is available to PyTorch here", where="--device")
+    return torch.device("cuda", torch.cuda.current_device()) if name == "cuda" else torch.device("cpu")
+
+
+def device_info(device: torch.device) -> dict:
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return {
+            "kind": "cuda",
+            "name": props.name,
+            "memory_bytes": int(props.total_memory),
+            "gpus_visible": torch.cuda.device_count(),
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+        }
+    return {
+        "kind": "cpu",
+        "name": _cpu_name(),
+        "threads": 1,
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+    }
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def _free_memory_bytes(device: torch.device) -> int | None:
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_fits_in_memory(model: ModelConfig, max_batch: int, device: torch.device) -> None:
+    """Refuse, with one line, a profile whose largest tile cannot fit on the device (instead of an OOM crash).
+
+    A rough upper bound: one layer's weights, gradients and AdamW state (16 bytes per parameter), plus the
+    largest tile's activations with its full-length context: ~34·H floats per token and the attention
+    probabilities b·heads·L² that the explicit context mask keeps for the backward.
+    """
+    free = _free_memory_bytes(device)
+    if free is None:
+        return
+    H, L = model.hidden, model.seq_len
+    params = 12 * H * H + 13 * H
+    need = 16 * params + DTYPE_BYTES * max_batch * (2 * 34 * H * L + 2 * model.heads * L * L)
+    if need > 0.9 * free:
+        raise UserError(
+            f"one layer of model '{model.name}' at batch {max_batch} × {L} tokens needs about {need / 2**30:.1f} GiB, "
+            f"but {device.type} has {free / 2**30:.1f} GiB free; use smaller --batch-sizes, or estimate with "
+            "`terapipe profile --analytic`",
+            where="--model",
+        )
+
+
+# ----------------------------------------------------------------------------------------------- grids
+
+
+def token_grid(seq_len: int, token_step: int, *, quick: bool = False) -> list[int]:
+    """Token lengths to measure: a geometric subset of the multiples of ``token_step``, and ``seq_len``.
+
+    Per-layer time is smooth in the token count (a per-call overhead, then linear and a small quadratic
+    attention term), so ~4 points per octave and piecewise-linear interpolation (`costmodel`) reproduce the
+    full grid to well within timing noise at a fraction of its cost; ``quick`` keeps one point per octave.
+    """
+    if token_step < 1:
+        raise UserError(f"must be at least 1, got {token_step}", where="--token-step")
+    if token_step > seq_len:
+        raise UserError(f"{token_step} is longer than the model's sequence length {seq_len}", where="--token-step")
+    factors = (1,) if quick else (1, 1.25, 1.5, 1.75)
+    steps: set[int] = set()
+    octave = 1
+    while octave * token_step <= seq_len:
+        for f in factors:
+            k = int(round(octave * f))
+            if k * token_step <= seq_len:
+                steps.add(k)
+        octave *= 2
+    return sorted({k * token_step for k in steps} | {seq_len})
+
+
+@dataclass(frozen=True)
+class Point:
+    """One tile to time: b sequences, i new tokens, j context tokens; ``role`` says what it is for."""
+
+    b: int
+    i: int
+    j: int
+    role: str  # "grid" (j = 0, on the token grid), "fit", "heldout" (context points), "check" (off the grids)
+
+    @property
+    def work(self) -> float:
+        """Rough cost for the progress bar: the context tile's forward, the tile, and a per-call overhead."""
+        return self.b * (self.j + 3 * self.i) + 64
+
+
+def context_points(
+    batch_sizes: Sequence[int],
+    lengths: Sequence[int],
+    seq_len: int,
+    token_step: int,
+    *,
+    fit: int,
+    heldout: int,
+    seed: int,
+) -> list[Point]:
+    """Random (b, i, j) with i on the token grid and j a positive multiple of the token step, i + j ≤ L.
+
+    i is drawn from the (geometric) grid, so short slices, where relative errors are largest, are well
+    represented; j uniformly over what fits. The first ``fit`` points are for the fit, the rest held out.
+    """
+    candidates = [
+        (b, i, j) for b in batch_sizes for i in lengths for j in range(token_step, seq_len - i + 1, token_step)
+    ]
+    need = fit + heldout
+    if len(candidates) < need:
+        raise UserError(
+            f"the sequence length {seq_len} leaves only {len(candidates)} distinct context tiles at this token step, "
+            f"{need} are needed to fit and check the context term; use a smaller --token-step",
+            where="--token-step",
+        )
+    rng = np.random.default_rng(seed)
+    by_length: dict[int, list[tuple[int, int, int]]] = {}
+    for c in candidates:
+        by_length.setdefault(c[1], []).append(c)
+    chosen: list[tuple[int, int, int]] = []
+    seen: set[tuple[int, int, int]] = set()
+    # Draw a length first, then a (b, j) for it: every grid length gets its share of points.
+    usable = [n for n in lengths if n in by_length]
+    while len(chosen) < need:
+        pool = by_length[usable[rng.integers(len(usable))]]
+        c = pool[rng.integers(len(pool))]
+        if c not in seen:
+            seen.add(c)
+            chosen.append(c)
+    return [Point(b, i, j, "fit" if k < fit else "heldout") for k, (b, i, j) in enumerate(chosen)]
+
+
+def check_points(
+    batch_sizes: Sequence[int], lengths: Sequence[int], seq_len: int, token_step: int, *, count: int, seed: int
+) -> list[Point]:
+    """Tiles off the measured grid: i between grid lengths, b between batch sizes where there is room.
+
+    They test the profile as the planner uses it — interpolation in i and b plus the context fit — against
+    direct timings.
+    """
+    off_lengths = [n for n in range(token_step, seq_len + 1, token_step) if n not in set(lengths)] or list(lengths)
+    between = {(a + c) // 2 for a, c in zip(batch_sizes, batch_sizes[1:], strict=False) if c - a > 1}
+    bs = sorted(set(batch_sizes) | between)
+    rng = np.random.default_rng(seed + 1)
+    out: list[Point] = []
+    seen: set[tuple[int, int, int]] = set()
+    tries = 0
+    while len(out) < count and tries < 100 * count:
+        tries += 1
+        b = int(bs[len(out) % len(bs)])
+        i = int(off_lengths[rng.integers(len(off_lengths))])
+        room = (seq_len - i) // token_step
+        # One point in every few without context checks the no-context interpolation alone.
+        j = 0 if (len(out) % 4 == 3 or room == 0) else token_step * int(rng.integers(1, room + 1))
+        if (b, i, j) not in seen:
+            seen.add((b, i, j))
+            out.append(Point(b, i, j, "check"))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- timing
+
+
+class TileTimer:
+    """Times tiles of one decoder layer through the runtime's StageRunner."""
+
+    def __init__(self, model: ModelConfig, device: torch.device, *, seed: int = 0, clock: str = "cpu") -> None:
+        from terapipe_cli.runtime.stage import StageRunner
+
+        if clock not in CLOCKS:
+            raise ValueError(f"clock must be one of {CLOCKS}, got {clock!r}")
+        # On CPU: process CPU time ("cpu") or wall time ("wall"); CUDA is always timed with events.
+        self.clock = "cuda-events" if device.type == "cuda" else clock
+        self._now = time.process_time if self.clock == "cpu" else time.perf_counter
+
+        # The middle stage of a 3-layer, 3-stage split owns exactly one decoder layer and neither the
+        # embedding nor the head: the per-layer cost the planner multiplies by ℓ.
+        self.layer_model = replace(model, layers=3)
+        self.device = device
+        self.runner = StageRunner(self.layer_model, stage=1, stages=3, seed=seed, device=device)
+        self.hidden = model.hidden
+        self._gen = torch.Generator(device="cpu").manual_seed(seed)
+        self._inputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        if device.type == "cuda":
+            self._events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+
+    def _tensors(self, b: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """An input activation and an output gradient of shape (b, n, H), made once per shape, outside timing."""
+        key = (b, n)
+        if key not in self._inputs:
+            if len(self._inputs) > 64:
+                self._inputs.clear()
+            x = torch.randn(b, n, self.hidden, generator=self._gen).to(self.device)
+            g = torch.randn(b, n, self.hidden, generator=self._gen).mul_(1e-2).to(self.device)
+            self._inputs[key] = (x, g)
+        return self._inputs[key]
+
+    def time_tile(self, b: int, i: int, j: int) -> tuple[float, float]:
+        """Seconds of the forward and of the backward of tile (b, i, j) on one layer."""
+        runner = self.runner
+        runner.reset()
+        token_slice = 0
+        x, grad = self._tensors(b, i)
+        if j:
+            runner.forward_tile(0, 0, self._tensors(b, j)[0])
+            token_slice = 1
+        else:
+            # In a pipeline step forwards run back to back, and the first forward after a backward is slower
+            # on a CPU (~0.4 ms on a 1-ms tile: caches, allocator). So every timed forward follows an untimed
+            # one: the context tile, or here the same tile of another batch slice.
+            runner.forward_tile(1, 0, x)
+        if self.device.type == "cuda":
+            start, mid, end = self._events
+            torch.cuda.synchronize(self.device)
+            start.record()
+            runner.forward_tile(0, token_slice, x)
+            mid.record()
+            runner.backward_tile(0, token_slice, grad)
+            end.record()
+            end.synchronize()
+            fwd, bwd = start.elapsed_time(mid) / 1e3, mid.elapsed_time(end) / 1e3
+        else:
+            now = self._now
+            t0 = now()
+            runner.forward_tile(0, token_slice, x)
+            t1 = now()
+            runner.backward_tile(0, token_slice, grad)
+            t2 = now()
+            fwd, bwd = t1 - t0, t2 - t1
+        # The context tile's own backward is not timed; reset() frees its graph, so it is not run at all.
+        runner.reset()
+        return fwd, bwd
+
+    def optimizer_step_s(self, repeats: int) -> float:
+        """Median seconds of one AdamW step (the runtime's optimizer) over one layer's parameters."""
+        from terapipe_cli.model import optimizer_for
+
+        module = self.runner.module
+        for p in module.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        # A throw-away copy of the weights: the step must not change the layer that later tiles time.
+        saved = {k: v.detach().clone() for k, v in module.state_dict().items()}
+        opt = optimizer_for(module, lr=1e-4)
+        times = []
+        for r in range(repeats + 1):
+            self._sync()
+            t0 = self._now()
+            opt.step()
+            self._sync()
+            if r:  # the first step allocates AdamW's state
+                times.append(self._now() - t0)
+        module.load_state_dict(saved)
+        return float(np.median(times))
+
+    def activation_bytes_per_token(self, b: int, i: int) -> tuple[float, str]:
+        """Bytes a tile keeps alive from its forward to its backward, per token, on one layer.
+
+        CUDA: the growth of allocated memory across the forward (measured). CPU: the distinct storages the
+        autograd graph saves plus the tile's input, output and K/V (counted from the tensors themselves).
+        """
+        runner = self.runner
+        runner.reset()
+        x, grad = self._tensors(b, i)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            before = torch.cuda.memory_allocated(self.device)
+            runner.forward_tile(0, 0, x)
+            torch.cuda.synchronize(self.device)
+            held = torch.cuda.memory_allocated(self.device) - before
+            method = "measured: CUDA allocated-memory growth across the forward of one tile"
+        else:
+            params = {p.untyped_storage().data_ptr() for p in runner.module.parameters()}
+            storages: dict[int, int] = {}
+
+            def pack(t: torch.Tensor) -> torch.Tensor:
+                s = t.untyped_storage()
+                if s.data_ptr() not in params:
+                    storages[s.data_ptr()] = s.nbytes()
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = runner.forward_tile(0, 0, x)
+            for t in (x, out):
+                s = t.untyped_storage()
+                storages[s.data_ptr()] = s.nbytes()
+            held = sum(storages.values())
+            method = "computed: distinct storages saved by autograd plus the tile's input and output"
+        runner.backward_tile(0, 0, grad)
+        runner.reset()
+        return held / (b * i), method
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+@dataclass
+class Timings:
+    """Per point: the forward and backward samples of every visit over the repeat rounds."""
+
+    points: list[Point]
+    forward: list[list[float]]  # [point][visit] seconds
+    backward: list[list[float]]
+
+    def stats(self, which: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Median, min and max per point of "forward", "backward" or "total"."""
+        if which == "total":
+            samples = [np.add(f, b) for f, b in zip(self.forward, self.backward, strict=True)]
+        else:
+            samples = [np.asarray(s) for s in {"forward": self.forward, "backward": self.backward}[which]]
+        return (
+            np.array([np.median(s) for s in samples]),
+            np.array([s.min() for s in samples]),
+            np.array([s.max() for s in samples]),
+        )
+
+
+def visits_per_round(points: Sequence[Point], most: int = 4) -> list[int]:
+    """Cheap tiles are visited up to ``most`` times per round: their relative noise is the largest and
+    extra samples of them cost little (a 16th of the largest tile buys the smallest ones four visits)."""
+    ref = max(p.work for p in points) / 16
+    return [int(min(most, max(1, ref // p.work))) for p in points]
+
+
+def time_points(
+    timer: TileTimer,
+    points: Sequence[Point],
+    *,
+    repeats: int,
+    warmup_all: bool,
+    seed: int,
+    progress: Progress | None = None,
+    phase: str = "timing tiles",
+) -> Timings:
+    """Warm up, then ``repeats`` rounds over all points, each round in a fresh random order.
+
+    ``warmup_all``: warm up on every point (first-call costs per shape: allocator, kernels, masks) instead
+    of on one small and one large tile per batch size.
+    """
+    points = list(points)
+    rng = np.random.default_rng(seed)
+    if warmup_all:
+        warm = points
+    else:
+        warm = []
+        for b in sorted({p.b for p in points}):
+            mine = [p for p in points if p.b == b]
+            warm += [min(mine, key=lambda p: p.work), max(mine, key=lambda p: p.work)]
+    visits = visits_per_round(points)
+    order = np.repeat(np.arange(len(points)), visits)
+    total = sum(p.work for p in warm) + repeats * sum(p.work * v for p, v in zip(points, visits, strict=True))
+    done = 0.0
+    fwd: list[list[float]] = [[] for _ in points]
+    bwd: list[list[float]] = [[] for _ in points]
+    gc_was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        for p in warm:
+            timer.time_tile(p.b, p.i, p.j)
+            done += p.work
+            if progress:
+                progress(f"{phase} (warm-up)", done, total)
+        for r in range(repeats):
+            for k in rng.permutation(order):
+                p = points[k]
+                f, b = timer.time_tile(p.b, p.i, p.j)
+                fwd[k].append(f)
+                bwd[k].append(b)
+                done += p.work
+                if progress:
+                    progress(f"{phase} (round {r + 1}/{repeats})", done, total)
+            gc.collect()  # between rounds, outside any timed region
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return Timings(points, fwd, bwd)
+
+
+# ----------------------------------------------------------------------------------------------- profile
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What to measure; `Settings.default` and `Settings.quick` are the two presets."""
+
+    batch_sizes: tuple[int, ...]
+    token_step: int
+    token_lengths: tuple[int, ...]
+    repeats: int
+    warmup_all: bool
+    fit_points: int
+    heldout_points: int
+    check_points: int  # 0: no check
+    comm_sizes: int
+    comm_rounds: int
+    comm_iters: int
+    seed: int = 0
+    quick: bool = False
+    clock: str = "cpu"
+
+    @staticmethod
+    def make(
+        model: ModelConfig,
+        batch_sizes: Sequence[int],
+        token_step: int,
+        *,
+        quick: bool,
+        check: bool,
+        seed: int = 0,
+        clock: str = "cpu",
+    ) -> Settings:
+        bs = tuple(sorted(set(batch_sizes)))
+        if not bs or bs[0] < 1:
+            raise UserError(f"must be positive integers, got {list(batch_sizes)}", where="--batch-sizes")
+        if clock not in CLOCKS:
+            raise UserError(f"must be one of {', '.join(CLOCKS)}, got {clock!r}", where="--clock")
+        lengths = tuple(token_grid(model.seq_len, token_step, quick=quick))
+        preset = _QUICK if quick else _DEFAULT
+        return Settings(
+            bs,
+            token_step,
+            lengths,
+            **preset,
+            check_points=preset["fit_points"] // 4 if check else 0,
+            seed=seed,
+            quick=quick,
+            clock=clock,
+        )
+
+
+# Sized so that the tiny model (H = 256, L = 1024) takes under 30 s (quick) and 3 minutes (default) on a
+# 2-core CPU, including torchrun's start-up (~10 s) for the link.
+_QUICK = dict(repeats=3, warmup_all=False, fit_points=16, heldout_points=8, comm_sizes=5, comm_rounds=2, comm_iters=5)
+_DEFAULT = dict(repeats=5, warmup_all=True, fit_points=48, heldout_points=16, comm_sizes=8, comm_rounds=4, comm_iters=8)
+
+
+def _fit_report(fit, pts: list[Point], t_nc: dict, t: np.ndarray) -> dict:
+    b, i, j = (np.array([getattr(p, a) for p in pts], dtype=float) for a in "bij")
+    nc = np.array([t_nc[(p.b, p.i)] for p in pts])
+    return {"tile": fit.errors(b, i, j, nc, t), "context_only": fit.context_errors(b, i, j, nc, t)}
+
+
+def measure_profile(
+    model: ModelConfig,
+    settings: Settings,
+    device: torch.device,
+    *,
+    progress: Progress | None = None,
+    measure_comm: bool = True,
+) -> dict:
+    """Measure everything and return a ``terapipe.profile/1`` dict (validated before it is returned)."""
+    from terapipe_cli.profile.comm import measure_link, message_sizes
+
+    check_fits_in_memory(model, max(settings.batch_sizes), device)
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # a pipeline stage owns one core
+    started = time.perf_counter()
+    try:
+        timer = TileTimer(model, device, seed=settings.seed, clock=settings.clock)
+        grid = [Point(b, n, 0, "grid") for b in settings.batch_sizes for n in settings.token_lengths]
+        ctx = context_points(
+            settings.batch_sizes,
+            settings.token_lengths,
+            model.seq_len,
+            settings.token_step,
+            fit=settings.fit_points,
+            heldout=settings.heldout_points,
+            seed=settings.seed,
+        )
+        chk = (
+            check_points(
+                settings.batch_sizes,
+                settings.token_lengths,
+                model.seq_len,
+                settings.token_step,
+                count=settings.check_points,
+                seed=settings.seed,
+            )
+            if settings.check_points
+            else []
+        )
+        # Grid, context and check tiles share the same rounds: drift hits them all alike.
+        timings = time_points(
+            timer,
+            grid + ctx + chk,
+            repeats=settings.repeats,
+            warmup_all=settings.warmup_all,
+            seed=settings.seed,
+            progress=progress,
+        )
+        if progress:
+            progress("optimizer step and activation memory", 0, 1)
+        opt_s = timer.optimizer_step_s(repeats=5 if settings.quick else 20)
+        act_i = min(model.seq_len, 256)
+        act_bytes, act_method = timer.activation_bytes_per_token(1, act_i)
+        if progress:
+            progress("optimizer step and activation memory", 1, 1)
+    finally:
+        torch.set_num_threads(threads)
+
+    pts = timings.points
+    med = {w: timings.stats(w) for w in ("forward", "backward", "total")}
+    index = {p: k for k, p in enumerate(pts)}
+
+    def table(which: str, stat: int) -> list[list[float]]:
+        return [
+            [float(med[which][stat][index[Point(b, n, 0, "grid")]]) for n in settings.token_lengths]
+            for b in settings.batch_sizes
+        ]
+
+    forward_s, backward_s = table("forward", 0), table("backward", 0)
+    context: dict = {}
+    for which in ("forward", "backward"):
+        t_nc = {
+            (b, n): med[which][0][index[Point(b, n, 0, "grid")]]
+            for b in settings.batch_sizes
+            for n in settings.token_lengths
+        }
+        fit_pts = [p for p in ctx if p.role == "fit"]
+        held = [p for p in ctx if p.role == "heldout"]
+        b, i, j = (np.array([getattr(p, a) for p in fit_pts], dtype=float) for a in "bij")
+        t_fit = np.array([med[which][0][index[p]] for p in fit_pts])
+        fit = fit_context(b, i, j, [t_nc[(p.b, p.i)] for p in fit_pts], t_fit)
+        held_err = _fit_report(fit, held, t_nc, np.array([med[which][0][index[p]] for p in held]))
+        context[which] = {
+            "coef": list(fit.coef),
+            # Relative error of the predicted per-layer tile time t_nc + t_ctx on the held-out tiles: the
+            # quantity the planner adds up. The context term alone, a difference of two timings, is below.
+            "heldout_rel_err_mean": held_err["tile"].mean,
+            "heldout_rel_err_max": held_err["tile"].max,
+            "heldout_points": held_err["tile"].count,
+            "heldout_context_only_rel_err_mean": held_err["context_only"].mean,
+            "heldout_context_only_rel_err_max": held_err["context_only"].max,
+            "fit_rel_err_mean": fit.fit_err.mean,
+            "fit_rel_err_max": fit.fit_err.max,
+            "fit_points": fit.fit_err.count,
+        }
+
+    if progress:
+        progress("point-to-point link (torchrun)", 0, 1)
+    H = model.hidden
+    smallest = min(settings.batch_sizes) * settings.token_lengths[0] * H * DTYPE_BYTES
+    largest = max(settings.batch_sizes) * model.seq_len * H * DTYPE_BYTES
+    sizes = message_sizes(smallest, largest, settings.comm_sizes)
+    if measure_comm:
+        comm = measure_link(device.type, sizes, rounds=settings.comm_rounds, iters=settings.comm_iters).to_dict()
+    else:
+        comm = {"latency_s": 0.0, "bytes_per_s": 1e12, "method": "not measured (--no-comm): a free link"}
+    if progress:
+        progress("point-to-point link (torchrun)", 1, 1)
+
+    def samples(p: Point, k: int) -> dict:
+        return {
+            "b": p.b,
+            "i": p.i,
+            "j": p.j,
+            "forward_s": float(med["forward"][0][k]),
+            "backward_s": float(med["backward"][0][k]),
+            "total_min_s": float(med["total"][1][k]),
+            "total_max_s": float(med["total"][2][k]),
+        }
+
+    profile = {
+        "schema": PROFILE_SCHEMA,
+        "source": "measured",
+        "note": (
+            f"Measured by `terapipe profile{' --quick' if settings.quick else ''}` through the runtime's StageRunner "
+            f"(one decoder layer), median of {settings.repeats} interleaved rounds. token_lengths is a geometric "
+            "subset of the multiples of token_step; the cost model interpolates between them piecewise-linearly."
+        ),
+        "created": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "device": dict(device_info(device), clock=CLOCK_NAMES[timer.clock]),
+        "model": model.to_dict(),
+        "dtype_bytes": DTYPE_BYTES,
+        "token_step": settings.token_step,
+        "batch_sizes": list(settings.batch_sizes),
+        "token_lengths": list(settings.token_lengths),
+        "forward_s": forward_s,
+        "backward_s": backward_s,
+        "context": context,
+        "comm": comm,
+        "optimizer_s_per_layer": opt_s,
+        "activation_bytes_per_token_per_layer": act_bytes,
+        "params_per_layer": sum(p.numel() for p in timer.runner.module.parameters()),
+        "grid": {
+            "kind": "quick" if settings.quick else "default",
+            "interpolation": "piecewise-linear in tokens, then in batch size (terapipe_cli.costmodel)",
+            "repeats": settings.repeats,
+            "forward_min_s": table("forward", 1),
+            "forward_max_s": table("forward", 2),
+            "backward_min_s": table("backward", 1),
+            "backward_max_s": table("backward", 2),
+        },
+        "context_points": [dict(samples(p, index[p]), role=p.role) for p in ctx],
+        "activation_method": f"{act_method}, at b = 1, i = {act_i}",
+        "seconds_to_measure": round(time.perf_counter() - started, 1),
+    }
+    profile_from_dict(profile, "measured profile")  # the one validating reader accepts what we write
+    if chk:
+        profile["check"] = check_against(profile, [samples(p, index[p]) for p in chk])
+    return profile
+
+
+# ----------------------------------------------------------------------------------------------- check
+
+
+def check_against(profile: dict, measured: list[dict]) -> dict:
+    """Compare the profile's tile cost with direct timings of tiles off its grids.
+
+    The prediction is `CostModel` for a stage of one layer (stages = layers) minus the link, which a
+    single-process timing does not include: ``cost(b, i, j) − comm(b, i)``.
+    """
+    prof = profile_from_dict(profile, "profile")
+    cost = CostModel(prof, stages=prof.model.layers)
+    rows = []
+    for m in measured:
+        predicted = float(cost(m["b"], m["i"], m["j"]) - cost.comm(m["b"], m["i"]))
+        total = m["forward_s"] + m["backward_s"]
+        rows.append(dict(m, measured_s=total, predicted_s=predicted, rel_err=abs(predicted - total) / total))
+    err = RelErr.of([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows])
+    return {"points": rows, "rel_err_mean": err.mean, "rel_err_max": err.max}
+
+
+def recheck_profile(
+    profile: dict,
+    device: torch.device,
+    *,
+    count: int,
+    repeats: int,
+    seed: int = 0,
+    clock: str | None = None,
+    progress: Progress | None = None,
+) -> dict:
+    """Time ``count`` off-grid tiles now, on this device, and compare them with an existing profile.
+
+    ``clock``: None uses the clock the profile was measured with.
+    """
+    prof = profile_from_dict(profile, "profile")
+    model = prof.model
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        if clock is None:
+            clock = "wall" if prof.device.get("clock") == CLOCK_NAMES["wall"] else "cpu"
+        timer = TileTimer(model, device, seed=seed, clock=clock)
+        pts = check_points(prof.batch_sizes, prof.token_lengths, model.seq_len, prof.token_step, count=count, seed=seed)
+        t = time_points(
+            timer, pts, repeats=repeats, warmup_all=True, seed=seed, progress=progress, phase="timing check tiles"
+        )
+    finally:
+        torch.set_num_threads(threads)
+    f, b = t.stats("forward")[0], t.stats("backward")[0]
+    lo, hi = t.stats("total")[1:]
+    measured = [
+        {
+            "b": p.b,
+            "i": p.i,
+            "j": p.j,
+            "forward_s": float(f[k]),
+            "backward_s": float(b[k]),
+            "total_min_s": float(lo[k]),
+            "total_max_s": float(hi[k]),
+        }
+        for k, p in enumerate(pts)
+    ]
+    return check_against(profile, measured)
