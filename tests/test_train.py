@@ -1,0 +1,140 @@
+"""`terapipe train` end to end: torchrun workers on CPU (gloo), tiny models, checked by --verify."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import write_plan_file
+
+from terapipe_cli.runtime import checkpoint
+from terapipe_cli.runtime.rundir import read_metrics, read_summary, timeline_path
+from terapipe_cli.schedule import plan_tiles, read_timeline
+
+
+def train(*args: str, env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "terapipe_cli", "train", *args],
+        capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})},
+    )
+
+
+SCHEMES = {
+    # name: (slices, stages, data_parallel)
+    "K=2": ([(2, [8, 8, 8, 8])], 2, 1),
+    "K=3": ([(1, [16, 8, 8])] * 2, 3, 1),
+    "uneven token slices": ([(2, [13, 1, 11, 7])], 2, 1),
+    "a different token slicing per batch slice": ([(1, [20, 12]), (1, [5, 5, 22])], 2, 1),
+    "batch slices of different sizes": ([(2, [16, 16]), (1, [32])], 2, 1),
+    "GPipe": ([(1, [32])] * 3, 2, 1),
+    "D=2, K=2": ([(1, [12, 20])], 2, 2),
+}
+
+
+@pytest.mark.parametrize("name", list(SCHEMES))
+def test_verify_passes(tmp_path, name):
+    slices, stages, replicas = SCHEMES[name]
+    plan = write_plan_file(tmp_path / "plan.json", slices, stages=stages)
+    out = tmp_path / "run"
+    p = train("--plan", str(plan), "--steps", "3", "--out", str(out), "--verify", "--data-parallel", str(replicas))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "verified" in p.stdout
+    summary = read_summary(out)
+    assert summary["verify"]["ok"] is True
+    assert [c["what"] for c in summary["verify"]["checks"]] == ["loss, 3 steps", "gradients at step 1",
+                                                               "weights after step 3"]
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+    # One timeline per rank with every tile's forward and backward of every step, on the right stage.
+    tiles = len(plan_tiles(slices))
+    for rank in range(stages * replicas):
+        meta, events = read_timeline(timeline_path(out, rank))
+        assert meta["stage"] == rank % stages
+        assert len(events) == 3 * 2 * tiles
+        assert {e.stage for e in events} == {rank % stages}
+        assert all(0 <= e.start_s <= e.end_s for e in events)
+
+
+def test_negative_control_without_kv_handback_fails_verification(tmp_path):
+    """The check can fail: drop the earlier slices' K/V gradients and --verify must say so."""
+    plan = write_plan_file(tmp_path / "plan.json", [(2, [8, 8, 16])], stages=2)
+    p = train("--plan", str(plan), "--steps", "2", "--out", str(tmp_path / "run"), "--verify",
+              env={"TERAPIPE_TEST_DROP_KV_GRADS": "1"})
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "verification failed" in p.stderr
+    checks = {c["what"]: c for c in read_summary(tmp_path / "run")["verify"]["checks"]}
+    assert checks["gradients at step 1"]["ok"] is False
+    assert checks["gradients at step 1"]["max_rel"] > 1e-2
+
+
+def test_killed_worker_ends_the_job_and_resume_reproduces_the_losses(tmp_path):
+    plan = write_plan_file(tmp_path / "plan.json", [(1, [10, 22]), (1, [32])], stages=2)
+    common = ["--plan", str(plan), "--steps", "8", "--checkpoint-every", "3"]
+
+    whole = tmp_path / "whole"
+    p = train(*common, "--out", str(whole))
+    assert p.returncode == 0, p.stderr
+    expected = [r["loss"] for r in read_metrics(whole)]
+    assert len(expected) == 8
+
+    broken = tmp_path / "broken"
+    start = time.monotonic()
+    p = train(*common, "--out", str(broken), env={"TERAPIPE_TEST_FAULT": "kill:1:5"})
+    assert time.monotonic() - start < 90  # includes start-up; the failure itself is noticed in well under 60 s
+    assert p.returncode != 0
+    last = p.stderr.strip().splitlines()[-1]
+    assert "worker rank 1 (stage 1, replica 0) failed" in last and "SIGKILL" in last, p.stderr
+    # Step 3's checkpoint is complete and loads; step 6 was never reached.
+    assert checkpoint.complete_steps(broken) == [3]
+    for stage in range(2):
+        assert checkpoint.load_stage(broken, 3, stage)["step"] == 3
+    assert [r["step"] for r in read_metrics(broken)] == [1, 2, 3, 4]
+
+    p = train("--resume", "--out", str(broken), "--steps", "8")
+    assert p.returncode == 0, p.stderr
+    resumed = read_metrics(broken)
+    assert [r["step"] for r in resumed] == list(range(1, 9))
+    assert [r["loss"] for r in resumed] == pytest.approx(expected, rel=1e-6)
+
+
+def test_worker_exception_is_named_in_one_line(tmp_path):
+    plan = write_plan_file(tmp_path / "plan.json", [(1, [16, 16])], stages=2)
+    p = train("--plan", str(plan), "--steps", "4", "--out", str(tmp_path / "run"),
+              env={"TERAPIPE_TEST_FAULT": "raise:0:2"})
+    assert p.returncode == 1
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("terapipe: error: worker rank 0 (stage 0, replica 0) failed: RuntimeError: injected failure")
+    assert (tmp_path / "run" / "errors" / "rank_00000.txt").exists()
+
+
+def test_dry_run_prints_the_torchrun_command(tmp_path):
+    plan = write_plan_file(tmp_path / "plan.json", [(1, [16, 16])], stages=2)
+    p = train("--plan", str(plan), "--out", str(tmp_path / "run"), "--dry-run", "--data-parallel", "2")
+    assert p.returncode == 0, p.stderr
+    line = p.stdout.strip()
+    assert "-m torch.distributed.run --standalone --nnodes 1 --nproc-per-node 4" in line
+    assert "--module terapipe_cli.runtime.worker --run-dir" in line
+    assert "OMP_NUM_THREADS=1" in line
+    assert not (tmp_path / "run").exists()  # a dry run writes nothing
+    p = train("--plan", str(plan), "--out", str(tmp_path / "run"), "--dry-run", "--nnodes", "2", "--node-rank", "1",
+              "--rdzv-endpoint", "host0:29400")
+    assert "--nnodes 2 --node-rank 1 --rdzv-endpoint host0:29400 --nproc-per-node 1" in p.stdout
+
+
+def test_run_directory_files(tmp_path):
+    plan = write_plan_file(tmp_path / "plan.json", [(1, [16, 16])], stages=2)
+    out = tmp_path / "run"
+    p = train("--plan", str(plan), "--steps", "2", "--out", str(out), "--seed", "3")
+    assert p.returncode == 0, p.stderr
+    assert "step     2/2  loss" in p.stdout  # one grep-able metrics line per step
+    config = json.loads((out / "config.json").read_text())
+    assert config["schema"] == "terapipe.run/1" and config["backend"] == "gloo"
+    assert config["arguments"]["seed"] == 3 and "torch" in config["versions"]
+    assert json.loads((out / "plan.json").read_text())["schema"] == "terapipe.plan/1"
+    rec = read_metrics(out)[-1]
+    assert set(rec) >= {"schema", "step", "loss", "iteration_s", "tokens_per_s", "memory_bytes"}
+    assert read_summary(out)["status"] == "complete"
+    assert checkpoint.latest_complete(out) == 2

@@ -1,0 +1,82 @@
+"""Bad input to `terapipe train`: one line, exit 2, before any worker starts (in-process: no workers)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import write_plan_file
+
+from terapipe_cli.cli import main
+
+
+def run(capsys, *args):
+    with pytest.raises(SystemExit) as e:
+        main(["train", *args])
+    err = capsys.readouterr().err
+    return e.value.code, err
+
+
+@pytest.fixture
+def plan(tmp_path):
+    return write_plan_file(tmp_path / "plan.json", [(1, [16, 16])], stages=2)
+
+
+def test_missing_data_file(tmp_path, capsys, plan):
+    code, err = run(capsys, "--plan", str(plan), "--data", str(tmp_path / "nope.txt"), "--out", str(tmp_path / "r"))
+    assert code == 2 and "nope.txt: data file not found" in err
+    assert err.count("\n") == 1
+    assert not (tmp_path / "r").exists()
+
+
+def test_sequence_longer_than_the_data(tmp_path, capsys, plan):
+    short = tmp_path / "short.txt"
+    short.write_text("tiny")
+    code, err = run(capsys, "--plan", str(plan), "--data", str(short), "--out", str(tmp_path / "r"))
+    assert code == 2 and "fewer than the sequence length + 1 (33)" in err
+
+
+def test_token_ids_outside_the_vocabulary(tmp_path, capsys, plan):
+    tokens = tmp_path / "t.npy"
+    np.save(tokens, np.arange(1000, dtype=np.uint16))
+    code, err = run(capsys, "--plan", str(plan), "--data", str(tokens), "--out", str(tmp_path / "r"))
+    assert code == 2 and "token id 999, outside the model's vocabulary of 256" in err
+
+
+def test_too_many_workers(tmp_path, capsys, plan):
+    code, err = run(capsys, "--plan", str(plan), "--data-parallel", "1000", "--out", str(tmp_path / "r"))
+    assert code == 2 and "K x D = 2 x 1000" in err and "more than allowed" in err
+
+
+def test_plan_that_does_not_fit_the_model(tmp_path, capsys):
+    plan = write_plan_file(tmp_path / "plan.json", [(1, [16, 16])], stages=2, layers=6)
+    import json
+
+    obj = json.loads(plan.read_text())
+    obj["stages"] = 4  # 6 layers do not split into 4 stages
+    plan.write_text(json.dumps(obj))
+    code, err = run(capsys, "--plan", str(plan), "--out", str(tmp_path / "r"))
+    assert code == 2 and "4 stages do not divide the 6 layers" in err
+
+
+def test_resume_without_a_run(tmp_path, capsys):
+    code, err = run(capsys, "--resume", "--out", str(tmp_path / "none"))
+    assert code == 2 and "no run to resume here" in err
+
+
+def test_resume_without_a_complete_checkpoint(tmp_path, capsys, plan):
+    code, _ = run(capsys, "--plan", str(plan), "--out", str(tmp_path / "r"), "--dry-run")
+    assert code == 0
+    from terapipe_cli.runtime.prepare import prepare_run
+
+    prepare_run(plan_path=plan, steps=3, data=None, out=tmp_path / "r", seed=0, lr=1e-3, data_parallel=None,
+                verify=False, resume=False, nnodes=1, node_rank=0, rdzv_endpoint=None, checkpoint_every=1,
+                threads=1, timeout_s=10, device="cpu")
+    code, err = run(capsys, "--resume", "--out", str(tmp_path / "r"))
+    assert code == 2 and "no complete checkpoint to resume from" in err
+    code, err = run(capsys, "--plan", str(plan), "--out", str(tmp_path / "r"))
+    assert code == 2 and "already holds a run" in err
+
+
+def test_verify_cannot_follow_resume(tmp_path, capsys):
+    code, err = run(capsys, "--resume", "--verify", "--out", str(tmp_path / "r"))
+    assert code == 2 and "--verify" in err
