@@ -38,6 +38,7 @@ from terapipe_cli.costmodel import CostModel, profile_from_dict  # noqa: E402
 from terapipe_cli.errors import UserError  # noqa: E402
 from terapipe_cli.experiments import Experiment, load_experiment  # noqa: E402
 from terapipe_cli.hardware import load_hardware  # noqa: E402
+from terapipe_cli.plan import short_form  # noqa: E402
 from terapipe_cli.planner import gpipe_baseline, solve, uniform_baseline  # noqa: E402
 from terapipe_cli.profile.analytic import analytic_profile  # noqa: E402
 from terapipe_cli.simulate import simulate, stage_memory  # noqa: E402
@@ -100,45 +101,9 @@ def plan_experiment(exp: Experiment) -> Row:
     )
 
 
-def _runs(lengths: list[int]) -> str:
-    """``[72, 72, 72, 64]`` -> ``[72]*3 + [64]``: long DP schemes are mostly runs of equal slices."""
-    parts: list[str] = []
-    singles: list[int] = []
-    k = 0
-    while k < len(lengths):
-        n = 1
-        while k + n < len(lengths) and lengths[k + n] == lengths[k]:
-            n += 1
-        if n >= 3:
-            if singles:
-                parts.append(str(singles))
-                singles = []
-            parts.append(f"[{lengths[k]}]*{n}")
-        else:
-            singles.extend(lengths[k : k + n])
-        k += n
-    if singles:
-        parts.append(str(singles))
-    return " + ".join(parts)
-
-
 def compact_form(slices) -> str:
     """The short form of SPEC §2 with runs of equal token slices folded; still a valid Python expression."""
-    parts: list[str] = []
-    k = 0
-    while k < len(slices):
-        run = 1
-        while (
-            k + run < len(slices)
-            and slices[k + run][0] == slices[k][0]
-            and list(slices[k + run][1]) == list(slices[k][1])
-        ):
-            run += 1
-        b, lengths = slices[k]
-        body = f"[({b}, {_runs(list(lengths))})]"
-        parts.append(body if run == 1 else f"{body} * {run}")
-        k += run
-    return " + ".join(parts)
+    return short_form(slices, fold=True)
 
 
 def _shorten(scheme: str, width: int) -> str:

@@ -170,8 +170,6 @@ def test_bad_input(tmp_path: Path, make_args, word: str) -> None:
     assert os.listdir(work) == []  # no plan, no temporary file
 
 
-@pytest.mark.xfail(strict=True, reason="bug: files.write_bytes_atomic lets os.replace's IsADirectoryError through "
-                   "(traceback, exit 1); reported to the lead")
 def test_out_is_a_folder(tmp_path: Path) -> None:
     (tmp_path / "outdir").mkdir()
     proc = terapipe(*plan_args("--out", "outdir"), cwd=tmp_path)

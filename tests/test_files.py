@@ -63,7 +63,6 @@ def test_interrupt_during_write_leaves_no_temp(tmp_path: Path, monkeypatch: pyte
     assert os.listdir(tmp_path) == []
 
 
-@pytest.mark.xfail(strict=True, reason="bug: mkstemp makes every output 0600, ignoring the umask; reported to the lead")
 def test_written_files_follow_the_umask(tmp_path: Path) -> None:
     # A plan or profile written by one user must be readable by workers that the umask lets read it.
     old = os.umask(0o022)

@@ -262,17 +262,23 @@ class CostModel:
 
     def no_context(self, b: np.ndarray, i: np.ndarray) -> np.ndarray:
         """Per-layer forward + backward seconds of b × i tokens with no context."""
-        b, i = np.broadcast_arrays(np.asarray(b, dtype=float), np.asarray(i, dtype=float))
-        # First along tokens for every measured batch size, then along the batch size.
-        rows = np.stack([_interp_linear(i, self._ts, row) for row in self._nc])  # (nb, *shape)
+        b, i = np.asarray(b, dtype=float), np.asarray(i, dtype=float)
+        # The planner asks for every (b, i) pair of a large broadcast grid, but the inputs hold few distinct
+        # values: interpolate once per distinct pair, then gather.
+        ub, b_idx = np.unique(b, return_inverse=True)
+        ui, i_idx = np.unique(i, return_inverse=True)
+        table = self._no_context_table(ub, ui)
+        return table[b_idx.reshape(b.shape), i_idx.reshape(i.shape)]
+
+    def _no_context_table(self, b: np.ndarray, i: np.ndarray) -> np.ndarray:
+        """``t_nc`` for every b (rows) and i (columns): first along tokens, then along the batch size."""
+        rows = np.stack([_interp_linear(i, self._ts, row) for row in self._nc])  # (grid batch sizes, len(i))
         if len(self._bs) == 1:
-            return rows[0] * np.maximum(b / self._bs[0], 1.0)
+            return rows[0][None, :] * np.maximum(b / self._bs[0], 1.0)[:, None]
         k = np.clip(np.searchsorted(self._bs, b, side="right") - 1, 0, len(self._bs) - 2)
         b0, b1 = self._bs[k], self._bs[k + 1]
-        y0 = np.take_along_axis(rows, k[None], axis=0)[0]
-        y1 = np.take_along_axis(rows, (k + 1)[None], axis=0)[0]
-        w = np.maximum(b - b0, 0.0) / (b1 - b0)  # held at the smallest batch size below the grid
-        return y0 + w * (y1 - y0)
+        w = (np.maximum(b - b0, 0.0) / (b1 - b0))[:, None]  # held at the smallest batch size below the grid
+        return rows[k] + w * (rows[k + 1] - rows[k])
 
     def context(self, b: np.ndarray, i: np.ndarray, j: np.ndarray) -> np.ndarray:
         """Per-layer extra forward + backward seconds caused by j context tokens."""

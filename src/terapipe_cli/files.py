@@ -23,6 +23,8 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
 
 def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> Path:
     path = Path(path)
+    if path.is_dir():
+        raise UserError("is a folder; give a file path to write", where=str(path))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -36,14 +38,23 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> Path:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600 files; outputs get the usual permissions
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         try:
             os.unlink(tmp)
         except OSError:
             pass
+        if isinstance(e, OSError):
+            raise UserError(f"cannot write ({e.strerror or e})", where=str(path)) from None
         raise
     return path
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> Path:

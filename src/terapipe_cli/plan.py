@@ -53,8 +53,12 @@ def check_slices(slices: Slices, *, seq_len: int, batch_size: int, where: str = 
         raise UserError(f"batch slices sum to {total} sequences, expected the batch size {batch_size}", where=where)
 
 
-def short_form(slices: Sequence) -> str:
-    """``[(1, [776, 640, 632])] * 16``; runs of equal batch slices are folded, different ones joined by +."""
+def short_form(slices: Sequence, *, fold: bool = False) -> str:
+    """``[(1, [776, 640, 632])] * 16``; runs of equal batch slices are folded, different ones joined by +.
+
+    With ``fold``, runs of three or more equal token slices are folded too (``[(1, [72]*24 + [64]*5)] * 2``):
+    long DP schemes are mostly such runs. Either way the text is a Python expression equal to the scheme.
+    """
     parts: list[str] = []
     k = 0
     while k < len(slices):
@@ -62,9 +66,32 @@ def short_form(slices: Sequence) -> str:
         while k + run < len(slices) and _same(slices[k + run], slices[k]):
             run += 1
         b, lengths = slices[k]
-        body = f"[({b}, [{', '.join(str(n) for n in lengths)}])]"
+        lengths = [int(n) for n in lengths]
+        body = f"[({b}, {_fold_runs(lengths) if fold else str(lengths)})]"
         parts.append(body if run == 1 else f"{body} * {run}")
         k += run
+    return " + ".join(parts)
+
+
+def _fold_runs(lengths: list[int]) -> str:
+    """``[72, 72, 72, 64]`` -> ``[72]*3 + [64]``."""
+    parts: list[str] = []
+    singles: list[int] = []
+    k = 0
+    while k < len(lengths):
+        n = 1
+        while k + n < len(lengths) and lengths[k + n] == lengths[k]:
+            n += 1
+        if n >= 3:
+            if singles:
+                parts.append(str(singles))
+                singles = []
+            parts.append(f"[{lengths[k]}]*{n}")
+        else:
+            singles.extend(lengths[k : k + n])
+        k += n
+    if singles:
+        parts.append(str(singles))
     return " + ".join(parts)
 
 

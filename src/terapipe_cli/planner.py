@@ -70,8 +70,8 @@ class PlanResult:
     sum_s: float = 0.0
     extra: dict = field(default_factory=dict)
 
-    def short_form(self) -> str:
-        return short_form(self.slices)
+    def short_form(self, *, fold: bool = False) -> str:
+        return short_form(self.slices, fold=fold)
 
     @property
     def tiles(self) -> int:

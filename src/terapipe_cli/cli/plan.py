@@ -45,11 +45,20 @@ def plan(
     data_parallel: Annotated[
         int, typer.Option("--data-parallel", "-d", help="Pipeline replicas; adds their gradient all-reduce per step.")
     ] = 1,
+    memory_limit: Annotated[
+        float | None,
+        typer.Option(
+            "--memory-limit",
+            help="GiB per device; warn when a stage's estimated peak exceeds it "
+            "[default: the profile's device memory, if known].",
+        ),
+    ] = None,
     out: Annotated[Path, typer.Option("--out", "-o", help="Where to write the plan JSON.")] = Path("plan.json"),
 ) -> None:
     from terapipe_cli.costmodel import CostModel, read_profile
     from terapipe_cli.plan import make_plan_dict, write_plan
     from terapipe_cli.planner import gpipe_baseline, solve, uniform_baseline
+    from terapipe_cli.simulate import simulate, stage_memory
 
     console = Console()
     prof = read_profile(profile)
@@ -62,6 +71,8 @@ def plan(
         raise UserError(f"must be at least 1, got {data_parallel}", where="--data-parallel")
     if not (epsilon >= 0 and math.isfinite(epsilon)):
         raise UserError(f"must be a non-negative number of seconds, got {epsilon}", where="--epsilon")
+    if memory_limit is not None and not (memory_limit > 0 and math.isfinite(memory_limit)):
+        raise UserError(f"must be a positive number of GiB, got {memory_limit}", where="--memory-limit")
     if method not in ("exact", "enumerate"):
         raise UserError(f"must be 'exact' or 'enumerate', got {method!r}", where="--method")
     model.stage_layers(stages, where=f"--stages (model {model.name} in {profile})")
@@ -81,6 +92,13 @@ def plan(
         best = solve(cost, seq_len=L, batch_size=batch, stages=stages, token_step=g, epsilon=epsilon, method=method)
         gpipe = gpipe_baseline(cost, seq_len=L, batch_size=batch, stages=stages)
         uniform = uniform_baseline(cost, seq_len=L, batch_size=batch, stages=stages, token_step=g)
+        # The formula prices every tile's transfers inside the tile; the simulator replays the schedule with
+        # asynchronous sends, as the runtime runs it. Both are reported.
+        simulated = {
+            name: simulate(res.slices, cost, stages).latency_s
+            for name, res in (("terapipe", best), ("gpipe", gpipe), ("uniform", uniform))
+        }
+    memory = _memory(stage_memory(best.slices, prof, stages), prof.device, memory_limit)
 
     obj = make_plan_dict(
         model=model,
@@ -91,15 +109,17 @@ def plan(
         slices=best.slices,
         predicted_s=best.predicted_s,
         data_parallel=data_parallel,
+        simulated_s=simulated["terapipe"],
         t_max_s=best.t_max_s,
         sum_s=best.sum_s,
         tiles=best.tiles,
         step_s=cost.step_s,
         speedup_vs_gpipe=gpipe.predicted_s / best.predicted_s,
         baselines={
-            "gpipe": {**gpipe.to_dict(), "microbatch": gpipe.extra["microbatch"]},
-            "uniform": {**uniform.to_dict(), **uniform.extra},
+            "gpipe": {**gpipe.to_dict(), "microbatch": gpipe.extra["microbatch"], "simulated_s": simulated["gpipe"]},
+            "uniform": {**uniform.to_dict(), **uniform.extra, "simulated_s": simulated["uniform"]},
         },
+        memory=memory,
         solver={"method": method, "epsilon": epsilon, "seconds": best.seconds, "candidates": best.candidates},
         profile={
             "path": str(profile),
@@ -117,14 +137,20 @@ def plan(
     table.add_column("scheme")
     table.add_column("slicing (short form)", overflow="fold", max_width=70)
     table.add_column("predicted iteration", justify="right")
+    table.add_column("simulated", justify="right")
     table.add_column("speed-up vs GPipe", justify="right")
     table.add_column("tiles", justify="right")
     table.add_column("largest tile", justify="right")
-    for name, res in (("TeraPipe (DP)", best), ("GPipe", gpipe), ("uniform (best)", uniform)):
+    for name, key, res in (
+        ("TeraPipe (DP)", "terapipe", best),
+        ("GPipe", "gpipe", gpipe),
+        ("uniform (best)", "uniform", uniform),
+    ):
         table.add_row(
             name,
-            res.short_form(),
+            res.short_form(fold=True),
             _seconds(res.predicted_s),
+            _seconds(simulated[key]),
             f"{gpipe.predicted_s / res.predicted_s:.2f}×",
             str(res.tiles),
             _seconds(res.t_max_s),
@@ -134,7 +160,43 @@ def plan(
         f"solver: {method}, ε = {epsilon:g} s, {best.candidates} t_max candidates in {best.seconds:.3f} s · "
         f"profile: {profile} ({prof.source})"
     )
+    if memory is not None:
+        peak = max(memory["per_stage_bytes"])
+        limit = memory.get("limit_bytes")
+        console.print(
+            f"estimated peak memory per stage: {_gib(peak)} (largest)" + (f", limit {_gib(limit)}" if limit else "")
+        )
+        if limit and peak > limit:
+            stage = memory["per_stage_bytes"].index(peak)
+            Console(stderr=True).print(
+                f"[yellow]warning:[/yellow] stage {stage} needs about {_gib(peak)}, more than the {_gib(limit)} "
+                f"{memory['limit_source']}; use more stages, a smaller batch, or tensor parallelism",
+                soft_wrap=True,
+            )
     console.print(f"wrote [bold]{out}[/bold]")
+
+
+def _memory(per_stage, device: dict, limit_gib: float | None) -> dict | None:
+    """Peak memory per stage (from the profile's sizes) and the limit it is checked against."""
+    if per_stage is None:
+        return None
+    out = {
+        "per_stage_bytes": [m.total_bytes for m in per_stage],
+        "state_bytes": [m.state_bytes for m in per_stage],
+        "activation_bytes": [m.activation_bytes for m in per_stage],
+    }
+    if limit_gib is not None:
+        out.update(limit_bytes=limit_gib * 2**30, limit_source="GiB of --memory-limit")
+    elif isinstance(device.get("memory_bytes"), (int, float)):
+        out.update(
+            limit_bytes=float(device["memory_bytes"]),
+            limit_source=f"of the profile's device ({device.get('name', '?')})",
+        )
+    return out
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
 
 
 def _seconds(s: float) -> str:
