@@ -1,0 +1,250 @@
+"""`terapipe profile`: grids, the timed runtime path, a real quick profile of a micro model, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from terapipe_cli.cli import main
+from terapipe_cli.config import ModelConfig
+from terapipe_cli.costmodel import CostModel, read_profile
+from terapipe_cli.errors import UserError
+from terapipe_cli.profile.measure import (
+    TileTimer,
+    check_points,
+    context_points,
+    resolve_device,
+    time_points,
+    token_grid,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+MICRO = ModelConfig(name="micro", layers=2, hidden=32, heads=2, vocab=16, seq_len=64)
+
+
+def write_model(path: Path, **fields) -> Path:
+    cfg = dict(MICRO.to_dict(), **fields)
+    cfg.pop("mlp_ratio")
+    body = "\n".join(f"{k} = {v!r}" if isinstance(v, str) else f"{k} = {v}" for k, v in cfg.items())
+    path.write_text("[model]\n" + body.replace("'", '"') + "\n")
+    return path
+
+
+def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    out, err = capsys.readouterr()
+    return exc.value.code, out, err
+
+
+# ------------------------------------------------------------------------------------------------ grids
+
+
+@pytest.mark.parametrize(("seq_len", "step"), [(1024, 8), (2048, 16), (100, 1), (64, 8), (1000, 24)])
+def test_token_grid_is_multiples_of_the_step_plus_the_sequence_length(seq_len, step):
+    for quick in (False, True):
+        grid = token_grid(seq_len, step, quick=quick)
+        assert grid == sorted(set(grid))
+        assert grid[0] == step and grid[-1] == seq_len
+        assert all(n % step == 0 for n in grid[:-1])
+    assert set(token_grid(seq_len, step, quick=True)) <= set(token_grid(seq_len, step))
+
+
+def test_token_grid_rejects_impossible_steps():
+    with pytest.raises(UserError, match="--token-step"):
+        token_grid(64, 0)
+    with pytest.raises(UserError, match="longer than"):
+        token_grid(64, 128)
+
+
+def test_context_points_are_distinct_valid_and_split():
+    grid = token_grid(1024, 8)
+    pts = context_points((1, 2, 4), grid, 1024, 8, fit=40, heldout=10, seed=3)
+    assert len({(p.b, p.i, p.j) for p in pts}) == 50
+    assert [p.role for p in pts].count("fit") == 40
+    for p in pts:
+        assert p.i in grid and p.j > 0 and p.j % 8 == 0 and p.i + p.j <= 1024 and p.b in (1, 2, 4)
+    assert pts == context_points((1, 2, 4), grid, 1024, 8, fit=40, heldout=10, seed=3)  # reproducible
+
+
+def test_context_points_refuse_a_sequence_too_short_to_fit():
+    with pytest.raises(UserError, match="--token-step"):
+        context_points((1,), [8, 16], 16, 8, fit=16, heldout=8, seed=0)
+
+
+def test_check_points_lie_off_the_measured_grid():
+    grid = token_grid(1024, 8)
+    pts = check_points((1, 2, 4), grid, 1024, 8, count=8, seed=0)
+    assert len(pts) == 8
+    assert all(p.i not in grid and p.i + p.j <= 1024 for p in pts)
+    assert any(p.b == 3 for p in pts)  # between measured batch sizes: tests the interpolation in b
+    assert any(p.j == 0 for p in pts) and any(p.j > 0 for p in pts)
+
+
+# ------------------------------------------------------------------------------------------------ timing
+
+
+def test_device_auto_is_cpu_without_a_gpu_and_cuda_with_one(monkeypatch):
+    if torch.cuda.is_available():
+        assert resolve_device("auto").type == "cuda"
+    else:
+        assert resolve_device("auto").type == "cpu"
+        with pytest.raises(UserError, match="--device"):
+            resolve_device("cuda")
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        assert resolve_device("auto") == torch.device("cuda", 0)
+    with pytest.raises(UserError, match="--device"):
+        resolve_device("tpu")
+
+
+def test_tile_timer_runs_the_runtime_path_and_leaves_it_clean():
+    timer = TileTimer(MICRO, torch.device("cpu"))
+    # One decoder layer, no embedding or head: the per-layer cost.
+    assert len(timer.runner.module.blocks) == 1 and not timer.runner.first and not timer.runner.last
+    for b, i, j in [(1, 8, 0), (2, 16, 24), (1, 8, 56)]:
+        fwd, bwd = timer.time_tile(b, i, j)
+        assert fwd > 0 and bwd > 0
+        assert timer.runner.pending_tiles == 0
+    before = {k: v.clone() for k, v in timer.runner.module.state_dict().items()}
+    assert timer.optimizer_step_s(repeats=2) > 0
+    after = timer.runner.module.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # the optimizer timing leaves weights alone
+    act, method = timer.activation_bytes_per_token(1, 16)
+    assert act >= 2 * MICRO.hidden * 4  # at least the tile's input and output are kept for the backward
+    assert method.startswith("computed")
+
+
+def test_timings_interleave_points_and_sample_cheap_tiles_more():
+    timer = TileTimer(MICRO, torch.device("cpu"))
+    pts = context_points((1, 2), token_grid(64, 8, quick=True), 64, 8, fit=4, heldout=2, seed=0)
+    seen = []
+    t = time_points(timer, pts, repeats=2, warmup_all=False, seed=0, progress=lambda *a: seen.append(a))
+    assert all(len(s) >= 2 for s in t.forward) and all(
+        len(s) == len(f) for s, f in zip(t.backward, t.forward, strict=True)
+    )
+    med, lo, hi = t.stats("total")
+    assert np.all(lo <= med) and np.all(med <= hi) and np.all(lo > 0)
+    assert seen[-1][1] == pytest.approx(seen[-1][2])  # the progress bar ends full
+
+
+# ------------------------------------------------------------------------------------------------ the command
+
+
+def test_quick_profile_of_a_micro_model_is_a_valid_profile_the_planner_reads(tmp_path, capsys):
+    model = write_model(tmp_path / "micro.toml")
+    out = tmp_path / "sub" / "profile.json"
+    code, stdout, err = run_cli(
+        [
+            "profile",
+            "--model",
+            str(model),
+            "--quick",
+            "--check",
+            "--no-comm",
+            "--batch-sizes",
+            "2,1",
+            "--out",
+            str(out),
+        ],
+        capsys,
+    )
+    assert code == 0, err
+    assert "held-out tile error" in stdout and "check: relative error" in stdout
+    prof = read_profile(out)
+    assert prof.source == "measured" and prof.model.name == "micro" and prof.batch_sizes == (1, 2)
+    assert prof.device["kind"] in ("cpu", "cuda") and prof.device["name"]
+    raw = json.loads(out.read_text())
+    assert raw["created"].endswith("Z")
+    for which in ("forward", "backward"):
+        ctx = raw["context"][which]
+        assert np.isfinite(ctx["heldout_rel_err_mean"]) and ctx["heldout_rel_err_max"] >= ctx["heldout_rel_err_mean"]
+        assert ctx["heldout_points"] == 8
+    assert raw["optimizer_s_per_layer"] > 0 and raw["activation_bytes_per_token_per_layer"] > 0
+    assert "not measured" in raw["comm"]["method"]
+    assert len(raw["check"]["points"]) == 4
+    cost = CostModel.from_profile(out, stages=2)
+    t = cost(np.array([1, 2]), np.array([8, 24]), np.array([0, 16]))
+    assert np.all(np.isfinite(t)) and np.all(t > 0)
+    # `terapipe plan` consumes it.
+    plan_out = tmp_path / "plan.json"
+    code, _, err = run_cli(
+        ["plan", "--profile", str(out), "--stages", "2", "--batch", "2", "--out", str(plan_out)], capsys
+    )
+    assert code == 0, err
+    assert plan_out.exists()
+    # And the profile can be re-checked against fresh timings.
+    code, stdout, err = run_cli(["profile", "--check-profile", str(out), "--quick"], capsys)
+    assert code == 0, err
+    assert "check: relative error" in stdout
+
+
+def test_link_measurement_through_torchrun():
+    from terapipe_cli.profile.comm import measure_link, message_sizes
+
+    sizes = message_sizes(1024, 1 << 20, 3)
+    link = measure_link("cpu", sizes, rounds=1, iters=3, timeout_s=60)
+    assert link.latency_s >= 0 and np.isfinite(link.bytes_per_s) and link.bytes_per_s > 0
+    assert len(link.median_s) == 3 and all(t > 0 for t in link.median_s)
+    assert "gloo" in link.method
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+
+
+def bad_inputs(tmp_path: Path) -> list[tuple[list[str], str]]:
+    (tmp_path / "broken.toml").write_text("[model\nname = 'x'\n")
+    return [
+        (["--model", str(tmp_path / "nope.toml")], "not found"),
+        (["--model", str(tmp_path / "broken.toml")], "malformed TOML"),
+        (["--model", str(write_model(tmp_path / "heads.toml", heads=3))], "must divide hidden"),
+        (["--model", str(write_model(tmp_path / "zero.toml", hidden=0))], "model.hidden"),
+        (["--model", str(write_model(tmp_path / "ok.toml")), "--token-step", "128"], "--token-step"),
+        (["--model", str(tmp_path / "ok.toml"), "--batch-sizes", "1,0"], "--batch-sizes"),
+        (["--model", str(tmp_path / "ok.toml"), "--batch-sizes", "one"], "--batch-sizes"),
+        (["--model", str(tmp_path / "ok.toml"), "--device", "tpu"], "--device"),
+        (["--model", str(tmp_path / "ok.toml"), "--clock", "sundial"], "--clock"),
+        (["--model", str(write_model(tmp_path / "huge.toml", hidden=65536, heads=64, seq_len=65536))], "GiB"),
+        (["--check-profile", str(ROOT / "configs/profiles/example-tiny-cpu.json")], "measured profile"),
+        (["--analytic", "--model", str(tmp_path / "ok.toml")], "--hardware"),
+        ([], "--model"),
+    ] + ([] if torch.cuda.is_available() else [(["--model", str(tmp_path / "ok.toml"), "--device", "cuda"], "GPU")])
+
+
+def test_bad_input_is_one_line_exit_2_and_no_output(tmp_path, capsys):
+    out = tmp_path / "out.json"
+    for args, needle in bad_inputs(tmp_path):
+        code, _, err = run_cli(["profile", *args, "--out", str(out)], capsys)
+        assert code == 2, (args, err)
+        assert len(err.strip().splitlines()) == 1 and needle in err, (args, err)
+        assert "Traceback" not in err
+        assert not out.exists(), args
+    code, _, err = run_cli(["profile", "--model", str(tmp_path / "ok.toml"), "--out", str(tmp_path)], capsys)
+    assert code == 2 and "folder" in err
+
+
+def test_bad_input_from_the_real_command_line(tmp_path):
+    """The same through `python -m terapipe_cli` with PYTHONPATH=src: no traceback reaches the user."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "terapipe_cli", "profile", "--model", str(tmp_path / "missing.toml")],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "missing.toml" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "profile.json").exists()
+
+
+def test_micro_config_round_trip(tmp_path):
+    from terapipe_cli.config import load_model_config
+
+    assert load_model_config(write_model(tmp_path / "m.toml")) == MICRO
+    assert replace(MICRO, layers=3).stage_layers(3) == 1
