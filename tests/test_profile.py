@@ -215,6 +215,18 @@ def bad_inputs(tmp_path: Path) -> list[tuple[list[str], str]]:
         (["--model", str(write_model(tmp_path / "huge.toml", hidden=65536, heads=64, seq_len=65536))], "GiB"),
         (["--check-profile", str(ROOT / "configs/profiles/example-tiny-cpu.json")], "measured profile"),
         (["--analytic", "--model", str(tmp_path / "ok.toml")], "--hardware"),
+        (
+            [
+                "--analytic",
+                "--hardware",
+                str(ROOT / "configs/hardware/v100.toml"),
+                "--model",
+                str(tmp_path / "ok.toml"),
+                "--check",
+            ],
+            "--check",
+        ),
+        (["--model", str(tmp_path / "ok.toml"), "--tensor-parallel", "2"], "--analytic"),
         ([], "--model"),
     ] + ([] if torch.cuda.is_available() else [(["--model", str(tmp_path / "ok.toml"), "--device", "cuda"], "GPU")])
 
@@ -248,3 +260,24 @@ def test_micro_config_round_trip(tmp_path):
 
     assert load_model_config(write_model(tmp_path / "m.toml")) == MICRO
     assert replace(MICRO, layers=3).stage_layers(3) == 1
+
+
+def test_analytic_flags_call_the_analytic_profile(tmp_path, capsys):
+    out = tmp_path / "analytic.json"
+    args = [
+        "profile",
+        "--analytic",
+        "--hardware",
+        str(ROOT / "configs/hardware/v100.toml"),
+        "--model",
+        str(ROOT / "configs/models/gpt3-1b.toml"),
+        "--tensor-parallel",
+        "8",
+        "--out",
+        str(out),
+    ]
+    code, stdout, err = run_cli(args, capsys)
+    assert code == 0, err
+    prof = read_profile(out)
+    assert prof.source == "analytic" and prof.model.name == "gpt3-1b" and prof.device["tensor_parallel"] == 8
+    assert "held-out error" in stdout

@@ -121,6 +121,9 @@ def profile(
     sizes = parse_batch_sizes(batch_sizes) if batch_sizes is not None else None
     _check_writable(out)
     if analytic:
+        if check or quick or no_comm:
+            flag = "--check" if check else "--quick" if quick else "--no-comm"
+            raise UserError("applies to measuring this machine, not to --analytic", where=flag)
         _analytic(console, cfg, hardware, tensor_parallel, sizes, token_step, out)
         return
     if hardware is not None or tensor_parallel != 1:
