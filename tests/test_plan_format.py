@@ -142,3 +142,28 @@ def test_check_slices_directly() -> None:
         check_slices([(1, [4, 4]), (2, [7])], seq_len=8, batch_size=3)
     with pytest.raises(UserError, match="expected the batch size 4"):
         check_slices([(1, [4, 4]), (2, [8])], seq_len=8, batch_size=4)
+
+
+@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("fold", [False, True])
+def test_short_form_is_a_python_expression_of_the_scheme(seed: int, fold: bool) -> None:
+    # plan.py promises the text evaluates to the scheme itself, folded or not; random schemes with runs.
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    slices = []
+    for _ in range(int(rng.integers(1, 6))):
+        lengths = [int(x) for x in rng.choice([8, 16, 24], size=int(rng.integers(1, 9)))]
+        lengths = lengths[: int(rng.integers(1, len(lengths) + 1))] * int(rng.integers(1, 3))
+        slices += [(int(rng.integers(1, 4)), lengths)] * int(rng.integers(1, 4))
+    text = short_form(slices, fold=fold)
+    assert eval(text, {"__builtins__": {}}) == slices, text
+    # numpy integers (what a planner might hand over) print as plain numbers
+    as_numpy = [(np.int64(b), [np.int64(n) for n in lengths]) for b, lengths in slices]
+    assert short_form(as_numpy, fold=fold) == text
+
+
+def test_short_form_folds_runs_of_three_or_more() -> None:
+    assert short_form([(1, [72, 72, 72, 64])] * 2, fold=True) == "[(1, [72]*3 + [64])] * 2"
+    assert short_form([(1, [72, 72, 64, 64, 64])], fold=True) == "[(1, [72, 72] + [64]*3)]"
+    assert short_form([(1, [72, 72, 72, 64])], fold=False) == "[(1, [72, 72, 72, 64])]"
