@@ -12,6 +12,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from terapipe_cli.errors import UserError
+
 DROP_KV_GRADS_ENV = "TERAPIPE_TEST_DROP_KV_GRADS"  # test-only negative control: "1" drops the K/V hand-back
 
 HELP = """Train on a plan: launch K x D torchrun workers (K pipeline stages, D data-parallel replicas) that run
@@ -64,6 +66,10 @@ def train(
     timeout_s: Annotated[float, typer.Option("--timeout-s", help="Limit on every distributed wait (seconds).")] = 120.0,
     device: Annotated[str, typer.Option("--device", help="auto (CUDA when present), cpu or cuda.")] = "auto",
 ) -> None:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise UserError("needs PyTorch in this Python (see scripts/setup.sh)", where="terapipe train") from None
     from terapipe_cli.runtime.launch import WorkerFailed, command_line, launch
     from terapipe_cli.runtime.prepare import prepare_run
 

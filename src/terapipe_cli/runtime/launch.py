@@ -59,10 +59,8 @@ def worker_env(spec: Launch) -> dict[str, str]:
     """Environment the workers need beyond the caller's: thread count, and the package on the path (so
     ``PYTHONPATH=src python -m terapipe_cli`` works from any folder)."""
     package_root = str(Path(terapipe_cli.__file__).resolve().parent.parent)
-    path = os.environ.get("PYTHONPATH", "")
-    env = {"OMP_NUM_THREADS": str(spec.threads),
-           "PYTHONPATH": package_root + (os.pathsep + path if path else "")}
-    return env
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != package_root]
+    return {"OMP_NUM_THREADS": str(spec.threads), "PYTHONPATH": os.pathsep.join([package_root, *paths])}
 
 
 def command_line(spec: Launch) -> str:

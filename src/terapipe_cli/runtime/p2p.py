@@ -27,6 +27,14 @@ class PeerLost(RuntimeError):
     """A distributed wait failed or timed out: most likely another rank died first."""
 
 
+def short_error(e: BaseException) -> str:
+    """gloo's messages start with a source path in brackets and end with advice; keep the middle."""
+    text = " ".join(str(e).split())
+    if text.startswith("[") and "] " in text:
+        text = text.split("] ", 1)[1]
+    return text.split(". ")[0][:300]
+
+
 class Links:
     """A stage's messages to and from its neighbours in one pipeline replica."""
 
@@ -87,6 +95,6 @@ class Links:
             ok = work.wait(self.timeout)
         except Exception as e:  # gloo raises on a closed connection or a timeout
             who = f" rank {peer}" if peer is not None else ""
-            raise PeerLost(f"lost{who or ' a peer'} while {what}: {' '.join(str(e).split())[:300]}") from None
+            raise PeerLost(f"lost{who or ' a peer'} while {what}: {short_error(e)}") from None
         if ok is False:
             raise PeerLost(f"timed out after {self.timeout.total_seconds():.0f} s while {what}")

@@ -34,7 +34,7 @@ from terapipe_cli.model import optimizer_for
 from terapipe_cli.plan import plan_from_dict
 from terapipe_cli.runtime import checkpoint
 from terapipe_cli.runtime.data import check_data, load_data, step_batch
-from terapipe_cli.runtime.p2p import Links, PeerLost
+from terapipe_cli.runtime.p2p import Links, PeerLost, short_error
 from terapipe_cli.runtime.rundir import (
     append_metrics,
     keep_metrics_until,
@@ -126,7 +126,7 @@ def collective(fn: Callable[[], object], what: str) -> None:
     try:
         fn()
     except Exception as e:
-        raise PeerLost(f"lost a peer during {what}: {' '.join(str(e).split())[:300]}") from None
+        raise PeerLost(f"lost a peer during {what}: {short_error(e)}") from None
 
 
 def allreduce_grads(module: torch.nn.Module, group) -> None:

@@ -1,0 +1,180 @@
+#!/usr/bin/env python3
+"""Training-step latency of GPipe, the planner's plan and uniform slicings, interleaved in one torchrun job.
+
+    python scripts/bench_train.py                      # profile this machine (terapipe profile --quick), plan, time
+    python scripts/bench_train.py --profile configs/profiles/example-tiny-cpu.json --rounds 20
+
+The tiny model (configs/models/tiny.toml: H = 256, 4 layers, L = 1024), B = 1, K = 2 stages on CPU, one thread
+per stage process. The candidates run in rounds — GPipe, planner, uniform/4, uniform/8, single process,
+GPipe, ... — in the same two worker processes, so drift in the machine's speed hits them all alike. Every
+candidate is a full training step through the runtime's own code (`worker.run_schedule`: pre-posted
+receives, StageRunner tiles, AdamW). "single process" is the whole model on one process (rank 0, the other
+rank idle), whose time / K is the perfect-overlap bound. Prints the median iteration latency (min–max), the
+speed-up over GPipe, and the planner's own prediction for each scheme.
+
+Timing holds /tmp/terapipe-cpu.lock (flock) so no other measurement on this machine runs at the same time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LOCK = "/tmp/terapipe-cpu.lock"
+
+
+@contextmanager
+def cpu_lock():
+    with open(LOCK, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+# ----------------------------------------------------------------------------------------------- the worker
+
+
+def worker(config_path: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from terapipe_cli.config import ModelConfig
+    from terapipe_cli.model import GPT, optimizer_for, token_loss_sum
+    from terapipe_cli.runtime.data import load_data, step_batch
+    from terapipe_cli.runtime.p2p import Links
+    from terapipe_cli.runtime.stage import StageRunner
+    from terapipe_cli.runtime.worker import run_schedule
+    from terapipe_cli.schedule import build_schedule
+
+    cfg = json.loads(Path(config_path).read_text())
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, stages = dist.get_rank(), dist.get_world_size()
+    model = ModelConfig.from_dict(cfg["model"], config_path)
+    B, L = cfg["batch_size"], model.seq_len
+    runner = StageRunner(model, rank, stages, seed=0)
+    runner.set_loss_scale(1.0 / (B * L))
+    optimizer = optimizer_for(runner.module, 1e-4)
+    links = Links(prev_rank=rank - 1 if rank else None, next_rank=rank + 1 if rank < stages - 1 else None,
+                  hidden=model.hidden, dtype=torch.float32, device=torch.device("cpu"), timeout_s=300)
+    actions = {c["name"]: build_schedule(c["slices"], stages)[rank] for c in cfg["candidates"]}
+    batch = step_batch(load_data(None), seed=0, step=1, sequences=B, seq_len=L)
+    if rank == 0:
+        full = GPT(model, seed=0)
+        full_optimizer = optimizer_for(full, 1e-4)
+    flag = torch.zeros(1)
+    names = [c["name"] for c in cfg["candidates"]] + ["single process"]
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for round_ in range(cfg["warmup"] + cfg["rounds"]):
+        for name in names:
+            dist.all_reduce(flag)  # start together
+            start = time.perf_counter()
+            if name == "single process":
+                if rank == 0:
+                    full_optimizer.zero_grad(set_to_none=True)
+                    logits, _ = full(batch[:, :-1])
+                    (token_loss_sum(logits, batch[:, 1:]) / (B * L)).backward()
+                    full_optimizer.step()
+                    elapsed = time.perf_counter() - start
+                dist.all_reduce(flag)
+            else:
+                optimizer.zero_grad(set_to_none=True)
+                run_schedule(runner, actions[name], links, batch, step_start=start, stage=rank)
+                optimizer.step()
+                dist.all_reduce(flag)  # the step ends when the slowest stage is done
+                elapsed = time.perf_counter() - start
+            if rank == 0 and round_ >= cfg["warmup"]:
+                times[name].append(elapsed)
+    if rank == 0:
+        Path(cfg["out"]).write_text(json.dumps(times))
+    dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------------------- the driver
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--profile", help="Profile JSON to plan with (default: measure with terapipe profile --quick)")
+    parser.add_argument("--model", default=str(ROOT / "configs/models/tiny.toml"))
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    a = parser.parse_args()
+    if a.worker:
+        worker(a.worker)
+        return
+
+    sys.path.insert(0, str(ROOT / "src"))
+    from terapipe_cli.config import load_model_config
+    from terapipe_cli.costmodel import CostModel, read_profile
+    from terapipe_cli.planner import evaluate, solve
+    from terapipe_cli.plan import short_form
+
+    model = load_model_config(a.model)
+    L, B, K = model.seq_len, a.batch, a.stages
+    tmp = Path(tempfile.mkdtemp(prefix="bench_train."))
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    with cpu_lock():
+        if a.profile:
+            profile_path, source = Path(a.profile), a.profile
+        else:
+            profile_path = tmp / "profile.json"
+            print(f"measuring a profile: terapipe profile --model {a.model} --quick", flush=True)
+            subprocess.run([sys.executable, "-m", "terapipe_cli", "profile", "--model", a.model, "--quick",
+                            "--out", str(profile_path)], check=True, env=env, stdout=subprocess.DEVNULL)
+            source = "measured now with `terapipe profile --quick`"
+        profile = read_profile(profile_path)
+        cost = CostModel.from_profile(profile_path, stages=K)
+        planned = solve(cost, seq_len=L, batch_size=B, stages=K, token_step=profile.token_step)
+        candidates = [
+            {"name": "GPipe", "slices": [[B, [L]]]},
+            {"name": "planner", "slices": [[b, list(s)] for b, s in planned.slices]},
+            {"name": "uniform/4", "slices": [[B, [L // 4] * 4]]},
+            {"name": "uniform/8", "slices": [[B, [L // 8] * 8]]},
+        ]
+        config = {"model": model.to_dict(), "batch_size": B, "candidates": candidates, "rounds": a.rounds,
+                  "warmup": a.warmup, "out": str(tmp / "times.json")}
+        (tmp / "config.json").write_text(json.dumps(config))
+        print(f"planner's plan: {short_form(planned.slices)} (profile: {source})", flush=True)
+        print(f"timing {len(candidates)} schemes + single process, {a.rounds} rounds (+{a.warmup} warm-up), "
+              f"K={K}, B={B}, L={L}, H={model.hidden}, {model.layers} layers ...", flush=True)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+               "--nproc-per-node", str(K), "--max-restarts", "0", __file__, "--worker", str(tmp / "config.json")]
+        subprocess.run(cmd, check=True, env=env)
+    times = json.loads((tmp / "times.json").read_text())
+
+    med = {n: statistics.median(v) for n, v in times.items()}
+    bound = med["single process"] / K
+    print(f"\nmedian iteration latency over {a.rounds} interleaved rounds (min-max), 2-core CPU, one thread per stage")
+    print(f"{'scheme':<16} {'slices':<34} {'median ms':>10} {'min-max ms':>16} {'vs GPipe':>9} {'predicted ms':>13}")
+    for c in candidates + [{"name": "single process", "slices": None}]:
+        n, v = c["name"], times[c["name"]]
+        pred = f"{evaluate(cost, c['slices'], K) * 1e3:.1f}" if c["slices"] else ""
+        slices = short_form(c["slices"]) if c["slices"] else "whole model, one process"
+        print(f"{n:<16} {slices[:34]:<34} {med[n] * 1e3:>10.1f} {min(v) * 1e3:>7.1f}-{max(v) * 1e3:<8.1f} "
+              f"{med['GPipe'] / med[n]:>8.2f}x {pred:>13}")
+    print(f"{'perfect overlap':<16} {'single process / K':<34} {bound * 1e3:>10.1f} {'':>16} "
+          f"{med['GPipe'] / bound:>8.2f}x")
+    best_uniform = min(med["uniform/4"], med["uniform/8"])
+    print(f"\nplanner vs GPipe: {med['GPipe'] / med['planner']:.2f}x (target >= 1.5x); "
+          f"planner vs best uniform: {best_uniform / med['planner']:.2f}x (target >= 1 within noise)")
+
+
+if __name__ == "__main__":
+    main()
