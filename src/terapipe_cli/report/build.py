@@ -1,0 +1,283 @@
+"""Build the report of a run against its baseline: report.json, report.md, timeline.png, loss.png, trace.json.
+
+The command (`terapipe_cli.cli.report`) calls, in order: `load_run`, `find_baseline` (and, when needed,
+`baseline.train_baseline`), `find_cost_model`, then `write_report`.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass
+from pathlib import Path
+
+from terapipe_cli.errors import UserError
+from terapipe_cli.files import write_json_atomic, write_text_atomic
+from terapipe_cli.report.baseline import baseline_dir
+from terapipe_cli.report.compare import compare, stage_times_of
+from terapipe_cli.report.figures import TimelinePanel, draw_losses, draw_timelines
+from terapipe_cli.report.runs import Run, check_comparable, load_run
+from terapipe_cli.report.trace import TraceRun, chrome_trace
+from terapipe_cli.schedule import plan_tiles
+
+FILES = ("report.json", "report.md", "timeline.png", "loss.png", "trace.json")
+
+
+@dataclass(frozen=True)
+class BaselineChoice:
+    path: Path
+    exists: bool  # a finished run is there already (given with --baseline, or trained by an earlier report)
+    given: bool
+
+
+def find_baseline(run: Run, baseline: Path | None) -> BaselineChoice:
+    """The baseline to compare with: the one given, else the run's sibling ``RUN_DIR-gpipe`` (trained there by an
+    earlier report, or to be trained now)."""
+    if baseline is not None:
+        return BaselineChoice(Path(baseline), True, True)
+    sibling = baseline_dir(run.path)
+    if (sibling / "config.json").exists():
+        if not (sibling / "summary.json").exists():
+            raise UserError("holds an unfinished baseline run (no summary.json): delete the folder to train it "
+                            "again, or pass another run with --baseline", where=str(sibling))
+        return BaselineChoice(sibling, True, False)
+    return BaselineChoice(sibling, False, False)
+
+
+def load_baseline(run: Run, path: Path) -> Run:
+    """Load a baseline and check it is the same training as the run."""
+    baseline = load_run(path)
+    check_comparable(run, baseline)
+    return baseline
+
+
+def find_cost_model(run: Run, profile: Path | None):
+    """The cost model the plan was made with, for the simulator's predicted timelines: ``profile`` if given,
+    else the profile the plan names (when it is still there, unchanged). Returns (CostModel | None, info)."""
+    from terapipe_cli.costmodel import CostModel, read_profile
+
+    named = (run.plan.raw.get("profile") or {}) if isinstance(run.plan.raw.get("profile"), dict) else {}
+    if profile is None:
+        path = named.get("path")
+        if not path:
+            return None, {"used": False, "why": "the plan names no profile (pass one with --profile)"}
+        candidates = [Path(path)]
+        if not Path(path).is_absolute():  # the plan records the path as given to `terapipe plan`
+            candidates.append(run.path / path)
+        found = next((p for p in candidates if p.is_file()), None)
+        if found is None:
+            return None, {"used": False, "why": f"the plan's profile {path} is not here (pass it with --profile)"}
+        prof = read_profile(found)
+        if named.get("sha256") and prof.sha256 != named["sha256"]:
+            return None, {"used": False,
+                          "why": f"the profile {found} changed since the plan was made (pass it with --profile)"}
+    else:
+        prof = read_profile(profile)
+        if prof.model != run.plan.model:
+            raise UserError(f"is a profile of model {prof.model.name!r}, the run trains {run.plan.model.name!r}",
+                            where=str(profile))
+    cost = CostModel(prof, run.stages, run.args.data_parallel)
+    return cost, {"used": True, "profile": prof.path, "source": prof.source, "sha256": prof.sha256,
+                  "device": prof.device.get("name")}
+
+
+def simulate_runs(run: Run, baseline: Run, cost) -> dict:
+    """Predicted timelines of both schemes under the same cost model (`terapipe_cli.simulate`)."""
+    from terapipe_cli.simulate import simulate
+
+    return {"run": simulate(run.plan.slices, cost, run.stages),
+            "baseline": simulate(baseline.plan.slices, cost, baseline.stages)}
+
+
+def write_report(run: Run, baseline: Run, out: Path, *, warmup: int, cost=None, cost_info: dict | None = None,
+                 progress=None) -> dict:
+    """Compute the comparison and write every file into ``out``; returns the report object (as in report.json)."""
+    step = progress or (lambda what: None)
+    sims = simulate_runs(run, baseline, cost) if cost is not None else {}
+    report = compare(run, baseline, warmup=warmup, sims=sims, cost_model=cost_info)
+    out = Path(out)
+    files = {name: str(out / name) for name in FILES}
+    report["files"] = files
+    report["created"] = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+    step("timeline.png")
+    draw_timelines(_timeline_grid(run, baseline, report, sims), out / "timeline.png",
+                   title=f"{report['model']}: K={run.stages} stages, B={run.plan.batch_size}, L={run.plan.seq_len} — "
+                         f"{report['run']['label']} {report['speedup']['median']:.2f}× the speed of "
+                         f"{report['baseline']['label']} (median step); one typical step of each, same time axis")
+    step("loss.png")
+    loss = report["loss"]
+    draw_losses([(report["run"]["label"], report["run"]["losses"]),
+                 (report["baseline"]["label"], report["baseline"]["losses"])], out / "loss.png",
+                warmup=report["warmup_steps"],
+                title=f"same training, two schedules: max |Δloss| = {loss['max_abs_diff']:.2g} "
+                      f"(max relative {loss['max_rel_diff']:.2g})")
+    step("trace.json")
+    trace = chrome_trace([
+        TraceRun(report[key]["label"], r.events, [m["iteration_s"] for m in r.metrics], r.stages, r.plan.slices)
+        for key, r in (("run", run), ("baseline", baseline))
+    ])
+    write_json_atomic(out / "trace.json", trace)
+    step("report.md")
+    write_text_atomic(out / "report.md", to_markdown(report))
+    write_json_atomic(out / "report.json", report)  # last: its presence means the report is complete
+    return report
+
+
+def _timeline_grid(run: Run, baseline: Run, report: dict, sims: dict) -> list[list[TimelinePanel | None]]:
+    grid = []
+    for key, r in (("run", run), ("baseline", baseline)):
+        s = report[key]
+        order = {(t.batch_slice, t.token_slice): n for n, t in enumerate(plan_tiles(r.plan.slices))}
+        step = s["representative_step"]
+        events = r.step_events(step, replica=0)
+        measured_s = r.metric(step)["iteration_s"]
+        bubble = stage_times_of(events, r.stages).bubble_fraction
+        row = [TimelinePanel(
+            f"{s['label']} {s['short_form']}\nmeasured, step {step}: {measured_s * 1e3:.0f} ms per step, "
+            f"bubble {bubble:.0%}",
+            events, r.stages, order, step_end_s=measured_s)]
+        if key in sims:
+            sim = sims[key]
+            row.append(TimelinePanel(
+                f"{s['label']}\npredicted by the simulator: {sim.latency_s * 1e3:.0f} ms per step, "
+                f"bubble {sim.bubble_fraction():.0%}",
+                sim.events, r.stages, order, step_end_s=sim.latency_s))
+        grid.append(row)
+    return grid
+
+
+def _ms(s: float | None) -> str:
+    return "–" if s is None else (f"{s * 1e3:.1f} ms" if s < 10 else f"{s:.2f} s")
+
+
+def _pct(x: float | None) -> str:
+    return "–" if x is None else f"{x:+.1%}"
+
+
+def _mib(n: int | None) -> str:
+    return "–" if n is None else f"{n / 2**20:.1f} MiB"
+
+
+def latency_rows(report: dict) -> list[list[str]]:
+    """The main table, one row per quantity and one column per run (shared by the terminal and report.md)."""
+    r, b = report["run"], report["baseline"]
+
+    def row(name: str, f) -> list[str]:
+        return [name, f(r), f(b)]
+
+    def sim(s: dict, key: str):
+        return s["simulated"][key] if s["simulated"] else None
+
+    return [
+        row("tiles per step (M)", lambda s: str(s["tiles"])),
+        row("iteration, median", lambda s: _ms(s["latency_s"]["median"])),
+        row("iteration, mean ± std", lambda s: f"{_ms(s['latency_s']['mean'])} ± {_ms(s['latency_s']['std'])}"),
+        row("iteration, min – max", lambda s: f"{_ms(s['latency_s']['min'])} – {_ms(s['latency_s']['max'])}"),
+        row("tokens/s", lambda s: f"{s['tokens_per_s']:,.0f}"),
+        row("predicted by the plan (error)", lambda s: f"{_ms(s['predicted_s'])} ({_pct(s['predicted_rel_err'])})"),
+        row("predicted by the simulator (error)",
+            lambda s: f"{_ms(sim(s, 'latency_s'))} ({_pct(sim(s, 'rel_err'))})" if s["simulated"] else "–"),
+        row("bubble, measured", lambda s: f"{s['bubble_fraction']:.1%}"),
+        row("bubble, simulated", lambda s: f"{sim(s, 'bubble_fraction'):.1%}" if s["simulated"] else "–"),
+        row("bubble, (K−1)/(M+K−1)", lambda s: f"{s['bubble_formula']:.1%}"),
+        row("peak memory (largest rank)", lambda s: _mib(s["peak_memory_bytes"])),
+    ]
+
+
+def latency_header(report: dict) -> list[str]:
+    return ["", report["run"]["label"], report["baseline"]["label"]]
+
+
+STAGE_HEADER = ["schedule", "stage", "busy per step", "idle per step", "busy share"]
+
+
+def stage_rows(report: dict) -> list[list[str]]:
+    rows = []
+    for key in ("run", "baseline"):
+        s = report[key]
+        for st in s["stage_times"]:
+            rows.append([s["label"], str(st["stage"]), _ms(st["busy_s"]), _ms(st["idle_s"]),
+                         f"{st['busy_fraction']:.0%}"])
+    return rows
+
+
+def headline(report: dict) -> str:
+    sp = report["speedup"]
+    r, b = report["run"], report["baseline"]
+    text = (f"{r['label']} is {sp['median']:.2f}× {'faster' if sp['median'] >= 1 else 'slower'} than "
+            f"{b['label']} (median iteration {_ms(r['latency_s']['median'])} vs {_ms(b['latency_s']['median'])}, "
+            f"steps {r['compared_steps'][0]}–{r['compared_steps'][1]}); the plan predicted "
+            + (f"{sp['predicted']:.2f}×" if sp["predicted"] else "–")
+            + (f", the simulator {sp['simulated']:.2f}×" if sp["simulated"] else "") + ".")
+    return text
+
+
+def loss_line(report: dict) -> str:
+    loss = report["loss"]
+    verdict = "match" if loss["match"] else "DO NOT match"
+    return (f"Losses {verdict} at every one of the {loss['steps']} steps: max |Δ| = {loss['max_abs_diff']:.3g}, "
+            f"max relative {loss['max_rel_diff']:.3g} (tolerance {loss['rel_tolerance']:g}, fp32) — "
+            "both runs are the same synchronous training.")
+
+
+def bubble_line(report: dict) -> str:
+    r, b = report["run"], report["baseline"]
+    return (f"Idle time: the stages wait {r['bubble_fraction']:.0%} of the pipelined span with {r['label']} "
+            f"({r['tiles']} tiles) vs {b['bubble_fraction']:.0%} with {b['label']} ({b['tiles']} tiles); "
+            f"the formula (K−1)/(M+K−1) for equal tiles says {r['bubble_formula']:.0%} vs {b['bubble_formula']:.0%}.")
+
+
+def to_markdown(report: dict) -> str:
+    r, b = report["run"], report["baseline"]
+    cm = report.get("cost_model") or {}
+
+    def table(header: list[str], rows: list[list[str]]) -> str:
+        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows]
+        return "\n".join(lines)
+
+    files = report["files"]
+    parts = [
+        f"# terapipe report: {report['model']}, K={r['stages']}, B={r['batch_size']}, L={r['seq_len']}"
+        + (f", D={r['data_parallel']}" if r["data_parallel"] > 1 else ""),
+        "",
+        headline(report),
+        "",
+        f"- {r['label']} run: `{r['path']}` — `{r['short_form']}`",
+        f"- {b['label']} baseline: `{b['path']}` — `{b['short_form']}`",
+        f"- device: {r['device']}; {report['warmup_steps']} warm-up step(s) left out of the timings; "
+        f"{r['tokens_per_step']} tokens per step",
+        "",
+        "## Iteration latency",
+        "",
+        table(latency_header(report), latency_rows(report)),
+        "",
+        "Predictions are the plan's objective (SPEC §4) and the schedule simulator, both from the cost model"
+        + (f" of `{cm.get('profile')}` ({cm.get('source')})" if cm.get("used") else
+           f" (simulator not run: {cm.get('why', 'no cost model')})")
+        + "; errors are (predicted − measured median) / measured median. Peak memory is the largest rank's "
+        "(on CPU: the process's peak resident memory).",
+        "",
+        "## Where the time goes",
+        "",
+        bubble_line(report),
+        "",
+        table(STAGE_HEADER, stage_rows(report)),
+        "",
+        f"![timeline]({Path(files['timeline.png']).name})",
+        "",
+        "## Loss",
+        "",
+        loss_line(report),
+        "",
+        table(["step", r["label"], b["label"], "|Δ|"],
+              [[str(n), f"{x:.6f}", f"{y:.6f}", f"{abs(x - y):.2g}"]
+               for n, (x, y) in enumerate(zip(r["losses"], b["losses"], strict=False), 1)]),
+        "",
+        f"![loss]({Path(files['loss.png']).name})",
+        "",
+        f"Chrome trace (one process per rank, both runs): `{Path(files['trace.json']).name}` — open it in "
+        "https://ui.perfetto.dev.",
+        "",
+    ]
+    return "\n".join(parts)

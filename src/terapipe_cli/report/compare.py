@@ -1,0 +1,196 @@
+"""The numbers of the report: a run against its baseline, from their run directories alone. No torch, no I/O.
+
+Every number here is recomputable from the run directories (the tests do so):
+
+* latency: ``iteration_s`` of ``metrics.jsonl`` over the steps after the warm-up (median, mean ± std, min–max);
+  speed-up = baseline median / run median; tokens/s = tokens per step / median latency;
+* busy and idle per stage from the timelines: in one step of one replica, the pipelined *span* runs from the
+  step's start to the end of the last action on any of its stages; a stage is busy for the sum of its actions'
+  durations and idle for the rest of the span. The measured bubble fraction is
+  ``1 − Σ busy / (K · Σ span)`` over all compared steps and replicas — the share of stage-time spent waiting
+  while the pipeline runs; the optimizer step and the end-of-step all-reduce after the span are left out, as in
+  the formula ``(K−1)/(M+K−1)`` (M tiles on K stages, equal tiles, free transfers) shown next to it;
+* predicted vs measured: the plan's ``predicted_s`` (SPEC §4's objective) and, when a cost model is at hand,
+  the schedule simulator's latency, each with ``(predicted − measured) / measured`` against the median.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from terapipe_cli.report.runs import Run
+from terapipe_cli.schedule import Event
+from terapipe_cli.simulate import SimResult, compare_timelines
+
+REPORT_SCHEMA = "terapipe.report/1"
+
+# Both runs are the same synchronous training, so their losses differ only by floating-point summation order
+# (attention split over token slices, gradients summed per tile). SPEC §6 allows 1e-5 relative between a
+# pipelined run and one device at one step; two pipelined runs may each be off by that, and a few dozen
+# AdamW steps carry an early difference forward, hence the margin.
+LOSS_RTOL = 1e-4
+
+
+def latency_stats(values: Sequence[float]) -> dict:
+    """Median, mean, standard deviation (sample; 0 for one value), min and max, in seconds."""
+    v = [float(x) for x in values]
+    if not v:
+        raise ValueError("no values")
+    return {"median": statistics.median(v), "mean": statistics.fmean(v),
+            "std": statistics.stdev(v) if len(v) > 1 else 0.0, "min": min(v), "max": max(v), "n": len(v)}
+
+
+def compared_steps(run: Run, warmup: int) -> list[int]:
+    """The steps after the first ``warmup`` (at least one is always left)."""
+    return run.steps[min(warmup, len(run.steps) - 1):]
+
+
+def representative_step(run: Run, steps: Sequence[int]) -> int:
+    """The compared step whose latency is closest to their median (the earliest on a tie): the one to draw."""
+    lat = [run.metric(s)["iteration_s"] for s in steps]
+    med = statistics.median(lat)
+    return min(steps, key=lambda s: (abs(run.metric(s)["iteration_s"] - med), s))
+
+
+def bubble_formula(stages: int, tiles: int) -> float:
+    """The textbook bubble fraction (K−1)/(M+K−1) of M equal tiles on K stages."""
+    return (stages - 1) / (tiles + stages - 1)
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    """Busy and idle time per stage (mean per step and replica) and the bubble fraction of the compared steps."""
+
+    busy_s: list[float]
+    idle_s: list[float]
+    span_s: float  # mean pipelined span per step
+    bubble_fraction: float
+
+    def to_dict(self) -> dict:
+        return {
+            "span_s": self.span_s,
+            "bubble_fraction": self.bubble_fraction,
+            "stage_times": [{"stage": k, "busy_s": b, "idle_s": i, "busy_fraction": b / (b + i) if b + i > 0 else 0.0}
+                       for k, (b, i) in enumerate(zip(self.busy_s, self.idle_s, strict=True))],
+        }
+
+
+def stage_times_of(events: Sequence[Event], stages: int) -> StageTimes:
+    """Busy/idle of ONE step of one pipeline (measured or simulated events, times from the step's start)."""
+    return _stage_times([list(events)], stages)
+
+
+def _stage_times(groups: list[list[Event]], stages: int) -> StageTimes:
+    busy = [0.0] * stages
+    idle = [0.0] * stages
+    total_span = 0.0
+    for events in groups:  # one group = one step of one replica
+        span = max((e.end_s for e in events), default=0.0)
+        per_stage = [0.0] * stages
+        for e in events:
+            per_stage[e.stage] += e.end_s - e.start_s
+        for k in range(stages):
+            busy[k] += per_stage[k]
+            idle[k] += span - per_stage[k]
+        total_span += span
+    n = max(len(groups), 1)
+    bubble = 1.0 - sum(busy) / (stages * total_span) if total_span > 0 else 0.0
+    return StageTimes([b / n for b in busy], [i / n for i in idle], total_span / n, bubble)
+
+
+def stage_times(run: Run, steps: Sequence[int]) -> StageTimes:
+    """Busy/idle per stage over the given steps and every replica of a run, from its timelines."""
+    groups = [run.step_events(s, replica=r) for s in steps for r in range(run.args.data_parallel)]
+    return _stage_times(groups, run.stages)
+
+
+def summarize(run: Run, label: str, warmup: int, sim: SimResult | None = None) -> dict:
+    """Everything the report says about one run (its part of report.json)."""
+    steps = compared_steps(run, warmup)
+    lat = latency_stats([run.metric(s)["iteration_s"] for s in steps])
+    times = stage_times(run, steps)
+    rep = representative_step(run, steps)
+    predicted = run.plan.predicted_s
+    per_rank = [r.get("memory_bytes_per_rank") for r in run.metrics]
+    peak_per_rank = None
+    if all(isinstance(p, list) and len(p) == run.world_size for p in per_rank):
+        peak_per_rank = [max(int(p[k]) for p in per_rank) for k in range(run.world_size)]
+    out = {
+        "label": label,
+        "path": str(run.path),
+        "slices": [[b, list(lengths)] for b, lengths in run.plan.slices],
+        "short_form": run.plan.short_form(),
+        "stages": run.stages,
+        "data_parallel": run.args.data_parallel,
+        "batch_size": run.plan.batch_size,
+        "seq_len": run.plan.seq_len,
+        "tiles": run.tiles,
+        "tokens_per_step": run.tokens_per_step,
+        "device": run.summary.get("device") or run.config.get("device"),
+        "compared_steps": [steps[0], steps[-1]],
+        "latency_s": lat,
+        "tokens_per_s": run.tokens_per_step / lat["median"],
+        "predicted_s": predicted,
+        "predicted_rel_err": (predicted - lat["median"]) / lat["median"] if predicted else None,
+        "simulated": None,
+        **times.to_dict(),
+        "bubble_formula": bubble_formula(run.stages, run.tiles),
+        "peak_memory_bytes": max(int(r["memory_bytes"]) for r in run.metrics),
+        "peak_memory_bytes_per_rank": peak_per_rank,
+        "representative_step": rep,
+        "losses": [float(r["loss"]) for r in run.metrics],
+    }
+    if sim is not None:
+        err = compare_timelines(sim.events, run.step_events(rep, replica=0))
+        out["simulated"] = {
+            "latency_s": sim.latency_s,
+            "rel_err": (sim.latency_s - lat["median"]) / lat["median"],
+            "span_s": sim.compute_end_s,
+            "span_rel_err_at_representative_step": err.rel_err,
+            "action_rel_err_mean": err.action_rel_err_mean,
+            "bubble_fraction": stage_times_of(sim.events, sim.stages).bubble_fraction,
+        }
+    return out
+
+
+def compare_losses(run: Run, baseline: Run, rtol: float = LOSS_RTOL) -> dict:
+    """Step-by-step loss difference of two runs of the same training (every step, warm-up included)."""
+    a = [float(r["loss"]) for r in run.metrics]
+    b = [float(r["loss"]) for r in baseline.metrics]
+    n = min(len(a), len(b))
+    abs_diff = [abs(x - y) for x, y in zip(a[:n], b[:n], strict=True)]
+    rel_diff = [d / abs(y) if y else (0.0 if d == 0 else float("inf")) for d, y in zip(abs_diff, b[:n], strict=True)]
+    worst = max(range(n), key=lambda s: rel_diff[s]) if n else 0
+    return {"steps": n, "max_abs_diff": max(abs_diff, default=0.0), "max_rel_diff": max(rel_diff, default=0.0),
+            "worst_step": worst + 1, "rel_tolerance": rtol,
+            "match": n == len(a) == len(b) and max(rel_diff, default=0.0) <= rtol}
+
+
+def compare(run: Run, baseline: Run, *, warmup: int, sims: dict[str, SimResult] | None = None,
+            cost_model: dict | None = None) -> dict:
+    """The report object (schema ``terapipe.report/1``) without its ``files`` and ``created`` fields."""
+    sims = sims or {}
+    r = summarize(run, "TeraPipe", warmup, sims.get("run"))
+    b = summarize(baseline, "GPipe" if _is_gpipe(baseline) else "baseline", warmup, sims.get("baseline"))
+    return {
+        "schema": REPORT_SCHEMA,
+        "warmup_steps": min(warmup, len(run.steps) - 1),
+        "model": run.plan.model.name,
+        "run": r,
+        "baseline": b,
+        "speedup": {
+            "median": b["latency_s"]["median"] / r["latency_s"]["median"],
+            "mean": b["latency_s"]["mean"] / r["latency_s"]["mean"],
+            "predicted": (b["predicted_s"] / r["predicted_s"]) if r["predicted_s"] and b["predicted_s"] else None,
+            "simulated": (b["simulated"]["latency_s"] / r["simulated"]["latency_s"])
+            if r["simulated"] and b["simulated"] else None,
+        },
+        "loss": compare_losses(run, baseline),
+        "cost_model": cost_model,
+    }
+
+
+def _is_gpipe(run: Run) -> bool:
+    return all(lengths == [run.plan.seq_len] for _, lengths in run.plan.slices)

@@ -1,0 +1,152 @@
+"""The report's pictures (matplotlib, Agg: no display needed).
+
+``timeline.png`` is the picture of the pipeline papers: one row per stage, a box per forward (F) and backward
+(B) action of each tile, idle time as the hatched grey between boxes. It is a grid of panels on ONE time axis:
+a row per run (TeraPipe above GPipe) and a column per source (measured; predicted by the simulator when a cost
+model is at hand), each panel one step of one pipeline — any list of `schedule.Event` of one step, measured or
+simulated, draws the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from terapipe_cli.files import write_bytes_atomic
+from terapipe_cli.schedule import Event
+
+FORWARD_COLORS = ("#3b6fb6", "#7fa7dc")  # alternate shades so neighbouring tiles stay distinguishable
+BACKWARD_COLORS = ("#d9722b", "#f0ab73")
+IDLE_COLOR = "#ececec"
+IDLE_HATCH_COLOR = "#c4c4c4"
+
+
+@dataclass
+class TimelinePanel:
+    """One step of one pipeline to draw: its events (times from the step's start) and what to call it."""
+
+    title: str
+    events: list[Event]
+    stages: int
+    tile_order: dict[tuple[int, int], int]  # (batch_slice, token_slice) -> tile number in pipeline order
+    step_end_s: float | None = None  # the whole step's end (after optimizer and sync), marked with a line
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display; set before pyplot is first imported
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: Path) -> Path:
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    return write_bytes_atomic(path, buf.getvalue())
+
+
+def draw_timelines(grid: Sequence[Sequence[TimelinePanel | None]], path: str | Path, *, title: str = "") -> Path:
+    """Draw panels in a grid (rows × columns; None leaves a cell empty) on one shared time axis; write a PNG."""
+    plt = _pyplot()
+    from matplotlib.patches import Patch, Rectangle
+
+    rows, cols = len(grid), max(len(r) for r in grid)
+    panels = [p for r in grid for p in r if p is not None]
+    x_max = max(max([e.end_s for e in p.events] + [p.step_end_s or 0.0]) for p in panels) * 1e3 * 1.02
+    heights = [max((p.stages for p in r if p is not None), default=1) + 1.2 for r in grid]
+    fig_w = 15 if cols == 1 else 18
+    fig, axes = plt.subplots(rows, cols, figsize=(fig_w, 0.5 * sum(heights) + 1.2), sharex=True, squeeze=False,
+                             gridspec_kw={"height_ratios": heights})
+    for r, row in enumerate(grid):
+        for c in range(cols):
+            ax = axes[r][c]
+            panel = row[c] if c < len(row) else None
+            if panel is None:
+                ax.axis("off")
+                continue
+            # A label needs about a fifth of an inch; narrower boxes stay unlabelled rather than overprinted.
+            _draw_panel(ax, panel, x_max, Rectangle, min_label_w=x_max * 0.22 / (fig_w / cols - 1.6))
+            if r == rows - 1 or all(grid[rr][c] is None for rr in range(r + 1, rows) if c < len(grid[rr])):
+                ax.set_xlabel("time from the step's start (ms)")
+                ax.tick_params(axis="x", labelbottom=True)
+    handles = [Patch(facecolor=FORWARD_COLORS[0], label="forward (F) of a tile"),
+               Patch(facecolor=BACKWARD_COLORS[0], label="backward (B) of a tile"),
+               Patch(facecolor=IDLE_COLOR, edgecolor=IDLE_HATCH_COLOR, hatch="///", label="idle (bubble)")]
+    fig.legend(handles=handles, loc="upper right", ncol=3, frameon=False, fontsize=9)
+    if title:
+        fig.suptitle(title, x=0.01, ha="left", fontsize=12, fontweight="bold")
+    fig.tight_layout(rect=(0, 0, 1, 0.96))
+    out = _save(fig, Path(path))
+    plt.close(fig)
+    return out
+
+
+def _draw_panel(ax, panel: TimelinePanel, x_max: float, Rectangle, *, min_label_w: float) -> None:
+    K = panel.stages
+    span = max((e.end_s for e in panel.events), default=0.0) * 1e3
+    ax.set_xlim(0, x_max)
+    ax.set_ylim(K - 0.5 + 0.1, -0.6)  # stage 0 on top
+    ax.set_yticks(range(K))
+    ax.set_yticklabels([f"stage {k}" for k in range(K)], fontsize=9)
+    ax.set_title(panel.title, loc="left", fontsize=10)
+    ax.grid(axis="x", color="#dddddd", linewidth=0.6)
+    ax.set_axisbelow(True)
+    busy = [0.0] * K
+    for k in range(K):
+        ax.add_patch(Rectangle((0, k - 0.38), span, 0.76, facecolor=IDLE_COLOR, edgecolor=IDLE_HATCH_COLOR,
+                               hatch="///", linewidth=0.0, zorder=1))
+    for e in panel.events:
+        n = panel.tile_order.get((e.batch_slice, e.token_slice), 0)
+        colors = FORWARD_COLORS if e.phase == "F" else BACKWARD_COLORS
+        x, w = e.start_s * 1e3, (e.end_s - e.start_s) * 1e3
+        busy[e.stage] += w
+        ax.add_patch(Rectangle((x, e.stage - 0.38), w, 0.76, facecolor=colors[n % 2], edgecolor="white",
+                               linewidth=0.5, zorder=2))
+        if w >= min_label_w:
+            ax.text(x + w / 2, e.stage, f"{e.phase}{n}", ha="center", va="center", fontsize=6.5, zorder=3,
+                    color="white" if n % 2 == 0 else "#222222")
+    if panel.step_end_s is not None:
+        ax.axvline(panel.step_end_s * 1e3, color="#555555", linestyle="--", linewidth=0.9, zorder=3)
+    for k in range(K):
+        frac = busy[k] / span if span > 0 else 0.0
+        ax.text(1.002, k, f"busy {frac:.0%}", transform=ax.get_yaxis_transform(), va="center", fontsize=8,
+                color="#333333")
+
+
+def draw_losses(series: Sequence[tuple[str, Sequence[float]]], path: str | Path, *, warmup: int = 0,
+                title: str = "") -> Path:
+    """Loss per step of each run (top) and the absolute difference of every run from the first (bottom)."""
+    plt = _pyplot()
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    styles = [dict(linestyle="-", marker="o", markersize=4, linewidth=1.8),
+              dict(linestyle="--", marker="x", markersize=6, linewidth=1.2)]
+    colors = ("#3b6fb6", "#d9722b", "#4a9a4a", "#8c5fb8")
+    ref = list(series[0][1])
+    for n, (label, losses) in enumerate(series):
+        steps = range(1, len(losses) + 1)
+        top.plot(steps, losses, label=label, color=colors[n % len(colors)], **styles[min(n, 1)])
+        if n:
+            diff = [abs(a - b) for a, b in zip(losses, ref, strict=False)]
+            bottom.plot(range(1, len(diff) + 1), diff, color=colors[n % len(colors)], marker="o", markersize=3,
+                        label=f"|{label} − {series[0][0]}|")
+    for ax in (top, bottom):
+        if warmup:
+            ax.axvspan(0.5, warmup + 0.5, color="#eeeeee", zorder=0, label="warm-up (not timed)" if ax is top else None)
+        ax.grid(color="#dddddd", linewidth=0.6)
+    top.set_ylabel("training loss")
+    top.legend(frameon=False)
+    bottom.set_ylabel("absolute difference")
+    bottom.set_xlabel("step")
+    bottom.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
+    bottom.legend(frameon=False, fontsize=9)
+    if title:
+        top.set_title(title, loc="left", fontsize=11)
+    fig.tight_layout()
+    out = _save(fig, Path(path))
+    plt.close(fig)
+    return out

@@ -1,0 +1,180 @@
+"""A finished run directory, loaded and checked once, for the report (format: `terapipe_cli.runtime.rundir`).
+
+Everything the report needs is read here through the runtime's own readers, and every way a folder can fail
+to be a usable run (not a run at all, an unfinished run, a corrupt ``metrics.jsonl``, a missing timeline) is
+one `UserError` naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from terapipe_cli.errors import UserError
+from terapipe_cli.plan import Plan, plan_from_dict
+from terapipe_cli.runtime.rundir import RunArguments, read_config, read_metrics, read_summary, timeline_path
+from terapipe_cli.schedule import Event, plan_tiles, read_timeline
+
+
+@dataclass
+class Run:
+    """One complete training run: its plan and arguments, one metrics record per step, every rank's events."""
+
+    path: Path
+    config: dict
+    args: RunArguments
+    plan: Plan
+    metrics: list[dict]  # one per step, in step order, steps 1..args.steps
+    events: dict[int, list[Event]]  # rank -> events of every step
+    summary: dict
+    timeline_meta: dict[int, dict] = field(default_factory=dict)
+
+    @property
+    def stages(self) -> int:
+        return self.plan.stages
+
+    @property
+    def world_size(self) -> int:
+        return self.plan.stages * self.args.data_parallel
+
+    @property
+    def tiles(self) -> int:
+        """Tiles per pipeline per step (M in the bubble formula)."""
+        return len(plan_tiles(self.plan.slices))
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens trained on per step over all replicas."""
+        return self.plan.batch_size * self.args.data_parallel * self.plan.seq_len
+
+    @property
+    def steps(self) -> list[int]:
+        return [int(r["step"]) for r in self.metrics]
+
+    def step_events(self, step: int, replica: int | None = None) -> list[Event]:
+        """The events of one step (optionally of one replica), all ranks, times from that step's start."""
+        out = []
+        for rank, events in self.events.items():
+            if replica is not None and rank // self.stages != replica:
+                continue
+            out.extend(e for e in events if e.step == step)
+        return sorted(out, key=lambda e: (e.stage, e.start_s))
+
+    def metric(self, step: int) -> dict:
+        return self.metrics[step - 1]
+
+
+def load_run(path: str | Path) -> Run:
+    """Load a finished run directory; raises UserError when it is not one (naming the file and what is wrong)."""
+    run_dir = Path(path)
+    if not run_dir.exists():
+        raise UserError("run directory not found", where=str(run_dir))
+    if not run_dir.is_dir():
+        raise UserError("is not a run directory (a file, not a folder)", where=str(run_dir))
+    if not (run_dir / "config.json").exists():
+        raise UserError("is not a run directory of `terapipe train` (no config.json)", where=str(run_dir))
+    config, args = read_config(run_dir)
+    if not isinstance(config.get("plan"), dict):
+        raise UserError("field 'plan' must be an object", where=str(run_dir / "config.json"))
+    plan = plan_from_dict(config["plan"], f"{run_dir / 'config.json'}: field 'plan'")
+    if not (run_dir / "summary.json").exists():
+        raise UserError("the run did not finish (no summary.json); finish it with `terapipe train --resume`",
+                        where=str(run_dir))
+    summary = read_summary(run_dir)
+    if summary.get("status") != "complete":
+        raise UserError(f"field 'status' is {summary.get('status')!r}, expected 'complete'",
+                        where=str(run_dir / "summary.json"))
+    metrics = _metrics(run_dir, args.steps)
+    events: dict[int, list[Event]] = {}
+    metas: dict[int, dict] = {}
+    world = plan.stages * args.data_parallel
+    for rank in range(world):
+        tl = timeline_path(run_dir, rank)
+        if not tl.exists():
+            raise UserError(f"timeline of rank {rank} not found (the run has {world} ranks)", where=str(tl))
+        meta, evs = read_timeline(tl)
+        stage = rank % plan.stages
+        wrong = next((e for e in evs if e.stage != stage), None)
+        if wrong is not None:
+            raise UserError(f"holds an event of stage {wrong.stage}, but rank {rank} runs stage {stage}",
+                            where=str(tl))
+        events[rank], metas[rank] = evs, meta
+    return Run(run_dir, config, args, plan, metrics, events, summary, metas)
+
+
+def _metrics(run_dir: Path, steps: int) -> list[dict]:
+    """Every step's record, validated: numbers where numbers belong, steps 1..steps once each, in order."""
+    path = run_dir / "metrics.jsonl"
+    where = str(path)
+    if not path.exists():
+        raise UserError("metrics file not found", where=where)
+    try:
+        records = read_metrics(run_dir)
+    except json.JSONDecodeError as e:
+        raise UserError(f"corrupt line {_bad_line(path)}: {e.msg}", where=where) from None
+    except (AttributeError, TypeError):
+        raise UserError(f"corrupt line {_bad_line(path)}: not a JSON object", where=where) from None
+    by_step: dict[int, dict] = {}
+    for n, rec in enumerate(records):
+        step = rec.get("step")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+            raise UserError(f"record {n + 1}: field 'step' must be a positive integer, got {step!r}", where=where)
+        for key in ("loss", "iteration_s", "memory_bytes"):
+            v = rec.get(key)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise UserError(f"step {step}: field '{key}' must be a finite number, got {v!r}", where=where)
+        if not rec["iteration_s"] > 0:
+            raise UserError(f"step {step}: field 'iteration_s' must be positive, got {rec['iteration_s']}",
+                            where=where)
+        if step in by_step:
+            raise UserError(f"step {step} appears twice", where=where)
+        by_step[step] = rec
+    missing = [s for s in range(1, steps + 1) if s not in by_step]
+    if missing:
+        raise UserError(f"has {len(by_step)} of the run's {steps} steps (first missing: step {missing[0]})",
+                        where=where)
+    extra = sorted(s for s in by_step if s > steps)
+    if extra:
+        raise UserError(f"has step {extra[0]}, beyond the run's {steps} steps", where=where)
+    return [by_step[s] for s in range(1, steps + 1)]
+
+
+def _bad_line(path: Path) -> int:
+    """The 1-based number of the first line that is not a JSON object (for the error message)."""
+    for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            if not isinstance(json.loads(line), dict):
+                return n
+        except json.JSONDecodeError:
+            return n
+    return 0
+
+
+# What must agree between a run and its baseline for the comparison to mean anything: the same model trained
+# on the same data, batches, seed, steps and process layout (only the slicing may differ).
+SAME = ("model", "stages", "batch_size", "seq_len")
+SAME_ARGS = ("steps", "data", "seed", "lr", "data_parallel")
+
+
+def check_comparable(run: Run, baseline: Run) -> None:
+    """Raise UserError (naming the baseline's config) when the baseline is not the same training as the run."""
+    where = str(baseline.path / "config.json")
+    for key in SAME:
+        a, b = getattr(run.plan, key), getattr(baseline.plan, key)
+        if a != b:
+            shown = (a.name, b.name) if key == "model" and a.name != b.name else (a, b)
+            what = f"a different {key}" if key == "model" else f"{key} {shown[1]}"
+            raise UserError(f"the baseline has {what} ({shown[1]!r} vs the run's {shown[0]!r}): not comparable",
+                            where=where)
+    for key in SAME_ARGS:
+        a, b = getattr(run.args, key), getattr(baseline.args, key)
+        if a != b:
+            raise UserError(f"the baseline was trained with {key} = {b!r}, the run with {a!r}: not comparable",
+                            where=where)
+    if run.config.get("device") != baseline.config.get("device"):
+        raise UserError(f"the baseline ran on {baseline.config.get('device')!r}, the run on "
+                        f"{run.config.get('device')!r}: not comparable", where=where)
