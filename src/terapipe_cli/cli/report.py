@@ -1,0 +1,131 @@
+"""``terapipe report``: compare a run with its GPipe baseline (trained here when not given); tables and pictures."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from terapipe_cli.errors import UserError
+
+HELP = """Compare a training run with its GPipe baseline: latency, speed-up, predicted vs measured, idle time per
+stage, memory, and the loss of every step (which must match: both are the same synchronous training).
+
+Without --baseline, trains the plan's GPipe scheme (same model, data, seed, steps, process layout, through the
+same runtime) into the sibling folder RUN_DIR-gpipe first, or reuses the one an earlier report trained there.
+
+Writes report.json, report.md, timeline.png (one row per stage, F/B boxes per tile, the run above the baseline on
+one time axis, next to the simulator's prediction when the plan's profile is at hand), loss.png and trace.json
+(Chrome trace, one process per rank: open in https://ui.perfetto.dev) into --out (default RUN_DIR/report).
+
+Example:
+
+    terapipe report runs/demo/run
+"""
+
+
+def report(
+    run_dir: Annotated[Path, typer.Argument(help="Run directory written by `terapipe train`.", show_default=False)],
+    baseline: Annotated[
+        Path | None, typer.Option("--baseline", help="Run directory of the baseline (default: train RUN_DIR-gpipe).")
+    ] = None,
+    out: Annotated[
+        Path | None, typer.Option("--out", "-o", help="Folder for the report [default: RUN_DIR/report].")
+    ] = None,
+    warmup: Annotated[int, typer.Option("--warmup", help="Leading steps left out of the timings.")] = 2,
+    profile: Annotated[
+        Path | None,
+        typer.Option("--profile", help="Profile for the simulator's predicted timelines [default: the plan's]."),
+    ] = None,
+) -> None:
+    from terapipe_cli.report.build import find_baseline, find_cost_model, load_baseline, write_report
+    from terapipe_cli.report.runs import load_run
+
+    console = Console(highlight=False)
+    if warmup < 0:
+        raise UserError(f"must be at least 0, got {warmup}", where="--warmup")
+    run = load_run(run_dir)
+    if warmup >= len(run.steps):
+        raise UserError(f"leaves none of the run's {len(run.steps)} steps to time; use fewer", where="--warmup")
+    choice = find_baseline(run, baseline)
+    if not choice.exists:
+        train_gpipe(console, run, choice.path)
+    elif not choice.given:
+        console.print(f"reusing the GPipe baseline in {choice.path}")
+    base = load_baseline(run, choice.path)
+    cost, cost_info = find_cost_model(run, profile)
+    out_dir = out if out is not None else run.path / "report"
+    with console.status("writing the report …") as status:
+        result = write_report(run, base, out_dir, warmup=warmup, cost=cost, cost_info=cost_info,
+                              progress=lambda what: status.update(f"writing {what} …"))
+    render(console, result)
+    loss = result["loss"]
+    if not loss["match"]:
+        sys.stdout.flush()
+        sys.stderr.write("terapipe: error: the losses of the run and its baseline differ beyond fp32 tolerance "
+                         f"(max relative {loss['max_rel_diff']:.3g} at step {loss['worst_step']})\n")
+        raise SystemExit(1)
+
+
+def train_gpipe(console: Console, run, path: Path) -> None:
+    """Train the run's GPipe baseline into ``path``; a failed worker is one line and exit code 1, as in train."""
+    from terapipe_cli.plan import short_form
+    from terapipe_cli.report.baseline import gpipe_plan_dict, train_baseline
+    from terapipe_cli.runtime.launch import WorkerFailed
+
+    scheme = short_form(gpipe_plan_dict(run.plan)["slices"])
+    console.print(f"[bold]training the GPipe baseline[/] {scheme} ({run.args.steps} steps, same model, data, seed "
+                  f"and layout) -> {path}")
+    try:
+        train_baseline(run, path)
+    except WorkerFailed as e:
+        sys.stdout.flush()
+        sys.stderr.write(f"terapipe: error: the GPipe baseline failed: {e}\n")
+        raise SystemExit(WorkerFailed.exit_code) from None
+
+
+def render(console: Console, result: dict) -> None:
+    """The report's summary in the terminal (the same tables as report.md)."""
+    from terapipe_cli.report.build import (
+        STAGE_HEADER,
+        bubble_line,
+        headline,
+        latency_header,
+        latency_rows,
+        loss_line,
+        stage_rows,
+    )
+
+    r = result["run"]
+    title = f"{result['model']}: K={r['stages']}, B={r['batch_size']}, L={r['seq_len']} — " \
+            f"steps {r['compared_steps'][0]}–{r['compared_steps'][1]} (after {result['warmup_steps']} warm-up)"
+    t = Table(title=title)
+    for n, col in enumerate(latency_header(result)):
+        t.add_column(col, justify="left" if n == 0 else "right")
+    for row in latency_rows(result):
+        t.add_row(*row)
+    console.print(t)
+    s = Table(title="busy and idle time per stage (mean per step, pipelined span)")
+    for n, col in enumerate(STAGE_HEADER):
+        s.add_column(col, justify="left" if n == 0 else "right")
+    for row in stage_rows(result):
+        s.add_row(*row)
+    console.print(s)
+    console.print(f"[bold]{headline(result)}[/]")
+    console.print(bubble_line(result))
+    ok = result["loss"]["match"]
+    console.print(("[green]" if ok else "[red]") + loss_line(result) + "[/]")
+    cm = result.get("cost_model") or {}
+    if not cm.get("used"):
+        console.print(f"(no predicted timeline: {cm.get('why')})")
+    console.print("wrote:")
+    for name, path in result["files"].items():
+        console.print(f"  {name:<13} {path}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("report", help=HELP)(report)
