@@ -29,7 +29,7 @@ def _root() -> None:
 
 
 # Command modules, in the order a user runs them.
-COMMANDS: tuple[str, ...] = ("profile", "plan", "train")
+COMMANDS: tuple[str, ...] = ("profile", "plan", "train", "report", "run")
 
 
 def _register() -> None:
