@@ -1,0 +1,137 @@
+"""End to end: `terapipe run --quick` (profile -> plan -> train -> report, GPipe baseline included), once.
+
+Checks the report against the run directories it came from: latencies recomputed from metrics.jsonl, the bubble
+from the timelines, the losses of both runs (which must match: the same synchronous training), the pictures and
+the Chrome trace.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_report import assert_chrome_trace, assert_nontrivial_png
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def terapipe(*args: str, cwd: Path, timeout: float = 400) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "COLUMNS": "100"}
+    return subprocess.run([sys.executable, "-m", "terapipe_cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=cwd)
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("demo")
+    started = time.perf_counter()
+    p = terapipe("run", "--quick", "--out", str(tmp / "runs"), cwd=tmp)
+    seconds = time.perf_counter() - started
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    (root,) = list((tmp / "runs").iterdir())
+    print(f"terapipe run --quick took {seconds:.0f} s")
+    return root, p, tmp
+
+
+def _raw_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+
+
+def _bubble_from_timelines(run_dir: Path, steps: list[int], stages: int) -> float:
+    """Independent of the report's code: 1 − Σ busy / (K · Σ span) over the steps, from the raw timeline files."""
+    events = []
+    for f in sorted((run_dir / "timelines").glob("rank_*.json")):
+        events += json.loads(f.read_text())["events"]
+    busy = span = 0.0
+    for s in steps:
+        mine = [e for e in events if e["step"] == s]
+        busy += sum(e["end_s"] - e["start_s"] for e in mine)
+        span += max(e["end_s"] for e in mine)
+    return 1 - busy / (stages * span)
+
+
+def test_the_demo_ends_with_the_summary_and_the_pictures(demo):
+    root, p, _ = demo
+    out = p.stdout
+    for stage in ("1/4 profile", "2/4 plan", "3/4 train", "4/4 report"):
+        assert stage in out
+    assert out.index("1/4 profile") < out.index("2/4 plan") < out.index("3/4 train") < out.index("4/4 report")
+    assert "training the GPipe baseline" in out
+    tail = out[out.index("4/4 report"):]
+    assert "TeraPipe is" in tail and "Losses match" in tail
+    for name in ("timeline.png", "loss.png"):
+        assert str(root / "run" / "report" / name) in out.replace("\n", "")
+    for name in ("model.toml", "profile.json", "plan.json", "run/summary.json", "run-gpipe/summary.json"):
+        assert (root / name).exists(), name
+
+
+def test_report_numbers_match_the_run_directories(demo):
+    root, _, _ = demo
+    report = json.loads((root / "run" / "report" / "report.json").read_text())
+    assert report["schema"] == "terapipe.report/1"
+    warmup = report["warmup_steps"]
+    plan = json.loads((root / "plan.json").read_text())
+    for key, run_dir in (("run", root / "run"), ("baseline", root / "run-gpipe")):
+        part = report[key]
+        assert Path(part["path"]).resolve() == run_dir.resolve()
+        metrics = _raw_metrics(run_dir)
+        lat = [m["iteration_s"] for m in metrics][warmup:]
+        assert len(lat) == part["latency_s"]["n"] > 0
+        assert part["latency_s"]["median"] == pytest.approx(statistics.median(lat))
+        assert part["latency_s"]["mean"] == pytest.approx(statistics.fmean(lat))
+        assert part["latency_s"]["std"] == pytest.approx(statistics.stdev(lat))
+        assert (part["latency_s"]["min"], part["latency_s"]["max"]) == (min(lat), max(lat))
+        assert part["tokens_per_s"] == pytest.approx(plan["seq_len"] * plan["batch_size"] / statistics.median(lat))
+        steps = [m["step"] for m in metrics][warmup:]
+        assert part["bubble_fraction"] == pytest.approx(_bubble_from_timelines(run_dir, steps, plan["stages"]))
+        assert part["peak_memory_bytes"] == max(m["memory_bytes"] for m in metrics)
+        assert part["losses"] == [m["loss"] for m in metrics]
+    assert report["run"]["slices"] == plan["slices"]
+    assert report["baseline"]["slices"] == plan["baselines"]["gpipe"]["slices"]
+    assert report["run"]["predicted_s"] == plan["predicted_s"]
+    assert report["speedup"]["median"] == pytest.approx(
+        report["baseline"]["latency_s"]["median"] / report["run"]["latency_s"]["median"])
+    # The plan's profile is at hand, so the simulator's predicted timelines are in the report.
+    assert report["cost_model"]["used"] is True
+    assert report["run"]["simulated"]["latency_s"] > 0 and report["baseline"]["simulated"]["latency_s"] > 0
+
+
+def test_losses_of_terapipe_and_gpipe_match(demo):
+    root, _, _ = demo
+    a, b = _raw_metrics(root / "run"), _raw_metrics(root / "run-gpipe")
+    assert len(a) == len(b) > 1
+    rel = max(abs(x["loss"] - y["loss"]) / abs(y["loss"]) for x, y in zip(a, b, strict=True))
+    loss = json.loads((root / "run" / "report" / "report.json").read_text())["loss"]
+    assert loss["match"] is True and loss["max_rel_diff"] == pytest.approx(rel)
+    assert rel <= 1e-4  # fp32: only the summation order differs
+
+
+def test_pictures_and_trace(demo):
+    root, _, _ = demo
+    rep = root / "run" / "report"
+    for name in ("timeline.png", "loss.png"):
+        assert_nontrivial_png(rep / name)
+    assert_chrome_trace(json.loads((rep / "trace.json").read_text()), {"TeraPipe": 2, "GPipe": 2})
+    assert "## Iteration latency" in (rep / "report.md").read_text()
+
+
+def test_terapipe_waits_less_than_gpipe(demo):
+    """The demo's point, visible in timeline.png: token slicing fills the pipeline's bubble."""
+    root, _, _ = demo
+    report = json.loads((root / "run" / "report" / "report.json").read_text())
+    assert report["run"]["tiles"] > report["baseline"]["tiles"] == 1
+    assert report["run"]["bubble_fraction"] < report["baseline"]["bubble_fraction"]
+
+
+def test_report_again_reuses_the_baseline(demo):
+    root, _, tmp = demo
+    p = terapipe("report", str(root / "run"), "--out", str(tmp / "again"), "--warmup", "1", cwd=tmp, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "reusing the GPipe baseline" in p.stdout and "training the GPipe baseline" not in p.stdout
+    assert json.loads((tmp / "again" / "report.json").read_text())["warmup_steps"] == 1
