@@ -174,14 +174,15 @@ def _worker(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     sizes = [int(s) for s in args.sizes.split(",")]
-    dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=args.timeout))
-    rank = dist.get_rank()
-    peer = 1 - rank
     if args.backend == "nccl":
-        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+        # Pick this rank's GPU before NCCL starts, so its communicator binds to the right device.
+        dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(dev)
     else:
         dev = torch.device("cpu")
+    dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=args.timeout))
+    rank = dist.get_rank()
+    peer = 1 - rank
 
     def sync() -> None:
         if dev.type == "cuda":

@@ -11,7 +11,7 @@ slice 0 itself, and an untimed forward of another batch slice goes first, as in 
 
 Timing discipline: one thread on CPU (a stage owns one core), timed by default with the process's CPU
 clock: time the OS gives to other processes on a shared machine is not the stage's cost (with both cores
-of this machine kept busy by others, a tile's wall time triples while its CPU time moves by ~1%). CUDA
+of this machine kept busy by others, a tile's wall time tripled while its CPU time moved by 1–4%). CUDA
 events after a synchronisation on GPU. A warm-up, then ``repeats`` rounds, each visiting every point in a
 fresh random order, so a drift of the machine's speed spreads over all points instead of bending the
 curve; the median is kept, with min and max. The Python garbage collector is paused while timing.
