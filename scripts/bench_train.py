@@ -122,8 +122,8 @@ def main() -> None:
     sys.path.insert(0, str(ROOT / "src"))
     from terapipe_cli.config import load_model_config
     from terapipe_cli.costmodel import CostModel, read_profile
-    from terapipe_cli.planner import evaluate, solve
     from terapipe_cli.plan import short_form
+    from terapipe_cli.planner import evaluate, solve
 
     model = load_model_config(a.model)
     L, B, K = model.seq_len, a.batch, a.stages

@@ -110,6 +110,18 @@ def test_worker_exception_is_named_in_one_line(tmp_path):
     assert (tmp_path / "run" / "errors" / "rank_00000.txt").exists()
 
 
+def test_hung_worker_ends_the_job_by_timeout(tmp_path):
+    """A rank that stops responding: its neighbour's wait times out and the job ends, naming both."""
+    plan = write_plan_file(tmp_path / "plan.json", [(1, [16, 16])], stages=2)
+    start = time.monotonic()
+    p = train("--plan", str(plan), "--steps", "4", "--out", str(tmp_path / "run"), "--timeout-s", "3",
+              env={"TERAPIPE_TEST_FAULT": "hang:1:2"})
+    assert time.monotonic() - start < 60
+    assert p.returncode == 1
+    last = p.stderr.strip().splitlines()[-1]
+    assert "worker rank 0 (stage 0, replica 0) failed: PeerLost: lost rank 1" in last and "Timed out" in last, last
+
+
 def test_dry_run_prints_the_torchrun_command(tmp_path):
     plan = write_plan_file(tmp_path / "plan.json", [(1, [16, 16])], stages=2)
     p = train("--plan", str(plan), "--out", str(tmp_path / "run"), "--dry-run", "--data-parallel", "2")

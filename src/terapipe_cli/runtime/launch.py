@@ -5,7 +5,9 @@ arguments in this process through ``torch.distributed.run.run`` (not ``main``, w
 torchrun's failure table), so ``--dry-run`` prints what actually runs. torchrun's own failure handling does
 the rest: when a worker exits non-zero or is killed, it stops the others and raises ``ChildFailedError``
 with each failed rank's exit code and error file (written by the worker), which `launch` reduces to the
-root cause: a rank that died or raised, rather than one that merely lost contact with it (`PeerLost`).
+root cause: a rank that raised or was killed; else one that lost contact with a neighbour (`PeerLost`, which
+names the neighbour and says whether the connection closed or a wait timed out, as when a rank hangs);
+last, one merely stopped with SIGTERM by torchrun after the first failure.
 """
 
 from __future__ import annotations
@@ -94,12 +96,17 @@ def _message(failure) -> str:
 
 
 def describe_failure(failures: dict, spec: Launch) -> str:
-    """One line: the root-cause rank (a rank that died or raised before ones that lost contact with it)."""
+    """One line: the root-cause rank and its cause, then the ranks that failed after it."""
 
-    def secondary(rank: int) -> bool:
-        return _message(failures[rank]).startswith("PeerLost")
+    def priority(rank: int) -> int:
+        f = failures[rank]
+        if f.exitcode == -15:
+            return 2  # SIGTERM: usually torchrun stopping the others after the first failure
+        if _message(f).startswith("PeerLost"):
+            return 1  # lost its neighbour (closed connection or a timeout): a consequence, names the peer
+        return 0  # raised, or was killed
 
-    rank = min(failures, key=lambda r: (secondary(r), failures[r].timestamp, r))
+    rank = min(failures, key=lambda r: (priority(r), failures[r].timestamp, r))
     f = failures[rank]
     if f.exitcode < 0:
         cause = f"killed by signal {f.signal_name()} (exit code {f.exitcode})"

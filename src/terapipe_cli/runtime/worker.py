@@ -46,8 +46,9 @@ from terapipe_cli.runtime.rundir import (
 from terapipe_cli.runtime.stage import StageRunner
 from terapipe_cli.schedule import Action, Event, build_schedule, read_timeline, write_timeline
 
-# Test-only fault injection: "kill:RANK:STEP" (SIGKILL itself) or "raise:RANK:STEP" (an exception), in the
-# middle of that step (after its forward tiles), to exercise failure handling and --resume.
+# Test-only fault injection, in the middle of step STEP (after its forward tiles) on rank RANK, to exercise
+# failure handling and --resume: "kill:RANK:STEP" (SIGKILL itself), "raise:RANK:STEP" (an exception) or
+# "hang:RANK:STEP" (stop responding, so the neighbours' waits time out).
 FAULT_ENV = "TERAPIPE_TEST_FAULT"
 
 
@@ -160,6 +161,8 @@ def _fault(rank: int, step: int) -> Callable[[], None] | None:
         return None
     if kind == "kill":
         return lambda: os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "hang":
+        return lambda: time.sleep(10**6)
 
     def fail() -> None:
         raise RuntimeError(f"injected failure at step {step} ({FAULT_ENV})")
