@@ -240,6 +240,13 @@ def _render_check(console: Console, check: dict) -> None:
         )
     console.print(t)
     console.print(f"check: relative error mean {check['rel_err_mean']:.1%}, max {check['rel_err_max']:.1%}")
+    if "reference" in check:
+        ratio = check["reference"]["speed_ratio"]
+        console.print(
+            f"machine speed now: tiles on the profile's own grid take {ratio:.3f}× their profiled time; "
+            f"with that drift divided out the check's error is mean {check['drift_adjusted_rel_err_mean']:.1%}, "
+            f"max {check['drift_adjusted_rel_err_max']:.1%}"
+        )
 
 
 def _recheck(console: Console, path: Path, device: str, quick: bool, seed: int, clock: str | None) -> None:

@@ -716,6 +716,9 @@ def recheck_profile(
 ) -> dict:
     """Time ``count`` off-grid tiles now, on this device, and compare them with an existing profile.
 
+    A few tiles ON the profile's grid are timed in the same rounds as a reference: their ratio to the
+    profiled times is the machine's speed drift since the profile was taken (a shared CPU can be 10%
+    slower minutes later), reported next to the check so that drift is not mistaken for model error.
     ``clock``: None uses the clock the profile was measured with.
     """
     prof = profile_from_dict(profile, "profile")
@@ -728,8 +731,21 @@ def recheck_profile(
             clock = "wall" if prof.device.get("clock") == CLOCK_NAMES["wall"] else "cpu"
         timer = TileTimer(model, device, seed=seed, clock=clock)
         pts = check_points(prof.batch_sizes, prof.token_lengths, model.seq_len, prof.token_step, count=count, seed=seed)
+        lengths = prof.token_lengths
+        refs = [
+            Point(b, lengths[(k * (len(lengths) - 1)) // 3], 0, "reference")
+            for b in prof.batch_sizes
+            for k in (1, 2, 3)
+        ]
+        refs = list(dict.fromkeys(refs))
         t = time_points(
-            timer, pts, repeats=repeats, warmup_all=True, seed=seed, progress=progress, phase="timing check tiles"
+            timer,
+            pts + refs,
+            repeats=repeats,
+            warmup_all=True,
+            seed=seed,
+            progress=progress,
+            phase="timing check tiles",
         )
     finally:
         torch.set_num_threads(threads)
@@ -745,6 +761,16 @@ def recheck_profile(
             "total_min_s": float(lo[k]),
             "total_max_s": float(hi[k]),
         }
-        for k, p in enumerate(pts)
+        for k, p in enumerate(t.points)
     ]
-    return check_against(profile, measured)
+    result = check_against(profile, measured[: len(pts)])
+    ref = check_against(profile, measured[len(pts) :])
+    drift = float(np.median([r["measured_s"] / r["predicted_s"] for r in ref["points"]]))
+    result["reference"] = {"points": ref["points"], "speed_ratio": drift}
+    # The same check with the drift divided out: what remains is the cost model's own error.
+    adjusted = RelErr.of(
+        [r["predicted_s"] * drift for r in result["points"]], [r["measured_s"] for r in result["points"]]
+    )
+    result["drift_adjusted_rel_err_mean"] = adjusted.mean
+    result["drift_adjusted_rel_err_max"] = adjusted.max
+    return result
