@@ -12,15 +12,16 @@ from rich.table import Table
 
 from terapipe_cli.errors import UserError
 
-HELP = """Compare a training run with its GPipe baseline: latency, speed-up, predicted vs measured, idle time per
+HELP = """Compare a training run with its GPipe baseline: latency, speed-up, predicted vs measured, idle time per \
 stage, memory, and the loss of every step (which must match: both are the same synchronous training).
 
-Without --baseline, trains the plan's GPipe scheme (same model, data, seed, steps, process layout, through the
+Without --baseline, trains the plan's GPipe scheme (same model, data, seed, steps, process layout, through the \
 same runtime) into the sibling folder RUN_DIR-gpipe first, or reuses the one an earlier report trained there.
 
-Writes report.json, report.md, timeline.png (one row per stage, F/B boxes per tile, the run above the baseline on
-one time axis, next to the simulator's prediction when the plan's profile is at hand), loss.png and trace.json
-(Chrome trace, one process per rank: open in https://ui.perfetto.dev) into --out (default RUN_DIR/report).
+Writes report.json, report.md, timeline.png (one row per stage, F/B boxes per tile, the run above the baseline \
+on one time axis, next to the simulator's prediction when the plan's profile is at hand), loss.png and \
+trace.json (Chrome trace, one process per rank: open in https://ui.perfetto.dev) into --out (default \
+RUN_DIR/report).
 
 Example:
 
@@ -29,17 +30,19 @@ Example:
 
 
 def report(
-    run_dir: Annotated[Path, typer.Argument(help="Run directory written by `terapipe train`.", show_default=False)],
+    run_dir: Annotated[
+        Path, typer.Argument(help="Run directory written by `terapipe train`.", metavar="RUN_DIR", show_default=False)
+    ],
     baseline: Annotated[
         Path | None, typer.Option("--baseline", help="Run directory of the baseline (default: train RUN_DIR-gpipe).")
     ] = None,
     out: Annotated[
-        Path | None, typer.Option("--out", "-o", help="Folder for the report [default: RUN_DIR/report].")
+        Path | None, typer.Option("--out", "-o", help="Folder for the report (default: RUN_DIR/report).")
     ] = None,
     warmup: Annotated[int, typer.Option("--warmup", help="Leading steps left out of the timings.")] = 2,
     profile: Annotated[
         Path | None,
-        typer.Option("--profile", help="Profile for the simulator's predicted timelines [default: the plan's]."),
+        typer.Option("--profile", help="Profile for the simulator's predicted timelines (default: the plan's)."),
     ] = None,
 ) -> None:
     from terapipe_cli.report.build import find_baseline, find_cost_model, load_baseline, write_report
@@ -98,6 +101,7 @@ def render(console: Console, result: dict) -> None:
         latency_rows,
         loss_line,
         stage_rows,
+        tile_speed_line,
     )
 
     r = result["run"]
@@ -117,6 +121,8 @@ def render(console: Console, result: dict) -> None:
     console.print(s)
     console.print(f"[bold]{headline(result)}[/]")
     console.print(bubble_line(result))
+    if tile_speed_line(result):
+        console.print(tile_speed_line(result))
     ok = result["loss"]["match"]
     console.print(("[green]" if ok else "[red]") + loss_line(result) + "[/]")
     cm = result.get("cost_model") or {}

@@ -14,12 +14,12 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-HELP = """Run all four stages in order on the tiny model on CPU (K = 2 stages, B = 1): measure a profile, plan
-the token slicing, train with the plan, then report against the GPipe baseline (trained by the report). Ends with
-the report's summary and the paths of the pictures. Each stage prints the command that does it alone.
+HELP = """Run all four stages in order on the tiny model on CPU (K = 2 stages, B = 1): measure a profile, plan \
+the token slicing, train with the plan, then report against the GPipe baseline (trained by the report). Ends \
+with the report's summary and the paths of the pictures. Each stage prints the command that does it alone.
 
-Everything goes into a fresh folder OUT/<timestamp>/: model.toml, profile.json, plan.json, run/ (with run/report/)
-and run-gpipe/. About 2 minutes on a 2-core machine; --quick (CI) takes about one.
+Everything goes into a fresh folder OUT/TIMESTAMP/: model.toml, profile.json, plan.json, run/ (with \
+run/report/) and run-gpipe/. About a minute on a 2-core machine; --quick (for CI) about 40 s.
 
 Examples:
 
@@ -34,10 +34,10 @@ Examples:
 def run(
     config: Annotated[
         Path | None,
-        typer.Option("--config", "-c", help="Demo TOML (configs/experiments/demo.toml) [default: embedded]."),
+        typer.Option("--config", "-c", help="Demo TOML, e.g. configs/experiments/demo.toml (default: embedded)."),
     ] = None,
     quick: Annotated[
-        bool, typer.Option("--quick", help="The short variant for CI: quick profile, fewer steps (its [demo.quick]).")
+        bool, typer.Option("--quick", help="The short variant for CI: quick profile, fewer steps (demo.quick).")
     ] = False,
     out: Annotated[Path, typer.Option("--out", "-o", help="Folder for the demo's runs.")] = Path("runs/demo"),
 ) -> None:

@@ -204,11 +204,25 @@ def stage_rows(report: dict) -> list[list[str]]:
 def headline(report: dict) -> str:
     sp = report["speedup"]
     r, b = report["run"], report["baseline"]
-    text = (f"{r['label']} is {sp['median']:.2f}× {'faster' if sp['median'] >= 1 else 'slower'} than "
-            f"{b['label']} (median iteration {_ms(r['latency_s']['median'])} vs {_ms(b['latency_s']['median'])}, "
+    verdict = (f"{r['label']} is {sp['median']:.2f}× faster than {b['label']}" if sp["median"] >= 1 else
+               f"{r['label']} is slower than {b['label']} here, {sp['median']:.2f}× its speed")
+    return (f"{verdict} (median iteration {_ms(r['latency_s']['median'])} vs {_ms(b['latency_s']['median'])}, "
             f"steps {r['compared_steps'][0]}–{r['compared_steps'][1]}); the plan predicted "
             + (f"{sp['predicted']:.2f}×" if sp["predicted"] else "–")
             + (f", the simulator {sp['simulated']:.2f}×" if sp["simulated"] else "") + ".")
+
+
+def tile_speed_line(report: dict) -> str | None:
+    """Why measured and predicted differ, when the simulator ran: did the tiles take their profiled time?"""
+    r, b = report["run"], report["baseline"]
+    if not (r["simulated"] and b["simulated"]):
+        return None
+    text = (f"Tile compute took {r['simulated']['busy_ratio']:.2f}× the profile's prediction with {r['label']} and "
+            f"{b['simulated']['busy_ratio']:.2f}× with {b['label']} (measured busy time per stage / simulated).")
+    if r["simulated"]["busy_ratio"] > 1.2 * b["simulated"]["busy_ratio"]:
+        text += (f" {r['label']}'s stages compute at the same time, so anything they share — cores, memory "
+                 "bandwidth, other processes on the machine — slows its tiles more than GPipe's, which mostly take "
+                 "turns.")
     return text
 
 
@@ -223,8 +237,12 @@ def loss_line(report: dict) -> str:
 def bubble_line(report: dict) -> str:
     r, b = report["run"], report["baseline"]
     return (f"Idle time: the stages wait {r['bubble_fraction']:.0%} of the pipelined span with {r['label']} "
-            f"({r['tiles']} tiles) vs {b['bubble_fraction']:.0%} with {b['label']} ({b['tiles']} tiles); "
+            f"({_tiles(r['tiles'])}) vs {b['bubble_fraction']:.0%} with {b['label']} ({_tiles(b['tiles'])}); "
             f"the formula (K−1)/(M+K−1) for equal tiles says {r['bubble_formula']:.0%} vs {b['bubble_formula']:.0%}.")
+
+
+def _tiles(n: int) -> str:
+    return f"{n} tile" + ("" if n == 1 else "s")
 
 
 def to_markdown(report: dict) -> str:
@@ -262,6 +280,7 @@ def to_markdown(report: dict) -> str:
         "",
         bubble_line(report),
         "",
+        *([tile_speed_line(report), ""] if tile_speed_line(report) else []),
         table(STAGE_HEADER, stage_rows(report)),
         "",
         f"![timeline]({Path(files['timeline.png']).name})",

@@ -151,6 +151,9 @@ def summarize(run: Run, label: str, warmup: int, sim: SimResult | None = None) -
             "span_rel_err_at_representative_step": err.rel_err,
             "action_rel_err_mean": err.action_rel_err_mean,
             "bubble_fraction": stage_times_of(sim.events, sim.stages).bubble_fraction,
+            # > 1: the tiles themselves ran slower than profiled (not the schedule): e.g. stages that compute at
+            # the same time share cores or memory bandwidth with each other or with other processes.
+            "busy_ratio": statistics.fmean(times.busy_s) / statistics.fmean(sim.busy_s()),
         }
     return out
 
