@@ -269,3 +269,13 @@ def test_cli_losses_that_differ_exit_1(tmp_path):
     assert p.returncode == 1
     assert "DO NOT match" in p.stdout and "differ beyond fp32 tolerance" in p.stderr
     assert (run / "report" / "report.json").exists()  # the report is still written, to look at
+
+
+def test_a_timeline_without_a_step_is_an_error(pair):
+    run_dir, _ = pair
+    path = timeline_path(run_dir, 1)
+    obj = json.loads(path.read_text())
+    obj["events"] = [e for e in obj["events"] if e["step"] != 4]
+    path.write_text(json.dumps(obj))
+    with pytest.raises(UserError, match="rank_00001.json: has no events of step 4"):
+        load_run(run_dir)

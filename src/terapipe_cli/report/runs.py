@@ -100,6 +100,11 @@ def load_run(path: str | Path) -> Run:
         if wrong is not None:
             raise UserError(f"holds an event of stage {wrong.stage}, but rank {rank} runs stage {stage}",
                             where=str(tl))
+        # Busy/idle and the bubble are per step: a step without this rank's actions would read as all idle.
+        have = {e.step for e in evs}
+        lacking = next((s for s in range(1, args.steps + 1) if s not in have), None)
+        if lacking is not None:
+            raise UserError(f"has no events of step {lacking} (the run has {args.steps} steps)", where=str(tl))
         events[rank], metas[rank] = evs, meta
     return Run(run_dir, config, args, plan, metrics, events, summary, metas)
 
