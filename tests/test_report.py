@@ -6,6 +6,7 @@ pipeline's shape is known exactly: on equal tiles with free transfers the bubble
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import statistics
@@ -17,10 +18,11 @@ import numpy as np
 import pytest
 from conftest import tiny_model
 
+from terapipe_cli.config import ModelConfig
 from terapipe_cli.errors import UserError
 from terapipe_cli.plan import make_plan_dict
 from terapipe_cli.report.baseline import baseline_dir, gpipe_plan_dict
-from terapipe_cli.report.build import find_baseline, write_report
+from terapipe_cli.report.build import find_baseline, find_cost_model, write_report
 from terapipe_cli.report.compare import LOSS_RTOL, bubble_formula, compare, latency_stats
 from terapipe_cli.report.runs import check_comparable, load_run
 from terapipe_cli.report.trace import TraceRun, chrome_trace
@@ -279,3 +281,22 @@ def test_a_timeline_without_a_step_is_an_error(pair):
     path.write_text(json.dumps(obj))
     with pytest.raises(UserError, match="rank_00001.json: has no events of step 4"):
         load_run(run_dir)
+
+
+def test_the_plans_profile_is_found_beside_the_run_and_checked(tmp_path, monkeypatch):
+    profile = Path(__file__).resolve().parent.parent / "configs" / "profiles" / "example-tiny-cpu.json"
+    prof = json.loads(profile.read_text())
+    (tmp_path / "profile.json").write_text(profile.read_text())
+    digest = hashlib.sha256(profile.read_bytes()).hexdigest()
+    model = ModelConfig.from_dict(prof["model"], "profile")
+    run = load_run(make_run(tmp_path / "run", [(1, [SEQ])], model=model,
+                            plan_extra={"profile": {"path": "elsewhere/profile.json", "sha256": digest}}))
+    monkeypatch.chdir(tmp_path / "run")
+    cost, info = find_cost_model(run, None)
+    assert cost is not None and info["used"] and info["sha256"] == digest
+    (tmp_path / "profile.json").write_text(profile.read_text().replace('"example"', '"measured"', 1))
+    cost, info = find_cost_model(run, None)
+    assert cost is None and "changed since the plan" in info["why"]
+    (tmp_path / "profile.json").unlink()
+    cost, info = find_cost_model(run, None)
+    assert cost is None and "not here" in info["why"]

@@ -60,9 +60,10 @@ def find_cost_model(run: Run, profile: Path | None):
         path = named.get("path")
         if not path:
             return None, {"used": False, "why": "the plan names no profile (pass one with --profile)"}
-        candidates = [Path(path)]
-        if not Path(path).is_absolute():  # the plan records the path as given to `terapipe plan`
-            candidates.append(run.path / path)
+        # The plan records the path as given to `terapipe plan`, relative to where it ran; the file is also looked
+        # for beside the run (as `terapipe run` lays it out). The checksum below makes any match safe.
+        name = Path(path).name
+        candidates = [Path(path), run.path / name, run.path.parent / name]
         found = next((p for p in candidates if p.is_file()), None)
         if found is None:
             return None, {"used": False, "why": f"the plan's profile {path} is not here (pass it with --profile)"}
