@@ -209,6 +209,7 @@ def bad_inputs(tmp_path: Path) -> list[tuple[list[str], str]]:
         (["--model", str(write_model(tmp_path / "zero.toml", hidden=0))], "model.hidden"),
         (["--model", str(write_model(tmp_path / "ok.toml")), "--token-step", "128"], "--token-step"),
         (["--model", str(tmp_path / "ok.toml"), "--batch-sizes", "1,0"], "--batch-sizes"),
+        (["--model", str(write_model(tmp_path / "short.toml", seq_len=24)), "--quick"], "context tiles"),
         (["--model", str(tmp_path / "ok.toml"), "--batch-sizes", "one"], "--batch-sizes"),
         (["--model", str(tmp_path / "ok.toml"), "--device", "tpu"], "--device"),
         (["--model", str(tmp_path / "ok.toml"), "--clock", "sundial"], "--clock"),

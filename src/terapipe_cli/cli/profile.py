@@ -151,7 +151,7 @@ def profile(
         f"(step {token_step}), {settings.fit_points}+{settings.heldout_points} context tiles"
         + (f", {settings.check_points} check tiles" if settings.check_points else "")
         + f", {settings.repeats} rounds"
-        + (" [quick]" if quick else "")
+        + (", quick" if quick else "")
     )
     started = time.perf_counter()
     with _progress(console) as update:

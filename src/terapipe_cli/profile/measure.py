@@ -498,6 +498,9 @@ class Settings:
             raise UserError(f"must be one of {', '.join(CLOCKS)}, got {clock!r}", where="--clock")
         lengths = tuple(token_grid(model.seq_len, token_step, quick=quick))
         preset = _QUICK if quick else _DEFAULT
+        # Fail now, not after the grid was timed, if the sequence is too short for the context points.
+        context_points(bs, lengths, model.seq_len, token_step, fit=preset["fit_points"],
+                       heldout=preset["heldout_points"], seed=seed)  # fmt: skip
         return Settings(
             bs,
             token_step,
