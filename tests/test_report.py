@@ -202,11 +202,14 @@ def test_gpipe_plan_without_baselines_is_microbatch_one(tmp_path):
     assert gpipe_plan_dict(run.plan)["slices"] == [[1, [SEQ]]] * 3
 
 
-def test_baseline_folder_is_the_runs_sibling(pair, tmp_path):
+def test_baseline_folder_is_the_runs_sibling(pair, tmp_path, monkeypatch):
     run = load_run(pair[0])
-    assert baseline_dir(run.path) == (tmp_path / "run-gpipe").resolve()
+    assert baseline_dir(run.path) == tmp_path / "run-gpipe"
+    assert baseline_dir(Path("runs/x/run/")) == Path("runs/x/run-gpipe")
+    monkeypatch.chdir(run.path)
+    assert baseline_dir(Path(".")) == tmp_path.resolve() / "run-gpipe"
     choice = find_baseline(run, None)
-    assert choice.exists and choice.path == (tmp_path / "run-gpipe").resolve()
+    assert choice.exists and choice.path == tmp_path / "run-gpipe"
     (choice.path / "summary.json").unlink()
     with pytest.raises(UserError, match="unfinished baseline"):
         find_baseline(run, None)

@@ -19,7 +19,9 @@ BASELINE_SUFFIX = "-gpipe"
 
 def baseline_dir(run_dir: Path) -> Path:
     """Where the report trains a run's baseline: a sibling folder, ``RUN_DIR-gpipe``."""
-    run_dir = Path(run_dir).resolve()
+    run_dir = Path(run_dir)
+    if run_dir.name in ("", ".", ".."):  # "." has no name to extend; keep other paths as the user gave them
+        run_dir = run_dir.resolve()
     return run_dir.with_name(run_dir.name + BASELINE_SUFFIX)
 
 
