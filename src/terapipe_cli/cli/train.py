@@ -110,7 +110,8 @@ def _verify(console: Console, prepared) -> None:
     console.print("verifying against a single-process reference (same seed, same batches) ...")
     result = verify_run(prepared.launch.run_dir, prepared.plan, prepared.data, seed=args.seed, lr=args.lr,
                         steps=args.steps, data_parallel=args.data_parallel, device=prepared.device)
-    table = Table(title="--verify: pipelined run vs single process (fp32)")
+    table = Table(title="--verify: pipelined run vs single process (fp32)",
+                  caption="rel: |Δ|/|ref| per step's loss; ‖Δ‖₂/‖ref‖₂ per gradient or weight tensor")
     for col in ("compared", "max abs", "max rel", "tol (rel)", "worst at", "result"):
         table.add_column(col)
     for c in result.checks:

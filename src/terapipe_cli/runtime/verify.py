@@ -5,8 +5,13 @@ global batch of B·D sequences), divides the summed token loss by all predicted 
 the same AdamW steps. The pipelined run must match it within fp32 tolerances (SPEC §6): relative 1e-5 on
 every step's loss, 1e-4 on every parameter's gradient at step 1 and on every weight after the last step.
 
-A tensor's relative difference is ``max|a − b| / max|b|`` (a norm-wise measure: it does not blow up on
-elements that happen to be near zero).
+A tensor's relative difference is norm-wise, ``‖a − b‖₂ / ‖b‖₂`` (the largest over all tensors is reported,
+with the largest element-wise absolute difference). Element-wise relative measures are meaningless for
+weights trained with Adam: its first updates are nearly ``lr · sign(g)``, so an element whose gradient is
+within rounding noise of zero moves by up to ``lr`` in a direction set by that noise. Measured on the tiny
+model (H = 256, L = 1024, 5 steps at lr 1e-3): the fp32 single-process reference itself differs from an fp64
+run by 3e-3 in ``max|Δw| / max|w|`` while the pipelined run differs from fp64 by 1.6e-3; norm-wise, both are
+far below 1e-4. A real error (e.g. the dropped K/V gradient hand-back) moves whole tensors and fails it.
 """
 
 from __future__ import annotations
@@ -81,9 +86,9 @@ def _compare(what: str, got: dict, ref: dict) -> Check:
         return Check(what, float("inf"), float("inf"), TENSOR_RTOL, f"names differ: {missing[:3]}")
     worst, max_abs, max_rel = "", 0.0, 0.0
     for name, r in ref.items():
-        diff = (got[name].double() - r.double()).abs().max().item()
-        rel = diff / max(r.double().abs().max().item(), 1e-30)
-        max_abs = max(max_abs, diff)
+        delta = got[name].double() - r.double()
+        max_abs = max(max_abs, delta.abs().max().item())
+        rel = delta.norm().item() / max(r.double().norm().item(), 1e-30)
         if rel >= max_rel:
             worst, max_rel = name, rel
     return Check(what, max_abs, max_rel, TENSOR_RTOL, worst)
