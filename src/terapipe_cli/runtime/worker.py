@@ -223,9 +223,8 @@ def train(run_dir: Path, resume_step: int | None) -> None:
         write_timeline(timeline_path(run_dir, rank), events, **meta)
 
     iteration_s: list[float] = []
-    losses: list[float] = []
-    sync_all = torch.zeros(1 + world, device=device)
-    collective(lambda: dist.all_reduce(sync_all), "start-up")
+    ready = torch.zeros(1, device=device)
+    collective(lambda: dist.all_reduce(ready), "start-up")
     run_start = time.perf_counter()
     for step in range(start_step + 1, args.steps + 1):
         batch = step_batch(data, seed=args.seed, step=step, sequences=B * replicas, seq_len=L)
@@ -253,7 +252,6 @@ def train(run_dir: Path, resume_step: int | None) -> None:
         dt = time.perf_counter() - step_start
         iteration_s.append(dt)
         step_loss = float(stats[0])
-        losses.append(step_loss)
         if rank == 0:
             memory = [int(m) for m in stats[1:].tolist()]
             tokens = B * replicas * L
