@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -98,6 +99,55 @@ def test_killed_worker_ends_the_job_and_resume_reproduces_the_losses(tmp_path):
     resumed = read_metrics(broken)
     assert [r["step"] for r in resumed] == list(range(1, 9))
     assert [r["loss"] for r in resumed] == pytest.approx(expected, rel=1e-6)
+
+
+def _worker_pid(launcher_pid: int, rank: int) -> int | None:
+    """The pid of the torchrun worker with RANK=rank among the launcher's children (Linux /proc)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = open(f"/proc/{entry}/stat").read()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            environ = open(f"/proc/{entry}/environ", "rb").read().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == launcher_pid and f"RANK={rank}".encode() in environ:
+            return int(entry)
+    return None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the worker through /proc")
+def test_worker_killed_from_outside(tmp_path):
+    """kill -9 of one worker from outside, mid-run: the job ends quickly, names the rank, keeps its checkpoint."""
+    plan = write_plan_file(tmp_path / "plan.json", [(1, [16, 16])], stages=2)
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "terapipe_cli", "train", "--plan", str(plan), "--steps", "100000",
+         "--checkpoint-every", "2", "--out", str(out)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while checkpoint.latest_complete(out) is None:
+            assert proc.poll() is None and time.monotonic() < deadline, "the run did not reach a checkpoint"
+            time.sleep(0.1)
+        pid = _worker_pid(proc.pid, rank=1)
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert time.monotonic() - killed < 60
+    assert proc.returncode == 1
+    last = err.strip().splitlines()[-1]
+    assert "worker rank 1 (stage 1, replica 0) failed: killed by signal SIGKILL" in last, err
+    step = checkpoint.latest_complete(out)
+    assert step is not None and step % 2 == 0
+    for stage in range(2):
+        assert checkpoint.load_stage(out, step, stage)["step"] == step
 
 
 def test_worker_exception_is_named_in_one_line(tmp_path):
