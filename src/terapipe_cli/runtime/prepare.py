@@ -14,12 +14,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from terapipe_cli.errors import UserError
-from terapipe_cli.files import write_json_atomic
 from terapipe_cli.plan import Plan, plan_from_dict, read_plan
 from terapipe_cli.runtime import checkpoint
 from terapipe_cli.runtime.data import TokenData, check_data, load_data
 from terapipe_cli.runtime.launch import Launch
-from terapipe_cli.runtime.rundir import RunArguments, read_config, write_config
+from terapipe_cli.runtime.rundir import RunArguments, read_config, update_arguments, write_config
 
 CPU_WORKERS_PER_CORE = 4  # beyond this, single-thread workers only queue for the cores
 
@@ -171,9 +170,8 @@ def prepare_run(
                      versions=versions(), created=datetime.now(UTC).isoformat(timespec="seconds"))
     elif write:
         # Record the new length and settings; the plan and the numbers' arguments stay the run's own.
-        config["arguments"] = {**config["arguments"], "steps": steps, "checkpoint_every": checkpoint_every,
-                               "threads": threads, "timeout_s": timeout_s, "verify": False}
-        write_json_atomic(out / "config.json", config)
+        update_arguments(out, config, steps=steps, checkpoint_every=checkpoint_every, threads=threads,
+                         timeout_s=timeout_s, verify=False)
     spec = Launch(run_dir=out.resolve(), nproc_per_node=per_node, stages=run_plan.stages, nnodes=nnodes,
                   node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, resume_step=resume_step, threads=threads,
                   device=dev)

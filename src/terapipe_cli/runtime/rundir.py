@@ -54,6 +54,11 @@ def write_config(run_dir: Path, *, plan: dict, args: RunArguments, world_size: i
     )
 
 
+def update_arguments(run_dir: Path, config: dict, **changes) -> None:
+    """Rewrite config.json with some arguments changed (a resumed run's new length and settings)."""
+    write_json_atomic(run_dir / "config.json", {**config, "arguments": {**config["arguments"], **changes}})
+
+
 def read_config(run_dir: Path) -> tuple[dict, RunArguments]:
     """The run's config: (raw object, arguments)."""
     path = run_dir / "config.json"
