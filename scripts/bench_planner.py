@@ -73,23 +73,17 @@ def main() -> None:
     ap.add_argument("--rows", default="", help="comma-separated row numbers (1-based); default all")
     ap.add_argument("--epsilon", type=float, default=1e-5, help="ε of the enumeration, seconds (default 1e-5)")
     ap.add_argument("--no-enumerate", action="store_true", help="time only the exact default method")
+    ap.add_argument("--markdown", action="store_true", help="also print the table as Markdown (for the README)")
     args = ap.parse_args()
     rows = [ROWS[int(k) - 1] for k in args.rows.split(",")] if args.rows else ROWS
     console = Console(width=max(Console().width, 200))  # a wide table; piped output would wrap it unreadably
     title = f"Planner: exact default vs ε-enumeration (ε = {args.epsilon:g} s), {args.repeats} interleaved repeats"
     table = Table(title=title)
-    for col in (
-        "shape",
-        "exact s",
-        "enumerate s",
-        "speed-up",
-        "exact T (s)",
-        "enumerate T (s)",
-        "Δ objective",
-        "probes exact / enum",
-        "exact scheme",
-    ):
+    columns = ("shape", "exact s", "enumerate s", "speed-up", "exact T (s)", "enumerate T (s)", "Δ objective",
+               "probes exact / enum", "exact scheme")  # fmt: skip
+    for col in columns:
         table.add_column(col, justify="left" if col in ("shape", "exact scheme") else "right")
+    rows_out: list[list[str]] = []
     for label, L, g, B, K, H, layers in rows:
         cost = SyntheticGpuCost(H, layers)
         t_exact, t_enum, res_exact, res_enum = [], [], None, None
@@ -109,7 +103,7 @@ def main() -> None:
 
         speedup = f"{statistics.median(t_enum) / statistics.median(t_exact):.1f}×" if t_enum else "—"
         delta = f"{(res_exact.predicted_s - res_enum.predicted_s) / res_enum.predicted_s:+.4%}" if res_enum else "—"
-        table.add_row(
+        cells = [
             label,
             fmt(t_exact),
             fmt(t_enum),
@@ -118,10 +112,17 @@ def main() -> None:
             f"{res_enum.predicted_s:.6f}" if res_enum else "—",
             delta,
             f"{res_exact.candidates} / {res_enum.candidates if res_enum else '—'}",
-            res_exact.short_form() if len(res_exact.short_form()) < 60 else res_exact.short_form()[:57] + "…",
-        )
+            res_exact.short_form(fold=True),
+        ]
+        table.add_row(*cells)
+        rows_out.append(cells)
         console.print(f"done: {label}", style="dim")
     console.print(table)
+    if args.markdown:
+        print("| " + " | ".join(columns) + " |")
+        print("|" + "---|" * len(columns))
+        for cells in rows_out:
+            print("| " + " | ".join(cells[:-1]) + f" | `{cells[-1]}` |")
 
 
 if __name__ == "__main__":
