@@ -17,17 +17,19 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
+# pip warns about every configured index folder that lacks a package; keep its other messages, and its exit code.
+pip_install() { "${PIP[@]}" install "$@" 2> >(grep -v "^WARNING: Location" >&2); }
 
 if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     log "NVIDIA GPU found: installing torch with CUDA"
-    "${PIP[@]}" install "torch>=2.11"
+    pip_install "torch>=2.11"
   else
     log "no NVIDIA GPU: installing the CPU build of torch ($TORCH_CPU)"
     if [ -n "${TERAPIPE_TORCH_INDEX:-}" ]; then
-      "${PIP[@]}" install "$TORCH_CPU" --index-url "$TERAPIPE_TORCH_INDEX"
+      pip_install "$TORCH_CPU" --index-url "$TERAPIPE_TORCH_INDEX"
     else
-      "${PIP[@]}" install "$TORCH_CPU"
+      pip_install "$TORCH_CPU"
     fi
   fi
 fi
@@ -36,7 +38,7 @@ stamp=.venv/.terapipe-installed
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   log "installing terapipe (editable) with its dependencies"
-  "${PIP[@]}" install -e '.[test]' 2>&1 | grep -v "^WARNING: Location" >&2 || true
+  pip_install -e '.[test]'
   .venv/bin/python -c "import terapipe_cli, typer, rich, numpy, scipy, matplotlib, torch" \
     || { log "installation failed"; exit 1; }
   echo "$want" > "$stamp"
