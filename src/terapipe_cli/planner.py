@@ -158,29 +158,31 @@ def gpipe_baseline(cost: Cost, *, seq_len: int, batch_size: int, stages: int) ->
     return best
 
 
-def uniform_baseline(cost: Cost, *, seq_len: int, batch_size: int, stages: int, token_step: int = 1) -> PlanResult:
-    """The best uniform slicing: n equal token slices (n a power of two dividing L/g), batch slices all of size m."""
-    _check_sizes(seq_len=seq_len, batch_size=batch_size, stages=stages, token_step=token_step)
+def _uniform_schemes(seq_len: int, batch_size: int, token_step: int):
+    """Every uniform scheme: n equal token slices (n a power of two dividing L/g), batch slices all of size m | B.
+
+    Yields ``(slices, n, m)``; n = 1 is GPipe with microbatch m.
+    """
     units = seq_len // token_step
-    best = None
     n = 1
     while n <= units:
         if units % n == 0:
             for m in _divisors(batch_size):
-                slices = [(m, [seq_len // n] * n)] * (batch_size // m)
-                res = _result(
-                    cost,
-                    slices,
-                    stages=stages,
-                    seq_len=seq_len,
-                    batch_size=batch_size,
-                    token_step=token_step,
-                    method="uniform",
-                )
-                res.extra.update(token_slices=n, microbatch=m)
-                if best is None or res.predicted_s < best.predicted_s:
-                    best = res
+                yield [(m, [seq_len // n] * n)] * (batch_size // m), n, m
         n *= 2
+
+
+def uniform_baseline(cost: Cost, *, seq_len: int, batch_size: int, stages: int, token_step: int = 1) -> PlanResult:
+    """The best uniform slicing: n equal token slices (n a power of two dividing L/g), batch slices all of size m."""
+    _check_sizes(seq_len=seq_len, batch_size=batch_size, stages=stages, token_step=token_step)
+    best = None
+    for slices, n, m in _uniform_schemes(seq_len, batch_size, token_step):
+        res = _result(
+            cost, slices, stages=stages, seq_len=seq_len, batch_size=batch_size, token_step=token_step, method="uniform"
+        )
+        res.extra.update(token_slices=n, microbatch=m)
+        if best is None or res.predicted_s < best.predicted_s:
+            best = res
     return best
 
 
@@ -363,14 +365,8 @@ def _scheme_max(tables: _Tables, slices: Slices) -> float:
 def _seed_schemes(tables: _Tables) -> list[Slices]:
     """GPipe and the uniform slicings: cheap to price and often close to the optimum, so the exact search starts
     with a tight bound and a small candidate range."""
-    n, B, g = tables.units, tables.batch_size, tables.token_step
-    seeds = []
-    k = 1
-    while k <= n:
-        if n % k == 0:
-            seeds += [[(m, [n // k * g] * k)] * (B // m) for m in _divisors(B)]
-        k *= 2
-    return seeds
+    L = tables.units * tables.token_step
+    return [slices for slices, _, _ in _uniform_schemes(L, tables.batch_size, tables.token_step)]
 
 
 @dataclass
