@@ -7,7 +7,6 @@ one `UserError` naming the file.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,12 +79,14 @@ def load_run(path: str | Path) -> Run:
         raise UserError("field 'plan' must be an object", where=str(run_dir / "config.json"))
     plan = plan_from_dict(config["plan"], f"{run_dir / 'config.json'}: field 'plan'")
     if not (run_dir / "summary.json").exists():
-        raise UserError("the run did not finish (no summary.json); finish it with `terapipe train --resume`",
-                        where=str(run_dir))
+        raise UserError(
+            "the run did not finish (no summary.json); finish it with `terapipe train --resume`", where=str(run_dir)
+        )
     summary = read_summary(run_dir)
     if summary.get("status") != "complete":
-        raise UserError(f"field 'status' is {summary.get('status')!r}, expected 'complete'",
-                        where=str(run_dir / "summary.json"))
+        raise UserError(
+            f"field 'status' is {summary.get('status')!r}, expected 'complete'", where=str(run_dir / "summary.json")
+        )
     metrics = _metrics(run_dir, args.steps)
     events: dict[int, list[Event]] = {}
     metas: dict[int, dict] = {}
@@ -98,8 +99,7 @@ def load_run(path: str | Path) -> Run:
         stage = rank % plan.stages
         wrong = next((e for e in evs if e.stage != stage), None)
         if wrong is not None:
-            raise UserError(f"holds an event of stage {wrong.stage}, but rank {rank} runs stage {stage}",
-                            where=str(tl))
+            raise UserError(f"holds an event of stage {wrong.stage}, but rank {rank} runs stage {stage}", where=str(tl))
         # Busy/idle and the bubble are per step: a step without this rank's actions would read as all idle.
         have = {e.step for e in evs}
         lacking = next((s for s in range(1, args.steps + 1) if s not in have), None)
@@ -115,12 +115,7 @@ def _metrics(run_dir: Path, steps: int) -> list[dict]:
     where = str(path)
     if not path.exists():
         raise UserError("metrics file not found", where=where)
-    try:
-        records = read_metrics(run_dir)
-    except json.JSONDecodeError as e:
-        raise UserError(f"corrupt line {_bad_line(path)}: {e.msg}", where=where) from None
-    except (AttributeError, TypeError):
-        raise UserError(f"corrupt line {_bad_line(path)}: not a JSON object", where=where) from None
+    records = read_metrics(run_dir)  # a corrupt line is a one-line UserError naming it
     by_step: dict[int, dict] = {}
     for n, rec in enumerate(records):
         step = rec.get("step")
@@ -131,32 +126,19 @@ def _metrics(run_dir: Path, steps: int) -> list[dict]:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise UserError(f"step {step}: field '{key}' must be a finite number, got {v!r}", where=where)
         if not rec["iteration_s"] > 0:
-            raise UserError(f"step {step}: field 'iteration_s' must be positive, got {rec['iteration_s']}",
-                            where=where)
+            raise UserError(f"step {step}: field 'iteration_s' must be positive, got {rec['iteration_s']}", where=where)
         if step in by_step:
             raise UserError(f"step {step} appears twice", where=where)
         by_step[step] = rec
     missing = [s for s in range(1, steps + 1) if s not in by_step]
     if missing:
-        raise UserError(f"has {len(by_step)} of the run's {steps} steps (first missing: step {missing[0]})",
-                        where=where)
+        raise UserError(
+            f"has {len(by_step)} of the run's {steps} steps (first missing: step {missing[0]})", where=where
+        )
     extra = sorted(s for s in by_step if s > steps)
     if extra:
         raise UserError(f"has step {extra[0]}, beyond the run's {steps} steps", where=where)
     return [by_step[s] for s in range(1, steps + 1)]
-
-
-def _bad_line(path: Path) -> int:
-    """The 1-based number of the first line that is not a JSON object (for the error message)."""
-    for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            if not isinstance(json.loads(line), dict):
-                return n
-        except json.JSONDecodeError:
-            return n
-    return 0
 
 
 # What must agree between a run and its baseline for the comparison to mean anything: the same model trained
@@ -173,13 +155,18 @@ def check_comparable(run: Run, baseline: Run) -> None:
         if a != b:
             shown = (a.name, b.name) if key == "model" and a.name != b.name else (a, b)
             what = f"a different {key}" if key == "model" else f"{key} {shown[1]}"
-            raise UserError(f"the baseline has {what} ({shown[1]!r} vs the run's {shown[0]!r}): not comparable",
-                            where=where)
+            raise UserError(
+                f"the baseline has {what} ({shown[1]!r} vs the run's {shown[0]!r}): not comparable", where=where
+            )
     for key in SAME_ARGS:
         a, b = getattr(run.args, key), getattr(baseline.args, key)
         if a != b:
-            raise UserError(f"the baseline was trained with {key} = {b!r}, the run with {a!r}: not comparable",
-                            where=where)
+            raise UserError(
+                f"the baseline was trained with {key} = {b!r}, the run with {a!r}: not comparable", where=where
+            )
     if run.config.get("device") != baseline.config.get("device"):
-        raise UserError(f"the baseline ran on {baseline.config.get('device')!r}, the run on "
-                        f"{run.config.get('device')!r}: not comparable", where=where)
+        raise UserError(
+            f"the baseline ran on {baseline.config.get('device')!r}, the run on "
+            f"{run.config.get('device')!r}: not comparable",
+            where=where,
+        )

@@ -1,19 +1,19 @@
 """The run directory written by ``terapipe train`` (read by the report). Every JSON file has a schema.
 
-    runs/NAME/
-      config.json        terapipe.run/1: {"plan": <the plan object>, "arguments": {steps, data, seed, lr,
-                         data_parallel, checkpoint_every, threads, timeout_s, verify, kv_handback},
-                         "world_size", "stages", "device", "backend", "nnodes", "versions": {...}, "created"}
-      plan.json          the plan as given (terapipe.plan/1)
-      metrics.jsonl      one JSON object per line and step (terapipe.metrics/1): {"schema", "step", "loss",
-                         "iteration_s", "tokens_per_s", "memory_bytes" (peak, largest rank),
-                         "memory_bytes_per_rank": [...]}
-      timelines/rank_00000.json   terapipe.timeline/1 (see schedule.py): every tile of every step, F and B
-      checkpoints/step_000010/...  see checkpoint.py
-      errors/rank_00001.txt       the traceback of a worker that failed (only then)
-      verify/            step-1 gradients of each stage (only with --verify)
-      summary.json       terapipe.run-summary/1: {"status": "complete", "steps", "first_loss", "final_loss",
-                         "median_iteration_s", "tokens_per_s", "wall_s", "verify": {...} (with --verify)}
+runs/NAME/
+  config.json        terapipe.run/1: {"plan": <the plan object>, "arguments": {steps, data, seed, lr,
+                     data_parallel, checkpoint_every, threads, timeout_s, verify, kv_handback},
+                     "world_size", "stages", "device", "backend", "nnodes", "versions": {...}, "created"}
+  plan.json          the plan as given (terapipe.plan/1)
+  metrics.jsonl      one JSON object per line and step (terapipe.metrics/1): {"schema", "step", "loss",
+                     "iteration_s", "tokens_per_s", "memory_bytes" (peak, largest rank),
+                     "memory_bytes_per_rank": [...]}
+  timelines/rank_00000.json   terapipe.timeline/1 (see schedule.py): every tile of every step, F and B
+  checkpoints/step_000010/...  see checkpoint.py
+  errors/rank_00001.txt       the traceback of a worker that failed (only then)
+  verify/            step-1 gradients of each stage (only with --verify)
+  summary.json       terapipe.run-summary/1: {"status": "complete", "steps", "first_loss", "final_loss",
+                     "median_iteration_s", "tokens_per_s", "wall_s", "verify": {...} (with --verify)}
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from terapipe_cli.errors import UserError
 from terapipe_cli.files import Fields, read_json, write_json_atomic, write_text_atomic
 
 RUN_SCHEMA = "terapipe.run/1"
@@ -43,14 +44,33 @@ class RunArguments:
     kv_handback: bool = True  # False only for the test-only negative control
 
 
-def write_config(run_dir: Path, *, plan: dict, args: RunArguments, world_size: int, device: str, backend: str,
-                 nnodes: int, versions: dict, created: str) -> None:
+def write_config(
+    run_dir: Path,
+    *,
+    plan: dict,
+    args: RunArguments,
+    world_size: int,
+    device: str,
+    backend: str,
+    nnodes: int,
+    versions: dict,
+    created: str,
+) -> None:
     write_json_atomic(run_dir / "plan.json", plan)
     write_json_atomic(
         run_dir / "config.json",
-        {"schema": RUN_SCHEMA, "plan": plan, "arguments": asdict(args), "world_size": world_size,
-         "stages": plan["stages"], "device": device, "backend": backend, "nnodes": nnodes,
-         "versions": versions, "created": created},
+        {
+            "schema": RUN_SCHEMA,
+            "plan": plan,
+            "arguments": asdict(args),
+            "world_size": world_size,
+            "stages": plan["stages"],
+            "device": device,
+            "backend": backend,
+            "nnodes": nnodes,
+            "versions": versions,
+            "created": created,
+        },
     )
 
 
@@ -95,10 +115,12 @@ def read_metrics(run_dir: Path) -> list[dict]:
             continue
         try:
             rec = json.loads(line)
-        except json.JSONDecodeError:
+        except json.JSONDecodeError as e:
             if n == len(lines) - 1:
                 break  # a last line cut short by a killed run
-            raise
+            raise UserError(f"corrupt line {n + 1}: {e.msg}", where=str(path)) from None
+        if not isinstance(rec, dict):
+            raise UserError(f"corrupt line {n + 1}: not a JSON object", where=str(path))
         if rec.get("schema") == METRICS_SCHEMA:
             out.append(rec)
     return out
