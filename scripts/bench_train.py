@@ -67,8 +67,14 @@ def worker(config_path: str) -> None:
     runner = StageRunner(model, rank, stages, seed=0)
     runner.set_loss_scale(1.0 / (B * L))
     optimizer = optimizer_for(runner.module, 1e-4)
-    links = Links(prev_rank=rank - 1 if rank else None, next_rank=rank + 1 if rank < stages - 1 else None,
-                  hidden=model.hidden, dtype=torch.float32, device=torch.device("cpu"), timeout_s=300)
+    links = Links(
+        prev_rank=rank - 1 if rank else None,
+        next_rank=rank + 1 if rank < stages - 1 else None,
+        hidden=model.hidden,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        timeout_s=300,
+    )
     actions = {c["name"]: build_schedule(c["slices"], stages)[rank] for c in cfg["candidates"]}
     batch = step_batch(load_data(None), seed=0, step=1, sequences=B, seq_len=L)
     if rank == 0:
@@ -128,16 +134,33 @@ def main() -> None:
     model = load_model_config(a.model)
     L, B, K = model.seq_len, a.batch, a.stages
     tmp = Path(tempfile.mkdtemp(prefix="bench_train."))
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    }
     with cpu_lock():
         if a.profile:
             profile_path, source = Path(a.profile), a.profile
         else:
             profile_path = tmp / "profile.json"
             print(f"measuring a profile: terapipe profile --model {a.model} --quick", flush=True)
-            subprocess.run([sys.executable, "-m", "terapipe_cli", "profile", "--model", a.model, "--quick",
-                            "--out", str(profile_path)], check=True, env=env, stdout=subprocess.DEVNULL)
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "terapipe_cli",
+                    "profile",
+                    "--model",
+                    a.model,
+                    "--quick",
+                    "--out",
+                    str(profile_path),
+                ],
+                check=True,
+                env=env,
+                stdout=subprocess.DEVNULL,
+            )
             source = "measured now with `terapipe profile --quick`"
         profile = read_profile(profile_path)
         cost = CostModel.from_profile(profile_path, stages=K)
@@ -148,14 +171,36 @@ def main() -> None:
             {"name": "uniform/4", "slices": [[B, [L // 4] * 4]]},
             {"name": "uniform/8", "slices": [[B, [L // 8] * 8]]},
         ]
-        config = {"model": model.to_dict(), "batch_size": B, "candidates": candidates, "rounds": a.rounds,
-                  "warmup": a.warmup, "out": str(tmp / "times.json")}
+        config = {
+            "model": model.to_dict(),
+            "batch_size": B,
+            "candidates": candidates,
+            "rounds": a.rounds,
+            "warmup": a.warmup,
+            "out": str(tmp / "times.json"),
+        }
         (tmp / "config.json").write_text(json.dumps(config))
         print(f"planner's plan: {short_form(planned.slices)} (profile: {source})", flush=True)
-        print(f"timing {len(candidates)} schemes + single process, {a.rounds} rounds (+{a.warmup} warm-up), "
-              f"K={K}, B={B}, L={L}, H={model.hidden}, {model.layers} layers ...", flush=True)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-               "--nproc-per-node", str(K), "--max-restarts", "0", __file__, "--worker", str(tmp / "config.json")]
+        print(
+            f"timing {len(candidates)} schemes + single process, {a.rounds} rounds (+{a.warmup} warm-up), "
+            f"K={K}, B={B}, L={L}, H={model.hidden}, {model.layers} layers ...",
+            flush=True,
+        )
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            str(K),
+            "--max-restarts",
+            "0",
+            __file__,
+            "--worker",
+            str(tmp / "config.json"),
+        ]
         load_before = os.getloadavg()[0]
         subprocess.run(cmd, check=True, env=env)
         load_after = os.getloadavg()[0]
@@ -169,15 +214,23 @@ def main() -> None:
         n, v = c["name"], times[c["name"]]
         pred = f"{evaluate(cost, c['slices'], K) * 1e3:.1f}" if c["slices"] else ""
         slices = short_form(c["slices"]) if c["slices"] else "whole model, one process"
-        print(f"{n:<16} {slices[:34]:<34} {med[n] * 1e3:>10.1f} {min(v) * 1e3:>7.1f}-{max(v) * 1e3:<8.1f} "
-              f"{med['GPipe'] / med[n]:>8.2f}x {pred:>13}")
-    print(f"{'perfect overlap':<16} {'single process / K':<34} {bound * 1e3:>10.1f} {'':>16} "
-          f"{med['GPipe'] / bound:>8.2f}x")
+        print(
+            f"{n:<16} {slices[:34]:<34} {med[n] * 1e3:>10.1f} {min(v) * 1e3:>7.1f}-{max(v) * 1e3:<8.1f} "
+            f"{med['GPipe'] / med[n]:>8.2f}x {pred:>13}"
+        )
+    print(
+        f"{'perfect overlap':<16} {'single process / K':<34} {bound * 1e3:>10.1f} {'':>16} "
+        f"{med['GPipe'] / bound:>8.2f}x"
+    )
     best_uniform = min(med["uniform/4"], med["uniform/8"])
-    print(f"\n1-minute load average {load_before:.2f} before, {load_after:.2f} after (the job itself adds ~{K}); "
-          "other work on the machine takes cores from the stages and shrinks every speed-up")
-    print(f"planner vs GPipe: {med['GPipe'] / med['planner']:.2f}x (target >= 1.5x); "
-          f"planner vs best uniform: {best_uniform / med['planner']:.2f}x (target >= 1 within noise)")
+    print(
+        f"\n1-minute load average {load_before:.2f} before, {load_after:.2f} after (the job itself adds ~{K}); "
+        "other work on the machine takes cores from the stages and shrinks every speed-up"
+    )
+    print(
+        f"planner vs GPipe: {med['GPipe'] / med['planner']:.2f}x (target >= 1.5x); "
+        f"planner vs best uniform: {best_uniform / med['planner']:.2f}x (target >= 1 within noise)"
+    )
 
 
 if __name__ == "__main__":

@@ -23,7 +23,14 @@ def write_plan_file(path, slices, *, stages: int, layers: int = 6, seq_len: int 
     from terapipe_cli.plan import make_plan_dict
 
     model = tiny_model(layers=layers, seq_len=seq_len)
-    plan = make_plan_dict(model=model, stages=stages, batch_size=sum(b for b, _ in slices), seq_len=seq_len,
-                          token_step=1, slices=slices, data_parallel=data_parallel)
+    plan = make_plan_dict(
+        model=model,
+        stages=stages,
+        batch_size=sum(b for b, _ in slices),
+        seq_len=seq_len,
+        token_step=1,
+        slices=slices,
+        data_parallel=data_parallel,
+    )
     write_json_atomic(path, plan)
     return path

@@ -20,14 +20,34 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "configs" / "profiles" / "example-tiny-cpu.json"
 RAW = json.loads(EXAMPLE.read_text())
 
-PLAN_KEYS = {"schema", "model", "stages", "batch_size", "seq_len", "token_step", "data_parallel", "slices",
-             "short_form", "predicted_s", "t_max_s", "baselines", "solver", "profile"}
+PLAN_KEYS = {
+    "schema",
+    "model",
+    "stages",
+    "batch_size",
+    "seq_len",
+    "token_step",
+    "data_parallel",
+    "slices",
+    "short_form",
+    "predicted_s",
+    "t_max_s",
+    "baselines",
+    "solver",
+    "profile",
+}
 
 
 def terapipe(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1", "TERM": "dumb"}
-    return subprocess.run([sys.executable, "-m", "terapipe_cli", *map(str, args)], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "terapipe_cli", *map(str, args)],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def plan_args(*extra: str, profile: Path = EXAMPLE, stages: int = 2, batch: int = 2) -> list[str]:
@@ -62,8 +82,10 @@ def test_plan_writes_a_complete_plan(tmp_path: Path) -> None:
     assert obj["t_max_s"] == pytest.approx(tiles_max, rel=1e-12)
     L, g = obj["seq_len"], obj["token_step"]
     assert obj["predicted_s"] == pytest.approx(solve(cost, seq_len=L, batch_size=2, stages=2, token_step=g).predicted_s)
-    for name, ref in (("gpipe", gpipe_baseline(cost, seq_len=L, batch_size=2, stages=2)),
-                      ("uniform", uniform_baseline(cost, seq_len=L, batch_size=2, stages=2, token_step=g))):
+    for name, ref in (
+        ("gpipe", gpipe_baseline(cost, seq_len=L, batch_size=2, stages=2)),
+        ("uniform", uniform_baseline(cost, seq_len=L, batch_size=2, stages=2, token_step=g)),
+    ):
         base = obj["baselines"][name]
         assert base["predicted_s"] == pytest.approx(ref.predicted_s, rel=1e-12)
         assert base["predicted_s"] == pytest.approx(evaluate(cost, base["slices"], 2), rel=1e-12)
@@ -88,8 +110,21 @@ def test_options_reach_the_plan(tmp_path: Path) -> None:
     exact = terapipe(*plan_args("--seq-len", "512", "--token-step", "16", "--out", "exact.json"), cwd=tmp_path)
     assert exact.returncode == 0, exact.stderr
     eps = 1e-3
-    approx = terapipe(*plan_args("--seq-len", "512", "--token-step", "16", "--method", "enumerate",
-                                 "--epsilon", str(eps), "--out", "enum.json"), cwd=tmp_path)
+    approx = terapipe(
+        *plan_args(
+            "--seq-len",
+            "512",
+            "--token-step",
+            "16",
+            "--method",
+            "enumerate",
+            "--epsilon",
+            str(eps),
+            "--out",
+            "enum.json",
+        ),
+        cwd=tmp_path,
+    )
     assert approx.returncode == 0, approx.stderr
     e, a = (json.loads((tmp_path / n).read_text()) for n in ("exact.json", "enum.json"))
     for obj in (e, a):
@@ -121,8 +156,17 @@ def test_data_parallel(tmp_path: Path) -> None:
 def test_help_has_an_example(tmp_path: Path) -> None:
     proc = terapipe("plan", "--help", cwd=tmp_path)
     assert proc.returncode == 0
-    for flag in ("--profile", "--stages", "--batch", "--seq-len", "--token-step", "--epsilon", "--method",
-                 "--data-parallel", "--out"):
+    for flag in (
+        "--profile",
+        "--stages",
+        "--batch",
+        "--seq-len",
+        "--token-step",
+        "--epsilon",
+        "--method",
+        "--data-parallel",
+        "--out",
+    ):
         assert flag in proc.stdout, flag
     assert "terapipe plan --profile" in proc.stdout
 
@@ -141,8 +185,11 @@ BAD = [
     ("missing profile", lambda t: plan_args(profile=t / "nope.json"), "nope.json"),
     ("malformed JSON", lambda t: plan_args(profile=_profile_file(t, "{")), "malformed JSON"),
     ("wrong schema", lambda t: plan_args(profile=_profile_file(t, json.dumps({**RAW, "schema": "x/1"}))), "schema"),
-    ("missing field", lambda t: plan_args(profile=_profile_file(
-        t, json.dumps({k: v for k, v in RAW.items() if k != "backward_s"}))), "backward_s"),
+    (
+        "missing field",
+        lambda t: plan_args(profile=_profile_file(t, json.dumps({k: v for k, v in RAW.items() if k != "backward_s"}))),
+        "backward_s",
+    ),
     ("zero stages", lambda t: plan_args(stages=0), "--stages"),
     ("negative batch", lambda t: plan_args(batch=-1), "--batch"),
     ("zero batch", lambda t: plan_args(batch=0), "--batch"),

@@ -191,8 +191,11 @@ BAD = [
     ("missing model field", _with(("model",), {k: v for k, v in RAW["model"].items() if k != "hidden"}), "hidden"),
     ("forward_s one row short", _with(("forward_s",), RAW["forward_s"][:-1]), "forward_s"),
     ("backward_s one column short", _with(("backward_s",), [r[:-1] for r in RAW["backward_s"]]), "backward_s"),
-    ("ragged forward_s", _with(("forward_s",), [RAW["forward_s"][0], RAW["forward_s"][1][:3], RAW["forward_s"][2]]),
-     "forward_s"),
+    (
+        "ragged forward_s",
+        _with(("forward_s",), [RAW["forward_s"][0], RAW["forward_s"][1][:3], RAW["forward_s"][2]]),
+        "forward_s",
+    ),
     ("negative time", _with(("forward_s",), [[-1.0] * len(TOKENS)] * len(BATCHES)), "forward_s"),
     ("NaN time", _with(("backward_s",), [[float("nan")] * len(TOKENS)] * len(BATCHES)), "backward_s"),
     ("token_lengths not ascending", _with(("token_lengths",), list(reversed(TOKENS))), "token_lengths"),

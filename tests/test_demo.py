@@ -49,8 +49,10 @@ def test_fresh_folders_never_collide(tmp_path):
         ('[demo]\nmodel = "../models/tiny.toml"\nstages = 3\nbatch_size = 1\nsteps = 4\n', "stages"),
         ('[demo]\nmodel = "../models/tiny.toml"\nstages = 2\nbatch_size = 1\nsteps = 4\nwarmup = 4\n', "warmup"),
         ('[demo]\nmodel = "../models/tiny.toml"\nstages = 2\nbatch_size = 1\nsteps = 4\nspeed = 1\n', "demo.speed"),
-        ('[demo]\nmodel = "../models/tiny.toml"\nstages = 2\nbatch_size = 1\nsteps = 4\n[demo.quick]\nname = "x"\n',
-         "demo.quick.name"),
+        (
+            '[demo]\nmodel = "../models/tiny.toml"\nstages = 2\nbatch_size = 1\nsteps = 4\n[demo.quick]\nname = "x"\n',
+            "demo.quick.name",
+        ),
         ('[demo]\nmodel = "../models/none.toml"\nstages = 2\nbatch_size = 1\nsteps = 4\n', "none.toml"),
         ("[demo\n", "malformed TOML"),
         ("[other]\n", "[demo]"),

@@ -23,8 +23,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def terapipe(*args: str, cwd: Path, timeout: float = 400) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "COLUMNS": "100"}
-    return subprocess.run([sys.executable, "-m", "terapipe_cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "terapipe_cli", *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd
+    )
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +64,7 @@ def test_the_demo_ends_with_the_summary_and_the_pictures(demo):
         assert stage in out
     assert out.index("1/4 profile") < out.index("2/4 plan") < out.index("3/4 train") < out.index("4/4 report")
     assert "training the GPipe baseline" in out
-    tail = out[out.index("4/4 report"):]
+    tail = out[out.index("4/4 report") :]
     assert "TeraPipe is" in tail and "Losses match" in tail
     for name in ("timeline.png", "loss.png"):
         assert str(root / "run" / "report" / name) in out.replace("\n", "")
@@ -96,7 +97,8 @@ def test_report_numbers_match_the_run_directories(demo):
     assert report["baseline"]["slices"] == plan["baselines"]["gpipe"]["slices"]
     assert report["run"]["predicted_s"] == plan["predicted_s"]
     assert report["speedup"]["median"] == pytest.approx(
-        report["baseline"]["latency_s"]["median"] / report["run"]["latency_s"]["median"])
+        report["baseline"]["latency_s"]["median"] / report["run"]["latency_s"]["median"]
+    )
     # The plan's profile is at hand, so the simulator's predicted timelines are in the report.
     assert report["cost_model"]["used"] is True
     assert report["run"]["simulated"]["latency_s"] > 0 and report["baseline"]["simulated"]["latency_s"] > 0

@@ -24,8 +24,15 @@ MODEL = ModelConfig(name="t", layers=4, hidden=32, heads=2, vocab=256, seq_len=6
 
 
 def plan_dict(**changes) -> dict:
-    kw = dict(model=MODEL, stages=2, batch_size=3, seq_len=64, token_step=8,
-              slices=[(2, [32, 16, 16]), (1, [40, 24])], predicted_s=0.5)
+    kw = dict(
+        model=MODEL,
+        stages=2,
+        batch_size=3,
+        seq_len=64,
+        token_step=8,
+        slices=[(2, [32, 16, 16]), (1, [40, 24])],
+        predicted_s=0.5,
+    )
     kw.update(changes)
     return make_plan_dict(**kw)
 

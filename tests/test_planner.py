@@ -75,8 +75,15 @@ def test_brute_force_agrees_with_naive_enumeration(seed: int) -> None:
 def test_solve_finds_the_brute_force_optimum(seed: int, method: str) -> None:
     case = make_case(seed)
     brute = brute_optimum(case.cost, case.seq_len, case.batch, case.stages, case.token_step)
-    res = solve(case.cost, seq_len=case.seq_len, batch_size=case.batch, stages=case.stages,
-                token_step=case.token_step, epsilon=0.0, method=method)
+    res = solve(
+        case.cost,
+        seq_len=case.seq_len,
+        batch_size=case.batch,
+        stages=case.stages,
+        token_step=case.token_step,
+        epsilon=0.0,
+        method=method,
+    )
     check_result(res, case, brute.optimum)
     if case.kind in ("integer", "with_zeros"):
         # Integer tile costs: every objective is an exact integer, so no tolerance is needed (or allowed).
@@ -85,8 +92,7 @@ def test_solve_finds_the_brute_force_optimum(seed: int, method: str) -> None:
 
 def test_default_method_is_exact_and_epsilon_zero() -> None:
     case = make_case(7)
-    res = solve(case.cost, seq_len=case.seq_len, batch_size=case.batch, stages=case.stages,
-                token_step=case.token_step)
+    res = solve(case.cost, seq_len=case.seq_len, batch_size=case.batch, stages=case.stages, token_step=case.token_step)
     brute = brute_optimum(case.cost, case.seq_len, case.batch, case.stages, case.token_step)
     check_result(res, case, brute.optimum)
 
@@ -129,8 +135,15 @@ def test_epsilon_stays_within_k_epsilon(seed: int, method: str) -> None:
     scale = float(tiles.max()) or 1.0
     for frac in (0.01, 0.2, 1.5):
         eps = frac * scale
-        res = solve(case.cost, seq_len=case.seq_len, batch_size=case.batch, stages=case.stages,
-                    token_step=case.token_step, epsilon=eps, method=method)
+        res = solve(
+            case.cost,
+            seq_len=case.seq_len,
+            batch_size=case.batch,
+            stages=case.stages,
+            token_step=case.token_step,
+            epsilon=eps,
+            method=method,
+        )
         check_result(res, case, brute.optimum, slack=case.stages * eps)
 
 
@@ -140,11 +153,23 @@ def test_epsilon_stays_within_k_epsilon(seed: int, method: str) -> None:
 @pytest.mark.parametrize("method", ["exact", "enumerate"])
 def test_step_s_is_added_once(method: str) -> None:
     case = make_case(11)
-    plain = solve(case.cost, seq_len=case.seq_len, batch_size=case.batch, stages=case.stages,
-                  token_step=case.token_step, method=method)
+    plain = solve(
+        case.cost,
+        seq_len=case.seq_len,
+        batch_size=case.batch,
+        stages=case.stages,
+        token_step=case.token_step,
+        method=method,
+    )
     with_step = TableCost(case.cost.table, case.token_step, step_s=0.75)
-    res = solve(with_step, seq_len=case.seq_len, batch_size=case.batch, stages=case.stages,
-                token_step=case.token_step, method=method)
+    res = solve(
+        with_step,
+        seq_len=case.seq_len,
+        batch_size=case.batch,
+        stages=case.stages,
+        token_step=case.token_step,
+        method=method,
+    )
     assert res.predicted_s == pytest.approx(plain.predicted_s + 0.75, rel=REL)
     assert evaluate(with_step, res.slices, case.stages) == pytest.approx(res.predicted_s, rel=REL)
     assert res.t_max_s == pytest.approx(plain.t_max_s, rel=REL)  # a constant is not a tile
@@ -340,8 +365,7 @@ def test_more_stages_never_cost_less(seed: int) -> None:
     case = make_case(seed)
     previous = None
     for stages in range(1, 7):
-        res = solve(case.cost, seq_len=case.seq_len, batch_size=case.batch, stages=stages,
-                    token_step=case.token_step)
+        res = solve(case.cost, seq_len=case.seq_len, batch_size=case.batch, stages=stages, token_step=case.token_step)
         if previous is not None:
             assert res.predicted_s >= previous.predicted_s * (1 - REL)
             assert res.predicted_s <= previous.predicted_s + previous.t_max_s * (1 + REL)

@@ -43,33 +43,84 @@ def per_token_parts(forward_s_per_token: float):
     return parts
 
 
-def make_run(path: Path, slices, *, stages: int = 2, steps: int = 6, replicas: int = 1, model=None,
-             losses=None, iteration_s=None, tile_s: float = 0.01, seed: int = 0, plan_extra: dict | None = None):
+def make_run(
+    path: Path,
+    slices,
+    *,
+    stages: int = 2,
+    steps: int = 6,
+    replicas: int = 1,
+    model=None,
+    losses=None,
+    iteration_s=None,
+    tile_s: float = 0.01,
+    seed: int = 0,
+    plan_extra: dict | None = None,
+):
     """A complete run directory as `terapipe train` writes it, with simulated (uniform-cost) timelines."""
     model = model or tiny_model(seq_len=SEQ)
     batch = sum(b for b, _ in slices)
-    plan = make_plan_dict(model=model, stages=stages, batch_size=batch, seq_len=SEQ, token_step=1, slices=slices,
-                          predicted_s=0.05, data_parallel=replicas, **(plan_extra or {}))
-    args = RunArguments(steps=steps, data=None, seed=seed, lr=1e-3, data_parallel=replicas, checkpoint_every=10,
-                        threads=1, timeout_s=60.0, verify=False)
-    write_config(path, plan=plan, args=args, world_size=stages * replicas, device="cpu", backend="gloo", nnodes=1,
-                 versions={}, created="2026-01-01T00:00:00+00:00")
+    plan = make_plan_dict(
+        model=model,
+        stages=stages,
+        batch_size=batch,
+        seq_len=SEQ,
+        token_step=1,
+        slices=slices,
+        predicted_s=0.05,
+        data_parallel=replicas,
+        **(plan_extra or {}),
+    )
+    args = RunArguments(
+        steps=steps,
+        data=None,
+        seed=seed,
+        lr=1e-3,
+        data_parallel=replicas,
+        checkpoint_every=10,
+        threads=1,
+        timeout_s=60.0,
+        verify=False,
+    )
+    write_config(
+        path,
+        plan=plan,
+        args=args,
+        world_size=stages * replicas,
+        device="cpu",
+        backend="gloo",
+        nnodes=1,
+        versions={},
+        created="2026-01-01T00:00:00+00:00",
+    )
     losses = losses if losses is not None else [5.0 - 0.1 * s for s in range(steps)]
     sim = simulate(slices, per_token_parts(tile_s / SEQ), stages, step_s=0.002)
-    iteration_s = iteration_s if iteration_s is not None else [sim.latency_s * (1.0 + 0.01 * (s % 3))
-                                                                for s in range(steps)]
+    iteration_s = (
+        iteration_s if iteration_s is not None else [sim.latency_s * (1.0 + 0.01 * (s % 3)) for s in range(steps)]
+    )
     for s in range(steps):
-        append_metrics(path, {"step": s + 1, "loss": losses[s], "iteration_s": iteration_s[s],
-                              "tokens_per_s": batch * replicas * SEQ / iteration_s[s], "memory_bytes": 1000 + s,
-                              "memory_bytes_per_rank": [1000 + s - r for r in range(stages * replicas)]})
+        append_metrics(
+            path,
+            {
+                "step": s + 1,
+                "loss": losses[s],
+                "iteration_s": iteration_s[s],
+                "tokens_per_s": batch * replicas * SEQ / iteration_s[s],
+                "memory_bytes": 1000 + s,
+                "memory_bytes_per_rank": [1000 + s - r for r in range(stages * replicas)],
+            },
+        )
     for rank in range(stages * replicas):
         stage, replica = rank % stages, rank // stages
         events = []
         for s in range(steps):
             for e in sim.events:
                 if e.stage == stage:
-                    events.append(type(e)(e.stage, e.phase, e.batch_slice, e.token_slice, e.start_s, e.end_s,
-                                          rank, replica, s + 1))
+                    events.append(
+                        type(e)(
+                            e.stage, e.phase, e.batch_slice, e.token_slice, e.start_s, e.end_s, rank, replica, s + 1
+                        )
+                    )
         write_timeline(timeline_path(path, rank), events, source="measured", rank=rank, stage=stage)
     write_summary(path, {"status": "complete", "steps": steps})
     return path
@@ -81,9 +132,11 @@ GPIPE = [(1, [SEQ])]
 
 @pytest.fixture
 def pair(tmp_path):
-    run = make_run(tmp_path / "run", TERAPIPE, plan_extra={"baselines": {"gpipe": {"slices": [[1, [SEQ]]],
-                                                                                   "predicted_s": 0.09,
-                                                                                   "microbatch": 1}}})
+    run = make_run(
+        tmp_path / "run",
+        TERAPIPE,
+        plan_extra={"baselines": {"gpipe": {"slices": [[1, [SEQ]]], "predicted_s": 0.09, "microbatch": 1}}},
+    )
     base = make_run(tmp_path / "run-gpipe", GPIPE, losses=[5.0 - 0.1 * s + 1e-7 for s in range(6)])
     return run, base
 
@@ -107,8 +160,9 @@ def test_numbers_recomputed_from_the_run_directories(pair):
     # Equal tiles, free transfers: the measured bubble is exactly the formula's (K−1)/(M+K−1).
     assert rep["run"]["bubble_fraction"] == pytest.approx(bubble_formula(2, 4)) == pytest.approx(1 / 5)
     assert rep["baseline"]["bubble_fraction"] == pytest.approx(1 / 2)
-    assert rep["speedup"]["median"] == pytest.approx(rep["baseline"]["latency_s"]["median"]
-                                                     / rep["run"]["latency_s"]["median"])
+    assert rep["speedup"]["median"] == pytest.approx(
+        rep["baseline"]["latency_s"]["median"] / rep["run"]["latency_s"]["median"]
+    )
     assert rep["speedup"]["median"] > 1.0
     med = rep["run"]["latency_s"]["median"]
     assert rep["run"]["predicted_rel_err"] == pytest.approx((0.05 - med) / med)
@@ -217,8 +271,12 @@ def test_baseline_folder_is_the_runs_sibling(pair, tmp_path, monkeypatch):
 
 def test_not_comparable(tmp_path):
     run = load_run(make_run(tmp_path / "a", TERAPIPE))
-    for name, kwargs in [("seed", {"seed": 1}), ("steps", {"steps": 5}),
-                         ("model", {"model": tiny_model(seq_len=SEQ, hidden=64)}), ("stages", {"stages": 4})]:
+    for name, kwargs in [
+        ("seed", {"seed": 1}),
+        ("steps", {"steps": 5}),
+        ("model", {"model": tiny_model(seq_len=SEQ, hidden=64)}),
+        ("stages", {"stages": 4}),
+    ]:
         other = load_run(make_run(tmp_path / name, GPIPE, **kwargs))
         with pytest.raises(UserError, match=name):
             check_comparable(run, other)
@@ -226,8 +284,9 @@ def test_not_comparable(tmp_path):
 
 def report_cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent / "src")}
-    return subprocess.run([sys.executable, "-m", "terapipe_cli", "report", *args], capture_output=True, text=True,
-                          timeout=120, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "terapipe_cli", "report", *args], capture_output=True, text=True, timeout=120, env=env
+    )
 
 
 def assert_one_line_error(p: subprocess.CompletedProcess, *words: str) -> None:
@@ -292,8 +351,14 @@ def test_the_plans_profile_is_found_beside_the_run_and_checked(tmp_path, monkeyp
     (tmp_path / "profile.json").write_text(profile.read_text())
     digest = hashlib.sha256(profile.read_bytes()).hexdigest()
     model = ModelConfig.from_dict(prof["model"], "profile")
-    run = load_run(make_run(tmp_path / "run", [(1, [SEQ])], model=model,
-                            plan_extra={"profile": {"path": "elsewhere/profile.json", "sha256": digest}}))
+    run = load_run(
+        make_run(
+            tmp_path / "run",
+            [(1, [SEQ])],
+            model=model,
+            plan_extra={"profile": {"path": "elsewhere/profile.json", "sha256": digest}},
+        )
+    )
     monkeypatch.chdir(tmp_path / "run")
     cost, info = find_cost_model(run, None)
     assert cost is not None and info["used"] and info["sha256"] == digest

@@ -35,7 +35,14 @@ def test_timeline_rejects_bad_phase(tmp_path):
     from terapipe_cli.errors import UserError
 
     p = tmp_path / "t.json"
-    p.write_text(json.dumps({"schema": "terapipe.timeline/1", "meta": {}, "events": [
-        {"stage": 0, "phase": "X", "batch_slice": 0, "token_slice": 0, "start_s": 0, "end_s": 1}]}))
+    p.write_text(
+        json.dumps(
+            {
+                "schema": "terapipe.timeline/1",
+                "meta": {},
+                "events": [{"stage": 0, "phase": "X", "batch_slice": 0, "token_slice": 0, "start_s": 0, "end_s": 1}],
+            }
+        )
+    )
     with pytest.raises(UserError, match="phase"):
         read_timeline(p)

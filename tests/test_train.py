@@ -20,7 +20,10 @@ from terapipe_cli.schedule import plan_tiles, read_timeline
 def train(*args: str, env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "terapipe_cli", "train", *args],
-        capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -46,8 +49,11 @@ def test_verify_passes(tmp_path, name):
     assert "verified" in p.stdout
     summary = read_summary(out)
     assert summary["verify"]["ok"] is True
-    assert [c["what"] for c in summary["verify"]["checks"]] == ["loss, 3 steps", "gradients at step 1",
-                                                               "weights after step 3"]
+    assert [c["what"] for c in summary["verify"]["checks"]] == [
+        "loss, 3 steps",
+        "gradients at step 1",
+        "weights after step 3",
+    ]
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
     # One timeline per rank with every tile's forward and backward of every step, on the right stage.
     tiles = len(plan_tiles(slices))
@@ -62,8 +68,16 @@ def test_verify_passes(tmp_path, name):
 def test_negative_control_without_kv_handback_fails_verification(tmp_path):
     """The check can fail: drop the earlier slices' K/V gradients and --verify must say so."""
     plan = write_plan_file(tmp_path / "plan.json", [(2, [8, 8, 16])], stages=2)
-    p = train("--plan", str(plan), "--steps", "2", "--out", str(tmp_path / "run"), "--verify",
-              env={"TERAPIPE_TEST_DROP_KV_GRADS": "1"})
+    p = train(
+        "--plan",
+        str(plan),
+        "--steps",
+        "2",
+        "--out",
+        str(tmp_path / "run"),
+        "--verify",
+        env={"TERAPIPE_TEST_DROP_KV_GRADS": "1"},
+    )
     assert p.returncode == 1, p.stdout + p.stderr
     assert "verification failed" in p.stderr
     checks = {c["what"]: c for c in read_summary(tmp_path / "run")["verify"]["checks"]}
@@ -123,9 +137,23 @@ def test_worker_killed_from_outside(tmp_path):
     plan = write_plan_file(tmp_path / "plan.json", [(1, [16, 16])], stages=2)
     out = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "terapipe_cli", "train", "--plan", str(plan), "--steps", "100000",
-         "--checkpoint-every", "2", "--out", str(out)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "terapipe_cli",
+            "train",
+            "--plan",
+            str(plan),
+            "--steps",
+            "100000",
+            "--checkpoint-every",
+            "2",
+            "--out",
+            str(out),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         deadline = time.monotonic() + 120
@@ -152,8 +180,9 @@ def test_worker_killed_from_outside(tmp_path):
 
 def test_worker_exception_is_named_in_one_line(tmp_path):
     plan = write_plan_file(tmp_path / "plan.json", [(1, [16, 16])], stages=2)
-    p = train("--plan", str(plan), "--steps", "4", "--out", str(tmp_path / "run"),
-              env={"TERAPIPE_TEST_FAULT": "raise:0:2"})
+    p = train(
+        "--plan", str(plan), "--steps", "4", "--out", str(tmp_path / "run"), env={"TERAPIPE_TEST_FAULT": "raise:0:2"}
+    )
     assert p.returncode == 1
     last = p.stderr.strip().splitlines()[-1]
     assert last.startswith("terapipe: error: worker rank 0 (stage 0, replica 0) failed: RuntimeError: injected failure")
@@ -164,8 +193,17 @@ def test_hung_worker_ends_the_job_by_timeout(tmp_path):
     """A rank that stops responding: its neighbour's wait times out and the job ends, naming both."""
     plan = write_plan_file(tmp_path / "plan.json", [(1, [16, 16])], stages=2)
     start = time.monotonic()
-    p = train("--plan", str(plan), "--steps", "4", "--out", str(tmp_path / "run"), "--timeout-s", "3",
-              env={"TERAPIPE_TEST_FAULT": "hang:1:2"})
+    p = train(
+        "--plan",
+        str(plan),
+        "--steps",
+        "4",
+        "--out",
+        str(tmp_path / "run"),
+        "--timeout-s",
+        "3",
+        env={"TERAPIPE_TEST_FAULT": "hang:1:2"},
+    )
     assert time.monotonic() - start < 60
     assert p.returncode == 1
     last = p.stderr.strip().splitlines()[-1]
@@ -181,8 +219,19 @@ def test_dry_run_prints_the_torchrun_command(tmp_path):
     assert "--module terapipe_cli.runtime.worker --run-dir" in line
     assert "OMP_NUM_THREADS=1" in line
     assert not (tmp_path / "run").exists()  # a dry run writes nothing
-    p = train("--plan", str(plan), "--out", str(tmp_path / "run"), "--dry-run", "--nnodes", "2", "--node-rank", "1",
-              "--rdzv-endpoint", "host0:29400")
+    p = train(
+        "--plan",
+        str(plan),
+        "--out",
+        str(tmp_path / "run"),
+        "--dry-run",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "1",
+        "--rdzv-endpoint",
+        "host0:29400",
+    )
     assert "--nnodes 2 --node-rank 1 --rdzv-endpoint host0:29400 --nproc-per-node 1" in p.stdout
 
 

@@ -96,8 +96,9 @@ def load_demo_config(path: str | Path | None = None, *, quick: bool = False) -> 
         raise UserError("field 'demo.quick' must be a table of settings", where=where)
     bad = sorted(set(overrides) - set(SETTINGS))
     if bad:
-        raise UserError(f"field 'demo.quick.{bad[0]}' cannot be changed by --quick (only: {', '.join(SETTINGS)})",
-                        where=where)
+        raise UserError(
+            f"field 'demo.quick.{bad[0]}' cannot be changed by --quick (only: {', '.join(SETTINGS)})", where=where
+        )
     if quick:
         settings.update(overrides)
     f = Fields(settings, where, "demo.")
@@ -118,11 +119,12 @@ def load_demo_config(path: str | Path | None = None, *, quick: bool = False) -> 
         source=where,
     )
     if cfg.warmup >= cfg.steps:
-        raise UserError(f"field 'demo.warmup' ({cfg.warmup}) leaves none of the {cfg.steps} steps to time",
-                        where=where)
+        raise UserError(f"field 'demo.warmup' ({cfg.warmup}) leaves none of the {cfg.steps} steps to time", where=where)
     if model.seq_len % cfg.token_step:
-        raise UserError(f"field 'demo.token_step' ({cfg.token_step}) does not divide the model's seq_len "
-                        f"{model.seq_len}", where=where)
+        raise UserError(
+            f"field 'demo.token_step' ({cfg.token_step}) does not divide the model's seq_len {model.seq_len}",
+            where=where,
+        )
     return cfg
 
 

@@ -93,9 +93,7 @@ class Event:
 
 def write_timeline(path: str | Path, events: Iterable[Event], **meta) -> Path:
     """Write a ``terapipe.timeline/1`` file atomically; ``meta`` is free-form (JSON-serialisable)."""
-    return write_json_atomic(
-        path, {"schema": TIMELINE_SCHEMA, "meta": meta, "events": [asdict(e) for e in events]}
-    )
+    return write_json_atomic(path, {"schema": TIMELINE_SCHEMA, "meta": meta, "events": [asdict(e) for e in events]})
 
 
 def read_timeline(path: str | Path) -> tuple[dict, list[Event]]:
@@ -131,4 +129,3 @@ def read_timeline(path: str | Path) -> tuple[dict, list[Event]]:
             )
         )
     return meta, events
-

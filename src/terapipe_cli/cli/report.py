@@ -63,14 +63,23 @@ def report(
     cost, cost_info = find_cost_model(run, profile)
     out_dir = out if out is not None else run.path / "report"
     with console.status("writing the report …") as status:
-        result = write_report(run, base, out_dir, warmup=warmup, cost=cost, cost_info=cost_info,
-                              progress=lambda what: status.update(f"writing {what} …"))
+        result = write_report(
+            run,
+            base,
+            out_dir,
+            warmup=warmup,
+            cost=cost,
+            cost_info=cost_info,
+            progress=lambda what: status.update(f"writing {what} …"),
+        )
     render(console, result)
     loss = result["loss"]
     if not loss["match"]:
         sys.stdout.flush()
-        sys.stderr.write("terapipe: error: the losses of the run and its baseline differ beyond fp32 tolerance "
-                         f"(max relative {loss['max_rel_diff']:.3g} at step {loss['worst_step']})\n")
+        sys.stderr.write(
+            "terapipe: error: the losses of the run and its baseline differ beyond fp32 tolerance "
+            f"(max relative {loss['max_rel_diff']:.3g} at step {loss['worst_step']})\n"
+        )
         raise SystemExit(1)
 
 
@@ -81,8 +90,10 @@ def train_gpipe(console: Console, run, path: Path) -> None:
     from terapipe_cli.runtime.launch import WorkerFailed
 
     scheme = short_form(gpipe_plan_dict(run.plan)["slices"])
-    console.print(f"[bold]training the GPipe baseline[/] {scheme} ({run.args.steps} steps, same model, data, seed "
-                  f"and layout) -> {path}")
+    console.print(
+        f"[bold]training the GPipe baseline[/] {scheme} ({run.args.steps} steps, same model, data, seed "
+        f"and layout) -> {path}"
+    )
     try:
         train_baseline(run, path)
     except WorkerFailed as e:
@@ -105,8 +116,10 @@ def render(console: Console, result: dict) -> None:
     )
 
     r = result["run"]
-    title = f"{result['model']}: K={r['stages']}, B={r['batch_size']}, L={r['seq_len']} — " \
-            f"steps {r['compared_steps'][0]}–{r['compared_steps'][1]} (after {result['warmup_steps']} warm-up)"
+    title = (
+        f"{result['model']}: K={r['stages']}, B={r['batch_size']}, L={r['seq_len']} — "
+        f"steps {r['compared_steps'][0]}–{r['compared_steps'][1]} (after {result['warmup_steps']} warm-up)"
+    )
     t = Table(title=title)
     for n, col in enumerate(latency_header(result)):
         t.add_column(col, justify="left" if n == 0 else "right")

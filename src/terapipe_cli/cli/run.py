@@ -53,27 +53,79 @@ def run(
     cfg = load_demo_config(config, quick=quick)
     paths = DemoPaths.fresh(out)
     started = time.perf_counter()
-    console.print(f"[bold]terapipe run[/] ({cfg.source}{', quick' if quick else ''}): model {cfg.model.name}, "
-                  f"K={cfg.stages}, B={cfg.batch_size}, {cfg.steps} steps -> {paths.root}")
+    console.print(
+        f"[bold]terapipe run[/] ({cfg.source}{', quick' if quick else ''}): model {cfg.model.name}, "
+        f"K={cfg.stages}, B={cfg.batch_size}, {cfg.steps} steps -> {paths.root}"
+    )
     write_text_atomic(paths.model, model_toml(cfg.model))
 
     def stage(n: int, name: str, argv: list[str]) -> None:
         console.rule(f"[bold]{n}/4 {name}[/]  [dim]{shlex.join(['terapipe', *argv])}[/]", align="left")
 
     batch_sizes = ",".join(str(b) for b in _powers_of_two(cfg.batch_size))
-    stage(1, "profile", ["profile", "--model", str(paths.model), "--batch-sizes", batch_sizes, "--token-step",
-                         str(cfg.token_step), "--seed", str(cfg.seed), "--out", str(paths.profile)]
-          + (["--quick"] if cfg.profile_quick else []))
-    profile_command(model=paths.model, batch_sizes=batch_sizes, token_step=cfg.token_step,
-                    quick=cfg.profile_quick, seed=cfg.seed, out=paths.profile)
+    stage(
+        1,
+        "profile",
+        [
+            "profile",
+            "--model",
+            str(paths.model),
+            "--batch-sizes",
+            batch_sizes,
+            "--token-step",
+            str(cfg.token_step),
+            "--seed",
+            str(cfg.seed),
+            "--out",
+            str(paths.profile),
+        ]
+        + (["--quick"] if cfg.profile_quick else []),
+    )
+    profile_command(
+        model=paths.model,
+        batch_sizes=batch_sizes,
+        token_step=cfg.token_step,
+        quick=cfg.profile_quick,
+        seed=cfg.seed,
+        out=paths.profile,
+    )
 
-    stage(2, "plan", ["plan", "--profile", str(paths.profile), "--stages", str(cfg.stages), "--batch",
-                      str(cfg.batch_size), "--out", str(paths.plan)])
-    plan_command(profile=paths.profile, stages=cfg.stages, batch=cfg.batch_size, token_step=cfg.token_step,
-                 out=paths.plan)
+    stage(
+        2,
+        "plan",
+        [
+            "plan",
+            "--profile",
+            str(paths.profile),
+            "--stages",
+            str(cfg.stages),
+            "--batch",
+            str(cfg.batch_size),
+            "--out",
+            str(paths.plan),
+        ],
+    )
+    plan_command(
+        profile=paths.profile, stages=cfg.stages, batch=cfg.batch_size, token_step=cfg.token_step, out=paths.plan
+    )
 
-    stage(3, "train", ["train", "--plan", str(paths.plan), "--steps", str(cfg.steps), "--seed", str(cfg.seed),
-                       "--lr", f"{cfg.lr:g}", "--out", str(paths.run)])
+    stage(
+        3,
+        "train",
+        [
+            "train",
+            "--plan",
+            str(paths.plan),
+            "--steps",
+            str(cfg.steps),
+            "--seed",
+            str(cfg.seed),
+            "--lr",
+            f"{cfg.lr:g}",
+            "--out",
+            str(paths.run),
+        ],
+    )
     train_command(plan=paths.plan, steps=cfg.steps, out=paths.run, seed=cfg.seed, lr=cfg.lr)
 
     stage(4, "report", ["report", str(paths.run), "--warmup", str(cfg.warmup)])

@@ -75,10 +75,24 @@ def train(
 
     console = Console(stderr=False, highlight=False)
     prepared = prepare_run(
-        plan_path=plan, steps=steps, data=data, out=out, seed=seed, lr=lr, data_parallel=data_parallel,
-        verify=verify, resume=resume, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
-        checkpoint_every=checkpoint_every, threads=threads, timeout_s=timeout_s, device=device,
-        kv_handback=os.environ.get(DROP_KV_GRADS_ENV) != "1", write=not dry_run,
+        plan_path=plan,
+        steps=steps,
+        data=data,
+        out=out,
+        seed=seed,
+        lr=lr,
+        data_parallel=data_parallel,
+        verify=verify,
+        resume=resume,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        rdzv_endpoint=rdzv_endpoint,
+        checkpoint_every=checkpoint_every,
+        threads=threads,
+        timeout_s=timeout_s,
+        device=device,
+        kv_handback=os.environ.get(DROP_KV_GRADS_ENV) != "1",
+        write=not dry_run,
     )
     spec = prepared.launch
     if dry_run:
@@ -108,15 +122,31 @@ def _verify(console: Console, prepared) -> None:
 
     args = prepared.args
     console.print("verifying against a single-process reference (same seed, same batches) ...")
-    result = verify_run(prepared.launch.run_dir, prepared.plan, prepared.data, seed=args.seed, lr=args.lr,
-                        steps=args.steps, data_parallel=args.data_parallel, device=prepared.device)
-    table = Table(title="--verify: pipelined run vs single process (fp32)",
-                  caption="rel: |Δ|/|ref| per step's loss; ‖Δ‖₂/‖ref‖₂ per gradient or weight tensor")
+    result = verify_run(
+        prepared.launch.run_dir,
+        prepared.plan,
+        prepared.data,
+        seed=args.seed,
+        lr=args.lr,
+        steps=args.steps,
+        data_parallel=args.data_parallel,
+        device=prepared.device,
+    )
+    table = Table(
+        title="--verify: pipelined run vs single process (fp32)",
+        caption="rel: |Δ|/|ref| per step's loss; ‖Δ‖₂/‖ref‖₂ per gradient or weight tensor",
+    )
     for col in ("compared", "max abs", "max rel", "tol (rel)", "worst at", "result"):
         table.add_column(col)
     for c in result.checks:
-        table.add_row(c.what, f"{c.max_abs:.3g}", f"{c.max_rel:.3g}", f"{c.tolerance:g}", c.worst,
-                      "[green]ok[/]" if c.ok else "[red]MISMATCH[/]")
+        table.add_row(
+            c.what,
+            f"{c.max_abs:.3g}",
+            f"{c.max_rel:.3g}",
+            f"{c.tolerance:g}",
+            c.worst,
+            "[green]ok[/]" if c.ok else "[red]MISMATCH[/]",
+        )
     console.print(table)
     summary = read_summary(prepared.launch.run_dir)
     summary.pop("schema", None)

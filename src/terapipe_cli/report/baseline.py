@@ -37,16 +37,23 @@ def gpipe_plan_dict(plan: Plan) -> dict:
     else:
         slices, predicted, microbatch = [(1, [plan.seq_len])] * plan.batch_size, None, 1
     if any(lengths != [plan.seq_len] for _, lengths in slices):
-        raise UserError("is not a GPipe scheme (every batch slice must be one token slice of the whole sequence)",
-                        where=where)
+        raise UserError(
+            "is not a GPipe scheme (every batch slice must be one token slice of the whole sequence)", where=where
+        )
     extra = {"scheme": "gpipe", "microbatch": microbatch, "baseline_of": plan.path}
     if isinstance(plan.raw.get("profile"), dict):
         extra["profile"] = plan.raw["profile"]  # the same cost model priced it
     if "step_s" in plan.raw:
         extra["step_s"] = plan.raw["step_s"]
     return make_plan_dict(
-        model=plan.model, stages=plan.stages, batch_size=plan.batch_size, seq_len=plan.seq_len,
-        token_step=plan.token_step, slices=slices, predicted_s=predicted, data_parallel=plan.data_parallel,
+        model=plan.model,
+        stages=plan.stages,
+        batch_size=plan.batch_size,
+        seq_len=plan.seq_len,
+        token_step=plan.token_step,
+        slices=slices,
+        predicted_s=predicted,
+        data_parallel=plan.data_parallel,
         **extra,
     )
 
@@ -61,18 +68,34 @@ def train_baseline(run: Run, out: Path) -> Path:
     from terapipe_cli.runtime.prepare import prepare_run
 
     if int(run.config.get("nnodes", 1)) > 1:
-        raise UserError("ran on several machines; train its GPipe baseline with `terapipe train` on the same "
-                        "machines and pass it with --baseline", where=str(run.path))
+        raise UserError(
+            "ran on several machines; train its GPipe baseline with `terapipe train` on the same "
+            "machines and pass it with --baseline",
+            where=str(run.path),
+        )
     out = Path(out)
     # The run directory's own plan.json (train rewrites it with the same content), so nothing lands outside.
     plan_path = out / "plan.json"
     write_json_atomic(plan_path, gpipe_plan_dict(run.plan))
     a = run.args
     prepared = prepare_run(
-        plan_path=plan_path, steps=a.steps, data=Path(a.data) if a.data else None, out=out, seed=a.seed, lr=a.lr,
-        data_parallel=a.data_parallel, verify=False, resume=False, nnodes=1, node_rank=0, rdzv_endpoint=None,
-        checkpoint_every=a.checkpoint_every, threads=a.threads, timeout_s=a.timeout_s,
-        device=str(run.config.get("device", "auto")), kv_handback=a.kv_handback,
+        plan_path=plan_path,
+        steps=a.steps,
+        data=Path(a.data) if a.data else None,
+        out=out,
+        seed=a.seed,
+        lr=a.lr,
+        data_parallel=a.data_parallel,
+        verify=False,
+        resume=False,
+        nnodes=1,
+        node_rank=0,
+        rdzv_endpoint=None,
+        checkpoint_every=a.checkpoint_every,
+        threads=a.threads,
+        timeout_s=a.timeout_s,
+        device=str(run.config.get("device", "auto")),
+        kv_handback=a.kv_handback,
     )
     launch(prepared.launch)
     return out

@@ -37,8 +37,11 @@ def find_baseline(run: Run, baseline: Path | None) -> BaselineChoice:
     sibling = baseline_dir(run.path)
     if (sibling / "config.json").exists():
         if not (sibling / "summary.json").exists():
-            raise UserError("holds an unfinished baseline run (no summary.json): delete the folder to train it "
-                            "again, or pass another run with --baseline", where=str(sibling))
+            raise UserError(
+                "holds an unfinished baseline run (no summary.json): delete the folder to train it "
+                "again, or pass another run with --baseline",
+                where=str(sibling),
+            )
         return BaselineChoice(sibling, True, False)
     return BaselineChoice(sibling, False, False)
 
@@ -69,28 +72,39 @@ def find_cost_model(run: Run, profile: Path | None):
             return None, {"used": False, "why": f"the plan's profile {path} is not here (pass it with --profile)"}
         prof = read_profile(found)
         if named.get("sha256") and prof.sha256 != named["sha256"]:
-            return None, {"used": False,
-                          "why": f"the profile {found} changed since the plan was made (pass it with --profile)"}
+            return None, {
+                "used": False,
+                "why": f"the profile {found} changed since the plan was made (pass it with --profile)",
+            }
     else:
         prof = read_profile(profile)
         if prof.model != run.plan.model:
-            raise UserError(f"is a profile of model {prof.model.name!r}, the run trains {run.plan.model.name!r}",
-                            where=str(profile))
+            raise UserError(
+                f"is a profile of model {prof.model.name!r}, the run trains {run.plan.model.name!r}", where=str(profile)
+            )
     cost = CostModel(prof, run.stages, run.args.data_parallel)
-    return cost, {"used": True, "profile": prof.path, "source": prof.source, "sha256": prof.sha256,
-                  "device": prof.device.get("name")}
+    return cost, {
+        "used": True,
+        "profile": prof.path,
+        "source": prof.source,
+        "sha256": prof.sha256,
+        "device": prof.device.get("name"),
+    }
 
 
 def simulate_runs(run: Run, baseline: Run, cost) -> dict:
     """Predicted timelines of both schemes under the same cost model (`terapipe_cli.simulate`)."""
     from terapipe_cli.simulate import simulate
 
-    return {"run": simulate(run.plan.slices, cost, run.stages),
-            "baseline": simulate(baseline.plan.slices, cost, baseline.stages)}
+    return {
+        "run": simulate(run.plan.slices, cost, run.stages),
+        "baseline": simulate(baseline.plan.slices, cost, baseline.stages),
+    }
 
 
-def write_report(run: Run, baseline: Run, out: Path, *, warmup: int, cost=None, cost_info: dict | None = None,
-                 progress=None) -> dict:
+def write_report(
+    run: Run, baseline: Run, out: Path, *, warmup: int, cost=None, cost_info: dict | None = None, progress=None
+) -> dict:
     """Compute the comparison and write every file into ``out``; returns the report object (as in report.json)."""
     step = progress or (lambda what: None)
     sims = simulate_runs(run, baseline, cost) if cost is not None else {}
@@ -101,22 +115,32 @@ def write_report(run: Run, baseline: Run, out: Path, *, warmup: int, cost=None, 
     report["created"] = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
     step("timeline.png")
-    draw_timelines(_timeline_grid(run, baseline, report, sims), out / "timeline.png",
-                   title=f"{report['model']}: K={run.stages} stages, B={run.plan.batch_size}, L={run.plan.seq_len} — "
-                         f"{report['run']['label']} {report['speedup']['median']:.2f}× the speed of "
-                         f"{report['baseline']['label']} (median step); one typical step of each, same time axis")
+    draw_timelines(
+        _timeline_grid(run, baseline, report, sims),
+        out / "timeline.png",
+        title=f"{report['model']}: K={run.stages} stages, B={run.plan.batch_size}, L={run.plan.seq_len} — "
+        f"{report['run']['label']} {report['speedup']['median']:.2f}× the speed of "
+        f"{report['baseline']['label']} (median step); one typical step of each, same time axis",
+    )
     step("loss.png")
     loss = report["loss"]
-    draw_losses([(report["run"]["label"], report["run"]["losses"]),
-                 (report["baseline"]["label"], report["baseline"]["losses"])], out / "loss.png",
-                warmup=report["warmup_steps"],
-                title=f"same training, two schedules: max |Δloss| = {loss['max_abs_diff']:.2g} "
-                      f"(max relative {loss['max_rel_diff']:.2g})")
+    draw_losses(
+        [
+            (report["run"]["label"], report["run"]["losses"]),
+            (report["baseline"]["label"], report["baseline"]["losses"]),
+        ],
+        out / "loss.png",
+        warmup=report["warmup_steps"],
+        title=f"same training, two schedules: max |Δloss| = {loss['max_abs_diff']:.2g} "
+        f"(max relative {loss['max_rel_diff']:.2g})",
+    )
     step("trace.json")
-    trace = chrome_trace([
-        TraceRun(report[key]["label"], r.events, [m["iteration_s"] for m in r.metrics], r.stages, r.plan.slices)
-        for key, r in (("run", run), ("baseline", baseline))
-    ])
+    trace = chrome_trace(
+        [
+            TraceRun(report[key]["label"], r.events, [m["iteration_s"] for m in r.metrics], r.stages, r.plan.slices)
+            for key, r in (("run", run), ("baseline", baseline))
+        ]
+    )
     write_json_atomic(out / "trace.json", trace)
     step("report.md")
     write_text_atomic(out / "report.md", to_markdown(report))
@@ -133,16 +157,28 @@ def _timeline_grid(run: Run, baseline: Run, report: dict, sims: dict) -> list[li
         events = r.step_events(step, replica=0)
         measured_s = r.metric(step)["iteration_s"]
         bubble = stage_times_of(events, r.stages).bubble_fraction
-        row = [TimelinePanel(
-            f"{s['label']} {s['short_form']}\nmeasured, step {step}: {measured_s * 1e3:.0f} ms per step, "
-            f"bubble {bubble:.0%}",
-            events, r.stages, order, step_end_s=measured_s)]
+        row = [
+            TimelinePanel(
+                f"{s['label']} {s['short_form']}\nmeasured, step {step}: {measured_s * 1e3:.0f} ms per step, "
+                f"bubble {bubble:.0%}",
+                events,
+                r.stages,
+                order,
+                step_end_s=measured_s,
+            )
+        ]
         if key in sims:
             sim = sims[key]
-            row.append(TimelinePanel(
-                f"{s['label']}\npredicted by the simulator: {sim.latency_s * 1e3:.0f} ms per step, "
-                f"bubble {sim.bubble_fraction():.0%}",
-                sim.events, r.stages, order, step_end_s=sim.latency_s))
+            row.append(
+                TimelinePanel(
+                    f"{s['label']}\npredicted by the simulator: {sim.latency_s * 1e3:.0f} ms per step, "
+                    f"bubble {sim.bubble_fraction():.0%}",
+                    sim.events,
+                    r.stages,
+                    order,
+                    step_end_s=sim.latency_s,
+                )
+            )
         grid.append(row)
     return grid
 
@@ -176,8 +212,10 @@ def latency_rows(report: dict) -> list[list[str]]:
         row("iteration, min – max", lambda s: f"{_ms(s['latency_s']['min'])} – {_ms(s['latency_s']['max'])}"),
         row("tokens/s", lambda s: f"{s['tokens_per_s']:,.0f}"),
         row("predicted by the plan (error)", lambda s: f"{_ms(s['predicted_s'])} ({_pct(s['predicted_rel_err'])})"),
-        row("predicted by the simulator (error)",
-            lambda s: f"{_ms(sim(s, 'latency_s'))} ({_pct(sim(s, 'rel_err'))})" if s["simulated"] else "–"),
+        row(
+            "predicted by the simulator (error)",
+            lambda s: f"{_ms(sim(s, 'latency_s'))} ({_pct(sim(s, 'rel_err'))})" if s["simulated"] else "–",
+        ),
         row("bubble, measured", lambda s: f"{s['bubble_fraction']:.1%}"),
         row("bubble, simulated", lambda s: f"{sim(s, 'bubble_fraction'):.1%}" if s["simulated"] else "–"),
         row("bubble, (K−1)/(M+K−1)", lambda s: f"{s['bubble_formula']:.1%}"),
@@ -197,20 +235,27 @@ def stage_rows(report: dict) -> list[list[str]]:
     for key in ("run", "baseline"):
         s = report[key]
         for st in s["stage_times"]:
-            rows.append([s["label"], str(st["stage"]), _ms(st["busy_s"]), _ms(st["idle_s"]),
-                         f"{st['busy_fraction']:.0%}"])
+            rows.append(
+                [s["label"], str(st["stage"]), _ms(st["busy_s"]), _ms(st["idle_s"]), f"{st['busy_fraction']:.0%}"]
+            )
     return rows
 
 
 def headline(report: dict) -> str:
     sp = report["speedup"]
     r, b = report["run"], report["baseline"]
-    verdict = (f"{r['label']} is {sp['median']:.2f}× faster than {b['label']}" if sp["median"] >= 1 else
-               f"{r['label']} is slower than {b['label']} here, {sp['median']:.2f}× its speed")
-    return (f"{verdict} (median iteration {_ms(r['latency_s']['median'])} vs {_ms(b['latency_s']['median'])}, "
-            f"steps {r['compared_steps'][0]}–{r['compared_steps'][1]}); the plan predicted "
-            + (f"{sp['predicted']:.2f}×" if sp["predicted"] else "–")
-            + (f", the simulator {sp['simulated']:.2f}×" if sp["simulated"] else "") + ".")
+    verdict = (
+        f"{r['label']} is {sp['median']:.2f}× faster than {b['label']}"
+        if sp["median"] >= 1
+        else f"{r['label']} is slower than {b['label']} here, {sp['median']:.2f}× its speed"
+    )
+    return (
+        f"{verdict} (median iteration {_ms(r['latency_s']['median'])} vs {_ms(b['latency_s']['median'])}, "
+        f"steps {r['compared_steps'][0]}–{r['compared_steps'][1]}); the plan predicted "
+        + (f"{sp['predicted']:.2f}×" if sp["predicted"] else "–")
+        + (f", the simulator {sp['simulated']:.2f}×" if sp["simulated"] else "")
+        + "."
+    )
 
 
 def tile_speed_line(report: dict) -> str | None:
@@ -218,28 +263,36 @@ def tile_speed_line(report: dict) -> str | None:
     r, b = report["run"], report["baseline"]
     if not (r["simulated"] and b["simulated"]):
         return None
-    text = (f"Tile compute took {r['simulated']['busy_ratio']:.2f}× the profile's prediction with {r['label']} and "
-            f"{b['simulated']['busy_ratio']:.2f}× with {b['label']} (measured busy time per stage / simulated).")
+    text = (
+        f"Tile compute took {r['simulated']['busy_ratio']:.2f}× the profile's prediction with {r['label']} and "
+        f"{b['simulated']['busy_ratio']:.2f}× with {b['label']} (measured busy time per stage / simulated)."
+    )
     if r["simulated"]["busy_ratio"] > 1.2 * b["simulated"]["busy_ratio"]:
-        text += (f" {r['label']}'s stages compute at the same time, so anything they share — cores, memory "
-                 "bandwidth, other processes on the machine — slows its tiles more than GPipe's, which mostly take "
-                 "turns.")
+        text += (
+            f" {r['label']}'s stages compute at the same time, so anything they share — cores, memory "
+            "bandwidth, other processes on the machine — slows its tiles more than GPipe's, which mostly take "
+            "turns."
+        )
     return text
 
 
 def loss_line(report: dict) -> str:
     loss = report["loss"]
     verdict = "match" if loss["match"] else "DO NOT match"
-    return (f"Losses {verdict} at every one of the {loss['steps']} steps: max |Δ| = {loss['max_abs_diff']:.3g}, "
-            f"max relative {loss['max_rel_diff']:.3g} (tolerance {loss['rel_tolerance']:g}, fp32) — "
-            "both runs are the same synchronous training.")
+    return (
+        f"Losses {verdict} at every one of the {loss['steps']} steps: max |Δ| = {loss['max_abs_diff']:.3g}, "
+        f"max relative {loss['max_rel_diff']:.3g} (tolerance {loss['rel_tolerance']:g}, fp32) — "
+        "both runs are the same synchronous training."
+    )
 
 
 def bubble_line(report: dict) -> str:
     r, b = report["run"], report["baseline"]
-    return (f"Idle time: the stages wait {r['bubble_fraction']:.0%} of the pipelined span with {r['label']} "
-            f"({_tiles(r['tiles'])}) vs {b['bubble_fraction']:.0%} with {b['label']} ({_tiles(b['tiles'])}); "
-            f"the formula (K−1)/(M+K−1) for equal tiles says {r['bubble_formula']:.0%} vs {b['bubble_formula']:.0%}.")
+    return (
+        f"Idle time: the stages wait {r['bubble_fraction']:.0%} of the pipelined span with {r['label']} "
+        f"({_tiles(r['tiles'])}) vs {b['bubble_fraction']:.0%} with {b['label']} ({_tiles(b['tiles'])}); "
+        f"the formula (K−1)/(M+K−1) for equal tiles says {r['bubble_formula']:.0%} vs {b['bubble_formula']:.0%}."
+    )
 
 
 def _tiles(n: int) -> str:
@@ -272,8 +325,11 @@ def to_markdown(report: dict) -> str:
         table(latency_header(report), latency_rows(report)),
         "",
         "Predictions are the plan's objective (SPEC §4) and the schedule simulator, both from the cost model"
-        + (f" of `{cm.get('profile')}` ({cm.get('source')})" if cm.get("used") else
-           f" (simulator not run: {cm.get('why', 'no cost model')})")
+        + (
+            f" of `{cm.get('profile')}` ({cm.get('source')})"
+            if cm.get("used")
+            else f" (simulator not run: {cm.get('why', 'no cost model')})"
+        )
         + "; errors are (predicted − measured median) / measured median. Peak memory is the largest rank's "
         "(on CPU: the process's peak resident memory).",
         "",
@@ -290,9 +346,13 @@ def to_markdown(report: dict) -> str:
         "",
         loss_line(report),
         "",
-        table(["step", r["label"], b["label"], "|Δ|"],
-              [[str(n), f"{x:.6f}", f"{y:.6f}", f"{abs(x - y):.2g}"]
-               for n, (x, y) in enumerate(zip(r["losses"], b["losses"], strict=False), 1)]),
+        table(
+            ["step", r["label"], b["label"], "|Δ|"],
+            [
+                [str(n), f"{x:.6f}", f"{y:.6f}", f"{abs(x - y):.2g}"]
+                for n, (x, y) in enumerate(zip(r["losses"], b["losses"], strict=False), 1)
+            ],
+        ),
         "",
         f"![loss]({Path(files['loss.png']).name})",
         "",

@@ -38,13 +38,19 @@ def latency_stats(values: Sequence[float]) -> dict:
     v = [float(x) for x in values]
     if not v:
         raise ValueError("no values")
-    return {"median": statistics.median(v), "mean": statistics.fmean(v),
-            "std": statistics.stdev(v) if len(v) > 1 else 0.0, "min": min(v), "max": max(v), "n": len(v)}
+    return {
+        "median": statistics.median(v),
+        "mean": statistics.fmean(v),
+        "std": statistics.stdev(v) if len(v) > 1 else 0.0,
+        "min": min(v),
+        "max": max(v),
+        "n": len(v),
+    }
 
 
 def compared_steps(run: Run, warmup: int) -> list[int]:
     """The steps after the first ``warmup`` (at least one is always left)."""
-    return run.steps[min(warmup, len(run.steps) - 1):]
+    return run.steps[min(warmup, len(run.steps) - 1) :]
 
 
 def representative_step(run: Run, steps: Sequence[int]) -> int:
@@ -72,8 +78,10 @@ class StageTimes:
         return {
             "span_s": self.span_s,
             "bubble_fraction": self.bubble_fraction,
-            "stage_times": [{"stage": k, "busy_s": b, "idle_s": i, "busy_fraction": b / (b + i) if b + i > 0 else 0.0}
-                       for k, (b, i) in enumerate(zip(self.busy_s, self.idle_s, strict=True))],
+            "stage_times": [
+                {"stage": k, "busy_s": b, "idle_s": i, "busy_fraction": b / (b + i) if b + i > 0 else 0.0}
+                for k, (b, i) in enumerate(zip(self.busy_s, self.idle_s, strict=True))
+            ],
         }
 
 
@@ -166,13 +174,19 @@ def compare_losses(run: Run, baseline: Run, rtol: float = LOSS_RTOL) -> dict:
     abs_diff = [abs(x - y) for x, y in zip(a[:n], b[:n], strict=True)]
     rel_diff = [d / abs(y) if y else (0.0 if d == 0 else float("inf")) for d, y in zip(abs_diff, b[:n], strict=True)]
     worst = max(range(n), key=lambda s: rel_diff[s]) if n else 0
-    return {"steps": n, "max_abs_diff": max(abs_diff, default=0.0), "max_rel_diff": max(rel_diff, default=0.0),
-            "worst_step": worst + 1, "rel_tolerance": rtol,
-            "match": n == len(a) == len(b) and max(rel_diff, default=0.0) <= rtol}
+    return {
+        "steps": n,
+        "max_abs_diff": max(abs_diff, default=0.0),
+        "max_rel_diff": max(rel_diff, default=0.0),
+        "worst_step": worst + 1,
+        "rel_tolerance": rtol,
+        "match": n == len(a) == len(b) and max(rel_diff, default=0.0) <= rtol,
+    }
 
 
-def compare(run: Run, baseline: Run, *, warmup: int, sims: dict[str, SimResult] | None = None,
-            cost_model: dict | None = None) -> dict:
+def compare(
+    run: Run, baseline: Run, *, warmup: int, sims: dict[str, SimResult] | None = None, cost_model: dict | None = None
+) -> dict:
     """The report object (schema ``terapipe.report/1``) without its ``files`` and ``created`` fields."""
     sims = sims or {}
     r = summarize(run, "TeraPipe", warmup, sims.get("run"))
@@ -188,7 +202,8 @@ def compare(run: Run, baseline: Run, *, warmup: int, sims: dict[str, SimResult] 
             "mean": b["latency_s"]["mean"] / r["latency_s"]["mean"],
             "predicted": (b["predicted_s"] / r["predicted_s"]) if r["predicted_s"] and b["predicted_s"] else None,
             "simulated": (b["simulated"]["latency_s"] / r["simulated"]["latency_s"])
-            if r["simulated"] and b["simulated"] else None,
+            if r["simulated"] and b["simulated"]
+            else None,
         },
         "loss": compare_losses(run, baseline),
         "cost_model": cost_model,

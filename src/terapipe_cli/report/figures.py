@@ -60,8 +60,14 @@ def draw_timelines(grid: Sequence[Sequence[TimelinePanel | None]], path: str | P
     x_max = max(max([e.end_s for e in p.events] + [p.step_end_s or 0.0]) for p in panels) * 1e3 * 1.02
     heights = [max((p.stages for p in r if p is not None), default=1) + 1.2 for r in grid]
     fig_w = 15 if cols == 1 else 18
-    fig, axes = plt.subplots(rows, cols, figsize=(fig_w, 0.5 * sum(heights) + 1.2), sharex=True, squeeze=False,
-                             gridspec_kw={"height_ratios": heights})
+    fig, axes = plt.subplots(
+        rows,
+        cols,
+        figsize=(fig_w, 0.5 * sum(heights) + 1.2),
+        sharex=True,
+        squeeze=False,
+        gridspec_kw={"height_ratios": heights},
+    )
     for r, row in enumerate(grid):
         for c in range(cols):
             ax = axes[r][c]
@@ -74,9 +80,11 @@ def draw_timelines(grid: Sequence[Sequence[TimelinePanel | None]], path: str | P
             if r == rows - 1 or all(grid[rr][c] is None for rr in range(r + 1, rows) if c < len(grid[rr])):
                 ax.set_xlabel("time from the step's start (ms)")
                 ax.tick_params(axis="x", labelbottom=True)
-    handles = [Patch(facecolor=FORWARD_COLORS[0], label="forward (F) of a tile"),
-               Patch(facecolor=BACKWARD_COLORS[0], label="backward (B) of a tile"),
-               Patch(facecolor=IDLE_COLOR, edgecolor=IDLE_HATCH_COLOR, hatch="///", label="idle (bubble)")]
+    handles = [
+        Patch(facecolor=FORWARD_COLORS[0], label="forward (F) of a tile"),
+        Patch(facecolor=BACKWARD_COLORS[0], label="backward (B) of a tile"),
+        Patch(facecolor=IDLE_COLOR, edgecolor=IDLE_HATCH_COLOR, hatch="///", label="idle (bubble)"),
+    ]
     fig.legend(handles=handles, loc="upper right", ncol=3, frameon=False, fontsize=9)
     if title:
         fig.suptitle(title, x=0.01, ha="left", fontsize=12, fontweight="bold")
@@ -98,33 +106,56 @@ def _draw_panel(ax, panel: TimelinePanel, x_max: float, Rectangle, *, min_label_
     ax.set_axisbelow(True)
     busy = [0.0] * K
     for k in range(K):
-        ax.add_patch(Rectangle((0, k - 0.38), span, 0.76, facecolor=IDLE_COLOR, edgecolor=IDLE_HATCH_COLOR,
-                               hatch="///", linewidth=0.0, zorder=1))
+        ax.add_patch(
+            Rectangle(
+                (0, k - 0.38),
+                span,
+                0.76,
+                facecolor=IDLE_COLOR,
+                edgecolor=IDLE_HATCH_COLOR,
+                hatch="///",
+                linewidth=0.0,
+                zorder=1,
+            )
+        )
     for e in panel.events:
         n = panel.tile_order.get((e.batch_slice, e.token_slice), 0)
         colors = FORWARD_COLORS if e.phase == "F" else BACKWARD_COLORS
         x, w = e.start_s * 1e3, (e.end_s - e.start_s) * 1e3
         busy[e.stage] += w
-        ax.add_patch(Rectangle((x, e.stage - 0.38), w, 0.76, facecolor=colors[n % 2], edgecolor="white",
-                               linewidth=0.5, zorder=2))
+        ax.add_patch(
+            Rectangle((x, e.stage - 0.38), w, 0.76, facecolor=colors[n % 2], edgecolor="white", linewidth=0.5, zorder=2)
+        )
         if w >= min_label_w:
-            ax.text(x + w / 2, e.stage, f"{e.phase}{n}", ha="center", va="center", fontsize=6.5, zorder=3,
-                    color="white" if n % 2 == 0 else "#222222")
+            ax.text(
+                x + w / 2,
+                e.stage,
+                f"{e.phase}{n}",
+                ha="center",
+                va="center",
+                fontsize=6.5,
+                zorder=3,
+                color="white" if n % 2 == 0 else "#222222",
+            )
     if panel.step_end_s is not None:
         ax.axvline(panel.step_end_s * 1e3, color="#555555", linestyle="--", linewidth=0.9, zorder=3)
     for k in range(K):
         frac = busy[k] / span if span > 0 else 0.0
-        ax.text(1.002, k, f"busy {frac:.0%}", transform=ax.get_yaxis_transform(), va="center", fontsize=8,
-                color="#333333")
+        ax.text(
+            1.002, k, f"busy {frac:.0%}", transform=ax.get_yaxis_transform(), va="center", fontsize=8, color="#333333"
+        )
 
 
-def draw_losses(series: Sequence[tuple[str, Sequence[float]]], path: str | Path, *, warmup: int = 0,
-                title: str = "") -> Path:
+def draw_losses(
+    series: Sequence[tuple[str, Sequence[float]]], path: str | Path, *, warmup: int = 0, title: str = ""
+) -> Path:
     """Loss per step of each run (top) and the absolute difference of every run from the first (bottom)."""
     plt = _pyplot()
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
-    styles = [dict(linestyle="-", marker="o", markersize=4, linewidth=1.8),
-              dict(linestyle="--", marker="x", markersize=6, linewidth=1.2)]
+    styles = [
+        dict(linestyle="-", marker="o", markersize=4, linewidth=1.8),
+        dict(linestyle="--", marker="x", markersize=6, linewidth=1.2),
+    ]
     colors = ("#3b6fb6", "#d9722b", "#4a9a4a", "#8c5fb8")
     ref = list(series[0][1])
     for n, (label, losses) in enumerate(series):
@@ -132,8 +163,14 @@ def draw_losses(series: Sequence[tuple[str, Sequence[float]]], path: str | Path,
         top.plot(steps, losses, label=label, color=colors[n % len(colors)], **styles[min(n, 1)])
         if n:
             diff = [abs(a - b) for a, b in zip(losses, ref, strict=False)]
-            bottom.plot(range(1, len(diff) + 1), diff, color=colors[n % len(colors)], marker="o", markersize=3,
-                        label=f"|{label} − {series[0][0]}|")
+            bottom.plot(
+                range(1, len(diff) + 1),
+                diff,
+                color=colors[n % len(colors)],
+                marker="o",
+                markersize=3,
+                label=f"|{label} − {series[0][0]}|",
+            )
     for ax in (top, bottom):
         if warmup:
             ax.axvspan(0.5, warmup + 0.5, color="#eeeeee", zorder=0, label="warm-up (not timed)" if ax is top else None)

@@ -38,15 +38,31 @@ def chrome_trace(runs: Sequence[TraceRun]) -> dict:
         for rank in sorted(run.events):
             pid = pid_offset + rank
             stage, replica = rank % run.stages, rank // run.stages
-            out.append({"ph": "M", "pid": pid, "tid": 0, "name": "process_name",
-                        "args": {"name": f"{run.label} · rank {rank} (stage {stage}, replica {replica})"}})
-            out.append({"ph": "M", "pid": pid, "tid": 0, "name": "process_sort_index",
-                        "args": {"sort_index": pid}})
+            out.append(
+                {
+                    "ph": "M",
+                    "pid": pid,
+                    "tid": 0,
+                    "name": "process_name",
+                    "args": {"name": f"{run.label} · rank {rank} (stage {stage}, replica {replica})"},
+                }
+            )
+            out.append({"ph": "M", "pid": pid, "tid": 0, "name": "process_sort_index", "args": {"sort_index": pid}})
             out.append({"ph": "M", "pid": pid, "tid": 0, "name": "thread_name", "args": {"name": "compute"}})
             out.append({"ph": "M", "pid": pid, "tid": 1, "name": "thread_name", "args": {"name": "steps"}})
             for step, dt in enumerate(run.iteration_s, 1):
-                out.append({"ph": "X", "pid": pid, "tid": 1, "name": f"step {step}", "cat": "step",
-                            "ts": step_start[step - 1] * 1e6, "dur": float(dt) * 1e6, "args": {"step": step}})
+                out.append(
+                    {
+                        "ph": "X",
+                        "pid": pid,
+                        "tid": 1,
+                        "name": f"step {step}",
+                        "cat": "step",
+                        "ts": step_start[step - 1] * 1e6,
+                        "dur": float(dt) * 1e6,
+                        "args": {"step": step},
+                    }
+                )
             for e in run.events[rank]:
                 if not 1 <= e.step <= len(run.iteration_s):
                     continue
@@ -54,11 +70,17 @@ def chrome_trace(runs: Sequence[TraceRun]) -> dict:
                 args = {"step": e.step, "batch_slice": e.batch_slice, "token_slice": e.token_slice}
                 if tile is not None:
                     args.update(tile=n, sequences=tile.batch_size, tokens=tile.tokens, context=tile.token_start)
-                out.append({
-                    "ph": "X", "pid": pid, "tid": 0, "cat": "forward" if e.phase == "F" else "backward",
-                    "name": f"{e.phase} tile {n if n is not None else '?'}",
-                    "ts": (step_start[e.step - 1] + e.start_s) * 1e6, "dur": (e.end_s - e.start_s) * 1e6,
-                    "args": args,
-                })
+                out.append(
+                    {
+                        "ph": "X",
+                        "pid": pid,
+                        "tid": 0,
+                        "cat": "forward" if e.phase == "F" else "backward",
+                        "name": f"{e.phase} tile {n if n is not None else '?'}",
+                        "ts": (step_start[e.step - 1] + e.start_s) * 1e6,
+                        "dur": (e.end_s - e.start_s) * 1e6,
+                        "args": args,
+                    }
+                )
         pid_offset += max(run.events, default=-1) + 1
     return {"traceEvents": out, "displayTimeUnit": "ms"}

@@ -42,8 +42,14 @@ def save_stage(run_dir: str | Path, step: int, stage: int, stages: int, model: d
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(
-                {"schema": CHECKPOINT_SCHEMA, "step": step, "stage": stage, "stages": stages,
-                 "model": model, "optimizer": optimizer},
+                {
+                    "schema": CHECKPOINT_SCHEMA,
+                    "step": step,
+                    "stage": stage,
+                    "stages": stages,
+                    "model": model,
+                    "optimizer": optimizer,
+                },
                 f,
             )
             f.flush()

@@ -49,8 +49,15 @@ def torchrun_args(spec: Launch) -> list[str]:
     if spec.nnodes == 1 and spec.rdzv_endpoint is None:
         args = ["--standalone", "--nnodes", "1", *args]
     else:
-        args = ["--nnodes", str(spec.nnodes), "--node-rank", str(spec.node_rank),
-                "--rdzv-endpoint", spec.rdzv_endpoint or "localhost:29500", *args]
+        args = [
+            "--nnodes",
+            str(spec.nnodes),
+            "--node-rank",
+            str(spec.node_rank),
+            "--rdzv-endpoint",
+            spec.rdzv_endpoint or "localhost:29500",
+            *args,
+        ]
     args += ["--module", WORKER_MODULE, "--run-dir", str(spec.run_dir)]
     if spec.resume_step is not None:
         args += ["--resume-step", str(spec.resume_step)]

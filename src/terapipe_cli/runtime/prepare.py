@@ -61,8 +61,12 @@ def versions() -> dict:
 
     import terapipe_cli
 
-    return {"terapipe": terapipe_cli.__version__, "torch": torch.__version__, "numpy": numpy.__version__,
-            "python": platform.python_version()}
+    return {
+        "terapipe": terapipe_cli.__version__,
+        "torch": torch.__version__,
+        "numpy": numpy.__version__,
+        "python": platform.python_version(),
+    }
 
 
 def prepare_run(
@@ -98,8 +102,10 @@ def prepare_run(
     if not timeout_s > 0:
         raise UserError(f"must be positive, got {timeout_s}", where="--timeout-s")
     if nnodes < 1 or not 0 <= node_rank < nnodes:
-        raise UserError(f"--node-rank must be in [0, --nnodes) and --nnodes at least 1, got {node_rank}, {nnodes}",
-                        where="--node-rank")
+        raise UserError(
+            f"--node-rank must be in [0, --nnodes) and --nnodes at least 1, got {node_rank}, {nnodes}",
+            where="--node-rank",
+        )
     if nnodes > 1 and not rdzv_endpoint:
         raise UserError("a run on several machines needs --rdzv-endpoint HOST:PORT", where="--nnodes")
     if verify and resume:
@@ -120,8 +126,9 @@ def prepare_run(
             given = read_plan(plan_path)
             for key in ("model", "stages", "batch_size", "seq_len", "slices"):
                 if getattr(given, key) != getattr(run_plan, key):
-                    raise UserError(f"field '{key}' differs from the plan of the run being resumed ({out})",
-                                    where=str(plan_path))
+                    raise UserError(
+                        f"field '{key}' differs from the plan of the run being resumed ({out})", where=str(plan_path)
+                    )
         if data_parallel is not None and data_parallel != saved.data_parallel:
             raise UserError(
                 f"the run used {saved.data_parallel} replicas; resume with the same", where="--data-parallel"
@@ -132,9 +139,18 @@ def prepare_run(
         if steps <= resume_step:
             raise UserError(f"the run already reached step {resume_step}; ask for more steps", where="--steps")
         # Everything that decides the numbers comes from the run itself; only the length may grow.
-        args = RunArguments(steps=steps, data=saved.data, seed=saved.seed, lr=saved.lr,
-                            data_parallel=saved.data_parallel, checkpoint_every=checkpoint_every, threads=threads,
-                            timeout_s=timeout_s, verify=False, kv_handback=saved.kv_handback)
+        args = RunArguments(
+            steps=steps,
+            data=saved.data,
+            seed=saved.seed,
+            lr=saved.lr,
+            data_parallel=saved.data_parallel,
+            checkpoint_every=checkpoint_every,
+            threads=threads,
+            timeout_s=timeout_s,
+            verify=False,
+            kv_handback=saved.kv_handback,
+        )
         plan_obj = config["plan"]
     else:
         if plan_path is None:
@@ -148,31 +164,70 @@ def prepare_run(
         d = run_plan.data_parallel if data_parallel is None else data_parallel
         if d < 1:
             raise UserError(f"must be at least 1, got {d}", where="--data-parallel")
-        args = RunArguments(steps=steps, data=str(data.resolve()) if data is not None else None, seed=seed, lr=lr,
-                            data_parallel=d, checkpoint_every=checkpoint_every, threads=threads,
-                            timeout_s=timeout_s, verify=verify, kv_handback=kv_handback)
+        args = RunArguments(
+            steps=steps,
+            data=str(data.resolve()) if data is not None else None,
+            seed=seed,
+            lr=lr,
+            data_parallel=d,
+            checkpoint_every=checkpoint_every,
+            threads=threads,
+            timeout_s=timeout_s,
+            verify=verify,
+            kv_handback=kv_handback,
+        )
 
     token_data = load_data(args.data)
     check_data(token_data, vocab=run_plan.model.vocab, seq_len=run_plan.seq_len)
 
     world = run_plan.stages * args.data_parallel
     if world % nnodes:
-        raise UserError(f"{world} workers (K={run_plan.stages} x D={args.data_parallel}) do not split evenly over "
-                        f"{nnodes} machines", where="--nnodes")
+        raise UserError(
+            f"{world} workers (K={run_plan.stages} x D={args.data_parallel}) do not split evenly over "
+            f"{nnodes} machines",
+            where="--nnodes",
+        )
     per_node = world // nnodes
     allowed, why = max_workers_per_node(dev)
     if per_node > allowed:
-        raise UserError(f"K x D = {run_plan.stages} x {args.data_parallel} = {per_node} workers per machine, more "
-                        f"than allowed here ({allowed}: {why})", where="--data-parallel / plan field 'stages'")
+        raise UserError(
+            f"K x D = {run_plan.stages} x {args.data_parallel} = {per_node} workers per machine, more "
+            f"than allowed here ({allowed}: {why})",
+            where="--data-parallel / plan field 'stages'",
+        )
     backend = "nccl" if dev == "cuda" else "gloo"
     if write and not resume:
-        write_config(out, plan=plan_obj, args=args, world_size=world, device=dev, backend=backend, nnodes=nnodes,
-                     versions=versions(), created=datetime.now(UTC).isoformat(timespec="seconds"))
+        write_config(
+            out,
+            plan=plan_obj,
+            args=args,
+            world_size=world,
+            device=dev,
+            backend=backend,
+            nnodes=nnodes,
+            versions=versions(),
+            created=datetime.now(UTC).isoformat(timespec="seconds"),
+        )
     elif write:
         # Record the new length and settings; the plan and the numbers' arguments stay the run's own.
-        update_arguments(out, config, steps=steps, checkpoint_every=checkpoint_every, threads=threads,
-                         timeout_s=timeout_s, verify=False)
-    spec = Launch(run_dir=out.resolve(), nproc_per_node=per_node, stages=run_plan.stages, nnodes=nnodes,
-                  node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, resume_step=resume_step, threads=threads,
-                  device=dev)
+        update_arguments(
+            out,
+            config,
+            steps=steps,
+            checkpoint_every=checkpoint_every,
+            threads=threads,
+            timeout_s=timeout_s,
+            verify=False,
+        )
+    spec = Launch(
+        run_dir=out.resolve(),
+        nproc_per_node=per_node,
+        stages=run_plan.stages,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        rdzv_endpoint=rdzv_endpoint,
+        resume_step=resume_step,
+        threads=threads,
+        device=dev,
+    )
     return PreparedRun(run_plan, args, token_data, dev, backend, spec)

@@ -53,13 +53,32 @@ class Verification:
         return all(c.ok for c in self.checks)
 
     def to_dict(self) -> dict:
-        return {"ok": self.ok, "checks": [
-            {"what": c.what, "max_abs": c.max_abs, "max_rel": c.max_rel, "tolerance": c.tolerance,
-             "worst": c.worst, "ok": c.ok} for c in self.checks]}
+        return {
+            "ok": self.ok,
+            "checks": [
+                {
+                    "what": c.what,
+                    "max_abs": c.max_abs,
+                    "max_rel": c.max_rel,
+                    "tolerance": c.tolerance,
+                    "worst": c.worst,
+                    "ok": c.ok,
+                }
+                for c in self.checks
+            ],
+        }
 
 
-def reference_run(plan: Plan, data: TokenData, *, seed: int, lr: float, steps: int, data_parallel: int,
-                  device: str | torch.device = "cpu") -> tuple[list[float], dict, dict]:
+def reference_run(
+    plan: Plan,
+    data: TokenData,
+    *,
+    seed: int,
+    lr: float,
+    steps: int,
+    data_parallel: int,
+    device: str | torch.device = "cpu",
+) -> tuple[list[float], dict, dict]:
     """(loss per step, gradients at step 1, final weights), by name, from the single-process reference."""
     model = GPT(plan.model, seed=seed).to(device)
     optimizer = optimizer_for(model, lr)
@@ -94,8 +113,17 @@ def _compare(what: str, got: dict, ref: dict) -> Check:
     return Check(what, max_abs, max_rel, TENSOR_RTOL, worst)
 
 
-def verify_run(run_dir: Path, plan: Plan, data: TokenData, *, seed: int, lr: float, steps: int,
-               data_parallel: int, device: str | torch.device = "cpu") -> Verification:
+def verify_run(
+    run_dir: Path,
+    plan: Plan,
+    data: TokenData,
+    *,
+    seed: int,
+    lr: float,
+    steps: int,
+    data_parallel: int,
+    device: str | torch.device = "cpu",
+) -> Verification:
     """Compare the finished run in ``run_dir`` with the reference."""
     ref_losses, ref_grads, ref_weights = reference_run(
         plan, data, seed=seed, lr=lr, steps=steps, data_parallel=data_parallel, device=device

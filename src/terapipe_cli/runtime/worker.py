@@ -115,8 +115,17 @@ def run_schedule(
             sync()
         end = time.perf_counter()
         events.append(
-            Event(stage, action.phase, t.batch_slice, t.token_slice, start - step_start, end - step_start, rank,
-                  replica, step)
+            Event(
+                stage,
+                action.phase,
+                t.batch_slice,
+                t.token_slice,
+                start - step_start,
+                end - step_start,
+                rank,
+                replica,
+                step,
+            )
         )
     links.finish_sends()
     return loss, events
@@ -216,8 +225,16 @@ def train(run_dir: Path, resume_step: int | None) -> None:
         timeout_s=args.timeout_s,
     )
     actions = build_schedule(plan.slices, stages)[stage]
-    meta = {"source": "measured", "rank": rank, "stage": stage, "replica": replica, "stages": stages,
-            "data_parallel": replicas, "device": _device_name(device), "slices": plan.short_form()}
+    meta = {
+        "source": "measured",
+        "rank": rank,
+        "stage": stage,
+        "replica": replica,
+        "stages": stages,
+        "data_parallel": replicas,
+        "device": _device_name(device),
+        "slices": plan.short_form(),
+    }
 
     def save_timeline() -> None:
         write_timeline(timeline_path(run_dir, rank), events, **meta)
@@ -232,8 +249,16 @@ def train(run_dir: Path, resume_step: int | None) -> None:
         step_start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         loss, step_events = run_schedule(
-            runner, actions, links, batch, step_start=step_start, stage=stage, rank=rank, replica=replica,
-            step=step, after_forward=_fault(rank, step),
+            runner,
+            actions,
+            links,
+            batch,
+            step_start=step_start,
+            stage=stage,
+            rank=rank,
+            replica=replica,
+            step=step,
+            after_forward=_fault(rank, step),
         )
         events.extend(step_events)
         if dp_groups is not None:
@@ -255,10 +280,22 @@ def train(run_dir: Path, resume_step: int | None) -> None:
         if rank == 0:
             memory = [int(m) for m in stats[1:].tolist()]
             tokens = B * replicas * L
-            append_metrics(run_dir, {"step": step, "loss": step_loss, "iteration_s": dt, "tokens_per_s": tokens / dt,
-                                     "memory_bytes": max(memory), "memory_bytes_per_rank": memory})
-            print(f"step {step:>5}/{args.steps}  loss {step_loss:8.4f}  iter {dt * 1e3:9.1f} ms  "
-                  f"{tokens / dt:10,.0f} tok/s  mem {max(memory) / 2**20:7.1f} MiB", flush=True)
+            append_metrics(
+                run_dir,
+                {
+                    "step": step,
+                    "loss": step_loss,
+                    "iteration_s": dt,
+                    "tokens_per_s": tokens / dt,
+                    "memory_bytes": max(memory),
+                    "memory_bytes_per_rank": memory,
+                },
+            )
+            print(
+                f"step {step:>5}/{args.steps}  loss {step_loss:8.4f}  iter {dt * 1e3:9.1f} ms  "
+                f"{tokens / dt:10,.0f} tok/s  mem {max(memory) / 2**20:7.1f} MiB",
+                flush=True,
+            )
         if step % args.checkpoint_every == 0 or step == args.steps:
             if replica == 0:
                 checkpoint.save_stage(run_dir, step, stage, stages, runner.module.state_dict(), optimizer.state_dict())
@@ -272,13 +309,20 @@ def train(run_dir: Path, resume_step: int | None) -> None:
         records = read_metrics(run_dir)
         write_summary(
             run_dir,
-            {"status": "complete", "steps": args.steps, "resumed_from": resume_step,
-             "first_loss": records[0]["loss"] if records else None,
-             "final_loss": records[-1]["loss"] if records else None,
-             "median_iteration_s": statistics.median(iteration_s) if iteration_s else None,
-             "tokens_per_s": (B * replicas * L / statistics.median(iteration_s)) if iteration_s else None,
-             "wall_s": time.perf_counter() - run_start, "slices": plan.short_form(), "stages": stages,
-             "data_parallel": replicas, "device": _device_name(device)},
+            {
+                "status": "complete",
+                "steps": args.steps,
+                "resumed_from": resume_step,
+                "first_loss": records[0]["loss"] if records else None,
+                "final_loss": records[-1]["loss"] if records else None,
+                "median_iteration_s": statistics.median(iteration_s) if iteration_s else None,
+                "tokens_per_s": (B * replicas * L / statistics.median(iteration_s)) if iteration_s else None,
+                "wall_s": time.perf_counter() - run_start,
+                "slices": plan.short_form(),
+                "stages": stages,
+                "data_parallel": replicas,
+                "device": _device_name(device),
+            },
         )
     dist.destroy_process_group()
 
