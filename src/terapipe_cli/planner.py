@@ -406,6 +406,18 @@ def _check_sizes(*, seq_len: int, batch_size: int, stages: int, token_step: int)
         )
 
 
+def _improve(
+    results: list[_Probe], stages: int, best_T: float, best_slices: Slices | None
+) -> tuple[float, Slices | None]:
+    """The best objective among the probes' schemes and the incumbent (each scheme priced by its realised max)."""
+    for pr in results:
+        if pr.slices is not None:
+            T = pr.total + (stages - 1) * pr.realised
+            if T < best_T:
+                best_T, best_slices = T, pr.slices
+    return best_T, best_slices
+
+
 def _search_exact(tables: _Tables, stages: int, epsilon: float) -> tuple[Slices, int]:
     top = _probe(tables, np.array([np.inf]))[0]
     probes = 1
@@ -447,11 +459,7 @@ def _search_exact(tables: _Tables, stages: int, epsilon: float) -> tuple[Slices,
         results = _probe(tables, c[[x for _, x in picks]])
         probes += len(picks)
         # Update the best, then split each interval at its probes.
-        for pr in results:
-            if pr.slices is not None:
-                T = pr.total + (stages - 1) * pr.realised
-                if T < best_T:
-                    best_T, best_slices = T, pr.slices
+        best_T, best_slices = _improve(results, stages, best_T, best_slices)
         new_open = []
         for k, (lo, hi, s_up) in enumerate(live):
             mine = sorted((x, results[n]) for n, (kk, x) in enumerate(picks) if kk == k)
@@ -495,11 +503,7 @@ def _search_enumerate(tables: _Tables, stages: int, epsilon: float) -> tuple[Sli
             break
         results = _probe(tables, tops[window][alive])
         probes += len(results)
-        for pr in results:
-            if pr.slices is not None:
-                T = pr.total + (stages - 1) * pr.realised
-                if T < best_T:
-                    best_T, best_slices = T, pr.slices
+        best_T, best_slices = _improve(results, stages, best_T, best_slices)
     return best_slices, probes
 
 
