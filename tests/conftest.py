@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from terapipe_cli.config import ModelConfig
@@ -34,3 +39,35 @@ def write_plan_file(path, slices, *, stages: int, layers: int = 6, seq_len: int 
     )
     write_json_atomic(path, plan)
     return path
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def terapipe(
+    *args, cwd: str | Path | None = None, env: dict | None = None, timeout: float = 240
+) -> subprocess.CompletedProcess:
+    """Run ``python -m terapipe_cli ARGS`` as a user would: a real process, its exit code, stdout and stderr.
+
+    The package is found through PYTHONPATH (so a checkout without an install works), and the terminal is a
+    wide dumb one (no colour, no wrapping at 80 columns) so that assertions on output are stable.
+    """
+    base = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "COLUMNS": "200", "NO_COLOR": "1", "TERM": "dumb"}
+    return subprocess.run(
+        [sys.executable, "-m", "terapipe_cli", *map(str, args)],
+        cwd=cwd,
+        env={**base, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def assert_one_line_error(p: subprocess.CompletedProcess, *words: str) -> None:
+    """Exit code 2, exactly one ``terapipe: error:`` line on stderr naming every word, no traceback."""
+    assert p.returncode == 2, p.stdout + p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("terapipe: error: "), p.stderr
+    assert "Traceback" not in p.stderr
+    for w in words:
+        assert w in lines[0], lines[0]

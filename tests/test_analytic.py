@@ -15,7 +15,6 @@ from terapipe_cli.profile.analytic import (
     analytic_profile,
     layer_flops,
     layer_seconds,
-    params_per_layer,
     ring_allreduce_seconds,
     token_grid,
 )
@@ -43,10 +42,10 @@ def test_flops_match_the_closed_form(name: str, tp: int):
 def test_params_per_layer_is_12h2_plus_13h_and_shards():
     m = MODELS["gpt3-175b"]
     H = m.hidden
-    assert params_per_layer(m, 1) == 12 * H * H + 13 * H
+    assert m.params_per_layer(1) == 12 * H * H + 13 * H
     # All 96 layers: the published 175B minus the embeddings (~0.6B).
-    assert 173e9 < 96 * params_per_layer(m, 1) < 175e9
-    assert params_per_layer(m, 8) < params_per_layer(m, 1) / 7.9
+    assert 173e9 < 96 * m.params_per_layer(1) < 175e9
+    assert m.params_per_layer(8) < m.params_per_layer(1) / 7.9
 
 
 def test_never_faster_than_peak():
@@ -122,7 +121,7 @@ def test_data_parallel_allreduce_uses_the_shared_network(profiles):
     hw, m = HW["v100"], MODELS["gpt3-13b"]
     prof = profile_from_dict(profiles[("v100", "gpt3-13b", 8)], "analytic")
     cost = CostModel(prof, stages=20, data_parallel=4)
-    grad_bytes = 2 * params_per_layer(m, 8) * 2  # two layers per stage, fp16 gradients
+    grad_bytes = 2 * m.params_per_layer(8) * 2  # two layers per stage, fp16 gradients
     link = type(hw.network)(hw.network.bytes_per_s / hw.gpus_per_node, hw.network.latency_s)
     assert cost.allreduce_s == pytest.approx(float(ring_allreduce_seconds(link, grad_bytes, 4)))
 

@@ -33,6 +33,21 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
+    def params_per_layer(self, tensor_parallel: int = 1, *, bias: bool = True) -> int:
+        """Parameters of one decoder layer held by one device, with ``tensor_parallel`` ranks sharing the layer.
+
+        Sharded: the Q/K/V and output projections and both MLP matrices (with their biases when ``bias``, as
+        in GPT-3; the runtime's own model has none, as in nanoGPT). Replicated: the two layer norms (weight and
+        bias) and the biases of the two row-parallel outputs.
+        """
+        H, t, inner = self.hidden, tensor_parallel, self.mlp_ratio * self.hidden
+        sharded = 3 * H * H + H * H + H * inner + inner * H
+        replicated = 4 * H
+        if bias:
+            sharded += 3 * H + inner
+            replicated += 2 * H
+        return sharded // t + replicated
+
     def to_dict(self) -> dict:
         return asdict(self)
 

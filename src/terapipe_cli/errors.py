@@ -7,8 +7,12 @@ one line on stderr and exit code 2 — never a traceback.
 from __future__ import annotations
 
 
-class UserError(Exception):
-    """A mistake in the user's input, reported as one line: ``<where>: <what is wrong>``."""
+class UserError(ValueError):
+    """A mistake in the user's input, reported as one line: ``<where>: <what is wrong>``.
+
+    A ``ValueError``, as scipy.optimize raises for bad arguments, so library callers can catch it without
+    knowing this type.
+    """
 
     exit_code = 2
 

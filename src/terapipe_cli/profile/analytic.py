@@ -168,14 +168,6 @@ def layer_seconds(
     return forward + 2 * allreduce, backward + 2 * allreduce
 
 
-def params_per_layer(model: ModelConfig, tensor_parallel: int = 1) -> int:
-    """Parameters of one decoder layer held by one device: sharded weights and biases, replicated norms."""
-    H, t, inner = model.hidden, tensor_parallel, model.mlp_ratio * model.hidden
-    sharded = (3 * H * H + 3 * H) + H * H + (H * inner + inner) + inner * H  # qkv, proj, fc1, fc2 (+ split biases)
-    replicated = H + H + 4 * H  # the row-parallel biases of proj and fc2; two layer norms (weight + bias)
-    return sharded // t + replicated
-
-
 def activation_bytes_per_token(model: ModelConfig, dtype_bytes: int, tensor_parallel: int = 1) -> float:
     """Activation bytes one layer keeps for the backward per token, without the attention matrices.
 
@@ -255,7 +247,7 @@ def analytic_profile(
             "fit_rel_err_max": fit.fit_err.max,
         }
 
-    params = params_per_layer(model, t)
+    params = model.params_per_layer(t)
     dev = hardware.device
     optimizer_s = max(
         params * hardware.training.optimizer_bytes_per_param / (dev.memory_bytes_per_s * dev.memory_efficiency),

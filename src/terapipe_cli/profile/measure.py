@@ -32,6 +32,7 @@ import torch
 
 from terapipe_cli.config import ModelConfig
 from terapipe_cli.costmodel import PROFILE_SCHEMA, CostModel, profile_from_dict
+from terapipe_cli.device import resolve_device as device_kind
 from terapipe_cli.errors import UserError
 from terapipe_cli.profile.fit import RelErr, fit_context
 
@@ -51,14 +52,9 @@ CLOCK_NAMES = {
 
 
 def resolve_device(name: str) -> torch.device:
-    """``auto`` picks CUDA when a GPU is visible, else the CPU; ``cuda`` without a GPU is a user error."""
-    if name not in ("auto", "cpu", "cuda"):
-        raise UserError(f"must be auto, cpu or cuda, got {name!r}", where="--device")
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise UserError("cuda asked for, but no CUDA GPU is available to PyTorch here", where="--device")
-    return torch.device("cuda", torch.cuda.current_device()) if name == "cuda" else torch.device("cpu")
+    """The device to time on (see `terapipe_cli.device.resolve_device`), with the current CUDA index."""
+    kind = device_kind(name)
+    return torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
 
 
 def device_info(device: torch.device) -> dict:
@@ -116,7 +112,7 @@ def check_fits_in_memory(model: ModelConfig, max_batch: int, device: torch.devic
     if free is None:
         return
     H, L = model.hidden, model.seq_len
-    params = 12 * H * H + 13 * H
+    params = model.params_per_layer(bias=False)
     need = 16 * params + DTYPE_BYTES * max_batch * (2 * 34 * H * L + 2 * model.heads * L * L)
     if need > 0.9 * free:
         raise UserError(

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+from terapipe_cli.device import resolve_device
 from terapipe_cli.errors import UserError
 from terapipe_cli.plan import Plan, plan_from_dict, read_plan
 from terapipe_cli.runtime import checkpoint
@@ -31,18 +32,6 @@ class PreparedRun:
     device: str  # "cpu" or "cuda"
     backend: str  # "gloo" or "nccl"
     launch: Launch
-
-
-def pick_device(device: str) -> str:
-    import torch
-
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device not in ("cpu", "cuda"):
-        raise UserError(f"must be auto, cpu or cuda, got {device!r}", where="--device")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise UserError("CUDA is not available on this machine", where="--device")
-    return device
 
 
 def max_workers_per_node(device: str) -> tuple[int, str]:
@@ -112,7 +101,7 @@ def prepare_run(
         raise UserError("--verify compares a whole run from step 1; it cannot follow --resume", where="--verify")
     if verify and nnodes > 1:
         raise UserError("--verify runs the reference on this machine; use it with --nnodes 1", where="--verify")
-    dev = pick_device(device)
+    dev = resolve_device(device)
     resume_step = None
 
     if resume:

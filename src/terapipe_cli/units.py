@@ -1,0 +1,30 @@
+"""How times, sizes and moments are written for people: one formatter each, used by every command and report."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+
+def format_seconds(s: float | None, *, digits: int = 2) -> str:
+    """Milliseconds below one second, seconds above; ``–`` for an unknown value."""
+    if s is None:
+        return "–"
+    return f"{s * 1e3:.{digits}f} ms" if abs(s) < 1 else f"{s:.{max(digits, 3)}f} s"
+
+
+def format_bytes(n: float | None, unit: str = "GiB") -> str:
+    """Bytes in MiB or GiB with one decimal; ``–`` for an unknown value."""
+    if n is None:
+        return "–"
+    scale = {"MiB": 2**20, "GiB": 2**30}[unit]
+    return f"{n / scale:.1f} {unit}"
+
+
+def utc_timestamp() -> str:
+    """The moment a file is written, as stored in its ``"created"`` field (ISO 8601, UTC, whole seconds)."""
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def folder_stamp() -> str:
+    """A local date-time for default run-folder names (``runs/20261123-052301``): sorts by time, no spaces."""
+    return dt.datetime.now().strftime("%Y%m%d-%H%M%S")
