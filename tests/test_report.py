@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import statistics
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import tiny_model
+from conftest import assert_one_line_error, terapipe, tiny_model
 
 from terapipe_cli.config import ModelConfig
 from terapipe_cli.errors import UserError
@@ -110,11 +108,18 @@ def make_run(
                 "memory_bytes_per_rank": [1000 + s - r for r in range(stages * replicas)],
             },
         )
+    write_timelines(path, sim.events, stages=stages, replicas=replicas, steps=steps)
+    write_summary(path, {"status": "complete", "steps": steps})
+    return path
+
+
+def write_timelines(path: Path, step_events, *, stages: int, replicas: int, steps: int) -> None:
+    """Every rank's timeline file: the same simulated step, repeated for each step."""
     for rank in range(stages * replicas):
         stage, replica = rank % stages, rank // stages
         events = []
         for s in range(steps):
-            for e in sim.events:
+            for e in step_events:
                 if e.stage == stage:
                     events.append(
                         type(e)(
@@ -122,8 +127,6 @@ def make_run(
                         )
                     )
         write_timeline(timeline_path(path, rank), events, source="measured", rank=rank, stage=stage)
-    write_summary(path, {"status": "complete", "steps": steps})
-    return path
 
 
 TERAPIPE = [(1, [8, 8, 8, 8])]
@@ -283,19 +286,7 @@ def test_not_comparable(tmp_path):
 
 
 def report_cli(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent / "src")}
-    return subprocess.run(
-        [sys.executable, "-m", "terapipe_cli", "report", *args], capture_output=True, text=True, timeout=120, env=env
-    )
-
-
-def assert_one_line_error(p: subprocess.CompletedProcess, *words: str) -> None:
-    assert p.returncode == 2, p.stdout + p.stderr
-    lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("terapipe: error: "), p.stderr
-    assert "Traceback" not in p.stderr
-    for w in words:
-        assert w in lines[0], lines[0]
+    return terapipe("report", *args, timeout=120)
 
 
 def test_cli_report_with_baseline(pair, tmp_path):

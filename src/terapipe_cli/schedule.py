@@ -3,8 +3,9 @@
 A schedule is data (as in torch.distributed.pipelining): for every stage, an ordered list of
 ``Action("F" | "B", tile)``. The workers walk it (and record a measured timeline), the simulator walks it
 with a cost model (a predicted timeline), and the report draws both — so predicted and measured line up.
+`stage_times` is the one reading of a timeline into busy and idle time per stage and the bubble fraction.
 
-Order (SPEC §6): forward over batch slices in order and, within one, token slices in order; backward in
+Order (docs/design.md §6): forward over batch slices in order and, within one, token slices in order; backward in
 exactly the reverse order, because a later token slice's backward produces the key/value gradients that the
 earlier slice's backward needs.
 
@@ -67,7 +68,7 @@ def build_schedule(slices: Sequence, stages: int) -> list[list[Action]]:
     """Per stage: every tile forward in pipeline order, then every tile backward in reverse order.
 
     Every stage gets the same order; the pipelining comes from stages waiting for their inputs, not from
-    reordering — which is what makes the result identical to one device (SPEC §6).
+    reordering — which is what makes the result identical to one device (docs/design.md §6).
     """
     if stages < 1:
         raise ValueError(f"stages must be at least 1, got {stages}")
@@ -89,6 +90,58 @@ class Event:
     rank: int = 0
     replica: int = 0
     step: int = 0
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    """Busy and idle time per stage (mean per step) and the bubble fraction of a set of steps."""
+
+    busy_s: list[float]
+    idle_s: list[float]
+    span_s: float  # mean pipelined span per step
+    bubble_fraction: float
+
+    @property
+    def busy_fractions(self) -> list[float]:
+        """Share of the span each stage spends computing."""
+        return [b / (b + i) if b + i > 0 else 0.0 for b, i in zip(self.busy_s, self.idle_s, strict=True)]
+
+    def to_dict(self) -> dict:
+        return {
+            "span_s": self.span_s,
+            "bubble_fraction": self.bubble_fraction,
+            "stage_times": [
+                {"stage": k, "busy_s": b, "idle_s": i, "busy_fraction": f}
+                for k, (b, i, f) in enumerate(zip(self.busy_s, self.idle_s, self.busy_fractions, strict=True))
+            ],
+        }
+
+
+def stage_times(steps: Iterable[Sequence[Event]], stages: int) -> StageTimes:
+    """Busy and idle per stage over ``steps``, each the events of one step of one pipeline (measured or simulated).
+
+    A step's pipelined *span* runs from its start (time 0) to the end of its last action on any stage; a stage is
+    busy for the sum of its actions' durations and idle for the rest of the span. The bubble fraction is
+    ``1 − Σ busy / (K · Σ span)``: the share of stage-time spent waiting while the pipeline runs (the per-step
+    constant after the span — optimizer, all-reduce — is left out, as in the formula ``(K−1)/(M+K−1)``).
+    """
+    busy = [0.0] * stages
+    idle = [0.0] * stages
+    total_span = 0.0
+    count = 0
+    for events in steps:
+        span = max((e.end_s for e in events), default=0.0)
+        per_stage = [0.0] * stages
+        for e in events:
+            per_stage[e.stage] += e.end_s - e.start_s
+        for k in range(stages):
+            busy[k] += per_stage[k]
+            idle[k] += span - per_stage[k]
+        total_span += span
+        count += 1
+    n = max(count, 1)
+    bubble = 1.0 - sum(busy) / (stages * total_span) if total_span > 0 else 0.0
+    return StageTimes([b / n for b in busy], [i / n for i in idle], total_span / n, bubble)
 
 
 def write_timeline(path: str | Path, events: Iterable[Event], **meta) -> Path:

@@ -1,6 +1,6 @@
 """The schedule simulator: walk the one schedule form with a cost model -> predicted timeline. No torch, no I/O.
 
-The planner's objective (SPEC §4) is a closed formula, ``Σ t + (K−1)·max t``. This module instead replays the
+The planner's objective (docs/design.md §4) is a closed formula, ``Σ t + (K−1)·max t``. This module instead replays the
 step the way the runtime executes it (`terapipe_cli.runtime.worker`):
 
 * every stage runs its actions (`schedule.build_schedule`) strictly in order, one at a time;
@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from terapipe_cli.costmodel import ContextFit, CostModel
-from terapipe_cli.schedule import Action, Event, build_schedule, plan_tiles
+from terapipe_cli.schedule import Action, Event, StageTimes, Tile, build_schedule, plan_tiles, stage_times
 
 # parts(b, i, j) -> (forward_s, backward_s, send_forward_s, send_backward_s), arrays over tiles: one stage's
 # compute of the tile's forward and backward, and the transfer of its activation / gradient to the neighbour.
@@ -42,18 +42,9 @@ class SimResult:
     step_s: float  # per-step constant (optimizer, data-parallel all-reduce) paid after each stage's last action
     stages: int
 
-    def busy_s(self) -> list[float]:
-        """Seconds each stage spends computing."""
-        busy = [0.0] * self.stages
-        for e in self.events:
-            busy[e.stage] += e.end_s - e.start_s
-        return busy
-
-    def bubble_fraction(self) -> float:
-        """Share of stage-time spent waiting during the pipelined part of the step."""
-        if self.compute_end_s <= 0:
-            return 0.0
-        return 1.0 - sum(self.busy_s()) / (self.stages * self.compute_end_s)
+    def stage_times(self) -> StageTimes:
+        """Busy and idle per stage and the bubble fraction of the simulated step (`schedule.stage_times`)."""
+        return stage_times([self.events], self.stages)
 
 
 def cost_model_parts(cost: CostModel) -> TileParts:
@@ -107,101 +98,112 @@ def simulate(
     `build_schedule(slices, stages)`; any per-stage order the runtime could walk is accepted, and an order that
     can never finish raises ValueError. Ranks in the events are the stage numbers of this replica.
     """
-    if isinstance(cost_parts, CostModel):
-        parts = cost_model_parts(cost_parts)
-        if cost_parts.stages != stages:
-            raise ValueError(f"the cost model is for {cost_parts.stages} stages, simulating {stages}")
-        if step_s is None:
-            step_s = cost_parts.step_s
-    else:
-        parts = cost_parts
-    step_s = float(step_s or 0.0)
-    tiles = plan_tiles(slices)
+    parts, step_s = _resolve_parts(cost_parts, stages, step_s)
     if schedule is None:
         schedule = build_schedule(slices, stages)
     if len(schedule) != stages:
         raise ValueError(f"the schedule has {len(schedule)} stages, expected {stages}")
-    index = {t: n for n, t in enumerate(tiles)}
-    b = np.array([t.batch_size for t in tiles], dtype=float)
-    i = np.array([t.tokens for t in tiles], dtype=float)
-    j = np.array([t.token_start for t in tiles], dtype=float)
-    fwd, bwd, send_f, send_b = (np.broadcast_to(np.asarray(x, dtype=float), b.shape) for x in parts(b, i, j))
+    pipeline = _Pipeline(plan_tiles(slices), parts, stages)
+    events = pipeline.walk(schedule, replica=replica, step=step)
+    compute_end = float(pipeline.stage_free.max()) if stages else 0.0
+    return SimResult(
+        latency_s=compute_end + step_s, events=events, compute_end_s=compute_end, step_s=step_s, stages=stages
+    )
 
-    T, K = len(tiles), stages
-    nan = float("nan")
-    # Arrival time at stage k of tile n's activation (forward) or gradient (backward); NaN until sent.
-    act_in = np.full((K, T), nan)
-    grad_in = np.full((K, T), nan)
-    forward_done = np.zeros((K, T), dtype=bool)
-    link_fwd_free = np.zeros(K)  # link k -> k+1, free from this time
-    link_bwd_free = np.zeros(K)  # link k -> k-1
-    stage_free = np.zeros(K)
-    pos = [0] * K
-    events: list[Event] = []
 
-    def ready(k: int, action: Action) -> float | None:
-        n = index[action.tile]
+def _resolve_parts(cost_parts: CostModel | TileParts, stages: int, step_s: float | None) -> tuple[TileParts, float]:
+    """The tile-cost callable and the per-step constant (a cost model's own unless ``step_s`` is given)."""
+    if not isinstance(cost_parts, CostModel):
+        return cost_parts, float(step_s or 0.0)
+    if cost_parts.stages != stages:
+        raise ValueError(f"the cost model is for {cost_parts.stages} stages, simulating {stages}")
+    if step_s is None:
+        step_s = cost_parts.step_s
+    return cost_model_parts(cost_parts), float(step_s or 0.0)
+
+
+class _Pipeline:
+    """The state of the stages and links while a schedule is walked: what has arrived where, and when."""
+
+    def __init__(self, tiles: list[Tile], parts: TileParts, stages: int) -> None:
+        self.index = {t: n for n, t in enumerate(tiles)}
+        b = np.array([t.batch_size for t in tiles], dtype=float)
+        i = np.array([t.tokens for t in tiles], dtype=float)
+        j = np.array([t.token_start for t in tiles], dtype=float)
+        self.fwd, self.bwd, self.send_f, self.send_b = (
+            np.broadcast_to(np.asarray(x, dtype=float), b.shape) for x in parts(b, i, j)
+        )
+        self.stages = stages
+        shape = (stages, len(tiles))
+        # Arrival time at stage k of tile n's activation (forward) or gradient (backward); NaN until sent.
+        self.act_in = np.full(shape, np.nan)
+        self.grad_in = np.full(shape, np.nan)
+        self.forward_done = np.zeros(shape, dtype=bool)
+        self.link_fwd_free = np.zeros(stages)  # link k -> k+1, free from this time
+        self.link_bwd_free = np.zeros(stages)  # link k -> k-1
+        self.stage_free = np.zeros(stages)
+
+    def walk(self, schedule: list[list[Action]], *, replica: int, step: int) -> list[Event]:
+        """Run every stage's actions in order, each as soon as its input is there; events sorted by start."""
+        pos = [0] * self.stages
+        events: list[Event] = []
+        remaining = sum(len(s) for s in schedule)
+        while remaining:
+            progressed = False
+            for k in range(self.stages):
+                while pos[k] < len(schedule[k]):
+                    action = schedule[k][pos[k]]
+                    t_ready = self.ready(k, action)
+                    if t_ready is None:
+                        break
+                    start, end = self.run(k, action, t_ready)
+                    tile = action.tile
+                    events.append(
+                        Event(k, action.phase, tile.batch_slice, tile.token_slice, start, end, k, replica, step)
+                    )
+                    pos[k] += 1
+                    remaining -= 1
+                    progressed = True
+            if not progressed:
+                stuck = {k: schedule[k][pos[k]] for k in range(self.stages) if pos[k] < len(schedule[k])}
+                raise ValueError(f"the schedule deadlocks: stages waiting forever at {stuck}")
+        events.sort(key=lambda e: (e.start_s, e.stage))
+        return events
+
+    def ready(self, k: int, action: Action) -> float | None:
+        """When the input of ``action`` on stage k is there, or None while it has not been sent."""
+        n = self.index[action.tile]
         if action.phase == "F":
             if k == 0:
                 return 0.0
-            t = act_in[k, n]
+            t = self.act_in[k, n]
         else:
-            if not forward_done[k, n]:
+            if not self.forward_done[k, n]:
                 return None
-            if k == K - 1:
+            if k == self.stages - 1:
                 return 0.0
-            t = grad_in[k, n]
+            t = self.grad_in[k, n]
         return None if np.isnan(t) else float(t)
 
-    remaining = sum(len(s) for s in schedule)
-    while remaining:
-        progressed = False
-        for k in range(K):
-            while pos[k] < len(schedule[k]):
-                action = schedule[k][pos[k]]
-                t_ready = ready(k, action)
-                if t_ready is None:
-                    break
-                n = index[action.tile]
-                start = max(stage_free[k], t_ready)
-                if action.phase == "F":
-                    end = start + fwd[n]
-                    forward_done[k, n] = True
-                    if k + 1 < K:
-                        depart = max(end, link_fwd_free[k])
-                        link_fwd_free[k] = depart + send_f[n]
-                        act_in[k + 1, n] = depart + send_f[n]
-                else:
-                    end = start + bwd[n]
-                    if k > 0:
-                        depart = max(end, link_bwd_free[k])
-                        link_bwd_free[k] = depart + send_b[n]
-                        grad_in[k - 1, n] = depart + send_b[n]
-                stage_free[k] = end
-                tile = action.tile
-                events.append(
-                    Event(
-                        k,
-                        action.phase,
-                        tile.batch_slice,
-                        tile.token_slice,
-                        float(start),
-                        float(end),
-                        rank=k,
-                        replica=replica,
-                        step=step,
-                    )
-                )
-                pos[k] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            stuck = {k: schedule[k][pos[k]] for k in range(K) if pos[k] < len(schedule[k])}
-            raise ValueError(f"the schedule deadlocks: stages waiting forever at {stuck}")
-
-    compute_end = float(stage_free.max()) if K else 0.0
-    events.sort(key=lambda e: (e.start_s, e.stage))
-    return SimResult(latency_s=compute_end + step_s, events=events, compute_end_s=compute_end, step_s=step_s, stages=K)
+    def run(self, k: int, action: Action, t_ready: float) -> tuple[float, float]:
+        """Compute ``action`` on stage k and send its output down the link; returns its (start, end)."""
+        n = self.index[action.tile]
+        start = max(self.stage_free[k], t_ready)
+        if action.phase == "F":
+            end = start + self.fwd[n]
+            self.forward_done[k, n] = True
+            if k + 1 < self.stages:
+                depart = max(end, self.link_fwd_free[k])
+                self.link_fwd_free[k] = depart + self.send_f[n]
+                self.act_in[k + 1, n] = depart + self.send_f[n]
+        else:
+            end = start + self.bwd[n]
+            if k > 0:
+                depart = max(end, self.link_bwd_free[k])
+                self.link_bwd_free[k] = depart + self.send_b[n]
+                self.grad_in[k - 1, n] = depart + self.send_b[n]
+        self.stage_free[k] = end
+        return float(start), float(end)
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,6 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from terapipe_cli.errors import UserError
-
 HELP = """Compare a training run with its GPipe baseline: latency, speed-up, predicted vs measured, idle time per \
 stage, memory, and the loss of every step (which must match: both are the same synchronous training).
 
@@ -45,15 +43,20 @@ def report(
         typer.Option("--profile", help="Profile for the simulator's predicted timelines (default: the plan's)."),
     ] = None,
 ) -> None:
-    from terapipe_cli.report.build import find_baseline, find_cost_model, load_baseline, write_report
+    from terapipe_cli.report.build import (
+        check_warmup,
+        find_baseline,
+        find_cost_model,
+        load_baseline,
+        loss_mismatch,
+        report_dir,
+        write_report,
+    )
     from terapipe_cli.report.runs import load_run
 
     console = Console(highlight=False)
-    if warmup < 0:
-        raise UserError(f"must be at least 0, got {warmup}", where="--warmup")
     run = load_run(run_dir)
-    if warmup >= len(run.steps):
-        raise UserError(f"leaves none of the run's {len(run.steps)} steps to time; use fewer", where="--warmup")
+    check_warmup(run, warmup)
     choice = find_baseline(run, baseline)
     if not choice.exists:
         train_gpipe(console, run, choice.path)
@@ -61,25 +64,21 @@ def report(
         console.print(f"reusing the GPipe baseline in {choice.path}")
     base = load_baseline(run, choice.path)
     cost, cost_info = find_cost_model(run, profile)
-    out_dir = out if out is not None else run.path / "report"
     with console.status("writing the report …") as status:
         result = write_report(
             run,
             base,
-            out_dir,
+            report_dir(run, out),
             warmup=warmup,
             cost=cost,
             cost_info=cost_info,
             progress=lambda what: status.update(f"writing {what} …"),
         )
     render(console, result)
-    loss = result["loss"]
-    if not loss["match"]:
+    mismatch = loss_mismatch(result)
+    if mismatch:
         sys.stdout.flush()
-        sys.stderr.write(
-            "terapipe: error: the losses of the run and its baseline differ beyond fp32 tolerance "
-            f"(max relative {loss['max_rel_diff']:.3g} at step {loss['worst_step']})\n"
-        )
+        sys.stderr.write(f"terapipe: error: {mismatch}\n")
         raise SystemExit(1)
 
 

@@ -1,4 +1,4 @@
-"""The report (SPEC §8, stage 4): compare a training run with its GPipe baseline and draw the pipeline.
+"""The report (docs/design.md §8, stage 4): compare a training run with its GPipe baseline and draw the pipeline.
 
     runs.py      load and validate a run directory (config, plan, metrics.jsonl, timelines, summary)
     baseline.py  the GPipe baseline of a run: its plan, its sibling run directory, training it

@@ -2,7 +2,7 @@
 
 Same model, data, seed, learning rate, steps and process layout (stages × data-parallel replicas, device,
 threads) — only the slicing differs — so any difference in time is the slicing's, and the losses must be
-equal up to floating-point summation order (SPEC §6: both are the same synchronous training).
+equal up to floating-point summation order (docs/design.md §6: both are the same synchronous training).
 """
 
 from __future__ import annotations

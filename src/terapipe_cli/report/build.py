@@ -1,25 +1,49 @@
 """Build the report of a run against its baseline: report.json, report.md, timeline.png, loss.png, trace.json.
 
-The command (`terapipe_cli.cli.report`) calls, in order: `load_run`, `find_baseline` (and, when needed,
-`baseline.train_baseline`), `find_cost_model`, then `write_report`.
+The command (`terapipe_cli.cli.report`) calls, in order: `load_run`, `check_warmup`, `find_baseline` (and, when
+needed, `baseline.train_baseline`), `load_baseline`, `find_cost_model`, then `write_report` into `report_dir`.
 """
 
 from __future__ import annotations
 
-import datetime as dt
 from dataclasses import dataclass
 from pathlib import Path
 
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import write_json_atomic, write_text_atomic
 from terapipe_cli.report.baseline import baseline_dir
-from terapipe_cli.report.compare import compare, stage_times_of
+from terapipe_cli.report.compare import compare
 from terapipe_cli.report.figures import TimelinePanel, draw_losses, draw_timelines
 from terapipe_cli.report.runs import Run, check_comparable, load_run
 from terapipe_cli.report.trace import TraceRun, chrome_trace
-from terapipe_cli.schedule import plan_tiles
+from terapipe_cli.schedule import plan_tiles, stage_times
+from terapipe_cli.units import format_bytes, format_seconds, utc_timestamp
 
 FILES = ("report.json", "report.md", "timeline.png", "loss.png", "trace.json")
+
+
+def check_warmup(run: Run, warmup: int) -> None:
+    """Raise UserError (naming --warmup) unless ``warmup`` leaves at least one of the run's steps to time."""
+    if warmup < 0:
+        raise UserError(f"must be at least 0, got {warmup}", where="--warmup")
+    if warmup >= len(run.steps):
+        raise UserError(f"leaves none of the run's {len(run.steps)} steps to time; use fewer", where="--warmup")
+
+
+def report_dir(run: Run, out: Path | None) -> Path:
+    """Where the report goes: ``out`` if given, else ``RUN_DIR/report``."""
+    return Path(out) if out is not None else run.path / "report"
+
+
+def loss_mismatch(report: dict) -> str | None:
+    """Why the report must fail (the two runs' losses differ beyond tolerance), or None when they match."""
+    loss = report["loss"]
+    if loss["match"]:
+        return None
+    return (
+        "the losses of the run and its baseline differ beyond fp32 tolerance "
+        f"(max relative {loss['max_rel_diff']:.3g} at step {loss['worst_step']})"
+    )
 
 
 @dataclass(frozen=True)
@@ -112,7 +136,7 @@ def write_report(
     out = Path(out)
     files = {name: str(out / name) for name in FILES}
     report["files"] = files
-    report["created"] = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    report["created"] = utc_timestamp()
 
     step("timeline.png")
     draw_timelines(
@@ -156,11 +180,11 @@ def _timeline_grid(run: Run, baseline: Run, report: dict, sims: dict) -> list[li
         step = s["representative_step"]
         events = r.step_events(step, replica=0)
         measured_s = r.metric(step)["iteration_s"]
-        bubble = stage_times_of(events, r.stages).bubble_fraction
+        bubble = stage_times([events], r.stages).bubble_fraction
         row = [
             TimelinePanel(
-                f"{s['label']} {s['short_form']}\nmeasured, step {step}: {measured_s * 1e3:.0f} ms per step, "
-                f"bubble {bubble:.0%}",
+                f"{s['label']} {s['short_form']}\nmeasured, step {step}: "
+                f"{format_seconds(measured_s, digits=0)} per step, bubble {bubble:.0%}",
                 events,
                 r.stages,
                 order,
@@ -171,8 +195,8 @@ def _timeline_grid(run: Run, baseline: Run, report: dict, sims: dict) -> list[li
             sim = sims[key]
             row.append(
                 TimelinePanel(
-                    f"{s['label']}\npredicted by the simulator: {sim.latency_s * 1e3:.0f} ms per step, "
-                    f"bubble {sim.bubble_fraction():.0%}",
+                    f"{s['label']}\npredicted by the simulator: {format_seconds(sim.latency_s, digits=0)} per "
+                    f"step, bubble {s['simulated']['bubble_fraction']:.0%}",
                     sim.events,
                     r.stages,
                     order,
@@ -183,16 +207,13 @@ def _timeline_grid(run: Run, baseline: Run, report: dict, sims: dict) -> list[li
     return grid
 
 
-def _ms(s: float | None) -> str:
-    return "–" if s is None else (f"{s * 1e3:.1f} ms" if s < 10 else f"{s:.2f} s")
+def _seconds(s: float | None) -> str:
+    """The report's times: tenths of a millisecond."""
+    return format_seconds(s, digits=1)
 
 
 def _pct(x: float | None) -> str:
     return "–" if x is None else f"{x:+.1%}"
-
-
-def _mib(n: int | None) -> str:
-    return "–" if n is None else f"{n / 2**20:.1f} MiB"
 
 
 def latency_rows(report: dict) -> list[list[str]]:
@@ -207,19 +228,23 @@ def latency_rows(report: dict) -> list[list[str]]:
 
     return [
         row("tiles per step (M)", lambda s: str(s["tiles"])),
-        row("iteration, median", lambda s: _ms(s["latency_s"]["median"])),
-        row("iteration, mean ± std", lambda s: f"{_ms(s['latency_s']['mean'])} ± {_ms(s['latency_s']['std'])}"),
-        row("iteration, min – max", lambda s: f"{_ms(s['latency_s']['min'])} – {_ms(s['latency_s']['max'])}"),
+        row("iteration, median", lambda s: _seconds(s["latency_s"]["median"])),
+        row(
+            "iteration, mean ± std", lambda s: f"{_seconds(s['latency_s']['mean'])} ± {_seconds(s['latency_s']['std'])}"
+        ),
+        row("iteration, min – max", lambda s: f"{_seconds(s['latency_s']['min'])} – {_seconds(s['latency_s']['max'])}"),
         row("tokens/s", lambda s: f"{s['tokens_per_s']:,.0f}"),
-        row("predicted by the plan (error)", lambda s: f"{_ms(s['predicted_s'])} ({_pct(s['predicted_rel_err'])})"),
+        row(
+            "predicted by the plan (error)", lambda s: f"{_seconds(s['predicted_s'])} ({_pct(s['predicted_rel_err'])})"
+        ),
         row(
             "predicted by the simulator (error)",
-            lambda s: f"{_ms(sim(s, 'latency_s'))} ({_pct(sim(s, 'rel_err'))})" if s["simulated"] else "–",
+            lambda s: f"{_seconds(sim(s, 'latency_s'))} ({_pct(sim(s, 'rel_err'))})" if s["simulated"] else "–",
         ),
         row("bubble, measured", lambda s: f"{s['bubble_fraction']:.1%}"),
         row("bubble, simulated", lambda s: f"{sim(s, 'bubble_fraction'):.1%}" if s["simulated"] else "–"),
         row("bubble, (K−1)/(M+K−1)", lambda s: f"{s['bubble_formula']:.1%}"),
-        row("peak memory (largest rank)", lambda s: _mib(s["peak_memory_bytes"])),
+        row("peak memory (largest rank)", lambda s: format_bytes(s["peak_memory_bytes"], "MiB")),
     ]
 
 
@@ -236,7 +261,13 @@ def stage_rows(report: dict) -> list[list[str]]:
         s = report[key]
         for st in s["stage_times"]:
             rows.append(
-                [s["label"], str(st["stage"]), _ms(st["busy_s"]), _ms(st["idle_s"]), f"{st['busy_fraction']:.0%}"]
+                [
+                    s["label"],
+                    str(st["stage"]),
+                    _seconds(st["busy_s"]),
+                    _seconds(st["idle_s"]),
+                    f"{st['busy_fraction']:.0%}",
+                ]
             )
     return rows
 
@@ -250,7 +281,7 @@ def headline(report: dict) -> str:
         else f"{r['label']} is slower than {b['label']} here, {sp['median']:.2f}× its speed"
     )
     return (
-        f"{verdict} (median iteration {_ms(r['latency_s']['median'])} vs {_ms(b['latency_s']['median'])}, "
+        f"{verdict} (median iteration {_seconds(r['latency_s']['median'])} vs {_seconds(b['latency_s']['median'])}, "
         f"steps {r['compared_steps'][0]}–{r['compared_steps'][1]}); the plan predicted "
         + (f"{sp['predicted']:.2f}×" if sp["predicted"] else "–")
         + (f", the simulator {sp['simulated']:.2f}×" if sp["simulated"] else "")
@@ -324,7 +355,7 @@ def to_markdown(report: dict) -> str:
         "",
         table(latency_header(report), latency_rows(report)),
         "",
-        "Predictions are the plan's objective (SPEC §4) and the schedule simulator, both from the cost model"
+        "Predictions are the plan's objective (docs/design.md §4) and the schedule simulator, both from the cost model"
         + (
             f" of `{cm.get('profile')}` ({cm.get('source')})"
             if cm.get("used")

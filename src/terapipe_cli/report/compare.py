@@ -4,30 +4,27 @@ Every number here is recomputable from the run directories (the tests do so):
 
 * latency: ``iteration_s`` of ``metrics.jsonl`` over the steps after the warm-up (median, mean ± std, min–max);
   speed-up = baseline median / run median; tokens/s = tokens per step / median latency;
-* busy and idle per stage from the timelines: in one step of one replica, the pipelined *span* runs from the
-  step's start to the end of the last action on any of its stages; a stage is busy for the sum of its actions'
-  durations and idle for the rest of the span. The measured bubble fraction is
-  ``1 − Σ busy / (K · Σ span)`` over all compared steps and replicas — the share of stage-time spent waiting
-  while the pipeline runs; the optimizer step and the end-of-step all-reduce after the span are left out, as in
-  the formula ``(K−1)/(M+K−1)`` (M tiles on K stages, equal tiles, free transfers) shown next to it;
-* predicted vs measured: the plan's ``predicted_s`` (SPEC §4's objective) and, when a cost model is at hand,
-  the schedule simulator's latency, each with ``(predicted − measured) / measured`` against the median.
+* busy and idle per stage and the bubble fraction over all compared steps and replicas, from the timelines, as
+  `schedule.stage_times` defines them (the simulator's predicted step is read by the same function), next to
+  the formula ``(K−1)/(M+K−1)`` (M tiles on K stages, equal tiles, free transfers);
+* predicted vs measured: the plan's ``predicted_s`` (the objective of docs/design.md §4) and, when a cost model
+  is at hand, the schedule simulator's latency, each with ``(predicted − measured) / measured`` against the
+  median.
 """
 
 from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from terapipe_cli.report.runs import Run
-from terapipe_cli.schedule import Event
+from terapipe_cli.schedule import StageTimes, stage_times
 from terapipe_cli.simulate import SimResult, compare_timelines
 
 REPORT_SCHEMA = "terapipe.report/1"
 
 # Both runs are the same synchronous training, so their losses differ only by floating-point summation order
-# (attention split over token slices, gradients summed per tile). SPEC §6 allows 1e-5 relative between a
+# (attention split over token slices, gradients summed per tile). docs/design.md §6 allows 1e-5 relative between a
 # pipelined run and one device at one step; two pipelined runs may each be off by that, and a few dozen
 # AdamW steps carry an early difference forward, hence the margin.
 LOSS_RTOL = 1e-4
@@ -65,60 +62,18 @@ def bubble_formula(stages: int, tiles: int) -> float:
     return (stages - 1) / (tiles + stages - 1)
 
 
-@dataclass(frozen=True)
-class StageTimes:
-    """Busy and idle time per stage (mean per step and replica) and the bubble fraction of the compared steps."""
-
-    busy_s: list[float]
-    idle_s: list[float]
-    span_s: float  # mean pipelined span per step
-    bubble_fraction: float
-
-    def to_dict(self) -> dict:
-        return {
-            "span_s": self.span_s,
-            "bubble_fraction": self.bubble_fraction,
-            "stage_times": [
-                {"stage": k, "busy_s": b, "idle_s": i, "busy_fraction": b / (b + i) if b + i > 0 else 0.0}
-                for k, (b, i) in enumerate(zip(self.busy_s, self.idle_s, strict=True))
-            ],
-        }
-
-
-def stage_times_of(events: Sequence[Event], stages: int) -> StageTimes:
-    """Busy/idle of ONE step of one pipeline (measured or simulated events, times from the step's start)."""
-    return _stage_times([list(events)], stages)
-
-
-def _stage_times(groups: list[list[Event]], stages: int) -> StageTimes:
-    busy = [0.0] * stages
-    idle = [0.0] * stages
-    total_span = 0.0
-    for events in groups:  # one group = one step of one replica
-        span = max((e.end_s for e in events), default=0.0)
-        per_stage = [0.0] * stages
-        for e in events:
-            per_stage[e.stage] += e.end_s - e.start_s
-        for k in range(stages):
-            busy[k] += per_stage[k]
-            idle[k] += span - per_stage[k]
-        total_span += span
-    n = max(len(groups), 1)
-    bubble = 1.0 - sum(busy) / (stages * total_span) if total_span > 0 else 0.0
-    return StageTimes([b / n for b in busy], [i / n for i in idle], total_span / n, bubble)
-
-
-def stage_times(run: Run, steps: Sequence[int]) -> StageTimes:
+def run_stage_times(run: Run, steps: Sequence[int]) -> StageTimes:
     """Busy/idle per stage over the given steps and every replica of a run, from its timelines."""
-    groups = [run.step_events(s, replica=r) for s in steps for r in range(run.args.data_parallel)]
-    return _stage_times(groups, run.stages)
+    return stage_times(
+        (run.step_events(s, replica=r) for s in steps for r in range(run.args.data_parallel)), run.stages
+    )
 
 
 def summarize(run: Run, label: str, warmup: int, sim: SimResult | None = None) -> dict:
     """Everything the report says about one run (its part of report.json)."""
     steps = compared_steps(run, warmup)
     lat = latency_stats([run.metric(s)["iteration_s"] for s in steps])
-    times = stage_times(run, steps)
+    times = run_stage_times(run, steps)
     rep = representative_step(run, steps)
     predicted = run.plan.predicted_s
     per_rank = [r.get("memory_bytes_per_rank") for r in run.metrics]
@@ -152,16 +107,17 @@ def summarize(run: Run, label: str, warmup: int, sim: SimResult | None = None) -
     }
     if sim is not None:
         err = compare_timelines(sim.events, run.step_events(rep, replica=0))
+        sim_times = sim.stage_times()
         out["simulated"] = {
             "latency_s": sim.latency_s,
             "rel_err": (sim.latency_s - lat["median"]) / lat["median"],
             "span_s": sim.compute_end_s,
             "span_rel_err_at_representative_step": err.rel_err,
             "action_rel_err_mean": err.action_rel_err_mean,
-            "bubble_fraction": stage_times_of(sim.events, sim.stages).bubble_fraction,
+            "bubble_fraction": sim_times.bubble_fraction,
             # > 1: the tiles themselves ran slower than profiled (not the schedule): e.g. stages that compute at
             # the same time share cores or memory bandwidth with each other or with other processes.
-            "busy_ratio": statistics.fmean(times.busy_s) / statistics.fmean(sim.busy_s()),
+            "busy_ratio": statistics.fmean(times.busy_s) / statistics.fmean(sim_times.busy_s),
         }
     return out
 

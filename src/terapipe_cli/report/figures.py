@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from terapipe_cli.files import write_bytes_atomic
-from terapipe_cli.schedule import Event
+from terapipe_cli.schedule import Event, stage_times
 
 FORWARD_COLORS = ("#3b6fb6", "#7fa7dc")  # alternate shades so neighbouring tiles stay distinguishable
 BACKWARD_COLORS = ("#d9722b", "#f0ab73")
@@ -104,7 +104,6 @@ def _draw_panel(ax, panel: TimelinePanel, x_max: float, Rectangle, *, min_label_
     ax.set_title(panel.title, loc="left", fontsize=10)
     ax.grid(axis="x", color="#dddddd", linewidth=0.6)
     ax.set_axisbelow(True)
-    busy = [0.0] * K
     for k in range(K):
         ax.add_patch(
             Rectangle(
@@ -122,7 +121,6 @@ def _draw_panel(ax, panel: TimelinePanel, x_max: float, Rectangle, *, min_label_
         n = panel.tile_order.get((e.batch_slice, e.token_slice), 0)
         colors = FORWARD_COLORS if e.phase == "F" else BACKWARD_COLORS
         x, w = e.start_s * 1e3, (e.end_s - e.start_s) * 1e3
-        busy[e.stage] += w
         ax.add_patch(
             Rectangle((x, e.stage - 0.38), w, 0.76, facecolor=colors[n % 2], edgecolor="white", linewidth=0.5, zorder=2)
         )
@@ -139,8 +137,7 @@ def _draw_panel(ax, panel: TimelinePanel, x_max: float, Rectangle, *, min_label_
             )
     if panel.step_end_s is not None:
         ax.axvline(panel.step_end_s * 1e3, color="#555555", linestyle="--", linewidth=0.9, zorder=3)
-    for k in range(K):
-        frac = busy[k] / span if span > 0 else 0.0
+    for k, frac in enumerate(stage_times([panel.events], K).busy_fractions):
         ax.text(
             1.002, k, f"busy {frac:.0%}", transform=ax.get_yaxis_transform(), va="center", fontsize=8, color="#333333"
         )

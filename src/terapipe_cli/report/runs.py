@@ -8,7 +8,7 @@ one `UserError` naming the file.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from terapipe_cli.errors import UserError
@@ -28,7 +28,6 @@ class Run:
     metrics: list[dict]  # one per step, in step order, steps 1..args.steps
     events: dict[int, list[Event]]  # rank -> events of every step
     summary: dict
-    timeline_meta: dict[int, dict] = field(default_factory=dict)
 
     @property
     def stages(self) -> int:
@@ -89,13 +88,12 @@ def load_run(path: str | Path) -> Run:
         )
     metrics = _metrics(run_dir, args.steps)
     events: dict[int, list[Event]] = {}
-    metas: dict[int, dict] = {}
     world = plan.stages * args.data_parallel
     for rank in range(world):
         tl = timeline_path(run_dir, rank)
         if not tl.exists():
             raise UserError(f"timeline of rank {rank} not found (the run has {world} ranks)", where=str(tl))
-        meta, evs = read_timeline(tl)
+        _, evs = read_timeline(tl)
         stage = rank % plan.stages
         wrong = next((e for e in evs if e.stage != stage), None)
         if wrong is not None:
@@ -105,8 +103,8 @@ def load_run(path: str | Path) -> Run:
         lacking = next((s for s in range(1, args.steps + 1) if s not in have), None)
         if lacking is not None:
             raise UserError(f"has no events of step {lacking} (the run has {args.steps} steps)", where=str(tl))
-        events[rank], metas[rank] = evs, meta
-    return Run(run_dir, config, args, plan, metrics, events, summary, metas)
+        events[rank] = evs
+    return Run(run_dir, config, args, plan, metrics, events, summary)
 
 
 def _metrics(run_dir: Path, steps: int) -> list[dict]:
