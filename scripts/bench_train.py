@@ -112,15 +112,7 @@ def worker(config_path: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--profile", help="Profile JSON to plan with (default: measure with terapipe profile --quick)")
-    parser.add_argument("--model", default=str(ROOT / "configs/models/tiny.toml"))
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--stages", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    a = parser.parse_args()
+    a = _parse_args()
     if a.worker:
         worker(a.worker)
         return
@@ -129,7 +121,7 @@ def main() -> None:
     from terapipe_cli.config import load_model_config
     from terapipe_cli.costmodel import CostModel, read_profile
     from terapipe_cli.plan import short_form
-    from terapipe_cli.planner import evaluate, solve
+    from terapipe_cli.planner import solve
 
     model = load_model_config(a.model)
     L, B, K = model.seq_len, a.batch, a.stages
@@ -140,75 +132,94 @@ def main() -> None:
         "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
     }
     with cpu_lock():
-        if a.profile:
-            profile_path, source = Path(a.profile), a.profile
-        else:
-            profile_path = tmp / "profile.json"
-            print(f"measuring a profile: terapipe profile --model {a.model} --quick", flush=True)
-            subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "terapipe_cli",
-                    "profile",
-                    "--model",
-                    a.model,
-                    "--quick",
-                    "--out",
-                    str(profile_path),
-                ],
-                check=True,
-                env=env,
-                stdout=subprocess.DEVNULL,
-            )
-            source = "measured now with `terapipe profile --quick`"
+        profile_path, source = _profile(a, tmp, env)
         profile = read_profile(profile_path)
         cost = CostModel.from_profile(profile_path, stages=K)
         planned = solve(cost, seq_len=L, batch_size=B, stages=K, token_step=profile.token_step)
-        candidates = [
-            {"name": "GPipe", "slices": [[B, [L]]]},
-            {"name": "planner", "slices": [[b, list(s)] for b, s in planned.slices]},
-            {"name": "uniform/4", "slices": [[B, [L // 4] * 4]]},
-            {"name": "uniform/8", "slices": [[B, [L // 8] * 8]]},
-        ]
-        config = {
-            "model": model.to_dict(),
-            "batch_size": B,
-            "candidates": candidates,
-            "rounds": a.rounds,
-            "warmup": a.warmup,
-            "out": str(tmp / "times.json"),
-        }
-        (tmp / "config.json").write_text(json.dumps(config))
+        candidates = _candidates(planned.slices, B, L)
         print(f"planner's plan: {short_form(planned.slices)} (profile: {source})", flush=True)
         print(
             f"timing {len(candidates)} schemes + single process, {a.rounds} rounds (+{a.warmup} warm-up), "
             f"K={K}, B={B}, L={L}, H={model.hidden}, {model.layers} layers ...",
             flush=True,
         )
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nnodes",
-            "1",
-            "--nproc-per-node",
-            str(K),
-            "--max-restarts",
-            "0",
-            __file__,
-            "--worker",
-            str(tmp / "config.json"),
-        ]
-        load_before = os.getloadavg()[0]
-        subprocess.run(cmd, check=True, env=env)
-        load_after = os.getloadavg()[0]
-    times = json.loads((tmp / "times.json").read_text())
+        times, load_before, load_after = _time(a, model, candidates, tmp, env)
+    _print_table(times, candidates, cost, K, a.rounds)
+    med = {n: statistics.median(v) for n, v in times.items()}
+    best_uniform = min(med["uniform/4"], med["uniform/8"])
+    print(
+        f"\n1-minute load average {load_before:.2f} before, {load_after:.2f} after (the job itself adds ~{K}); "
+        "other work on the machine takes cores from the stages and shrinks every speed-up"
+    )
+    print(
+        f"planner vs GPipe: {med['GPipe'] / med['planner']:.2f}x (target >= 1.5x); "
+        f"planner vs best uniform: {best_uniform / med['planner']:.2f}x (target >= 1 within noise)"
+    )
+
+
+def _parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--profile", help="Profile JSON to plan with (default: measure with terapipe profile --quick)")
+    parser.add_argument("--model", default=str(ROOT / "configs/models/tiny.toml"))
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    return parser.parse_args()
+
+
+def _profile(a: argparse.Namespace, tmp: Path, env: dict) -> tuple[Path, str]:
+    """The profile to plan with and where it came from: the one given, or one measured now."""
+    if a.profile:
+        return Path(a.profile), a.profile
+    profile_path = tmp / "profile.json"
+    print(f"measuring a profile: terapipe profile --model {a.model} --quick", flush=True)
+    subprocess.run(
+        [sys.executable, "-m", "terapipe_cli", "profile", "--model", a.model, "--quick", "--out", str(profile_path)],
+        check=True,
+        env=env,
+        stdout=subprocess.DEVNULL,
+    )
+    return profile_path, "measured now with `terapipe profile --quick`"
+
+
+def _candidates(planned_slices, B: int, L: int) -> list[dict]:
+    return [
+        {"name": "GPipe", "slices": [[B, [L]]]},
+        {"name": "planner", "slices": [[b, list(s)] for b, s in planned_slices]},
+        {"name": "uniform/4", "slices": [[B, [L // 4] * 4]]},
+        {"name": "uniform/8", "slices": [[B, [L // 8] * 8]]},
+    ]
+
+
+def _time(a: argparse.Namespace, model, candidates: list[dict], tmp: Path, env: dict) -> tuple[dict, float, float]:
+    """Run the interleaved rounds in one torchrun job; returns seconds per step of each candidate, and the
+    1-minute load average before and after."""
+    config = {
+        "model": model.to_dict(),
+        "batch_size": a.batch,
+        "candidates": candidates,
+        "rounds": a.rounds,
+        "warmup": a.warmup,
+        "out": str(tmp / "times.json"),
+    }
+    (tmp / "config.json").write_text(json.dumps(config))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1"]
+    cmd += ["--nproc-per-node", str(a.stages), "--max-restarts", "0", __file__, "--worker", str(tmp / "config.json")]
+    load_before = os.getloadavg()[0]
+    subprocess.run(cmd, check=True, env=env)
+    load_after = os.getloadavg()[0]
+    return json.loads((tmp / "times.json").read_text()), load_before, load_after
+
+
+def _print_table(times: dict, candidates: list[dict], cost, K: int, rounds: int) -> None:
+    from terapipe_cli.plan import short_form
+    from terapipe_cli.planner import evaluate
 
     med = {n: statistics.median(v) for n, v in times.items()}
     bound = med["single process"] / K
-    print(f"\nmedian iteration latency over {a.rounds} interleaved rounds (min-max), 2-core CPU, one thread per stage")
+    print(f"\nmedian iteration latency over {rounds} interleaved rounds (min-max), 2-core CPU, one thread per stage")
     print(f"{'scheme':<16} {'slices':<34} {'median ms':>10} {'min-max ms':>16} {'vs GPipe':>9} {'predicted ms':>13}")
     for c in candidates + [{"name": "single process", "slices": None}]:
         n, v = c["name"], times[c["name"]]
@@ -221,15 +232,6 @@ def main() -> None:
     print(
         f"{'perfect overlap':<16} {'single process / K':<34} {bound * 1e3:>10.1f} {'':>16} "
         f"{med['GPipe'] / bound:>8.2f}x"
-    )
-    best_uniform = min(med["uniform/4"], med["uniform/8"])
-    print(
-        f"\n1-minute load average {load_before:.2f} before, {load_after:.2f} after (the job itself adds ~{K}); "
-        "other work on the machine takes cores from the stages and shrinks every speed-up"
-    )
-    print(
-        f"planner vs GPipe: {med['GPipe'] / med['planner']:.2f}x (target >= 1.5x); "
-        f"planner vs best uniform: {best_uniform / med['planner']:.2f}x (target >= 1 within noise)"
     )
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from terapipe_cli.config import load_model_config
-from terapipe_cli.demo import DemoPaths, load_demo_config, model_toml
+from terapipe_cli.demo import DemoPaths, demo_stages, load_demo_config, model_toml
 from terapipe_cli.errors import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,6 +40,16 @@ def test_fresh_folders_never_collide(tmp_path):
     a.root.mkdir()
     b = DemoPaths.fresh(tmp_path)
     assert a.root != b.root and b.report == b.root / "run" / "report"
+
+
+def test_the_stages_are_the_four_commands_on_the_demos_files(tmp_path):
+    cfg = load_demo_config(None, quick=True)
+    paths = DemoPaths.at(tmp_path)
+    stages = demo_stages(cfg, paths)
+    assert [s.name for s in stages] == [s.argv[0] for s in stages] == ["profile", "plan", "train", "report"]
+    assert "--quick" in stages[0].argv and stages[1].argv[stages[1].argv.index("--profile") + 1] == str(paths.profile)
+    assert stages[2].argv[stages[2].argv.index("--plan") + 1] == str(paths.plan)
+    assert stages[3].argv[1] == str(paths.run) and paths.report == paths.run / "report"
 
 
 @pytest.mark.parametrize(

@@ -8,31 +8,22 @@ the Chrome trace.
 from __future__ import annotations
 
 import json
-import os
+import re
+import shlex
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from conftest import terapipe
 from test_report import assert_chrome_trace, assert_nontrivial_png
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def terapipe(*args: str, cwd: Path, timeout: float = 400) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "COLUMNS": "100"}
-    return subprocess.run(
-        [sys.executable, "-m", "terapipe_cli", *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd
-    )
 
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("demo")
     started = time.perf_counter()
-    p = terapipe("run", "--quick", "--out", str(tmp / "runs"), cwd=tmp)
+    p = terapipe("run", "--quick", "--out", str(tmp / "runs"), cwd=tmp, timeout=400)
     seconds = time.perf_counter() - started
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     (root,) = list((tmp / "runs").iterdir())
@@ -70,6 +61,21 @@ def test_the_demo_ends_with_the_summary_and_the_pictures(demo):
         assert str(root / "run" / "report" / name) in out.replace("\n", "")
     for name in ("model.toml", "profile.json", "plan.json", "run/summary.json", "run-gpipe/summary.json"):
         assert (root / name).exists(), name
+
+
+def test_each_stage_prints_its_whole_command(demo):
+    """The printed command lines are complete (nothing cut short) and name the files the demo wrote."""
+    root, p, _ = demo
+    out = p.stdout.splitlines()
+    rules = [n for n, x in enumerate(out) if re.match(r"\d/4 (profile|plan|train|report) ", x)]
+    lines = [out[n + 1] for n in rules]  # each stage's rule, then its command line
+    commands = [shlex.split(x) for x in lines]
+    assert all(c[0] == "terapipe" for c in commands)
+    assert [c[1] for c in commands] == ["profile", "plan", "train", "report"]
+    assert "…" not in "".join(lines)
+    outs = [c[c.index("--out") + 1] for c in commands[:3]]
+    assert outs == [str(root / "profile.json"), str(root / "plan.json"), str(root / "run")]
+    assert commands[3][2] == str(root / "run")
 
 
 def test_report_numbers_match_the_run_directories(demo):

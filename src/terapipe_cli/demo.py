@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import tomllib
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 
 from terapipe_cli.config import ModelConfig, load_model_config, load_toml
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import Fields
+from terapipe_cli.units import folder_stamp
 
 # Kept equal to configs/experiments/demo.toml with configs/models/tiny.toml inlined (a test checks it).
 DEFAULT_TOML = """
@@ -152,35 +152,58 @@ class DemoPaths:
     """Where one demo writes: a fresh folder per invocation, so the demo can always be run again."""
 
     root: Path
+    model: Path
+    profile: Path
+    plan: Path
+    run: Path
+    report: Path  # the report command's default, RUN_DIR/report
+
+    @classmethod
+    def at(cls, root: Path) -> DemoPaths:
+        run = root / "run"
+        return cls(root, root / "model.toml", root / "profile.json", root / "plan.json", run, run / "report")
 
     @classmethod
     def fresh(cls, out: Path) -> DemoPaths:
-        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+        stamp = folder_stamp()
         root, n = out / stamp, 1
         while root.exists():
             n += 1
             root = out / f"{stamp}-{n}"
-        return cls(root)
+        return cls.at(root)
 
-    @property
-    def model(self) -> Path:
-        return self.root / "model.toml"
 
-    @property
-    def profile(self) -> Path:
-        return self.root / "profile.json"
+@dataclass(frozen=True)
+class DemoStage:
+    """One stage of the demo: the command line a user would type, ``terapipe`` + ``argv``."""
 
-    @property
-    def plan(self) -> Path:
-        return self.root / "plan.json"
+    name: str
+    argv: list[str]
 
-    @property
-    def run(self) -> Path:
-        return self.root / "run"
 
-    @property
-    def report(self) -> Path:
-        return self.root / "run" / "report"
+def demo_stages(cfg: DemoConfig, paths: DemoPaths) -> list[DemoStage]:
+    """The four commands of the demo, in order, each with every argument it runs with."""
+    profile = ["--model", str(paths.model), "--batch-sizes", ",".join(map(str, _powers_of_two(cfg.batch_size)))]
+    profile += ["--token-step", str(cfg.token_step), "--seed", str(cfg.seed), "--out", str(paths.profile)]
+    plan = ["--profile", str(paths.profile), "--stages", str(cfg.stages), "--batch", str(cfg.batch_size)]
+    plan += ["--token-step", str(cfg.token_step), "--out", str(paths.plan)]
+    train = ["--plan", str(paths.plan), "--steps", str(cfg.steps), "--seed", str(cfg.seed), "--lr", str(cfg.lr)]
+    train += ["--out", str(paths.run)]
+    return [
+        DemoStage("profile", ["profile", *profile, *(["--quick"] if cfg.profile_quick else [])]),
+        DemoStage("plan", ["plan", *plan]),
+        DemoStage("train", ["train", *train]),
+        DemoStage("report", ["report", str(paths.run), "--warmup", str(cfg.warmup)]),
+    ]
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    """Batch-slice sizes to profile for B > 1: 1, 2, 4, … up to B (the planner interpolates between them)."""
+    sizes, b = [], 1
+    while b < limit:
+        sizes.append(b)
+        b *= 2
+    return sizes + [limit]
 
 
 def model_toml(model: ModelConfig) -> str:

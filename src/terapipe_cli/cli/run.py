@@ -1,7 +1,7 @@
 """``terapipe run``: the whole flow in one command — profile -> plan -> train -> report — on the demo settings.
 
-Each stage is the very command a user would type (the same functions, so the same checks and output); the
-equivalent command line is printed before it, so the demo also teaches the four commands.
+Each stage is the very command a user would type (`terapipe_cli.demo.demo_stages` builds its argument list once):
+the command line is printed whole, then run through the same parser, so the demo also teaches the four commands.
 """
 
 from __future__ import annotations
@@ -41,11 +41,7 @@ def run(
     ] = False,
     out: Annotated[Path, typer.Option("--out", "-o", help="Folder for the demo's runs.")] = Path("runs/demo"),
 ) -> None:
-    from terapipe_cli.cli.plan import plan as plan_command
-    from terapipe_cli.cli.profile import profile as profile_command
-    from terapipe_cli.cli.report import report as report_command
-    from terapipe_cli.cli.train import train as train_command
-    from terapipe_cli.demo import DemoPaths, load_demo_config, model_toml
+    from terapipe_cli.demo import DemoPaths, demo_stages, load_demo_config, model_toml
     from terapipe_cli.files import write_text_atomic
     from terapipe_cli.report.build import FILES
 
@@ -58,94 +54,29 @@ def run(
         f"K={cfg.stages}, B={cfg.batch_size}, {cfg.steps} steps -> {paths.root}"
     )
     write_text_atomic(paths.model, model_toml(cfg.model))
-
-    def stage(n: int, name: str, argv: list[str]) -> None:
-        console.rule(f"[bold]{n}/4 {name}[/]  [dim]{shlex.join(['terapipe', *argv])}[/]", align="left")
-
-    batch_sizes = ",".join(str(b) for b in _powers_of_two(cfg.batch_size))
-    stage(
-        1,
-        "profile",
-        [
-            "profile",
-            "--model",
-            str(paths.model),
-            "--batch-sizes",
-            batch_sizes,
-            "--token-step",
-            str(cfg.token_step),
-            "--seed",
-            str(cfg.seed),
-            "--out",
-            str(paths.profile),
-        ]
-        + (["--quick"] if cfg.profile_quick else []),
-    )
-    profile_command(
-        model=paths.model,
-        batch_sizes=batch_sizes,
-        token_step=cfg.token_step,
-        quick=cfg.profile_quick,
-        seed=cfg.seed,
-        out=paths.profile,
-    )
-
-    stage(
-        2,
-        "plan",
-        [
-            "plan",
-            "--profile",
-            str(paths.profile),
-            "--stages",
-            str(cfg.stages),
-            "--batch",
-            str(cfg.batch_size),
-            "--out",
-            str(paths.plan),
-        ],
-    )
-    plan_command(
-        profile=paths.profile, stages=cfg.stages, batch=cfg.batch_size, token_step=cfg.token_step, out=paths.plan
-    )
-
-    stage(
-        3,
-        "train",
-        [
-            "train",
-            "--plan",
-            str(paths.plan),
-            "--steps",
-            str(cfg.steps),
-            "--seed",
-            str(cfg.seed),
-            "--lr",
-            f"{cfg.lr:g}",
-            "--out",
-            str(paths.run),
-        ],
-    )
-    train_command(plan=paths.plan, steps=cfg.steps, out=paths.run, seed=cfg.seed, lr=cfg.lr)
-
-    stage(4, "report", ["report", str(paths.run), "--warmup", str(cfg.warmup)])
-    report_command(run_dir=paths.run, warmup=cfg.warmup)
+    stages = demo_stages(cfg, paths)
+    for n, stage in enumerate(stages, 1):
+        console.rule(f"[bold]{n}/{len(stages)} {stage.name}[/]", align="left")
+        # Whole and unwrapped, so that it pastes into a shell as it is.
+        console.print(shlex.join(["terapipe", *stage.argv]), style="dim", markup=False, soft_wrap=True)
+        _run_command(stage.argv)
 
     console.rule(f"[bold]done[/] in {time.perf_counter() - started:.0f} s", align="left")
     console.print("pictures:")
     for name in FILES:
         if name.endswith(".png") or name == "trace.json":
-            console.print(f"  {paths.report / name}")
+            console.print(f"  {paths.report / name}", markup=False, soft_wrap=True)
     console.print(f"report: {paths.report / 'report.md'}  ·  trace.json opens in https://ui.perfetto.dev")
 
 
-def _powers_of_two(limit: int) -> list[int]:
-    """Batch-slice sizes to profile for B > 1: 1, 2, 4, … up to B (the planner interpolates between them)."""
-    sizes, b = [], 1
-    while b < limit:
-        sizes.append(b)
-        b *= 2
-    return sizes + [limit]
+def _run_command(argv: list[str]) -> None:
+    """Run ``terapipe ARGV`` in this process through the parser a typed command line goes through; its errors
+    propagate exactly as they would from the command itself."""
+    from terapipe_cli.cli import app
+
+    code = typer.main.get_command(app).main(args=argv, prog_name="terapipe", standalone_mode=False)
+    if isinstance(code, int) and code:  # a command that ended through typer.Exit(code): stop the demo there
+        raise SystemExit(code)
 
 
 def register(app: typer.Typer) -> None:
