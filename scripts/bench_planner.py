@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """Planner benchmark: the exact default method against the published ε-enumeration, side by side.
 
-Synthetic costs of the reference shapes (SPEC §5, issue 2): a roofline-style GPU layer — FLOPs of one decoder layer
-(24·b·i·H² + 4·b·i·(i+j)·H forward, ×3 with backward) split over 8-way tensor parallelism, at a peak throughput
-scaled by an efficiency that falls for small tiles, plus a kernel-launch floor and the stage-to-stage transfer of
-the activation and its gradient. The two methods run interleaved (A B A B …) on the same cost; each row prints the
-median seconds (min–max), the speed-up, and both objectives.
+The costs are the project's own: an analytic profile (docs/design.md §12) of each GPT-3 model on the V100 nodes of
+configs/hardware/v100.toml with 8-way tensor parallelism, read by the cost model of docs/design.md §3 for a stage
+of the row's layers. The shapes are the reference ones of the planner's search (docs/design.md §5): B = 2, 8, 32,
+72, a long sequence (L = 8192) and a token step of one. The two methods run interleaved (A B A B …) on the same
+cost; each row prints the median seconds (min–max), the speed-up, and both objectives.
 
     python scripts/bench_planner.py                 # all rows, 3 repeats
     python scripts/bench_planner.py --repeats 1 --rows 1,2
@@ -19,52 +19,43 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
 
-import numpy as np  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from terapipe_cli.config import load_model_config  # noqa: E402
+from terapipe_cli.costmodel import CostModel, profile_from_dict  # noqa: E402
+from terapipe_cli.hardware import load_hardware  # noqa: E402
 from terapipe_cli.planner import solve  # noqa: E402
+from terapipe_cli.profile.analytic import analytic_profile  # noqa: E402
 
+HARDWARE = ROOT / "configs" / "hardware" / "v100.toml"
+TENSOR_PARALLEL = 8
 
-class SyntheticGpuCost:
-    """t(b, i, j) for one stage of `layers` decoder layers of hidden size H on a V100-like device (fp16)."""
-
-    def __init__(
-        self,
-        hidden: int,
-        layers: int,
-        tensor_parallel: int = 8,
-        peak_flops: float = 100e12,
-        half_efficiency_tokens: float = 96.0,
-        launch_s: float = 150e-6,
-        latency_s: float = 20e-6,
-        bytes_per_s: float = 25e9 / 8,
-    ) -> None:
-        self.H, self.layers, self.tp = hidden, layers, tensor_parallel
-        self.peak, self.x0, self.launch = peak_flops, half_efficiency_tokens, launch_s
-        self.latency, self.bw = latency_s, bytes_per_s
-
-    def __call__(self, b, i, j):
-        b, i, j = (np.asarray(x, dtype=float) for x in (b, i, j))
-        tokens = b * i
-        flops = 3.0 * (24.0 * tokens * self.H**2 + 4.0 * tokens * (i + j) * self.H) / self.tp
-        efficiency = tokens / (tokens + self.x0)
-        layer = self.launch + flops / (self.peak * efficiency)
-        comm = 2.0 * (self.latency + tokens * self.H * 2.0 / self.bw)
-        return self.layers * layer + comm
-
-
-# (label, seq_len, token_step, batch, stages, hidden, layers per stage)
+# (label, model file under configs/models, token_step, batch, stages); L is the model's sequence length.
 ROWS = [
-    ("GPT3-44B  L=2048 g=8 B=2  K=48", 2048, 8, 2, 48, 6144, 2),
-    ("GPT3-44B  L=2048 g=8 B=8  K=48", 2048, 8, 8, 48, 6144, 2),
-    ("GPT3-13B  L=2048 g=8 B=32 K=20", 2048, 8, 32, 20, 5120, 2),
-    ("GPT3-1B   L=2048 g=8 B=72 K=12", 2048, 8, 72, 12, 2048, 2),
-    ("GPT3-13B  L=8192 g=8 B=2  K=40", 8192, 8, 2, 40, 5120, 1),
-    ("GPT3-1B   L=2048 g=1 B=1  K=8", 2048, 1, 1, 8, 2048, 3),
+    ("GPT3-44B  L=2048 g=8 B=2  K=48", "gpt3-44b", 8, 2, 48),
+    ("GPT3-44B  L=2048 g=8 B=8  K=48", "gpt3-44b", 8, 8, 48),
+    ("GPT3-13B  L=2048 g=8 B=32 K=20", "gpt3-13b", 8, 32, 20),
+    ("GPT3-1B   L=2048 g=8 B=72 K=12", "gpt3-1b", 8, 72, 12),
+    ("GPT3-13B  L=8192 g=8 B=2  K=40", "gpt3-13b-L8192", 8, 2, 40),
+    ("GPT3-1B   L=2048 g=1 B=1  K=8", "gpt3-1b", 1, 1, 8),
 ]
+
+
+def analytic_cost(model_name: str, token_step: int, batch: int, stages: int) -> CostModel:
+    """The cost of one stage from an analytic profile whose grid holds every batch-slice size up to B."""
+    model = load_model_config(ROOT / "configs" / "models" / f"{model_name}.toml")
+    obj = analytic_profile(
+        model,
+        load_hardware(HARDWARE),
+        tensor_parallel=TENSOR_PARALLEL,
+        batch_sizes=range(1, batch + 1),
+        token_step=token_step,
+    )
+    return CostModel(profile_from_dict(obj, f"analytic profile of {model_name}"), stages)
 
 
 def main() -> None:
@@ -84,8 +75,9 @@ def main() -> None:
     for col in columns:
         table.add_column(col, justify="left" if col in ("shape", "exact scheme") else "right")
     rows_out: list[list[str]] = []
-    for label, L, g, B, K, H, layers in rows:
-        cost = SyntheticGpuCost(H, layers)
+    for label, model_name, g, B, K in rows:
+        cost = analytic_cost(model_name, g, B, K)
+        L = cost.profile.model.seq_len
         t_exact, t_enum, res_exact, res_enum = [], [], None, None
         for _ in range(args.repeats):
             started = time.perf_counter()

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Plan every published TeraPipe setting from analytic profiles and print one table.
 
-For each experiment file (default: configs/experiments/paper-*.toml, the ten settings of SPEC §7 and the
+For each experiment file (default: configs/experiments/paper-*.toml, the ten settings of docs/design.md §7 and the
 long-sequence runs) this builds an analytic profile of the experiment's model on its hardware, plans one
 pipeline replica (B / data-parallel sequences) with the exact planner, and compares it with the best GPipe
 microbatching and the best uniform token slicing, all priced by the same cost model (data-parallel
@@ -13,7 +13,7 @@ all-reduce and optimizer step included):
 
 Columns: GPipe scheme and predicted latency per step, TeraPipe scheme and predicted latency, the predicted
 speed-up, the DP's gain over the best uniform slicing (uniform / DP latency), and the planner's seconds.
-Schemes are in the short form of SPEC §2, runs of equal slices folded (``[72]*12``); long ones are
+Schemes are in the short form of docs/design.md §2, runs of equal slices folded (``[72]*12``); long ones are
 shortened in the middle (--full shows them whole). Two more columns: the latencies the schedule simulator
 predicts for the GPipe and TeraPipe schemes (transfers overlapping compute, as the runtime's asynchronous
 sends do), and the TeraPipe plan's estimated peak memory of its fullest stage, "(!)" above the device's.
@@ -34,14 +34,13 @@ from rich.console import Console  # noqa: E402
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from terapipe_cli.costmodel import CostModel, profile_from_dict  # noqa: E402
+from terapipe_cli.costmodel import profile_from_dict  # noqa: E402
 from terapipe_cli.errors import UserError  # noqa: E402
 from terapipe_cli.experiments import Experiment, load_experiment  # noqa: E402
 from terapipe_cli.hardware import load_hardware  # noqa: E402
 from terapipe_cli.plan import short_form  # noqa: E402
-from terapipe_cli.planner import gpipe_baseline, solve, uniform_baseline  # noqa: E402
+from terapipe_cli.planning import plan_for_profile, plan_request  # noqa: E402
 from terapipe_cli.profile.analytic import analytic_profile  # noqa: E402
-from terapipe_cli.simulate import simulate, stage_memory  # noqa: E402
 
 
 @dataclass
@@ -58,7 +57,7 @@ class Row:
     gpipe_sim_s: float
     terapipe_sim_s: float
     peak_memory_bytes: float
-    device_memory_bytes: float
+    memory_exceeded: bool  # over the device memory of the hardware file
 
     @property
     def speedup(self) -> float:
@@ -70,20 +69,20 @@ class Row:
 
 
 def plan_experiment(exp: Experiment) -> Row:
-    """Analytic profile -> cost model -> exact plan and the two baselines, for one pipeline replica."""
-    B, K, L, g = exp.batch_per_replica, exp.stages, exp.seq_len, exp.token_step
+    """Analytic profile -> the library's plan and its two baselines, for one pipeline replica."""
+    B, g = exp.batch_per_replica, exp.token_step
     # Every batch-slice size the planner may choose is on the profile's grid: analytic times cost nothing to
     # compute, and it spares the cost model's interpolation along b.
     obj = analytic_profile(
         exp.model, exp.hardware, tensor_parallel=exp.tensor_parallel, batch_sizes=range(1, B + 1), token_step=g
     )
-    cost = CostModel(
-        profile_from_dict(obj, f"analytic profile of {exp.path}"), stages=K, data_parallel=exp.data_parallel
+    profile = profile_from_dict(obj, f"analytic profile of {exp.path}")
+    request = plan_request(
+        profile, stages=exp.stages, batch_size=B, seq_len=exp.seq_len, token_step=g, data_parallel=exp.data_parallel
     )
-    res = solve(cost, seq_len=L, batch_size=B, stages=K, token_step=g)
-    gp = gpipe_baseline(cost, seq_len=L, batch_size=B, stages=K)
-    un = uniform_baseline(cost, seq_len=L, batch_size=B, stages=K, token_step=g)
-    memory = stage_memory(res.slices, cost.profile, K) or []
+    planned = plan_for_profile(profile, request)
+    gp, res, un = planned.gpipe, planned.terapipe, planned.uniform
+    memory = planned.memory
     return Row(
         experiment=exp,
         gpipe_scheme=compact_form(gp.slices),
@@ -92,17 +91,17 @@ def plan_experiment(exp: Experiment) -> Row:
         terapipe_s=res.predicted_s,
         uniform_scheme=compact_form(un.slices),
         uniform_s=un.predicted_s,
-        step_s=cost.step_s,
+        step_s=planned.cost.step_s,
         planner_s=res.seconds,
-        gpipe_sim_s=simulate(gp.slices, cost, K).latency_s,
-        terapipe_sim_s=simulate(res.slices, cost, K).latency_s,
-        peak_memory_bytes=max((m.total_bytes for m in memory), default=float("nan")),
-        device_memory_bytes=exp.hardware.device.memory_bytes,
+        gpipe_sim_s=planned.simulated_s["gpipe"],
+        terapipe_sim_s=planned.simulated_s["terapipe"],
+        peak_memory_bytes=memory.peak_bytes if memory else float("nan"),
+        memory_exceeded=bool(memory and memory.exceeded),
     )
 
 
 def compact_form(slices) -> str:
-    """The short form of SPEC §2 with runs of equal token slices folded; still a valid Python expression."""
+    """The short form of docs/design.md §2 with runs of equal token slices folded; still a valid Python expression."""
     return short_form(slices, fold=True)
 
 
@@ -131,7 +130,7 @@ def _cells(row: Row, width: int) -> list[str]:
         f"{row.dp_gain:.3f}x",
         f"{row.planner_s:.2f}",
         f"{row.gpipe_sim_s:.3f} / {row.terapipe_sim_s:.3f}",
-        f"{row.peak_memory_bytes / 2**30:.1f}" + (" (!)" if row.peak_memory_bytes > row.device_memory_bytes else ""),
+        f"{row.peak_memory_bytes / 2**30:.1f}" + (" (!)" if row.memory_exceeded else ""),
     ]
 
 

@@ -8,14 +8,13 @@ import numpy as np
 import pytest
 
 from terapipe_cli.config import load_model_config
-from terapipe_cli.costmodel import CostModel, profile_from_dict
+from terapipe_cli.costmodel import CostModel, profile_from_dict, ring_allreduce_seconds
 from terapipe_cli.errors import UserError
 from terapipe_cli.hardware import load_hardware
 from terapipe_cli.profile.analytic import (
     analytic_profile,
     layer_flops,
     layer_seconds,
-    ring_allreduce_seconds,
     token_grid,
 )
 
@@ -122,15 +121,16 @@ def test_data_parallel_allreduce_uses_the_shared_network(profiles):
     prof = profile_from_dict(profiles[("v100", "gpt3-13b", 8)], "analytic")
     cost = CostModel(prof, stages=20, data_parallel=4)
     grad_bytes = 2 * m.params_per_layer(8) * 2  # two layers per stage, fp16 gradients
-    link = type(hw.network)(hw.network.bytes_per_s / hw.gpus_per_node, hw.network.latency_s)
-    assert cost.allreduce_s == pytest.approx(float(ring_allreduce_seconds(link, grad_bytes, 4)))
+    shared = {"latency_s": hw.network.latency_s, "bytes_per_s": hw.network.bytes_per_s / hw.gpus_per_node}
+    assert cost.allreduce_s == pytest.approx(float(ring_allreduce_seconds(grad_bytes, 4, **shared)))
 
 
 def test_ring_allreduce_formula():
     link = HW["v100"].intra_node
-    assert ring_allreduce_seconds(link, 1e6, 1) == 0
+    over = {"latency_s": link.latency_s, "bytes_per_s": link.bytes_per_s}
+    assert ring_allreduce_seconds(1e6, 1, **over) == 0
     expect = 6 * link.latency_s + 6 / 4 * 1e6 / link.bytes_per_s
-    assert ring_allreduce_seconds(link, 1e6, 4) == pytest.approx(expect)
+    assert ring_allreduce_seconds(1e6, 4, **over) == pytest.approx(expect)
 
 
 def test_tensor_parallel_speeds_a_layer_up_but_not_linearly():

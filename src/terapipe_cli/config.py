@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from terapipe_cli.errors import UserError
-from terapipe_cli.files import Fields
+from terapipe_cli.files import Fields, read_user_text
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ class ModelConfig:
         return cfg
 
     def stage_layers(self, stages: int, where: str = "stages") -> int:
-        """Layers per stage; the layer count must divide evenly (SPEC §6)."""
+        """Layers per stage; the layer count must divide evenly (docs/design.md §6)."""
         if stages < 1:
             raise UserError(f"must be at least 1, got {stages}", where=where)
         if self.layers % stages:
@@ -84,19 +84,13 @@ class ModelConfig:
 
 
 def load_toml(path: str | Path, what: str = "config") -> dict:
+    """Parse a TOML file the user named (one-line `UserError` naming it when it is missing or malformed)."""
     path = Path(path)
-    if not path.exists():
-        raise UserError(f"{what} file not found", where=str(path))
-    if path.is_dir():
-        raise UserError(f"expected a {what} TOML file, found a folder", where=str(path))
+    text = read_user_text(path, name=f"{what} file", expected=f"a {what} TOML file")
     try:
-        return tomllib.loads(path.read_text())
-    except UnicodeDecodeError:
-        raise UserError(f"not a {what} file: not text", where=str(path)) from None
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise UserError(f"malformed TOML: {e}", where=str(path)) from None
-    except OSError as e:
-        raise UserError(f"cannot read ({e.strerror})", where=str(path)) from None
 
 
 def load_model_config(path: str | Path) -> ModelConfig:

@@ -1,4 +1,4 @@
-"""The cost model t(b, i, j) of SPEC §3, built from a ``terapipe.profile/1`` file. Imports no torch.
+"""The cost model t(b, i, j) of docs/design.md §3, built from a ``terapipe.profile/1`` file. Imports no torch.
 
     t(b, i, j) = ℓ · [ t_nc(b, i) + t_ctx(b, i, j) ] + comm(b, i)
 
@@ -51,10 +51,40 @@ import numpy as np
 
 from terapipe_cli.config import ModelConfig
 from terapipe_cli.errors import UserError
-from terapipe_cli.files import Fields, read_json
+from terapipe_cli.files import Fields, read_json_with_schema
 
 PROFILE_SCHEMA = "terapipe.profile/1"
 PROFILE_SOURCES = ("measured", "analytic", "example")
+
+
+def context_terms(b, i, j) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The four terms the context coefficients multiply: 1, b·i, b·j, b·i·j (the fit's feature columns)."""
+    b, i, j = (np.asarray(x, dtype=float) for x in (b, i, j))
+    bi = b * i
+    return np.ones_like(bi), bi, b * j, bi * j
+
+
+def context_seconds(coef: tuple[float, float, float, float], b, i, j) -> np.ndarray:
+    """t_ctx = a0 + a1·b·i + a2·b·j + a3·b·i·j for j > 0, zero for j = 0, never negative.
+
+    Clipped at zero because context never makes a layer faster.
+    """
+    a0, a1, a2, a3 = coef
+    _, bi, bj, bij = context_terms(b, i, j)
+    t = a0 + a1 * bi + a2 * bj + a3 * bij
+    return np.where(np.asarray(j) > 0, np.maximum(t, 0.0), 0.0)
+
+
+def ring_allreduce_seconds(nbytes, ranks: int, *, latency_s: float, bytes_per_s: float) -> np.ndarray:
+    """Ring all-reduce of ``nbytes`` over ``ranks`` peers: 2(r−1) steps, each moving nbytes/r.
+
+    ``2(r−1)·latency + 2(r−1)/r · bytes / bandwidth``; zero for a single rank.
+    """
+    nbytes = np.asarray(nbytes, dtype=float)
+    if ranks <= 1:
+        return np.zeros_like(nbytes)
+    steps = 2 * (ranks - 1)
+    return steps * latency_s + steps / ranks * nbytes / bytes_per_s
 
 
 @dataclass(frozen=True)
@@ -66,10 +96,7 @@ class ContextFit:
     heldout_rel_err_max: float | None = None
 
     def __call__(self, b: np.ndarray, i: np.ndarray, j: np.ndarray) -> np.ndarray:
-        a0, a1, a2, a3 = self.coef
-        bi = b * i
-        t = a0 + a1 * bi + a2 * (b * j) + a3 * (bi * j)
-        return np.where(j > 0, np.maximum(t, 0.0), 0.0)
+        return context_seconds(self.coef, b, i, j)
 
 
 @dataclass(frozen=True)
@@ -190,10 +217,7 @@ def profile_from_dict(obj: dict, where: str) -> Profile:
 
 def read_profile(path: str | Path) -> Profile:
     """Read and validate a profile file (one clear error naming the file and field)."""
-    obj = read_json(path, what="profile")
-    if "schema" not in obj:
-        raise UserError(f"field 'schema' is missing (expected {PROFILE_SCHEMA!r}; not a profile?)", where=str(path))
-    prof = profile_from_dict(obj, str(path))
+    prof = profile_from_dict(read_json_with_schema(path, PROFILE_SCHEMA, "profile"), str(path))
     digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
     return _with(prof, path=str(path), sha256=digest)
 
@@ -217,7 +241,7 @@ def _interp_linear(x: np.ndarray, xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
 
 
 class CostModel:
-    """``cost(b, i, j)``: seconds for one stage's forward + backward of a tile (SPEC §3), vectorised.
+    """``cost(b, i, j)``: seconds for one stage's forward + backward of a tile (docs/design.md §3), vectorised.
 
     ``b``, ``i``, ``j`` are broadcastable integer arrays: sequences in the batch slice, new tokens, context
     tokens. ``step_s`` is the per-step constant (the optimizer update of a stage's layers plus any fixed
@@ -253,8 +277,9 @@ class CostModel:
                 where=where,
             )
         grad_bytes = self.layers_per_stage * p.params_per_layer * p.dtype_bytes
-        steps = 2 * (replicas - 1)
-        return steps * p.dp_latency_s + steps / replicas * grad_bytes / p.dp_bytes_per_s
+        return float(
+            ring_allreduce_seconds(grad_bytes, replicas, latency_s=p.dp_latency_s, bytes_per_s=p.dp_bytes_per_s)
+        )
 
     @classmethod
     def from_profile(cls, path: str | Path, stages: int, data_parallel: int = 1) -> CostModel:

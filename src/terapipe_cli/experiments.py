@@ -2,7 +2,7 @@
 
     [experiment]
     name = "paper-04-gpt3-13b"
-    setting = "4"                          # the row of SPEC §7 it reproduces (free text)
+    setting = "4"                          # the row of docs/design.md §7 it reproduces (free text)
     description = "..."                    # optional
     model = "../models/gpt3-13b.toml"      # paths are relative to this file
     hardware = "../hardware/v100.toml"
@@ -68,10 +68,6 @@ class Experiment:
     def batch_per_replica(self) -> int:
         """B of the planner: the sequences one pipeline replica runs per step."""
         return self.batch_size // self.data_parallel
-
-    @property
-    def layers_per_stage(self) -> int:
-        return self.model.layers // self.stages
 
 
 def _resolve(base: Path, value: str) -> Path:

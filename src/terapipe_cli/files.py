@@ -61,27 +61,47 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> Path:
     return write_text_atomic(path, json.dumps(obj, indent=2) + "\n")
 
 
+def read_user_text(path: Path, *, name: str, expected: str) -> str:
+    """The text of a file the user named; a missing file, a folder or bytes that are not text are one error.
+
+    ``name`` says what the file is ("profile", "model config file"), ``expected`` what a folder should have
+    been ("a profile (JSON file)").
+    """
+    if not path.exists():
+        raise UserError(f"{name} not found", where=str(path))
+    if path.is_dir():
+        raise UserError(f"expected {expected}, found a folder", where=str(path))
+    try:
+        return path.read_text()
+    except UnicodeDecodeError:
+        raise UserError(f"not a {name}: not text", where=str(path)) from None
+    except OSError as e:
+        raise UserError(f"cannot read ({e.strerror})", where=str(path)) from None
+
+
 def read_json(path: str | os.PathLike, *, schema: str | None = None, what: str = "file") -> dict:
     """Read a JSON object; with ``schema``, require its ``"schema"`` field to equal it."""
     path = Path(path)
-    if not path.exists():
-        raise UserError(f"{what} not found", where=str(path))
-    if path.is_dir():
-        raise UserError(f"expected a {what} (JSON file), found a folder", where=str(path))
+    text = read_user_text(path, name=what, expected=f"a {what} (JSON file)")
     try:
-        obj = json.loads(path.read_text())
-    except UnicodeDecodeError:
-        raise UserError(f"not a {what}: not text", where=str(path)) from None
+        obj = json.loads(text)
     except json.JSONDecodeError as e:
         raise UserError(f"malformed JSON at line {e.lineno} column {e.colno}: {e.msg}", where=str(path)) from None
-    except OSError as e:
-        raise UserError(f"cannot read ({e.strerror})", where=str(path)) from None
     if not isinstance(obj, dict):
         raise UserError(f"not a {what}: expected a JSON object", where=str(path))
     if schema is not None:
         found = obj.get("schema")
         if found != schema:
             raise UserError(f"field 'schema' is {found!r}, expected {schema!r} (not a {what}?)", where=str(path))
+    return obj
+
+
+def read_json_with_schema(path: str | os.PathLike, schema: str, what: str) -> dict:
+    """Read a JSON object that must carry a ``"schema"`` field; its value is checked by the caller's validator
+    (which names the field), a missing one here, with a hint that the file may be something else."""
+    obj = read_json(path, what=what)
+    if "schema" not in obj:
+        raise UserError(f"field 'schema' is missing (expected {schema!r}; not a {what}?)", where=str(path))
     return obj
 
 

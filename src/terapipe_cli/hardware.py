@@ -35,7 +35,7 @@ measurements; the file's comments give the source of each.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from terapipe_cli.config import load_toml
@@ -61,9 +61,6 @@ class Link:
     bytes_per_s: float
     latency_s: float
 
-    def seconds(self, nbytes: float) -> float:
-        return self.latency_s + nbytes / self.bytes_per_s
-
 
 @dataclass(frozen=True)
 class Training:
@@ -82,11 +79,6 @@ class Hardware:
     network: Link
     training: Training
     path: str | None = None
-
-    def to_dict(self) -> dict:
-        out = asdict(self)
-        out.pop("path")
-        return out
 
 
 def _check_keys(f: Fields, obj: dict, known: tuple[str, ...]) -> None:

@@ -1,6 +1,6 @@
 """The plan: a slicing scheme and everything needed to run it. Schema ``terapipe.plan/1``. Imports no torch.
 
-A *scheme* is a list of batch slices, each ``(b, [token slice lengths])`` (SPEC §2). The stable keys other
+A *scheme* is a list of batch slices, each ``(b, [token slice lengths])`` (docs/design.md §2). The stable keys other
 tools read are ``schema, model, stages, batch_size, seq_len, token_step, slices, predicted_s, t_max_s,
 baselines.{gpipe,uniform}.{slices,predicted_s}, solver, profile``; other fields may be added freely.
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from terapipe_cli.config import ModelConfig
 from terapipe_cli.errors import UserError
-from terapipe_cli.files import Fields, read_json, write_json_atomic
+from terapipe_cli.files import Fields, read_json_with_schema, write_json_atomic
 
 PLAN_SCHEMA = "terapipe.plan/1"
 
@@ -41,7 +41,7 @@ def normalize_slices(slices: Sequence, *, where: str = "slices") -> Slices:
 
 
 def check_slices(slices: Slices, *, seq_len: int, batch_size: int, where: str = "slices") -> None:
-    """Every batch slice's token slices sum to L, and the batch slices sum to B (SPEC §9)."""
+    """Every batch slice's token slices sum to L, and the batch slices sum to B (docs/design.md §9)."""
     for d, (_, lengths) in enumerate(slices):
         if sum(lengths) != seq_len:
             raise UserError(
@@ -158,10 +158,7 @@ def plan_from_dict(obj: dict, where: str) -> Plan:
 
 def read_plan(path: str | Path) -> Plan:
     """Read and validate a plan file (one clear error naming the file and field)."""
-    obj = read_json(path, what="plan")
-    if "schema" not in obj:
-        raise UserError(f"field 'schema' is missing (expected {PLAN_SCHEMA!r}; not a plan?)", where=str(path))
-    return plan_from_dict(obj, str(path))
+    return plan_from_dict(read_json_with_schema(path, PLAN_SCHEMA, "plan"), str(path))
 
 
 def write_plan(path: str | Path, obj: dict) -> Path:

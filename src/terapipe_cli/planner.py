@@ -1,4 +1,4 @@
-"""The slicing planner (SPEC §4–§5): pure numpy, no torch, no I/O.
+"""The slicing planner (docs/design.md §4–§5): pure numpy, no torch, no I/O.
 
 Given ``cost(b, i, j)`` — seconds for one stage's forward + backward of a tile of ``b`` sequences × ``i`` new
 tokens after ``j`` context tokens — find the scheme ``[(b_1, [l_11, …]), (b_2, [l_21, …]), …]`` minimising
@@ -110,12 +110,20 @@ def tile_costs(cost: Cost, slices: Sequence) -> np.ndarray:
     return np.broadcast_to(np.asarray(cost(b, i, j), dtype=float), b.shape)
 
 
+def objective(sum_s: float, t_max_s: float, stages: int, step_s: float = 0.0) -> float:
+    """The objective of docs/design.md §4: Σ t + (K−1)·max t, plus a per-step constant.
+
+    Given the sum and the largest of a scheme's tile times; every search and every report prices through here.
+    """
+    return sum_s + (stages - 1) * t_max_s + step_s
+
+
 def evaluate(cost: Cost, slices: Sequence, stages: int) -> float:
-    """The objective of SPEC §4 for any scheme: Σ t + (K−1)·max t, plus the cost's per-step constant."""
+    """The objective of any scheme, with the cost's per-step constant."""
     if stages < 1:
         raise UserError(f"must be at least 1, got {stages}", where="stages")
     t = tile_costs(cost, slices)
-    return float(t.sum() + (stages - 1) * t.max() + getattr(cost, "step_s", 0.0))
+    return float(objective(t.sum(), t.max(), stages, getattr(cost, "step_s", 0.0)))
 
 
 def _result(
@@ -124,7 +132,7 @@ def _result(
     t = tile_costs(cost, slices)
     return PlanResult(
         slices=slices,
-        predicted_s=float(t.sum() + (stages - 1) * t.max() + getattr(cost, "step_s", 0.0)),
+        predicted_s=float(objective(t.sum(), t.max(), stages, getattr(cost, "step_s", 0.0))),
         t_max_s=float(t.max()),
         sum_s=float(t.sum()),
         stages=stages,
@@ -254,7 +262,7 @@ class _Tables:
 
 
 def _width_groups(b_alive: np.ndarray, widest: np.ndarray) -> list[np.ndarray]:
-    """Group batch-slice sizes whose widest usable slice is within 2× of each other.
+    """Group batch-slice sizes whose widest usable slice is within ``_GROUP_RATIO``× of the group's widest.
 
     Large batch slices can only use short token slices under a given t_max; padding their DP rows to the width of
     small batch slices would multiply the work, so each group runs with its own widths.
@@ -412,7 +420,7 @@ def _improve(
     """The best objective among the probes' schemes and the incumbent (each scheme priced by its realised max)."""
     for pr in results:
         if pr.slices is not None:
-            T = pr.total + (stages - 1) * pr.realised
+            T = objective(pr.total, pr.realised, stages)
             if T < best_T:
                 best_T, best_slices = T, pr.slices
     return best_T, best_slices
@@ -421,14 +429,14 @@ def _improve(
 def _search_exact(tables: _Tables, stages: int, epsilon: float) -> tuple[Slices, int]:
     top = _probe(tables, np.array([np.inf]))[0]
     probes = 1
-    best_T = top.total + (stages - 1) * top.realised
+    best_T = objective(top.total, top.realised, stages)
     best_slices = top.slices
     if stages == 1:
         return best_slices, probes
     for seed in _seed_schemes(tables):
-        total, worst = _scheme_sum_max(tables, seed)
-        if total + (stages - 1) * worst < best_T:
-            best_T, best_slices = total + (stages - 1) * worst, seed
+        T = objective(*_scheme_sum_max(tables, seed), stages)
+        if T < best_T:
+            best_T, best_slices = T, seed
     slack = stages * epsilon
 
     def cutoff() -> float:
@@ -517,7 +525,7 @@ def solve(
     epsilon: float = 0.0,
     method: str = "exact",
 ) -> PlanResult:
-    """Choose token and batch slicing minimising the SPEC §4 objective.
+    """Choose token and batch slicing minimising the objective of docs/design.md §4.
 
     ``method="exact"`` (default) returns the exact optimum for ``epsilon=0`` and stays within ``stages·epsilon``
     of it otherwise; ``method="enumerate"`` is the published ε-enumeration, kept for comparison.

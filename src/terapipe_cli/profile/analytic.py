@@ -1,4 +1,4 @@
-"""Analytic profiles: the cost model of SPEC §3 estimated for hardware we do not have. Pure numpy, no torch.
+"""Analytic profiles: the cost model of docs/design.md §3 estimated for hardware we do not have. Pure numpy, no torch.
 
 One decoder layer (Megatron-style: pre-norm attention and MLP blocks, tensor parallelism over heads and the
 MLP's inner dimension, two all-reduces forward and two backward) is written down kernel by kernel, and each
@@ -30,9 +30,9 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from terapipe_cli.config import ModelConfig
-from terapipe_cli.costmodel import PROFILE_SCHEMA
+from terapipe_cli.costmodel import PROFILE_SCHEMA, ring_allreduce_seconds
 from terapipe_cli.errors import UserError
-from terapipe_cli.hardware import Device, Hardware, Link
+from terapipe_cli.hardware import Device, Hardware
 from terapipe_cli.profile.fit import fit_context
 
 # One matrix product: (name, batch count, m, n, k) with broadcastable numpy arrays; flops = 2·batch·m·n·k.
@@ -40,7 +40,7 @@ Gemm = tuple[str, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
 
 def check_tensor_parallel(model: ModelConfig, hardware: Hardware, tensor_parallel: int) -> None:
-    """Tensor parallelism splits heads and the MLP across GPUs of one node (SPEC §7)."""
+    """Tensor parallelism splits heads and the MLP across GPUs of one node (docs/design.md §7)."""
     t = tensor_parallel
     if isinstance(t, bool) or not isinstance(t, int) or t < 1:
         raise UserError(f"must be a positive integer, got {t!r}", where="tensor_parallel")
@@ -115,15 +115,6 @@ def _stream_seconds(dev: Device, nbytes: np.ndarray) -> np.ndarray:
     return np.maximum(nbytes / (dev.memory_bytes_per_s * dev.memory_efficiency), dev.kernel_launch_s)
 
 
-def ring_allreduce_seconds(link: Link, nbytes, ranks: int) -> np.ndarray:
-    """Ring all-reduce of ``nbytes`` over ``ranks`` peers: 2(r−1) steps, each moving nbytes/r."""
-    nbytes = np.asarray(nbytes, dtype=float)
-    if ranks <= 1:
-        return np.zeros_like(nbytes)
-    steps = 2 * (ranks - 1)
-    return steps * link.latency_s + steps / ranks * nbytes / link.bytes_per_s
-
-
 def layer_seconds(
     model: ModelConfig, hardware: Hardware, b, i, j, tensor_parallel: int = 1
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -164,7 +155,8 @@ def layer_seconds(
     backward = backward + sum(_stream_seconds(dev, x) for x in bwd_stream)
 
     # Megatron's f/g operators: two all-reduces of the activation forward, two of its gradient backward.
-    allreduce = ring_allreduce_seconds(hardware.intra_node, act, t)
+    link = hardware.intra_node
+    allreduce = ring_allreduce_seconds(act, t, latency_s=link.latency_s, bytes_per_s=link.bytes_per_s)
     return forward + 2 * allreduce, backward + 2 * allreduce
 
 

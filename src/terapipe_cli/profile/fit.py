@@ -1,4 +1,4 @@
-"""Least-squares fits of the cost model's parametric parts (SPEC §3). Pure numpy/scipy, no torch, no I/O.
+"""Least-squares fits of the cost model's parametric parts (docs/design.md §3). Pure numpy/scipy, no torch, no I/O.
 
 Both fits minimise *relative* error (each residual divided by the measured time), because the planner
 cares about every tile in proportion to its cost: an unweighted fit is dominated by the largest tiles and
@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 from scipy.optimize import lsq_linear
+
+from terapipe_cli.costmodel import context_seconds, context_terms
 
 # The smallest seconds-per-byte a link fit may report: keeps bytes_per_s finite (JSON has no infinity)
 # when the measured slope is zero within noise; 1e-15 s/B is 1 PB/s, far above any real link.
@@ -46,11 +48,8 @@ class ContextFitResult:
     fit_err: RelErr
 
     def t_ctx(self, b, i, j) -> np.ndarray:
-        """The fitted context term, zero at j = 0 and never negative (as `costmodel.ContextFit`)."""
-        b, i, j = (np.asarray(x, dtype=float) for x in (b, i, j))
-        a0, a1, a2, a3 = self.coef
-        t = a0 + a1 * b * i + a2 * b * j + a3 * b * i * j
-        return np.where(j > 0, np.maximum(t, 0.0), 0.0)
+        """The fitted context term, exactly as the cost model evaluates it."""
+        return context_seconds(self.coef, b, i, j)
 
     def errors(self, b, i, j, t_nc, t_measured) -> RelErr:
         """Relative error of the predicted tile time t_nc + t_ctx against measured tile times."""
@@ -86,7 +85,7 @@ def fit_context(b, i, j, t_nc, t_measured) -> ContextFitResult:
         raise ValueError(f"fit_context: need at least 4 points for 4 coefficients, got {b.size}")
     if np.any(j <= 0) or np.any(t <= 0):
         raise ValueError("fit_context: every point needs j > 0 and a positive measured time")
-    X = np.stack([np.ones_like(b), b * i, b * j, b * i * j], axis=1)
+    X = np.stack(context_terms(b, i, j), axis=1)
     w = 1.0 / t
     A, y = X * w[:, None], (t - t_nc) * w
     # Columns span ~6 orders of magnitude (1 … b·i·j); scale them to unit norm so the solver is well

@@ -1,0 +1,210 @@
+"""From a profile and a training shape to a plan: the options checked, the TeraPipe scheme planned, its GPipe and
+uniform baselines priced by the same cost model, all three replayed by the simulator, and the memory estimate
+checked against a limit. Imports no torch.
+
+`terapipe plan` and `scripts/paper_table.py` both plan through `plan_for_profile`; the plan file is
+`Planned.to_plan_dict` (docs/design.md §8). Option errors name the command-line flag (``--stages``): that is the
+name the user typed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from terapipe_cli import __version__
+from terapipe_cli.costmodel import CostModel, Profile
+from terapipe_cli.errors import UserError
+from terapipe_cli.plan import make_plan_dict
+from terapipe_cli.planner import METHODS, PlanResult, gpipe_baseline, solve, uniform_baseline
+from terapipe_cli.simulate import StageMemory, simulate, stage_memory
+from terapipe_cli.units import format_bytes, utc_timestamp
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What to plan, checked against the profile; ``seq_len`` and ``token_step`` resolved to numbers."""
+
+    stages: int
+    batch_size: int
+    seq_len: int
+    token_step: int
+    epsilon: float = 0.0
+    method: str = "exact"
+    data_parallel: int = 1
+    memory_limit_gib: float | None = None
+
+
+def plan_request(
+    profile: Profile,
+    *,
+    stages: int,
+    batch_size: int,
+    seq_len: int | None = None,
+    token_step: int | None = None,
+    epsilon: float = 0.0,
+    method: str = "exact",
+    data_parallel: int = 1,
+    memory_limit_gib: float | None = None,
+) -> PlanRequest:
+    """Check the options against each other and the profile; L and g default to the model's and the profile's."""
+    model = profile.model
+    if stages < 1:
+        raise UserError(f"must be at least 1, got {stages}", where="--stages")
+    if batch_size < 1:
+        raise UserError(f"must be at least 1, got {batch_size}", where="--batch")
+    if data_parallel < 1:
+        raise UserError(f"must be at least 1, got {data_parallel}", where="--data-parallel")
+    if not (epsilon >= 0 and math.isfinite(epsilon)):
+        raise UserError(f"must be a non-negative number of seconds, got {epsilon}", where="--epsilon")
+    if memory_limit_gib is not None and not (memory_limit_gib > 0 and math.isfinite(memory_limit_gib)):
+        raise UserError(f"must be a positive number of GiB, got {memory_limit_gib}", where="--memory-limit")
+    if method not in METHODS:
+        raise UserError(f"must be 'exact' or 'enumerate', got {method!r}", where="--method")
+    source = profile.path or "the profile"
+    model.stage_layers(stages, where=f"--stages (model {model.name} in {source})")
+    L = model.seq_len if seq_len is None else seq_len
+    g = profile.token_step if token_step is None else token_step
+    if L < 1:
+        raise UserError(f"must be at least 1, got {L}", where="--seq-len")
+    if L > model.seq_len:
+        raise UserError(f"{L} is longer than the model's seq_len {model.seq_len} (in {source})", where="--seq-len")
+    if g < 1:
+        raise UserError(f"must be at least 1, got {g}", where="--token-step")
+    if L % g:
+        raise UserError(f"the sequence length {L} is not a multiple of the token step {g}", where="--token-step")
+    return PlanRequest(stages, batch_size, L, g, epsilon, method, data_parallel, memory_limit_gib)
+
+
+@dataclass(frozen=True)
+class MemoryCheck:
+    """The estimated peak memory of every stage and the limit it is checked against (docs/design.md §10)."""
+
+    per_stage: list[StageMemory]
+    limit_bytes: float | None
+    limit_source: str | None  # completes "more than the 16.0 GiB ...": where the limit came from
+
+    @property
+    def peak_bytes(self) -> float:
+        return max(m.total_bytes for m in self.per_stage)
+
+    @property
+    def fullest_stage(self) -> int:
+        return [m.total_bytes for m in self.per_stage].index(self.peak_bytes)
+
+    @property
+    def exceeded(self) -> bool:
+        return bool(self.limit_bytes) and self.peak_bytes > self.limit_bytes
+
+    def summary(self) -> str:
+        limit = f", limit {format_bytes(self.limit_bytes)}" if self.limit_bytes else ""
+        return f"estimated peak memory per stage: {format_bytes(self.peak_bytes)} (largest){limit}"
+
+    def warning(self) -> str | None:
+        """One line for a plan whose fullest stage does not fit, with what to change; None when it fits."""
+        if not self.exceeded:
+            return None
+        return (
+            f"stage {self.fullest_stage} needs about {format_bytes(self.peak_bytes)}, more than the "
+            f"{format_bytes(self.limit_bytes)} {self.limit_source}; use more stages, a smaller batch, or tensor "
+            "parallelism"
+        )
+
+    def to_dict(self) -> dict:
+        out = {
+            "per_stage_bytes": [m.total_bytes for m in self.per_stage],
+            "state_bytes": [m.state_bytes for m in self.per_stage],
+            "activation_bytes": [m.activation_bytes for m in self.per_stage],
+        }
+        if self.limit_bytes is not None:
+            out.update(limit_bytes=self.limit_bytes, limit_source=self.limit_source)
+        return out
+
+
+def check_memory(per_stage: list[StageMemory] | None, device: dict, limit_gib: float | None) -> MemoryCheck | None:
+    """The limit is ``--memory-limit`` when given, else the profile's device memory when it records one."""
+    if per_stage is None:
+        return None
+    if limit_gib is not None:
+        return MemoryCheck(per_stage, limit_gib * 2**30, "GiB of --memory-limit")
+    if isinstance(device.get("memory_bytes"), (int, float)):
+        source = f"of the profile's device ({device.get('name', '?')})"
+        return MemoryCheck(per_stage, float(device["memory_bytes"]), source)
+    return MemoryCheck(per_stage, None, None)
+
+
+@dataclass(frozen=True)
+class Planned:
+    """The TeraPipe plan and its baselines, each with its formula and simulated latency."""
+
+    profile: Profile
+    request: PlanRequest
+    cost: CostModel
+    terapipe: PlanResult
+    gpipe: PlanResult
+    uniform: PlanResult
+    simulated_s: dict[str, float]  # by "terapipe", "gpipe", "uniform"
+    memory: MemoryCheck | None
+
+    def schemes(self) -> list[tuple[str, PlanResult]]:
+        return [("terapipe", self.terapipe), ("gpipe", self.gpipe), ("uniform", self.uniform)]
+
+    def speedup_vs_gpipe(self, result: PlanResult) -> float:
+        return self.gpipe.predicted_s / result.predicted_s
+
+    def to_plan_dict(self, profile_path: str) -> dict:
+        """The ``terapipe.plan/1`` object that `terapipe train` runs."""
+        r, best, prof = self.request, self.terapipe, self.profile
+        return make_plan_dict(
+            model=prof.model,
+            stages=r.stages,
+            batch_size=r.batch_size,
+            seq_len=r.seq_len,
+            token_step=r.token_step,
+            slices=best.slices,
+            predicted_s=best.predicted_s,
+            data_parallel=r.data_parallel,
+            simulated_s=self.simulated_s["terapipe"],
+            t_max_s=best.t_max_s,
+            sum_s=best.sum_s,
+            tiles=best.tiles,
+            step_s=self.cost.step_s,
+            speedup_vs_gpipe=self.speedup_vs_gpipe(best),
+            baselines={
+                "gpipe": {
+                    **self.gpipe.to_dict(),
+                    "microbatch": self.gpipe.extra["microbatch"],
+                    "simulated_s": self.simulated_s["gpipe"],
+                },
+                "uniform": {**self.uniform.to_dict(), **self.uniform.extra, "simulated_s": self.simulated_s["uniform"]},
+            },
+            memory=None if self.memory is None else self.memory.to_dict(),
+            solver={"method": r.method, "epsilon": r.epsilon, "seconds": best.seconds, "candidates": best.candidates},
+            profile={
+                "path": profile_path,
+                "sha256": prof.sha256,
+                "source": prof.source,
+                "device": prof.device.get("name"),
+            },
+            created=utc_timestamp(),
+            terapipe_version=__version__,
+        )
+
+
+def plan_for_profile(profile: Profile, request: PlanRequest) -> Planned:
+    """Plan ``request`` on ``profile``: the exact (or enumerated) TeraPipe scheme, GPipe and the best uniform
+    slicing, each simulated, and the TeraPipe plan's memory per stage."""
+    r = request
+    cost = CostModel(profile, r.stages, r.data_parallel)
+    shape = {"seq_len": r.seq_len, "batch_size": r.batch_size, "stages": r.stages}
+    best = solve(cost, **shape, token_step=r.token_step, epsilon=r.epsilon, method=r.method)
+    gpipe = gpipe_baseline(cost, **shape)
+    uniform = uniform_baseline(cost, **shape, token_step=r.token_step)
+    # The formula prices every tile's transfers inside the tile; the simulator replays the schedule with
+    # asynchronous sends, as the runtime runs it. Both are reported.
+    simulated = {
+        name: simulate(res.slices, cost, r.stages).latency_s
+        for name, res in (("terapipe", best), ("gpipe", gpipe), ("uniform", uniform))
+    }
+    memory = check_memory(stage_memory(best.slices, profile, r.stages), profile.device, r.memory_limit_gib)
+    return Planned(profile, r, cost, best, gpipe, uniform, simulated, memory)
