@@ -11,7 +11,6 @@ attention over context from its 4·b·i·j·H FLOPs. Backward costs about twice 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from terapipe_cli.config import load_model_config  # noqa: E402
 from terapipe_cli.files import write_json_atomic  # noqa: E402
+from terapipe_cli.units import utc_timestamp  # noqa: E402
 
 FLOPS_PER_S = 25e9  # one CPU core, fp32 matrix products
 OVERHEAD_FWD_S = 0.35e-3  # per layer per slice
@@ -47,7 +47,7 @@ def main() -> None:
         "note": "MADE UP from a formula by scripts/make_example_profile.py, not measured: a single-thread CPU at "
         f"{FLOPS_PER_S / 1e9:.0f} GFLOP/s with {OVERHEAD_FWD_S * 1e3:.2f}/{OVERHEAD_BWD_S * 1e3:.2f} ms "
         "forward/backward overhead per layer per slice. Use `terapipe profile` for real numbers.",
-        "created": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "created": utc_timestamp(),
         "device": {"kind": "cpu", "name": "formula (example)", "threads": 1},
         "model": model.to_dict(),
         "dtype_bytes": 4,

@@ -60,7 +60,7 @@ def random_table(rng: np.random.Generator, batch: int, n: int, kind: str) -> np.
     """A (batch + 1, n + 1, n + 1) table of tile costs of one of several families.
 
     * ``increasing``: strictly increasing in b, i and j (the shape real costs have), float.
-    * ``affine``: overhead + per-token + context term, like SPEC §3's model, float.
+    * ``affine``: overhead + per-token + context term, like docs/design.md §3's model, float.
     * ``arbitrary``: independent uniform values, no structure at all.
     * ``integer``: small integers 1..4 — many exact ties between tiles and between schemes.
     * ``context_free``: does not depend on j at all (then the order of slices is irrelevant).
@@ -166,7 +166,7 @@ def tile_costs(cost: Callable, b: int, lengths: Sequence[int]) -> np.ndarray:
 
 
 def objective(cost: Callable, scheme: Scheme, stages: int) -> float:
-    """SPEC §4 computed straight from the definition: Σ tiles + (K-1)·max tile + step_s."""
+    """docs/design.md §4 computed straight from the definition: Σ tiles + (K-1)·max tile + step_s."""
     tiles = np.concatenate([tile_costs(cost, b, lengths) for b, lengths in scheme])
     return float(tiles.sum() + (stages - 1) * tiles.max() + getattr(cost, "step_s", 0.0))
 
@@ -197,7 +197,7 @@ def _composition_table(cost: Callable, b: int, n: int, g: int):
 
 
 def brute_optimum(cost: Callable, seq_len: int, batch_size: int, stages: int, token_step: int) -> BruteResult:
-    """The exact optimum of SPEC §4 by enumeration (see the module docstring for why it is exact)."""
+    """The exact optimum of docs/design.md §4 by enumeration (see the module docstring for why it is exact)."""
     assert seq_len % token_step == 0
     n, g = seq_len // token_step, token_step
     tables = {b: _composition_table(cost, b, n, g) for b in range(1, batch_size + 1)}
@@ -248,7 +248,7 @@ def _ordered_partitions(total: int) -> Iterator[tuple[int, ...]]:
 
 
 def dp_reference(cost: Callable, seq_len: int, batch_size: int, stages: int, token_step: int) -> float:
-    """The optimum for sizes too large to enumerate: SPEC §5's DP run for EVERY threshold at once.
+    """The optimum for sizes too large to enumerate: docs/design.md §5's DP run for EVERY threshold at once.
 
     Written here, plainly, as a second opinion on the planner's pruned search: no candidate is skipped,
     so this is exact by the threshold argument of the module docstring. Thresholds above U/K, where U is

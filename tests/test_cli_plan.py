@@ -6,11 +6,10 @@ import copy
 import hashlib
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import terapipe
 
 from terapipe_cli.costmodel import CostModel
 from terapipe_cli.plan import read_plan, short_form
@@ -36,18 +35,6 @@ PLAN_KEYS = {
     "solver",
     "profile",
 }
-
-
-def terapipe(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1", "TERM": "dumb"}
-    return subprocess.run(
-        [sys.executable, "-m", "terapipe_cli", *map(str, args)],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
 
 
 def plan_args(*extra: str, profile: Path = EXAMPLE, stages: int = 2, batch: int = 2) -> list[str]:

@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+from file_errors import assert_file_error
 
 from terapipe_cli.errors import UserError
 from terapipe_cli.hardware import load_hardware
@@ -54,10 +55,7 @@ V100 = (ROOT / "configs" / "hardware" / "v100.toml").read_text()
 def test_bad_file_is_one_line_naming_the_field(tmp_path: Path, edit, field: str):
     path = tmp_path / "hw.toml"
     path.write_text(edit(V100))
-    with pytest.raises(UserError) as e:
-        load_hardware(path)
-    msg = str(e.value)
-    assert "\n" not in msg and str(path) in msg and field in msg
+    assert_file_error(load_hardware, path, field)
 
 
 def test_missing_and_malformed_files(tmp_path: Path):

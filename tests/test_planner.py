@@ -1,4 +1,4 @@
-"""The planner (SPEC §4–§5) against an independent brute force (tests/brute.py) and hand-worked examples."""
+"""The planner (docs/design.md §4–§5) against an independent brute force (tests/brute.py) and hand-worked examples."""
 
 from __future__ import annotations
 
@@ -41,6 +41,23 @@ def assert_valid_scheme(slices, *, seq_len: int, batch_size: int, token_step: in
         assert all(n >= token_step and n % token_step == 0 for n in lengths), (b, lengths, token_step)
 
 
+def solve_case(case, *, cost=None, stages: int | None = None, **options):
+    """solve() on a brute-force case's shape; ``cost`` and ``stages`` replace the case's, ``options`` go to solve."""
+    return solve(
+        case.cost if cost is None else cost,
+        seq_len=case.seq_len,
+        batch_size=case.batch,
+        stages=case.stages if stages is None else stages,
+        token_step=case.token_step,
+        **options,
+    )
+
+
+def brute_case(case):
+    """The brute-force optimum of a case."""
+    return brute_optimum(case.cost, case.seq_len, case.batch, case.stages, case.token_step)
+
+
 def check_result(res, case, optimum: float, slack: float = 0.0) -> None:
     """A solve() result: a valid scheme whose own objective is reported, within `slack` of the optimum."""
     assert_valid_scheme(res.slices, seq_len=case.seq_len, batch_size=case.batch, token_step=case.token_step)
@@ -74,16 +91,8 @@ def test_brute_force_agrees_with_naive_enumeration(seed: int) -> None:
 @pytest.mark.parametrize("seed", SEEDS)
 def test_solve_finds_the_brute_force_optimum(seed: int, method: str) -> None:
     case = make_case(seed)
-    brute = brute_optimum(case.cost, case.seq_len, case.batch, case.stages, case.token_step)
-    res = solve(
-        case.cost,
-        seq_len=case.seq_len,
-        batch_size=case.batch,
-        stages=case.stages,
-        token_step=case.token_step,
-        epsilon=0.0,
-        method=method,
-    )
+    brute = brute_case(case)
+    res = solve_case(case, epsilon=0.0, method=method)
     check_result(res, case, brute.optimum)
     if case.kind in ("integer", "with_zeros"):
         # Integer tile costs: every objective is an exact integer, so no tolerance is needed (or allowed).
@@ -92,8 +101,8 @@ def test_solve_finds_the_brute_force_optimum(seed: int, method: str) -> None:
 
 def test_default_method_is_exact_and_epsilon_zero() -> None:
     case = make_case(7)
-    res = solve(case.cost, seq_len=case.seq_len, batch_size=case.batch, stages=case.stages, token_step=case.token_step)
-    brute = brute_optimum(case.cost, case.seq_len, case.batch, case.stages, case.token_step)
+    res = solve_case(case)
+    brute = brute_case(case)
     check_result(res, case, brute.optimum)
 
 
@@ -129,21 +138,13 @@ def test_example_profile_optimum_matches_full_threshold_dp(stages: int, batch: i
 @pytest.mark.parametrize("seed", range(0, 200, 2))
 def test_epsilon_stays_within_k_epsilon(seed: int, method: str) -> None:
     case = make_case(seed)
-    brute = brute_optimum(case.cost, case.seq_len, case.batch, case.stages, case.token_step)
+    brute = brute_case(case)
     # ε from a tiny fraction of a tile to several tiles, so that skipping really happens.
     tiles = tile_costs(case.cost, 1, [case.seq_len])
     scale = float(tiles.max()) or 1.0
     for frac in (0.01, 0.2, 1.5):
         eps = frac * scale
-        res = solve(
-            case.cost,
-            seq_len=case.seq_len,
-            batch_size=case.batch,
-            stages=case.stages,
-            token_step=case.token_step,
-            epsilon=eps,
-            method=method,
-        )
+        res = solve_case(case, epsilon=eps, method=method)
         check_result(res, case, brute.optimum, slack=case.stages * eps)
 
 
@@ -153,23 +154,9 @@ def test_epsilon_stays_within_k_epsilon(seed: int, method: str) -> None:
 @pytest.mark.parametrize("method", ["exact", "enumerate"])
 def test_step_s_is_added_once(method: str) -> None:
     case = make_case(11)
-    plain = solve(
-        case.cost,
-        seq_len=case.seq_len,
-        batch_size=case.batch,
-        stages=case.stages,
-        token_step=case.token_step,
-        method=method,
-    )
+    plain = solve_case(case, method=method)
     with_step = TableCost(case.cost.table, case.token_step, step_s=0.75)
-    res = solve(
-        with_step,
-        seq_len=case.seq_len,
-        batch_size=case.batch,
-        stages=case.stages,
-        token_step=case.token_step,
-        method=method,
-    )
+    res = solve_case(case, cost=with_step, method=method)
     assert res.predicted_s == pytest.approx(plain.predicted_s + 0.75, rel=REL)
     assert evaluate(with_step, res.slices, case.stages) == pytest.approx(res.predicted_s, rel=REL)
     assert res.t_max_s == pytest.approx(plain.t_max_s, rel=REL)  # a constant is not a tile
@@ -294,7 +281,7 @@ def test_example_profile_prefers_long_slices_first(stages: int, batch: int) -> N
     un = uniform_baseline(cost, seq_len=L, batch_size=batch, stages=stages, token_step=g)
     assert res.predicted_s <= un.predicted_s <= gp.predicted_s * (1 + REL)
     for _, lengths in res.slices:
-        # With context cost growing in j, later slices must be shorter (SPEC §1).
+        # With context cost growing in j, later slices must be shorter (docs/design.md §1).
         assert len(lengths) > 1 and lengths[0] > lengths[-1], lengths
     # The published enumeration at ε = 0 is exact too; it must agree on the objective.
     enum = solve(cost, seq_len=L, batch_size=batch, stages=stages, token_step=g, method="enumerate")
@@ -365,7 +352,7 @@ def test_more_stages_never_cost_less(seed: int) -> None:
     case = make_case(seed)
     previous = None
     for stages in range(1, 7):
-        res = solve(case.cost, seq_len=case.seq_len, batch_size=case.batch, stages=stages, token_step=case.token_step)
+        res = solve_case(case, stages=stages)
         if previous is not None:
             assert res.predicted_s >= previous.predicted_s * (1 - REL)
             assert res.predicted_s <= previous.predicted_s + previous.t_max_s * (1 + REL)

@@ -24,7 +24,6 @@ measured profile (`terapipe_cli.profile.fit.fit_context`) and checked on held-ou
 
 from __future__ import annotations
 
-import datetime as dt
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -34,6 +33,7 @@ from terapipe_cli.costmodel import PROFILE_SCHEMA, ring_allreduce_seconds
 from terapipe_cli.errors import UserError
 from terapipe_cli.hardware import Device, Hardware
 from terapipe_cli.profile.fit import fit_context
+from terapipe_cli.units import utc_timestamp
 
 # One matrix product: (name, batch count, m, n, k) with broadcastable numpy arrays; flops = 2·batch·m·n·k.
 Gemm = tuple[str, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
@@ -210,20 +210,66 @@ def analytic_profile(
     Times are per layer on one device of a tensor-parallel group of ``tensor_parallel`` GPUs, on the grid
     (``batch_sizes``) × (every multiple of ``token_step`` up to the model's seq_len).
     """
+    sizes = _check_grid(model, hardware, tensor_parallel, batch_sizes, token_step)
+    t, e = tensor_parallel, hardware.training.dtype_bytes
+    lengths = token_grid(model.seq_len, token_step)
+    bb, ii = np.meshgrid(np.array(sizes, dtype=float), np.array(lengths, dtype=float), indexing="ij")
+    fwd, bwd = layer_seconds(model, hardware, bb, ii, 0.0, t)
+    params = model.params_per_layer(t)
+    net = hardware.network
+    return {
+        "schema": PROFILE_SCHEMA,
+        "source": "analytic",
+        "note": (
+            f"ESTIMATED, not measured: roofline model of one decoder layer on {hardware.device.name} "
+            f"({hardware.name}, hardware file {hardware.path}), {hardware.training.dtype} training "
+            f"({e}-byte activations), tensor parallelism {t} inside a node; stage-to-stage transfers over the "
+            "inter-node network. Made by terapipe_cli.profile.analytic."
+        ),
+        "created": utc_timestamp(),
+        "device": _device_entry(hardware, t),
+        "model": model.to_dict(),
+        "dtype": hardware.training.dtype,
+        "dtype_bytes": e,
+        "token_step": token_step,
+        "batch_sizes": sizes,
+        "token_lengths": lengths,
+        "forward_s": fwd.tolist(),
+        "backward_s": bwd.tolist(),
+        "context": _fit_context_term(model, hardware, t, sizes, token_step),
+        "comm": {"latency_s": net.latency_s, "bytes_per_s": net.bytes_per_s},
+        "optimizer_s_per_layer": _optimizer_seconds(hardware, params),
+        "params_per_layer": params,
+        "data_parallel_link": {
+            "latency_s": net.latency_s,
+            "bytes_per_s": net.bytes_per_s / hardware.gpus_per_node,
+        },
+        "activation_bytes_per_token_per_layer": activation_bytes_per_token(model, e, t),
+        "attention_bytes_per_token_pair_per_layer": attention_bytes_per_token_pair(model, e, t),
+        "state_bytes_per_param": hardware.training.state_bytes_per_param,
+    }
+
+
+def _check_grid(
+    model: ModelConfig, hardware: Hardware, tensor_parallel: int, batch_sizes: Sequence[int], token_step: int
+) -> list[int]:
+    """The batch sizes of the grid, sorted and deduplicated, once every argument is checked."""
     check_tensor_parallel(model, hardware, tensor_parallel)
     if isinstance(token_step, bool) or not isinstance(token_step, int) or token_step < 1:
         raise UserError(f"must be a positive integer, got {token_step!r}", where="token_step")
     sizes = sorted(set(batch_sizes))
     if not sizes or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in sizes):
         raise UserError(f"must be positive integers, got {list(batch_sizes)!r}", where="batch_sizes")
-    t, e, L = tensor_parallel, hardware.training.dtype_bytes, model.seq_len
-    lengths = token_grid(L, token_step)
+    return sizes
 
-    bb, ii = np.meshgrid(np.array(sizes, dtype=float), np.array(lengths, dtype=float), indexing="ij")
-    fwd, bwd = layer_seconds(model, hardware, bb, ii, 0.0, t)
 
-    # Context term: fit on two thirds of the points, report the relative tile-time error on the rest.
-    b, i, j = _context_points(sizes, L, token_step)
+def _fit_context_term(
+    model: ModelConfig, hardware: Hardware, tensor_parallel: int, sizes: Sequence[int], token_step: int
+) -> dict:
+    """The profile's ``context`` entry: t_ctx fitted on two thirds of the points, its relative tile-time error
+    reported on the rest."""
+    t = tensor_parallel
+    b, i, j = _context_points(sizes, model.seq_len, token_step)
     f_ctx, b_ctx = layer_seconds(model, hardware, b, i, j, t)
     f_nc, b_nc = layer_seconds(model, hardware, b, i, 0.0, t)
     held = np.random.default_rng(0).permutation(b.size) % 3 == 0
@@ -238,50 +284,26 @@ def analytic_profile(
             "heldout_points": err.count,
             "fit_rel_err_max": fit.fit_err.max,
         }
+    return context
 
-    params = model.params_per_layer(t)
+
+def _optimizer_seconds(hardware: Hardware, params: int) -> float:
+    """One optimizer update of a layer's weights: memory-bound, no faster than one kernel launch."""
     dev = hardware.device
-    optimizer_s = max(
+    return max(
         params * hardware.training.optimizer_bytes_per_param / (dev.memory_bytes_per_s * dev.memory_efficiency),
         dev.kernel_launch_s,
     )
-    net = hardware.network
+
+
+def _device_entry(hardware: Hardware, tensor_parallel: int) -> dict:
+    dev = hardware.device
     return {
-        "schema": PROFILE_SCHEMA,
-        "source": "analytic",
-        "note": (
-            f"ESTIMATED, not measured: roofline model of one decoder layer on {dev.name} "
-            f"({hardware.name}, hardware file {hardware.path}), {hardware.training.dtype} training "
-            f"({e}-byte activations), tensor parallelism {t} inside a node; stage-to-stage transfers over the "
-            "inter-node network. Made by terapipe_cli.profile.analytic."
-        ),
-        "created": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "device": {
-            "kind": "cuda",
-            "name": dev.name,
-            "hardware": hardware.name,
-            "hardware_file": hardware.path,
-            "memory_bytes": dev.memory_bytes,
-            "gpus_per_node": hardware.gpus_per_node,
-            "tensor_parallel": t,
-        },
-        "model": model.to_dict(),
-        "dtype": hardware.training.dtype,
-        "dtype_bytes": e,
-        "token_step": token_step,
-        "batch_sizes": sizes,
-        "token_lengths": lengths,
-        "forward_s": fwd.tolist(),
-        "backward_s": bwd.tolist(),
-        "context": context,
-        "comm": {"latency_s": net.latency_s, "bytes_per_s": net.bytes_per_s},
-        "optimizer_s_per_layer": optimizer_s,
-        "params_per_layer": params,
-        "data_parallel_link": {
-            "latency_s": net.latency_s,
-            "bytes_per_s": net.bytes_per_s / hardware.gpus_per_node,
-        },
-        "activation_bytes_per_token_per_layer": activation_bytes_per_token(model, e, t),
-        "attention_bytes_per_token_pair_per_layer": attention_bytes_per_token_pair(model, e, t),
-        "state_bytes_per_param": hardware.training.state_bytes_per_param,
+        "kind": "cuda",
+        "name": dev.name,
+        "hardware": hardware.name,
+        "hardware_file": hardware.path,
+        "memory_bytes": dev.memory_bytes,
+        "gpus_per_node": hardware.gpus_per_node,
+        "tensor_parallel": tensor_parallel,
     }

@@ -1,0 +1,59 @@
+"""`terapipe plan`: simulated latencies, the memory estimate and its warning (issue 6)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import terapipe
+
+from terapipe_cli.config import load_model_config
+from terapipe_cli.files import write_json_atomic
+from terapipe_cli.hardware import load_hardware
+from terapipe_cli.profile.analytic import analytic_profile
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def gpt3_1b_profile(tmp_path_factory) -> Path:
+    """GPT-3 1B on the V100 nodes with 8-way tensor parallelism, as `terapipe profile --analytic` writes it."""
+    out = tmp_path_factory.mktemp("profile") / "gpt3-1b-v100.json"
+    model = load_model_config(ROOT / "configs/models/gpt3-1b.toml")
+    hardware = load_hardware(str(ROOT / "configs/hardware/v100.toml"))
+    write_json_atomic(out, analytic_profile(model, hardware, tensor_parallel=8))
+    return out
+
+
+def plan_12_stages(profile: Path, cwd: Path, *extra: str) -> subprocess.CompletedProcess:
+    return terapipe("plan", "--profile", profile, "--stages", "12", "--batch", "4", *extra, "--out", "p.json", cwd=cwd)
+
+
+def test_plan_carries_simulated_latency_and_memory(gpt3_1b_profile: Path, tmp_path: Path) -> None:
+    proc = plan_12_stages(gpt3_1b_profile, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads((tmp_path / "p.json").read_text())
+    for entry in (plan, plan["baselines"]["gpipe"], plan["baselines"]["uniform"]):
+        assert entry["simulated_s"] > 0
+        # The simulator overlaps transfers with compute; the formula counts them inside every tile.
+        assert entry["simulated_s"] <= entry["predicted_s"] * 1.0001
+    memory = plan["memory"]
+    assert len(memory["per_stage_bytes"]) == 12
+    assert memory["limit_bytes"] == pytest.approx(16 * 2**30, rel=0.05)  # the V100-16GB of the hardware file
+    assert "warning" not in proc.stderr
+
+
+def test_plan_warns_in_one_line_over_the_memory_limit(gpt3_1b_profile: Path, tmp_path: Path) -> None:
+    proc = plan_12_stages(gpt3_1b_profile, tmp_path, "--memory-limit", "0.5")
+    assert proc.returncode == 0, proc.stderr
+    warning = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(warning) == 1 and warning[0].startswith("warning:") and "0.5 GiB" in warning[0]
+    assert json.loads((tmp_path / "p.json").read_text())["memory"]["limit_bytes"] == 0.5 * 2**30
+
+
+def test_bad_memory_limit_is_one_line(gpt3_1b_profile: Path, tmp_path: Path) -> None:
+    proc = plan_12_stages(gpt3_1b_profile, tmp_path, "--memory-limit", "-1")
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "--memory-limit" in proc.stderr
+    assert not (tmp_path / "p.json").exists()
