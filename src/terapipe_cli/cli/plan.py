@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from terapipe_cli.units import format_seconds
+
+if TYPE_CHECKING:
+    from terapipe_cli.planning import Planned
 
 HELP = """Choose token and batch slicing for a profile with the exact dynamic program (docs/design.md §5).
 
@@ -91,7 +94,7 @@ def plan(
 _NAMES = {"terapipe": "TeraPipe (DP)", "gpipe": "GPipe", "uniform": "uniform (best)"}
 
 
-def _table(planned) -> Table:
+def _table(planned: Planned) -> Table:
     """The three schemes side by side: formula and simulated latency, speed-up, tiles, largest tile."""
     r = planned.request
     title = f"{planned.profile.model.name}: L={r.seq_len}, B={r.batch_size}, K={r.stages}"
