@@ -10,22 +10,11 @@ import sys
 import time
 
 import pytest
-from conftest import write_plan_file
+from conftest import terapipe, write_plan_file
 
 from terapipe_cli.runtime import checkpoint
 from terapipe_cli.runtime.rundir import read_metrics, read_summary, timeline_path
 from terapipe_cli.schedule import plan_tiles, read_timeline
-
-
-def train(*args: str, env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "terapipe_cli", "train", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, **(env or {})},
-    )
-
 
 SCHEMES = {
     # name: (slices, stages, data_parallel)
@@ -44,7 +33,9 @@ def test_verify_passes(tmp_path, name):
     slices, stages, replicas = SCHEMES[name]
     plan = write_plan_file(tmp_path / "plan.json", slices, stages=stages)
     out = tmp_path / "run"
-    p = train("--plan", str(plan), "--steps", "3", "--out", str(out), "--verify", "--data-parallel", str(replicas))
+    p = terapipe(
+        "train", "--plan", str(plan), "--steps", "3", "--out", str(out), "--verify", "--data-parallel", str(replicas)
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     assert "verified" in p.stdout
     summary = read_summary(out)
@@ -68,7 +59,8 @@ def test_verify_passes(tmp_path, name):
 def test_negative_control_without_kv_handback_fails_verification(tmp_path):
     """The check can fail: drop the earlier slices' K/V gradients and --verify must say so."""
     plan = write_plan_file(tmp_path / "plan.json", [(2, [8, 8, 16])], stages=2)
-    p = train(
+    p = terapipe(
+        "train",
         "--plan",
         str(plan),
         "--steps",
@@ -90,14 +82,14 @@ def test_killed_worker_ends_the_job_and_resume_reproduces_the_losses(tmp_path):
     common = ["--plan", str(plan), "--steps", "8", "--checkpoint-every", "3"]
 
     whole = tmp_path / "whole"
-    p = train(*common, "--out", str(whole))
+    p = terapipe("train", *common, "--out", str(whole))
     assert p.returncode == 0, p.stderr
     expected = [r["loss"] for r in read_metrics(whole)]
     assert len(expected) == 8
 
     broken = tmp_path / "broken"
     start = time.monotonic()
-    p = train(*common, "--out", str(broken), env={"TERAPIPE_TEST_FAULT": "kill:1:5"})
+    p = terapipe("train", *common, "--out", str(broken), env={"TERAPIPE_TEST_FAULT": "kill:1:5"})
     assert time.monotonic() - start < 90  # includes start-up; the failure itself is noticed in well under 60 s
     assert p.returncode != 0
     last = p.stderr.strip().splitlines()[-1]
@@ -108,7 +100,7 @@ def test_killed_worker_ends_the_job_and_resume_reproduces_the_losses(tmp_path):
         assert checkpoint.load_stage(broken, 3, stage)["step"] == 3
     assert [r["step"] for r in read_metrics(broken)] == [1, 2, 3, 4]
 
-    p = train("--resume", "--out", str(broken), "--steps", "8")
+    p = terapipe("train", "--resume", "--out", str(broken), "--steps", "8")
     assert p.returncode == 0, p.stderr
     resumed = read_metrics(broken)
     assert [r["step"] for r in resumed] == list(range(1, 9))
@@ -178,11 +170,18 @@ def test_worker_killed_from_outside(tmp_path):
         assert checkpoint.load_stage(out, step, stage)["step"] == step
 
 
-def test_worker_exception_is_named_in_one_line(tmp_path):
+def train_with_fault(tmp_path, fault: str, *options: str) -> subprocess.CompletedProcess:
+    """4 steps of a two-stage plan into tmp_path/run, with the test-only fault ``fault`` injected."""
     plan = write_plan_file(tmp_path / "plan.json", [(1, [16, 16])], stages=2)
-    p = train(
-        "--plan", str(plan), "--steps", "4", "--out", str(tmp_path / "run"), env={"TERAPIPE_TEST_FAULT": "raise:0:2"}
+    return terapipe(
+        "train",
+        *("--plan", str(plan), "--steps", "4", "--out", str(tmp_path / "run"), *options),
+        env={"TERAPIPE_TEST_FAULT": fault},
     )
+
+
+def test_worker_exception_is_named_in_one_line(tmp_path):
+    p = train_with_fault(tmp_path, "raise:0:2")
     assert p.returncode == 1
     last = p.stderr.strip().splitlines()[-1]
     assert last.startswith("terapipe: error: worker rank 0 (stage 0, replica 0) failed: RuntimeError: injected failure")
@@ -191,19 +190,8 @@ def test_worker_exception_is_named_in_one_line(tmp_path):
 
 def test_hung_worker_ends_the_job_by_timeout(tmp_path):
     """A rank that stops responding: its neighbour's wait times out and the job ends, naming both."""
-    plan = write_plan_file(tmp_path / "plan.json", [(1, [16, 16])], stages=2)
     start = time.monotonic()
-    p = train(
-        "--plan",
-        str(plan),
-        "--steps",
-        "4",
-        "--out",
-        str(tmp_path / "run"),
-        "--timeout-s",
-        "3",
-        env={"TERAPIPE_TEST_FAULT": "hang:1:2"},
-    )
+    p = train_with_fault(tmp_path, "hang:1:2", "--timeout-s", "3")
     assert time.monotonic() - start < 60
     assert p.returncode == 1
     last = p.stderr.strip().splitlines()[-1]
@@ -212,14 +200,15 @@ def test_hung_worker_ends_the_job_by_timeout(tmp_path):
 
 def test_dry_run_prints_the_torchrun_command(tmp_path):
     plan = write_plan_file(tmp_path / "plan.json", [(1, [16, 16])], stages=2)
-    p = train("--plan", str(plan), "--out", str(tmp_path / "run"), "--dry-run", "--data-parallel", "2")
+    p = terapipe("train", "--plan", str(plan), "--out", str(tmp_path / "run"), "--dry-run", "--data-parallel", "2")
     assert p.returncode == 0, p.stderr
     line = p.stdout.strip()
     assert "-m torch.distributed.run --standalone --nnodes 1 --nproc-per-node 4" in line
     assert "--module terapipe_cli.runtime.worker --run-dir" in line
     assert "OMP_NUM_THREADS=1" in line
     assert not (tmp_path / "run").exists()  # a dry run writes nothing
-    p = train(
+    p = terapipe(
+        "train",
         "--plan",
         str(plan),
         "--out",
@@ -238,7 +227,7 @@ def test_dry_run_prints_the_torchrun_command(tmp_path):
 def test_run_directory_files(tmp_path):
     plan = write_plan_file(tmp_path / "plan.json", [(1, [16, 16])], stages=2)
     out = tmp_path / "run"
-    p = train("--plan", str(plan), "--steps", "2", "--out", str(out), "--seed", "3")
+    p = terapipe("train", "--plan", str(plan), "--steps", "2", "--out", str(out), "--seed", "3")
     assert p.returncode == 0, p.stderr
     assert "step     2/2  loss" in p.stdout  # one grep-able metrics line per step
     config = json.loads((out / "config.json").read_text())

@@ -3,7 +3,7 @@
 The only idea beyond nanoGPT: a token slice of ``i`` tokens that starts after ``j`` earlier tokens attends over
 ``[keys/values of the j earlier tokens] + [its own i tokens, causally]``. Causality means position t needs
 only positions <= t, so a sequence can be cut into slices and run slice by slice with exactly the result of
-running it whole (TeraPipe, SPEC §1 and §6). The model knows nothing else about pipelining: `GPT(cfg, stage,
+running it whole (TeraPipe, docs/design.md §1 and §6). The model knows nothing else about pipelining: `GPT(cfg, stage,
 stages)` simply builds the part of the model that one pipeline stage owns; `GPT(cfg)` is the whole model.
 
 Weights are initialised per component from the seed (embedding, each layer by its global index, head), so
@@ -101,7 +101,7 @@ class Block(nn.Module):
 
 
 def stage_layer_range(cfg: ModelConfig, stage: int, stages: int) -> range:
-    """Stage k owns layers [k·N/K, (k+1)·N/K) (SPEC §6)."""
+    """Stage k owns layers [k·N/K, (k+1)·N/K) (docs/design.md §6)."""
     per = cfg.stage_layers(stages)
     if not 0 <= stage < stages:
         raise ValueError(f"stage {stage} out of range for {stages} stages")
@@ -188,7 +188,7 @@ class GPT(nn.Module):
 
 
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Summed (not averaged) cross-entropy: the step divides by all predicted tokens of the step (SPEC §6)."""
+    """Summed (not averaged) cross-entropy: the step divides by all predicted tokens of the step (docs/design.md §6)."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
 
 
@@ -201,3 +201,17 @@ def optimizer_for(module: nn.Module, lr: float) -> torch.optim.AdamW:
     no_decay = [p for p in module.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+
+
+def learning_rate(lr: float, step: int) -> float:
+    """The learning rate of ``step`` (1-based): ``lr``, the same for every step.
+
+    The workers and the single-process reference of ``--verify`` both set each step's rate from here, so
+    whatever makes it vary with the step changes both alike.
+    """
+    return lr
+
+
+def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr

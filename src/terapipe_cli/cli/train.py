@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from terapipe_cli.errors import UserError
+from terapipe_cli.runtime import require_torch
 
-DROP_KV_GRADS_ENV = "TERAPIPE_TEST_DROP_KV_GRADS"  # test-only negative control: "1" drops the K/V hand-back
+if TYPE_CHECKING:
+    from terapipe_cli.runtime.prepare import PreparedRun
 
 HELP = """Train on a plan: launch K x D torchrun workers (K pipeline stages, D data-parallel replicas) that run
 every step cut into the plan's tiles, with exactly the update single-device training would make.
@@ -66,14 +66,10 @@ def train(
     timeout_s: Annotated[float, typer.Option("--timeout-s", help="Limit on every distributed wait (seconds).")] = 120.0,
     device: Annotated[str, typer.Option("--device", help="auto (CUDA when present), cpu or cuda.")] = "auto",
 ) -> None:
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        raise UserError("needs PyTorch in this Python (see scripts/setup.sh)", where="terapipe train") from None
+    require_torch("terapipe train")
     from terapipe_cli.runtime.launch import WorkerFailed, command_line, launch
-    from terapipe_cli.runtime.prepare import prepare_run
+    from terapipe_cli.runtime.prepare import kv_handback_requested, prepare_run
 
-    console = Console(stderr=False, highlight=False)
     prepared = prepare_run(
         plan_path=plan,
         steps=steps,
@@ -91,47 +87,45 @@ def train(
         threads=threads,
         timeout_s=timeout_s,
         device=device,
-        kv_handback=os.environ.get(DROP_KV_GRADS_ENV) != "1",
+        kv_handback=kv_handback_requested(),
         write=not dry_run,
     )
-    spec = prepared.launch
     if dry_run:
-        print(command_line(spec))
+        print(command_line(prepared.launch))
         return
-    p = prepared.plan
-    console.print(
-        f"[bold]terapipe train[/] {p.short_form()}  K={p.stages} D={prepared.args.data_parallel} "
-        f"({spec.nproc_per_node * spec.nnodes} workers, {prepared.backend} on {prepared.device})  -> {spec.run_dir}"
-        + (f"  (resuming after step {spec.resume_step})" if spec.resume_step is not None else "")
-    )
+    console = Console(stderr=False, highlight=False)
+    console.print(_headline(prepared))
     start = time.perf_counter()
     try:
-        launch(spec)
+        launch(prepared.launch)
     except WorkerFailed as e:
-        sys.stdout.flush()
-        sys.stderr.write(f"terapipe: error: {e}\n")
-        raise SystemExit(WorkerFailed.exit_code) from None
-    console.print(f"done in {time.perf_counter() - start:.1f} s: {spec.run_dir}")
+        _fail(str(e), WorkerFailed.exit_code)
+    console.print(f"done in {time.perf_counter() - start:.1f} s: {prepared.launch.run_dir}")
     if verify:
         _verify(console, prepared)
 
 
-def _verify(console: Console, prepared) -> None:
-    from terapipe_cli.runtime.rundir import read_summary, write_summary
-    from terapipe_cli.runtime.verify import verify_run
-
-    args = prepared.args
-    console.print("verifying against a single-process reference (same seed, same batches) ...")
-    result = verify_run(
-        prepared.launch.run_dir,
-        prepared.plan,
-        prepared.data,
-        seed=args.seed,
-        lr=args.lr,
-        steps=args.steps,
-        data_parallel=args.data_parallel,
-        device=prepared.device,
+def _headline(prepared: PreparedRun) -> str:
+    p, spec = prepared.plan, prepared.launch
+    return (
+        f"[bold]terapipe train[/] {p.short_form()}  K={p.stages} D={prepared.args.data_parallel} "
+        f"({spec.nproc_per_node * spec.nnodes} workers, {prepared.backend} on {prepared.device})  -> {spec.run_dir}"
+        + (f"  (resuming after step {spec.resume_step})" if spec.resume_step is not None else "")
     )
+
+
+def _fail(message: str, code: int) -> None:
+    """The one error line after whatever the workers printed, and the exit code."""
+    sys.stdout.flush()
+    sys.stderr.write(f"terapipe: error: {message}\n")
+    raise SystemExit(code) from None
+
+
+def _verify(console: Console, prepared: PreparedRun) -> None:
+    from terapipe_cli.runtime.verify import verify_and_record
+
+    console.print("verifying against a single-process reference (same seed, same batches) ...")
+    result = verify_and_record(prepared)
     table = Table(
         title="--verify: pipelined run vs single process (fp32)",
         caption="rel: |Δ|/|ref| per step's loss; ‖Δ‖₂/‖ref‖₂ per gradient or weight tensor",
@@ -148,12 +142,7 @@ def _verify(console: Console, prepared) -> None:
             "[green]ok[/]" if c.ok else "[red]MISMATCH[/]",
         )
     console.print(table)
-    summary = read_summary(prepared.launch.run_dir)
-    summary.pop("schema", None)
-    write_summary(prepared.launch.run_dir, {**summary, "verify": result.to_dict()})
     if not result.ok:
         bad = ", ".join(c.what for c in result.checks if not c.ok)
-        sys.stdout.flush()
-        sys.stderr.write(f"terapipe: error: verification failed ({bad}): see the table above\n")
-        raise SystemExit(1)
+        _fail(f"verification failed ({bad}): see the table above", 1)
     console.print("[green]verified[/]: the pipelined run matches single-device training")

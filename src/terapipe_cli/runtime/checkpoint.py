@@ -4,7 +4,7 @@
     checkpoints/step_000010/stage_001.pt       "model": state_dict, "optimizer": state_dict}
     checkpoints/step_000010/complete.json     {"schema": "terapipe.checkpoint-marker/1", "step", "stages", "files"}
 
-Each stage file is written to a temporary file and renamed; after a collective confirms all stages have
+Each stage file is written atomically (`terapipe_cli.files`); after a collective confirms all stages have
 written theirs, rank 0 writes the marker (also atomically). A run killed at any moment therefore leaves the
 last *marked* checkpoint intact, and `latest_complete` ignores a half-written one. Data-parallel replicas
 hold identical weights, so only replica 0 writes. The two newest complete checkpoints are kept.
@@ -12,14 +12,13 @@ hold identical weights, so only replica 0 writes. The two newest complete checkp
 
 from __future__ import annotations
 
-import os
+import io
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
-from terapipe_cli.files import read_json, write_json_atomic
+from terapipe_cli.files import read_json, write_bytes_atomic, write_json_atomic
 
 CHECKPOINT_SCHEMA = "terapipe.checkpoint/1"
 MARKER_SCHEMA = "terapipe.checkpoint-marker/1"
@@ -36,29 +35,22 @@ def stage_file(run_dir: str | Path, step: int, stage: int) -> Path:
 
 
 def save_stage(run_dir: str | Path, step: int, stage: int, stages: int, model: dict, optimizer: dict) -> Path:
-    path = stage_file(run_dir, step, stage)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(
-                {
-                    "schema": CHECKPOINT_SCHEMA,
-                    "step": step,
-                    "stage": stage,
-                    "stages": stages,
-                    "model": model,
-                    "optimizer": optimizer,
-                },
-                f,
-            )
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    record = {
+        "schema": CHECKPOINT_SCHEMA,
+        "step": step,
+        "stage": stage,
+        "stages": stages,
+        "model": model,
+        "optimizer": optimizer,
+    }
+    return save_torch_atomic(stage_file(run_dir, step, stage), record)
+
+
+def save_torch_atomic(path: str | Path, obj: object) -> Path:
+    """``torch.save`` to ``path`` all at once: a reader sees the old file or the whole new one."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return write_bytes_atomic(path, buffer.getvalue())
 
 
 def mark_complete(run_dir: str | Path, step: int, stages: int) -> None:

@@ -11,7 +11,7 @@ runs/NAME/
   timelines/rank_00000.json   terapipe.timeline/1 (see schedule.py): every tile of every step, F and B
   checkpoints/step_000010/...  see checkpoint.py
   errors/rank_00001.txt       the traceback of a worker that failed (only then)
-  verify/            step-1 gradients of each stage (only with --verify)
+  verify/grads_step1_stage_000.pt   step-1 gradients of each stage, by name (only with --verify)
   summary.json       terapipe.run-summary/1: {"status": "complete", "steps", "first_loss", "final_loss",
                      "median_iteration_s", "tokens_per_s", "wall_s", "verify": {...} (with --verify)}
 """
@@ -134,6 +134,10 @@ def keep_metrics_until(run_dir: Path, step: int) -> None:
 
 def timeline_path(run_dir: Path, rank: int) -> Path:
     return run_dir / "timelines" / f"rank_{rank:05d}.json"
+
+
+def verify_grads_path(run_dir: Path, stage: int) -> Path:
+    return run_dir / "verify" / f"grads_step1_stage_{stage:03d}.pt"
 
 
 def write_summary(run_dir: Path, summary: dict) -> None:

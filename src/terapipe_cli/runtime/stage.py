@@ -1,4 +1,4 @@
-"""One pipeline stage's per-tile compute: forward a tile, later back-propagate it once (SPEC §6).
+"""One pipeline stage's per-tile compute: forward a tile, later back-propagate it once (docs/design.md §6).
 
 This is the runtime's own per-slice code path: the workers run it, and the profiler times it.
 
@@ -108,7 +108,7 @@ class StageRunner:
                 raise ValueError("a stage other than the last needs the gradient of its output")
             roots, grads = [state.out], [grad_out.to(self.device, non_blocking=True)]
         if self.kv_handback:
-            # Gradients that later slices' attention left on this tile's keys/values (SPEC §6).
+            # Gradients that later slices' attention left on this tile's keys/values (docs/design.md §6).
             for (k, v), (k_leaf, v_leaf) in zip(state.kv, state.kv_leaves, strict=True):
                 if k_leaf.grad is not None:
                     roots.append(k)

@@ -2,7 +2,7 @@
 
 The reference builds the full model from the same seed, takes the same batches (`data.step_batch`: the
 global batch of B·D sequences), divides the summed token loss by all predicted tokens of the step and takes
-the same AdamW steps. The pipelined run must match it within fp32 tolerances (SPEC §6): relative 1e-5 on
+the same AdamW steps. The pipelined run must match it within fp32 tolerances (docs/design.md §6): relative 1e-5 on
 every step's loss, 1e-4 on every parameter's gradient at step 1 and on every weight after the last step.
 
 A tensor's relative difference is norm-wise, ``‖a − b‖₂ / ‖b‖₂`` (the largest over all tensors is reported,
@@ -17,15 +17,14 @@ far below 1e-4. A real error (e.g. the dropped K/V gradient hand-back) moves who
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
-from terapipe_cli.model import GPT, optimizer_for, token_loss_sum
-from terapipe_cli.plan import Plan
+from terapipe_cli.model import GPT, learning_rate, optimizer_for, set_learning_rate, token_loss_sum
 from terapipe_cli.runtime import checkpoint
-from terapipe_cli.runtime.data import TokenData, step_batch
-from terapipe_cli.runtime.rundir import read_metrics
+from terapipe_cli.runtime.data import step_batch
+from terapipe_cli.runtime.prepare import PreparedRun
+from terapipe_cli.runtime.rundir import read_metrics, read_summary, verify_grads_path, write_summary
 
 LOSS_RTOL = 1e-5
 TENSOR_RTOL = 1e-4
@@ -69,24 +68,18 @@ class Verification:
         }
 
 
-def reference_run(
-    plan: Plan,
-    data: TokenData,
-    *,
-    seed: int,
-    lr: float,
-    steps: int,
-    data_parallel: int,
-    device: str | torch.device = "cpu",
-) -> tuple[list[float], dict, dict]:
+def reference_run(prepared: PreparedRun) -> tuple[list[float], dict, dict]:
     """(loss per step, gradients at step 1, final weights), by name, from the single-process reference."""
-    model = GPT(plan.model, seed=seed).to(device)
-    optimizer = optimizer_for(model, lr)
-    sequences, L = plan.batch_size * data_parallel, plan.seq_len
+    plan, args = prepared.plan, prepared.args
+    model = GPT(plan.model, seed=args.seed).to(prepared.device)
+    optimizer = optimizer_for(model, args.lr)
+    sequences, L = plan.batch_size * args.data_parallel, plan.seq_len
     losses: list[float] = []
     grads1: dict = {}
-    for step in range(1, steps + 1):
-        batch = step_batch(data, seed=seed, step=step, sequences=sequences, seq_len=L).to(device)
+    for step in range(1, args.steps + 1):
+        batch = step_batch(prepared.data, seed=args.seed, step=step, sequences=sequences, seq_len=L)
+        batch = batch.to(prepared.device)
+        set_learning_rate(optimizer, learning_rate(args.lr, step))
         optimizer.zero_grad(set_to_none=True)
         logits, _ = model(batch[:, :-1])
         loss = token_loss_sum(logits, batch[:, 1:]) / (sequences * L)
@@ -99,7 +92,51 @@ def reference_run(
     return losses, grads1, weights
 
 
+def verify_run(prepared: PreparedRun) -> Verification:
+    """Compare the finished run in ``prepared.launch.run_dir`` with the reference."""
+    run_dir, plan, steps = prepared.launch.run_dir, prepared.plan, prepared.args.steps
+    ref_losses, ref_grads, ref_weights = reference_run(prepared)
+    grads: dict = {}
+    for k in range(plan.stages):
+        grads.update(torch.load(verify_grads_path(run_dir, k), weights_only=True))
+    last = checkpoint.latest_complete(run_dir)
+    weights: dict = {}
+    if last == steps:
+        for k in range(plan.stages):
+            weights.update(checkpoint.load_stage(run_dir, last, k)["model"])
+    return Verification(
+        [
+            _compare_losses(f"loss, {steps} steps", read_metrics(run_dir), ref_losses),
+            _compare("gradients at step 1", grads, ref_grads),
+            _compare(f"weights after step {steps}", weights, ref_weights),
+        ]
+    )
+
+
+def verify_and_record(prepared: PreparedRun) -> Verification:
+    """`verify_run`, its result added to the run's summary.json under "verify"."""
+    result = verify_run(prepared)
+    run_dir = prepared.launch.run_dir
+    summary = read_summary(run_dir)
+    summary.pop("schema", None)
+    write_summary(run_dir, {**summary, "verify": result.to_dict()})
+    return result
+
+
+def _compare_losses(what: str, metrics: list[dict], ref_losses: list[float]) -> Check:
+    """Every step's loss against the reference; a missing or NaN loss counts as infinitely far off."""
+    run_losses = {r["step"]: r["loss"] for r in metrics}
+    rows = []  # (relative, absolute, step)
+    for step, ref in enumerate(ref_losses, 1):
+        diff = abs(run_losses.get(step, float("nan")) - ref)
+        diff = diff if diff == diff else float("inf")
+        rows.append((diff / max(abs(ref), 1e-30), diff, step))
+    max_rel, _, worst_step = max(rows)
+    return Check(what, max(r[1] for r in rows), max_rel, LOSS_RTOL, f"step {worst_step}")
+
+
 def _compare(what: str, got: dict, ref: dict) -> Check:
+    """Tensors by name: the largest norm-wise relative difference, and the largest absolute one."""
     if set(got) != set(ref):
         missing = sorted(set(ref) ^ set(got))
         return Check(what, float("inf"), float("inf"), TENSOR_RTOL, f"names differ: {missing[:3]}")
@@ -111,43 +148,3 @@ def _compare(what: str, got: dict, ref: dict) -> Check:
         if rel >= max_rel:
             worst, max_rel = name, rel
     return Check(what, max_abs, max_rel, TENSOR_RTOL, worst)
-
-
-def verify_run(
-    run_dir: Path,
-    plan: Plan,
-    data: TokenData,
-    *,
-    seed: int,
-    lr: float,
-    steps: int,
-    data_parallel: int,
-    device: str | torch.device = "cpu",
-) -> Verification:
-    """Compare the finished run in ``run_dir`` with the reference."""
-    ref_losses, ref_grads, ref_weights = reference_run(
-        plan, data, seed=seed, lr=lr, steps=steps, data_parallel=data_parallel, device=device
-    )
-    result = Verification()
-    run_losses = {r["step"]: r["loss"] for r in read_metrics(run_dir)}
-    rows = []  # (relative, absolute, step); a missing or NaN loss counts as infinitely far off
-    for step, ref in enumerate(ref_losses, 1):
-        diff = abs(run_losses.get(step, float("nan")) - ref)
-        diff = diff if diff == diff else float("inf")
-        rows.append((diff / max(abs(ref), 1e-30), diff, step))
-    max_rel, _, worst_step = max(rows)
-    max_abs, worst = max(r[1] for r in rows), f"step {worst_step}"
-    result.checks.append(Check(f"loss, {steps} steps", max_abs, max_rel, LOSS_RTOL, worst))
-
-    grads: dict = {}
-    for k in range(plan.stages):
-        grads.update(torch.load(run_dir / "verify" / f"grads_step1_stage_{k:03d}.pt", weights_only=True))
-    result.checks.append(_compare("gradients at step 1", grads, ref_grads))
-
-    last = checkpoint.latest_complete(run_dir)
-    weights: dict = {}
-    if last == steps:
-        for k in range(plan.stages):
-            weights.update(checkpoint.load_stage(run_dir, last, k)["model"])
-    result.checks.append(_compare(f"weights after step {steps}", weights, ref_weights))
-    return result

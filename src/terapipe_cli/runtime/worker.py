@@ -3,10 +3,12 @@
 Launched by `terapipe_cli.runtime.launch` as ``python -m terapipe_cli.runtime.worker --run-dir DIR``; all
 settings come from ``DIR/config.json``, written and validated by the launcher before any worker starts.
 
-Per step: pre-post the receives of the step's tiles, walk this stage's actions (forward tiles in order,
-backward in reverse, see schedule.py) through the `StageRunner`, all-reduce gradients across the
-data-parallel replicas of this stage, take the AdamW step, then one small all-reduce over all ranks that
-both sums the step's loss and serves as the barrier that starts the next step on every rank together.
+`train` is the whole loop, one step after the other (as nanoGPT's): the learning rate of the step; the
+step's schedule (`run_schedule`: pre-post the receives of the step's tiles, walk this stage's actions in
+the order schedule.py decided — forward tiles in order, backward in reverse — through the `StageRunner`);
+the gradient all-reduce across the data-parallel replicas of this stage; the AdamW update; then one small
+all-reduce over all ranks that both sums the step's loss and serves as the barrier that starts the next
+step on every rank together; the metrics line; the checkpoint when one is due.
 
 A failure writes the traceback to ``DIR/errors/rank_N.txt`` and torchrun's error file, prints one line,
 and exits 1; torchrun then stops the other workers and the launcher names the rank and the cause.
@@ -24,32 +26,187 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from terapipe_cli.model import optimizer_for
-from terapipe_cli.plan import plan_from_dict
+from terapipe_cli.model import learning_rate, optimizer_for, set_learning_rate
+from terapipe_cli.plan import Plan, plan_from_dict
 from terapipe_cli.runtime import checkpoint
-from terapipe_cli.runtime.data import check_data, load_data, step_batch
+from terapipe_cli.runtime.data import TokenData, check_data, load_data, step_batch
 from terapipe_cli.runtime.p2p import Links, PeerLost, short_error
 from terapipe_cli.runtime.rundir import (
+    RunArguments,
     append_metrics,
     keep_metrics_until,
     read_config,
     read_metrics,
     timeline_path,
+    verify_grads_path,
     write_summary,
 )
 from terapipe_cli.runtime.stage import StageRunner
-from terapipe_cli.schedule import Action, Event, build_schedule, read_timeline, write_timeline
+from terapipe_cli.schedule import Action, Event, Tile, build_schedule, read_timeline, write_timeline
 
 # Test-only fault injection, in the middle of step STEP (after its forward tiles) on rank RANK, to exercise
 # failure handling and --resume: "kill:RANK:STEP" (SIGKILL itself), "raise:RANK:STEP" (an exception) or
 # "hang:RANK:STEP" (stop responding, so the neighbours' waits time out).
 FAULT_ENV = "TERAPIPE_TEST_FAULT"
+
+
+@dataclass
+class Worker:
+    """What one rank holds for the whole run, built once by `start_worker`."""
+
+    run_dir: Path
+    plan: Plan
+    args: RunArguments
+    rank: int
+    device: torch.device
+    runner: StageRunner
+    optimizer: torch.optim.Optimizer
+    links: Links
+    actions: list[Action]  # this stage's part of the schedule, in schedule.py's order
+    data: TokenData
+    replica_group: object | None  # this stage's data-parallel group; None with one replica
+
+    @property
+    def stage(self) -> int:
+        return self.rank % self.plan.stages
+
+    @property
+    def replica(self) -> int:
+        return self.rank // self.plan.stages
+
+    @property
+    def world(self) -> int:
+        return self.plan.stages * self.args.data_parallel
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Predicted tokens of one step over all replicas: B·D·L."""
+        return self.plan.batch_size * self.args.data_parallel * self.plan.seq_len
+
+
+def train(run_dir: Path, resume_step: int | None) -> None:
+    """The worker's whole run: set up, continue from a checkpoint if asked, one iteration per step, summary."""
+    w = start_worker(run_dir)
+    start_step, events = restore(w, resume_step)
+    iteration_s: list[float] = []
+    ready = torch.zeros(1, device=w.device)
+    collective(lambda: dist.all_reduce(ready), "start-up")
+    run_start = time.perf_counter()
+    for step in range(start_step + 1, w.args.steps + 1):
+        batch = replica_batch(w, step)
+        step_start = time.perf_counter()
+        set_learning_rate(w.optimizer, learning_rate(w.args.lr, step))
+        w.optimizer.zero_grad(set_to_none=True)
+        loss, step_events = run_schedule(
+            w.runner,
+            w.actions,
+            w.links,
+            batch,
+            step_start=step_start,
+            stage=w.stage,
+            rank=w.rank,
+            replica=w.replica,
+            step=step,
+            after_forward=_fault(w.rank, step),
+        )
+        events.extend(step_events)
+        sum_replica_gradients(w)
+        if w.args.verify and step == 1 and w.replica == 0:
+            checkpoint.save_torch_atomic(verify_grads_path(run_dir, w.stage), gradients(w))
+        apply_update(w)
+        step_loss, memory = end_of_step(w, loss)
+        iteration_s.append(time.perf_counter() - step_start)
+        if w.rank == 0:
+            log_step(w, step, step_loss, iteration_s[-1], memory)
+        if step % w.args.checkpoint_every == 0 or step == w.args.steps:
+            save_checkpoint(w, step, events)
+    save_timeline(w, events)
+    if w.rank == 0:
+        write_run_summary(w, resume_step, iteration_s, wall_s=time.perf_counter() - run_start)
+    dist.destroy_process_group()
+
+
+def start_worker(run_dir: Path) -> Worker:
+    """Read the run's config, join the process group, and build this rank's stage, links and schedule."""
+    cfg, args = read_config(run_dir)
+    plan = plan_from_dict(cfg["plan"], f"{run_dir / 'config.json'}: field 'plan'")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    stages, replicas = plan.stages, args.data_parallel
+    if world != stages * replicas:
+        raise RuntimeError(f"world size {world} is not stages {stages} x data-parallel {replicas}")
+    stage = rank % stages
+    device = _use_device(cfg["device"], args.threads)
+    dist.init_process_group(cfg["backend"], timeout=timedelta(seconds=args.timeout_s))
+    replica_groups = None
+    if replicas > 1:  # every rank must create every group
+        replica_groups = [dist.new_group([r * stages + s for r in range(replicas)]) for s in range(stages)]
+    runner, optimizer = build_stage(plan, stage, args, device)
+    data = load_data(args.data)
+    check_data(data, vocab=plan.model.vocab, seq_len=plan.seq_len)
+    links = Links(
+        prev_rank=rank - 1 if stage > 0 else None,
+        next_rank=rank + 1 if stage < stages - 1 else None,
+        hidden=plan.model.hidden,
+        dtype=torch.float32,
+        device=device,
+        timeout_s=args.timeout_s,
+    )
+    actions = build_schedule(plan.slices, stages)[stage]
+    group = replica_groups[stage] if replica_groups is not None else None
+    return Worker(run_dir, plan, args, rank, device, runner, optimizer, links, actions, data, group)
+
+
+def _use_device(device: str, threads: int) -> torch.device:
+    """This rank's device: its own GPU (torchrun's LOCAL_RANK), or the CPU with ``threads`` threads."""
+    if device == "cuda":
+        cuda = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(cuda)
+        return cuda
+    torch.set_num_threads(threads)
+    return torch.device("cpu")
+
+
+def build_stage(
+    plan: Plan, stage: int, args: RunArguments, device: torch.device
+) -> tuple[StageRunner, torch.optim.Optimizer]:
+    """This stage's part of the model, its loss scale and its optimizer.
+
+    The one place the stage's module is made: what changes the module itself (parallelism within the stage)
+    belongs between building it and giving its parameters to the optimizer.
+    """
+    runner = StageRunner(plan.model, stage, plan.stages, seed=args.seed, device=device, kv_handback=args.kv_handback)
+    # Summed token losses over the whole step (all replicas) divided once: the single-device mean.
+    runner.set_loss_scale(1.0 / (plan.batch_size * args.data_parallel * plan.seq_len))
+    return runner, optimizer_for(runner.module, args.lr)
+
+
+def restore(w: Worker, resume_step: int | None) -> tuple[int, list[Event]]:
+    """(the last step done, the timeline so far): step 0 and none, or a resumed run's checkpoint."""
+    if resume_step is None:
+        return 0, []
+    state = checkpoint.load_stage(w.run_dir, resume_step, w.stage, map_location=w.device)
+    w.runner.module.load_state_dict(state["model"])
+    w.optimizer.load_state_dict(state["optimizer"])
+    events: list[Event] = []
+    if timeline_path(w.run_dir, w.rank).exists():
+        events = [e for e in read_timeline(timeline_path(w.run_dir, w.rank))[1] if e.step <= resume_step]
+    if w.rank == 0:
+        keep_metrics_until(w.run_dir, resume_step)
+    return resume_step, events
+
+
+def replica_batch(w: Worker, step: int) -> torch.Tensor:
+    """This replica's B token windows (B, L + 1) of the step's global batch of B·D, on the device."""
+    B = w.plan.batch_size
+    batch = step_batch(w.data, seed=w.args.seed, step=step, sequences=B * w.args.data_parallel, seq_len=w.plan.seq_len)
+    return batch[w.replica * B : (w.replica + 1) * B].to(w.device)
 
 
 def run_schedule(
@@ -65,55 +222,16 @@ def run_schedule(
     step: int = 0,
     after_forward: Callable[[], None] | None = None,
 ) -> tuple[torch.Tensor | None, list[Event]]:
-    """Run one step's actions on this stage. ``batch``: (B, L + 1) token windows of this replica.
+    """Run one step's actions on this stage, in their order. ``batch``: (B, L + 1) token windows of this replica.
 
     Returns the summed token loss (last stage; unscaled) and one Event per action (times from step_start).
     """
-    tiles = [a.tile for a in actions if a.phase == "F"]
-    index = {t: n for n, t in enumerate(tiles)}
-    forward_in = links.post_forward_recvs(tiles)
-    backward_in: dict = {}
-    cuda = batch.device.type == "cuda"
-    sync = torch.cuda.current_stream(batch.device).synchronize if cuda else None  # tile times on the GPU
-    forwards_left = len(tiles)
-    loss: torch.Tensor | None = None
+    walk = _StepWalk(runner, links, batch, [a.tile for a in actions if a.phase == "F"], after_forward)
     events: list[Event] = []
     for action in actions:
         t = action.tile
-        rows = slice(t.batch_start, t.batch_start + t.batch_size)
-        if action.phase == "F":
-            if runner.first:
-                x = batch[rows, t.token_start : t.token_start + t.tokens]
-            else:
-                x = links.wait(forward_in.pop(t), f"receiving the activation of tile {index[t]}", links.prev_rank)
-            targets = batch[rows, t.token_start + 1 : t.token_start + t.tokens + 1] if runner.last else None
-            if sync:
-                sync()
-            start = time.perf_counter()
-            out = runner.forward_tile(t.batch_slice, t.token_slice, x, targets)
-            if runner.last:
-                loss = out if loss is None else loss + out
-            else:
-                links.send_forward(out, index[t])
-            forwards_left -= 1
-            if forwards_left == 0:
-                # Only now: on NCCL these receives would otherwise block the activation sends queued above.
-                backward_in = links.post_backward_recvs(tiles)
-                if after_forward is not None:
-                    after_forward()
-        else:
-            grad = None
-            if not runner.last:
-                grad = links.wait(backward_in.pop(t), f"receiving the gradient of tile {index[t]}", links.next_rank)
-            if sync:
-                sync()
-            start = time.perf_counter()
-            grad_x = runner.backward_tile(t.batch_slice, t.token_slice, grad)
-            if not runner.first:
-                links.send_backward(grad_x, index[t], len(tiles))
-        if sync:
-            sync()
-        end = time.perf_counter()
+        start = walk.forward(t) if action.phase == "F" else walk.backward(t)
+        end = walk.now()
         events.append(
             Event(
                 stage,
@@ -128,7 +246,72 @@ def run_schedule(
             )
         )
     links.finish_sends()
-    return loss, events
+    return walk.loss, events
+
+
+class _StepWalk:
+    """One step's tiles on this stage: their messages to and from the neighbours, and the summed loss.
+
+    `forward` and `backward` each run one tile and return the moment its compute began (after its input
+    arrived); the caller takes the end with `now`, so a tile's time includes issuing its send.
+    """
+
+    def __init__(
+        self,
+        runner: StageRunner,
+        links: Links,
+        batch: torch.Tensor,
+        tiles: list[Tile],
+        after_forward: Callable[[], None] | None,
+    ) -> None:
+        self.runner, self.links, self.batch, self.tiles = runner, links, batch, tiles
+        self.index = {t: n for n, t in enumerate(tiles)}
+        self.forward_in = links.post_forward_recvs(tiles)
+        self.backward_in: dict = {}
+        self.forwards_left = len(tiles)
+        self.after_forward = after_forward
+        self.loss: torch.Tensor | None = None
+        cuda = batch.device.type == "cuda"
+        # Tile times on the GPU: wait for the stream before reading the clock.
+        self._sync = torch.cuda.current_stream(batch.device).synchronize if cuda else None
+
+    def now(self) -> float:
+        if self._sync:
+            self._sync()
+        return time.perf_counter()
+
+    def forward(self, t: Tile) -> float:
+        runner, links, n = self.runner, self.links, self.index[t]
+        rows = slice(t.batch_start, t.batch_start + t.batch_size)
+        if runner.first:
+            x = self.batch[rows, t.token_start : t.token_start + t.tokens]
+        else:
+            x = links.wait(self.forward_in.pop(t), f"receiving the activation of tile {n}", links.prev_rank)
+        targets = self.batch[rows, t.token_start + 1 : t.token_start + t.tokens + 1] if runner.last else None
+        start = self.now()
+        out = runner.forward_tile(t.batch_slice, t.token_slice, x, targets)
+        if runner.last:
+            self.loss = out if self.loss is None else self.loss + out
+        else:
+            links.send_forward(out, n)
+        self.forwards_left -= 1
+        if self.forwards_left == 0:
+            # Only now: on NCCL these receives would otherwise block the activation sends queued above.
+            self.backward_in = links.post_backward_recvs(self.tiles)
+            if self.after_forward is not None:
+                self.after_forward()
+        return start
+
+    def backward(self, t: Tile) -> float:
+        runner, links, n = self.runner, self.links, self.index[t]
+        grad = None
+        if not runner.last:
+            grad = links.wait(self.backward_in.pop(t), f"receiving the gradient of tile {n}", links.next_rank)
+        start = self.now()
+        grad_x = runner.backward_tile(t.batch_slice, t.token_slice, grad)
+        if not runner.first:
+            links.send_backward(grad_x, n, len(self.tiles))
+        return start
 
 
 def collective(fn: Callable[[], object], what: str) -> None:
@@ -137,6 +320,12 @@ def collective(fn: Callable[[], object], what: str) -> None:
         fn()
     except Exception as e:
         raise PeerLost(f"lost a peer during {what}: {short_error(e)}") from None
+
+
+def sum_replica_gradients(w: Worker) -> None:
+    """With data parallelism, sum this stage's gradients over its replicas (`allreduce_grads`)."""
+    if w.replica_group is not None:
+        allreduce_grads(w.runner.module, w.replica_group)
 
 
 def allreduce_grads(module: torch.nn.Module, group) -> None:
@@ -155,10 +344,114 @@ def allreduce_grads(module: torch.nn.Module, group) -> None:
         offset += n
 
 
+def gradients(w: Worker) -> dict[str, torch.Tensor]:
+    """This stage's gradients by parameter name, on the CPU (what ``--verify`` compares at step 1)."""
+    return {n: p.grad.detach().cpu() for n, p in w.runner.module.named_parameters()}
+
+
+def apply_update(w: Worker) -> None:
+    """The AdamW update from the step's complete gradients (every tile, every replica).
+
+    The one place between the gradient all-reduce and the update: what must see the whole step's gradients
+    of every stage before the weights change (a decision all stages take together) goes here.
+    """
+    w.optimizer.step()
+
+
+def end_of_step(w: Worker, loss: torch.Tensor | None) -> tuple[float, list[int]]:
+    """One collective per step: sums the loss and everyone's peak memory, and lines the ranks up.
+
+    Returns the step's loss (the single-device mean) and the peak memory of every rank in bytes.
+    """
+    stats = torch.zeros(1 + w.world, dtype=torch.float64, device=w.device)
+    if loss is not None:
+        stats[0] = loss.double() * w.runner.loss_scale
+    stats[1 + w.rank] = float(peak_memory_bytes(w.device))
+    collective(lambda: dist.all_reduce(stats), "the end-of-step all-reduce")
+    return float(stats[0]), [int(m) for m in stats[1:].tolist()]
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+def log_step(w: Worker, step: int, loss: float, dt: float, memory: list[int]) -> None:
+    """The step's record in metrics.jsonl and its line on the console (rank 0)."""
+    tokens = w.tokens_per_step
+    append_metrics(
+        w.run_dir,
+        {
+            "step": step,
+            "loss": loss,
+            "iteration_s": dt,
+            "tokens_per_s": tokens / dt,
+            "memory_bytes": max(memory),
+            "memory_bytes_per_rank": memory,
+        },
+    )
+    print(
+        f"step {step:>5}/{w.args.steps}  loss {loss:8.4f}  iter {dt * 1e3:9.1f} ms  "
+        f"{tokens / dt:10,.0f} tok/s  mem {max(memory) / 2**20:7.1f} MiB",
+        flush=True,
+    )
+
+
+def save_checkpoint(w: Worker, step: int, events: list[Event]) -> None:
+    """Every stage's file (replica 0 writes; the replicas hold the same weights) and every rank's timeline;
+    once all ranks are past that, rank 0 marks the checkpoint complete."""
+    if w.replica == 0:
+        checkpoint.save_stage(
+            w.run_dir, step, w.stage, w.plan.stages, w.runner.module.state_dict(), w.optimizer.state_dict()
+        )
+    save_timeline(w, events)
+    done = torch.zeros(1, device=w.device)
+    collective(lambda: dist.all_reduce(done), f"the checkpoint of step {step}")
+    if w.rank == 0:
+        checkpoint.mark_complete(w.run_dir, step, w.plan.stages)
+
+
+def save_timeline(w: Worker, events: list[Event]) -> None:
+    meta = {
+        "source": "measured",
+        "rank": w.rank,
+        "stage": w.stage,
+        "replica": w.replica,
+        "stages": w.plan.stages,
+        "data_parallel": w.args.data_parallel,
+        "device": _device_name(w.device),
+        "slices": w.plan.short_form(),
+    }
+    write_timeline(timeline_path(w.run_dir, w.rank), events, **meta)
+
+
+def write_run_summary(w: Worker, resume_step: int | None, iteration_s: list[float], *, wall_s: float) -> None:
+    records = read_metrics(w.run_dir)
+    median_s = statistics.median(iteration_s) if iteration_s else None
+    write_summary(
+        w.run_dir,
+        {
+            "status": "complete",
+            "steps": w.args.steps,
+            "resumed_from": resume_step,
+            "first_loss": records[0]["loss"] if records else None,
+            "final_loss": records[-1]["loss"] if records else None,
+            "median_iteration_s": median_s,
+            "tokens_per_s": w.tokens_per_step / median_s if median_s is not None else None,
+            "wall_s": wall_s,
+            "slices": w.plan.short_form(),
+            "stages": w.plan.stages,
+            "data_parallel": w.args.data_parallel,
+            "device": _device_name(w.device),
+        },
+    )
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} thread(s))"
 
 
 def _fault(rank: int, step: int) -> Callable[[], None] | None:
@@ -177,160 +470,6 @@ def _fault(rank: int, step: int) -> Callable[[], None] | None:
         raise RuntimeError(f"injected failure at step {step} ({FAULT_ENV})")
 
     return fail
-
-
-def train(run_dir: Path, resume_step: int | None) -> None:
-    cfg, args = read_config(run_dir)
-    plan = plan_from_dict(cfg["plan"], f"{run_dir / 'config.json'}: field 'plan'")
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    stages, replicas = plan.stages, args.data_parallel
-    if world != stages * replicas:
-        raise RuntimeError(f"world size {world} is not stages {stages} x data-parallel {replicas}")
-    stage, replica = rank % stages, rank // stages
-    if cfg["device"] == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-        torch.set_num_threads(args.threads)
-    dist.init_process_group(cfg["backend"], timeout=timedelta(seconds=args.timeout_s))
-    dp_groups = None
-    if replicas > 1:  # every rank must create every group
-        dp_groups = [dist.new_group([r * stages + s for r in range(replicas)]) for s in range(stages)]
-
-    runner = StageRunner(plan.model, stage, stages, seed=args.seed, device=device, kv_handback=args.kv_handback)
-    optimizer = optimizer_for(runner.module, args.lr)
-    start_step = 0
-    events: list[Event] = []
-    if resume_step is not None:
-        state = checkpoint.load_stage(run_dir, resume_step, stage, map_location=device)
-        runner.module.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        start_step = resume_step
-        if timeline_path(run_dir, rank).exists():
-            events = [e for e in read_timeline(timeline_path(run_dir, rank))[1] if e.step <= start_step]
-        if rank == 0:
-            keep_metrics_until(run_dir, start_step)
-
-    data = load_data(args.data)
-    check_data(data, vocab=plan.model.vocab, seq_len=plan.seq_len)
-    B, L = plan.batch_size, plan.seq_len
-    runner.set_loss_scale(1.0 / (B * replicas * L))
-    links = Links(
-        prev_rank=rank - 1 if stage > 0 else None,
-        next_rank=rank + 1 if stage < stages - 1 else None,
-        hidden=plan.model.hidden,
-        dtype=torch.float32,
-        device=device,
-        timeout_s=args.timeout_s,
-    )
-    actions = build_schedule(plan.slices, stages)[stage]
-    meta = {
-        "source": "measured",
-        "rank": rank,
-        "stage": stage,
-        "replica": replica,
-        "stages": stages,
-        "data_parallel": replicas,
-        "device": _device_name(device),
-        "slices": plan.short_form(),
-    }
-
-    def save_timeline() -> None:
-        write_timeline(timeline_path(run_dir, rank), events, **meta)
-
-    iteration_s: list[float] = []
-    ready = torch.zeros(1, device=device)
-    collective(lambda: dist.all_reduce(ready), "start-up")
-    run_start = time.perf_counter()
-    for step in range(start_step + 1, args.steps + 1):
-        batch = step_batch(data, seed=args.seed, step=step, sequences=B * replicas, seq_len=L)
-        batch = batch[replica * B : (replica + 1) * B].to(device)
-        step_start = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        loss, step_events = run_schedule(
-            runner,
-            actions,
-            links,
-            batch,
-            step_start=step_start,
-            stage=stage,
-            rank=rank,
-            replica=replica,
-            step=step,
-            after_forward=_fault(rank, step),
-        )
-        events.extend(step_events)
-        if dp_groups is not None:
-            allreduce_grads(runner.module, dp_groups[stage])
-        if args.verify and step == 1 and replica == 0:
-            grads = {n: p.grad.detach().cpu() for n, p in runner.module.named_parameters()}
-            (run_dir / "verify").mkdir(exist_ok=True)
-            torch.save(grads, run_dir / "verify" / f"grads_step1_stage_{stage:03d}.pt")
-        optimizer.step()
-        # One collective per step: sums the loss and everyone's peak memory, and lines the ranks up.
-        stats = torch.zeros(1 + world, dtype=torch.float64, device=device)
-        if loss is not None:
-            stats[0] = loss.double() * runner.loss_scale
-        stats[1 + rank] = float(peak_memory_bytes(device))
-        collective(lambda stats=stats: dist.all_reduce(stats), "the end-of-step all-reduce")
-        dt = time.perf_counter() - step_start
-        iteration_s.append(dt)
-        step_loss = float(stats[0])
-        if rank == 0:
-            memory = [int(m) for m in stats[1:].tolist()]
-            tokens = B * replicas * L
-            append_metrics(
-                run_dir,
-                {
-                    "step": step,
-                    "loss": step_loss,
-                    "iteration_s": dt,
-                    "tokens_per_s": tokens / dt,
-                    "memory_bytes": max(memory),
-                    "memory_bytes_per_rank": memory,
-                },
-            )
-            print(
-                f"step {step:>5}/{args.steps}  loss {step_loss:8.4f}  iter {dt * 1e3:9.1f} ms  "
-                f"{tokens / dt:10,.0f} tok/s  mem {max(memory) / 2**20:7.1f} MiB",
-                flush=True,
-            )
-        if step % args.checkpoint_every == 0 or step == args.steps:
-            if replica == 0:
-                checkpoint.save_stage(run_dir, step, stage, stages, runner.module.state_dict(), optimizer.state_dict())
-            save_timeline()
-            done = torch.zeros(1, device=device)
-            collective(lambda done=done: dist.all_reduce(done), f"the checkpoint of step {step}")
-            if rank == 0:
-                checkpoint.mark_complete(run_dir, step, stages)
-    save_timeline()
-    if rank == 0:
-        records = read_metrics(run_dir)
-        write_summary(
-            run_dir,
-            {
-                "status": "complete",
-                "steps": args.steps,
-                "resumed_from": resume_step,
-                "first_loss": records[0]["loss"] if records else None,
-                "final_loss": records[-1]["loss"] if records else None,
-                "median_iteration_s": statistics.median(iteration_s) if iteration_s else None,
-                "tokens_per_s": (B * replicas * L / statistics.median(iteration_s)) if iteration_s else None,
-                "wall_s": time.perf_counter() - run_start,
-                "slices": plan.short_form(),
-                "stages": stages,
-                "data_parallel": replicas,
-                "device": _device_name(device),
-            },
-        )
-    dist.destroy_process_group()
-
-
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} thread(s))"
 
 
 def main(argv: list[str] | None = None) -> None:
