@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import terapipe
 
 from terapipe_cli.cli import main
 from terapipe_cli.config import ModelConfig
@@ -246,11 +244,7 @@ def test_bad_input_is_one_line_exit_2_and_no_output(tmp_path, capsys):
 
 def test_bad_input_from_the_real_command_line(tmp_path):
     """The same through `python -m terapipe_cli` with PYTHONPATH=src: no traceback reaches the user."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
-    proc = subprocess.run(
-        [sys.executable, "-m", "terapipe_cli", "profile", "--model", str(tmp_path / "missing.toml")],
-        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120,
-    )  # fmt: skip
+    proc = terapipe("profile", "--model", tmp_path / "missing.toml", cwd=tmp_path, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "missing.toml" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "profile.json").exists()

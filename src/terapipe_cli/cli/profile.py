@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import Annotated
@@ -12,9 +11,10 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from terapipe_cli.errors import UserError
+from terapipe_cli.profile import options
+from terapipe_cli.units import format_seconds
 
-HELP = """Measure the cost model t(b, i, j) of SPEC §3 on this machine and write a profile JSON for `terapipe plan`.
+HELP = """Measure the cost model t(b, i, j) of docs/design.md §3 on this machine and write a profile JSON for `terapipe plan`.
 
 Times one decoder layer through the runtime's own per-slice code path (forward and backward on a grid of token lengths and batch sizes), fits the context term on random tiles and reports its error on held-out ones, and measures the stage-to-stage link between two torchrun processes and the optimizer step. One thread on CPU (a stage owns one core); CUDA when a GPU is present (--device auto).
 
@@ -31,40 +31,14 @@ Examples:
     terapipe profile --analytic --hardware configs/hardware/v100.toml --model configs/models/gpt3-175b.toml -t 8
 """  # noqa: E501
 
-DEFAULT_BATCH_SIZES = "1,2,4"
-
-
-def parse_batch_sizes(text: str) -> tuple[int, ...]:
-    """``"1,2,4"`` -> (1, 2, 4): positive integers, any order, duplicates folded."""
-    parts = [p.strip() for p in text.split(",") if p.strip()]
-    try:
-        sizes = [int(p) for p in parts]
-    except ValueError:
-        raise UserError(
-            f"must be a comma-separated list of positive integers, got {text!r}", where="--batch-sizes"
-        ) from None
-    if not sizes or any(b < 1 for b in sizes):
-        raise UserError(f"must be a comma-separated list of positive integers, got {text!r}", where="--batch-sizes")
-    return tuple(sorted(set(sizes)))
-
-
-def _check_writable(out: Path) -> None:
-    """Fail before minutes of measuring, not after: the output must be a writable file path."""
-    if out.is_dir():
-        raise UserError("is a folder; give a file name for the profile JSON", where=str(out))
-    parent = out.parent if str(out.parent) else Path(".")
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not os.access(parent, os.W_OK):
-        raise UserError(f"cannot write here (folder {parent} is not writable)", where=str(out))
-
 
 def profile(
     model: Annotated[Path | None, typer.Option("--model", "-m", help="Model TOML (configs/models/NAME.toml).")] = None,
     batch_sizes: Annotated[
         str | None,
         typer.Option(
-            "--batch-sizes", help=f"Batch-slice sizes to measure, comma-separated (default {DEFAULT_BATCH_SIZES})."
+            "--batch-sizes",
+            help=f"Batch-slice sizes to measure, comma-separated (default {options.DEFAULT_BATCH_SIZES}).",
         ),
     ] = None,
     token_step: Annotated[
@@ -106,58 +80,48 @@ def profile(
 ) -> None:
     console = Console()
     if check_profile is not None:
-        if model is not None or analytic:
-            raise UserError(
-                "checks an existing profile; do not combine it with --model or --analytic", where="--check-profile"
-            )
-        _recheck(console, check_profile, device, quick, seed, clock)
+        _recheck(console, check_profile, device, quick, seed, clock, model=model, analytic=analytic)
         return
-    if model is None:
-        raise UserError("is required (a model TOML such as configs/models/tiny.toml)", where="--model")
-
-    from terapipe_cli.config import load_model_config
-
-    cfg = load_model_config(model)
-    sizes = parse_batch_sizes(batch_sizes) if batch_sizes is not None else None
-    _check_writable(out)
+    cfg, sizes = options.model_to_profile(model, batch_sizes, out)
     if analytic:
-        if check or quick or no_comm:
-            flag = "--check" if check else "--quick" if quick else "--no-comm"
-            raise UserError("applies to measuring this machine, not to --analytic", where=flag)
-        _analytic(console, cfg, hardware, tensor_parallel, sizes, token_step, out)
+        prof = options.analytic_request(
+            cfg, hardware=hardware, tensor_parallel=tensor_parallel, batch_sizes=sizes, token_step=token_step,
+            check=check, quick=quick, no_comm=no_comm,
+        )  # fmt: skip
+        _write(console, out, prof)
         return
-    if hardware is not None or tensor_parallel != 1:
-        raise UserError(
-            "only applies with --analytic", where="--hardware" if hardware is not None else "--tensor-parallel"
-        )
+    settings, dev = options.measurement_request(
+        cfg, batch_sizes=sizes, token_step=token_step, device=device, quick=quick, check=check, seed=seed,
+        clock=clock, hardware=hardware, tensor_parallel=tensor_parallel,
+    )  # fmt: skip
+    _measure(console, cfg, settings, dev, measure_comm=not no_comm, out=out)
 
-    from terapipe_cli.files import write_json_atomic
-    from terapipe_cli.profile.measure import Settings, check_fits_in_memory, measure_profile, resolve_device
 
-    dev = resolve_device(device)
-    settings = Settings.make(
-        cfg,
-        sizes or parse_batch_sizes(DEFAULT_BATCH_SIZES),
-        token_step,
-        quick=quick,
-        check=check,
-        seed=seed,
-        clock=clock or "cpu",
-    )
-    check_fits_in_memory(cfg, max(settings.batch_sizes), dev)
+def _measure(console: Console, cfg, settings, dev, *, measure_comm: bool, out: Path) -> None:
+    from terapipe_cli.profile.measure import measure_profile
+
     console.print(
         f"Profiling one decoder layer of [bold]{cfg.name}[/bold] (H={cfg.hidden}, heads={cfg.heads}, L={cfg.seq_len}) "
         f"on {dev.type}: batch sizes {list(settings.batch_sizes)}, {len(settings.token_lengths)} token lengths "
-        f"(step {token_step}), {settings.fit_points}+{settings.heldout_points} context tiles"
+        f"(step {settings.token_step}), {settings.fit_points}+{settings.heldout_points} context tiles"
         + (f", {settings.check_points} check tiles" if settings.check_points else "")
         + f", {settings.repeats} rounds"
-        + (", quick" if quick else "")
+        + (", quick" if settings.quick else "")
     )
     started = time.perf_counter()
     with _progress(console) as update:
-        prof = measure_profile(cfg, settings, dev, progress=update, measure_comm=not no_comm)
+        prof = measure_profile(cfg, settings, dev, progress=update, measure_comm=measure_comm)
+    _write(console, out, prof, seconds=time.perf_counter() - started)
+
+
+def _write(console: Console, out: Path, prof: dict, *, seconds: float | None = None) -> None:
+    from terapipe_cli.files import write_json_atomic
+
     write_json_atomic(out, prof)
-    _render(console, prof, time.perf_counter() - started)
+    if prof["source"] == "analytic":
+        _render_analytic(console, prof)
+    else:
+        _render(console, prof, seconds)
     console.print(f"wrote [bold]{out}[/bold]")
 
 
@@ -192,7 +156,7 @@ class _progress:
 
 
 def _ms(s: float) -> str:
-    return f"{s * 1e3:.3f} ms" if s < 1 else f"{s:.3f} s"
+    return format_seconds(s, digits=3)
 
 
 def _render(console: Console, prof: dict, seconds: float) -> None:
@@ -249,21 +213,12 @@ def _render_check(console: Console, check: dict) -> None:
         )
 
 
-def _recheck(console: Console, path: Path, device: str, quick: bool, seed: int, clock: str | None) -> None:
-    from terapipe_cli.costmodel import read_profile
-    from terapipe_cli.profile.measure import recheck_profile, resolve_device
+def _recheck(
+    console: Console, path: Path, device: str, quick: bool, seed: int, clock: str | None, *, model, analytic: bool
+) -> None:
+    from terapipe_cli.profile.measure import recheck_profile
 
-    prof = read_profile(path)
-    dev = resolve_device(device)
-    kind = prof.device.get("kind")
-    if prof.source != "measured":
-        raise UserError(
-            f"is an {prof.source!r} profile; only a measured profile can be checked by timing", where=str(path)
-        )
-    if kind != dev.type:
-        raise UserError(
-            f"was measured on {kind!r}, but this check would time {dev.type!r} (see --device)", where=str(path)
-        )
+    prof, dev = options.profile_to_check(path, device, model=model, analytic=analytic)
     console.print(f"Checking [bold]{path}[/bold] ({prof.device.get('name')}) against direct timings on {dev.type}")
     with _progress(console) as update:
         result = recheck_profile(
@@ -272,29 +227,14 @@ def _recheck(console: Console, path: Path, device: str, quick: bool, seed: int, 
     _render_check(console, result)
 
 
-def _analytic(
-    console: Console, cfg, hardware: Path | None, tensor_parallel: int, sizes, token_step: int, out: Path
-) -> None:
-    from terapipe_cli.files import write_json_atomic
-    from terapipe_cli.hardware import load_hardware
-    from terapipe_cli.profile.analytic import analytic_profile
-
-    if hardware is None:
-        raise UserError(
-            "is required with --analytic (a hardware TOML such as configs/hardware/v100.toml)", where="--hardware"
-        )
-    kwargs = {"tensor_parallel": tensor_parallel, "token_step": token_step}
-    if sizes is not None:
-        kwargs["batch_sizes"] = sizes
-    prof = analytic_profile(cfg, load_hardware(hardware), **kwargs)
-    write_json_atomic(out, prof)
+def _render_analytic(console: Console, prof: dict) -> None:
     ctx = prof["context"]
     console.print(
-        f"analytic profile of {cfg.name} on {prof['device']['name']} (tensor parallel {tensor_parallel}): "
+        f"analytic profile of {prof['model']['name']} on {prof['device']['name']} "
+        f"(tensor parallel {prof['device']['tensor_parallel']}): "
         f"context fit held-out error forward {ctx['forward']['heldout_rel_err_mean']:.2%} mean, "
         f"backward {ctx['backward']['heldout_rel_err_mean']:.2%} mean"
     )
-    console.print(f"wrote [bold]{out}[/bold]")
 
 
 def register(app: typer.Typer) -> None:

@@ -1,11 +1,11 @@
-"""Point-to-point link between two pipeline stages: latency + bytes / bandwidth (SPEC §3, comm(b, i)).
+"""Point-to-point link between two pipeline stages: latency + bytes / bandwidth (docs/design.md §3, comm(b, i)).
 
-Two processes are started by torchrun (``torch.distributed.run``) — gloo on CPU, NCCL when two GPUs are
-present — and play ping-pong with messages of the sizes a tile's activation takes. Rank 0 times round trips
-and writes the one-way times to a JSON file; `measure_link` fits ``latency_s + bytes / bytes_per_s`` to
-them (`fit.fit_link`). With a single GPU there is no second device to send to: we then time a
-device-to-device copy on that GPU, which is what moving a tile between two stages sharing it costs, and
-record that this is what was measured.
+Two processes are started by torchrun (``torch.distributed.run``, run through `terapipe_cli.runtime.launch`)
+— gloo on CPU, NCCL when two GPUs are present — and play ping-pong with messages of the sizes a tile's
+activation takes. Rank 0 times round trips and writes the one-way times to a JSON file; `measure_link` fits
+``latency_s + bytes / bytes_per_s`` to them (`fit.fit_link`). With a single GPU there is no second device to
+send to: we then time a device-to-device copy on that GPU, which is what moving a tile between two stages
+sharing it costs, and record that this is what was measured.
 
 This module is also the worker: ``python -m terapipe_cli.profile.comm --worker ...`` (started by torchrun).
 """
@@ -13,9 +13,8 @@ This module is also the worker: ``python -m terapipe_cli.profile.comm --worker .
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
+import subprocess
 import tempfile
 import time
 from collections.abc import Sequence
@@ -25,7 +24,9 @@ from pathlib import Path
 import numpy as np
 
 from terapipe_cli.errors import UserError
+from terapipe_cli.files import read_json, write_json_atomic
 from terapipe_cli.profile.fit import fit_link
+from terapipe_cli.runtime.launch import rendezvous_args, run_torchrun
 
 
 @dataclass(frozen=True)
@@ -127,41 +128,27 @@ def _measure_copy_one_gpu(sizes: Sequence[int], *, rounds: int, iters: int) -> L
     return _summarise(f"device-to-device copy on one GPU ({name}); no second GPU to send to", sizes, samples)
 
 
-def _package_root() -> str:
-    return str(Path(__file__).resolve().parents[2])
-
-
 def _run_torchrun(backend: str, sizes: Sequence[int], *, rounds: int, iters: int, timeout_s: float) -> np.ndarray:
     """Start two workers under torchrun (standalone rendezvous on this machine) and collect rank 0's times."""
-    import subprocess
-
+    where = "communication measurement"
+    limit_s = timeout_s + 30  # the workers' own distributed timeout goes first, with its clearer message
     with tempfile.TemporaryDirectory(prefix="terapipe-comm-") as tmp:
         out = Path(tmp) / "link.json"
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-            "-m", "terapipe_cli.profile.comm", "--worker", "--backend", backend, "--out", str(out),
-            "--sizes", ",".join(str(s) for s in sizes), "--rounds", str(rounds), "--iters", str(iters),
-            "--timeout", str(int(timeout_s)),
+        args = [
+            *rendezvous_args(2), "--module", "terapipe_cli.profile.comm", "--worker", "--backend", backend,
+            "--out", str(out), "--sizes", ",".join(str(s) for s in sizes), "--rounds", str(rounds),
+            "--iters", str(iters), "--timeout", str(int(timeout_s)),
         ]  # fmt: skip
-        env = dict(os.environ)
-        # Workers must import this package however the parent did (installed, or PYTHONPATH=src).
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (_package_root(), env.get("PYTHONPATH", "")) if p)
-        env["OMP_NUM_THREADS"] = "1"  # one core per stage, and torchrun stays quiet about it
         try:
-            proc = subprocess.run(
-                cmd, env=env, capture_output=True, text=True, timeout=timeout_s + 30, start_new_session=True
-            )
+            # One thread per worker: one core per stage, and torchrun stays quiet about it.
+            proc = run_torchrun(args, threads=1, timeout_s=limit_s)
         except subprocess.TimeoutExpired:
-            raise UserError(
-                f"torchrun did not finish within {timeout_s + 30:.0f} s", where="communication measurement"
-            ) from None
+            raise UserError(f"torchrun did not finish within {limit_s:.0f} s", where=where) from None
         if proc.returncode != 0 or not out.exists():
             lines = [ln for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip()]
             cause = next((ln for ln in reversed(lines) if "Error" in ln), lines[-1] if lines else "no output")
-            raise UserError(
-                f"torchrun failed with exit code {proc.returncode}: {cause.strip()}", where="communication measurement"
-            )
-        data = json.loads(out.read_text())
+            raise UserError(f"torchrun failed with exit code {proc.returncode}: {cause.strip()}", where=where)
+        data = read_json(out, what="link measurement")
     return np.asarray(data["one_way_s"], dtype=float)
 
 
@@ -213,9 +200,7 @@ def _worker(args: argparse.Namespace) -> None:
                 one_way[r - 1, k] = float(np.median(round_trips)) / 2
     dist.barrier()
     if rank == 0:
-        tmp = Path(args.out).with_suffix(".tmp")
-        tmp.write_text(json.dumps({"sizes_bytes": sizes, "one_way_s": one_way.tolist()}))
-        os.replace(tmp, args.out)
+        write_json_atomic(args.out, {"sizes_bytes": sizes, "one_way_s": one_way.tolist()})
     dist.destroy_process_group()
 
 

@@ -1,4 +1,4 @@
-"""Measure the cost model on the local device (SPEC §3) through the runtime's own per-slice code path.
+"""Measure the cost model on the local device (docs/design.md §3) through the runtime's own per-slice code path.
 
 Every time here is a tile run by `terapipe_cli.runtime.stage.StageRunner` — the object the training workers
 use — on the middle stage of a 3-layer copy of the model, which holds exactly one decoder layer. So the
@@ -19,12 +19,12 @@ curve; the median is kept, with min and max. The Python garbage collector is pau
 
 from __future__ import annotations
 
-import datetime as dt
 import gc
 import os
 import platform
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -35,6 +35,7 @@ from terapipe_cli.costmodel import PROFILE_SCHEMA, CostModel, profile_from_dict
 from terapipe_cli.device import resolve_device as device_kind
 from terapipe_cli.errors import UserError
 from terapipe_cli.profile.fit import RelErr, fit_context
+from terapipe_cli.units import utc_timestamp
 
 # (phase, done, total): work done so far in arbitrary units, for a progress bar with an ETA.
 Progress = Callable[[str, float, float], None]
@@ -391,6 +392,29 @@ class Timings:
             np.array([s.max() for s in samples]),
         )
 
+    def by_point(self, which: str, stat: int = 0) -> dict[Point, float]:
+        """One statistic per point (0 median, 1 min, 2 max) of "forward", "backward" or "total"."""
+        values = self.stats(which)[stat]
+        return {p: values[k] for k, p in enumerate(self.points)}
+
+    def rows(self) -> list[dict]:
+        """Per point, in order: b, i, j, the median forward and backward seconds and the min and max of their
+        sum: what a profile records of a timed tile, and what `check_against` compares."""
+        fwd, bwd = self.stats("forward")[0], self.stats("backward")[0]
+        lo, hi = self.stats("total")[1:]
+        return [
+            {
+                "b": p.b,
+                "i": p.i,
+                "j": p.j,
+                "forward_s": float(fwd[k]),
+                "backward_s": float(bwd[k]),
+                "total_min_s": float(lo[k]),
+                "total_max_s": float(hi[k]),
+            }
+            for k, p in enumerate(self.points)
+        ]
+
 
 def visits_per_round(points: Sequence[Point], most: int = 4) -> list[int]:
     """Cheap tiles are visited up to ``most`` times per round: their relative noise is the largest and
@@ -458,8 +482,22 @@ def time_points(
 
 
 @dataclass(frozen=True)
+class Tiles:
+    """The tiles one profile times. They share the same rounds, so a drift of the machine hits them alike."""
+
+    grid: list[Point]  # j = 0 on the token grid: the no-context tables
+    context: list[Point]  # random (b, i, j): the context term's fit and held-out points
+    check: list[Point]  # off the grids, with --check; else empty
+
+    @property
+    def all(self) -> list[Point]:
+        return self.grid + self.context + self.check
+
+
+@dataclass(frozen=True)
 class Settings:
-    """What to measure; `Settings.default` and `Settings.quick` are the two presets."""
+    """What to measure. `Settings.make` builds it from the command's options; ``quick`` picks the coarse
+    preset (`_QUICK`) instead of the default one (`_DEFAULT`)."""
 
     batch_sizes: tuple[int, ...]
     token_step: int
@@ -494,19 +532,35 @@ class Settings:
             raise UserError(f"must be one of {', '.join(CLOCKS)}, got {clock!r}", where="--clock")
         lengths = tuple(token_grid(model.seq_len, token_step, quick=quick))
         preset = _QUICK if quick else _DEFAULT
-        # Fail now, not after the grid was timed, if the sequence is too short for the context points.
-        context_points(bs, lengths, model.seq_len, token_step, fit=preset["fit_points"],
-                       heldout=preset["heldout_points"], seed=seed)  # fmt: skip
-        return Settings(
-            bs,
-            token_step,
-            lengths,
-            **preset,
-            check_points=preset["fit_points"] // 4 if check else 0,
-            seed=seed,
-            quick=quick,
-            clock=clock,
+        check_count = preset["fit_points"] // 4 if check else 0
+        settings = Settings(
+            bs, token_step, lengths, **preset, check_points=check_count, seed=seed, quick=quick, clock=clock
         )
+        # Fail now, not after the grid was timed, if the sequence is too short for the context points.
+        settings.context_tiles(model.seq_len)
+        return settings
+
+    def context_tiles(self, seq_len: int) -> list[Point]:
+        return context_points(
+            self.batch_sizes,
+            self.token_lengths,
+            seq_len,
+            self.token_step,
+            fit=self.fit_points,
+            heldout=self.heldout_points,
+            seed=self.seed,
+        )
+
+    def tiles(self, seq_len: int) -> Tiles:
+        grid = [Point(b, n, 0, "grid") for b in self.batch_sizes for n in self.token_lengths]
+        check = (
+            check_points(
+                self.batch_sizes, self.token_lengths, seq_len, self.token_step, count=self.check_points, seed=self.seed
+            )
+            if self.check_points
+            else []
+        )
+        return Tiles(grid, self.context_tiles(seq_len), check)
 
 
 # Sized so that the tiny model (H = 256, L = 1024) takes under 30 s (quick) and 3 minutes (default) on a
@@ -515,10 +569,16 @@ _QUICK = dict(repeats=3, warmup_all=False, fit_points=16, heldout_points=8, comm
 _DEFAULT = dict(repeats=5, warmup_all=True, fit_points=48, heldout_points=16, comm_sizes=8, comm_rounds=4, comm_iters=8)
 
 
-def _fit_report(fit, pts: list[Point], t_nc: dict, t: np.ndarray) -> dict:
-    b, i, j = (np.array([getattr(p, a) for p in pts], dtype=float) for a in "bij")
-    nc = np.array([t_nc[(p.b, p.i)] for p in pts])
-    return {"tile": fit.errors(b, i, j, nc, t), "context_only": fit.context_errors(b, i, j, nc, t)}
+@contextmanager
+def _one_thread_per_stage(device: torch.device) -> Iterator[None]:
+    """On a CPU, time with one thread (a pipeline stage owns one core); the caller's count comes back after."""
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def measure_profile(
@@ -530,118 +590,14 @@ def measure_profile(
     measure_comm: bool = True,
 ) -> dict:
     """Measure everything and return a ``terapipe.profile/1`` dict (validated before it is returned)."""
-    from terapipe_cli.profile.comm import measure_link, message_sizes
-
     check_fits_in_memory(model, max(settings.batch_sizes), device)
-    threads = torch.get_num_threads()
-    if device.type == "cpu":
-        torch.set_num_threads(1)  # a pipeline stage owns one core
     started = time.perf_counter()
-    try:
-        timer = TileTimer(model, device, seed=settings.seed, clock=settings.clock)
-        grid = [Point(b, n, 0, "grid") for b in settings.batch_sizes for n in settings.token_lengths]
-        ctx = context_points(
-            settings.batch_sizes,
-            settings.token_lengths,
-            model.seq_len,
-            settings.token_step,
-            fit=settings.fit_points,
-            heldout=settings.heldout_points,
-            seed=settings.seed,
-        )
-        chk = (
-            check_points(
-                settings.batch_sizes,
-                settings.token_lengths,
-                model.seq_len,
-                settings.token_step,
-                count=settings.check_points,
-                seed=settings.seed,
-            )
-            if settings.check_points
-            else []
-        )
-        # Grid, context and check tiles share the same rounds: drift hits them all alike.
-        timings = time_points(
-            timer,
-            grid + ctx + chk,
-            repeats=settings.repeats,
-            warmup_all=settings.warmup_all,
-            seed=settings.seed,
-            progress=progress,
-        )
-        if progress:
-            progress("optimizer step and activation memory", 0, 1)
-        opt_s = timer.optimizer_step_s(repeats=5 if settings.quick else 20)
-        act_i = min(model.seq_len, 256)
-        act_bytes, act_method = timer.activation_bytes_per_token(1, act_i)
-        if progress:
-            progress("optimizer step and activation memory", 1, 1)
-    finally:
-        torch.set_num_threads(threads)
-
-    pts = timings.points
-    med = {w: timings.stats(w) for w in ("forward", "backward", "total")}
-    index = {p: k for k, p in enumerate(pts)}
-
-    def table(which: str, stat: int) -> list[list[float]]:
-        return [
-            [float(med[which][stat][index[Point(b, n, 0, "grid")]]) for n in settings.token_lengths]
-            for b in settings.batch_sizes
-        ]
-
-    forward_s, backward_s = table("forward", 0), table("backward", 0)
-    context: dict = {}
-    for which in ("forward", "backward"):
-        t_nc = {
-            (b, n): med[which][0][index[Point(b, n, 0, "grid")]]
-            for b in settings.batch_sizes
-            for n in settings.token_lengths
-        }
-        fit_pts = [p for p in ctx if p.role == "fit"]
-        held = [p for p in ctx if p.role == "heldout"]
-        b, i, j = (np.array([getattr(p, a) for p in fit_pts], dtype=float) for a in "bij")
-        t_fit = np.array([med[which][0][index[p]] for p in fit_pts])
-        fit = fit_context(b, i, j, [t_nc[(p.b, p.i)] for p in fit_pts], t_fit)
-        held_err = _fit_report(fit, held, t_nc, np.array([med[which][0][index[p]] for p in held]))
-        context[which] = {
-            "coef": list(fit.coef),
-            # Relative error of the predicted per-layer tile time t_nc + t_ctx on the held-out tiles: the
-            # quantity the planner adds up. The context term alone, a difference of two timings, is below.
-            "heldout_rel_err_mean": held_err["tile"].mean,
-            "heldout_rel_err_max": held_err["tile"].max,
-            "heldout_points": held_err["tile"].count,
-            "heldout_context_only_rel_err_mean": held_err["context_only"].mean,
-            "heldout_context_only_rel_err_max": held_err["context_only"].max,
-            "fit_rel_err_mean": fit.fit_err.mean,
-            "fit_rel_err_max": fit.fit_err.max,
-            "fit_points": fit.fit_err.count,
-        }
-
-    if progress:
-        progress("point-to-point link (torchrun)", 0, 1)
-    H = model.hidden
-    smallest = min(settings.batch_sizes) * settings.token_lengths[0] * H * DTYPE_BYTES
-    largest = max(settings.batch_sizes) * model.seq_len * H * DTYPE_BYTES
-    sizes = message_sizes(smallest, largest, settings.comm_sizes)
-    if measure_comm:
-        comm = measure_link(device.type, sizes, rounds=settings.comm_rounds, iters=settings.comm_iters).to_dict()
-    else:
-        comm = {"latency_s": 0.0, "bytes_per_s": 1e12, "method": "not measured (--no-comm): a free link"}
-    if progress:
-        progress("point-to-point link (torchrun)", 1, 1)
-
-    def samples(p: Point, k: int) -> dict:
-        return {
-            "b": p.b,
-            "i": p.i,
-            "j": p.j,
-            "forward_s": float(med["forward"][0][k]),
-            "backward_s": float(med["backward"][0][k]),
-            "total_min_s": float(med["total"][1][k]),
-            "total_max_s": float(med["total"][2][k]),
-        }
-
+    tiles = settings.tiles(model.seq_len)
+    timer, timings, layer = _time_layer(model, settings, tiles, device, progress)
+    tables = _grid_tables(timings, settings)
+    context = {which: _context_fit(timings, tiles, which) for which in ("forward", "backward")}
+    comm = _link(model, settings, device, progress) if measure_comm else dict(_FREE_LINK)
+    rows = dict(zip(timings.points, timings.rows(), strict=True))
     profile = {
         "schema": PROFILE_SCHEMA,
         "source": "measured",
@@ -650,37 +606,126 @@ def measure_profile(
             f"(one decoder layer), median of {settings.repeats} interleaved rounds. token_lengths is a geometric "
             "subset of the multiples of token_step; the cost model interpolates between them piecewise-linearly."
         ),
-        "created": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "created": utc_timestamp(),
         "device": dict(device_info(device), clock=CLOCK_NAMES[timer.clock]),
         "model": model.to_dict(),
         "dtype_bytes": DTYPE_BYTES,
         "token_step": settings.token_step,
         "batch_sizes": list(settings.batch_sizes),
         "token_lengths": list(settings.token_lengths),
-        "forward_s": forward_s,
-        "backward_s": backward_s,
+        "forward_s": tables["forward_s"],
+        "backward_s": tables["backward_s"],
         "context": context,
         "comm": comm,
-        "optimizer_s_per_layer": opt_s,
-        "activation_bytes_per_token_per_layer": act_bytes,
+        "optimizer_s_per_layer": layer["optimizer_s"],
+        "activation_bytes_per_token_per_layer": layer["activation_bytes"],
         "params_per_layer": sum(p.numel() for p in timer.runner.module.parameters()),
         "grid": {
             "kind": "quick" if settings.quick else "default",
             "interpolation": "piecewise-linear in tokens, then in batch size (terapipe_cli.costmodel)",
             "repeats": settings.repeats,
-            "forward_min_s": table("forward", 1),
-            "forward_max_s": table("forward", 2),
-            "backward_min_s": table("backward", 1),
-            "backward_max_s": table("backward", 2),
+            **{f"{w}_{s}_s": tables[f"{w}_{s}_s"] for w in ("forward", "backward") for s in ("min", "max")},
         },
-        "context_points": [dict(samples(p, index[p]), role=p.role) for p in ctx],
-        "activation_method": f"{act_method}, at b = 1, i = {act_i}",
+        "context_points": [dict(rows[p], role=p.role) for p in tiles.context],
+        "activation_method": layer["activation_method"],
         "seconds_to_measure": round(time.perf_counter() - started, 1),
     }
     profile_from_dict(profile, "measured profile")  # the one validating reader accepts what we write
-    if chk:
-        profile["check"] = check_against(profile, [samples(p, index[p]) for p in chk])
+    if tiles.check:
+        profile["check"] = check_against(profile, [rows[p] for p in tiles.check])
     return profile
+
+
+def _time_layer(
+    model: ModelConfig, settings: Settings, tiles: Tiles, device: torch.device, progress: Progress | None
+) -> tuple[TileTimer, Timings, dict]:
+    """Time all tiles in shared rounds, then one layer's optimizer step and the activations a tile keeps."""
+    with _one_thread_per_stage(device):
+        timer = TileTimer(model, device, seed=settings.seed, clock=settings.clock)
+        timings = time_points(
+            timer,
+            tiles.all,
+            repeats=settings.repeats,
+            warmup_all=settings.warmup_all,
+            seed=settings.seed,
+            progress=progress,
+        )
+        if progress:
+            progress("optimizer step and activation memory", 0, 1)
+        optimizer_s = timer.optimizer_step_s(repeats=5 if settings.quick else 20)
+        act_i = min(model.seq_len, 256)
+        act_bytes, act_method = timer.activation_bytes_per_token(1, act_i)
+        if progress:
+            progress("optimizer step and activation memory", 1, 1)
+    layer = {
+        "optimizer_s": optimizer_s,
+        "activation_bytes": act_bytes,
+        "activation_method": f"{act_method}, at b = 1, i = {act_i}",
+    }
+    return timer, timings, layer
+
+
+def _grid_tables(timings: Timings, settings: Settings) -> dict[str, list[list[float]]]:
+    """The no-context tables [batch size][token length]: ``forward_s``/``backward_s`` (medians) and their
+    ``_min_s`` and ``_max_s``."""
+    tables = {}
+    for which in ("forward", "backward"):
+        for stat, suffix in enumerate(("s", "min_s", "max_s")):
+            value = timings.by_point(which, stat)
+            tables[f"{which}_{suffix}"] = [
+                [float(value[Point(b, n, 0, "grid")]) for n in settings.token_lengths] for b in settings.batch_sizes
+            ]
+    return tables
+
+
+def _context_fit(timings: Timings, tiles: Tiles, which: str) -> dict:
+    """Fit the context term of the ``which`` ("forward" or "backward") pass and report it on held-out tiles."""
+    median = timings.by_point(which)
+    t_nc = {(p.b, p.i): median[p] for p in tiles.grid}
+    fit_pts = [p for p in tiles.context if p.role == "fit"]
+    held = [p for p in tiles.context if p.role == "heldout"]
+    b, i, j = (np.array([getattr(p, a) for p in fit_pts], dtype=float) for a in "bij")
+    fit = fit_context(b, i, j, [t_nc[(p.b, p.i)] for p in fit_pts], np.array([median[p] for p in fit_pts]))
+    held_err = _fit_report(fit, held, t_nc, np.array([median[p] for p in held]))
+    return {
+        "coef": list(fit.coef),
+        # Relative error of the predicted per-layer tile time t_nc + t_ctx on the held-out tiles: the
+        # quantity the planner adds up. The context term alone, a difference of two timings, is below.
+        "heldout_rel_err_mean": held_err["tile"].mean,
+        "heldout_rel_err_max": held_err["tile"].max,
+        "heldout_points": held_err["tile"].count,
+        "heldout_context_only_rel_err_mean": held_err["context_only"].mean,
+        "heldout_context_only_rel_err_max": held_err["context_only"].max,
+        "fit_rel_err_mean": fit.fit_err.mean,
+        "fit_rel_err_max": fit.fit_err.max,
+        "fit_points": fit.fit_err.count,
+    }
+
+
+def _fit_report(fit, pts: list[Point], t_nc: dict, t: np.ndarray) -> dict:
+    b, i, j = (np.array([getattr(p, a) for p in pts], dtype=float) for a in "bij")
+    nc = np.array([t_nc[(p.b, p.i)] for p in pts])
+    return {"tile": fit.errors(b, i, j, nc, t), "context_only": fit.context_errors(b, i, j, nc, t)}
+
+
+# What the profile records with --no-comm: the planner then prices the link as free.
+_FREE_LINK = {"latency_s": 0.0, "bytes_per_s": 1e12, "method": "not measured (--no-comm): a free link"}
+
+
+def _link(model: ModelConfig, settings: Settings, device: torch.device, progress: Progress | None) -> dict:
+    """Measure the stage-to-stage link with messages from the smallest to the largest tile's activation."""
+    from terapipe_cli.profile.comm import measure_link, message_sizes
+
+    if progress:
+        progress("point-to-point link (torchrun)", 0, 1)
+    H = model.hidden
+    smallest = min(settings.batch_sizes) * settings.token_lengths[0] * H * DTYPE_BYTES
+    largest = max(settings.batch_sizes) * model.seq_len * H * DTYPE_BYTES
+    sizes = message_sizes(smallest, largest, settings.comm_sizes)
+    comm = measure_link(device.type, sizes, rounds=settings.comm_rounds, iters=settings.comm_iters).to_dict()
+    if progress:
+        progress("point-to-point link (torchrun)", 1, 1)
+    return comm
 
 
 # ----------------------------------------------------------------------------------------------- check
@@ -722,22 +767,20 @@ def recheck_profile(
     """
     prof = profile_from_dict(profile, "profile")
     model = prof.model
-    threads = torch.get_num_threads()
-    if device.type == "cpu":
-        torch.set_num_threads(1)
-    try:
-        if clock is None:
-            clock = "wall" if prof.device.get("clock") == CLOCK_NAMES["wall"] else "cpu"
-        timer = TileTimer(model, device, seed=seed, clock=clock)
-        pts = check_points(prof.batch_sizes, prof.token_lengths, model.seq_len, prof.token_step, count=count, seed=seed)
-        lengths = prof.token_lengths
-        refs = [
+    if clock is None:
+        clock = "wall" if prof.device.get("clock") == CLOCK_NAMES["wall"] else "cpu"
+    pts = check_points(prof.batch_sizes, prof.token_lengths, model.seq_len, prof.token_step, count=count, seed=seed)
+    lengths = prof.token_lengths
+    refs = list(
+        dict.fromkeys(
             Point(b, lengths[(k * (len(lengths) - 1)) // 3], 0, "reference")
             for b in prof.batch_sizes
             for k in (1, 2, 3)
-        ]
-        refs = list(dict.fromkeys(refs))
-        t = time_points(
+        )
+    )
+    with _one_thread_per_stage(device):
+        timer = TileTimer(model, device, seed=seed, clock=clock)
+        timings = time_points(
             timer,
             pts + refs,
             repeats=repeats,
@@ -746,22 +789,7 @@ def recheck_profile(
             progress=progress,
             phase="timing check tiles",
         )
-    finally:
-        torch.set_num_threads(threads)
-    f, b = t.stats("forward")[0], t.stats("backward")[0]
-    lo, hi = t.stats("total")[1:]
-    measured = [
-        {
-            "b": p.b,
-            "i": p.i,
-            "j": p.j,
-            "forward_s": float(f[k]),
-            "backward_s": float(b[k]),
-            "total_min_s": float(lo[k]),
-            "total_max_s": float(hi[k]),
-        }
-        for k, p in enumerate(t.points)
-    ]
+    measured = timings.rows()
     result = check_against(profile, measured[: len(pts)])
     ref = check_against(profile, measured[len(pts) :])
     drift = float(np.median([r["measured_s"] / r["predicted_s"] for r in ref["points"]]))

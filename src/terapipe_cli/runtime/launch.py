@@ -1,4 +1,6 @@
-"""Launch the stage workers through torchrun, and turn a worker failure into one line.
+"""Launch the stage workers through torchrun, and turn a worker failure into one line; the one home of the
+torchrun command and its environment (`rendezvous_args`, `torchrun_argv`, `package_env`), which the link
+measurement of `terapipe profile` also runs through (`run_torchrun`).
 
 The command is exactly ``python -m torch.distributed.run <torchrun_args(...)>``; `launch` runs the same
 arguments in this process through ``torch.distributed.run.run`` (not ``main``, whose ``@record`` would print
@@ -15,7 +17,9 @@ from __future__ import annotations
 import logging
 import os
 import shlex
+import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,38 +47,60 @@ class Launch:
     device: str = "cpu"
 
 
+def rendezvous_args(
+    nproc_per_node: int, *, nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: str | None = None
+) -> list[str]:
+    """torchrun's process arguments: standalone on one machine, or the given static rendezvous across nodes.
+    No restarts: a failed worker fails the job, and the agent looks at its workers every 0.1 s."""
+    args = ["--nproc-per-node", str(nproc_per_node), "--max-restarts", "0", "--monitor-interval", "0.1"]
+    if nnodes == 1 and rdzv_endpoint is None:
+        return ["--standalone", "--nnodes", "1", *args]
+    endpoint = rdzv_endpoint or "localhost:29500"
+    return ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--rdzv-endpoint", endpoint, *args]
+
+
 def torchrun_args(spec: Launch) -> list[str]:
-    """torchrun's arguments: standalone on one machine, or the given static rendezvous across nodes."""
-    args = ["--nproc-per-node", str(spec.nproc_per_node), "--max-restarts", "0", "--monitor-interval", "0.1"]
-    if spec.nnodes == 1 and spec.rdzv_endpoint is None:
-        args = ["--standalone", "--nnodes", "1", *args]
-    else:
-        args = [
-            "--nnodes",
-            str(spec.nnodes),
-            "--node-rank",
-            str(spec.node_rank),
-            "--rdzv-endpoint",
-            spec.rdzv_endpoint or "localhost:29500",
-            *args,
-        ]
+    """torchrun's arguments for the stage workers of ``spec``."""
+    args = rendezvous_args(
+        spec.nproc_per_node, nnodes=spec.nnodes, node_rank=spec.node_rank, rdzv_endpoint=spec.rdzv_endpoint
+    )
     args += ["--module", WORKER_MODULE, "--run-dir", str(spec.run_dir)]
     if spec.resume_step is not None:
         args += ["--resume-step", str(spec.resume_step)]
     return args
 
 
-def worker_env(spec: Launch) -> dict[str, str]:
-    """Environment the workers need beyond the caller's: thread count, and the package on the path (so
-    ``PYTHONPATH=src python -m terapipe_cli`` works from any folder)."""
+def torchrun_argv(args: Sequence[str]) -> list[str]:
+    """The whole command: this Python running torchrun (``torch.distributed.run``) with ``args``."""
+    return [sys.executable, "-m", "torch.distributed.run", *args]
+
+
+def package_env(threads: int) -> dict[str, str]:
+    """Environment torchrun's workers need beyond the caller's: their thread count, and this package first on
+    the path, so they import it however the caller did (installed, or ``PYTHONPATH=src`` from any folder)."""
     package_root = str(Path(terapipe_cli.__file__).resolve().parent.parent)
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != package_root]
-    return {"OMP_NUM_THREADS": str(spec.threads), "PYTHONPATH": os.pathsep.join([package_root, *paths])}
+    return {"OMP_NUM_THREADS": str(threads), "PYTHONPATH": os.pathsep.join([package_root, *paths])}
+
+
+def worker_env(spec: Launch) -> dict[str, str]:
+    """Environment the stage workers need beyond the caller's (`package_env`)."""
+    return package_env(spec.threads)
 
 
 def command_line(spec: Launch) -> str:
+    """The shell command `launch` runs, environment first, for ``--dry-run`` to print."""
     env = " ".join(f"{k}={shlex.quote(v)}" for k, v in worker_env(spec).items())
-    return f"{env} {shlex.quote(sys.executable)} -m torch.distributed.run " + shlex.join(torchrun_args(spec))
+    return f"{env} " + shlex.join(torchrun_argv(torchrun_args(spec)))
+
+
+def run_torchrun(args: Sequence[str], *, threads: int, timeout_s: float) -> subprocess.CompletedProcess:
+    """Run torchrun with ``args`` as a child process, output captured, in its own session (so that a
+    timeout stops torchrun and not the caller's terminal); raises ``subprocess.TimeoutExpired``."""
+    env = dict(os.environ, **package_env(threads))
+    return subprocess.run(
+        torchrun_argv(args), env=env, capture_output=True, text=True, timeout=timeout_s, start_new_session=True
+    )
 
 
 def launch(spec: Launch) -> None:

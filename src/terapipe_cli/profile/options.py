@@ -1,0 +1,142 @@
+"""What `terapipe profile` was asked to do, checked before anything is measured (docs/design.md §8, §9).
+
+Each function takes the command's options and returns what the library needs, or raises a one-line
+`UserError` naming the option at fault: a bad request fails in a second, not after minutes of timing, and
+no output file is written.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from terapipe_cli.config import ModelConfig
+from terapipe_cli.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
+
+    from terapipe_cli.costmodel import Profile
+    from terapipe_cli.profile.measure import Settings
+
+DEFAULT_BATCH_SIZES = "1,2,4"
+
+
+def parse_batch_sizes(text: str) -> tuple[int, ...]:
+    """``"1,2,4"`` -> (1, 2, 4): positive integers, any order, duplicates folded."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    try:
+        sizes = [int(p) for p in parts]
+    except ValueError:
+        raise UserError(
+            f"must be a comma-separated list of positive integers, got {text!r}", where="--batch-sizes"
+        ) from None
+    if not sizes or any(b < 1 for b in sizes):
+        raise UserError(f"must be a comma-separated list of positive integers, got {text!r}", where="--batch-sizes")
+    return tuple(sorted(set(sizes)))
+
+
+def check_writable(out: Path) -> None:
+    """Fail before minutes of measuring, not after: the output must be a writable file path."""
+    if out.is_dir():
+        raise UserError("is a folder; give a file name for the profile JSON", where=str(out))
+    parent = out.parent if str(out.parent) else Path(".")
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not os.access(parent, os.W_OK):
+        raise UserError(f"cannot write here (folder {parent} is not writable)", where=str(out))
+
+
+def model_to_profile(model: Path | None, batch_sizes: str | None, out: Path) -> tuple[ModelConfig, tuple[int, ...]]:
+    """The model to profile, the batch sizes asked for (empty: the default), and a writable ``out``."""
+    from terapipe_cli.config import load_model_config
+
+    if model is None:
+        raise UserError("is required (a model TOML such as configs/models/tiny.toml)", where="--model")
+    cfg = load_model_config(model)
+    sizes = parse_batch_sizes(batch_sizes) if batch_sizes is not None else ()
+    check_writable(out)
+    return cfg, sizes
+
+
+def profile_to_check(path: Path, device: str, *, model: Path | None, analytic: bool) -> tuple[Profile, torch.device]:
+    """For ``--check-profile``: the measured profile at ``path`` and the device to time it on, which must be
+    the kind it was measured on."""
+    from terapipe_cli.costmodel import read_profile
+    from terapipe_cli.profile.measure import resolve_device
+
+    if model is not None or analytic:
+        raise UserError(
+            "checks an existing profile; do not combine it with --model or --analytic", where="--check-profile"
+        )
+    prof = read_profile(path)
+    dev = resolve_device(device)
+    if prof.source != "measured":
+        raise UserError(
+            f"is an {prof.source!r} profile; only a measured profile can be checked by timing", where=str(path)
+        )
+    kind = prof.device.get("kind")
+    if kind != dev.type:
+        raise UserError(
+            f"was measured on {kind!r}, but this check would time {dev.type!r} (see --device)", where=str(path)
+        )
+    return prof, dev
+
+
+def analytic_request(
+    cfg: ModelConfig,
+    *,
+    hardware: Path | None,
+    tensor_parallel: int,
+    batch_sizes: Sequence[int],
+    token_step: int,
+    check: bool,
+    quick: bool,
+    no_comm: bool,
+) -> dict:
+    """For ``--analytic``: the estimated profile (`terapipe_cli.profile.analytic`); the flags about measuring
+    this machine do not apply."""
+    from terapipe_cli.hardware import load_hardware
+    from terapipe_cli.profile.analytic import analytic_profile
+
+    if check or quick or no_comm:
+        flag = "--check" if check else "--quick" if quick else "--no-comm"
+        raise UserError("applies to measuring this machine, not to --analytic", where=flag)
+    if hardware is None:
+        raise UserError(
+            "is required with --analytic (a hardware TOML such as configs/hardware/v100.toml)", where="--hardware"
+        )
+    kwargs: dict = {"tensor_parallel": tensor_parallel, "token_step": token_step}
+    if batch_sizes:
+        kwargs["batch_sizes"] = tuple(batch_sizes)
+    return analytic_profile(cfg, load_hardware(hardware), **kwargs)
+
+
+def measurement_request(
+    cfg: ModelConfig,
+    *,
+    batch_sizes: Sequence[int],
+    token_step: int,
+    device: str,
+    quick: bool,
+    check: bool,
+    seed: int,
+    clock: str | None,
+    hardware: Path | None,
+    tensor_parallel: int,
+) -> tuple[Settings, torch.device]:
+    """For measuring this machine: what to time (`Settings`) and on which device, refused at once if the
+    largest tile would not fit in its memory. ``--hardware`` and ``--tensor-parallel`` belong to --analytic."""
+    from terapipe_cli.profile.measure import Settings, check_fits_in_memory, resolve_device
+
+    if hardware is not None or tensor_parallel != 1:
+        raise UserError(
+            "only applies with --analytic", where="--hardware" if hardware is not None else "--tensor-parallel"
+        )
+    dev = resolve_device(device)
+    sizes = batch_sizes or parse_batch_sizes(DEFAULT_BATCH_SIZES)
+    settings = Settings.make(cfg, sizes, token_step, quick=quick, check=check, seed=seed, clock=clock or "cpu")
+    check_fits_in_memory(cfg, max(settings.batch_sizes), dev)
+    return settings, dev
