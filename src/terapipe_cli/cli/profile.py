@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from terapipe_cli.cli.options import DeviceOption
 from terapipe_cli.profile import options
 from terapipe_cli.units import format_seconds
 
@@ -44,7 +45,7 @@ def profile(
     token_step: Annotated[
         int, typer.Option("--token-step", "-g", help="Token slices are multiples of this (the profile's grid).")
     ] = 8,
-    device: Annotated[str, typer.Option("--device", help="auto (CUDA if present), cpu or cuda.")] = "auto",
+    device: DeviceOption = "auto",
     quick: Annotated[
         bool, typer.Option("--quick", help="Coarse grid, few repeats: under 30 s for tests/demos.")
     ] = False,
