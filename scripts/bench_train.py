@@ -51,8 +51,9 @@ def worker(config_path: str) -> None:
     import torch.distributed as dist
 
     from terapipe_cli.config import ModelConfig
-    from terapipe_cli.model import GPT, optimizer_for, token_loss_sum
+    from terapipe_cli.model import GPT, token_loss_sum
     from terapipe_cli.runtime.data import load_data, step_batch
+    from terapipe_cli.runtime.optim import make_optimizer
     from terapipe_cli.runtime.p2p import Links
     from terapipe_cli.runtime.stage import StageRunner
     from terapipe_cli.runtime.worker import run_schedule
@@ -66,7 +67,7 @@ def worker(config_path: str) -> None:
     B, L = cfg["batch_size"], model.seq_len
     runner = StageRunner(model, rank, stages, seed=0)
     runner.set_loss_scale(1.0 / (B * L))
-    optimizer = optimizer_for(runner.module, 1e-4)
+    optimizer = make_optimizer(runner.module, 1e-4)
     links = Links(
         prev_rank=rank - 1 if rank else None,
         next_rank=rank + 1 if rank < stages - 1 else None,
@@ -79,7 +80,7 @@ def worker(config_path: str) -> None:
     batch = step_batch(load_data(None), seed=0, step=1, sequences=B, seq_len=L)
     if rank == 0:
         full = GPT(model, seed=0)
-        full_optimizer = optimizer_for(full, 1e-4)
+        full_optimizer = make_optimizer(full, 1e-4)
     flag = torch.zeros(1)
     names = [c["name"] for c in cfg["candidates"]] + ["single process"]
     times: dict[str, list[float]] = {n: [] for n in names}

@@ -190,28 +190,3 @@ class GPT(nn.Module):
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Summed (not averaged) cross-entropy: the step divides by all predicted tokens of the step (docs/design.md §6)."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
-
-
-def optimizer_for(module: nn.Module, lr: float) -> torch.optim.AdamW:
-    """AdamW as nanoGPT configures it: weight decay on matrices and embeddings only.
-
-    Per-parameter groups keep the update independent of how the model is split into stages.
-    """
-    decay = [p for p in module.parameters() if p.dim() >= 2]
-    no_decay = [p for p in module.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, foreach=False)
-
-
-def learning_rate(lr: float, step: int) -> float:
-    """The learning rate of ``step`` (1-based): ``lr``, the same for every step.
-
-    The workers and the single-process reference of ``--verify`` both set each step's rate from here, so
-    whatever makes it vary with the step changes both alike.
-    """
-    return lr
-
-
-def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    for group in optimizer.param_groups:
-        group["lr"] = lr

@@ -310,7 +310,7 @@ class TileTimer:
 
     def optimizer_step_s(self, repeats: int) -> float:
         """Median seconds of one AdamW step (the runtime's optimizer) over one layer's parameters."""
-        from terapipe_cli.model import optimizer_for
+        from terapipe_cli.runtime.optim import make_optimizer
 
         module = self.runner.module
         for p in module.parameters():
@@ -318,7 +318,7 @@ class TileTimer:
                 p.grad = torch.zeros_like(p)
         # A throw-away copy of the weights: the step must not change the layer that later tiles time.
         saved = {k: v.detach().clone() for k, v in module.state_dict().items()}
-        opt = optimizer_for(module, lr=1e-4)
+        opt = make_optimizer(module, lr=1e-4)
         times = []
         for r in range(repeats + 1):
             self._sync()

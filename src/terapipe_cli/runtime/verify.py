@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from terapipe_cli.model import GPT, learning_rate, optimizer_for, set_learning_rate, token_loss_sum
+from terapipe_cli.model import GPT, token_loss_sum
 from terapipe_cli.runtime import checkpoint
 from terapipe_cli.runtime.data import step_batch
+from terapipe_cli.runtime.optim import make_optimizer, set_lr
 from terapipe_cli.runtime.prepare import PreparedRun
 from terapipe_cli.runtime.rundir import read_metrics, read_summary, verify_grads_path, write_summary
 
@@ -72,14 +73,14 @@ def reference_run(prepared: PreparedRun) -> tuple[list[float], dict, dict]:
     """(loss per step, gradients at step 1, final weights), by name, from the single-process reference."""
     plan, args = prepared.plan, prepared.args
     model = GPT(plan.model, seed=args.seed).to(prepared.device)
-    optimizer = optimizer_for(model, args.lr)
+    optimizer = make_optimizer(model, args.lr)
     sequences, L = plan.batch_size * args.data_parallel, plan.seq_len
     losses: list[float] = []
     grads1: dict = {}
     for step in range(1, args.steps + 1):
         batch = step_batch(prepared.data, seed=args.seed, step=step, sequences=sequences, seq_len=L)
         batch = batch.to(prepared.device)
-        set_learning_rate(optimizer, learning_rate(args.lr, step))
+        set_lr(optimizer, args.lr)
         optimizer.zero_grad(set_to_none=True)
         logits, _ = model(batch[:, :-1])
         loss = token_loss_sum(logits, batch[:, 1:]) / (sequences * L)

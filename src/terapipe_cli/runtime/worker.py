@@ -33,10 +33,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from terapipe_cli.model import learning_rate, optimizer_for, set_learning_rate
 from terapipe_cli.plan import Plan, plan_from_dict
 from terapipe_cli.runtime import checkpoint
 from terapipe_cli.runtime.data import TokenData, check_data, load_data, step_batch
+from terapipe_cli.runtime.optim import make_optimizer, set_lr
 from terapipe_cli.runtime.p2p import Links, PeerLost, short_error
 from terapipe_cli.runtime.rundir import (
     RunArguments,
@@ -102,7 +102,7 @@ def train(run_dir: Path, resume_step: int | None) -> None:
     for step in range(start_step + 1, w.args.steps + 1):
         batch = replica_batch(w, step)
         step_start = time.perf_counter()
-        set_learning_rate(w.optimizer, learning_rate(w.args.lr, step))
+        set_lr(w.optimizer, w.args.lr)
         w.optimizer.zero_grad(set_to_none=True)
         loss, step_events = run_schedule(
             w.runner,
@@ -184,7 +184,7 @@ def build_stage(
     runner = StageRunner(plan.model, stage, plan.stages, seed=args.seed, device=device, kv_handback=args.kv_handback)
     # Summed token losses over the whole step (all replicas) divided once: the single-device mean.
     runner.set_loss_scale(1.0 / (plan.batch_size * args.data_parallel * plan.seq_len))
-    return runner, optimizer_for(runner.module, args.lr)
+    return runner, make_optimizer(runner.module, args.lr)
 
 
 def restore(w: Worker, resume_step: int | None) -> tuple[int, list[Event]]:
