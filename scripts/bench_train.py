@@ -91,7 +91,7 @@ def worker(config_path: str) -> None:
             if name == "single process":
                 if rank == 0:
                     full_optimizer.zero_grad(set_to_none=True)
-                    logits, _ = full(batch[:, :-1])
+                    logits = full(batch[:, :-1])
                     (token_loss_sum(logits, batch[:, 1:]) / (B * L)).backward()
                     full_optimizer.step()
                     elapsed = time.perf_counter() - start

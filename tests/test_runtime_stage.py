@@ -1,5 +1,7 @@
 """StageRunner's tile path, with the stages chained in one process: gradients must equal the whole model's."""
 
+from contextlib import ExitStack
+
 import pytest
 import torch
 from conftest import tiny_model
@@ -9,19 +11,29 @@ from terapipe_cli.runtime.stage import StageRunner
 from terapipe_cli.schedule import build_schedule
 
 
-def reference_grads(cfg, tokens, targets, seed):
+def reference_grads(cfg, tokens, targets, seed, autocast_dtype=None):
+    """The whole model on the whole batch; under autocast of ``autocast_dtype`` when given."""
     model = GPT(cfg, seed=seed)
-    logits, _ = model(tokens)
-    loss = token_loss_sum(logits, targets) / targets.numel()
+    with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+        logits = model(tokens)
+        loss = token_loss_sum(logits, targets) / targets.numel()
     loss.backward()
     return loss.item(), {n: p.grad for n, p in model.named_parameters()}
 
 
-def pipelined_grads(cfg, tokens, targets, slices, stages, seed, kv_handback=True):
+def pipelined_grads(cfg, tokens, targets, slices, stages, seed, kv_handback=True, precision="fp32"):
     """Walk the schedule stage by stage (stage k's forward tiles feed stage k+1), as the workers would."""
-    runners = [StageRunner(cfg, k, stages, seed=seed, kv_handback=kv_handback) for k in range(stages)]
-    for r in runners:
-        r.set_loss_scale(1.0 / targets.numel())
+    runners = [
+        StageRunner(cfg, k, stages, seed=seed, kv_handback=kv_handback, precision=precision) for k in range(stages)
+    ]
+    with ExitStack() as step:
+        for r in runners:
+            r.set_loss_scale(1.0 / targets.numel())
+            step.enter_context(r.step())
+        return _walk(runners, tokens, targets, slices, stages)
+
+
+def _walk(runners, tokens, targets, slices, stages):
     schedule = build_schedule(slices, stages)
     acts = {}
     loss = 0.0
@@ -87,6 +99,56 @@ def test_without_kv_handback_gradients_differ():
     _, got = pipelined_grads(cfg, tokens, targets, [(2, [8, 8, 16])], 2, seed=5, kv_handback=False)
     worst = max(((got[n] - ref[n]).abs().max() / ref[n].abs().max()).item() for n in ref)
     assert worst > 1e-2
+
+
+def _relative(got, ref):
+    """The largest norm-wise relative difference over the parameters."""
+    return max(((got[n] - ref[n]).norm() / ref[n].norm()).item() for n in ref)
+
+
+def test_bf16_tiles_are_within_the_measured_bf16_spread():
+    """bf16 tiles against the whole model under the same bf16 autocast. Tile shapes change the summation order,
+    so the tolerance is measured: twice the distance between the whole model in bf16 and in fp32 (about 1e-2
+    here; the tiles land at about 6e-3). Dropping the K/V hand-back (about 1.0) must still fail it."""
+    cfg = tiny_model(seq_len=32)
+    data = torch.randint(0, cfg.vocab, (2, 33), generator=torch.Generator().manual_seed(7))
+    tokens, targets = data[:, :-1], data[:, 1:]
+    _, ref16 = reference_grads(cfg, tokens, targets, seed=5, autocast_dtype=torch.bfloat16)
+    _, ref32 = reference_grads(cfg, tokens, targets, seed=5)
+    tolerance = 2 * _relative(ref16, ref32)
+    slices = [(2, [8, 8, 16])]
+    _, got = pipelined_grads(cfg, tokens, targets, slices, 2, seed=5, precision="bf16")
+    assert _relative(got, ref16) <= tolerance
+    _, broken = pipelined_grads(cfg, tokens, targets, slices, 2, seed=5, precision="bf16", kv_handback=False)
+    assert _relative(broken, ref16) > 10 * tolerance
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_slicing_keeps_no_more_saved_tensors_than_the_whole_sequence(precision):
+    """K/V written once into the cache, one low-precision copy of each weight per step, masks shared: 8 slices
+    keep within 10% of the bytes the whole sequence keeps for its backward (counted from autograd's saved
+    tensors, each storage once)."""
+    cfg = tiny_model(seq_len=256)
+    data = torch.randint(0, cfg.vocab, (1, 257), generator=torch.Generator().manual_seed(0))
+
+    def saved_bytes(slices):
+        runner = StageRunner(cfg, 0, 1, precision=precision)
+        params = {p.untyped_storage().data_ptr() for p in runner.module.parameters()}
+        storages = {}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in params:
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        start = 0
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), runner.step():
+            for n, i in enumerate(slices):
+                runner.forward_tile(0, n, data[:, start : start + i], data[:, start + 1 : start + i + 1])
+                start += i
+        return sum(storages.values())
+
+    assert saved_bytes([32] * 8) <= 1.10 * saved_bytes([256])
 
 
 def test_middle_stage_runs_random_activations():

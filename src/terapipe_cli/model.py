@@ -17,30 +17,111 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from terapipe_cli.config import ModelConfig
 
 # Per-component seed offsets: the embedding, layer l (l + _LAYER), and the final norm + head.
 _EMBED, _HEAD, _LAYER = 1, 2, 16
 
-KV = tuple[torch.Tensor, torch.Tensor]
 
-_MASKS: dict[tuple[int, int, str], torch.Tensor] = {}
+class KVCache:
+    """The keys and values of one batch slice at one layer, for the whole sequence; its slices fill it in order.
 
+    A slice of ``i`` tokens starting at ``start`` writes its own k, v into rows ``[start, start + i)`` and attends
+    over rows ``[0, start + i)`` — the earlier slices' keys/values are never copied again (docs/design.md §6).
 
-def context_mask(i: int, j: int, device: torch.device) -> torch.Tensor:
-    """Boolean (i, j + i) mask: every one of the j context columns, then causal within the slice.
-
-    SDPA's ``is_causal`` aligns the triangle to the top-left corner, which is wrong once there is context
-    (the slice's first token must see all j earlier ones), so the mask is explicit — and cached, because
-    every layer of every tile of the same shape asks for the same one.
+    The K/V gradient hand-back: a slice's backward produces gradients for every row it read. Rows of earlier
+    slices go into ``grad`` (summed over the later slices); the slice's own rows, plus what later slices left
+    there, flow into its own graph. Backward runs in reverse token order, so when an earlier slice's turn comes
+    every later slice has already handed its share back: each slice's graph is walked once, O(slices).
+    ``handback=False`` drops the earlier rows' gradients: a test-only negative control.
     """
-    key = (i, j, str(device))
-    mask = _MASKS.get(key)
+
+    def __init__(self, rows: int, *, handback: bool = True) -> None:
+        self.rows = rows
+        self.handback = handback
+        self.keys: torch.Tensor | None = None  # (b, heads, rows, head_dim), allocated by the first slice
+        self.values: torch.Tensor | None = None
+        self.grad: tuple[torch.Tensor, torch.Tensor] | None = None  # gradients handed back to earlier rows
+
+    def window(self, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this slice's (k, v) at ``start``; return rows [0, start + i) of keys and values, differentiable."""
+        return _Window.apply(k, v, self, start)
+
+    def _write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        end = start + k.shape[2]
+        if self.keys is None:
+            shape = (*k.shape[:2], max(self.rows, end), k.shape[3])
+            self.keys, self.values = k.new_empty(shape), v.new_empty(shape)
+        elif end > self.keys.shape[2] or k.shape[:2] != self.keys.shape[:2] or k.dtype != self.keys.dtype:
+            raise RuntimeError(f"a slice of shape {tuple(k.shape)} at {start} does not fit this K/V cache")
+        with torch.no_grad():
+            self.keys[:, :, start:end].copy_(k)
+            self.values[:, :, start:end].copy_(v)
+        # Tensors of their own over the cache's storage: later slices' writes to rows past `end` must not bump
+        # the version counter of what attention saved for its backward (those rows are not part of it).
+        return _rows(self.keys, end), _rows(self.values, end)
+
+    def _hand_back(self, grad_k: torch.Tensor, grad_v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gradient of this slice's own k, v: its rows of the window's gradient plus what later slices left."""
+        end = grad_k.shape[2]
+        own = [grad_k[:, :, start:end], grad_v[:, :, start:end]]
+        if self.grad is not None and self.grad[0].shape[2] >= end:
+            own = [g + acc[:, :, start:end] for g, acc in zip(own, self.grad, strict=True)]
+        if start and self.handback:
+            if self.grad is None:
+                self.grad = (
+                    grad_k.new_zeros(grad_k.shape[:2] + (start, grad_k.shape[3])),
+                    grad_v.new_zeros(grad_v.shape[:2] + (start, grad_v.shape[3])),
+                )
+            self.grad[0][:, :, :start] += grad_k[:, :, :start]
+            self.grad[1][:, :, :start] += grad_v[:, :, :start]
+        return own[0], own[1]
+
+
+def _rows(cache: torch.Tensor, end: int) -> torch.Tensor:
+    """Rows [0, end) of a (b, heads, rows, d) cache as a new tensor on the same storage (its own version counter)."""
+    return cache.new_empty(0).set_(
+        cache.untyped_storage(), cache.storage_offset(), (*cache.shape[:2], end, cache.shape[3]), cache.stride()
+    )
+
+
+class _Window(torch.autograd.Function):
+    """Autograd for `KVCache.window`: forward writes into the cache, backward hands gradients back (above)."""
+
+    @staticmethod
+    def forward(ctx, k: torch.Tensor, v: torch.Tensor, cache: KVCache, start: int):
+        ctx.cache, ctx.start = cache, start
+        return cache._write(k, v, start)
+
+    @staticmethod
+    def backward(ctx, grad_k: torch.Tensor, grad_v: torch.Tensor):
+        gk, gv = ctx.cache._hand_back(grad_k, grad_v, ctx.start)
+        return gk, gv, None, None
+
+
+_CPU_MASKS: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
+_CPU_MASK_BYTES = 256 * 2**20  # the cache is emptied when its masks pass this size
+
+
+def context_mask(i: int, start: int, q: torch.Tensor):
+    """The mask of a slice of ``i`` queries after ``start`` context keys: causal, aligned to the bottom-right.
+
+    On CUDA, `causal_lower_right`: the fused kernels apply it without building a mask. On the CPU, PyTorch would
+    materialise it for every call and keep that copy for the backward (every layer, every tile); an additive
+    mask built once per slice shape is shared by all layers and batch slices instead.
+    """
+    if q.device.type != "cpu":
+        return causal_lower_right(i, start + i)
+    key = (i, start, q.dtype)
+    mask = _CPU_MASKS.get(key)
     if mask is None:
-        if len(_MASKS) > 256:
-            _MASKS.clear()
-        mask = _MASKS[key] = torch.ones(i, j + i, dtype=torch.bool, device=device).tril(j)
+        if sum(m.numel() * m.element_size() for m in _CPU_MASKS.values()) > _CPU_MASK_BYTES:
+            _CPU_MASKS.clear()
+        blocked = torch.ones(i, start + i, dtype=torch.bool).triu(start + 1)
+        mask = torch.zeros(i, start + i, dtype=q.dtype).masked_fill_(blocked, float("-inf"))
+        _CPU_MASKS[key] = mask
     return mask
 
 
@@ -53,24 +134,26 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden, bias=False)
         self.proj = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
 
-    def forward(self, x: torch.Tensor, context: list[KV] | None = None) -> tuple[torch.Tensor, ...]:
-        """x: (b, i, H); context: the (k, v) of earlier slices, each (b, heads, j_s, head_dim).
-
-        Returns the output and this slice's own k, v so that later slices can use them as context.
-        """
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, start: int = 0) -> torch.Tensor:
+        """x: (b, i, H), the tokens [start, start + i) of a slice; ``cache`` holds the keys/values of the same
+        sequences' earlier tokens [0, start) and receives this slice's (None: the whole sequence, no cache)."""
         b, i, _ = x.shape
         q, k, v = self.qkv(x).split(self.hidden, dim=2)
         q, k, v = (t.view(b, i, self.heads, -1).transpose(1, 2) for t in (q, k, v))
-        if context:
-            # Attend over the earlier slices' keys/values followed by our own (causal within the slice).
-            keys = torch.cat([c[0] for c in context] + [k], dim=2)
-            values = torch.cat([c[1] for c in context] + [v], dim=2)
-            j = keys.shape[2] - i
-            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=context_mask(i, j, x.device))
-        else:
+        if cache is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            # q on its own storage, so the projection's output (q, k, v together) is not kept for the backward:
+            # attention saves q and the cache's rows, no more than the whole-sequence path keeps.
+            keys, values = cache.window(k, v, start)
+            q = q.contiguous()
+            if start:
+                # Causal aligned to the bottom-right corner: the slice's first query sees all `start` earlier keys.
+                y = F.scaled_dot_product_attention(q, keys, values, attn_mask=context_mask(i, start, q))
+            else:
+                y = F.scaled_dot_product_attention(q, keys, values, is_causal=True)
         y = y.transpose(1, 2).reshape(b, i, self.hidden)
-        return self.proj(y), k, v
+        return self.proj(y)
 
 
 class MLP(nn.Module):
@@ -93,11 +176,9 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.hidden)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, context: list[KV] | None = None) -> tuple[torch.Tensor, ...]:
-        a, k, v = self.attn(self.ln_1(x), context)
-        x = x + a
-        x = x + self.mlp(self.ln_2(x))
-        return x, k, v
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, start: int = 0) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache, start)
+        return x + self.mlp(self.ln_2(x))
 
 
 def stage_layer_range(cfg: ModelConfig, stage: int, stages: int) -> range:
@@ -164,27 +245,19 @@ class GPT(nn.Module):
         pos = torch.arange(token_start, token_start + tokens.shape[1], device=tokens.device)
         return self.wte(tokens) + self.wpe(pos)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        token_start: int = 0,
-        context: list[list[KV]] | None = None,
-    ) -> tuple[torch.Tensor, list[KV]]:
-        """Run this stage's part on one slice.
+    def forward(self, x: torch.Tensor, token_start: int = 0, caches: list[KVCache] | None = None) -> torch.Tensor:
+        """Run this stage's part on one slice: tokens [token_start, token_start + i) of its sequences.
 
         x: (b, i) token ids on stage 0, else the (b, i, H) activation from the previous stage.
-        context: per layer of this stage, the (k, v) of the earlier slices of the same sequences.
-        Returns the output — (b, i, H), or logits (b, i, vocab) on the last stage — and this slice's (k, v)
-        per layer.
+        caches: one `KVCache` per layer of this stage, holding the earlier slices' keys/values of the same
+        sequences (None: x is the whole sequence). Returns (b, i, H), or the logits (b, i, vocab) on the last stage.
         """
         h = self.embed(x, token_start) if self.first else x
-        kvs: list[KV] = []
         for idx, n in enumerate(self.layer_ids):
-            h, k, v = self.blocks[str(n)](h, context[idx] if context else None)
-            kvs.append((k, v))
+            h = self.blocks[str(n)](h, caches[idx] if caches is not None else None, token_start)
         if self.last:
             h = self.lm_head(self.ln_f(h))
-        return h, kvs
+        return h
 
 
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -2,31 +2,42 @@
 
 This is the runtime's own per-slice code path: the workers run it, and the profiler times it.
 
-The K/V hand-back. A tile's attention reads the keys/values of the earlier token slices of the same batch
-slice. Each tile stores its own per-layer (k, v) as *detached leaves* that later tiles read, so a later
-tile's backward deposits the gradient for those keys/values in the leaves' ``.grad`` instead of walking
-into the earlier tile's graph. When the earlier tile's turn comes (backward runs in reverse token order),
-one ``torch.autograd.backward`` call feeds in the gradient of its output from stage k+1 *together with* the
-accumulated gradients of its own k, v — so every graph is walked exactly once and the backward costs
-O(tiles), not O(tiles²).
+Keys and values. Each batch slice has one `KVCache` per layer of the stage: its token slices write their
+keys/values into it in order and attend over everything written so far, so no slice copies the earlier ones'
+K/V again. The K/V gradient hand-back lives in the cache: a later slice's backward leaves the gradients of the
+earlier rows there, and the earlier slice's own backward (reverse token order) picks them up — every tile's
+graph is walked exactly once.
+
+Precision. ``precision="bf16"`` or ``"fp16"`` runs each tile's forward under autocast (the backward follows the
+forward's types); parameters, their gradients and the activations sent between stages stay fp32.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from contextlib import nullcontext
+from dataclasses import dataclass, field
 
 import torch
 
 from terapipe_cli.config import ModelConfig
-from terapipe_cli.model import GPT, KV, token_loss_sum
+from terapipe_cli.model import GPT, KVCache, token_loss_sum
+
+AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
 class _TileState:
     x: torch.Tensor  # the input leaf (stage > 0) whose .grad goes back to the previous stage
     out: torch.Tensor  # the output activation, or the summed token loss on the last stage
-    kv: list[KV]  # this tile's own per-layer (k, v), still attached to its graph
-    kv_leaves: list[KV]  # the same tensors detached: what later tiles attend over
+
+
+@dataclass
+class _BatchSlice:
+    """What one batch slice holds between its first forward and its last backward."""
+
+    caches: list[KVCache]  # one per layer of the stage
+    next_token: int = 0  # tokens already run: the next tile's start
+    open_tiles: list[int] = field(default_factory=list)  # token slices run forward and not yet backward
 
 
 class StageRunner:
@@ -45,19 +56,41 @@ class StageRunner:
         seed: int = 0,
         device: str | torch.device = "cpu",
         kv_handback: bool = True,
+        precision: str = "fp32",
     ) -> None:
+        if precision not in AUTOCAST_DTYPES:
+            raise ValueError(f"precision must be one of {sorted(AUTOCAST_DTYPES)}, got {precision!r}")
         self.device = torch.device(device)
         self.module = GPT(model, stage, stages, seed=seed).to(self.device)
         self.first, self.last = self.module.first, self.module.last
+        self.seq_len = model.seq_len
         self.kv_handback = kv_handback
+        self.precision = precision
         self.loss_scale = 1.0
         self._tiles: dict[tuple[int, int], _TileState] = {}
-        self._context: dict[int, list[list[KV]]] = {}  # batch slice -> per layer: (k, v) leaves of its tiles so far
-        self._next_token: dict[int, int] = {}  # batch slice -> tokens already run (the next tile's start)
+        self._slices: dict[int, _BatchSlice] = {}
 
     def set_loss_scale(self, scale: float) -> None:
-        """1 / (predicted tokens of the whole step, all replicas): makes the gradient the single-device one."""
+        """1 / (predicted tokens of the whole step, all replicas): makes the gradient the single-device one.
+
+        With fp16 the trainer folds its loss scale in here too (the last stage's loss is multiplied by it)."""
         self.loss_scale = float(scale)
+
+    def autocast(self):
+        """The forward's autocast context for this stage's precision (none in fp32)."""
+        dtype = AUTOCAST_DTYPES[self.precision]
+        if dtype is None:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=dtype)
+
+    def step(self):
+        """Context for one step's tiles (forwards and backwards); leave it before the optimizer step.
+
+        Autocast keeps the low-precision copy of each weight until its outermost context ends. Entered once
+        per step, every tile shares one copy per weight, as the whole sequence would; tile by tile, each tile's
+        graph would keep a copy of its own (measured: +64% saved bytes for 8 slices of the tiny model in bf16).
+        """
+        return self.autocast()
 
     def forward_tile(
         self, batch_slice: int, token_slice: int, x: torch.Tensor, targets: torch.Tensor | None = None
@@ -71,24 +104,24 @@ class StageRunner:
         key = (batch_slice, token_slice)
         if key in self._tiles:
             raise RuntimeError(f"tile {key} was already run forward")
-        context = self._context.setdefault(batch_slice, [[] for _ in self.module.layer_ids])
-        if len(context[0]) != token_slice:
+        state = self._slices.get(batch_slice)
+        if state is None:
+            caches = [KVCache(self.seq_len, handback=self.kv_handback) for _ in self.module.layer_ids]
+            state = self._slices[batch_slice] = _BatchSlice(caches)
+        if token_slice != len(state.open_tiles):
             raise RuntimeError(f"tile {key}: token slices of a batch slice must run in order (reset between steps)")
-        token_start = self._next_token.get(batch_slice, 0)
         x = x.to(self.device, non_blocking=True)
         if not self.first:
             x = x.detach().requires_grad_(True)
-        with torch.enable_grad():
-            out, kv = self.module(x, token_start, context if token_slice else None)
+        with torch.enable_grad(), self.autocast():
+            out = self.module(x, state.next_token, state.caches)
             if self.last:
                 if targets is None:
                     raise ValueError("the last stage needs targets")
                 out = token_loss_sum(out, targets.to(self.device, non_blocking=True))
-        leaves = [(k.detach().requires_grad_(True), v.detach().requires_grad_(True)) for k, v in kv]
-        for layer_context, leaf in zip(context, leaves, strict=True):
-            layer_context.append(leaf)
-        self._tiles[key] = _TileState(x, out, kv, leaves)
-        self._next_token[batch_slice] = token_start + x.shape[1]
+        self._tiles[key] = _TileState(x, out)
+        state.open_tiles.append(token_slice)
+        state.next_token += x.shape[1]
         return out.detach()
 
     def backward_tile(self, batch_slice: int, token_slice: int, grad_out: torch.Tensor | None) -> torch.Tensor | None:
@@ -98,39 +131,27 @@ class StageRunner:
         tile's loss is scaled by the loss scale). Parameter gradients accumulate in ``.grad``. Returns the
         gradient for the previous stage (None on stage 0).
         """
-        state = self._tiles.pop((batch_slice, token_slice))
-        if self._context[batch_slice][0][-1][0] is not state.kv_leaves[0][0]:
-            raise RuntimeError(f"tile {(batch_slice, token_slice)}: backward must run in reverse token order")
+        key = (batch_slice, token_slice)
+        state = self._slices.get(batch_slice)
+        if key not in self._tiles or state is None or state.open_tiles[-1] != token_slice:
+            raise RuntimeError(f"tile {key}: backward must run once per tile, in reverse token order")
+        tile = self._tiles.pop(key)
         if self.last:
-            roots, grads = [state.out * self.loss_scale], [None]
+            torch.autograd.backward(tile.out * self.loss_scale)
         else:
             if grad_out is None:
                 raise ValueError("a stage other than the last needs the gradient of its output")
-            roots, grads = [state.out], [grad_out.to(self.device, non_blocking=True)]
-        if self.kv_handback:
-            # Gradients that later slices' attention left on this tile's keys/values (docs/design.md §6).
-            for (k, v), (k_leaf, v_leaf) in zip(state.kv, state.kv_leaves, strict=True):
-                if k_leaf.grad is not None:
-                    roots.append(k)
-                    grads.append(k_leaf.grad)
-                if v_leaf.grad is not None:
-                    roots.append(v)
-                    grads.append(v_leaf.grad)
-        torch.autograd.backward(roots, grads)
-        if token_slice == 0:
-            # Every later slice of this batch slice is done: its context is no longer needed.
-            self._context.pop(batch_slice, None)
-            self._next_token.pop(batch_slice, None)
-        else:
-            for layer_context in self._context[batch_slice]:
-                layer_context.pop()  # this tile's leaves (checked above to be the last ones)
-        return None if self.first else state.x.grad
+            torch.autograd.backward(tile.out, grad_out.to(self.device, non_blocking=True))
+        state.open_tiles.pop()
+        if not state.open_tiles:
+            # Every slice of this batch slice is done: its keys/values are no longer needed.
+            del self._slices[batch_slice]
+        return None if self.first else tile.x.grad
 
     def reset(self) -> None:
         """Forget stored tiles and keys/values (between steps or measurements)."""
         self._tiles.clear()
-        self._context.clear()
-        self._next_token.clear()
+        self._slices.clear()
 
     @property
     def pending_tiles(self) -> int:

@@ -82,7 +82,7 @@ def reference_run(prepared: PreparedRun) -> tuple[list[float], dict, dict]:
         batch = batch.to(prepared.device)
         set_lr(optimizer, args.lr)
         optimizer.zero_grad(set_to_none=True)
-        logits, _ = model(batch[:, :-1])
+        logits = model(batch[:, :-1])
         loss = token_loss_sum(logits, batch[:, 1:]) / (sequences * L)
         loss.backward()
         losses.append(loss.item())

@@ -228,23 +228,13 @@ def run_schedule(
     """
     walk = _StepWalk(runner, links, batch, [a.tile for a in actions if a.phase == "F"], after_forward)
     events: list[Event] = []
-    for action in actions:
-        t = action.tile
-        start = walk.forward(t) if action.phase == "F" else walk.backward(t)
-        end = walk.now()
-        events.append(
-            Event(
-                stage,
-                action.phase,
-                t.batch_slice,
-                t.token_slice,
-                start - step_start,
-                end - step_start,
-                rank,
-                replica,
-                step,
-            )
-        )
+    with runner.step():  # one low-precision copy of each weight for all the step's tiles
+        for action in actions:
+            t = action.tile
+            start = walk.forward(t) if action.phase == "F" else walk.backward(t)
+            end = walk.now()
+            phase, b, k = action.phase, t.batch_slice, t.token_slice
+            events.append(Event(stage, phase, b, k, start - step_start, end - step_start, rank, replica, step))
     links.finish_sends()
     return walk.loss, events
 
