@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -161,3 +162,13 @@ def test_token_step_one_and_short_sequences():
     prof = profile_from_dict(obj, "analytic")
     assert prof.token_lengths == tuple(range(1, tiny.seq_len + 1))
     assert token_grid(20, 8) == [8, 16, 20]
+
+
+@pytest.mark.parametrize("name", sorted(HW))
+def test_the_profile_is_at_the_precision_of_the_hardware_files_peak(name):
+    hw = HW[name]
+    obj = analytic_profile(MODELS["gpt3-1b"], hw, batch_sizes=(1,), token_step=256)
+    assert obj["precision"] == profile_from_dict(obj, "analytic").precision == hw.training.dtype == "fp16"
+    unknown = replace(hw, training=replace(hw.training, dtype="int8"))
+    with pytest.raises(UserError, match=r"\[training\] dtype must be fp32, bf16 or fp16.*'int8'"):
+        analytic_profile(MODELS["gpt3-1b"], unknown, batch_sizes=(1,), token_step=256)

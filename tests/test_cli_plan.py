@@ -34,6 +34,7 @@ PLAN_KEYS = {
     "baselines",
     "solver",
     "profile",
+    "precision",
 }
 
 
@@ -84,6 +85,20 @@ def test_plan_writes_a_complete_plan(tmp_path: Path) -> None:
     assert obj["short_form"] in proc.stdout
     assert obj["baselines"]["gpipe"]["short_form"] in proc.stdout
     assert sorted(os.listdir(out.parent)) == ["p.json"]  # no temporary file left
+    # The example profile predates the precision field: it reads as fp32, and the plan says so.
+    assert "precision" not in RAW and obj["precision"] == plan.precision == "fp32"
+    assert ", fp32" in proc.stdout
+
+
+def test_the_plan_copies_the_profiles_precision(tmp_path: Path) -> None:
+    profile = tmp_path / "bf16-profile.json"
+    profile.write_text(json.dumps({**RAW, "precision": "bf16"}))
+    proc = terapipe(*plan_args("--out", "plan.json", profile=profile), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert read_plan(tmp_path / "plan.json").precision == "bf16"
+    assert json.loads((tmp_path / "plan.json").read_text())["precision"] == "bf16"
+    title = next(line for line in proc.stdout.splitlines() if "L=" in line and "K=2" in line)
+    assert title.strip().endswith("bf16"), title
 
 
 def test_default_out_is_plan_json_in_the_current_folder(tmp_path: Path) -> None:
@@ -176,6 +191,11 @@ BAD = [
         "missing field",
         lambda t: plan_args(profile=_profile_file(t, json.dumps({k: v for k, v in RAW.items() if k != "backward_s"}))),
         "backward_s",
+    ),
+    (
+        "unknown precision",
+        lambda t: plan_args(profile=_profile_file(t, json.dumps({**RAW, "precision": "fp8"}))),
+        "field 'precision'",
     ),
     ("zero stages", lambda t: plan_args(stages=0), "--stages"),
     ("negative batch", lambda t: plan_args(batch=-1), "--batch"),

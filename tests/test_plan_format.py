@@ -73,6 +73,20 @@ def test_make_write_read_round_trip(tmp_path: Path) -> None:
     assert plan.short_form() == obj["short_form"] == "[(2, [32, 16, 16])] + [(1, [40, 24])]"
     assert plan.raw["solver"] == {"method": "exact"}  # extra fields survive
     assert obj["schema"] == PLAN_SCHEMA
+    assert obj["precision"] == plan.precision == "fp32"  # hand-made plans default to fp32
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_the_plan_carries_its_precision(tmp_path: Path, precision: str) -> None:
+    path = write_plan(tmp_path / "plan.json", plan_dict(precision=precision))
+    assert json.loads(path.read_text())["precision"] == precision
+    assert read_plan(path).precision == precision
+
+
+def test_a_plan_from_before_precision_existed_reads_as_fp32(tmp_path: Path) -> None:
+    obj = plan_dict(precision="bf16")
+    del obj["precision"]
+    assert read_plan(write_json_atomic(tmp_path / "old.json", obj)).precision == "fp32"
 
 
 def test_normalize_accepts_json_lists_and_tuples() -> None:
@@ -110,6 +124,8 @@ BAD = [
     ("seq_len longer than the model", _tamper(seq_len=128, slices=[[3, [128]]]), "seq_len"),
     ("negative predicted_s", _tamper(predicted_s=-1.0), "predicted_s"),
     ("model not an object", _tamper(model="tiny"), "model"),
+    ("unknown precision", _tamper(precision="fp8"), "field 'precision' must be fp32, bf16 or fp16"),
+    ("precision not a string", _tamper(precision=16), "field 'precision'"),
 ]
 
 

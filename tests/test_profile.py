@@ -13,8 +13,10 @@ from conftest import terapipe
 
 from terapipe_cli.cli import main
 from terapipe_cli.config import ModelConfig
-from terapipe_cli.costmodel import CostModel, read_profile
+from terapipe_cli.costmodel import CostModel, profile_from_dict, read_profile
+from terapipe_cli.device import default_precision, resolve_precision
 from terapipe_cli.errors import UserError
+from terapipe_cli.plan import read_plan
 from terapipe_cli.profile.measure import (
     TileTimer,
     check_points,
@@ -104,6 +106,25 @@ def test_device_auto_is_cpu_without_a_gpu_and_cuda_with_one(monkeypatch):
         resolve_device("tpu")
 
 
+def test_precision_is_bf16_on_cuda_and_fp32_on_cpu_unless_asked(monkeypatch):
+    assert default_precision("cpu") == resolve_precision(None, "cpu") == resolve_precision("auto", "cpu") == "fp32"
+    for name in ("fp32", "bf16", "fp16"):
+        assert resolve_precision(name, "cpu") == name  # CPU autocast has both low precisions
+    for bad in ("fp8", "FP16", "float32", ""):
+        with pytest.raises(UserError) as err:
+            resolve_precision(bad, "cpu")
+        assert str(err.value).startswith("--precision: must be auto, fp32, bf16 or fp16") and "\n" not in str(err.value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    assert default_precision("cuda") == resolve_precision(None, "cuda") == "bf16"
+    # A GPU older than Ampere has no native bf16: fp16 by default, and bf16 is refused in one line.
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+    assert default_precision("cuda") == resolve_precision("auto", "cuda") == "fp16"
+    assert resolve_precision("fp16", "cuda") == "fp16"
+    with pytest.raises(UserError, match="^--precision: .*use fp16$"):
+        resolve_precision("bf16", "cuda")
+
+
 def test_tile_timer_runs_the_runtime_path_and_leaves_it_clean():
     timer = TileTimer(MICRO, torch.device("cpu"))
     # One decoder layer, no embedding or head: the per-layer cost.
@@ -119,6 +140,25 @@ def test_tile_timer_runs_the_runtime_path_and_leaves_it_clean():
     act, method = timer.activation_bytes_per_token(1, 16)
     assert act >= 2 * MICRO.hidden * 4  # at least the tile's input and output are kept for the backward
     assert method.startswith("computed")
+    # The K/V cache holds the whole sequence's rows, but a tile keeps only its own: the same per token for a
+    # tile of 8 tokens as for one of 32.
+    assert timer.activation_bytes_per_token(1, 8)[0] == timer.activation_bytes_per_token(1, 32)[0]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_low_precision_tiles_share_the_steps_weight_copies(precision):
+    timer = TileTimer(MICRO, torch.device("cpu"), precision=precision)
+    assert timer.runner.precision == precision
+    fp32 = TileTimer(MICRO, torch.device("cpu"))
+    with timer.runner.step():
+        assert all(t > 0 for t in timer.time_tile(2, 16, 24))
+        shared, _ = timer.activation_bytes_per_token(1, 16)
+    alone, _ = timer.activation_bytes_per_token(1, 16)  # outside a step: every tile casts the weights again
+    # The difference is exactly the low-precision copy of the layer's weight matrices (2 bytes per element).
+    matrices = sum(p.numel() for p in timer.runner.module.parameters() if p.dim() == 2)
+    assert alone - shared == pytest.approx(2 * matrices / 16)
+    assert shared < fp32.activation_bytes_per_token(1, 16)[0]  # low-precision activations are smaller
+    assert timer.optimizer_step_s(repeats=2) > 0
 
 
 def test_timings_interleave_points_and_sample_cheap_tiles_more():
@@ -158,6 +198,8 @@ def test_quick_profile_of_a_micro_model_is_a_valid_profile_the_planner_reads(tmp
     assert code == 0, err
     assert "held-out tile error" in stdout and "check: relative error" in stdout
     prof = read_profile(out)
+    precision = default_precision(prof.device["kind"])  # fp32 on a CPU, bf16 on a GPU
+    assert prof.precision == precision and f"in {precision}" in stdout
     assert prof.source == "measured" and prof.model.name == "micro" and prof.batch_sizes == (1, 2)
     assert prof.device["kind"] in ("cpu", "cuda") and prof.device["name"]
     raw = json.loads(out.read_text())
@@ -178,11 +220,40 @@ def test_quick_profile_of_a_micro_model_is_a_valid_profile_the_planner_reads(tmp
         ["plan", "--profile", str(out), "--stages", "2", "--batch", "2", "--out", str(plan_out)], capsys
     )
     assert code == 0, err
-    assert plan_out.exists()
+    assert read_plan(plan_out).precision == precision
     # And the profile can be re-checked against fresh timings.
     code, stdout, err = run_cli(["profile", "--check-profile", str(out), "--quick"], capsys)
     assert code == 0, err
     assert "check: relative error" in stdout and "machine speed now" in stdout
+
+
+def test_a_bf16_profile_records_it_and_is_checked_at_it(tmp_path, capsys):
+    model = write_model(tmp_path / "micro.toml")
+    out = tmp_path / "bf16.json"
+    args = ["profile", "--model", str(model), "--quick", "--no-comm", "--device", "cpu", "--precision", "bf16"]
+    code, stdout, err = run_cli([*args, "--out", str(out)], capsys)
+    assert code == 0, err
+    raw = json.loads(out.read_text())
+    assert raw["precision"] == read_profile(out).precision == "bf16"
+    assert "in bf16" in raw["note"] and "in bf16" in stdout
+    assert raw["dtype_bytes"] == 4  # what goes between stages stays fp32
+    # --check-profile times at the profile's precision and refuses another one.
+    for other in ("fp32", "fp16"):
+        code, _, err = run_cli(["profile", "--check-profile", str(out), "--precision", other], capsys)
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert "--precision" in err and "measured in bf16" in err and "Traceback" not in err
+    code, stdout, err = run_cli(["profile", "--check-profile", str(out), "--quick", "--precision", "auto"], capsys)
+    assert code == 0, err
+    assert "in bf16" in stdout and "check: relative error" in stdout
+
+
+def test_a_profile_without_precision_reads_as_fp32_and_a_bad_one_is_refused():
+    example = ROOT / "configs/profiles/example-tiny-cpu.json"
+    raw = json.loads(example.read_text())
+    assert "precision" not in raw and read_profile(example).precision == "fp32"
+    assert profile_from_dict({**raw, "precision": "fp16"}, "p.json").precision == "fp16"
+    with pytest.raises(UserError, match="^p.json: field 'precision' must be fp32, bf16 or fp16, got 'half'$"):
+        profile_from_dict({**raw, "precision": "half"}, "p.json")
 
 
 def test_link_measurement_through_torchrun():
@@ -211,6 +282,7 @@ def bad_inputs(tmp_path: Path) -> list[tuple[list[str], str]]:
         (["--model", str(tmp_path / "ok.toml"), "--batch-sizes", "one"], "--batch-sizes"),
         (["--model", str(tmp_path / "ok.toml"), "--device", "tpu"], "--device"),
         (["--model", str(tmp_path / "ok.toml"), "--clock", "sundial"], "--clock"),
+        (["--model", str(tmp_path / "ok.toml"), "--precision", "fp8"], "--precision: must be auto, fp32, bf16 or fp16"),
         (["--model", str(write_model(tmp_path / "huge.toml", hidden=65536, heads=64, seq_len=65536))], "GiB"),
         (["--check-profile", str(ROOT / "configs/profiles/example-tiny-cpu.json")], "measured profile"),
         (["--analytic", "--model", str(tmp_path / "ok.toml")], "--hardware"),
@@ -224,6 +296,18 @@ def bad_inputs(tmp_path: Path) -> list[tuple[list[str], str]]:
                 "--check",
             ],
             "--check",
+        ),
+        (
+            [
+                "--analytic",
+                "--hardware",
+                str(ROOT / "configs/hardware/v100.toml"),
+                "--model",
+                str(tmp_path / "ok.toml"),
+                "--precision",
+                "bf16",
+            ],
+            "--precision: must be fp16",
         ),
         (["--model", str(tmp_path / "ok.toml"), "--tensor-parallel", "2"], "--analytic"),
         ([], "--model"),
@@ -276,3 +360,8 @@ def test_analytic_flags_call_the_analytic_profile(tmp_path, capsys):
     prof = read_profile(out)
     assert prof.source == "analytic" and prof.model.name == "gpt3-1b" and prof.device["tensor_parallel"] == 8
     assert "held-out error" in stdout
+    # The hardware file's peak is its fp16 peak: the profile is fp16, asked for or not.
+    assert prof.precision == "fp16" and "fp16" in stdout
+    code, _, err = run_cli([*args[:-2], "--precision", "fp16", "--out", str(tmp_path / "again.json")], capsys)
+    assert code == 0, err
+    assert read_profile(tmp_path / "again.json").precision == "fp16"

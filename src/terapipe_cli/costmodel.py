@@ -19,7 +19,8 @@ The profile format (every field is checked by `read_profile`):
       "created": "2026-11-21T20:00:00Z",
       "device": {"kind": "cpu" | "cuda", "name": "...", ...},
       "model": {"name", "layers", "hidden", "heads", "vocab", "seq_len"},
-      "dtype_bytes": 4,
+      "precision": "fp32" | "bf16" | "fp16",          optional (absent: fp32): the compute precision timed
+      "dtype_bytes": 4,                                bytes per element of what is sent between devices
       "token_step": 8,                                 the grid step the times were taken on
       "batch_sizes": [1, 2, 4],                        ascending
       "token_lengths": [8, 16, ...],                   ascending
@@ -50,6 +51,7 @@ from pathlib import Path
 import numpy as np
 
 from terapipe_cli.config import ModelConfig
+from terapipe_cli.device import precision_field
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import Fields, read_json_with_schema
 
@@ -122,6 +124,7 @@ class Profile:
     params_per_layer: float | None = None
     dp_latency_s: float | None = None
     dp_bytes_per_s: float | None = None
+    precision: str = "fp32"  # the compute precision the times are for (docs/design.md §6a)
     raw: dict = field(default_factory=dict, repr=False, compare=False)
     path: str | None = None
     sha256: str | None = None
@@ -211,6 +214,7 @@ def profile_from_dict(obj: dict, where: str) -> Profile:
         params_per_layer=params,
         dp_latency_s=dp_latency,
         dp_bytes_per_s=dp_bandwidth,
+        precision=precision_field(f),
         raw=obj,
     )
 

@@ -1,10 +1,14 @@
-"""Which device this process computes on: one rule for `terapipe profile` and `terapipe train`."""
+"""Which device and which precision this process computes in: one rule for `terapipe profile` and `terapipe train`."""
 
 from __future__ import annotations
 
 from terapipe_cli.errors import UserError
+from terapipe_cli.files import Fields
 
 DEVICES = ("auto", "cpu", "cuda")
+# fp32: everything in fp32. bf16/fp16: fp32 master weights and optimizer state, compute under autocast in that
+# type (docs/design.md §6a).
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 def resolve_device(name: str) -> str:
@@ -20,4 +24,49 @@ def resolve_device(name: str) -> str:
         return "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
         raise UserError("cuda asked for, but no CUDA GPU is available to PyTorch here", where="--device")
+    return name
+
+
+def default_precision(device: str) -> str:
+    """The precision used when none is asked for: bf16 on ``"cuda"``, fp32 on ``"cpu"``.
+
+    A GPU without native bf16 (before Ampere) gets fp16 instead: PyTorch only emulates bf16 there, without
+    its tensor cores.
+    """
+    if device == "cuda":
+        return "bf16" if _native_bf16() else "fp16"
+    return "fp32"
+
+
+def resolve_precision(name: str | None, device: str) -> str:
+    """``None`` or ``"auto"``: `default_precision` of ``device`` (``"cpu"`` or ``"cuda"``); else one of
+    `PRECISIONS`, checked. bf16 on a GPU without native bf16 is refused (use fp16 there).
+
+    CPU autocast handles both bf16 and fp16 in the supported PyTorch versions, so neither is refused on a CPU.
+    """
+    if name is None or name == "auto":
+        return default_precision(device)
+    if name not in PRECISIONS:
+        raise UserError(f"must be auto, fp32, bf16 or fp16, got {name!r}", where="--precision")
+    if name == "bf16" and device == "cuda" and not _native_bf16():
+        raise UserError("this GPU has no native bf16 (it is older than Ampere); use fp16", where="--precision")
+    return name
+
+
+def _native_bf16() -> bool:
+    """True unless a CUDA GPU is present and lacks native bf16 (so a machine without a GPU says True)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return True
+    return bool(torch.cuda.is_bf16_supported(including_emulation=False))
+
+
+def precision_field(f: Fields) -> str:
+    """The ``precision`` field of a profile or plan file: fp32 when absent (files from before it existed).
+
+    Imports no torch, so the planner side can use it."""
+    name = f.get("precision", "fp32")
+    if name not in PRECISIONS:
+        raise f.fail("precision", f"must be fp32, bf16 or fp16, got {name!r}")
     return name

@@ -2,7 +2,8 @@
 
 A *scheme* is a list of batch slices, each ``(b, [token slice lengths])`` (docs/design.md §2). The stable keys other
 tools read are ``schema, model, stages, batch_size, seq_len, token_step, slices, predicted_s, t_max_s,
-baselines.{gpipe,uniform}.{slices,predicted_s}, solver, profile``; other fields may be added freely.
+baselines.{gpipe,uniform}.{slices,predicted_s}, solver, profile, precision``; other fields may be added freely.
+``precision`` is the compute precision the plan was priced at (the profile's); a plan without it is fp32.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from terapipe_cli.config import ModelConfig
+from terapipe_cli.device import precision_field
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import Fields, read_json_with_schema, write_json_atomic
 
@@ -111,6 +113,7 @@ class Plan:
     slices: Slices
     predicted_s: float | None = None
     data_parallel: int = 1
+    precision: str = "fp32"  # the profile's: the precision `terapipe train` must run at
     raw: dict = field(default_factory=dict, repr=False, compare=False)
     path: str | None = None
 
@@ -151,6 +154,7 @@ def plan_from_dict(obj: dict, where: str) -> Plan:
         slices=slices,
         predicted_s=predicted,
         data_parallel=f.int("data_parallel", minimum=1, default=1),
+        precision=precision_field(f),
         raw=obj,
         path=where,
     )
@@ -177,9 +181,11 @@ def make_plan_dict(
     slices: Slices,
     predicted_s: float | None = None,
     data_parallel: int = 1,
+    precision: str = "fp32",
     **extra,
 ) -> dict:
-    """The plan object for hand-made schemes (tests, baselines, the report's GPipe run)."""
+    """The plan object, for `terapipe plan` and for hand-made schemes (tests, baselines, the report's GPipe
+    run); ``precision`` is the one the plan's times are for."""
     slices = [[int(b), [int(n) for n in lengths]] for b, lengths in slices]
     obj = {
         "schema": PLAN_SCHEMA,
@@ -192,6 +198,7 @@ def make_plan_dict(
         "slices": slices,
         "short_form": short_form(slices),
         "predicted_s": predicted_s,
+        "precision": precision,
     }
     obj.update(extra)
     return obj

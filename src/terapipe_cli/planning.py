@@ -164,6 +164,7 @@ class Planned:
             slices=best.slices,
             predicted_s=best.predicted_s,
             data_parallel=r.data_parallel,
+            precision=prof.precision,
             simulated_s=self.simulated_s["terapipe"],
             t_max_s=best.t_max_s,
             sum_s=best.sum_s,

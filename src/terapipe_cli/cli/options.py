@@ -8,3 +8,14 @@ import typer
 
 # The one device rule behind it: `terapipe_cli.device.resolve_device`.
 DeviceOption = Annotated[str, typer.Option("--device", help="auto (CUDA when present), cpu or cuda.")]
+
+# The one precision rule behind it: `terapipe_cli.device.resolve_precision` (None: not given, the default).
+PrecisionOption = Annotated[
+    str | None,
+    typer.Option(
+        "--precision",
+        help="fp32, bf16 or fp16: bf16/fp16 compute under autocast with fp32 master weights "
+        "[default: auto, bf16 on CUDA, fp32 on CPU].",
+        show_default=False,
+    ),
+]

@@ -17,7 +17,8 @@ if TYPE_CHECKING:
 HELP = """Choose token and batch slicing for a profile with the exact dynamic program (docs/design.md §5).
 
 Prints the TeraPipe scheme next to the GPipe baseline and the best uniform slicing, all priced by the same
-cost model, and writes the plan JSON that `terapipe train` runs.
+cost model, and writes the plan JSON that `terapipe train` runs. The plan records the profile's precision
+(fp32, bf16 or fp16): its times hold only at that precision, so `terapipe train` runs it.
 
 Example:
 
@@ -95,10 +96,12 @@ _NAMES = {"terapipe": "TeraPipe (DP)", "gpipe": "GPipe", "uniform": "uniform (be
 
 
 def _table(planned: Planned) -> Table:
-    """The three schemes side by side: formula and simulated latency, speed-up, tiles, largest tile."""
+    """The three schemes side by side: formula and simulated latency, speed-up, tiles, largest tile; the title
+    names the shape and the precision the profile timed (which the plan records and `terapipe train` runs)."""
     r = planned.request
     title = f"{planned.profile.model.name}: L={r.seq_len}, B={r.batch_size}, K={r.stages}"
-    table = Table(title=title + (f", D={r.data_parallel}" if r.data_parallel > 1 else ""))
+    title += (f", D={r.data_parallel}" if r.data_parallel > 1 else "") + f", {planned.profile.precision}"
+    table = Table(title=title)
     table.add_column("scheme")
     table.add_column("slicing (short form)", overflow="fold", max_width=70)
     for column in ("predicted iteration", "simulated", "speed-up vs GPipe", "tiles", "largest tile"):

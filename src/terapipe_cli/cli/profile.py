@@ -11,13 +11,13 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from terapipe_cli.cli.options import DeviceOption
+from terapipe_cli.cli.options import DeviceOption, PrecisionOption
 from terapipe_cli.profile import options
 from terapipe_cli.units import format_seconds
 
 HELP = """Measure the cost model t(b, i, j) of docs/design.md §3 on this machine and write a profile JSON for `terapipe plan`.
 
-Times one decoder layer through the runtime's own per-slice code path (forward and backward on a grid of token lengths and batch sizes), fits the context term on random tiles and reports its error on held-out ones, and measures the stage-to-stage link between two torchrun processes and the optimizer step. One thread on CPU (a stage owns one core); CUDA when a GPU is present (--device auto).
+Times one decoder layer through the runtime's own per-slice code path (forward and backward on a grid of token lengths and batch sizes), fits the context term on random tiles and reports its error on held-out ones, and measures the stage-to-stage link between two torchrun processes and the optimizer step. One thread on CPU (a stage owns one core); CUDA when a GPU is present (--device auto). --precision picks the compute precision timed and recorded in the profile (default bf16 on CUDA, fp32 on CPU); `terapipe plan` carries it into the plan and `terapipe train` runs it.
 
 --check also times tiles off the measured grids and compares them with the profile's prediction; --check-profile does that for an existing profile. --analytic estimates a profile for hardware you do not have.
 
@@ -46,6 +46,7 @@ def profile(
         int, typer.Option("--token-step", "-g", help="Token slices are multiples of this (the profile's grid).")
     ] = 8,
     device: DeviceOption = "auto",
+    precision: PrecisionOption = None,
     quick: Annotated[
         bool, typer.Option("--quick", help="Coarse grid, few repeats: under 30 s for tests/demos.")
     ] = False,
@@ -81,19 +82,19 @@ def profile(
 ) -> None:
     console = Console()
     if check_profile is not None:
-        _recheck(console, check_profile, device, quick, seed, clock, model=model, analytic=analytic)
+        _recheck(console, check_profile, device, precision, quick, seed, clock, model=model, analytic=analytic)
         return
     cfg, sizes = options.model_to_profile(model, batch_sizes, out)
     if analytic:
         prof = options.analytic_request(
             cfg, hardware=hardware, tensor_parallel=tensor_parallel, batch_sizes=sizes, token_step=token_step,
-            check=check, quick=quick, no_comm=no_comm,
+            check=check, quick=quick, no_comm=no_comm, precision=precision,
         )  # fmt: skip
         _write(console, out, prof)
         return
     settings, dev = options.measurement_request(
         cfg, batch_sizes=sizes, token_step=token_step, device=device, quick=quick, check=check, seed=seed,
-        clock=clock, hardware=hardware, tensor_parallel=tensor_parallel,
+        clock=clock, hardware=hardware, tensor_parallel=tensor_parallel, precision=precision,
     )  # fmt: skip
     _measure(console, cfg, settings, dev, measure_comm=not no_comm, out=out)
 
@@ -103,7 +104,8 @@ def _measure(console: Console, cfg, settings, dev, *, measure_comm: bool, out: P
 
     console.print(
         f"Profiling one decoder layer of [bold]{cfg.name}[/bold] (H={cfg.hidden}, heads={cfg.heads}, L={cfg.seq_len}) "
-        f"on {dev.type}: batch sizes {list(settings.batch_sizes)}, {len(settings.token_lengths)} token lengths "
+        f"on {dev.type} in {settings.precision}: batch sizes {list(settings.batch_sizes)}, "
+        f"{len(settings.token_lengths)} token lengths "
         f"(step {settings.token_step}), {settings.fit_points}+{settings.heldout_points} context tiles"
         + (f", {settings.check_points} check tiles" if settings.check_points else "")
         + f", {settings.repeats} rounds"
@@ -162,7 +164,8 @@ def _ms(s: float) -> str:
 
 def _render(console: Console, prof: dict, seconds: float) -> None:
     dev = prof["device"]
-    t = Table(title=f"profile of {prof['model']['name']} on {dev['kind']} ({dev['name']})", show_header=False)
+    title = f"profile of {prof['model']['name']} on {dev['kind']} ({dev['name']}) in {prof['precision']}"
+    t = Table(title=title, show_header=False)
     t.add_column(style="bold")
     t.add_column()
     fwd, bwd = prof["forward_s"], prof["backward_s"]
@@ -215,12 +218,24 @@ def _render_check(console: Console, check: dict) -> None:
 
 
 def _recheck(
-    console: Console, path: Path, device: str, quick: bool, seed: int, clock: str | None, *, model, analytic: bool
+    console: Console,
+    path: Path,
+    device: str,
+    precision: str | None,
+    quick: bool,
+    seed: int,
+    clock: str | None,
+    *,
+    model,
+    analytic: bool,
 ) -> None:
     from terapipe_cli.profile.measure import recheck_profile
 
-    prof, dev = options.profile_to_check(path, device, model=model, analytic=analytic)
-    console.print(f"Checking [bold]{path}[/bold] ({prof.device.get('name')}) against direct timings on {dev.type}")
+    prof, dev = options.profile_to_check(path, device, precision=precision, model=model, analytic=analytic)
+    console.print(
+        f"Checking [bold]{path}[/bold] ({prof.device.get('name')}) against direct timings on {dev.type} "
+        f"in {prof.precision}"
+    )
     with _progress(console) as update:
         result = recheck_profile(
             prof.raw, dev, count=4 if quick else 8, repeats=3 if quick else 5, seed=seed, clock=clock, progress=update
@@ -232,7 +247,7 @@ def _render_analytic(console: Console, prof: dict) -> None:
     ctx = prof["context"]
     console.print(
         f"analytic profile of {prof['model']['name']} on {prof['device']['name']} "
-        f"(tensor parallel {prof['device']['tensor_parallel']}): "
+        f"(tensor parallel {prof['device']['tensor_parallel']}, {prof['precision']}): "
         f"context fit held-out error forward {ctx['forward']['heldout_rel_err_mean']:.2%} mean, "
         f"backward {ctx['backward']['heldout_rel_err_mean']:.2%} mean"
     )

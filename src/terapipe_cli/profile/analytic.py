@@ -30,6 +30,7 @@ import numpy as np
 
 from terapipe_cli.config import ModelConfig
 from terapipe_cli.costmodel import PROFILE_SCHEMA, ring_allreduce_seconds
+from terapipe_cli.device import PRECISIONS
 from terapipe_cli.errors import UserError
 from terapipe_cli.hardware import Device, Hardware
 from terapipe_cli.profile.fit import fit_context
@@ -208,9 +209,16 @@ def analytic_profile(
     """A ``terapipe.profile/1`` object (``"source": "analytic"``) for ``model`` on ``hardware``.
 
     Times are per layer on one device of a tensor-parallel group of ``tensor_parallel`` GPUs, on the grid
-    (``batch_sizes``) × (every multiple of ``token_step`` up to the model's seq_len).
+    (``batch_sizes``) × (every multiple of ``token_step`` up to the model's seq_len). The profile's precision is
+    the hardware file's ``[training] dtype``, the precision its ``peak_flops`` is for.
     """
     sizes = _check_grid(model, hardware, tensor_parallel, batch_sizes, token_step)
+    if hardware.training.dtype not in PRECISIONS:
+        raise UserError(
+            "[training] dtype must be fp32, bf16 or fp16 (the precision of peak_flops), "
+            f"got {hardware.training.dtype!r}",
+            where=str(hardware.path),
+        )
     t, e = tensor_parallel, hardware.training.dtype_bytes
     lengths = token_grid(model.seq_len, token_step)
     bb, ii = np.meshgrid(np.array(sizes, dtype=float), np.array(lengths, dtype=float), indexing="ij")
@@ -229,6 +237,7 @@ def analytic_profile(
         "created": utc_timestamp(),
         "device": _device_entry(hardware, t),
         "model": model.to_dict(),
+        "precision": hardware.training.dtype,
         "dtype": hardware.training.dtype,
         "dtype_bytes": e,
         "token_step": token_step,

@@ -2,8 +2,12 @@
 
 Every time here is a tile run by `terapipe_cli.runtime.stage.StageRunner` — the object the training workers
 use — on the middle stage of a 3-layer copy of the model, which holds exactly one decoder layer. So the
-per-slice overhead the workers pay (K/V concatenation, the context mask, the K/V gradient hand-back, Python)
-is in the numbers; on a CPU it is a large part of a small slice's cost.
+per-slice overhead the workers pay (the K/V cache, the context mask, the K/V gradient hand-back, autocast,
+Python) is in the numbers; on a CPU it is a large part of a small slice's cost.
+
+Precision. Tiles run at the profile's precision (``Settings.precision``: fp32, or bf16/fp16 under autocast),
+all inside one ``StageRunner.step()`` as in a training step, so they share one low-precision copy of each
+weight; making that copy is paid once per step and is timed with the optimizer step.
 
 A tile (b, i, j) is timed as: forward a context tile of j tokens (token slice 0, untimed), then forward
 (timed) and backward (timed) the tile of i tokens as token slice 1, then reset. With j = 0 the tile is token
@@ -40,7 +44,7 @@ from terapipe_cli.units import utc_timestamp
 # (phase, done, total): work done so far in arbitrary units, for a progress bar with an ETA.
 Progress = Callable[[str, float, float], None]
 
-DTYPE_BYTES = 4  # the runtime trains in fp32
+DTYPE_BYTES = 4  # activations and gradients go between stages in fp32 at every precision (docs/design.md §6)
 CLOCKS = ("cpu", "wall")
 CLOCK_NAMES = {
     "cpu": "process CPU time (time.process_time)",
@@ -241,7 +245,9 @@ def check_points(
 class TileTimer:
     """Times tiles of one decoder layer through the runtime's StageRunner."""
 
-    def __init__(self, model: ModelConfig, device: torch.device, *, seed: int = 0, clock: str = "cpu") -> None:
+    def __init__(
+        self, model: ModelConfig, device: torch.device, *, seed: int = 0, clock: str = "cpu", precision: str = "fp32"
+    ) -> None:
         from terapipe_cli.runtime.stage import StageRunner
 
         if clock not in CLOCKS:
@@ -254,7 +260,8 @@ class TileTimer:
         # embedding nor the head: the per-layer cost the planner multiplies by ℓ.
         self.layer_model = replace(model, layers=3)
         self.device = device
-        self.runner = StageRunner(self.layer_model, stage=1, stages=3, seed=seed, device=device)
+        self.runner = StageRunner(self.layer_model, stage=1, stages=3, seed=seed, device=device, precision=precision)
+        self.precision = precision
         self.hidden = model.hidden
         self._gen = torch.Generator(device="cpu").manual_seed(seed)
         self._inputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -309,10 +316,17 @@ class TileTimer:
         return fwd, bwd
 
     def optimizer_step_s(self, repeats: int) -> float:
-        """Median seconds of one AdamW step (the runtime's optimizer) over one layer's parameters."""
+        """Median seconds of one AdamW step (the runtime's optimizer) over one layer's parameters.
+
+        In bf16/fp16 it includes the per-step cost of autocast's low-precision copy of the layer's weight
+        matrices, which the next step's first tile makes once for the whole step (see `StageRunner.step`).
+        """
         from terapipe_cli.runtime.optim import make_optimizer
+        from terapipe_cli.runtime.stage import AUTOCAST_DTYPES
 
         module = self.runner.module
+        low = AUTOCAST_DTYPES[self.precision]
+        matrices = [p for p in module.parameters() if p.dim() >= 2]
         for p in module.parameters():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -324,7 +338,9 @@ class TileTimer:
             self._sync()
             t0 = self._now()
             opt.step()
+            copies = [p.detach().to(low) for p in matrices] if low is not None else []
             self._sync()
+            del copies
             if r:  # the first step allocates AdamW's state
                 times.append(self._now() - t0)
         module.load_state_dict(saved)
@@ -333,39 +349,67 @@ class TileTimer:
     def activation_bytes_per_token(self, b: int, i: int) -> tuple[float, str]:
         """Bytes a tile keeps alive from its forward to its backward, per token, on one layer.
 
-        CUDA: the growth of allocated memory across the forward (measured). CPU: the distinct storages the
-        autograd graph saves plus the tile's input, output and K/V (counted from the tensors themselves).
+        CUDA: the growth of allocated memory across the forward (measured). CPU: the bytes the autograd graph
+        saves plus the tile's input and output (counted from the tensors themselves). Another batch slice's
+        forward runs first, as in a step; what both tiles share (the step's low-precision weight copies, when
+        called inside `StageRunner.step`) is not counted. The batch slice's K/V cache holds the whole
+        sequence's rows; only the tile's own i rows of it are counted.
         """
         runner = self.runner
         runner.reset()
         x, grad = self._tensors(b, i)
         if self.device.type == "cuda":
+            runner.forward_tile(1, 0, x)
             torch.cuda.synchronize(self.device)
             before = torch.cuda.memory_allocated(self.device)
             runner.forward_tile(0, 0, x)
             torch.cuda.synchronize(self.device)
-            held = torch.cuda.memory_allocated(self.device) - before
-            method = "measured: CUDA allocated-memory growth across the forward of one tile"
+            held = torch.cuda.memory_allocated(self.device) - before - self._later_kv_rows_bytes(b, i)
+            method = (
+                "measured: CUDA allocated-memory growth across the forward of one tile, less the K/V cache rows "
+                "of later tiles"
+            )
         else:
-            params = {p.untyped_storage().data_ptr() for p in runner.module.parameters()}
-            storages: dict[int, int] = {}
-
-            def pack(t: torch.Tensor) -> torch.Tensor:
-                s = t.untyped_storage()
-                if s.data_ptr() not in params:
-                    storages[s.data_ptr()] = s.nbytes()
-                return t
-
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                out = runner.forward_tile(0, 0, x)
-            for t in (x, out):
-                s = t.untyped_storage()
-                storages[s.data_ptr()] = s.nbytes()
-            held = sum(storages.values())
-            method = "computed: distinct storages saved by autograd plus the tile's input and output"
+            held = self._saved_bytes(x)
+            method = "computed: bytes saved by autograd plus the tile's input and output"
         runner.backward_tile(0, 0, grad)
         runner.reset()
         return held / (b * i), method
+
+    def _later_kv_rows_bytes(self, b: int, i: int) -> int:
+        """Bytes of the K/V cache rows past a first tile of i tokens: its first tile allocates keys and values
+        of shape (b, heads, L, head_dim) in the compute type (docs/design.md §6)."""
+        from terapipe_cli.runtime.stage import AUTOCAST_DTYPES
+
+        low = AUTOCAST_DTYPES[self.precision]
+        element = torch.empty(0, dtype=low or torch.float32).element_size()
+        return 2 * b * (self.layer_model.seq_len - i) * self.hidden * element
+
+    def _saved_bytes(self, x: torch.Tensor) -> int:
+        """Bytes the forward of tile (0, 0) saves for its backward that no other tile saves, plus its input and
+        output; batch slice 1's forward runs first. A storage counts with the bytes its saved tensors reach
+        (the K/V cache is saved as a view of the rows read so far)."""
+        runner = self.runner
+        params = {p.untyped_storage().data_ptr() for p in runner.module.parameters()}
+
+        def saved(batch_slice: int) -> tuple[dict[int, int], torch.Tensor]:
+            reached: dict[int, int] = {}
+
+            def pack(t: torch.Tensor) -> torch.Tensor:
+                key = t.untyped_storage().data_ptr()
+                reached[key] = max(reached.get(key, 0), t.numel() * t.element_size())
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = runner.forward_tile(batch_slice, 0, x)
+            return reached, out
+
+        shared = set(saved(1)[0]) | params
+        own, out = saved(0)
+        held = {k: n for k, n in own.items() if k not in shared}
+        for t in (x, out):
+            held[t.untyped_storage().data_ptr()] = t.numel() * t.element_size()
+        return sum(held.values())
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -513,6 +557,7 @@ class Settings:
     seed: int = 0
     quick: bool = False
     clock: str = "cpu"
+    precision: str = "fp32"  # one of `terapipe_cli.device.PRECISIONS`, already resolved for the device
 
     @staticmethod
     def make(
@@ -524,6 +569,7 @@ class Settings:
         check: bool,
         seed: int = 0,
         clock: str = "cpu",
+        precision: str = "fp32",
     ) -> Settings:
         bs = tuple(sorted(set(batch_sizes)))
         if not bs or bs[0] < 1:
@@ -534,7 +580,15 @@ class Settings:
         preset = _QUICK if quick else _DEFAULT
         check_count = preset["fit_points"] // 4 if check else 0
         settings = Settings(
-            bs, token_step, lengths, **preset, check_points=check_count, seed=seed, quick=quick, clock=clock
+            bs,
+            token_step,
+            lengths,
+            **preset,
+            check_points=check_count,
+            seed=seed,
+            quick=quick,
+            clock=clock,
+            precision=precision,
         )
         # Fail now, not after the grid was timed, if the sequence is too short for the context points.
         settings.context_tiles(model.seq_len)
@@ -603,12 +657,14 @@ def measure_profile(
         "source": "measured",
         "note": (
             f"Measured by `terapipe profile{' --quick' if settings.quick else ''}` through the runtime's StageRunner "
-            f"(one decoder layer), median of {settings.repeats} interleaved rounds. token_lengths is a geometric "
-            "subset of the multiples of token_step; the cost model interpolates between them piecewise-linearly."
+            f"(one decoder layer) in {settings.precision}, median of {settings.repeats} interleaved rounds. "
+            "token_lengths is a geometric subset of the multiples of token_step; the cost model interpolates "
+            "between them piecewise-linearly."
         ),
         "created": utc_timestamp(),
         "device": dict(device_info(device), clock=CLOCK_NAMES[timer.clock]),
         "model": model.to_dict(),
+        "precision": settings.precision,
         "dtype_bytes": DTYPE_BYTES,
         "token_step": settings.token_step,
         "batch_sizes": list(settings.batch_sizes),
@@ -641,20 +697,21 @@ def _time_layer(
 ) -> tuple[TileTimer, Timings, dict]:
     """Time all tiles in shared rounds, then one layer's optimizer step and the activations a tile keeps."""
     with _one_thread_per_stage(device):
-        timer = TileTimer(model, device, seed=settings.seed, clock=settings.clock)
-        timings = time_points(
-            timer,
-            tiles.all,
-            repeats=settings.repeats,
-            warmup_all=settings.warmup_all,
-            seed=settings.seed,
-            progress=progress,
-        )
-        if progress:
-            progress("optimizer step and activation memory", 0, 1)
-        optimizer_s = timer.optimizer_step_s(repeats=5 if settings.quick else 20)
+        timer = TileTimer(model, device, seed=settings.seed, clock=settings.clock, precision=settings.precision)
         act_i = min(model.seq_len, 256)
-        act_bytes, act_method = timer.activation_bytes_per_token(1, act_i)
+        with timer.runner.step():  # as in a training step: the tiles share one low-precision copy of each weight
+            timings = time_points(
+                timer,
+                tiles.all,
+                repeats=settings.repeats,
+                warmup_all=settings.warmup_all,
+                seed=settings.seed,
+                progress=progress,
+            )
+            if progress:
+                progress("optimizer step and activation memory", 0, 1)
+            act_bytes, act_method = timer.activation_bytes_per_token(1, act_i)
+        optimizer_s = timer.optimizer_step_s(repeats=5 if settings.quick else 20)
         if progress:
             progress("optimizer step and activation memory", 1, 1)
     layer = {
@@ -758,7 +815,8 @@ def recheck_profile(
     clock: str | None = None,
     progress: Progress | None = None,
 ) -> dict:
-    """Time ``count`` off-grid tiles now, on this device, and compare them with an existing profile.
+    """Time ``count`` off-grid tiles now, on this device and at the profile's precision, and compare them with
+    an existing profile.
 
     A few tiles ON the profile's grid are timed in the same rounds as a reference: their ratio to the
     profiled times is the machine's speed drift since the profile was taken (a shared CPU can be 10%
@@ -779,16 +837,17 @@ def recheck_profile(
         )
     )
     with _one_thread_per_stage(device):
-        timer = TileTimer(model, device, seed=seed, clock=clock)
-        timings = time_points(
-            timer,
-            pts + refs,
-            repeats=repeats,
-            warmup_all=True,
-            seed=seed,
-            progress=progress,
-            phase="timing check tiles",
-        )
+        timer = TileTimer(model, device, seed=seed, clock=clock, precision=prof.precision)
+        with timer.runner.step():
+            timings = time_points(
+                timer,
+                pts + refs,
+                repeats=repeats,
+                warmup_all=True,
+                seed=seed,
+                progress=progress,
+                phase="timing check tiles",
+            )
     measured = timings.rows()
     result = check_against(profile, measured[: len(pts)])
     ref = check_against(profile, measured[len(pts) :])

@@ -61,10 +61,14 @@ def model_to_profile(model: Path | None, batch_sizes: str | None, out: Path) -> 
     return cfg, sizes
 
 
-def profile_to_check(path: Path, device: str, *, model: Path | None, analytic: bool) -> tuple[Profile, torch.device]:
+def profile_to_check(
+    path: Path, device: str, *, precision: str | None, model: Path | None, analytic: bool
+) -> tuple[Profile, torch.device]:
     """For ``--check-profile``: the measured profile at ``path`` and the device to time it on, which must be
-    the kind it was measured on."""
+    the kind it was measured on. The check times at the profile's precision; another ``--precision`` is
+    refused."""
     from terapipe_cli.costmodel import read_profile
+    from terapipe_cli.device import resolve_precision
     from terapipe_cli.profile.measure import resolve_device
 
     if model is not None or analytic:
@@ -82,6 +86,14 @@ def profile_to_check(path: Path, device: str, *, model: Path | None, analytic: b
         raise UserError(
             f"was measured on {kind!r}, but this check would time {dev.type!r} (see --device)", where=str(path)
         )
+    # Not given or auto: the profile's own (refused, like any bf16, on a GPU without bf16).
+    asked = resolve_precision(prof.precision if precision in (None, "auto") else precision, dev.type)
+    if asked != prof.precision:
+        raise UserError(
+            f"{asked} asked for, but {path} was measured in {prof.precision}; leave --precision out to check it "
+            "at its own",
+            where="--precision",
+        )
     return prof, dev
 
 
@@ -95,9 +107,11 @@ def analytic_request(
     check: bool,
     quick: bool,
     no_comm: bool,
+    precision: str | None = None,
 ) -> dict:
     """For ``--analytic``: the estimated profile (`terapipe_cli.profile.analytic`); the flags about measuring
-    this machine do not apply."""
+    this machine do not apply. ``precision`` None or auto: the hardware file's; another one is refused, since
+    the file's peak FLOPs are for its own precision."""
     from terapipe_cli.hardware import load_hardware
     from terapipe_cli.profile.analytic import analytic_profile
 
@@ -108,10 +122,17 @@ def analytic_request(
         raise UserError(
             "is required with --analytic (a hardware TOML such as configs/hardware/v100.toml)", where="--hardware"
         )
+    hw = load_hardware(hardware)
+    if precision not in (None, "auto") and precision != hw.training.dtype:
+        raise UserError(
+            f"must be {hw.training.dtype} with {hardware}: its peak_flops is the {hw.training.dtype} peak "
+            f"(a hardware file prices one precision), got {precision!r}",
+            where="--precision",
+        )
     kwargs: dict = {"tensor_parallel": tensor_parallel, "token_step": token_step}
     if batch_sizes:
         kwargs["batch_sizes"] = tuple(batch_sizes)
-    return analytic_profile(cfg, load_hardware(hardware), **kwargs)
+    return analytic_profile(cfg, hw, **kwargs)
 
 
 def measurement_request(
@@ -126,9 +147,12 @@ def measurement_request(
     clock: str | None,
     hardware: Path | None,
     tensor_parallel: int,
+    precision: str | None = None,
 ) -> tuple[Settings, torch.device]:
-    """For measuring this machine: what to time (`Settings`) and on which device, refused at once if the
-    largest tile would not fit in its memory. ``--hardware`` and ``--tensor-parallel`` belong to --analytic."""
+    """For measuring this machine: what to time (`Settings`, with the precision resolved for the device: None
+    or auto is bf16 on CUDA, fp32 on CPU) and on which device, refused at once if the largest tile would not
+    fit in its memory. ``--hardware`` and ``--tensor-parallel`` belong to --analytic."""
+    from terapipe_cli.device import resolve_precision
     from terapipe_cli.profile.measure import Settings, check_fits_in_memory, resolve_device
 
     if hardware is not None or tensor_parallel != 1:
@@ -136,7 +160,10 @@ def measurement_request(
             "only applies with --analytic", where="--hardware" if hardware is not None else "--tensor-parallel"
         )
     dev = resolve_device(device)
+    prec = resolve_precision(precision, dev.type)
     sizes = batch_sizes or parse_batch_sizes(DEFAULT_BATCH_SIZES)
-    settings = Settings.make(cfg, sizes, token_step, quick=quick, check=check, seed=seed, clock=clock or "cpu")
+    settings = Settings.make(
+        cfg, sizes, token_step, quick=quick, check=check, seed=seed, clock=clock or "cpu", precision=prec
+    )
     check_fits_in_memory(cfg, max(settings.batch_sizes), dev)
     return settings, dev

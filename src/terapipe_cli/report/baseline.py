@@ -54,6 +54,7 @@ def gpipe_plan_dict(plan: Plan) -> dict:
         slices=slices,
         predicted_s=predicted,
         data_parallel=plan.data_parallel,
+        precision=plan.precision,
         **extra,
     )
 
