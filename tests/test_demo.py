@@ -52,6 +52,14 @@ def test_the_stages_are_the_four_commands_on_the_demos_files(tmp_path):
     assert stages[3].argv[1] == str(paths.run) and paths.report == paths.run / "report"
 
 
+def test_the_demo_profiles_and_trains_on_the_cpu_unless_asked(tmp_path):
+    """On a machine with a GPU, --device auto would pick it; the demo pins its device on both commands."""
+    cfg, paths = load_demo_config(None, quick=True), DemoPaths.at(tmp_path)
+    for device, stages in (("cpu", demo_stages(cfg, paths)), ("cuda", demo_stages(cfg, paths, device="cuda"))):
+        pinned = {s.name: s.argv[s.argv.index("--device") + 1] for s in stages if "--device" in s.argv}
+        assert pinned == {"profile": device, "train": device}
+
+
 @pytest.mark.parametrize(
     "text, words",
     [

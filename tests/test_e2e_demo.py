@@ -76,6 +76,11 @@ def test_each_stage_prints_its_whole_command(demo):
     outs = [c[c.index("--out") + 1] for c in commands[:3]]
     assert outs == [str(root / "profile.json"), str(root / "plan.json"), str(root / "run")]
     assert commands[3][2] == str(root / "run")
+    # The demo says where it runs: on the CPU, whatever --device auto would pick here.
+    for c in (commands[0], commands[2]):
+        assert c[c.index("--device") + 1] == "cpu"
+    for run in ("run", "run-gpipe"):
+        assert json.loads((root / run / "config.json").read_text())["device"] == "cpu"
 
 
 def test_report_numbers_match_the_run_directories(demo):

@@ -28,24 +28,35 @@ SCHEMES = {
 }
 
 
+CLIP = 0.05  # below the tiny model's gradient norm (about 1.5) at every step: clipping is active
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("name", list(SCHEMES))
-def test_verify_passes(tmp_path, name):
+def test_verify_passes(tmp_path, name, precision):
+    """Every scheme family matches single-device training with the whole optimizer step active: warm-up, cosine
+    decay, clipping by the global norm (equal to single-device clipping only if the norm is the whole model's)."""
     slices, stages, replicas = SCHEMES[name]
     plan = write_plan_file(tmp_path / "plan.json", slices, stages=stages)
     out = tmp_path / "run"
     p = terapipe(
-        "train", "--plan", str(plan), "--steps", "3", "--out", str(out), "--verify", "--data-parallel", str(replicas)
+        "train",
+        *("--plan", str(plan), "--steps", "3", "--out", str(out), "--verify", "--data-parallel", str(replicas)),
+        *("--device", "cpu", "--precision", precision, "--grad-clip", str(CLIP)),
+        "--accept-precision",  # the hand-made plans are fp32's
     )
     assert p.returncode == 0, p.stdout + p.stderr
     assert "verified" in p.stdout
     summary = read_summary(out)
-    assert summary["verify"]["ok"] is True
-    assert [c["what"] for c in summary["verify"]["checks"]] == [
-        "loss, 3 steps",
-        "gradients at step 1",
-        "weights after step 3",
-    ]
-    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+    assert summary["verify"]["ok"] is True and summary["verify"]["precision"] == precision
+    checks = summary["verify"]["checks"]
+    assert [c["what"] for c in checks] == ["loss, 3 steps", "gradients at step 1", "weights after step 3"]
+    assert all(0 < c["spread"] and c["max_rel"] <= c["tolerance"] for c in checks)
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    # Warm-up (1 step, the default for 3) to the peak, cosine down to 0.1 x lr at the last step; clipped throughout.
+    assert [r["lr"] for r in records] == pytest.approx([1e-3, 5.5e-4, 1e-4])
+    assert all(r["grad_norm"] > CLIP and r["skipped"] is False for r in records)
     # One timeline per rank with every tile's forward and backward of every step, on the right stage.
     tiles = len(plan_tiles(slices))
     for rank in range(stages * replicas):
@@ -56,25 +67,23 @@ def test_verify_passes(tmp_path, name):
         assert all(0 <= e.start_s <= e.end_s for e in events)
 
 
-def test_negative_control_without_kv_handback_fails_verification(tmp_path):
-    """The check can fail: drop the earlier slices' K/V gradients and --verify must say so."""
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_negative_control_without_kv_handback_fails_verification(tmp_path, precision):
+    """The check can fail: drop the earlier slices' K/V gradients and --verify must say so, in fp32 and under
+    bf16's looser, measured tolerances alike."""
     plan = write_plan_file(tmp_path / "plan.json", [(2, [8, 8, 16])], stages=2)
     p = terapipe(
         "train",
-        "--plan",
-        str(plan),
-        "--steps",
-        "2",
-        "--out",
-        str(tmp_path / "run"),
-        "--verify",
+        *("--plan", str(plan), "--steps", "2", "--out", str(tmp_path / "run"), "--verify"),
+        *("--device", "cpu", "--precision", precision, "--accept-precision"),
         env={"TERAPIPE_TEST_DROP_KV_GRADS": "1"},
     )
     assert p.returncode == 1, p.stdout + p.stderr
     assert "verification failed" in p.stderr
     checks = {c["what"]: c for c in read_summary(tmp_path / "run")["verify"]["checks"]}
-    assert checks["gradients at step 1"]["ok"] is False
-    assert checks["gradients at step 1"]["max_rel"] > 1e-2
+    grads = checks["gradients at step 1"]
+    assert grads["ok"] is False
+    assert grads["max_rel"] > 1e-2 and grads["max_rel"] > 10 * grads["tolerance"]
 
 
 def test_killed_worker_ends_the_job_and_resume_reproduces_the_losses(tmp_path):

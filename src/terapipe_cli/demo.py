@@ -1,7 +1,10 @@
 """The one-command demo (`terapipe run`): its settings, loaded and validated once, and where it writes.
 
 Settings come from a TOML file (``configs/experiments/demo.toml``) or, without one, from the embedded default
-below — the tiny model on CPU with K = 2 stages and B = 1 — so the demo works from an installed package too:
+below — the tiny model on CPU with K = 2 stages and B = 1 — so the demo works from an installed package too.
+The demo profiles and trains on the CPU even where a GPU is present (`DEMO_DEVICE`), so it does what it says on
+any machine; ``--device cuda`` moves it to the GPU, where on a machine with fewer GPUs than stages the stages
+share one (docs/design.md §6, Launch).
 
     [demo]
     name = "demo"
@@ -59,6 +62,7 @@ warmup = 2
 profile_quick = true
 """
 
+DEMO_DEVICE = "cpu"  # what the demo profiles and trains on unless asked for another device
 SETTINGS = ("steps", "warmup", "seed", "lr", "profile_quick", "stages", "batch_size", "token_step")
 KNOWN = ("name", "model", "quick", *SETTINGS)
 
@@ -181,14 +185,19 @@ class DemoStage:
     argv: list[str]
 
 
-def demo_stages(cfg: DemoConfig, paths: DemoPaths) -> list[DemoStage]:
-    """The four commands of the demo, in order, each with every argument it runs with."""
+def demo_stages(cfg: DemoConfig, paths: DemoPaths, device: str = DEMO_DEVICE) -> list[DemoStage]:
+    """The four commands of the demo, in order, each with every argument it runs with.
+
+    ``device`` is pinned on the profile and the train commands (the plan follows the profile; the report's
+    GPipe baseline trains on the run's device), so ``--device auto`` never moves the demo without being asked.
+    """
     profile = ["--model", str(paths.model), "--batch-sizes", ",".join(map(str, _powers_of_two(cfg.batch_size)))]
-    profile += ["--token-step", str(cfg.token_step), "--seed", str(cfg.seed), "--out", str(paths.profile)]
+    profile += ["--token-step", str(cfg.token_step), "--seed", str(cfg.seed), "--device", device]
+    profile += ["--out", str(paths.profile)]
     plan = ["--profile", str(paths.profile), "--stages", str(cfg.stages), "--batch", str(cfg.batch_size)]
     plan += ["--token-step", str(cfg.token_step), "--out", str(paths.plan)]
     train = ["--plan", str(paths.plan), "--steps", str(cfg.steps), "--seed", str(cfg.seed), "--lr", str(cfg.lr)]
-    train += ["--out", str(paths.run)]
+    train += ["--device", device, "--out", str(paths.run)]
     return [
         DemoStage("profile", ["profile", *profile, *(["--quick"] if cfg.profile_quick else [])]),
         DemoStage("plan", ["plan", *plan]),

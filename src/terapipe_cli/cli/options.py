@@ -14,8 +14,7 @@ PrecisionOption = Annotated[
     str | None,
     typer.Option(
         "--precision",
-        help="fp32, bf16 or fp16: bf16/fp16 compute under autocast with fp32 master weights "
-        "[default: auto, bf16 on CUDA, fp32 on CPU].",
-        show_default=False,
+        help="fp32, bf16 or fp16: bf16/fp16 compute under autocast with fp32 master weights.",
+        show_default="auto: bf16 on CUDA, fp32 on CPU",
     ),
 ]

@@ -14,9 +14,10 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-HELP = """Run all four stages in order on the tiny model on CPU (K = 2 stages, B = 1): measure a profile, plan \
-the token slicing, train with the plan, then report against the GPipe baseline (trained by the report). Ends \
-with the report's summary and the paths of the pictures. Each stage prints the command that does it alone.
+HELP = """Run all four stages in order on the tiny model (K = 2 stages, B = 1), on the CPU whatever the machine \
+(--device cuda: on the GPU, the stages sharing it): measure a profile, plan the token slicing, train with the \
+plan, then report against the GPipe baseline (trained by the report). Ends with the report's summary and the \
+paths of the pictures. Each stage prints the command that does it alone.
 
 Everything goes into a fresh folder OUT/TIMESTAMP/: model.toml, profile.json, plan.json, run/ (with \
 run/report/) and run-gpipe/. About a minute on a 2-core machine; --quick (for CI) about 40 s.
@@ -26,6 +27,8 @@ Examples:
     terapipe run
 
     terapipe run --quick
+
+    terapipe run --device cuda
 
     terapipe run --config configs/experiments/demo.toml --out runs/demo
 """
@@ -40,21 +43,30 @@ def run(
         bool, typer.Option("--quick", help="The short variant for CI: quick profile, fewer steps (demo.quick).")
     ] = False,
     out: Annotated[Path, typer.Option("--out", "-o", help="Folder for the demo's runs.")] = Path("runs/demo"),
+    device: Annotated[
+        str,
+        typer.Option(
+            "--device",
+            help="cpu (default: the demo runs on the CPU on any machine) or cuda (its stages share the GPU).",
+        ),
+    ] = "cpu",
 ) -> None:
     from terapipe_cli.demo import DemoPaths, demo_stages, load_demo_config, model_toml
+    from terapipe_cli.device import resolve_device
     from terapipe_cli.files import write_text_atomic
     from terapipe_cli.report.build import FILES
 
     console = Console(highlight=False)
     cfg = load_demo_config(config, quick=quick)
+    device = resolve_device(device)
     paths = DemoPaths.fresh(out)
     started = time.perf_counter()
     console.print(
         f"[bold]terapipe run[/] ({cfg.source}{', quick' if quick else ''}): model {cfg.model.name}, "
-        f"K={cfg.stages}, B={cfg.batch_size}, {cfg.steps} steps -> {paths.root}"
+        f"K={cfg.stages}, B={cfg.batch_size}, {cfg.steps} steps, on {device} -> {paths.root}"
     )
     write_text_atomic(paths.model, model_toml(cfg.model))
-    stages = demo_stages(cfg, paths)
+    stages = demo_stages(cfg, paths, device)
     for n, stage in enumerate(stages, 1):
         console.rule(f"[bold]{n}/{len(stages)} {stage.name}[/]", align="left")
         # Whole and unwrapped, so that it pastes into a shell as it is.

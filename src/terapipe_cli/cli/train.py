@@ -11,19 +11,71 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from terapipe_cli.cli.options import PrecisionOption
 from terapipe_cli.runtime import require_torch
 
 if TYPE_CHECKING:
     from terapipe_cli.runtime.prepare import PreparedRun
 
-HELP = """Train on a plan: launch K x D torchrun workers (K pipeline stages, D data-parallel replicas) that run
+HELP = """Train on a plan: launch K x D torchrun workers (K pipeline stages, D data-parallel replicas) that run \
 every step cut into the plan's tiles, with exactly the update single-device training would make.
 
-Example:  terapipe train --plan plan.json --steps 30 --verify
+Every step: the lr of a linear warm-up, then a cosine decay to --min-lr at the last step; the gradient norm over \
+all stages clipped to --grad-clip; AdamW on fp32 master weights. --precision bf16 or fp16 computes under \
+autocast (fp16 with one dynamic loss scale for the whole pipeline: a step with an inf/nan gradient on any stage \
+is skipped by all). A plan profiled at another precision is refused unless --accept-precision.
 
-Writes runs/NAME/: config.json, plan.json, metrics.jsonl, timelines/, checkpoints/, summary.json.
-gloo on CPU (one thread per worker unless --threads), NCCL on CUDA, chosen automatically.
+Examples:
+
+    terapipe train --plan plan.json --steps 30 --verify
+
+    terapipe train --plan plan.json --steps 2000 --lr 6e-4 --warmup-steps 100 --min-lr 6e-5 --grad-clip 1.0
+
+    terapipe train --plan plan.json --precision fp16 --verify
+
+Writes runs/NAME/: config.json, plan.json, metrics.jsonl, timelines/, checkpoints/, summary.json. gloo on CPU \
+(one thread per worker unless --threads), NCCL on CUDA with a GPU per worker; with more workers than GPUs \
+(e.g. K stages on one GPU, for --verify) they share the GPUs over gloo through host memory.
 """
+
+
+# The optimizer step's options (docs/design.md §6a). None: the default of a new run, or a resumed run's own value.
+LrOption = Annotated[
+    float | None,
+    typer.Option("--lr", help="Peak AdamW learning rate, e.g. --lr 6e-4.", show_default="1e-3"),
+]
+WarmupStepsOption = Annotated[
+    int | None,
+    typer.Option(
+        "--warmup-steps",
+        help="Steps of linear lr warm-up up to --lr, e.g. --warmup-steps 100.",
+        show_default="10% of --steps, at least 1",
+    ),
+]
+MinLrOption = Annotated[
+    float | None,
+    typer.Option(
+        "--min-lr",
+        help="The lr the cosine decay reaches at the last step, e.g. --min-lr 6e-5.",
+        show_default="0.1 x --lr",
+    ),
+]
+GradClipOption = Annotated[
+    float | None,
+    typer.Option(
+        "--grad-clip",
+        help="Clip the gradients to this global norm over all stages, e.g. --grad-clip 0.5; 0 does not clip "
+        "(the norm is logged either way).",
+        show_default="1.0",
+    ),
+]
+AcceptPrecisionOption = Annotated[
+    bool,
+    typer.Option(
+        "--accept-precision",
+        help="Train at --precision even though the plan was profiled at another (its predicted times do not hold).",
+    ),
+]
 
 
 def register(app: typer.Typer) -> None:
@@ -41,7 +93,12 @@ def train(
     ] = None,
     out: Annotated[Path | None, typer.Option("--out", help="Run directory (default: runs/<timestamp>).")] = None,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the weights and of the batches.")] = 0,
-    lr: Annotated[float, typer.Option("--lr", help="AdamW learning rate.")] = 1e-3,
+    lr: LrOption = None,
+    warmup_steps: WarmupStepsOption = None,
+    min_lr: MinLrOption = None,
+    grad_clip: GradClipOption = None,
+    precision: PrecisionOption = None,
+    accept_precision: AcceptPrecisionOption = False,
     data_parallel: Annotated[
         int | None, typer.Option("--data-parallel", help="Data-parallel replicas D (default: the plan's).")
     ] = None,
@@ -89,6 +146,11 @@ def train(
         device=device,
         kv_handback=kv_handback_requested(),
         write=not dry_run,
+        precision=precision,
+        warmup_steps=warmup_steps,
+        min_lr=min_lr,
+        grad_clip=grad_clip,
+        accept_precision=accept_precision,
     )
     if dry_run:
         print(command_line(prepared.launch))
@@ -106,10 +168,14 @@ def train(
 
 
 def _headline(prepared: PreparedRun) -> str:
+    from terapipe_cli.runtime.prepare import placement_note
+
     p, spec = prepared.plan, prepared.launch
     return (
         f"[bold]terapipe train[/] {p.short_form()}  K={p.stages} D={prepared.args.data_parallel} "
-        f"({spec.nproc_per_node * spec.nnodes} workers, {prepared.backend} on {prepared.device})  -> {spec.run_dir}"
+        f"({spec.nproc_per_node * spec.nnodes} workers, "
+        f"{placement_note(prepared.device, spec.nproc_per_node)}, "
+        f"{prepared.args.precision})  -> {spec.run_dir}"
         + (f"  (resuming after step {spec.resume_step})" if spec.resume_step is not None else "")
     )
 
@@ -122,22 +188,24 @@ def _fail(message: str, code: int) -> None:
 
 
 def _verify(console: Console, prepared: PreparedRun) -> None:
-    from terapipe_cli.runtime.verify import verify_and_record
+    from terapipe_cli.runtime.verify import SPREAD_FACTOR, verify_and_record
 
     console.print("verifying against a single-process reference (same seed, same batches) ...")
     result = verify_and_record(prepared)
     table = Table(
-        title="--verify: pipelined run vs single process (fp32)",
-        caption="rel: |Δ|/|ref| per step's loss; ‖Δ‖₂/‖ref‖₂ per gradient or weight tensor",
+        title=f"--verify: pipelined run vs single process ({result.precision})",
+        caption="rel: |Δ|/|ref| per step's loss; ‖Δ‖₂/‖ref‖₂ per gradient or weight tensor. spread: a second "
+        f"single-process run ({result.spread_run}) vs the same reference; tol = max(floor, {SPREAD_FACTOR:g} x spread)",
     )
-    for col in ("compared", "max abs", "max rel", "tol (rel)", "worst at", "result"):
+    for col in ("compared", "run rel", "spread rel", "tol (rel)", "run max abs", "worst at", "result"):
         table.add_column(col)
     for c in result.checks:
         table.add_row(
             c.what,
-            f"{c.max_abs:.3g}",
             f"{c.max_rel:.3g}",
-            f"{c.tolerance:g}",
+            f"{c.spread:.3g}",
+            f"{c.tolerance:.3g}",
+            f"{c.max_abs:.3g}",
             c.worst,
             "[green]ok[/]" if c.ok else "[red]MISMATCH[/]",
         )

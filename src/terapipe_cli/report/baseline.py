@@ -97,6 +97,11 @@ def train_baseline(run: Run, out: Path) -> Path:
         timeout_s=a.timeout_s,
         device=str(run.config.get("device", "auto")),
         kv_handback=a.kv_handback,
+        precision=a.precision,
+        warmup_steps=a.warmup_steps,
+        min_lr=a.min_lr,
+        grad_clip=a.grad_clip,
+        accept_precision=a.accept_precision,
     )
     launch(prepared.launch)
     return out

@@ -142,7 +142,7 @@ def _metrics(run_dir: Path, steps: int) -> list[dict]:
 # What must agree between a run and its baseline for the comparison to mean anything: the same model trained
 # on the same data, batches, seed, steps and process layout (only the slicing may differ).
 SAME = ("model", "stages", "batch_size", "seq_len")
-SAME_ARGS = ("steps", "data", "seed", "lr", "data_parallel")
+SAME_ARGS = ("steps", "data", "seed", "lr", "data_parallel", "precision", "warmup_steps", "min_lr", "grad_clip")
 
 
 def check_comparable(run: Run, baseline: Run) -> None:

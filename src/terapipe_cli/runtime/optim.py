@@ -4,6 +4,9 @@
 - ``clip_global_norm``: gradient clipping by the norm over ALL parameters of the model. Each stage holds only
   its own layers, so each sums its squares locally, the pipeline group sums those sums, and every stage scales
   by the same factor — the result equals clipping the whole model on one device (docs/design.md §6a).
+- ``LossScale``: fp16's dynamic loss scale, one for the whole pipeline.
+- ``take_step``: the update itself — unscale and skip on overflow (fp16), clip, AdamW — one function for the
+  workers and the reference, so both take exactly the same decisions.
 - ``make_optimizer``: AdamW as nanoGPT configures it, with the multi-tensor (``foreach``) or fused kernels
   where the device has them.
 """
@@ -12,13 +15,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from terapipe_cli.errors import UserError
 
+DEFAULT_LR = 1e-3  # the peak learning rate
 DEFAULT_GRAD_CLIP = 1.0
 WARMUP_FRACTION = 0.1  # the default warm-up: this share of the run's steps (at least one step)
 MIN_LR_FRACTION = 0.1  # the default floor of the cosine decay: this share of the peak lr (as nanoGPT)
@@ -51,6 +55,14 @@ class LRSchedule:
             raise UserError(f"must be between 0 and --lr ({lr:g}), got {min_lr:g}", where="--min-lr")
         return cls(lr=float(lr), total_steps=int(total_steps), warmup_steps=int(warmup_steps), min_lr=float(min_lr))
 
+    @classmethod
+    def of_run(cls, args) -> LRSchedule:
+        """The schedule of a run's `RunArguments` (resolved when the run was created; a run from before the
+        schedule existed has a constant lr)."""
+        min_lr = args.lr if args.min_lr is None else args.min_lr
+        total = args.steps if args.decay_steps is None else args.decay_steps
+        return cls(lr=args.lr, total_steps=total, warmup_steps=args.warmup_steps, min_lr=min_lr)
+
     def __call__(self, step: int) -> float:
         if step <= self.warmup_steps:
             return self.lr * step / self.warmup_steps
@@ -82,7 +94,7 @@ def clip_global_norm(
     over the pipeline group); None for a model held whole. ``max_norm <= 0`` measures without clipping.
     """
     grads = [p.grad for p in params if p.grad is not None]
-    local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+    local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=params[0].device)
     squares = local.double().pow(2)
     if sum_across is not None:
         sum_across(squares)
@@ -90,6 +102,82 @@ def clip_global_norm(
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm.to(local.dtype))
     return float(norm)
+
+
+@dataclass
+class LossScale:
+    """fp16's dynamic loss scale, ONE for the whole pipeline (docs/design.md §6a), with the constants of
+    ``torch.amp.GradScaler``: start at 2**16, halve on a step with an inf/nan gradient (the step is skipped),
+    double after 2000 steps in a row without one.
+
+    Every rank holds its own copy and updates it from the same all-reduced overflow flag, so the copies never
+    differ; the checkpoint keeps it (`state_dict`), so a resumed run goes on with the same scale."""
+
+    scale: float = 2.0**16
+    clean_steps: int = 0  # steps since the last overflow or growth
+    growth_interval: int = field(default=2000, repr=False)
+
+    def update(self, overflow: bool) -> None:
+        if overflow:
+            self.scale *= 0.5
+            self.clean_steps = 0
+            return
+        self.clean_steps += 1
+        if self.clean_steps >= self.growth_interval:
+            self.scale *= 2.0
+            self.clean_steps = 0
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "clean_steps": self.clean_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale, self.clean_steps = float(state["scale"]), int(state["clean_steps"])
+
+
+def unscale_grads(params: list[nn.Parameter], scale: float) -> bool:
+    """Divide every gradient by the loss scale; True when any of them holds an inf or nan (this process's)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return False
+    torch._foreach_mul_(grads, 1.0 / scale)
+    return not bool(torch.isfinite(torch.nn.utils.get_total_norm(grads)))
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What `take_step` did: the global gradient norm before clipping (None on a skipped step), whether the
+    step was skipped for an fp16 overflow, and the loss scale for the next step (None without fp16)."""
+
+    grad_norm: float | None
+    skipped: bool
+    loss_scale: float | None
+
+
+def take_step(
+    optimizer: torch.optim.Optimizer,
+    params: list[nn.Parameter],
+    *,
+    max_norm: float,
+    loss_scale: LossScale | None = None,
+    sum_across: Callable[[torch.Tensor], None] | None = None,
+    overflow_anywhere: Callable[[bool], bool] | None = None,
+) -> StepOutcome:
+    """The update from the step's complete gradients, the same in every stage and in the reference.
+
+    With a ``loss_scale`` (fp16): unscale the gradients, ask ``overflow_anywhere`` (all ranks; None: only this
+    process) and, on an overflow, skip the step and lower the scale. Then clip by the global norm
+    (`clip_global_norm` with ``sum_across``) and step. The gradients stay in ``.grad`` unscaled and clipped.
+    """
+    if loss_scale is not None:
+        overflow = unscale_grads(params, loss_scale.scale)
+        if overflow_anywhere is not None:
+            overflow = overflow_anywhere(overflow)
+        loss_scale.update(overflow)
+        if overflow:
+            return StepOutcome(grad_norm=None, skipped=True, loss_scale=loss_scale.scale)
+    norm = clip_global_norm(params, max_norm, sum_across)
+    optimizer.step()
+    return StepOutcome(norm, skipped=False, loss_scale=loss_scale.scale if loss_scale is not None else None)
 
 
 def make_optimizer(module: nn.Module, lr: float) -> torch.optim.AdamW:

@@ -11,6 +11,12 @@ receive of a gradient posted before the activation sends would block them; on gl
 
 Every wait has a timeout; a failed or timed-out wait raises `PeerLost`, naming the peer, so the launcher
 can tell a consequence (this rank lost its neighbour) from a root cause.
+
+Stages that share a GPU (more workers on a machine than GPUs, `prepare.backend_for`) talk over gloo, because
+NCCL refuses two ranks on one device; gloo cannot send a CUDA tensor, so every message then goes through host
+memory: a send copies the tensor to the CPU first, a receive lands in a CPU buffer and is copied to the GPU
+after its wait. `host_all_reduce` does the same for the workers' collectives. With a GPU per worker (NCCL) or
+on the CPU nothing is copied.
 """
 
 from __future__ import annotations
@@ -35,6 +41,22 @@ def short_error(e: BaseException) -> str:
     return text.split(". ")[0][:300]
 
 
+def host_staged(device: torch.device, group: object | None = None) -> bool:
+    """True when tensors on ``device`` must go through host memory: CUDA tensors on a gloo process group
+    (False without a process group: nothing is sent then)."""
+    return device.type == "cuda" and dist.is_initialized() and dist.get_backend(group) == "gloo"
+
+
+def host_all_reduce(tensor: torch.Tensor, *, group: object | None = None, op=dist.ReduceOp.SUM) -> None:
+    """``dist.all_reduce`` in place; a CUDA tensor on a gloo group is reduced in a CPU copy and copied back."""
+    if not host_staged(tensor.device, group):
+        dist.all_reduce(tensor, op=op, group=group)
+        return
+    host = tensor.detach().cpu()
+    dist.all_reduce(host, op=op, group=group)
+    tensor.copy_(host)
+
+
 class Links:
     """A stage's messages to and from its neighbours in one pipeline replica."""
 
@@ -52,11 +74,13 @@ class Links:
         self.hidden, self.dtype, self.device = hidden, dtype, device
         self.timeout = timedelta(seconds=timeout_s)
         self._sends: list[tuple[dist.Work, torch.Tensor, str]] = []
+        self.staged = host_staged(device)  # messages go through host memory (stages sharing a GPU)
+        self._buffers = torch.device("cpu") if self.staged else device
 
     def _post(self, tiles: list[Tile], src: int, tag_base: int) -> dict[Tile, tuple[torch.Tensor, dist.Work]]:
         posted = {}
         for n, t in enumerate(tiles):
-            buf = torch.empty(t.batch_size, t.tokens, self.hidden, dtype=self.dtype, device=self.device)
+            buf = torch.empty(t.batch_size, t.tokens, self.hidden, dtype=self.dtype, device=self._buffers)
             posted[t] = (buf, dist.irecv(buf, src=src, tag=tag_base + n))
         return posted
 
@@ -71,7 +95,7 @@ class Links:
     def wait(self, posted: tuple[torch.Tensor, dist.Work], what: str, peer: int) -> torch.Tensor:
         buf, work = posted
         self._wait(work, what, peer)
-        return buf
+        return buf.to(self.device) if self.staged else buf
 
     def send_forward(self, out: torch.Tensor, index: int) -> None:
         self._send(out, self.next_rank, index, "an activation")
@@ -80,7 +104,10 @@ class Links:
         self._send(grad, self.prev_rank, tiles + index, "a gradient")
 
     def _send(self, tensor: torch.Tensor, dst: int, tag: int, what: str) -> None:
-        tensor = tensor.contiguous()
+        if self.staged:
+            tensor = tensor.detach().to("cpu", memory_format=torch.contiguous_format)
+        else:
+            tensor = tensor.contiguous()
         # Keep the tensor alive until the send completes.
         self._sends.append((dist.isend(tensor, dst=dst, tag=tag), tensor, f"sending {what} to rank {dst}"))
 

@@ -5,29 +5,41 @@ the data, more workers than this machine allows, a run directory that already ho
 `UserError` here — exit 2, before torchrun is even imported.
 
 `prepare_run` reads top to bottom: the options, the device, the run (a new one, or the one being resumed),
-its data, the workers per machine, the run directory, and the launch settings.
+its data, the workers per machine, the run directory, and the launch settings. A new run resolves the optimizer
+step's settings once (`_step_settings`: precision, lr schedule, clipping) and checks the precision against the
+plan's; a resumed run keeps its own and refuses a different one given again.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import platform
 from dataclasses import dataclass
 from pathlib import Path
 
 from terapipe_cli import units
-from terapipe_cli.device import resolve_device
+from terapipe_cli.device import resolve_device, resolve_precision
 from terapipe_cli.errors import UserError
 from terapipe_cli.plan import Plan, plan_from_dict, read_plan
 from terapipe_cli.runtime import checkpoint
 from terapipe_cli.runtime.data import TokenData, check_data, load_data
 from terapipe_cli.runtime.launch import Launch
+from terapipe_cli.runtime.optim import DEFAULT_GRAD_CLIP, DEFAULT_LR, LRSchedule
 from terapipe_cli.runtime.rundir import RunArguments, read_config, update_arguments, write_config
 
 CPU_WORKERS_PER_CORE = 4  # beyond this, single-thread workers only queue for the cores
 DROP_KV_GRADS_ENV = "TERAPIPE_TEST_DROP_KV_GRADS"  # test-only negative control: "1" drops the K/V hand-back
 PLAN_FIELDS_OF_A_RUN = ("model", "stages", "batch_size", "seq_len", "slices")  # a resumed run's plan keeps them
+# The optimizer step's options: a resumed run keeps the values it was created with (argument name: flag).
+STEP_FLAGS = {
+    "precision": "--precision",
+    "lr": "--lr",
+    "warmup_steps": "--warmup-steps",
+    "min_lr": "--min-lr",
+    "grad_clip": "--grad-clip",
+}
 
 
 @dataclass(frozen=True)
@@ -57,18 +69,54 @@ def kv_handback_requested() -> bool:
     return os.environ.get(DROP_KV_GRADS_ENV) != "1"
 
 
+def gpu_count() -> int:
+    """The CUDA GPUs PyTorch sees on this machine."""
+    import torch
+
+    return torch.cuda.device_count()
+
+
 def max_workers_per_node(device: str) -> tuple[int, str]:
-    if device == "cuda":
-        import torch
-
-        n = torch.cuda.device_count()
-        return n, f"{n} GPU(s)"
+    """How many workers one machine takes, and why: four per CPU core on CPU and CUDA alike. On CUDA each
+    worker is still a process on the cores, and workers beyond the GPUs share them (`backend_for`)."""
     cores = os.cpu_count() or 1
-    return CPU_WORKERS_PER_CORE * cores, f"{CPU_WORKERS_PER_CORE} x {cores} CPU cores"
+    why = f"{CPU_WORKERS_PER_CORE} x {cores} CPU cores"
+    if device == "cuda":
+        why += f"; workers beyond the {_gpus(gpu_count())} share them"
+    return CPU_WORKERS_PER_CORE * cores, why
 
 
-def backend_for(device: str) -> str:
-    return "nccl" if device == "cuda" else "gloo"
+def backend_for(device: str, workers_per_node: int = 1, n_gpus: int | None = None) -> str:
+    """The process group's backend: gloo on the CPU; on CUDA, NCCL when each of a machine's
+    ``workers_per_node`` workers has a GPU of its own (``n_gpus``, default the GPUs here), else gloo.
+
+    Stages that share a GPU cannot use NCCL (it refuses two ranks on one device), and gloo cannot send CUDA
+    tensors, so on that gloo group every message and collective goes through host memory (`p2p.host_staged`).
+    """
+    if device != "cuda":
+        return "gloo"
+    gpus = gpu_count() if n_gpus is None else n_gpus
+    return "nccl" if workers_per_node <= gpus else "gloo"
+
+
+def gpu_of(local_rank: int, n_gpus: int) -> int:
+    """The GPU index of the worker with this local rank: its own while there are enough, else shared in turn."""
+    return local_rank % n_gpus
+
+
+def placement_note(device: str, workers_per_node: int, n_gpus: int | None = None) -> str:
+    """How a machine's workers compute and talk, as `terapipe train`'s launch line says it."""
+    backend = backend_for(device, workers_per_node, n_gpus)
+    if device != "cuda":
+        return f"{backend} on cpu"
+    if backend == "nccl":
+        return "nccl, one GPU per worker"
+    gpus = _gpus(gpu_count() if n_gpus is None else n_gpus)
+    return f"{workers_per_node} workers share {gpus}: {backend} through host memory"
+
+
+def _gpus(n: int) -> str:
+    return f"{n} GPU" if n == 1 else f"{n} GPUs"
 
 
 def versions() -> dict:
@@ -92,7 +140,7 @@ def prepare_run(
     data: Path | None,
     out: Path | None,
     seed: int,
-    lr: float,
+    lr: float | None,
     data_parallel: int | None,
     verify: bool,
     resume: bool,
@@ -105,11 +153,18 @@ def prepare_run(
     device: str,
     kv_handback: bool = True,
     write: bool = True,
+    precision: str | None = None,
+    warmup_steps: int | None = None,
+    min_lr: float | None = None,
+    grad_clip: float | None = None,
+    accept_precision: bool = False,
 ) -> PreparedRun:
-    """Validate the request; unless ``write`` is False, write config.json and plan.json into the run dir."""
+    """Validate the request; unless ``write`` is False, write config.json and plan.json into the run dir.
+
+    ``lr``, ``precision``, ``warmup_steps``, ``min_lr``, ``grad_clip``: None is the default (a new run) or the
+    run's own value (a resumed one)."""
     check_options(
         steps=steps,
-        lr=lr,
         checkpoint_every=checkpoint_every,
         threads=threads,
         timeout_s=timeout_s,
@@ -120,20 +175,25 @@ def prepare_run(
         resume=resume,
     )
     dev = resolve_device(device)
+    step_flags = dict(precision=precision, lr=lr, warmup_steps=warmup_steps, min_lr=min_lr, grad_clip=grad_clip)
     # What a resumed run may change: its length and how it runs, never the numbers.
     settings = {"steps": steps, "checkpoint_every": checkpoint_every, "threads": threads, "timeout_s": timeout_s}
     if resume:
         run = _resumed_run(out, plan_path, data_parallel, settings)
+        _check_same_step_settings(run.args, step_flags, dev)
     else:
-        numbers = {"data": str(data.resolve()) if data is not None else None, "seed": seed, "lr": lr}
+        numbers = {"data": str(data.resolve()) if data is not None else None, "seed": seed}
+        numbers.update(_step_settings(step_flags, steps, dev), accept_precision=accept_precision)
         run = _new_run(
             plan_path, out, data_parallel, {**settings, **numbers, "verify": verify, "kv_handback": kv_handback}
         )
+        _check_plan_precision(run, accept_precision)
     token_data = load_data(run.args.data)
     check_data(token_data, vocab=run.plan.model.vocab, seq_len=run.plan.seq_len)
     per_node = workers_per_node(run.plan.stages, run.args.data_parallel, nnodes, dev)
+    backend = backend_for(dev, per_node)
     if write:
-        _write_run_dir(run, settings, device=dev, nnodes=nnodes)
+        _write_run_dir(run, settings, device=dev, backend=backend, nnodes=nnodes)
     launch = Launch(
         run_dir=run.out.resolve(),
         nproc_per_node=per_node,
@@ -145,13 +205,12 @@ def prepare_run(
         threads=threads,
         device=dev,
     )
-    return PreparedRun(run.plan, run.args, token_data, dev, backend_for(dev), launch)
+    return PreparedRun(run.plan, run.args, token_data, dev, backend, launch)
 
 
 def check_options(
     *,
     steps: int,
-    lr: float,
     checkpoint_every: int,
     threads: int,
     timeout_s: float,
@@ -164,8 +223,6 @@ def check_options(
     """The options' own ranges and combinations (before any file is read)."""
     if steps < 1:
         raise UserError(f"must be at least 1, got {steps}", where="--steps")
-    if not lr > 0:
-        raise UserError(f"must be positive, got {lr}", where="--lr")
     if checkpoint_every < 1:
         raise UserError(f"must be at least 1, got {checkpoint_every}", where="--checkpoint-every")
     if threads < 1:
@@ -183,6 +240,52 @@ def check_options(
         raise UserError("--verify compares a whole run from step 1; it cannot follow --resume", where="--verify")
     if verify and nnodes > 1:
         raise UserError("--verify runs the reference on this machine; use it with --nnodes 1", where="--verify")
+
+
+def _step_settings(flags: dict, steps: int, device: str) -> dict:
+    """A new run's optimizer-step arguments, defaults filled in and checked (docs/design.md §6a)."""
+    lr = DEFAULT_LR if flags["lr"] is None else flags["lr"]
+    schedule = LRSchedule.default(lr, steps, flags["warmup_steps"], flags["min_lr"])
+    grad_clip = DEFAULT_GRAD_CLIP if flags["grad_clip"] is None else flags["grad_clip"]
+    if not (grad_clip >= 0 and math.isfinite(grad_clip)):
+        raise UserError(f"must be 0 (no clipping) or a positive number, got {grad_clip}", where="--grad-clip")
+    return {
+        "precision": resolve_precision(flags["precision"], device),
+        "lr": schedule.lr,
+        "warmup_steps": schedule.warmup_steps,
+        "min_lr": schedule.min_lr,
+        "decay_steps": steps,
+        "grad_clip": float(grad_clip),
+    }
+
+
+def _check_same_step_settings(saved: RunArguments, flags: dict, device: str) -> None:
+    """A resumed run keeps its precision, lr schedule and clipping: a different value given again is refused."""
+    for name, given in flags.items():
+        if given is None:
+            continue
+        if name == "precision":
+            given = resolve_precision(given, device)
+        kept = getattr(saved, name)
+        if given != kept:
+            was = f"{STEP_FLAGS[name]} {kept}" if kept is not None else f"no {STEP_FLAGS[name]} (a constant lr)"
+            raise UserError(
+                f"the run being resumed was trained with {was}; a resumed run keeps it "
+                f"(leave the option out, or start a new run with --out)",
+                where=STEP_FLAGS[name],
+            )
+
+
+def _check_plan_precision(run: _Run, accept: bool) -> None:
+    """The plan's times are for its profile's precision: training in another one is refused unless accepted."""
+    planned, used = run.plan.precision, run.args.precision
+    if planned != used and not accept:
+        raise UserError(
+            f"the plan was made for {planned} (its profile was measured in {planned}) but this run trains in "
+            f"{used}: re-profile with `terapipe profile --precision {used}` and re-plan, or pass --accept-precision "
+            f"to train in {used} on this plan anyway",
+            where=str(run.plan.path or "--plan"),
+        )
 
 
 def _new_run(plan_path: Path | None, out: Path | None, data_parallel: int | None, arguments: dict) -> _Run:
@@ -232,7 +335,8 @@ def _resumed_run(out: Path | None, plan_path: Path | None, data_parallel: int | 
 
 
 def workers_per_node(stages: int, data_parallel: int, nnodes: int, device: str) -> int:
-    """K x D workers split evenly over the machines, no more per machine than it allows."""
+    """K x D workers split evenly over the machines, no more per machine than it allows (`max_workers_per_node`;
+    on CUDA more workers than GPUs is allowed: they share the GPUs, see `backend_for`)."""
     world = stages * data_parallel
     if world % nnodes:
         raise UserError(
@@ -250,7 +354,7 @@ def workers_per_node(stages: int, data_parallel: int, nnodes: int, device: str) 
     return per_node
 
 
-def _write_run_dir(run: _Run, settings: dict, *, device: str, nnodes: int) -> None:
+def _write_run_dir(run: _Run, settings: dict, *, device: str, backend: str, nnodes: int) -> None:
     """A new run's config.json and plan.json; a resumed run's config.json with its new length and settings."""
     if run.config is not None:
         # The plan and the numbers' arguments stay the run's own.
@@ -262,7 +366,7 @@ def _write_run_dir(run: _Run, settings: dict, *, device: str, nnodes: int) -> No
         args=run.args,
         world_size=run.plan.stages * run.args.data_parallel,
         device=device,
-        backend=backend_for(device),
+        backend=backend,
         nnodes=nnodes,
         versions=versions(),
         created=units.utc_timestamp(),

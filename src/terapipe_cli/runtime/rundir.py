@@ -2,18 +2,23 @@
 
 runs/NAME/
   config.json        terapipe.run/1: {"plan": <the plan object>, "arguments": {steps, data, seed, lr,
-                     data_parallel, checkpoint_every, threads, timeout_s, verify, kv_handback},
+                     data_parallel, checkpoint_every, threads, timeout_s, verify, kv_handback, precision,
+                     warmup_steps, min_lr, decay_steps, grad_clip, accept_precision},
                      "world_size", "stages", "device", "backend", "nnodes", "versions": {...}, "created"}
   plan.json          the plan as given (terapipe.plan/1)
   metrics.jsonl      one JSON object per line and step (terapipe.metrics/1): {"schema", "step", "loss",
-                     "iteration_s", "tokens_per_s", "memory_bytes" (peak, largest rank),
-                     "memory_bytes_per_rank": [...]}
+                     "lr" (this step's), "grad_norm" (global, before clipping; null on a skipped step),
+                     "skipped" (fp16: the step was skipped for an inf/nan gradient), "loss_scale" (fp16 only:
+                     the scale for the next step), "iteration_s", "tokens_per_s",
+                     "memory_bytes" (peak, largest rank), "memory_bytes_per_rank": [...]}
   timelines/rank_00000.json   terapipe.timeline/1 (see schedule.py): every tile of every step, F and B
-  checkpoints/step_000010/...  see checkpoint.py
+  checkpoints/step_000010/...  see checkpoint.py (the optimizer state carries the fp16 loss scale)
   errors/rank_00001.txt       the traceback of a worker that failed (only then)
-  verify/grads_step1_stage_000.pt   step-1 gradients of each stage, by name (only with --verify)
+  verify/grads_stage_000.pt   {"step", "grads"}: each stage's gradients (unscaled, clipped) at the first step
+                     not skipped, by name (only with --verify)
   summary.json       terapipe.run-summary/1: {"status": "complete", "steps", "first_loss", "final_loss",
-                     "median_iteration_s", "tokens_per_s", "wall_s", "verify": {...} (with --verify)}
+                     "median_iteration_s", "tokens_per_s", "wall_s", "skipped_steps", "verify": {...}
+                     (with --verify; see runtime/verify.py)}
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from terapipe_cli.device import precision_field
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import Fields, read_json, write_json_atomic, write_text_atomic
 
@@ -42,6 +48,14 @@ class RunArguments:
     timeout_s: float
     verify: bool
     kv_handback: bool = True  # False only for the test-only negative control
+    # The optimizer step (docs/design.md §6a). The defaults are what a run from before these existed did:
+    # fp32, a constant lr, no clipping.
+    precision: str = "fp32"  # fp32, bf16 or fp16
+    warmup_steps: int = 0  # linear warm-up steps
+    min_lr: float | None = None  # the floor of the cosine decay (None: lr, no decay)
+    decay_steps: int | None = None  # the step the decay reaches min_lr (None: steps); kept by --resume
+    grad_clip: float = 0.0  # the global-norm limit (0: measured, not clipped)
+    accept_precision: bool = False  # the run was allowed a precision other than its plan's
 
 
 def write_config(
@@ -95,6 +109,12 @@ def read_config(run_dir: Path) -> tuple[dict, RunArguments]:
         timeout_s=f.number("timeout_s", positive=True),
         verify=bool(f.get("verify")),
         kv_handback=bool(f.get("kv_handback", True)),
+        precision=precision_field(f),
+        warmup_steps=f.int("warmup_steps", minimum=0, default=0),
+        min_lr=f.number("min_lr", minimum=0) if f.get("min_lr", None) is not None else None,
+        decay_steps=f.int("decay_steps", minimum=1) if f.get("decay_steps", None) is not None else None,
+        grad_clip=f.number("grad_clip", minimum=0, default=0.0),
+        accept_precision=bool(f.get("accept_precision", False)),
     )
     return obj, args
 
@@ -137,7 +157,7 @@ def timeline_path(run_dir: Path, rank: int) -> Path:
 
 
 def verify_grads_path(run_dir: Path, stage: int) -> Path:
-    return run_dir / "verify" / f"grads_step1_stage_{stage:03d}.pt"
+    return run_dir / "verify" / f"grads_stage_{stage:03d}.pt"
 
 
 def write_summary(run_dir: Path, summary: dict) -> None:

@@ -3,12 +3,14 @@
 Launched by `terapipe_cli.runtime.launch` as ``python -m terapipe_cli.runtime.worker --run-dir DIR``; all
 settings come from ``DIR/config.json``, written and validated by the launcher before any worker starts.
 
-`train` is the whole loop, one step after the other (as nanoGPT's): the learning rate of the step; the
-step's schedule (`run_schedule`: pre-post the receives of the step's tiles, walk this stage's actions in
-the order schedule.py decided — forward tiles in order, backward in reverse — through the `StageRunner`);
-the gradient all-reduce across the data-parallel replicas of this stage; the AdamW update; then one small
-all-reduce over all ranks that both sums the step's loss and serves as the barrier that starts the next
-step on every rank together; the metrics line; the checkpoint when one is due.
+`train` is the whole loop, one step after the other (as nanoGPT's): the learning rate of the step (warm-up,
+cosine decay); the step's schedule (`run_schedule`: pre-post the receives of the step's tiles, walk this
+stage's actions in the order schedule.py decided — forward tiles in order, backward in reverse — through the
+`StageRunner`, under autocast in bf16/fp16); the gradient all-reduce across the data-parallel replicas of
+this stage; the update (`apply_update`: fp16's overflow check on all ranks, clipping by the global norm over
+this replica's stages, AdamW); then one small all-reduce over all ranks that both sums the step's loss and
+serves as the barrier that starts the next step on every rank together; the metrics line; the checkpoint
+when one is due.
 
 A failure writes the traceback to ``DIR/errors/rank_N.txt`` and torchrun's error file, prints one line,
 and exits 1; torchrun then stops the other workers and the launcher names the rank and the cause.
@@ -36,8 +38,8 @@ import torch.distributed as dist
 from terapipe_cli.plan import Plan, plan_from_dict
 from terapipe_cli.runtime import checkpoint
 from terapipe_cli.runtime.data import TokenData, check_data, load_data, step_batch
-from terapipe_cli.runtime.optim import make_optimizer, set_lr
-from terapipe_cli.runtime.p2p import Links, PeerLost, short_error
+from terapipe_cli.runtime.optim import LossScale, LRSchedule, StepOutcome, make_optimizer, set_lr, take_step
+from terapipe_cli.runtime.p2p import Links, PeerLost, host_all_reduce, short_error
 from terapipe_cli.runtime.rundir import (
     RunArguments,
     append_metrics,
@@ -55,6 +57,8 @@ from terapipe_cli.schedule import Action, Event, Tile, build_schedule, read_time
 # failure handling and --resume: "kill:RANK:STEP" (SIGKILL itself), "raise:RANK:STEP" (an exception) or
 # "hang:RANK:STEP" (stop responding, so the neighbours' waits time out).
 FAULT_ENV = "TERAPIPE_TEST_FAULT"
+# fp16's loss scale travels in the checkpoint next to the optimizer's own state (one value, the same on all stages).
+LOSS_SCALE_KEY = "loss_scale"
 
 
 @dataclass
@@ -72,6 +76,9 @@ class Worker:
     actions: list[Action]  # this stage's part of the schedule, in schedule.py's order
     data: TokenData
     replica_group: object | None  # this stage's data-parallel group; None with one replica
+    pipeline_group: object | None  # this replica's stages (the gradient norm's sum); None: all ranks (D = 1)
+    schedule: LRSchedule
+    loss_scale: LossScale | None  # fp16 only: the one dynamic loss scale of the whole pipeline
 
     @property
     def stage(self) -> int:
@@ -90,6 +97,12 @@ class Worker:
         """Predicted tokens of one step over all replicas: B·D·L."""
         return self.plan.batch_size * self.args.data_parallel * self.plan.seq_len
 
+    @property
+    def loss_multiplier(self) -> float:
+        """What the last stage multiplies its summed token loss by: 1 / (B·D·L), which makes the gradient the
+        single-device mean's, times the fp16 loss scale."""
+        return (self.loss_scale.scale if self.loss_scale is not None else 1.0) / self.tokens_per_step
+
 
 def train(run_dir: Path, resume_step: int | None) -> None:
     """The worker's whole run: set up, continue from a checkpoint if asked, one iteration per step, summary."""
@@ -97,13 +110,16 @@ def train(run_dir: Path, resume_step: int | None) -> None:
     start_step, events = restore(w, resume_step)
     iteration_s: list[float] = []
     ready = torch.zeros(1, device=w.device)
-    collective(lambda: dist.all_reduce(ready), "start-up")
+    collective(lambda: host_all_reduce(ready), "start-up")
     run_start = time.perf_counter()
+    grads_saved = False  # --verify: each stage's gradients of the first step not skipped
     for step in range(start_step + 1, w.args.steps + 1):
         batch = replica_batch(w, step)
         step_start = time.perf_counter()
-        set_lr(w.optimizer, w.args.lr)
+        lr = w.schedule(step)
+        set_lr(w.optimizer, lr)
         w.optimizer.zero_grad(set_to_none=True)
+        w.runner.set_loss_scale(w.loss_multiplier)
         loss, step_events = run_schedule(
             w.runner,
             w.actions,
@@ -118,13 +134,14 @@ def train(run_dir: Path, resume_step: int | None) -> None:
         )
         events.extend(step_events)
         sum_replica_gradients(w)
-        if w.args.verify and step == 1 and w.replica == 0:
-            checkpoint.save_torch_atomic(verify_grads_path(run_dir, w.stage), gradients(w))
-        apply_update(w)
+        update = apply_update(w)
+        if w.args.verify and w.replica == 0 and not grads_saved and not update.skipped:
+            checkpoint.save_torch_atomic(verify_grads_path(run_dir, w.stage), {"step": step, "grads": gradients(w)})
+            grads_saved = True
         step_loss, memory = end_of_step(w, loss)
         iteration_s.append(time.perf_counter() - step_start)
         if w.rank == 0:
-            log_step(w, step, step_loss, iteration_s[-1], memory)
+            log_step(w, step, step_loss, lr, update, iteration_s[-1], memory)
         if step % w.args.checkpoint_every == 0 or step == w.args.steps:
             save_checkpoint(w, step, events)
     save_timeline(w, events)
@@ -144,9 +161,11 @@ def start_worker(run_dir: Path) -> Worker:
     stage = rank % stages
     device = _use_device(cfg["device"], args.threads)
     dist.init_process_group(cfg["backend"], timeout=timedelta(seconds=args.timeout_s))
-    replica_groups = None
-    if replicas > 1:  # every rank must create every group
+    replica_group = pipeline_group = None
+    if replicas > 1:  # every rank must create every group, in the same order
         replica_groups = [dist.new_group([r * stages + s for r in range(replicas)]) for s in range(stages)]
+        pipeline_groups = [dist.new_group([r * stages + s for s in range(stages)]) for r in range(replicas)]
+        replica_group, pipeline_group = replica_groups[stage], pipeline_groups[rank // stages]
     runner, optimizer = build_stage(plan, stage, args, device)
     data = load_data(args.data)
     check_data(data, vocab=plan.model.vocab, seq_len=plan.seq_len)
@@ -158,15 +177,31 @@ def start_worker(run_dir: Path) -> Worker:
         device=device,
         timeout_s=args.timeout_s,
     )
-    actions = build_schedule(plan.slices, stages)[stage]
-    group = replica_groups[stage] if replica_groups is not None else None
-    return Worker(run_dir, plan, args, rank, device, runner, optimizer, links, actions, data, group)
+    return Worker(
+        run_dir=run_dir,
+        plan=plan,
+        args=args,
+        rank=rank,
+        device=device,
+        runner=runner,
+        optimizer=optimizer,
+        links=links,
+        actions=build_schedule(plan.slices, stages)[stage],
+        data=data,
+        replica_group=replica_group,
+        pipeline_group=pipeline_group,
+        schedule=LRSchedule.of_run(args),
+        loss_scale=LossScale() if args.precision == "fp16" else None,
+    )
 
 
 def _use_device(device: str, threads: int) -> torch.device:
-    """This rank's device: its own GPU (torchrun's LOCAL_RANK), or the CPU with ``threads`` threads."""
+    """This rank's device: GPU LOCAL_RANK % GPUs (torchrun's LOCAL_RANK; its own GPU when the machine has one
+    per worker, else one it shares, `prepare.backend_for`), or the CPU with ``threads`` threads."""
     if device == "cuda":
-        cuda = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        from terapipe_cli.runtime.prepare import gpu_of
+
+        cuda = torch.device("cuda", gpu_of(int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count()))
         torch.cuda.set_device(cuda)
         return cuda
     torch.set_num_threads(threads)
@@ -176,14 +211,20 @@ def _use_device(device: str, threads: int) -> torch.device:
 def build_stage(
     plan: Plan, stage: int, args: RunArguments, device: torch.device
 ) -> tuple[StageRunner, torch.optim.Optimizer]:
-    """This stage's part of the model, its loss scale and its optimizer.
+    """This stage's part of the model (computing at the run's precision) and its optimizer.
 
     The one place the stage's module is made: what changes the module itself (parallelism within the stage)
     belongs between building it and giving its parameters to the optimizer.
     """
-    runner = StageRunner(plan.model, stage, plan.stages, seed=args.seed, device=device, kv_handback=args.kv_handback)
-    # Summed token losses over the whole step (all replicas) divided once: the single-device mean.
-    runner.set_loss_scale(1.0 / (plan.batch_size * args.data_parallel * plan.seq_len))
+    runner = StageRunner(
+        plan.model,
+        stage,
+        plan.stages,
+        seed=args.seed,
+        device=device,
+        kv_handback=args.kv_handback,
+        precision=args.precision,
+    )
     return runner, make_optimizer(runner.module, args.lr)
 
 
@@ -193,7 +234,11 @@ def restore(w: Worker, resume_step: int | None) -> tuple[int, list[Event]]:
         return 0, []
     state = checkpoint.load_stage(w.run_dir, resume_step, w.stage, map_location=w.device)
     w.runner.module.load_state_dict(state["model"])
-    w.optimizer.load_state_dict(state["optimizer"])
+    optimizer_state = dict(state["optimizer"])
+    loss_scale = optimizer_state.pop(LOSS_SCALE_KEY, None)
+    w.optimizer.load_state_dict(optimizer_state)
+    if w.loss_scale is not None and loss_scale is not None:
+        w.loss_scale.load_state_dict(loss_scale)
     events: list[Event] = []
     if timeline_path(w.run_dir, w.rank).exists():
         events = [e for e in read_timeline(timeline_path(w.run_dir, w.rank))[1] if e.step <= resume_step]
@@ -326,7 +371,7 @@ def allreduce_grads(module: torch.nn.Module, group) -> None:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     flat = torch.cat([p.grad.reshape(-1) for p in params])
-    collective(lambda: dist.all_reduce(flat, group=group), "the data-parallel gradient all-reduce")
+    collective(lambda: host_all_reduce(flat, group=group), "the data-parallel gradient all-reduce")
     offset = 0
     for p in params:
         n = p.numel()
@@ -335,17 +380,39 @@ def allreduce_grads(module: torch.nn.Module, group) -> None:
 
 
 def gradients(w: Worker) -> dict[str, torch.Tensor]:
-    """This stage's gradients by parameter name, on the CPU (what ``--verify`` compares at step 1)."""
+    """This stage's gradients by parameter name, on the CPU: what ``--verify`` compares (after the update, so
+    unscaled and clipped, at the first step not skipped)."""
     return {n: p.grad.detach().cpu() for n, p in w.runner.module.named_parameters()}
 
 
-def apply_update(w: Worker) -> None:
-    """The AdamW update from the step's complete gradients (every tile, every replica).
+def apply_update(w: Worker) -> StepOutcome:
+    """The update from the step's complete gradients (every tile, every replica): `optim.take_step`.
 
-    The one place between the gradient all-reduce and the update: what must see the whole step's gradients
-    of every stage before the weights change (a decision all stages take together) goes here.
+    The one place between the gradient all-reduce and the update, for what must see the whole step's gradients
+    of every stage before the weights change — decisions all stages take together (docs/design.md §6a):
+
+    - fp16: every stage unscales its gradients and checks them; one all-reduce (MAX) of the overflow flag over
+      ALL ranks, so every stage of every replica skips the step together and halves the same loss scale.
+    - clipping: each stage's sum of squares, summed over this replica's pipeline group (the replicas hold the
+      same gradients after their all-reduce), is the whole model's norm; every stage scales by the same factor.
     """
-    w.optimizer.step()
+
+    def sum_over_pipeline(squares: torch.Tensor) -> None:
+        collective(lambda: host_all_reduce(squares, group=w.pipeline_group), "the gradient-norm all-reduce")
+
+    def overflow_anywhere(overflow: bool) -> bool:
+        flag = torch.tensor([1.0 if overflow else 0.0], device=w.device)
+        collective(lambda: host_all_reduce(flag, op=dist.ReduceOp.MAX), "the fp16 overflow all-reduce")
+        return bool(flag.item())
+
+    return take_step(
+        w.optimizer,
+        list(w.runner.module.parameters()),
+        max_norm=w.args.grad_clip,
+        loss_scale=w.loss_scale,
+        sum_across=sum_over_pipeline,
+        overflow_anywhere=overflow_anywhere,
+    )
 
 
 def end_of_step(w: Worker, loss: torch.Tensor | None) -> tuple[float, list[int]]:
@@ -355,9 +422,9 @@ def end_of_step(w: Worker, loss: torch.Tensor | None) -> tuple[float, list[int]]
     """
     stats = torch.zeros(1 + w.world, dtype=torch.float64, device=w.device)
     if loss is not None:
-        stats[0] = loss.double() * w.runner.loss_scale
+        stats[0] = loss.double() / w.tokens_per_step
     stats[1 + w.rank] = float(peak_memory_bytes(w.device))
-    collective(lambda: dist.all_reduce(stats), "the end-of-step all-reduce")
+    collective(lambda: host_all_reduce(stats), "the end-of-step all-reduce")
     return float(stats[0]), [int(m) for m in stats[1:].tolist()]
 
 
@@ -367,22 +434,18 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
-def log_step(w: Worker, step: int, loss: float, dt: float, memory: list[int]) -> None:
+def log_step(w: Worker, step: int, loss: float, lr: float, update: StepOutcome, dt: float, memory: list[int]) -> None:
     """The step's record in metrics.jsonl and its line on the console (rank 0)."""
     tokens = w.tokens_per_step
-    append_metrics(
-        w.run_dir,
-        {
-            "step": step,
-            "loss": loss,
-            "iteration_s": dt,
-            "tokens_per_s": tokens / dt,
-            "memory_bytes": max(memory),
-            "memory_bytes_per_rank": memory,
-        },
-    )
+    record = {"step": step, "loss": loss, "lr": lr, "grad_norm": update.grad_norm, "skipped": update.skipped}
+    if update.loss_scale is not None:
+        record["loss_scale"] = update.loss_scale
+    record.update(iteration_s=dt, tokens_per_s=tokens / dt, memory_bytes=max(memory), memory_bytes_per_rank=memory)
+    append_metrics(w.run_dir, record)
+    norm = "skipped" if update.grad_norm is None else f"{update.grad_norm:7.3f}"
+    scale = f"  scale {update.loss_scale:g}" if update.loss_scale is not None else ""
     print(
-        f"step {step:>5}/{w.args.steps}  loss {loss:8.4f}  iter {dt * 1e3:9.1f} ms  "
+        f"step {step:>5}/{w.args.steps}  loss {loss:8.4f}  lr {lr:.2e}  |g| {norm}{scale}  iter {dt * 1e3:9.1f} ms  "
         f"{tokens / dt:10,.0f} tok/s  mem {max(memory) / 2**20:7.1f} MiB",
         flush=True,
     )
@@ -392,12 +455,13 @@ def save_checkpoint(w: Worker, step: int, events: list[Event]) -> None:
     """Every stage's file (replica 0 writes; the replicas hold the same weights) and every rank's timeline;
     once all ranks are past that, rank 0 marks the checkpoint complete."""
     if w.replica == 0:
-        checkpoint.save_stage(
-            w.run_dir, step, w.stage, w.plan.stages, w.runner.module.state_dict(), w.optimizer.state_dict()
-        )
+        optimizer_state = w.optimizer.state_dict()
+        if w.loss_scale is not None:
+            optimizer_state[LOSS_SCALE_KEY] = w.loss_scale.state_dict()
+        checkpoint.save_stage(w.run_dir, step, w.stage, w.plan.stages, w.runner.module.state_dict(), optimizer_state)
     save_timeline(w, events)
     done = torch.zeros(1, device=w.device)
-    collective(lambda: dist.all_reduce(done), f"the checkpoint of step {step}")
+    collective(lambda: host_all_reduce(done), f"the checkpoint of step {step}")
     if w.rank == 0:
         checkpoint.mark_complete(w.run_dir, step, w.plan.stages)
 
@@ -427,6 +491,8 @@ def write_run_summary(w: Worker, resume_step: int | None, iteration_s: list[floa
             "resumed_from": resume_step,
             "first_loss": records[0]["loss"] if records else None,
             "final_loss": records[-1]["loss"] if records else None,
+            "skipped_steps": sum(1 for r in records if r.get("skipped")),
+            "precision": w.args.precision,
             "median_iteration_s": median_s,
             "tokens_per_s": w.tokens_per_step / median_s if median_s is not None else None,
             "wall_s": wall_s,

@@ -1,0 +1,154 @@
+"""The optimizer step's policies (runtime/optim.py): lr schedule, global-norm clipping, fp16 loss scale."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from terapipe_cli.errors import UserError
+from terapipe_cli.runtime.optim import (
+    LossScale,
+    LRSchedule,
+    clip_global_norm,
+    make_optimizer,
+    take_step,
+)
+from terapipe_cli.runtime.rundir import RunArguments
+
+
+def test_warmup_is_linear_up_to_the_peak():
+    s = LRSchedule(lr=1e-3, total_steps=100, warmup_steps=10, min_lr=1e-4)
+    assert [s(k) for k in range(1, 11)] == pytest.approx([1e-4 * k for k in range(1, 11)])
+
+
+def test_cosine_decay_reaches_min_lr_at_the_last_step_and_stays_there():
+    s = LRSchedule(lr=1e-3, total_steps=100, warmup_steps=10, min_lr=1e-4)
+    decay = [s(k) for k in range(10, 101)]
+    assert all(a > b for a, b in zip(decay, decay[1:], strict=False))  # strictly falling from the peak
+    assert s(55) == pytest.approx((1e-3 + 1e-4) / 2)  # half-way through the decay: half-way down
+    assert s(100) == pytest.approx(1e-4)
+    assert s(101) == s(500) == 1e-4  # a run extended by --resume keeps the floor
+
+
+def test_defaults_and_their_errors():
+    s = LRSchedule.default(1e-3, 50)
+    assert (s.warmup_steps, s.min_lr) == (5, pytest.approx(1e-4))
+    assert LRSchedule.default(1e-3, 3).warmup_steps == 1  # at least one step
+    for kwargs, flag in [
+        ({"lr": 0.0, "total_steps": 10}, "--lr"),
+        ({"lr": 1e-3, "total_steps": 10, "warmup_steps": -1}, "--warmup-steps"),
+        ({"lr": 1e-3, "total_steps": 10, "min_lr": 2e-3}, "--min-lr"),
+    ]:
+        with pytest.raises(UserError) as e:
+            LRSchedule.default(**kwargs)
+        assert e.value.where == flag
+
+
+def test_schedule_of_a_run_and_of_a_run_from_before_the_schedule():
+    base = dict(steps=20, data=None, seed=0, lr=1e-3, data_parallel=1, checkpoint_every=5, threads=1)
+    args = RunArguments(**base, timeout_s=9.0, verify=False, warmup_steps=2, min_lr=1e-4, decay_steps=10)
+    s = LRSchedule.of_run(args)
+    assert (s.total_steps, s.warmup_steps, s(10), s(20)) == (10, 2, pytest.approx(1e-4), pytest.approx(1e-4))
+    old = LRSchedule.of_run(RunArguments(**base, timeout_s=9.0, verify=False))
+    assert {old(k) for k in range(1, 21)} == {1e-3}  # constant, as such runs were trained
+
+
+def _params(*grads: list[float]) -> list[torch.nn.Parameter]:
+    out = []
+    for g in grads:
+        p = torch.nn.Parameter(torch.zeros(len(g)))
+        p.grad = torch.tensor(g)
+        out.append(p)
+    return out
+
+
+def test_global_norm_clips_every_stage_by_the_same_factor():
+    """Acceptance: a run whose largest gradient sits on the last stage clips every stage — also the first,
+    whose own gradient is within the limit."""
+    stage0, stage1 = _params([0.3, 0.4]), _params([6.0, 8.0])  # local norms 0.5 and 10
+    global_norm = math.sqrt(0.5**2 + 10**2)
+    squares = {0: 0.5**2, 1: 10.0**2}
+
+    def sum_across(me: int):
+        other = 1 - me
+        return lambda t: t.add_(squares[other])  # what the all-reduce over the two stages adds
+
+    assert clip_global_norm(stage0, 1.0, sum_across(0)) == pytest.approx(global_norm)
+    assert clip_global_norm(stage1, 1.0, sum_across(1)) == pytest.approx(global_norm)
+    factor = 1.0 / global_norm
+    assert stage0[0].grad.tolist() == pytest.approx([0.3 * factor, 0.4 * factor], rel=1e-5)
+    assert stage1[0].grad.tolist() == pytest.approx([6.0 * factor, 8.0 * factor], rel=1e-5)
+    # The same as clipping the whole model on one device ...
+    whole = _params([0.3, 0.4], [6.0, 8.0])
+    clip_global_norm(whole, 1.0)
+    assert torch.cat([stage0[0].grad, stage1[0].grad]).tolist() == pytest.approx(
+        torch.cat([p.grad for p in whole]).tolist(), rel=1e-6
+    )
+    # ... and not what clipping each stage by its own norm does: stage 0 (norm 0.5 < 1) would stay unscaled.
+    alone = _params([0.3, 0.4])
+    assert clip_global_norm(alone, 1.0) == pytest.approx(0.5)
+    assert alone[0].grad.tolist() == pytest.approx([0.3, 0.4])
+
+
+def test_grad_clip_zero_measures_without_clipping():
+    params = _params([3.0, 4.0])
+    assert clip_global_norm(params, 0.0) == pytest.approx(5.0)
+    assert params[0].grad.tolist() == [3.0, 4.0]
+
+
+def test_loss_scale_halves_on_overflow_and_grows_after_clean_steps():
+    s = LossScale(growth_interval=3)
+    assert s.scale == 2.0**16
+    s.update(True)
+    assert (s.scale, s.clean_steps) == (2.0**15, 0)
+    for _ in range(2):
+        s.update(False)
+    assert s.scale == 2.0**15
+    s.update(False)
+    assert (s.scale, s.clean_steps) == (2.0**16, 0)
+    s.update(False)
+    restored = LossScale()
+    restored.load_state_dict(s.state_dict())
+    assert (restored.scale, restored.clean_steps) == (2.0**16, 1)
+
+
+def _model_with_grads(scale: float, bad: bool = False) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = torch.nn.Linear(4, 3, bias=True)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 0.01 * scale)
+    if bad:
+        model.weight.grad[0, 0] = float("inf")
+    return model, make_optimizer(model, 1e-3)
+
+
+def test_take_step_unscales_clips_and_steps():
+    model, opt = _model_with_grads(scale=1024.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    out = take_step(opt, list(model.parameters()), max_norm=1.0, loss_scale=LossScale(scale=1024.0))
+    assert not out.skipped and out.loss_scale == 1024.0
+    assert out.grad_norm == pytest.approx(0.01 * math.sqrt(15), rel=1e-5)  # the unscaled norm, not clipped
+    assert all(p.grad.eq(0.01).all() for p in model.parameters())
+    assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+
+
+def test_an_overflow_on_any_rank_skips_the_step_everywhere():
+    for local_bad, elsewhere in [(True, False), (False, True)]:
+
+        def overflow_anywhere(overflow: bool, elsewhere: bool = elsewhere) -> bool:
+            return overflow or elsewhere  # the MAX all-reduce over all ranks
+
+        model, opt = _model_with_grads(scale=1.0, bad=local_bad)
+        before = [p.detach().clone() for p in model.parameters()]
+        scale = LossScale(scale=8.0)
+        out = take_step(
+            opt,
+            list(model.parameters()),
+            max_norm=1.0,
+            loss_scale=scale,
+            overflow_anywhere=overflow_anywhere,
+        )
+        assert out.skipped and out.grad_norm is None and out.loss_scale == 4.0 == scale.scale
+        assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+        assert not opt.state  # AdamW has not counted a step either
