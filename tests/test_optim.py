@@ -36,6 +36,8 @@ def test_defaults_and_their_errors():
     s = LRSchedule.default(1e-3, 50)
     assert (s.warmup_steps, s.min_lr) == (5, pytest.approx(1e-4))
     assert LRSchedule.default(1e-3, 3).warmup_steps == 1  # at least one step
+    assert LRSchedule.default(1e-3, 10).warmup_steps == 3  # at least three once the run has 9 steps
+    assert LRSchedule.default(1e-3, 7).warmup_steps == 2  # a third of a shorter run
     for kwargs, flag in [
         ({"lr": 0.0, "total_steps": 10}, "--lr"),
         ({"lr": 1e-3, "total_steps": 10, "warmup_steps": -1}, "--warmup-steps"),

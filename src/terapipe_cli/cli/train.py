@@ -49,7 +49,7 @@ WarmupStepsOption = Annotated[
     typer.Option(
         "--warmup-steps",
         help="Steps of linear lr warm-up up to --lr, e.g. --warmup-steps 100.",
-        show_default="10% of --steps, at least 1",
+        show_default="10% of --steps, at least 3 (a third of a shorter run)",
     ),
 ]
 MinLrOption = Annotated[
