@@ -23,9 +23,10 @@ def test_embedded_data_is_the_generators_output():
 
 def test_text_bin_and_npy_files(tmp_path):
     text = tmp_path / "a.txt"
-    text.write_bytes(bytes(range(200)))
+    raw = ("tiny stories, naïve café ✓\n" * 8).encode()
+    text.write_bytes(raw)
     d = load_data(text)
-    assert d.kind == "text" and len(d) == 200 and d.max_token == 199
+    assert d.kind == "text" and len(d) == len(raw) and d.max_token == max(raw)
     ids = np.array([5, 300, 7, 9], dtype=np.uint16)
     ids.tofile(tmp_path / "t.bin")
     np.save(tmp_path / "t.npy", ids)
@@ -39,6 +40,15 @@ def test_text_bin_and_npy_files(tmp_path):
     (tmp_path / "odd.bin").write_bytes(b"abc")
     with pytest.raises(UserError, match="size is odd"):
         load_data(tmp_path / "odd.bin")
+    # Not text: an image's bytes, or NUL bytes, are refused (a text file is read as bytes, so anything would train).
+    (tmp_path / "picture.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + bytes(range(256)))
+    (tmp_path / "nul.txt").write_bytes(b"text\x00more text")
+    for name in ("picture.png", "nul.txt"):
+        with pytest.raises(UserError, match="does not look like text"):
+            load_data(tmp_path / name)
+    cut = b"a" + "é".encode() * 40000  # 80,001 bytes: the 64 KiB sample ends inside a character, which is fine
+    (tmp_path / "long.txt").write_bytes(cut)
+    assert load_data(tmp_path / "long.txt").kind == "text"
     (tmp_path / "empty.txt").write_bytes(b"")
     with pytest.raises(UserError, match="empty"):
         load_data(tmp_path / "empty.txt")

@@ -19,11 +19,24 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 
 
+def _version(value: bool) -> None:
+    if value:
+        from terapipe_cli import __version__
+
+        print(f"terapipe {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    version: bool = typer.Option(
+        False, "--version", "-V", callback=_version, is_eager=True, help="Print the version and exit."
+    ),
+) -> None:
     """Plan and launch token-level pipeline-parallel training (TeraPipe): profile -> plan -> train -> report."""
     # A callback keeps `terapipe` a command group even while only one command is registered.
 

@@ -16,6 +16,7 @@ and varied enough not to be memorised at once. No downloads; the file is reprodu
 
 from __future__ import annotations
 
+import codecs
 import random
 from dataclasses import dataclass
 from importlib import resources
@@ -69,6 +70,7 @@ def load_data(path: str | Path | None) -> TokenData:
         else:
             arr = np.memmap(p, dtype=np.uint8, mode="r") if p.stat().st_size else np.zeros(0, np.uint8)
             kind = "text"
+            _check_text(arr, where)
     except UserError:
         raise
     except (OSError, ValueError) as e:
@@ -79,6 +81,28 @@ def load_data(path: str | Path | None) -> TokenData:
     if low < 0:
         raise UserError(f"token ids must not be negative, found {low}", where=where)
     return TokenData(where, kind, arr, high)
+
+
+TEXT_SAMPLE_BYTES = 1 << 16
+
+
+def _check_text(arr: np.ndarray, where: str) -> None:
+    """A text file (read as bytes) must look like text: UTF-8 without NUL bytes in its first 64 KiB.
+
+    Anything decodes as bytes, so without this an image or an archive would train without a word."""
+    sample = bytes(arr[:TEXT_SAMPLE_BYTES])
+    try:
+        # Incremental, so that a character cut at the sample's end is not an error.
+        codecs.getincrementaldecoder("utf-8")().decode(sample, final=False)
+        binary = b"\x00" in sample
+    except UnicodeDecodeError:
+        binary = True
+    if binary:
+        raise UserError(
+            "does not look like text (not UTF-8, or NUL bytes): give a text file, or token ids as .bin (uint16) "
+            "or .npy",
+            where=where,
+        )
 
 
 def check_data(data: TokenData, *, vocab: int, seq_len: int) -> None:
