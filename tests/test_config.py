@@ -82,3 +82,31 @@ def test_missing_and_folder(tmp_path: Path) -> None:
     assert "absent.toml" in str(err.value)
     with pytest.raises(UserError, match="folder"):
         load_model_config(tmp_path)
+
+
+def test_bundled_configs_by_name_from_any_folder(tmp_path, monkeypatch):
+    """--model tiny, --hardware h100, an experiment by name: they ship with the package, found from any folder."""
+    from terapipe_cli.config import bundled_names
+    from terapipe_cli.experiments import load_experiment
+    from terapipe_cli.hardware import load_hardware
+
+    monkeypatch.chdir(tmp_path)
+    assert {"tiny", "gpt3-13b"} <= set(bundled_names("models"))
+    assert load_model_config("tiny").name == "tiny"
+    assert load_model_config("gpt3-13b").layers == 40
+    assert "H100" in load_hardware("h100").device.name
+    assert load_experiment("paper-01-gpt3-1b").model.name == load_model_config("gpt3-1b").name
+    mine = '[model]\nname = "mine"\nlayers = 2\nhidden = 32\nheads = 2\nvocab = 256\nseq_len = 64\n'
+    (tmp_path / "tiny").write_text(mine)
+    assert load_model_config("tiny").name == "mine"  # a file that exists wins over a bundled name
+    with pytest.raises(UserError, match=r"--model: no file 'nope' here .* \(bundled: .*tiny"):
+        load_model_config("nope")
+
+
+def test_profile_by_bundled_names_outside_the_repository(tmp_path):
+    from conftest import terapipe
+
+    out = tmp_path / "p.json"
+    p = terapipe("profile", "--analytic", "--hardware", "h100", "--model", "gpt3-1b", "--out", str(out), cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert out.exists()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import tomllib
 from dataclasses import asdict, dataclass
+from importlib import resources
 from pathlib import Path
 
 from terapipe_cli.errors import UserError
@@ -83,6 +84,32 @@ class ModelConfig:
         return self.layers // stages
 
 
+BUNDLED_KINDS = ("models", "hardware", "experiments")
+
+
+def bundled_names(kind: str) -> list[str]:
+    """The names of the configs of ``kind`` shipped with the package (``--model tiny``, ``--hardware h100``)."""
+    folder = resources.files("terapipe_cli") / "configs" / kind
+    return sorted(e.name.removesuffix(".toml") for e in folder.iterdir() if e.name.endswith(".toml"))
+
+
+def find_config(name_or_path: str | Path, kind: str, flag: str) -> Path:
+    """A config the user named: a file path as given, or the name of a bundled one (from any folder).
+
+    A path that exists wins; a bare name (no folder, no suffix) is looked up among the package's configs of
+    ``kind``. Anything else is a one-line error that lists the bundled names.
+    """
+    path = Path(name_or_path)
+    if path.exists() or path.suffix or len(path.parts) != 1:
+        return path  # the reader reports a missing or unreadable file in one line
+    bundled = resources.files("terapipe_cli") / "configs" / kind / f"{path.name}.toml"
+    if bundled.is_file():
+        return Path(str(bundled))
+    names = ", ".join(bundled_names(kind))
+    message = f"no file {str(path)!r} here and no bundled {kind} config of that name (bundled: {names})"
+    raise UserError(message, where=flag)
+
+
 def load_toml(path: str | Path, what: str = "config") -> dict:
     """Parse a TOML file the user named (one-line `UserError` naming it when it is missing or malformed)."""
     path = Path(path)
@@ -94,7 +121,8 @@ def load_toml(path: str | Path, what: str = "config") -> dict:
 
 
 def load_model_config(path: str | Path) -> ModelConfig:
-    """Load ``[model]`` from a TOML file."""
+    """Load ``[model]`` from a TOML file, or a bundled model by name (``tiny``, ``gpt3-13b``; `find_config`)."""
+    path = find_config(path, "models", "--model")
     data = load_toml(path, "model config")
     table = data.get("model")
     if not isinstance(table, dict):

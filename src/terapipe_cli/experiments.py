@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from terapipe_cli.config import ModelConfig, load_model_config, load_toml
+from terapipe_cli.config import ModelConfig, find_config, load_model_config, load_toml
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import Fields
 from terapipe_cli.hardware import Hardware, load_hardware
@@ -76,8 +76,9 @@ def _resolve(base: Path, value: str) -> Path:
 
 
 def load_experiment(path: str | Path) -> Experiment:
-    """Load and validate one experiment file (paths inside it are relative to the file)."""
-    path = Path(path)
+    """Load and validate one experiment file, or a bundled one by name (``paper-01-gpt3-1b``); paths inside it are
+    relative to the file."""
+    path = find_config(path, "experiments", "experiment")
     where = str(path)
     data = load_toml(path, "experiment")
     table = data.get("experiment")

@@ -38,7 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from terapipe_cli.config import load_toml
+from terapipe_cli.config import find_config, load_toml
 from terapipe_cli.files import Fields
 
 
@@ -156,5 +156,7 @@ def hardware_from_dict(obj: dict, where: str) -> Hardware:
 
 
 def load_hardware(path: str | Path) -> Hardware:
-    """Load and validate a hardware TOML (one-line `UserError` naming the file and field)."""
+    """Load and validate a hardware TOML, or a bundled one by name (``v100``, ``a100``, ``h100``; one-line
+    `UserError` naming the file and field)."""
+    path = find_config(path, "hardware", "--hardware")
     return hardware_from_dict(load_toml(path, "hardware"), str(path))
