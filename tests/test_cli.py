@@ -11,3 +11,13 @@ def test_version_and_short_help():
     for args in (("-h",), ("plan", "-h"), ("train", "-h")):
         p = terapipe(*args)
         assert p.returncode == 0 and "Usage: terapipe" in p.stdout, args
+
+
+def test_configs_lists_the_bundled_names():
+    from terapipe_cli.config import bundled_names
+
+    p = terapipe("configs")
+    assert p.returncode == 0, p.stderr
+    for kind in ("models", "hardware", "experiments"):
+        for name in bundled_names(kind):
+            assert name in p.stdout, (kind, name)

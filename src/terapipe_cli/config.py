@@ -93,6 +93,16 @@ def bundled_names(kind: str) -> list[str]:
     return sorted(e.name.removesuffix(".toml") for e in folder.iterdir() if e.name.endswith(".toml"))
 
 
+def bundled_config_summaries(kind: str) -> list[tuple[str, str]]:
+    """(name, the file's first comment line) of each bundled config of ``kind``."""
+    folder = resources.files("terapipe_cli") / "configs" / kind
+    rows = []
+    for name in bundled_names(kind):
+        first = (folder / f"{name}.toml").read_text().splitlines()[:1]
+        rows.append((name, first[0].lstrip("# ").strip() if first and first[0].startswith("#") else ""))
+    return rows
+
+
 def find_config(name_or_path: str | Path, kind: str, flag: str) -> Path:
     """A config the user named: a file path as given, or the name of a bundled one (from any folder).
 

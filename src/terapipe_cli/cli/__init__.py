@@ -42,7 +42,7 @@ def _root(
 
 
 # Command modules, in the order a user runs them.
-COMMANDS: tuple[str, ...] = ("profile", "plan", "train", "report", "run")
+COMMANDS: tuple[str, ...] = ("profile", "plan", "train", "report", "run", "configs")
 
 
 def _register() -> None:

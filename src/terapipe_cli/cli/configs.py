@@ -1,0 +1,30 @@
+"""``terapipe configs``: what ships with the package, by the names the other commands accept."""
+
+from __future__ import annotations
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+HELP = """List the bundled models, hardware files and experiments: the names `--model`, `--hardware` and the \
+experiment loaders accept from any folder (a TOML path works everywhere too).
+
+Example:  terapipe configs
+"""
+
+
+def configs() -> None:
+    from terapipe_cli.config import BUNDLED_KINDS, bundled_config_summaries
+
+    table = Table(title="bundled configs", title_justify="left")
+    table.add_column("kind")
+    table.add_column("name", no_wrap=True)
+    table.add_column("what")
+    for kind in BUNDLED_KINDS:
+        for name, summary in bundled_config_summaries(kind):
+            table.add_row(kind, name, summary)
+    Console(highlight=False).print(table)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("configs", help=HELP)(configs)
