@@ -42,7 +42,7 @@ def _root(
 
 
 # Command modules, in the order a user runs them.
-COMMANDS: tuple[str, ...] = ("profile", "plan", "train", "report", "run", "configs")
+COMMANDS: tuple[str, ...] = ("profile", "plan", "train", "report", "export", "run", "configs")
 
 
 def _register() -> None:

@@ -1,0 +1,56 @@
+"""``terapipe export``: take the trained model out of a run, as one single-device state dict."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+HELP = """Join a run's per-stage checkpoint into one single-device model file, loadable without terapipe's runtime:
+
+    from terapipe_cli.runtime.export import load_exported
+    model, info = load_exported("model.pt")     # terapipe_cli.model.GPT, strict=True
+
+or by hand: GPT(ModelConfig(**obj["model_config"])).load_state_dict(obj["state_dict"]) with
+obj = torch.load("model.pt", weights_only=True).
+
+Examples:
+
+    terapipe export runs/exp1 --out model.pt
+
+    terapipe export runs/exp1 --step 200 --out model-200.pt
+"""
+
+
+def export(
+    run: Annotated[Path, typer.Argument(help="The run folder (`terapipe train --out`).", show_default=False)],
+    out: Annotated[Path, typer.Option("--out", "-o", help="The model file to write.")] = Path("model.pt"),
+    step: Annotated[
+        int | None, typer.Option("--step", help="A complete checkpoint's step (default: the latest).")
+    ] = None,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing --out file.")] = False,
+) -> None:
+    from terapipe_cli.errors import UserError
+    from terapipe_cli.runtime import require_torch
+
+    require_torch("terapipe export")
+    from terapipe_cli.runtime.export import export_state, write_export
+
+    if out.is_dir() or str(out).endswith(("/", "\\")):
+        raise UserError("names a folder; give the model file to write, e.g. model.pt", where="--out")
+    if out.exists() and not force:
+        raise UserError("exists; pass --force to overwrite it", where="--out")
+    if not out.parent.is_dir():
+        raise UserError(f"folder {out.parent} does not exist", where="--out")
+    model, done, state = export_state(run, step)
+    write_export(out, run, model, done, state)
+    params = sum(t.numel() for t in state.values())
+    Console(highlight=False).print(
+        f"exported step {done} of {run} ({model.name}, {params:,} parameters) -> {out}", soft_wrap=True
+    )
+
+
+def register(app: typer.Typer) -> None:
+    app.command("export", help=HELP)(export)

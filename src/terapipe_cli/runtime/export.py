@@ -1,0 +1,75 @@
+"""``terapipe export``: a run's per-stage checkpoint as ONE single-device model file.
+
+Every stage keeps its layers under their global names (``blocks.5...``, docs/design.md §6), so the stages' state
+dicts join without renaming into the state dict of the whole model, `terapipe_cli.model.GPT(cfg)`.
+
+The file (``torch.save``, ``weights_only``-loadable) holds ``{"schema": "terapipe.export/1", "model_config": {...},
+"step", "run", "state_dict"}``; `load_exported` rebuilds the model from it with ``strict=True``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from terapipe_cli.config import ModelConfig
+from terapipe_cli.errors import UserError
+from terapipe_cli.model import GPT
+from terapipe_cli.plan import plan_from_dict
+from terapipe_cli.runtime import checkpoint
+from terapipe_cli.runtime.rundir import read_config
+
+EXPORT_SCHEMA = "terapipe.export/1"
+
+
+def export_state(run_dir: Path, step: int | None = None) -> tuple[ModelConfig, int, dict[str, torch.Tensor]]:
+    """(model config, step, the whole model's state dict) from the run's complete checkpoint of ``step`` (default:
+    the latest). One-line `UserError` when the run or the checkpoint is not there."""
+    where = str(run_dir)
+    if not (run_dir / "config.json").is_file():
+        raise UserError("not a run folder (no config.json): give the --out of a `terapipe train`", where=where)
+    cfg, _ = read_config(run_dir)
+    plan = plan_from_dict(cfg["plan"], f"{run_dir / 'config.json'}: field 'plan'")
+    steps = checkpoint.complete_steps(run_dir)
+    if not steps:
+        raise UserError(
+            "has no complete checkpoint yet (one is written every --checkpoint-every steps)", where=str(run_dir)
+        )
+    step = steps[-1] if step is None else step
+    if step not in steps:
+        raise UserError(
+            f"no complete checkpoint of step {step}; complete: {', '.join(map(str, steps))}", where="--step"
+        )
+    state: dict[str, torch.Tensor] = {}
+    for k in range(plan.stages):
+        state.update(checkpoint.load_stage(run_dir, step, k)["model"])
+    expected = set(GPT(plan.model).state_dict())
+    if set(state) != expected:
+        missing = sorted(expected ^ set(state))[:3]
+        raise UserError(
+            f"the stages' weights do not make the whole model (names differ: {missing})", where=str(run_dir)
+        )
+    return plan.model, step, state
+
+
+def write_export(path: Path, run_dir: Path, model: ModelConfig, step: int, state: dict[str, torch.Tensor]) -> None:
+    record = {
+        "schema": EXPORT_SCHEMA,
+        "model_config": asdict(model),
+        "step": step,
+        "run": str(run_dir.resolve()),
+        "state_dict": state,
+    }
+    checkpoint.save_torch_atomic(path, record)
+
+
+def load_exported(path: str | Path, map_location: str | torch.device = "cpu") -> tuple[GPT, dict]:
+    """The single-device model of an export file (``strict=True``), and the file's record without the weights."""
+    record = torch.load(path, map_location=map_location, weights_only=True)
+    if not isinstance(record, dict) or record.get("schema") != EXPORT_SCHEMA:
+        raise UserError(f"not a terapipe export (schema {EXPORT_SCHEMA})", where=str(path))
+    model = GPT(ModelConfig(**record["model_config"]))
+    model.load_state_dict(record.pop("state_dict"), strict=True)
+    return model, record

@@ -1,0 +1,55 @@
+"""`terapipe export`: a run's stages joined into one single-device model whose logits equal the pipelined model's."""
+
+from __future__ import annotations
+
+import torch
+from conftest import assert_one_line_error, terapipe, write_plan_file
+
+from terapipe_cli.model import GPT, KVCache
+from terapipe_cli.plan import plan_from_dict
+from terapipe_cli.runtime import checkpoint
+from terapipe_cli.runtime.export import load_exported
+from terapipe_cli.runtime.rundir import read_config
+from terapipe_cli.runtime.stage import StageRunner
+
+
+def test_export_equals_the_pipelined_model(tmp_path):
+    plan = write_plan_file(tmp_path / "plan.json", [(1, [12, 12, 8])], stages=2)
+    run = tmp_path / "run"
+    p = terapipe("train", "--plan", str(plan), "--steps", "3", "--out", str(run), "--device", "cpu")
+    assert p.returncode == 0, p.stderr
+    out = tmp_path / "model.pt"
+    p = terapipe("export", str(run), "--out", str(out))
+    assert p.returncode == 0, p.stderr
+    assert "exported step 3" in p.stdout
+    model, info = load_exported(out)  # strict=True inside
+    assert info["step"] == 3 and isinstance(model, GPT)
+
+    # The pipelined model: the run's two stages with their checkpointed weights, run slice by slice (stage 0 through
+    # the runtime's StageRunner; the last stage's module directly, since the runner returns its loss, not logits).
+    cfg, _ = read_config(run)
+    pipe = plan_from_dict(cfg["plan"], "run plan")
+    tokens = torch.randint(0, pipe.model.vocab, (1, 32), generator=torch.Generator().manual_seed(0))
+    first = StageRunner(pipe.model, 0, 2)
+    first.module.load_state_dict(checkpoint.load_stage(run, 3, 0)["model"])
+    last = GPT(pipe.model, 1, 2)
+    last.load_state_dict(checkpoint.load_stage(run, 3, 1)["model"])
+    caches = [KVCache(pipe.model.seq_len) for _ in last.layer_ids]
+    pieces, start = [], 0
+    with torch.no_grad():
+        for n, i in enumerate((12, 12, 8)):
+            h = first.forward_tile(0, n, tokens[:, start : start + i])
+            pieces.append(last(h, start, caches))
+            start += i
+        whole = model(tokens)
+    torch.testing.assert_close(torch.cat(pieces, dim=1), whole, rtol=1e-5, atol=1e-6)
+
+
+def test_export_refuses_bad_input(tmp_path):
+    p = terapipe("export", str(tmp_path), "--out", str(tmp_path / "m.pt"))
+    assert_one_line_error(p, "not a run folder")
+    (tmp_path / "m.pt").write_text("mine")
+    p = terapipe("export", str(tmp_path), "--out", str(tmp_path / "m.pt"))
+    assert_one_line_error(p, "exists; pass --force")
+    p = terapipe("export", str(tmp_path), "--out", str(tmp_path))
+    assert_one_line_error(p, "names a folder")
