@@ -100,7 +100,7 @@ def measure_profile_for(model, precision: str, batches: list[int], device, out_d
     sizes = sorted({1, *batches})
     settings = Settings.make(model, sizes, TOKEN_STEP, quick=True, check=False, precision=precision)
     started = time.perf_counter()
-    profile = measure_profile(model, settings, device, measure_comm=False)
+    profile = measure_profile(model, settings, device, measure_comm=False, measure_allreduce=False)
     path = write_json_atomic(out_dir / f"profile-{model.name}-{precision}.json", profile)
     print(f"measured {path} in {time.perf_counter() - started:.0f} s (reuse it with --profile)", flush=True)
     return path

@@ -126,10 +126,11 @@ def test_context_term() -> None:
 def test_step_s_and_data_parallel(tmp_path: Path) -> None:
     cost = CostModel.from_profile(EXAMPLE, stages=2)
     assert cost.step_s == pytest.approx(2 * RAW["optimizer_s_per_layer"] + RAW.get("step_overhead_s", 0.0))
-    assert cost.allreduce_s == 0.0
-    with pytest.raises(UserError, match="data_parallel_link|params_per_layer") as err:
-        CostModel.from_profile(EXAMPLE, stages=2, data_parallel=2)
-    assert str(EXAMPLE) in str(err.value)
+    assert cost.allreduce_s == 0.0 and cost.allreduce_unpriced is None
+    # Without a data-parallel link the replicas still plan: the all-reduce is left out, and the model says why.
+    unpriced = CostModel.from_profile(EXAMPLE, stages=2, data_parallel=2)
+    assert unpriced.allreduce_s == 0.0 and unpriced.step_s == cost.step_s
+    assert unpriced.allreduce_unpriced == f"{EXAMPLE} has no 'params_per_layer' or 'data_parallel_link'"
     # With the link described, the ring all-reduce of a stage's gradients is added once per step.
     obj = copy.deepcopy(RAW)
     obj["params_per_layer"] = 1_000_000
@@ -139,7 +140,7 @@ def test_step_s_and_data_parallel(tmp_path: Path) -> None:
     four = CostModel.from_profile(path, stages=2, data_parallel=4)
     grad_bytes = 2 * 1_000_000 * RAW["dtype_bytes"]
     expected = 2 * 3 * 1e-4 + 2 * 3 / 4 * grad_bytes / 1e9
-    assert four.allreduce_s == pytest.approx(expected, rel=1e-12)
+    assert four.allreduce_s == pytest.approx(expected, rel=1e-12) and four.allreduce_unpriced is None
     assert four.step_s == pytest.approx(one.step_s + expected, rel=1e-12)
     np.testing.assert_allclose(four(1, 64, 64), one(1, 64, 64))  # tiles are unchanged
     with pytest.raises(UserError):

@@ -188,6 +188,7 @@ def test_quick_profile_of_a_micro_model_is_a_valid_profile_the_planner_reads(tmp
             "--quick",
             "--check",
             "--no-comm",
+            "--no-allreduce",
             "--batch-sizes",
             "2,1",
             "--out",
@@ -210,6 +211,7 @@ def test_quick_profile_of_a_micro_model_is_a_valid_profile_the_planner_reads(tmp
         assert ctx["heldout_points"] == 8
     assert raw["optimizer_s_per_layer"] > 0 and raw["activation_bytes_per_token_per_layer"] > 0
     assert "not measured" in raw["comm"]["method"]
+    assert "data_parallel_link" not in raw and "--no-allreduce" in raw["data_parallel_link_skipped"]
     assert len(raw["check"]["points"]) == 4
     cost = CostModel.from_profile(out, stages=2)
     t = cost(np.array([1, 2]), np.array([8, 24]), np.array([0, 16]))
@@ -230,7 +232,8 @@ def test_quick_profile_of_a_micro_model_is_a_valid_profile_the_planner_reads(tmp
 def test_a_bf16_profile_records_it_and_is_checked_at_it(tmp_path, capsys):
     model = write_model(tmp_path / "micro.toml")
     out = tmp_path / "bf16.json"
-    args = ["profile", "--model", str(model), "--quick", "--no-comm", "--device", "cpu", "--precision", "bf16"]
+    args = ["profile", "--model", str(model), "--quick", "--no-comm", "--no-allreduce", "--device", "cpu"]
+    args += ["--precision", "bf16"]
     code, stdout, err = run_cli([*args, "--out", str(out)], capsys)
     assert code == 0, err
     raw = json.loads(out.read_text())
@@ -308,6 +311,17 @@ def bad_inputs(tmp_path: Path) -> list[tuple[list[str], str]]:
                 "bf16",
             ],
             "--precision: must be fp16",
+        ),
+        (
+            [
+                "--analytic",
+                "--hardware",
+                str(ROOT / "configs/hardware/v100.toml"),
+                "--model",
+                str(tmp_path / "ok.toml"),
+                "--no-allreduce",
+            ],
+            "--no-allreduce",
         ),
         (["--model", str(tmp_path / "ok.toml"), "--tensor-parallel", "2"], "--analytic"),
         ([], "--model"),

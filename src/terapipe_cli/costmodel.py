@@ -34,12 +34,15 @@ The profile format (every field is checked by `read_profile`):
       "step_overhead_s": s,                            optional: any other fixed time per training step
       "params_per_layer": n,                           optional: parameters of one decoder layer (per device)
       "data_parallel_link": {"latency_s": s, "bytes_per_s": x}
-                                                       optional: the network the data-parallel replicas share;
-                                                       needed for planning with data_parallel > 1
+                                                       optional: one step of the ring all-reduce the
+                                                       data-parallel replicas run (measured by `terapipe
+                                                       profile`, or estimated from a hardware file)
     }
 
 With ``data_parallel = D > 1`` the per-step constant also holds the ring all-reduce of a stage's gradients:
-``2(D−1)·latency + 2(D−1)/D · bytes / bandwidth`` with ``bytes = ℓ · params_per_layer · dtype_bytes``.
+``2(D−1)·latency + 2(D−1)/D · bytes / bandwidth`` with ``bytes = ℓ · params_per_layer · dtype_bytes``. A
+profile without ``params_per_layer`` or ``data_parallel_link`` still plans with D > 1: the all-reduce is then
+left out of the price (zero), and `CostModel.allreduce_unpriced` says why, for the plan to record it.
 """
 
 from __future__ import annotations
@@ -87,6 +90,16 @@ def ring_allreduce_seconds(nbytes, ranks: int, *, latency_s: float, bytes_per_s:
         return np.zeros_like(nbytes)
     steps = 2 * (ranks - 1)
     return steps * latency_s + steps / ranks * nbytes / bytes_per_s
+
+
+def ring_link_from_allreduce(latency_s: float, bytes_per_s: float, ranks: int) -> tuple[float, float]:
+    """The per-step link (latency, bandwidth) for which `ring_allreduce_seconds` over ``ranks`` peers takes
+    ``latency_s + bytes / bytes_per_s``, the time of a whole all-reduce as measured: the latency divided by
+    the 2(r−1) steps, the bandwidth multiplied by 2(r−1)/r."""
+    if ranks < 2:
+        raise ValueError(f"ring_link_from_allreduce: needs at least 2 ranks, got {ranks}")
+    steps = 2 * (ranks - 1)
+    return latency_s / steps, bytes_per_s * steps / ranks
 
 
 @dataclass(frozen=True)
@@ -264,22 +277,28 @@ class CostModel:
         self._comm_latency = 2.0 * profile.latency_s if stages > 1 else 0.0
         self._comm_per_token = 2.0 * bytes_per_token / profile.bytes_per_s if stages > 1 else 0.0
         self.step_s = self.layers_per_stage * profile.optimizer_s_per_layer + profile.step_overhead_s
-        self.allreduce_s = self._allreduce_s(data_parallel)
+        # Why the gradient all-reduce of D > 1 replicas is not in the price (None when it is, or D = 1).
+        self.allreduce_unpriced = self._unpriced(data_parallel)
+        self.allreduce_s = self._allreduce_s(data_parallel) if self.allreduce_unpriced is None else 0.0
         self.step_s += self.allreduce_s
 
-    def _allreduce_s(self, replicas: int) -> float:
+    def _unpriced(self, replicas: int) -> str | None:
         if replicas < 1:
             raise UserError(f"must be at least 1, got {replicas}", where="data_parallel")
+        p = self.profile
+        missing = [
+            key
+            for key, value in (("params_per_layer", p.params_per_layer), ("data_parallel_link", p.dp_latency_s))
+            if value is None
+        ]
+        if replicas == 1 or not missing:
+            return None
+        return f"{p.path or 'the profile'} has no {' or '.join(repr(k) for k in missing)}"
+
+    def _allreduce_s(self, replicas: int) -> float:
         if replicas == 1:
             return 0.0
         p = self.profile
-        if p.params_per_layer is None or p.dp_latency_s is None or p.dp_bytes_per_s is None:
-            where = p.path or "profile"
-            raise UserError(
-                "has no 'params_per_layer' and 'data_parallel_link', needed to plan with data parallelism "
-                "(make the profile with `terapipe profile --analytic`)",
-                where=where,
-            )
         grad_bytes = self.layers_per_stage * p.params_per_layer * p.dtype_bytes
         return float(
             ring_allreduce_seconds(grad_bytes, replicas, latency_s=p.dp_latency_s, bytes_per_s=p.dp_bytes_per_s)

@@ -4,6 +4,10 @@ A *scheme* is a list of batch slices, each ``(b, [token slice lengths])`` (docs/
 tools read are ``schema, model, stages, batch_size, seq_len, token_step, slices, predicted_s, t_max_s,
 baselines.{gpipe,uniform}.{slices,predicted_s}, solver, profile, precision``; other fields may be added freely.
 ``precision`` is the compute precision the plan was priced at (the profile's); a plan without it is fp32.
+A plan with ``data_parallel`` > 1 made by `terapipe plan` also has ``data_parallel_allreduce``: ``{"priced":
+true, "seconds": s, "link": {...}}`` when the profile priced the replicas' gradient all-reduce, or ``{"priced":
+false, "seconds": null, "why": "unknown — not priced: ..."}`` when the profile has no ``data_parallel_link``
+(or no ``params_per_layer``) and the plan was made without it (docs/design.md §8).
 """
 
 from __future__ import annotations

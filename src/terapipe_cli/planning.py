@@ -152,9 +152,33 @@ class Planned:
     def speedup_vs_gpipe(self, result: PlanResult) -> float:
         return self.gpipe.predicted_s / result.predicted_s
 
+    def allreduce_warning(self) -> str | None:
+        """One line when the plan has replicas whose gradient all-reduce the profile cannot price."""
+        why = self.cost.allreduce_unpriced
+        if why is None:
+            return None
+        return (
+            f"{why}: planned without the gradient all-reduce of the {self.request.data_parallel} replicas "
+            "(`terapipe profile` measures it; --analytic estimates it)"
+        )
+
+    def allreduce_record(self) -> dict | None:
+        """The plan's ``data_parallel_allreduce`` (docs/design.md §8): how the replicas' gradient all-reduce
+        was priced; None with one replica."""
+        if self.request.data_parallel == 1:
+            return None
+        why = self.cost.allreduce_unpriced
+        if why is not None:
+            return {"priced": False, "seconds": None, "why": f"unknown — not priced: {why}"}
+        p = self.profile
+        link = {"latency_s": p.dp_latency_s, "bytes_per_s": p.dp_bytes_per_s}
+        return {"priced": True, "seconds": self.cost.allreduce_s, "link": link}
+
     def to_plan_dict(self, profile_path: str) -> dict:
         """The ``terapipe.plan/1`` object that `terapipe train` runs."""
         r, best, prof = self.request, self.terapipe, self.profile
+        allreduce = self.allreduce_record()
+        extra = {} if allreduce is None else {"data_parallel_allreduce": allreduce}
         return make_plan_dict(
             model=prof.model,
             stages=r.stages,
@@ -189,6 +213,7 @@ class Planned:
             },
             created=utc_timestamp(),
             terapipe_version=__version__,
+            **extra,
         )
 
 

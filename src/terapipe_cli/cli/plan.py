@@ -44,7 +44,13 @@ def plan(
         str, typer.Option("--method", help="exact (default) or enumerate (the published ε-enumeration, slower).")
     ] = "exact",
     data_parallel: Annotated[
-        int, typer.Option("--data-parallel", "-d", help="Pipeline replicas; adds their gradient all-reduce per step.")
+        int,
+        typer.Option(
+            "--data-parallel",
+            "-d",
+            help="Pipeline replicas; adds their gradient all-reduce per step (left out, with a warning, when the "
+            "profile has no data_parallel_link).",
+        ),
     ] = 1,
     memory_limit: Annotated[
         float | None,
@@ -84,11 +90,12 @@ def plan(
         f"solver: {method}, ε = {epsilon:g} s, {best.candidates} t_max candidates in {best.seconds:.3f} s · "
         f"profile: {profile} ({prof.source})"
     )
+    warnings = [planned.allreduce_warning()]
     if planned.memory is not None:
         console.print(planned.memory.summary())
-        warning = planned.memory.warning()
-        if warning:
-            Console(stderr=True).print(f"[yellow]warning:[/yellow] {warning}", soft_wrap=True)
+        warnings.append(planned.memory.warning())
+    for warning in filter(None, warnings):
+        Console(stderr=True).print(f"[yellow]warning:[/yellow] {warning}", soft_wrap=True, highlight=False)
     console.print(f"wrote [bold]{out}[/bold]")
 
 

@@ -17,7 +17,7 @@ from terapipe_cli.units import format_seconds
 
 HELP = """Measure the cost model t(b, i, j) of docs/design.md §3 on this machine and write a profile JSON for `terapipe plan`.
 
-Times one decoder layer through the runtime's own per-slice code path (forward and backward on a grid of token lengths and batch sizes), fits the context term on random tiles and reports its error on held-out ones, and measures the stage-to-stage link between two torchrun processes and the optimizer step. One thread on CPU (a stage owns one core); CUDA when a GPU is present (--device auto). --precision picks the compute precision timed and recorded in the profile (default bf16 on CUDA, fp32 on CPU); `terapipe plan` carries it into the plan and `terapipe train` runs it.
+Times one decoder layer through the runtime's own per-slice code path (forward and backward on a grid of token lengths and batch sizes), fits the context term on random tiles and reports its error on held-out ones, measures the stage-to-stage link between two torchrun processes, the gradient all-reduce that data-parallel replicas run (torchrun with one process per GPU, or two CPU processes; `terapipe plan --data-parallel` prices it) and the optimizer step. One thread on CPU (a stage owns one core); CUDA when a GPU is present (--device auto). --precision picks the compute precision timed and recorded in the profile (default bf16 on CUDA, fp32 on CPU); `terapipe plan` carries it into the plan and `terapipe train` runs it.
 
 --check also times tiles off the measured grids and compares them with the profile's prediction; --check-profile does that for an existing profile. --analytic estimates a profile for hardware you do not have.
 
@@ -60,6 +60,14 @@ def profile(
     no_comm: Annotated[
         bool, typer.Option("--no-comm", help="Skip the torchrun link measurement (the profile records a free link).")
     ] = False,
+    no_allreduce: Annotated[
+        bool,
+        typer.Option(
+            "--no-allreduce",
+            help="Skip the torchrun all-reduce measurement (the profile has no data_parallel_link; plans with "
+            "--data-parallel then leave the all-reduce out).",
+        ),
+    ] = False,
     clock: Annotated[
         str | None,
         typer.Option(
@@ -88,7 +96,7 @@ def profile(
     if analytic:
         prof = options.analytic_request(
             cfg, hardware=hardware, tensor_parallel=tensor_parallel, batch_sizes=sizes, token_step=token_step,
-            check=check, quick=quick, no_comm=no_comm, precision=precision,
+            check=check, quick=quick, no_comm=no_comm, no_allreduce=no_allreduce, precision=precision,
         )  # fmt: skip
         _write(console, out, prof)
         return
@@ -96,10 +104,10 @@ def profile(
         cfg, batch_sizes=sizes, token_step=token_step, device=device, quick=quick, check=check, seed=seed,
         clock=clock, hardware=hardware, tensor_parallel=tensor_parallel, precision=precision,
     )  # fmt: skip
-    _measure(console, cfg, settings, dev, measure_comm=not no_comm, out=out)
+    _measure(console, cfg, settings, dev, measure_comm=not no_comm, measure_allreduce=not no_allreduce, out=out)
 
 
-def _measure(console: Console, cfg, settings, dev, *, measure_comm: bool, out: Path) -> None:
+def _measure(console: Console, cfg, settings, dev, *, measure_comm: bool, measure_allreduce: bool, out: Path) -> None:
     from terapipe_cli.profile.measure import measure_profile
 
     console.print(
@@ -113,7 +121,9 @@ def _measure(console: Console, cfg, settings, dev, *, measure_comm: bool, out: P
     )
     started = time.perf_counter()
     with _progress(console) as update:
-        prof = measure_profile(cfg, settings, dev, progress=update, measure_comm=measure_comm)
+        prof = measure_profile(
+            cfg, settings, dev, progress=update, measure_comm=measure_comm, measure_allreduce=measure_allreduce
+        )
     _write(console, out, prof, seconds=time.perf_counter() - started)
 
 
@@ -190,12 +200,25 @@ def _render(console: Console, prof: dict, seconds: float) -> None:
     t.add_row(
         "link", f"{comm['latency_s'] * 1e6:.1f} µs + bytes / {comm['bytes_per_s'] / 1e9:.2f} GB/s ({comm['method']})"
     )
+    t.add_row("data-parallel all-reduce", _allreduce_text(prof))
     t.add_row("optimizer step", f"{_ms(prof['optimizer_s_per_layer'])} per layer (AdamW)")
     t.add_row("activations", f"{prof['activation_bytes_per_token_per_layer'] / 1024:.1f} KiB per token per layer")
     t.add_row("took", f"{seconds:.1f} s")
     console.print(t)
     if "check" in prof:
         _render_check(console, prof["check"])
+
+
+def _allreduce_text(prof: dict) -> str:
+    link = prof.get("data_parallel_link")
+    if link is None:
+        return prof.get("data_parallel_link_skipped", "not measured")
+    whole = link["allreduce_fit"]
+    return (
+        f"{whole['latency_s'] * 1e6:.1f} µs + bytes / {whole['bytes_per_s'] / 1e9:.2f} GB/s over {link['replicas']} "
+        f"processes; ring step {link['latency_s'] * 1e6:.1f} µs + bytes / {link['bytes_per_s'] / 1e9:.2f} GB/s "
+        f"(fit error mean {link['fit_rel_err_mean']:.1%})"
+    )
 
 
 def _render_check(console: Console, check: dict) -> None:

@@ -14,7 +14,9 @@ HELP = """Compare a training run with its GPipe baseline: latency, speed-up, pre
 stage, memory, and the loss of every step (which must match: both are the same synchronous training).
 
 Without --baseline, trains the plan's GPipe scheme (same model, data, seed, steps, process layout, through the \
-same runtime) into the sibling folder RUN_DIR-gpipe first, or reuses the one an earlier report trained there.
+same runtime) into the sibling folder RUN_DIR-gpipe first, or reuses the one an earlier report trained there. \
+Everything that can fail (the run, --warmup, --out, the profile, whether the baseline can train) is checked \
+before that training starts.
 
 Writes report.json, report.md, timeline.png (one row per stage, F/B boxes per tile, the run above the baseline \
 on one time axis, next to the simulator's prediction when the plan's profile is at hand), loss.png and \
@@ -43,7 +45,9 @@ def report(
         typer.Option("--profile", help="Profile for the simulator's predicted timelines (default: the plan's)."),
     ] = None,
 ) -> None:
+    from terapipe_cli.report.baseline import check_baseline
     from terapipe_cli.report.build import (
+        check_report_dir,
         check_warmup,
         find_baseline,
         find_cost_model,
@@ -55,20 +59,26 @@ def report(
     from terapipe_cli.report.runs import load_run
 
     console = Console(highlight=False)
+    # Everything that can fail is checked before a baseline is trained (minutes of work).
     run = load_run(run_dir)
     check_warmup(run, warmup)
+    folder = report_dir(run, out)
+    check_report_dir(folder)
     choice = find_baseline(run, baseline)
-    if not choice.exists:
-        train_gpipe(console, run, choice.path)
-    elif not choice.given:
-        console.print(f"reusing the GPipe baseline in {choice.path}")
-    base = load_baseline(run, choice.path)
     cost, cost_info = find_cost_model(run, profile)
+    if choice.exists:
+        base = load_baseline(run, choice.path)
+        if not choice.given:
+            console.print(f"reusing the GPipe baseline in {choice.path}")
+    else:
+        check_baseline(run, choice.path)
+        train_gpipe(console, run, choice.path)
+        base = load_baseline(run, choice.path)
     with console.status("writing the report …") as status:
         result = write_report(
             run,
             base,
-            report_dir(run, out),
+            folder,
             warmup=warmup,
             cost=cost,
             cost_info=cost_info,

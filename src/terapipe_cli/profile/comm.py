@@ -1,11 +1,18 @@
-"""Point-to-point link between two pipeline stages: latency + bytes / bandwidth (docs/design.md §3, comm(b, i)).
+"""The two links of docs/design.md §3: stage to stage (comm(b, i)) and the data-parallel gradient all-reduce.
 
-Two processes are started by torchrun (``torch.distributed.run``, run through `terapipe_cli.runtime.launch`)
-— gloo on CPU, NCCL when two GPUs are present — and play ping-pong with messages of the sizes a tile's
-activation takes. Rank 0 times round trips and writes the one-way times to a JSON file; `measure_link` fits
-``latency_s + bytes / bytes_per_s`` to them (`fit.fit_link`). With a single GPU there is no second device to
-send to: we then time a device-to-device copy on that GPU, which is what moving a tile between two stages
-sharing it costs, and record that this is what was measured.
+**Point-to-point.** Two processes are started by torchrun (``torch.distributed.run``, run through
+`terapipe_cli.runtime.launch`) — gloo on CPU, NCCL when two GPUs are present — and play ping-pong with
+messages of the sizes a tile's activation takes. Rank 0 times round trips and writes the one-way times to a
+JSON file; `measure_link` fits ``latency_s + bytes / bytes_per_s`` to them (`fit.fit_link`). With a single
+GPU there is no second device to send to: we then time a device-to-device copy on that GPU, which is what
+moving a tile between two stages sharing it costs, and record that this is what was measured.
+
+**All-reduce.** `measure_allreduce` starts D processes the same way (one per GPU with NCCL, or D CPU
+processes with gloo, one core each) and times ``all_reduce`` of one flat fp32 buffer, as the workers reduce
+a stage's gradients (docs/design.md §6), for buffer sizes from a fraction of one layer's gradients to the
+whole model's. ``latency + bytes / bandwidth`` is fitted to the whole all-reduce's time, then turned into
+the per-step link of the ring formula the cost model prices (`costmodel.ring_link_from_allreduce`): the
+profile's ``data_parallel_link``, in the same form an analytic profile gives it.
 
 This module is also the worker: ``python -m terapipe_cli.profile.comm --worker ...`` (started by torchrun).
 """
@@ -23,9 +30,10 @@ from pathlib import Path
 
 import numpy as np
 
+from terapipe_cli.costmodel import ring_link_from_allreduce
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import read_json, write_json_atomic
-from terapipe_cli.profile.fit import fit_link
+from terapipe_cli.profile.fit import LinkFit, fit_link
 from terapipe_cli.runtime.launch import rendezvous_args, run_torchrun
 
 
@@ -67,22 +75,48 @@ def message_sizes(smallest: int, largest: int, count: int) -> list[int]:
     return [int(s) for s in sizes]
 
 
-def _summarise(method: str, sizes: Sequence[int], samples: np.ndarray) -> LinkMeasurement:
-    """``samples``: (rounds, sizes) one-way seconds. The fit is to the per-size medians: a shared CPU
-    preempts a ping-pong now and then for milliseconds, and one such sample would bend a fit to all of them."""
+@dataclass(frozen=True)
+class _Fitted:
+    """``latency + bytes / bandwidth`` fitted to per-size medians, with the medians, extremes and fit error."""
+
+    fit: LinkFit
+    median_s: list[float]
+    min_s: list[float]
+    max_s: list[float]
+    rel_err_mean: float
+    rel_err_max: float
+
+
+def _fit_medians(sizes: Sequence[int], samples: np.ndarray) -> _Fitted:
+    """``samples``: (rounds, sizes) seconds. The fit is to the per-size medians: a shared CPU preempts a
+    transfer now and then for milliseconds, and one such sample would bend a fit to all of them."""
     med = np.median(samples, axis=0)
-    fit = fit_link(np.asarray(sizes, dtype=float), med)
-    err = np.abs(fit(np.asarray(sizes, dtype=float)) - med) / med
+    x = np.asarray(sizes, dtype=float)
+    fit = fit_link(x, med)
+    err = np.abs(fit(x) - med) / med
+    return _Fitted(
+        fit,
+        [float(v) for v in med],
+        [float(v) for v in samples.min(axis=0)],
+        [float(v) for v in samples.max(axis=0)],
+        float(err.mean()),
+        float(err.max()),
+    )
+
+
+def _summarise(method: str, sizes: Sequence[int], samples: np.ndarray) -> LinkMeasurement:
+    """The link fitted to one-way times ``samples`` (rounds, sizes)."""
+    f = _fit_medians(sizes, samples)
     return LinkMeasurement(
-        latency_s=fit.latency_s,
-        bytes_per_s=fit.bytes_per_s,
+        latency_s=f.fit.latency_s,
+        bytes_per_s=f.fit.bytes_per_s,
         method=method,
         sizes_bytes=[int(s) for s in sizes],
-        median_s=[float(x) for x in med],
-        min_s=[float(x) for x in samples.min(axis=0)],
-        max_s=[float(x) for x in samples.max(axis=0)],
-        fit_rel_err_mean=float(err.mean()),
-        fit_rel_err_max=float(err.max()),
+        median_s=f.median_s,
+        min_s=f.min_s,
+        max_s=f.max_s,
+        fit_rel_err_mean=f.rel_err_mean,
+        fit_rel_err_max=f.rel_err_max,
     )
 
 
@@ -100,7 +134,7 @@ def measure_link(
     if device == "cuda" and torch.cuda.device_count() < 2:
         return _measure_copy_one_gpu(sizes, rounds=rounds, iters=iters)
     backend = "nccl" if device == "cuda" else "gloo"
-    samples = _run_torchrun(backend, sizes, rounds=rounds, iters=iters, timeout_s=timeout_s)
+    samples = _run_torchrun(backend, sizes, nproc=2, op="pingpong", rounds=rounds, iters=iters, timeout_s=timeout_s)
     what = "two CUDA processes (NCCL)" if backend == "nccl" else "two CPU processes (gloo)"
     return _summarise(f"torchrun ping-pong between {what}, one-way = round trip / 2", sizes, samples)
 
@@ -128,19 +162,112 @@ def _measure_copy_one_gpu(sizes: Sequence[int], *, rounds: int, iters: int) -> L
     return _summarise(f"device-to-device copy on one GPU ({name}); no second GPU to send to", sizes, samples)
 
 
-def _run_torchrun(backend: str, sizes: Sequence[int], *, rounds: int, iters: int, timeout_s: float) -> np.ndarray:
-    """Start two workers under torchrun (standalone rendezvous on this machine) and collect rank 0's times."""
+@dataclass(frozen=True)
+class AllreduceMeasurement:
+    """The all-reduce over ``replicas`` processes: the whole operation's fit, and the per-step ring link
+    (``latency_s``, ``bytes_per_s``) that reproduces it in `costmodel.ring_allreduce_seconds`."""
+
+    replicas: int
+    latency_s: float
+    bytes_per_s: float
+    allreduce_latency_s: float
+    allreduce_bytes_per_s: float
+    method: str
+    sizes_bytes: list[int]
+    median_s: list[float]
+    min_s: list[float]
+    max_s: list[float]
+    fit_rel_err_mean: float
+    fit_rel_err_max: float
+
+    def to_dict(self) -> dict:
+        """The profile's ``data_parallel_link``: the two numbers the cost model reads, plus how they were found."""
+        return {
+            "latency_s": self.latency_s,
+            "bytes_per_s": self.bytes_per_s,
+            "method": self.method,
+            "replicas": self.replicas,
+            "allreduce_fit": {"latency_s": self.allreduce_latency_s, "bytes_per_s": self.allreduce_bytes_per_s},
+            "sizes_bytes": self.sizes_bytes,
+            "allreduce_s_median": self.median_s,
+            "allreduce_s_min": self.min_s,
+            "allreduce_s_max": self.max_s,
+            "fit_rel_err_mean": self.fit_rel_err_mean,
+            "fit_rel_err_max": self.fit_rel_err_max,
+        }
+
+
+def allreduce_from_samples(
+    method: str, replicas: int, sizes: Sequence[int], samples: np.ndarray
+) -> AllreduceMeasurement:
+    """Fit ``samples`` (rounds, sizes) seconds of whole all-reduces over ``replicas`` processes."""
+    f = _fit_medians(sizes, samples)
+    latency, bandwidth = ring_link_from_allreduce(f.fit.latency_s, f.fit.bytes_per_s, replicas)
+    return AllreduceMeasurement(
+        replicas=replicas,
+        latency_s=latency,
+        bytes_per_s=bandwidth,
+        allreduce_latency_s=f.fit.latency_s,
+        allreduce_bytes_per_s=f.fit.bytes_per_s,
+        method=method,
+        sizes_bytes=[int(s) for s in sizes],
+        median_s=f.median_s,
+        min_s=f.min_s,
+        max_s=f.max_s,
+        fit_rel_err_mean=f.rel_err_mean,
+        fit_rel_err_max=f.rel_err_max,
+    )
+
+
+def allreduce_processes(device: str) -> int | None:
+    """How many processes the all-reduce is measured with: one per visible GPU on CUDA (None with fewer
+    than two: nothing to reduce across), two on a CPU (the smallest ring, one core each; the ring formula
+    carries the fitted link to other replica counts)."""
+    if device == "cuda":
+        import torch
+
+        count = torch.cuda.device_count()
+        return count if count >= 2 else None
+    return 2
+
+
+def measure_allreduce(
+    device: str,
+    sizes: Sequence[int],
+    replicas: int,
+    *,
+    rounds: int = 5,
+    iters: int = 10,
+    timeout_s: float = 120.0,
+) -> AllreduceMeasurement:
+    """Measure and fit the gradient all-reduce over ``replicas`` processes on ``device`` ("cpu" or "cuda")."""
+    if replicas < 2:
+        raise UserError(f"needs at least 2 processes, got {replicas}", where="all-reduce measurement")
+    backend = "nccl" if device == "cuda" else "gloo"
+    samples = _run_torchrun(
+        backend, sizes, nproc=replicas, op="allreduce", rounds=rounds, iters=iters, timeout_s=timeout_s
+    )
+    what = f"{replicas} CUDA processes (NCCL)" if backend == "nccl" else f"{replicas} CPU processes (gloo)"
+    method = f"torchrun all_reduce of one flat fp32 buffer over {what}, fitted then read as a ring link"
+    return allreduce_from_samples(method, replicas, sizes, samples)
+
+
+def _run_torchrun(
+    backend: str, sizes: Sequence[int], *, nproc: int, op: str, rounds: int, iters: int, timeout_s: float
+) -> np.ndarray:
+    """Start ``nproc`` workers doing ``op`` under torchrun (standalone rendezvous on this machine) and
+    collect rank 0's times, (rounds, sizes) seconds."""
     where = "communication measurement"
     limit_s = timeout_s + 30  # the workers' own distributed timeout goes first, with its clearer message
     with tempfile.TemporaryDirectory(prefix="terapipe-comm-") as tmp:
-        out = Path(tmp) / "link.json"
+        out = Path(tmp) / "times.json"
         args = [
-            *rendezvous_args(2), "--module", "terapipe_cli.profile.comm", "--worker", "--backend", backend,
-            "--out", str(out), "--sizes", ",".join(str(s) for s in sizes), "--rounds", str(rounds),
+            *rendezvous_args(nproc), "--module", "terapipe_cli.profile.comm", "--worker", "--backend", backend,
+            "--op", op, "--out", str(out), "--sizes", ",".join(str(s) for s in sizes), "--rounds", str(rounds),
             "--iters", str(iters), "--timeout", str(int(timeout_s)),
         ]  # fmt: skip
         try:
-            # One thread per worker: one core per stage, and torchrun stays quiet about it.
+            # One thread per worker: one core per process, and torchrun stays quiet about it.
             proc = run_torchrun(args, threads=1, timeout_s=limit_s)
         except subprocess.TimeoutExpired:
             raise UserError(f"torchrun did not finish within {limit_s:.0f} s", where=where) from None
@@ -148,12 +275,13 @@ def _run_torchrun(backend: str, sizes: Sequence[int], *, rounds: int, iters: int
             lines = [ln for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip()]
             cause = next((ln for ln in reversed(lines) if "Error" in ln), lines[-1] if lines else "no output")
             raise UserError(f"torchrun failed with exit code {proc.returncode}: {cause.strip()}", where=where)
-        data = read_json(out, what="link measurement")
-    return np.asarray(data["one_way_s"], dtype=float)
+        data = read_json(out, what="communication measurement")
+    return np.asarray(data["seconds"], dtype=float)
 
 
 def _worker(args: argparse.Namespace) -> None:
-    """One of two ping-pong ranks. Rank 0 sends, rank 1 echoes; rank 0 writes the one-way times."""
+    """One rank of the measurement. ``pingpong``: rank 0 sends, rank 1 echoes, the time kept is half the
+    round trip. ``allreduce``: every rank reduces the buffer. Rank 0 writes the times."""
     import datetime
 
     import torch
@@ -169,45 +297,59 @@ def _worker(args: argparse.Namespace) -> None:
         dev = torch.device("cpu")
     dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=args.timeout))
     rank = dist.get_rank()
-    peer = 1 - rank
+    once = _pingpong(rank) if args.op == "pingpong" else lambda buf: dist.all_reduce(buf)
+    share = 0.5 if args.op == "pingpong" else 1.0
 
     def sync() -> None:
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
 
     bufs = {n: torch.zeros(n // 4, dtype=torch.float32, device=dev) for n in sizes}
-    # Both ranks draw the same order from the same seed, so they always agree on the next message size.
+    # Every rank draws the same order from the same seed, so they always agree on the next message size.
     rng = np.random.default_rng(0)
-    one_way = np.zeros((args.rounds, len(sizes)))
+    seconds = np.zeros((args.rounds, len(sizes)))
     for r in range(args.rounds + 1):  # round 0 warms up connections and buffers
         for k in rng.permutation(len(sizes)):
             buf = bufs[sizes[k]]
             dist.barrier()
-            round_trips = []
+            times = []
             for _ in range(args.iters):
                 sync()
                 t0 = time.perf_counter()
-                if rank == 0:
-                    dist.send(buf, peer)
-                    dist.recv(buf, peer)
-                else:
-                    dist.recv(buf, peer)
-                    dist.send(buf, peer)
+                once(buf)
                 sync()
-                round_trips.append(time.perf_counter() - t0)
+                times.append(time.perf_counter() - t0)
             if r and rank == 0:
-                # The median round trip: robust to the odd trip on which the OS ran something else.
-                one_way[r - 1, k] = float(np.median(round_trips)) / 2
+                # The median: robust to the odd transfer during which the OS ran something else.
+                seconds[r - 1, k] = float(np.median(times)) * share
     dist.barrier()
     if rank == 0:
-        write_json_atomic(args.out, {"sizes_bytes": sizes, "one_way_s": one_way.tolist()})
+        write_json_atomic(args.out, {"op": args.op, "sizes_bytes": sizes, "seconds": seconds.tolist()})
     dist.destroy_process_group()
 
 
+def _pingpong(rank: int):
+    """One round trip between ranks 0 and 1 (rank 0 sends first)."""
+    import torch.distributed as dist
+
+    peer = 1 - rank
+
+    def once(buf) -> None:
+        if rank == 0:
+            dist.send(buf, peer)
+            dist.recv(buf, peer)
+        else:
+            dist.recv(buf, peer)
+            dist.send(buf, peer)
+
+    return once
+
+
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description="terapipe link-measurement worker (started by torchrun)")
+    ap = argparse.ArgumentParser(description="terapipe communication-measurement worker (started by torchrun)")
     ap.add_argument("--worker", action="store_true", required=True)
     ap.add_argument("--backend", choices=("gloo", "nccl"), required=True)
+    ap.add_argument("--op", choices=("pingpong", "allreduce"), default="pingpong")
     ap.add_argument("--out", required=True)
     ap.add_argument("--sizes", required=True)
     ap.add_argument("--rounds", type=int, default=5)

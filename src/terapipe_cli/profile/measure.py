@@ -642,8 +642,11 @@ def measure_profile(
     *,
     progress: Progress | None = None,
     measure_comm: bool = True,
+    measure_allreduce: bool = True,
 ) -> dict:
-    """Measure everything and return a ``terapipe.profile/1`` dict (validated before it is returned)."""
+    """Measure everything and return a ``terapipe.profile/1`` dict (validated before it is returned).
+    ``measure_comm`` / ``measure_allreduce`` False: skip the stage-to-stage link (recorded as free) / the
+    data-parallel all-reduce (no ``data_parallel_link``: plans with replicas leave it unpriced)."""
     check_fits_in_memory(model, max(settings.batch_sizes), device)
     started = time.perf_counter()
     tiles = settings.tiles(model.seq_len)
@@ -651,6 +654,12 @@ def measure_profile(
     tables = _grid_tables(timings, settings)
     context = {which: _context_fit(timings, tiles, which) for which in ("forward", "backward")}
     comm = _link(model, settings, device, progress) if measure_comm else dict(_FREE_LINK)
+    params = sum(p.numel() for p in timer.runner.module.parameters())
+    dp_link = (
+        _allreduce(model, params, settings, device, progress)
+        if measure_allreduce
+        else {"data_parallel_link_skipped": "not measured (--no-allreduce)"}
+    )
     rows = dict(zip(timings.points, timings.rows(), strict=True))
     profile = {
         "schema": PROFILE_SCHEMA,
@@ -675,7 +684,8 @@ def measure_profile(
         "comm": comm,
         "optimizer_s_per_layer": layer["optimizer_s"],
         "activation_bytes_per_token_per_layer": layer["activation_bytes"],
-        "params_per_layer": sum(p.numel() for p in timer.runner.module.parameters()),
+        "params_per_layer": params,
+        **dp_link,
         "grid": {
             "kind": "quick" if settings.quick else "default",
             "interpolation": "piecewise-linear in tokens, then in batch size (terapipe_cli.costmodel)",
@@ -783,6 +793,30 @@ def _link(model: ModelConfig, settings: Settings, device: torch.device, progress
     if progress:
         progress("point-to-point link (torchrun)", 1, 1)
     return comm
+
+
+def _allreduce(
+    model: ModelConfig, params_per_layer: int, settings: Settings, device: torch.device, progress: Progress | None
+) -> dict:
+    """The profile's ``data_parallel_link``, measured as the all-reduce of fp32 gradient buffers from a
+    sixteenth of one layer's to the whole model's; or ``data_parallel_link_skipped`` with the reason when this
+    machine has nothing to reduce across (one GPU)."""
+    from terapipe_cli.profile.comm import allreduce_processes, measure_allreduce, message_sizes
+
+    replicas = allreduce_processes(device.type)
+    if replicas is None:
+        return {"data_parallel_link_skipped": "not measured: one GPU, no second device to reduce with"}
+    phase = f"gradient all-reduce over {replicas} processes (torchrun)"
+    if progress:
+        progress(phase, 0, 1)
+    layer_bytes = params_per_layer * DTYPE_BYTES
+    sizes = message_sizes(layer_bytes // 16, model.layers * layer_bytes, settings.comm_sizes)
+    link = measure_allreduce(
+        device.type, sizes, replicas, rounds=settings.comm_rounds, iters=settings.comm_iters
+    ).to_dict()
+    if progress:
+        progress(phase, 1, 1)
+    return {"data_parallel_link": link}
 
 
 # ----------------------------------------------------------------------------------------------- check

@@ -107,6 +107,7 @@ def analytic_request(
     check: bool,
     quick: bool,
     no_comm: bool,
+    no_allreduce: bool = False,
     precision: str | None = None,
 ) -> dict:
     """For ``--analytic``: the estimated profile (`terapipe_cli.profile.analytic`); the flags about measuring
@@ -115,8 +116,8 @@ def analytic_request(
     from terapipe_cli.hardware import load_hardware
     from terapipe_cli.profile.analytic import analytic_profile
 
-    if check or quick or no_comm:
-        flag = "--check" if check else "--quick" if quick else "--no-comm"
+    if check or quick or no_comm or no_allreduce:
+        flag = "--check" if check else "--quick" if quick else "--no-comm" if no_comm else "--no-allreduce"
         raise UserError("applies to measuring this machine, not to --analytic", where=flag)
     if hardware is None:
         raise UserError(

@@ -59,6 +59,17 @@ def gpipe_plan_dict(plan: Plan) -> dict:
     )
 
 
+def check_baseline(run: Run, out: Path) -> None:
+    """Everything `train_baseline` would refuse, checked without writing anything (the report runs this before
+    it trains, so a bad request fails at once, not after the baseline's training)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="terapipe-baseline-") as tmp:
+        plan_path = Path(tmp) / "plan.json"
+        write_json_atomic(plan_path, gpipe_plan_dict(run.plan))
+        _prepare(run, plan_path, Path(out), write=False)
+
+
 def train_baseline(run: Run, out: Path) -> Path:
     """Train the GPipe baseline of ``run`` into ``out`` through `terapipe train`'s own preparation and launch.
 
@@ -66,20 +77,32 @@ def train_baseline(run: Run, out: Path) -> Path:
     `terapipe_cli.runtime.launch.WorkerFailed` when a worker fails.
     """
     from terapipe_cli.runtime.launch import launch
-    from terapipe_cli.runtime.prepare import prepare_run
 
+    out = Path(out)
+    _refuse_several_machines(run)
+    # The run directory's own plan.json (train rewrites it with the same content), so nothing lands outside.
+    plan_path = out / "plan.json"
+    write_json_atomic(plan_path, gpipe_plan_dict(run.plan))
+    launch(_prepare(run, plan_path, out, write=True).launch)
+    return out
+
+
+def _refuse_several_machines(run: Run) -> None:
     if int(run.config.get("nnodes", 1)) > 1:
         raise UserError(
             "ran on several machines; train its GPipe baseline with `terapipe train` on the same "
             "machines and pass it with --baseline",
             where=str(run.path),
         )
-    out = Path(out)
-    # The run directory's own plan.json (train rewrites it with the same content), so nothing lands outside.
-    plan_path = out / "plan.json"
-    write_json_atomic(plan_path, gpipe_plan_dict(run.plan))
+
+
+def _prepare(run: Run, plan_path: Path, out: Path, *, write: bool):
+    """`terapipe train`'s preparation of the baseline: the run's own arguments with the GPipe plan."""
+    from terapipe_cli.runtime.prepare import prepare_run
+
+    _refuse_several_machines(run)
     a = run.args
-    prepared = prepare_run(
+    return prepare_run(
         plan_path=plan_path,
         steps=a.steps,
         data=Path(a.data) if a.data else None,
@@ -97,11 +120,10 @@ def train_baseline(run: Run, out: Path) -> Path:
         timeout_s=a.timeout_s,
         device=str(run.config.get("device", "auto")),
         kv_handback=a.kv_handback,
+        write=write,
         precision=a.precision,
         warmup_steps=a.warmup_steps,
         min_lr=a.min_lr,
         grad_clip=a.grad_clip,
         accept_precision=a.accept_precision,
     )
-    launch(prepared.launch)
-    return out

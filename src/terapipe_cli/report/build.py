@@ -1,11 +1,14 @@
 """Build the report of a run against its baseline: report.json, report.md, timeline.png, loss.png, trace.json.
 
-The command (`terapipe_cli.cli.report`) calls, in order: `load_run`, `check_warmup`, `find_baseline` (and, when
-needed, `baseline.train_baseline`), `load_baseline`, `find_cost_model`, then `write_report` into `report_dir`.
+The command (`terapipe_cli.cli.report`) first checks everything that can fail: `load_run`, `check_warmup`,
+`report_dir` and `check_report_dir`, `find_baseline`, `find_cost_model`, and `load_baseline` for a baseline that
+exists or `baseline.check_baseline` for one to train. Only then does it train (`baseline.train_baseline`), load
+the baseline, and `write_report` into the report folder.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +36,21 @@ def check_warmup(run: Run, warmup: int) -> None:
 def report_dir(run: Run, out: Path | None) -> Path:
     """Where the report goes: ``out`` if given, else ``RUN_DIR/report``."""
     return Path(out) if out is not None else run.path / "report"
+
+
+def check_report_dir(path: Path) -> None:
+    """Raise UserError unless the report folder ``path`` is, or can be made, a writable folder (checked without
+    creating anything)."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise UserError("is a file; the report needs a folder here (pass another --out)", where=str(path))
+    probe = path
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise UserError(f"cannot be created: {probe} is a file (pass another --out)", where=str(path))
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise UserError(f"cannot be written: no write permission in {probe} (pass another --out)", where=str(path))
 
 
 def loss_mismatch(report: dict) -> str | None:
@@ -107,13 +125,11 @@ def find_cost_model(run: Run, profile: Path | None):
                 f"is a profile of model {prof.model.name!r}, the run trains {run.plan.model.name!r}", where=str(profile)
             )
     cost = CostModel(prof, run.stages, run.args.data_parallel)
-    return cost, {
-        "used": True,
-        "profile": prof.path,
-        "source": prof.source,
-        "sha256": prof.sha256,
-        "device": prof.device.get("name"),
-    }
+    info = {"used": True, "profile": prof.path, "source": prof.source, "sha256": prof.sha256}
+    info["device"] = prof.device.get("name")
+    if cost.allreduce_unpriced:
+        info["data_parallel_allreduce"] = f"unknown — not priced: {cost.allreduce_unpriced}"
+    return cost, info
 
 
 def simulate_runs(run: Run, baseline: Run, cost) -> dict:
