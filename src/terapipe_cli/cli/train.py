@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -11,8 +12,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from terapipe_cli.cli.options import PrecisionOption
+from terapipe_cli.cli.options import DeviceOption, PrecisionOption
 from terapipe_cli.runtime import require_torch
+
+CPP_LOG_LEVEL = "TORCH_CPP_LOG_LEVEL"
 
 if TYPE_CHECKING:
     from terapipe_cli.runtime.prepare import PreparedRun
@@ -77,6 +80,21 @@ AcceptPrecisionOption = Annotated[
     ),
 ]
 
+# Several machines (docs/design.md §6, "Several nodes").
+NnodesOption = Annotated[
+    int,
+    typer.Option(
+        "--nnodes", help="Machines; run the same command on each (--out: one shared folder, or one per node)."
+    ),
+]
+NodeRankOption = Annotated[int, typer.Option("--node-rank", help="This machine's rank among --nnodes.")]
+RdzvEndpointOption = Annotated[
+    str | None, typer.Option("--rdzv-endpoint", help="HOST:PORT of the rendezvous on node 0.")
+]
+RdzvTimeoutOption = Annotated[
+    float, typer.Option("--rdzv-timeout", help="Seconds the nodes wait for each other at the rendezvous, e.g. 60.")
+]
+
 
 def register(app: typer.Typer) -> None:
     app.command("train", help=HELP)(train)
@@ -111,20 +129,20 @@ def train(
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Check everything, print the torchrun command, run nothing.")
     ] = False,
-    nnodes: Annotated[int, typer.Option("--nnodes", help="Machines (torchrun rendezvous; --out must be shared).")] = 1,
-    node_rank: Annotated[int, typer.Option("--node-rank", help="This machine's rank among --nnodes.")] = 0,
-    rdzv_endpoint: Annotated[
-        str | None, typer.Option("--rdzv-endpoint", help="HOST:PORT of the rendezvous on node 0.")
-    ] = None,
+    nnodes: NnodesOption = 1,
+    node_rank: NodeRankOption = 0,
+    rdzv_endpoint: RdzvEndpointOption = None,
+    rdzv_timeout: RdzvTimeoutOption = 300.0,
     checkpoint_every: Annotated[
         int, typer.Option("--checkpoint-every", help="Checkpoint every N steps (and after the last).")
     ] = 10,
     threads: Annotated[int, typer.Option("--threads", help="CPU threads per worker.")] = 1,
     timeout_s: Annotated[float, typer.Option("--timeout-s", help="Limit on every distributed wait (seconds).")] = 120.0,
-    device: Annotated[str, typer.Option("--device", help="auto (CUDA when present), cpu or cuda.")] = "auto",
+    device: DeviceOption = "auto",
 ) -> None:
+    _quiet_torch_logging()
     require_torch("terapipe train")
-    from terapipe_cli.runtime.launch import WorkerFailed, command_line, launch
+    from terapipe_cli.runtime.launch import command_line
     from terapipe_cli.runtime.prepare import kv_handback_requested, prepare_run
 
     prepared = prepare_run(
@@ -151,10 +169,18 @@ def train(
         min_lr=min_lr,
         grad_clip=grad_clip,
         accept_precision=accept_precision,
+        rdzv_timeout_s=rdzv_timeout,
     )
     if dry_run:
         print(command_line(prepared.launch))
         return
+    _launch(prepared, verify)
+
+
+def _launch(prepared: PreparedRun, verify: bool) -> None:
+    """Start the workers, wait for them, and verify when asked; a failure ends with one line."""
+    from terapipe_cli.runtime.launch import WorkerFailed, launch
+
     console = Console(stderr=False, highlight=False)
     console.print(_headline(prepared))
     start = time.perf_counter()
@@ -165,6 +191,25 @@ def train(
     console.print(f"done in {time.perf_counter() - start:.1f} s: {prepared.launch.run_dir}")
     if verify:
         _verify(console, prepared)
+
+
+def _quiet_torch_logging() -> None:
+    """PyTorch's C++ side logs every failed connection to the rendezvous with a stack trace (a page per try) on
+    stderr; this process says what failed in one line instead. The level is read once, when torch is first
+    imported, so it is set just for that import: the workers keep the caller's."""
+    if "torch" in sys.modules:
+        return
+    before = os.environ.get(CPP_LOG_LEVEL)
+    os.environ[CPP_LOG_LEVEL] = "FATAL"
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        pass  # require_torch says so
+    finally:
+        if before is None:
+            del os.environ[CPP_LOG_LEVEL]
+        else:
+            os.environ[CPP_LOG_LEVEL] = before
 
 
 def _headline(prepared: PreparedRun) -> str:

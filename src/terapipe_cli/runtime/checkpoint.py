@@ -4,10 +4,13 @@
     checkpoints/step_000010/stage_001.pt       "model": state_dict, "optimizer": state_dict}
     checkpoints/step_000010/complete.json     {"schema": "terapipe.checkpoint-marker/1", "step", "stages", "files"}
 
-Each stage file is written atomically (`terapipe_cli.files`); after a collective confirms all stages have
-written theirs, rank 0 writes the marker (also atomically). A run killed at any moment therefore leaves the
-last *marked* checkpoint intact, and `latest_complete` ignores a half-written one. Data-parallel replicas
-hold identical weights, so only replica 0 writes. The two newest complete checkpoints are kept.
+Each stage file is written atomically (`terapipe_cli.files`). Completeness is decided through the process
+group: every rank reaches the checkpoint's all-reduce only after writing its file, so once that all-reduce
+returns, every stage of the step is on disk somewhere. Then one worker per run folder writes that folder's
+marker (also atomically), listing the stage files the folder holds: all of them in a folder every node
+shares, the node's own stages in a node-local one (docs/design.md §6). A run killed at any moment therefore
+leaves the last *marked* checkpoint intact, and `latest_complete` ignores a half-written one. Replicas hold
+identical weights, so one rank per stage and folder writes. The two newest complete checkpoints are kept.
 """
 
 from __future__ import annotations
@@ -53,9 +56,11 @@ def save_torch_atomic(path: str | Path, obj: object) -> Path:
     return write_bytes_atomic(path, buffer.getvalue())
 
 
-def mark_complete(run_dir: str | Path, step: int, stages: int) -> None:
-    """Call once every stage file of ``step`` is written; then prune older checkpoints."""
-    files = [stage_file(run_dir, step, k).name for k in range(stages)]
+def mark_complete(run_dir: str | Path, step: int, stages: int, held: list[int] | None = None) -> None:
+    """Call once every stage file of ``step`` is written (the process group said so); ``held``: the stages
+    whose files this folder holds (default all). Then prune older checkpoints."""
+    held = list(range(stages)) if held is None else sorted(held)
+    files = [stage_file(run_dir, step, k).name for k in held]
     missing = [f for f in files if not (step_dir(run_dir, step) / f).exists()]
     if missing:
         raise RuntimeError(f"checkpoint of step {step} lacks {missing}")

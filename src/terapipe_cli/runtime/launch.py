@@ -15,7 +15,9 @@ last, one merely stopped with SIGTERM by torchrun after the first failure.
 from __future__ import annotations
 
 import logging
+import math
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -45,26 +47,46 @@ class Launch:
     resume_step: int | None = None
     threads: int = 1
     device: str = "cpu"
+    backend: str = "gloo"
+    timeout_s: float = 120.0  # every distributed wait of the workers (--timeout-s)
+    rdzv_timeout_s: float = 300.0  # how long the nodes wait for each other at the rendezvous (--rdzv-timeout)
+    settings_digest: str = ""  # `rundir.settings_digest` of this node's request: every node's must be node 0's
 
 
 def rendezvous_args(
-    nproc_per_node: int, *, nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: str | None = None
+    nproc_per_node: int,
+    *,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    rdzv_endpoint: str | None = None,
+    rdzv_timeout_s: float | None = None,
 ) -> list[str]:
-    """torchrun's process arguments: standalone on one machine, or the given static rendezvous across nodes.
-    No restarts: a failed worker fails the job, and the agent looks at its workers every 0.1 s."""
+    """torchrun's process arguments: standalone on one machine, or the given static rendezvous across nodes
+    (node 0 hosts it at the endpoint; node ``R``'s ranks are R x nproc_per_node onwards), waiting at most
+    ``rdzv_timeout_s`` for the other nodes. No restarts: a failed worker fails the job, and the agent looks at
+    its workers every 0.1 s."""
     args = ["--nproc-per-node", str(nproc_per_node), "--max-restarts", "0", "--monitor-interval", "0.1"]
     if nnodes == 1 and rdzv_endpoint is None:
         return ["--standalone", "--nnodes", "1", *args]
     endpoint = rdzv_endpoint or "localhost:29500"
-    return ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--rdzv-endpoint", endpoint, *args]
+    args = ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--rdzv-endpoint", endpoint, *args]
+    if rdzv_timeout_s is not None:
+        args += ["--rdzv-conf", f"timeout={math.ceil(rdzv_timeout_s)}"]
+    return args
 
 
 def torchrun_args(spec: Launch) -> list[str]:
     """torchrun's arguments for the stage workers of ``spec``."""
     args = rendezvous_args(
-        spec.nproc_per_node, nnodes=spec.nnodes, node_rank=spec.node_rank, rdzv_endpoint=spec.rdzv_endpoint
+        spec.nproc_per_node,
+        nnodes=spec.nnodes,
+        node_rank=spec.node_rank,
+        rdzv_endpoint=spec.rdzv_endpoint,
+        rdzv_timeout_s=spec.rdzv_timeout_s if spec.nnodes > 1 else None,
     )
     args += ["--module", WORKER_MODULE, "--run-dir", str(spec.run_dir)]
+    args += ["--device", spec.device, "--backend", spec.backend, "--timeout-s", f"{spec.timeout_s:g}"]
+    args += ["--settings", spec.settings_digest]
     if spec.resume_step is not None:
         args += ["--resume-step", str(spec.resume_step)]
     return args
@@ -105,6 +127,7 @@ def run_torchrun(args: Sequence[str], *, threads: int, timeout_s: float) -> subp
 
 def launch(spec: Launch) -> None:
     """Run the workers to completion; raise WorkerFailed naming the failed rank and its cause."""
+    from torch.distributed import DistError
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -119,6 +142,25 @@ def launch(spec: Launch) -> None:
         raise WorkerFailed(describe_failure(e.failures, spec)) from None
     except SignalException as e:
         raise WorkerFailed(f"the launcher received {e.sigval.name}; workers stopped") from None
+    except DistError as e:  # the rendezvous: a node that never came, or node 0's that never answered
+        raise WorkerFailed(describe_rendezvous_failure(e, spec)) from None
+
+
+def describe_rendezvous_failure(error: Exception, spec: Launch) -> str:
+    """One line for a rendezvous that failed: which node is missing, where, and after how long."""
+    where, waited = spec.rdzv_endpoint, f"{spec.rdzv_timeout_s:g} s"
+    text = " ".join(str(error).split())
+    joined = re.search(r"(\d+)/(\d+) clients joined", text)
+    if joined and spec.node_rank == 0:
+        n, total = int(joined.group(1)), int(joined.group(2))
+        missing = f"node 1 of {total} did not" if total == 2 else f"only {n} of {total} nodes did"
+        return f"{missing} join within {waited} at {where} (start the same command there with its --node-rank)"
+    if spec.node_rank > 0 and "connect" in text:
+        return (
+            f"node {spec.node_rank} of {spec.nnodes} found no rendezvous at {where} within {waited}: "
+            "is node 0 started, and is the address reachable from here?"
+        )
+    return f"the rendezvous at {where} failed on node {spec.node_rank} of {spec.nnodes}: {text[:300]}"
 
 
 def _message(failure) -> str:

@@ -16,6 +16,7 @@ import dataclasses
 import math
 import os
 import platform
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +28,13 @@ from terapipe_cli.runtime import checkpoint
 from terapipe_cli.runtime.data import TokenData, check_data, load_data
 from terapipe_cli.runtime.launch import Launch
 from terapipe_cli.runtime.optim import DEFAULT_GRAD_CLIP, DEFAULT_LR, LRSchedule
-from terapipe_cli.runtime.rundir import RunArguments, read_config, update_arguments, write_config
+from terapipe_cli.runtime.rundir import (
+    RunArguments,
+    read_config,
+    settings_digest,
+    update_arguments,
+    write_config,
+)
 
 CPU_WORKERS_PER_CORE = 4  # beyond this, single-thread workers only queue for the cores
 DROP_KV_GRADS_ENV = "TERAPIPE_TEST_DROP_KV_GRADS"  # test-only negative control: "1" drops the K/V hand-back
@@ -158,11 +165,13 @@ def prepare_run(
     min_lr: float | None = None,
     grad_clip: float | None = None,
     accept_precision: bool = False,
+    rdzv_timeout_s: float = 300.0,
 ) -> PreparedRun:
     """Validate the request; unless ``write`` is False, write config.json and plan.json into the run dir.
 
     ``lr``, ``precision``, ``warmup_steps``, ``min_lr``, ``grad_clip``: None is the default (a new run) or the
-    run's own value (a resumed one)."""
+    run's own value (a resumed one). On several nodes only node 0 writes here, with a fresh launch id; the
+    other nodes' workers take node 0's config once the nodes have met (`rundir.join_run_folder`)."""
     check_options(
         steps=steps,
         checkpoint_every=checkpoint_every,
@@ -173,6 +182,7 @@ def prepare_run(
         rdzv_endpoint=rdzv_endpoint,
         verify=verify,
         resume=resume,
+        rdzv_timeout_s=rdzv_timeout_s,
     )
     dev = resolve_device(device)
     step_flags = dict(precision=precision, lr=lr, warmup_steps=warmup_steps, min_lr=min_lr, grad_clip=grad_clip)
@@ -184,16 +194,16 @@ def prepare_run(
     else:
         numbers = {"data": str(data.resolve()) if data is not None else None, "seed": seed}
         numbers.update(_step_settings(step_flags, steps, dev), accept_precision=accept_precision)
-        run = _new_run(
-            plan_path, out, data_parallel, {**settings, **numbers, "verify": verify, "kv_handback": kv_handback}
-        )
+        numbers.update(verify=verify, kv_handback=kv_handback)
+        run = _new_run(plan_path, out, data_parallel, {**settings, **numbers}, joins_node_0=node_rank > 0)
         _check_plan_precision(run, accept_precision)
     token_data = load_data(run.args.data)
     check_data(token_data, vocab=run.plan.model.vocab, seq_len=run.plan.seq_len)
     per_node = workers_per_node(run.plan.stages, run.args.data_parallel, nnodes, dev)
     backend = backend_for(dev, per_node)
-    if write:
-        _write_run_dir(run, settings, device=dev, backend=backend, nnodes=nnodes)
+    plan_obj, arguments = _config_fields(run, settings)
+    if write and node_rank == 0:
+        _write_run_dir(run, arguments, device=dev, backend=backend, nnodes=nnodes)
     launch = Launch(
         run_dir=run.out.resolve(),
         nproc_per_node=per_node,
@@ -204,6 +214,10 @@ def prepare_run(
         resume_step=run.resume_step,
         threads=threads,
         device=dev,
+        backend=backend,
+        timeout_s=timeout_s,
+        rdzv_timeout_s=rdzv_timeout_s,
+        settings_digest=settings_digest(plan_obj, arguments),
     )
     return PreparedRun(run.plan, run.args, token_data, dev, backend, launch)
 
@@ -219,6 +233,7 @@ def check_options(
     rdzv_endpoint: str | None,
     verify: bool,
     resume: bool,
+    rdzv_timeout_s: float = 300.0,
 ) -> None:
     """The options' own ranges and combinations (before any file is read)."""
     if steps < 1:
@@ -234,6 +249,8 @@ def check_options(
             f"--node-rank must be in [0, --nnodes) and --nnodes at least 1, got {node_rank}, {nnodes}",
             where="--node-rank",
         )
+    if not rdzv_timeout_s > 0:
+        raise UserError(f"must be positive, got {rdzv_timeout_s}", where="--rdzv-timeout")
     if nnodes > 1 and not rdzv_endpoint:
         raise UserError("a run on several machines needs --rdzv-endpoint HOST:PORT", where="--nnodes")
     if verify and resume:
@@ -288,15 +305,18 @@ def _check_plan_precision(run: _Run, accept: bool) -> None:
         )
 
 
-def _new_run(plan_path: Path | None, out: Path | None, data_parallel: int | None, arguments: dict) -> _Run:
+def _new_run(
+    plan_path: Path | None, out: Path | None, data_parallel: int | None, arguments: dict, *, joins_node_0: bool
+) -> _Run:
     """A run from a plan file into a fresh folder (default: runs/<local time>), with ``data_parallel``
-    replicas (None: the plan's) and the other `RunArguments` from ``arguments``."""
+    replicas (None: the plan's) and the other `RunArguments` from ``arguments``. A node other than node 0
+    (``joins_node_0``) may find node 0's config.json in a shared folder: its workers decide (§6)."""
     if plan_path is None:
         raise UserError("missing option '--plan' (a plan JSON from `terapipe plan`)", where="terapipe train")
     plan = read_plan(plan_path)
     if out is None:
         out = Path("runs") / units.folder_stamp()
-    if (out / "config.json").exists():
+    if (out / "config.json").exists() and not joins_node_0:
         raise UserError("already holds a run: use --resume to continue it, or another --out", where=str(out))
     replicas = plan.data_parallel if data_parallel is None else data_parallel
     if replicas < 1:
@@ -354,14 +374,24 @@ def workers_per_node(stages: int, data_parallel: int, nnodes: int, device: str) 
     return per_node
 
 
-def _write_run_dir(run: _Run, settings: dict, *, device: str, backend: str, nnodes: int) -> None:
-    """A new run's config.json and plan.json; a resumed run's config.json with its new length and settings."""
+def _config_fields(run: _Run, settings: dict) -> tuple[dict, dict]:
+    """The plan and arguments config.json holds for this launch: a new run's own, or a resumed run's with its
+    new length and settings (the plan and the numbers' arguments stay the run's own)."""
     if run.config is not None:
-        # The plan and the numbers' arguments stay the run's own.
-        update_arguments(run.out, run.config, **settings, verify=False)
+        return run.config["plan"], {**run.config["arguments"], **settings, "verify": False}
+    return run.plan_obj, dataclasses.asdict(run.args)
+
+
+def _write_run_dir(run: _Run, arguments: dict, *, device: str, backend: str, nnodes: int) -> None:
+    """A new run's config.json and plan.json; a resumed run's config.json with its new arguments. Either way
+    with a new launch id."""
+    launch_id = uuid.uuid4().hex
+    if run.config is not None:
+        update_arguments(run.out, run.config, launch_id, **arguments)
         return
     write_config(
         run.out,
+        launch_id=launch_id,
         plan=run.plan_obj,
         args=run.args,
         world_size=run.plan.stages * run.args.data_parallel,

@@ -4,7 +4,8 @@ runs/NAME/
   config.json        terapipe.run/1: {"plan": <the plan object>, "arguments": {steps, data, seed, lr,
                      data_parallel, checkpoint_every, threads, timeout_s, verify, kv_handback, precision,
                      warmup_steps, min_lr, decay_steps, grad_clip, accept_precision},
-                     "world_size", "stages", "device", "backend", "nnodes", "versions": {...}, "created"}
+                     "world_size", "stages", "device", "backend", "nnodes", "versions": {...}, "created",
+                     "launch_id" (new at every launch by node 0; how another node tells node 0's folder from its own)}
   plan.json          the plan as given (terapipe.plan/1)
   metrics.jsonl      one JSON object per line and step (terapipe.metrics/1): {"schema", "step", "loss",
                      "lr" (this step's), "grad_norm" (global, before clipping; null on a skipped step),
@@ -23,6 +24,7 @@ runs/NAME/
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -69,6 +71,7 @@ def write_config(
     nnodes: int,
     versions: dict,
     created: str,
+    launch_id: str = "",
 ) -> None:
     write_json_atomic(run_dir / "plan.json", plan)
     write_json_atomic(
@@ -84,13 +87,45 @@ def write_config(
             "nnodes": nnodes,
             "versions": versions,
             "created": created,
+            "launch_id": launch_id,
         },
     )
 
 
-def update_arguments(run_dir: Path, config: dict, **changes) -> None:
-    """Rewrite config.json with some arguments changed (a resumed run's new length and settings)."""
-    write_json_atomic(run_dir / "config.json", {**config, "arguments": {**config["arguments"], **changes}})
+def settings_digest(plan: dict, arguments: dict) -> str:
+    """A short hash of what decides a run's numbers and length: the plan and the arguments. Every node of a
+    multi-node launch computes its own; a node whose digest is not node 0's was started with another command."""
+    text = json.dumps({"plan": plan, "arguments": arguments}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def join_run_folder(run_dir: Path, config: dict, *, node_rank: int, resuming: bool) -> bool:
+    """Called on each node by one worker once the nodes have met, with node 0's ``config``: True when
+    ``run_dir`` is node 0's own folder (shared, or this is node 0), False when it is this node's own
+    (node-local), into which node 0's config.json and plan.json are then written (docs/design.md §6).
+
+    Node 0's launcher wrote config.json with a fresh ``launch_id`` before the rendezvous, so a node that sees
+    that id in its folder shares node 0's. Any other config.json here is this node's copy of the run being
+    resumed, or, for a new run, an older run: that is refused.
+    """
+    path = run_dir / "config.json"
+    if node_rank == 0:
+        return True
+    here = read_json(path, schema=RUN_SCHEMA, what="run config") if path.exists() else None
+    if here is not None and here.get("launch_id") == config["launch_id"]:
+        return True
+    if here is not None and not resuming:
+        raise UserError("already holds another run: give this node another --out, or an empty one", where=str(path))
+    write_json_atomic(run_dir / "plan.json", config["plan"])
+    write_json_atomic(path, config)
+    return False
+
+
+def update_arguments(run_dir: Path, config: dict, launch_id: str, **changes) -> None:
+    """Rewrite config.json with some arguments changed (a resumed run's new length and settings) and this
+    launch's id."""
+    updated = {**config, "arguments": {**config["arguments"], **changes}, "launch_id": launch_id}
+    write_json_atomic(run_dir / "config.json", updated)
 
 
 def read_config(run_dir: Path) -> tuple[dict, RunArguments]:

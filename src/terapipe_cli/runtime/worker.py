@@ -1,7 +1,9 @@
 """One torchrun worker: stage ``rank % K`` of pipeline replica ``rank // K``; walks the schedule every step.
 
-Launched by `terapipe_cli.runtime.launch` as ``python -m terapipe_cli.runtime.worker --run-dir DIR``; all
-settings come from ``DIR/config.json``, written and validated by the launcher before any worker starts.
+Launched by `terapipe_cli.runtime.launch` as ``python -m terapipe_cli.runtime.worker --run-dir DIR ...``
+(the rest of the command line: how to join the process group, and its node's settings digest); all settings
+come from node 0's ``config.json``, written and validated by node 0's launcher before any worker starts and
+sent to every rank at start-up (`join_node_0`, docs/design.md §6).
 
 `train` is the whole loop, one step after the other (as nanoGPT's): the learning rate of the step (warm-up,
 cosine decay); the step's schedule (`run_schedule`: pre-post the receives of the step's tiles, walk this
@@ -19,6 +21,7 @@ and exits 1; torchrun then stops the other workers and the launcher names the ra
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import resource
@@ -43,9 +46,11 @@ from terapipe_cli.runtime.p2p import Links, PeerLost, host_all_reduce, short_err
 from terapipe_cli.runtime.rundir import (
     RunArguments,
     append_metrics,
+    join_run_folder,
     keep_metrics_until,
     read_config,
     read_metrics,
+    settings_digest,
     timeline_path,
     verify_grads_path,
     write_summary,
@@ -79,6 +84,10 @@ class Worker:
     pipeline_group: object | None  # this replica's stages (the gradient norm's sum); None: all ranks (D = 1)
     schedule: LRSchedule
     loss_scale: LossScale | None  # fp16 only: the one dynamic loss scale of the whole pipeline
+    # Checkpoints (`folder_roles`): whether this rank writes its stage's file into its run folder, and, for the
+    # one rank per folder that marks checkpoints complete there, the stages whose files the folder holds.
+    writes_shard: bool = True
+    marks_stages: list[int] | None = None
 
     @property
     def stage(self) -> int:
@@ -104,9 +113,20 @@ class Worker:
         return (self.loss_scale.scale if self.loss_scale is not None else 1.0) / self.tokens_per_step
 
 
-def train(run_dir: Path, resume_step: int | None) -> None:
+@dataclass(frozen=True)
+class NodeRequest:
+    """What this node's launcher passed on the worker's command line: how to join the process group, and the
+    digest of the plan and settings it was asked for (`rundir.settings_digest`)."""
+
+    device: str
+    backend: str
+    timeout_s: float
+    settings: str
+
+
+def train(run_dir: Path, resume_step: int | None, request: NodeRequest) -> None:
     """The worker's whole run: set up, continue from a checkpoint if asked, one iteration per step, summary."""
-    w = start_worker(run_dir)
+    w = start_worker(run_dir, request, resuming=resume_step is not None)
     start_step, events = restore(w, resume_step)
     iteration_s: list[float] = []
     ready = torch.zeros(1, device=w.device)
@@ -150,17 +170,21 @@ def train(run_dir: Path, resume_step: int | None) -> None:
     dist.destroy_process_group()
 
 
-def start_worker(run_dir: Path) -> Worker:
-    """Read the run's config, join the process group, and build this rank's stage, links and schedule."""
+def start_worker(run_dir: Path, request: NodeRequest, *, resuming: bool) -> Worker:
+    """Join the process group, settle the run folder (`join_node_0`), read the run's config, and build this
+    rank's stage, links and schedule."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    device = _use_device(request.device, int(os.environ.get("OMP_NUM_THREADS", "1")))
+    dist.init_process_group(request.backend, timeout=timedelta(seconds=request.timeout_s))
+    owners = join_node_0(run_dir, request, device, resuming=resuming)
     cfg, args = read_config(run_dir)
     plan = plan_from_dict(cfg["plan"], f"{run_dir / 'config.json'}: field 'plan'")
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     stages, replicas = plan.stages, args.data_parallel
     if world != stages * replicas:
         raise RuntimeError(f"world size {world} is not stages {stages} x data-parallel {replicas}")
     stage = rank % stages
-    device = _use_device(cfg["device"], args.threads)
-    dist.init_process_group(cfg["backend"], timeout=timedelta(seconds=args.timeout_s))
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads)
     replica_group = pipeline_group = None
     if replicas > 1:  # every rank must create every group, in the same order
         replica_groups = [dist.new_group([r * stages + s for r in range(replicas)]) for s in range(stages)]
@@ -192,7 +216,54 @@ def start_worker(run_dir: Path) -> Worker:
         pipeline_group=pipeline_group,
         schedule=LRSchedule.of_run(args),
         loss_scale=LossScale() if args.precision == "fp16" else None,
+        **folder_roles(rank, stages, owners),
     )
+
+
+def join_node_0(run_dir: Path, request: NodeRequest, device: torch.device, *, resuming: bool) -> list[int]:
+    """Every rank takes node 0's config (rank 0 reads it from its folder and sends it to all), checks that its
+    own node was asked for the same plan and settings, and learns whose run folder every rank writes into:
+    the returned list holds, per rank, 0 for node 0's folder (node 0, or a node sharing its folder) or the
+    node's own rank for a node-local folder. The first worker of each node settles the folder
+    (`rundir.join_run_folder`); docs/design.md §6."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local_rank, per_node = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    node = rank // per_node
+    config = json.loads(_from_rank_0((run_dir / "config.json").read_bytes() if rank == 0 else b"", device))
+    if settings_digest(config["plan"], config["arguments"]) != request.settings:
+        raise RuntimeError(
+            f"node {node} was started with another plan or other settings than node 0: the same command must run "
+            "on every node, only --node-rank differs"
+        )
+    slots = torch.zeros(world, dtype=torch.int64, device=device)
+    if local_rank == 0:
+        shared = join_run_folder(run_dir, config, node_rank=node, resuming=resuming)
+        slots[rank] = 1 + (0 if shared else node)
+    collective(lambda: host_all_reduce(slots), "joining node 0's run")
+    return [int(slots[(r // per_node) * per_node]) - 1 for r in range(world)]
+
+
+def _from_rank_0(data: bytes, device: torch.device) -> bytes:
+    """Rank 0's ``data`` on every rank (two sums over all ranks: its length, then its bytes)."""
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    collective(lambda: host_all_reduce(size), "start-up")
+    buffer = torch.zeros(int(size.item()), dtype=torch.int32, device=device)
+    if data:
+        buffer.copy_(torch.tensor(list(data), dtype=torch.int32))
+    collective(lambda: host_all_reduce(buffer), "start-up")
+    return bytes(buffer.cpu().to(torch.uint8).tolist())
+
+
+def folder_roles(rank: int, stages: int, owners: list[int]) -> dict:
+    """Who writes what into each run folder at a checkpoint (``owners``: `join_node_0`'s list). In each
+    folder the lowest rank of every stage writes that stage's file (replicas hold the same weights), and the
+    lowest rank writing there marks the checkpoint complete, listing the stages the folder holds."""
+    mine = [r for r in range(len(owners)) if owners[r] == owners[rank]]
+    writers = [r for r in mine if not any(q < r and q % stages == r % stages for q in mine)]
+    return {
+        "writes_shard": rank in writers,
+        "marks_stages": sorted(r % stages for r in writers) if rank == mine[0] else None,
+    }
 
 
 def _use_device(device: str, threads: int) -> torch.device:
@@ -232,6 +303,12 @@ def restore(w: Worker, resume_step: int | None) -> tuple[int, list[Event]]:
     """(the last step done, the timeline so far): step 0 and none, or a resumed run's checkpoint."""
     if resume_step is None:
         return 0, []
+    # Each node's launcher found the last checkpoint complete in its own folder; all resume from the oldest.
+    agreed = torch.tensor([resume_step], dtype=torch.int64, device=w.device)
+    collective(lambda: host_all_reduce(agreed, op=dist.ReduceOp.MIN), "agreeing on the checkpoint to resume")
+    resume_step = int(agreed.item())
+    if not checkpoint.stage_file(w.run_dir, resume_step, w.stage).is_file():
+        raise RuntimeError(f"no checkpoint of stage {w.stage} at step {resume_step} in {w.run_dir}")
     state = checkpoint.load_stage(w.run_dir, resume_step, w.stage, map_location=w.device)
     w.runner.module.load_state_dict(state["model"])
     optimizer_state = dict(state["optimizer"])
@@ -452,9 +529,9 @@ def log_step(w: Worker, step: int, loss: float, lr: float, update: StepOutcome, 
 
 
 def save_checkpoint(w: Worker, step: int, events: list[Event]) -> None:
-    """Every stage's file (replica 0 writes; the replicas hold the same weights) and every rank's timeline;
-    once all ranks are past that, rank 0 marks the checkpoint complete."""
-    if w.replica == 0:
+    """Every stage's file in every run folder (`folder_roles`) and every rank's timeline; once the all-reduce
+    says all ranks are past that, one rank per folder marks the checkpoint complete there."""
+    if w.writes_shard:
         optimizer_state = w.optimizer.state_dict()
         if w.loss_scale is not None:
             optimizer_state[LOSS_SCALE_KEY] = w.loss_scale.state_dict()
@@ -462,8 +539,8 @@ def save_checkpoint(w: Worker, step: int, events: list[Event]) -> None:
     save_timeline(w, events)
     done = torch.zeros(1, device=w.device)
     collective(lambda: host_all_reduce(done), f"the checkpoint of step {step}")
-    if w.rank == 0:
-        checkpoint.mark_complete(w.run_dir, step, w.plan.stages)
+    if w.marks_stages is not None:
+        checkpoint.mark_complete(w.run_dir, step, w.plan.stages, w.marks_stages)
 
 
 def save_timeline(w: Worker, events: list[Event]) -> None:
@@ -532,10 +609,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="terapipe pipeline worker (started by `terapipe train`)")
     parser.add_argument("--run-dir", required=True, type=Path)
     parser.add_argument("--resume-step", type=int, default=None)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--backend", default="gloo")
+    parser.add_argument("--timeout-s", type=float, default=120.0)
+    parser.add_argument("--settings", required=True, help="this node's `rundir.settings_digest`")
     a = parser.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     try:
-        train(a.run_dir, a.resume_step)
+        train(a.run_dir, a.resume_step, NodeRequest(a.device, a.backend, a.timeout_s, a.settings))
     except BaseException as e:
         if isinstance(e, SystemExit) and not e.code:
             raise
