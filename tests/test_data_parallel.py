@@ -44,10 +44,10 @@ def test_allreduce_fit_recovers_the_ring_link(replicas: int) -> None:
     assert m.replicas == replicas and m.sizes_bytes == sizes
     assert m.latency_s == pytest.approx(latency, rel=0.05)
     assert m.bytes_per_s == pytest.approx(bandwidth, rel=0.05)
-    assert m.fit_rel_err_max < 0.05
+    assert m.fitted.rel_err_max < 0.05
     # The whole operation's fit is what was timed; the ring link priced over the same ranks reproduces it.
     steps = 2 * (replicas - 1)
-    assert m.allreduce_latency_s == pytest.approx(steps * latency, rel=0.05)
+    assert m.fitted.fit.latency_s == pytest.approx(steps * latency, rel=0.05)
     d = m.to_dict()
     assert (d["latency_s"], d["bytes_per_s"], d["replicas"]) == (m.latency_s, m.bytes_per_s, replicas)
 
@@ -56,9 +56,9 @@ def test_allreduce_measured_through_torchrun_is_a_profile_link() -> None:
     sizes = message_sizes(4096, 1 << 20, 3)
     m = measure_allreduce("cpu", sizes, 2, rounds=1, iters=3, timeout_s=60)
     assert m.replicas == 2 and "gloo" in m.method and "2 CPU processes" in m.method
-    assert len(m.median_s) == 3 and all(t > 0 for t in m.median_s)
-    assert m.latency_s == pytest.approx(m.allreduce_latency_s / 2)  # D = 2: two ring steps
-    assert m.bytes_per_s == pytest.approx(m.allreduce_bytes_per_s)  # 2(D−1)/D = 1
+    assert len(m.fitted.median_s) == 3 and all(t > 0 for t in m.fitted.median_s)
+    assert m.latency_s == pytest.approx(m.fitted.fit.latency_s / 2)  # D = 2: two ring steps
+    assert m.bytes_per_s == pytest.approx(m.fitted.fit.bytes_per_s)  # 2(D−1)/D = 1
     raw = json.loads(EXAMPLE.read_text())
     prof = profile_from_dict({**raw, "params_per_layer": 1000, "data_parallel_link": m.to_dict()}, "p.json")
     assert (prof.dp_latency_s, prof.dp_bytes_per_s) == (m.latency_s, m.bytes_per_s)

@@ -265,7 +265,7 @@ def test_link_measurement_through_torchrun():
     sizes = message_sizes(1024, 1 << 20, 3)
     link = measure_link("cpu", sizes, rounds=1, iters=3, timeout_s=60)
     assert link.latency_s >= 0 and np.isfinite(link.bytes_per_s) and link.bytes_per_s > 0
-    assert len(link.median_s) == 3 and all(t > 0 for t in link.median_s)
+    assert len(link.fitted.median_s) == 3 and all(t > 0 for t in link.fitted.median_s)
     assert "gloo" in link.method
 
 

@@ -38,6 +38,29 @@ from terapipe_cli.runtime.launch import rendezvous_args, run_torchrun
 
 
 @dataclass(frozen=True)
+class _Fitted:
+    """``latency + bytes / bandwidth`` fitted to per-size medians, with the medians, extremes and fit error."""
+
+    fit: LinkFit
+    median_s: list[float]
+    min_s: list[float]
+    max_s: list[float]
+    rel_err_mean: float
+    rel_err_max: float
+
+    def record(self, sizes_bytes: list[int], label: str) -> dict:
+        """The measurement's part of a profile object: sizes, per-size times (``LABEL_s_median`` …), fit error."""
+        return {
+            "sizes_bytes": sizes_bytes,
+            f"{label}_s_median": self.median_s,
+            f"{label}_s_min": self.min_s,
+            f"{label}_s_max": self.max_s,
+            "fit_rel_err_mean": self.rel_err_mean,
+            "fit_rel_err_max": self.rel_err_max,
+        }
+
+
+@dataclass(frozen=True)
 class LinkMeasurement:
     """The fitted link and the raw medians it was fitted to."""
 
@@ -45,11 +68,7 @@ class LinkMeasurement:
     bytes_per_s: float
     method: str
     sizes_bytes: list[int]
-    median_s: list[float]
-    min_s: list[float]
-    max_s: list[float]
-    fit_rel_err_mean: float
-    fit_rel_err_max: float
+    fitted: _Fitted
 
     def to_dict(self) -> dict:
         """The profile's ``comm`` object: the two numbers the cost model reads, plus how they were obtained."""
@@ -57,12 +76,7 @@ class LinkMeasurement:
             "latency_s": self.latency_s,
             "bytes_per_s": self.bytes_per_s,
             "method": self.method,
-            "sizes_bytes": self.sizes_bytes,
-            "one_way_s_median": self.median_s,
-            "one_way_s_min": self.min_s,
-            "one_way_s_max": self.max_s,
-            "fit_rel_err_mean": self.fit_rel_err_mean,
-            "fit_rel_err_max": self.fit_rel_err_max,
+            **self.fitted.record(self.sizes_bytes, "one_way"),
         }
 
 
@@ -73,18 +87,6 @@ def message_sizes(smallest: int, largest: int, count: int) -> list[int]:
         largest = smallest * 16  # the fit needs a spread of sizes to separate latency from bandwidth
     sizes = np.unique(np.round(np.geomspace(smallest, largest, max(count, 2)) / 4).astype(np.int64) * 4)
     return [int(s) for s in sizes]
-
-
-@dataclass(frozen=True)
-class _Fitted:
-    """``latency + bytes / bandwidth`` fitted to per-size medians, with the medians, extremes and fit error."""
-
-    fit: LinkFit
-    median_s: list[float]
-    min_s: list[float]
-    max_s: list[float]
-    rel_err_mean: float
-    rel_err_max: float
 
 
 def _fit_medians(sizes: Sequence[int], samples: np.ndarray) -> _Fitted:
@@ -107,17 +109,7 @@ def _fit_medians(sizes: Sequence[int], samples: np.ndarray) -> _Fitted:
 def _summarise(method: str, sizes: Sequence[int], samples: np.ndarray) -> LinkMeasurement:
     """The link fitted to one-way times ``samples`` (rounds, sizes)."""
     f = _fit_medians(sizes, samples)
-    return LinkMeasurement(
-        latency_s=f.fit.latency_s,
-        bytes_per_s=f.fit.bytes_per_s,
-        method=method,
-        sizes_bytes=[int(s) for s in sizes],
-        median_s=f.median_s,
-        min_s=f.min_s,
-        max_s=f.max_s,
-        fit_rel_err_mean=f.rel_err_mean,
-        fit_rel_err_max=f.rel_err_max,
-    )
+    return LinkMeasurement(f.fit.latency_s, f.fit.bytes_per_s, method, [int(s) for s in sizes], f)
 
 
 def measure_link(
@@ -163,37 +155,22 @@ def _measure_copy_one_gpu(sizes: Sequence[int], *, rounds: int, iters: int) -> L
 
 
 @dataclass(frozen=True)
-class AllreduceMeasurement:
-    """The all-reduce over ``replicas`` processes: the whole operation's fit, and the per-step ring link
-    (``latency_s``, ``bytes_per_s``) that reproduces it in `costmodel.ring_allreduce_seconds`."""
+class AllreduceMeasurement(LinkMeasurement):
+    """The all-reduce over ``replicas`` processes: the whole operation's fit (``fitted``), and the per-step ring
+    link (``latency_s``, ``bytes_per_s``) that reproduces it in `costmodel.ring_allreduce_seconds`."""
 
-    replicas: int
-    latency_s: float
-    bytes_per_s: float
-    allreduce_latency_s: float
-    allreduce_bytes_per_s: float
-    method: str
-    sizes_bytes: list[int]
-    median_s: list[float]
-    min_s: list[float]
-    max_s: list[float]
-    fit_rel_err_mean: float
-    fit_rel_err_max: float
+    replicas: int = 2
 
     def to_dict(self) -> dict:
         """The profile's ``data_parallel_link``: the two numbers the cost model reads, plus how they were found."""
+        whole = self.fitted.fit
         return {
             "latency_s": self.latency_s,
             "bytes_per_s": self.bytes_per_s,
             "method": self.method,
             "replicas": self.replicas,
-            "allreduce_fit": {"latency_s": self.allreduce_latency_s, "bytes_per_s": self.allreduce_bytes_per_s},
-            "sizes_bytes": self.sizes_bytes,
-            "allreduce_s_median": self.median_s,
-            "allreduce_s_min": self.min_s,
-            "allreduce_s_max": self.max_s,
-            "fit_rel_err_mean": self.fit_rel_err_mean,
-            "fit_rel_err_max": self.fit_rel_err_max,
+            "allreduce_fit": {"latency_s": whole.latency_s, "bytes_per_s": whole.bytes_per_s},
+            **self.fitted.record(self.sizes_bytes, "allreduce"),
         }
 
 
@@ -203,20 +180,7 @@ def allreduce_from_samples(
     """Fit ``samples`` (rounds, sizes) seconds of whole all-reduces over ``replicas`` processes."""
     f = _fit_medians(sizes, samples)
     latency, bandwidth = ring_link_from_allreduce(f.fit.latency_s, f.fit.bytes_per_s, replicas)
-    return AllreduceMeasurement(
-        replicas=replicas,
-        latency_s=latency,
-        bytes_per_s=bandwidth,
-        allreduce_latency_s=f.fit.latency_s,
-        allreduce_bytes_per_s=f.fit.bytes_per_s,
-        method=method,
-        sizes_bytes=[int(s) for s in sizes],
-        median_s=f.median_s,
-        min_s=f.min_s,
-        max_s=f.max_s,
-        fit_rel_err_mean=f.rel_err_mean,
-        fit_rel_err_max=f.rel_err_max,
-    )
+    return AllreduceMeasurement(latency, bandwidth, method, [int(s) for s in sizes], f, replicas)
 
 
 def allreduce_processes(device: str) -> int | None:
