@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import terapipe
+from conftest import assert_one_line_error, terapipe
 
 from terapipe_cli.costmodel import CostModel
 from terapipe_cli.plan import read_plan, short_form
@@ -234,3 +234,24 @@ def test_out_is_a_folder(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "outdir" in proc.stderr
     assert os.listdir(tmp_path / "outdir") == [] and os.listdir(tmp_path) == ["outdir"]
+
+
+def test_plan_out_is_checked_before_planning(tmp_path):
+    """--out names a file; no folders made beyond its own; an unrelated file is kept unless --force."""
+    base = ("plan", "--profile", str(EXAMPLE), "--stages", "2", "--batch", "1")
+    (tmp_path / "somedir").mkdir()
+    for out, message in [
+        ("somedir/", "names a folder"),
+        ("somedir", "names a folder"),
+        ("no/such/plan.json", "folder no does not exist"),
+    ]:
+        p = terapipe(*base, "--out", out, cwd=tmp_path)
+        assert_one_line_error(p, message)
+    assert list((tmp_path / "somedir").iterdir()) == [] and not (tmp_path / "no").exists()
+    (tmp_path / "notes.txt").write_text("mine")
+    p = terapipe(*base, "--out", "notes.txt", cwd=tmp_path)
+    assert_one_line_error(p, "notes.txt exists and is not a plan; pass --force")
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    assert terapipe(*base, "--out", "notes.txt", "--force", cwd=tmp_path).returncode == 0
+    assert terapipe(*base, "--out", "notes.txt", cwd=tmp_path).returncode == 0  # now a plan: overwriting it is fine
+    assert terapipe(*base, "--out", "new/plan.json", cwd=tmp_path).returncode == 0  # its own folder is made

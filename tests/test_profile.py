@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import terapipe
+from conftest import assert_one_line_error, terapipe
 
 from terapipe_cli.cli import main
 from terapipe_cli.config import ModelConfig
@@ -379,3 +379,12 @@ def test_analytic_flags_call_the_analytic_profile(tmp_path, capsys):
     code, _, err = run_cli([*args[:-2], "--precision", "fp16", "--out", str(tmp_path / "again.json")], capsys)
     assert code == 0, err
     assert read_profile(tmp_path / "again.json").precision == "fp16"
+
+
+def test_profile_out_is_checked_before_measuring(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    p = terapipe("profile", "--model", "tiny", "--quick", "--out", "notes.txt", cwd=tmp_path)
+    assert_one_line_error(p, "notes.txt exists and is not a profile; pass --force")
+    p = terapipe("profile", "--model", "tiny", "--quick", "--out", str(tmp_path), cwd=tmp_path)
+    assert_one_line_error(p, "names a folder")
+    assert (tmp_path / "notes.txt").read_text() == "mine"

@@ -16,6 +16,44 @@ from typing import Any
 from terapipe_cli.errors import UserError
 
 
+def check_output_file(
+    path: Path, *, kind: str, schema: str | None, force: bool, example: str, flag: str = "--out"
+) -> None:
+    """Check an output file before any work starts (one-line `UserError` naming ``flag``):
+
+    - it names a file, not a folder (``example`` is the file name suggested instead);
+    - at most its own folder is created: a folder further up that does not exist is an error, not made silently;
+    - an existing file is overwritten only when it is of the kind being written (a JSON object whose "schema" is
+      ``schema``), or with ``force``;
+    - the nearest existing folder is writable.
+    """
+    text = str(path)
+    if path.is_dir() or text.endswith(("/", os.sep)):
+        raise UserError(
+            f"{text!r} names a folder; give the {kind} file to write, e.g. {Path(text) / example}", where=flag
+        )
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.exists() and not parent.parent.exists():
+        raise UserError(f"folder {parent.parent} does not exist (only {parent.name}/ would be created)", where=flag)
+    if path.exists() and not force:
+        if schema is None:
+            raise UserError(f"{text} exists; pass --force to overwrite it", where=flag)
+        if _schema_of(path) != schema:
+            raise UserError(f"{text} exists and is not a {kind}; pass --force to overwrite it", where=flag)
+    nearest = parent if parent.exists() else parent.parent
+    if not os.access(nearest, os.W_OK):
+        raise UserError(f"cannot write {text} (folder {nearest} is not writable)", where=flag)
+
+
+def _schema_of(path: Path) -> str | None:
+    """The "schema" of a JSON object file; None for anything else."""
+    try:
+        obj = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return obj.get("schema") if isinstance(obj, dict) else None
+
+
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     """Write ``text`` to ``path`` via a temporary file and a rename."""
     return write_bytes_atomic(path, text.encode())

@@ -32,18 +32,13 @@ def export(
     ] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing --out file.")] = False,
 ) -> None:
-    from terapipe_cli.errors import UserError
+    from terapipe_cli.files import check_output_file
     from terapipe_cli.runtime import require_torch
 
     require_torch("terapipe export")
     from terapipe_cli.runtime.export import export_state, write_export
 
-    if out.is_dir() or str(out).endswith(("/", "\\")):
-        raise UserError("names a folder; give the model file to write, e.g. model.pt", where="--out")
-    if out.exists() and not force:
-        raise UserError("exists; pass --force to overwrite it", where="--out")
-    if not out.parent.is_dir():
-        raise UserError(f"folder {out.parent} does not exist", where="--out")
+    check_output_file(out, kind="model export", schema=None, force=force, example="model.pt")
     model, done, state = export_state(run, step)
     write_export(out, run, model, done, state)
     params = sum(t.numel() for t in state.values())

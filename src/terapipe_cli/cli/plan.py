@@ -61,12 +61,15 @@ def plan(
         ),
     ] = None,
     out: Annotated[Path, typer.Option("--out", "-o", help="Where to write the plan JSON.")] = Path("plan.json"),
+    force: Annotated[bool, typer.Option("--force", help="Overwrite --out even if it is not a plan.")] = False,
 ) -> None:
     from terapipe_cli.costmodel import read_profile
-    from terapipe_cli.plan import write_plan
+    from terapipe_cli.files import check_output_file
+    from terapipe_cli.plan import PLAN_SCHEMA, write_plan
     from terapipe_cli.planning import plan_for_profile, plan_request
 
     console = Console()
+    check_output_file(out, kind="plan", schema=PLAN_SCHEMA, force=force, example="plan.json")
     prof = read_profile(profile)
     request = plan_request(
         prof,

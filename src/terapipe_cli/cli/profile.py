@@ -87,12 +87,13 @@ def profile(
         int, typer.Option("--tensor-parallel", "-t", help="With --analytic: GPUs per tensor-parallel group.")
     ] = 1,
     out: Annotated[Path, typer.Option("--out", "-o", help="Where to write the profile JSON.")] = Path("profile.json"),
+    force: Annotated[bool, typer.Option("--force", help="Overwrite --out even if it is not a profile.")] = False,
 ) -> None:
     console = Console()
     if check_profile is not None:
         _recheck(console, check_profile, device, precision, quick, seed, clock, model=model, analytic=analytic)
         return
-    cfg, sizes = options.model_to_profile(model, batch_sizes, out)
+    cfg, sizes = options.model_to_profile(model, batch_sizes, out, force)
     if analytic:
         prof = options.analytic_request(
             cfg, hardware=hardware, tensor_parallel=tensor_parallel, batch_sizes=sizes, token_step=token_step,

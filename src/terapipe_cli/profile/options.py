@@ -7,7 +7,6 @@ no output file is written.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -38,18 +37,18 @@ def parse_batch_sizes(text: str) -> tuple[int, ...]:
     return tuple(sorted(set(sizes)))
 
 
-def check_writable(out: Path) -> None:
-    """Fail before minutes of measuring, not after: the output must be a writable file path."""
-    if out.is_dir():
-        raise UserError("is a folder; give a file name for the profile JSON", where=str(out))
-    parent = out.parent if str(out.parent) else Path(".")
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not os.access(parent, os.W_OK):
-        raise UserError(f"cannot write here (folder {parent} is not writable)", where=str(out))
+def check_writable(out: Path, force: bool = False) -> None:
+    """Fail before minutes of measuring, not after: ``out`` must be a profile file we may write
+    (`files.check_output_file`)."""
+    from terapipe_cli.costmodel import PROFILE_SCHEMA
+    from terapipe_cli.files import check_output_file
+
+    check_output_file(out, kind="profile", schema=PROFILE_SCHEMA, force=force, example="profile.json")
 
 
-def model_to_profile(model: Path | None, batch_sizes: str | None, out: Path) -> tuple[ModelConfig, tuple[int, ...]]:
+def model_to_profile(
+    model: Path | None, batch_sizes: str | None, out: Path, force: bool = False
+) -> tuple[ModelConfig, tuple[int, ...]]:
     """The model to profile, the batch sizes asked for (empty: the default), and a writable ``out``."""
     from terapipe_cli.config import load_model_config
 
@@ -57,7 +56,7 @@ def model_to_profile(model: Path | None, batch_sizes: str | None, out: Path) -> 
         raise UserError("is required (a model TOML such as configs/models/tiny.toml)", where="--model")
     cfg = load_model_config(model)
     sizes = parse_batch_sizes(batch_sizes) if batch_sizes is not None else ()
-    check_writable(out)
+    check_writable(out, force)
     return cfg, sizes
 
 
