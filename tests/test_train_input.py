@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
+
 import numpy as np
 import pytest
-from conftest import write_plan_file
+from conftest import ROOT, assert_one_line_error, terapipe, write_plan_file
 
 from terapipe_cli.cli import main
 
@@ -95,3 +100,36 @@ def test_resume_without_a_complete_checkpoint(tmp_path, capsys, plan):
 def test_verify_cannot_follow_resume(tmp_path, capsys):
     code, err = run(capsys, "--resume", "--verify", "--out", str(tmp_path / "r"))
     assert code == 2 and "--verify" in err
+
+
+def test_a_live_run_folder_is_refused(tmp_path):
+    """While `terapipe train` runs in a folder it holds its lock: a second train, --resume or report says so in one
+    line. The live run hangs at step 3 (a test fault) until its 10-s wait limit ends it; then --resume works."""
+    plan = write_plan_file(tmp_path / "plan.json", [(1, [16, 16])], stages=2)
+    run = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "CUDA_VISIBLE_DEVICES": "", "TERAPIPE_TEST_FAULT": "hang:1:3"}
+    args = ["train", "--plan", str(plan), "--steps", "4", "--checkpoint-every", "1", "--timeout-s", "10"]
+    args += ["--out", str(run), "--device", "cpu"]
+    live = subprocess.Popen([sys.executable, "-m", "terapipe_cli", *args], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while len(read_metrics_safe(run)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(read_metrics_safe(run)) >= 2, "the run did not start"
+        for cmd, what in [
+            (("train", "--plan", str(plan), "--out", str(run), "--device", "cpu"), "use another --out"),
+            (("train", "--resume", "--out", str(run), "--dry-run", "--device", "cpu"), "resume it once"),
+            (("report", str(run)), "report on it once"),
+        ]:
+            p = terapipe(*cmd)
+            assert_one_line_error(p, f"a `terapipe train` is running in this folder (pid {live.pid}): {what}")
+    finally:
+        assert live.wait(timeout=120) != 0  # ended by its wait limit
+    p = terapipe("train", "--resume", "--out", str(run), "--device", "cpu")
+    assert p.returncode == 0, p.stderr
+
+
+def read_metrics_safe(run) -> list[str]:
+    path = run / "metrics.jsonl"
+    return path.read_text().splitlines() if path.exists() else []

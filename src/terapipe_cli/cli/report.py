@@ -59,7 +59,10 @@ def report(
     from terapipe_cli.report.runs import load_run
 
     console = Console(highlight=False)
+    from terapipe_cli.runtime.rundir import check_not_live
+
     # Everything that can fail is checked before a baseline is trained (minutes of work).
+    check_not_live(run_dir, "report on it")
     run = load_run(run_dir)
     check_warmup(run, warmup)
     folder = report_dir(run, out)

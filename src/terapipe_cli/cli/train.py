@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -144,7 +145,10 @@ def train(
     require_torch("terapipe train")
     from terapipe_cli.runtime.launch import command_line
     from terapipe_cli.runtime.prepare import kv_handback_requested, prepare_run
+    from terapipe_cli.runtime.rundir import check_not_live
 
+    if node_rank == 0:  # other nodes join node 0's run, which holds the lock of a shared folder
+        check_not_live(out, "resume it" if resume else "use another --out, or --resume it")
     prepared = prepare_run(
         plan_path=plan,
         steps=steps,
@@ -180,17 +184,20 @@ def train(
 def _launch(prepared: PreparedRun, verify: bool) -> None:
     """Start the workers, wait for them, and verify when asked; a failure ends with one line."""
     from terapipe_cli.runtime.launch import WorkerFailed, launch
+    from terapipe_cli.runtime.rundir import run_lock
 
     console = Console(stderr=False, highlight=False)
     console.print(_headline(prepared))
     start = time.perf_counter()
-    try:
-        launch(prepared.launch)
-    except WorkerFailed as e:
-        _fail(str(e), WorkerFailed.exit_code)
-    console.print(f"done in {time.perf_counter() - start:.1f} s: {prepared.launch.run_dir}")
-    if verify:
-        _verify(console, prepared)
+    # Node 0 holds the run folder while it trains: a second train, --resume or report on it is refused.
+    with run_lock(prepared.launch.run_dir) if prepared.launch.node_rank == 0 else nullcontext():
+        try:
+            launch(prepared.launch)
+        except WorkerFailed as e:
+            _fail(str(e), WorkerFailed.exit_code)
+        console.print(f"done in {time.perf_counter() - start:.1f} s: {prepared.launch.run_dir}")
+        if verify:
+            _verify(console, prepared)
 
 
 def _quiet_torch_logging() -> None:

@@ -24,8 +24,11 @@ runs/NAME/
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
+import os
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -201,3 +204,50 @@ def write_summary(run_dir: Path, summary: dict) -> None:
 
 def read_summary(run_dir: Path) -> dict:
     return read_json(run_dir / "summary.json", schema=SUMMARY_SCHEMA, what="run summary")
+
+
+LOCK_FILE = ".terapipe.lock"
+
+
+def _holder(run_dir: Path) -> str:
+    try:
+        pid = (run_dir / LOCK_FILE).read_text().strip()
+    except OSError:
+        pid = ""
+    return f" (pid {pid})" if pid else ""
+
+
+def check_not_live(run_dir: Path | None, what: str) -> None:
+    """One line if a `terapipe train` is running in ``run_dir`` right now (it holds the folder's lock)."""
+    if run_dir is None or not (run_dir / LOCK_FILE).is_file():
+        return
+    with open(run_dir / LOCK_FILE, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UserError(
+                f"a `terapipe train` is running in this folder{_holder(run_dir)}: {what} once it has ended",
+                where=str(run_dir),
+            ) from None
+        fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@contextmanager
+def run_lock(run_dir: Path):
+    """Hold the run folder's lock while training in it, so that a second train, ``--resume`` or report refuses
+    (`check_not_live`). An advisory ``flock``: the operating system drops it when the holder ends, however it ends."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / LOCK_FILE, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UserError(
+                f"a `terapipe train` is running in this folder{_holder(run_dir)}", where=str(run_dir)
+            ) from None
+        f.truncate(0)
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
