@@ -229,7 +229,7 @@ def join_node_0(run_dir: Path, request: NodeRequest, device: torch.device, *, re
     rank, world = dist.get_rank(), dist.get_world_size()
     local_rank, per_node = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", world))
     node = rank // per_node
-    config = json.loads(_from_rank_0((run_dir / "config.json").read_bytes() if rank == 0 else b"", device))
+    config = _from_rank_0(json.loads((run_dir / "config.json").read_text()) if rank == 0 else None, device)
     if settings_digest(config["plan"], config["arguments"]) != request.settings:
         raise RuntimeError(
             f"node {node} was started with another plan or other settings than node 0: the same command must run "
@@ -243,15 +243,12 @@ def join_node_0(run_dir: Path, request: NodeRequest, device: torch.device, *, re
     return [int(slots[(r // per_node) * per_node]) - 1 for r in range(world)]
 
 
-def _from_rank_0(data: bytes, device: torch.device) -> bytes:
-    """Rank 0's ``data`` on every rank (two sums over all ranks: its length, then its bytes)."""
-    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    collective(lambda: host_all_reduce(size), "start-up")
-    buffer = torch.zeros(int(size.item()), dtype=torch.int32, device=device)
-    if data:
-        buffer.copy_(torch.tensor(list(data), dtype=torch.int32))
-    collective(lambda: host_all_reduce(buffer), "start-up")
-    return bytes(buffer.cpu().to(torch.uint8).tolist())
+def _from_rank_0(obj: object, device: torch.device) -> object:
+    """Rank 0's ``obj`` on every rank (`dist.broadcast_object_list`; through host memory on gloo)."""
+    box = [obj]
+    on = torch.device("cpu") if dist.get_backend() == "gloo" else device
+    collective(lambda: dist.broadcast_object_list(box, src=0, device=on), "start-up")
+    return box[0]
 
 
 def folder_roles(rank: int, stages: int, owners: list[int]) -> dict:
