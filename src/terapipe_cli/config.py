@@ -49,6 +49,17 @@ class ModelConfig:
             replicated += 2 * H
         return sharded // t + replicated
 
+    def check_tensor_parallel(self, tensor_parallel: int, where: str = "tensor_parallel") -> None:
+        """T ranks split the heads and the MLP's inner dimension (docs/design.md §7, §12): T must divide both."""
+        t = tensor_parallel
+        if isinstance(t, bool) or not isinstance(t, int) or t < 1:
+            raise UserError(f"must be a positive integer, got {t!r}", where=where)
+        if self.heads % t:
+            raise UserError(f"{t} does not divide the {self.heads} heads of model '{self.name}'", where=where)
+        inner = self.mlp_ratio * self.hidden
+        if inner % t:
+            raise UserError(f"{t} does not divide the MLP's {inner} inner features of model '{self.name}'", where=where)
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -103,20 +114,28 @@ def bundled_config_summaries(kind: str) -> list[tuple[str, str]]:
     return rows
 
 
-def find_config(name_or_path: str | Path, kind: str, flag: str) -> Path:
+def find_config(name_or_path: str | Path, kind: str, flag: str, *, prefix: bool = False) -> Path:
     """A config the user named: a file path as given, or the name of a bundled one (from any folder).
 
     A path that exists wins; a bare name (no folder, no suffix) is looked up among the package's configs of
-    ``kind``. Anything else is a one-line error that lists the bundled names.
+    ``kind``; with ``prefix``, a bare name may also be the start of exactly one bundled name (``paper-04`` for
+    ``paper-04-gpt3-13b``). Anything else is a one-line error that lists the bundled names (or the matches).
     """
     path = Path(name_or_path)
     if path.exists() or path.suffix or len(path.parts) != 1:
         return path  # the reader reports a missing or unreadable file in one line
-    bundled = resources.files("terapipe_cli") / "configs" / kind / f"{path.name}.toml"
+    folder = resources.files("terapipe_cli") / "configs" / kind
+    bundled = folder / f"{path.name}.toml"
     if bundled.is_file():
         return Path(str(bundled))
-    names = ", ".join(bundled_names(kind))
-    message = f"no file {str(path)!r} here and no bundled {kind} config of that name (bundled: {names})"
+    names = bundled_names(kind)
+    matches = [n for n in names if n.startswith(path.name)] if prefix else []
+    if len(matches) == 1:
+        return Path(str(folder / f"{matches[0]}.toml"))
+    if matches:
+        message = f"{str(path)!r} is the start of {len(matches)} bundled {kind} configs: {', '.join(matches)}"
+    else:
+        message = f"no file {str(path)!r} here and no bundled {kind} config of that name (bundled: {', '.join(names)})"
     raise UserError(message, where=flag)
 
 

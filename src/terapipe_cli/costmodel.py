@@ -17,7 +17,10 @@ The profile format (every field is checked by `read_profile`):
       "source": "measured" | "analytic" | "example",   how the numbers were obtained
       "note": "...",                                   free text (e.g. how an example was made)
       "created": "2026-11-21T20:00:00Z",
-      "device": {"kind": "cpu" | "cuda", "name": "...", ...},
+      "device": {"kind": "cpu" | "cuda", "name": "...", "tensor_parallel": T, ...},
+                                                       T (optional, absent: 1): the tensor-parallel degree
+                                                       the times are for; every number below is then
+                                                       per device, one of the T ranks of a stage
       "model": {"name", "layers", "hidden", "heads", "vocab", "seq_len"},
       "precision": "fp32" | "bf16" | "fp16",          optional (absent: fp32): the compute precision timed
       "dtype_bytes": 4,                                bytes per element of what is sent between devices
@@ -32,7 +35,8 @@ The profile format (every field is checked by `read_profile`):
       "optimizer_s_per_layer": s,                      optional: one optimizer step of one layer's weights
       "activation_bytes_per_token_per_layer": n,       optional
       "step_overhead_s": s,                            optional: any other fixed time per training step
-      "params_per_layer": n,                           optional: parameters of one decoder layer (per device)
+      "params_per_layer": n,                           optional: parameters of one decoder layer (per device:
+                                                       one tensor rank's share)
       "data_parallel_link": {"latency_s": s, "bytes_per_s": x}
                                                        optional: one step of the ring all-reduce the
                                                        data-parallel replicas run (measured by `terapipe
@@ -138,6 +142,7 @@ class Profile:
     dp_latency_s: float | None = None
     dp_bytes_per_s: float | None = None
     precision: str = "fp32"  # the compute precision the times are for (docs/design.md §6a)
+    tensor_parallel: int = 1  # device.tensor_parallel: the T the times are for, per device of a stage's T
     raw: dict = field(default_factory=dict, repr=False, compare=False)
     path: str | None = None
     sha256: str | None = None
@@ -196,6 +201,8 @@ def profile_from_dict(obj: dict, where: str) -> Profile:
     device = f.get("device", {})
     if not isinstance(device, dict):
         raise f.fail("device", "must be an object")
+    tensor_parallel = Fields(device, where, "device.").int("tensor_parallel", minimum=1, default=1)
+    model.check_tensor_parallel(tensor_parallel, where=f"{where}: field 'device.tensor_parallel'")
     act = f.get("activation_bytes_per_token_per_layer", None)
     if act is not None:
         act = f.number("activation_bytes_per_token_per_layer", minimum=0)
@@ -228,6 +235,7 @@ def profile_from_dict(obj: dict, where: str) -> Profile:
         dp_latency_s=dp_latency,
         dp_bytes_per_s=dp_bandwidth,
         precision=precision_field(f),
+        tensor_parallel=tensor_parallel,
         raw=obj,
     )
 

@@ -26,7 +26,7 @@ from terapipe_cli.config import ModelConfig, find_config, load_model_config, loa
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import Fields
 from terapipe_cli.hardware import Hardware, load_hardware
-from terapipe_cli.profile.analytic import check_tensor_parallel
+from terapipe_cli.profile.analytic import analytic_profile, check_tensor_parallel
 
 KNOWN = (
     "name",
@@ -75,10 +75,11 @@ def _resolve(base: Path, value: str) -> Path:
     return p if p.is_absolute() else base / p
 
 
-def load_experiment(path: str | Path) -> Experiment:
-    """Load and validate one experiment file, or a bundled one by name (``paper-01-gpt3-1b``); paths inside it are
-    relative to the file."""
-    path = find_config(path, "experiments", "experiment")
+def load_experiment(path: str | Path, flag: str = "experiment") -> Experiment:
+    """Load and validate one experiment file, or a bundled one by name (``paper-01-gpt3-1b``) or by the start of
+    exactly one bundled name (``paper-01``); paths inside it are relative to the file. ``flag`` names the option
+    that gave it, in the error for a name that is neither."""
+    path = find_config(path, "experiments", flag, prefix=True)
     where = str(path)
     data = load_toml(path, "experiment")
     table = data.get("experiment")
@@ -141,4 +142,21 @@ def load_experiment(path: str | Path) -> Experiment:
         tensor_parallel=tp,
         token_step=token_step,
         path=where,
+    )
+
+
+def experiment_profile(exp: Experiment, *, batch_size: int, tensor_parallel: int, token_step: int) -> dict:
+    """The analytic profile (docs/design.md §12) of the experiment's model on its hardware at ``tensor_parallel``,
+    for planning pipelines of ``batch_size`` sequences: every batch-slice size the planner may choose, 1 to
+    ``batch_size``, is on the grid (analytic times cost nothing to compute, and it spares the interpolation in b)."""
+    try:
+        check_tensor_parallel(exp.model, exp.hardware, tensor_parallel)
+    except UserError as e:
+        raise UserError(f"{e.message} (experiment {exp.name})", where="--tensor-parallel") from None
+    return analytic_profile(
+        exp.model,
+        exp.hardware,
+        tensor_parallel=tensor_parallel,
+        batch_sizes=range(1, batch_size + 1),
+        token_step=token_step,
     )

@@ -2,8 +2,10 @@
 
 A *scheme* is a list of batch slices, each ``(b, [token slice lengths])`` (docs/design.md §2). The stable keys other
 tools read are ``schema, model, stages, batch_size, seq_len, token_step, slices, predicted_s, t_max_s,
-baselines.{gpipe,uniform}.{slices,predicted_s}, solver, profile, precision``; other fields may be added freely.
-``precision`` is the compute precision the plan was priced at (the profile's); a plan without it is fp32.
+baselines.{gpipe,uniform}.{slices,predicted_s}, solver, profile, precision, tensor_parallel``; other fields may
+be added freely. ``precision`` is the compute precision the plan was priced at (the profile's); a plan without it is
+fp32. ``tensor_parallel`` is T, the processes of each stage (the profile's; 1 when absent): `terapipe train` runs
+D·K·T workers. A plan made with `terapipe plan --experiment` also records ``experiment`` (the file's name and path).
 A plan with ``data_parallel`` > 1 made by `terapipe plan` also has ``data_parallel_allreduce``: ``{"priced":
 true, "seconds": s, "link": {...}}`` when the profile priced the replicas' gradient all-reduce, or ``{"priced":
 false, "seconds": null, "why": "unknown — not priced: ..."}`` when the profile has no ``data_parallel_link``
@@ -118,6 +120,7 @@ class Plan:
     predicted_s: float | None = None
     data_parallel: int = 1
     precision: str = "fp32"  # the profile's: the precision `terapipe train` must run at
+    tensor_parallel: int = 1  # T: processes per stage, splitting heads and the MLP (the profile's)
     raw: dict = field(default_factory=dict, repr=False, compare=False)
     path: str | None = None
 
@@ -159,9 +162,16 @@ def plan_from_dict(obj: dict, where: str) -> Plan:
         predicted_s=predicted,
         data_parallel=f.int("data_parallel", minimum=1, default=1),
         precision=precision_field(f),
+        tensor_parallel=_tensor_parallel(f, model, where),
         raw=obj,
         path=where,
     )
+
+
+def _tensor_parallel(f: Fields, model: ModelConfig, where: str) -> int:
+    t = f.int("tensor_parallel", minimum=1, default=1)
+    model.check_tensor_parallel(t, where=f"{where}: field 'tensor_parallel'")
+    return t
 
 
 def read_plan(path: str | Path) -> Plan:
@@ -186,10 +196,11 @@ def make_plan_dict(
     predicted_s: float | None = None,
     data_parallel: int = 1,
     precision: str = "fp32",
+    tensor_parallel: int = 1,
     **extra,
 ) -> dict:
     """The plan object, for `terapipe plan` and for hand-made schemes (tests, baselines, the report's GPipe
-    run); ``precision`` is the one the plan's times are for."""
+    run); ``precision`` and ``tensor_parallel`` are the ones the plan's times are for."""
     slices = [[int(b), [int(n) for n in lengths]] for b, lengths in slices]
     obj = {
         "schema": PLAN_SCHEMA,
@@ -203,6 +214,7 @@ def make_plan_dict(
         "short_form": short_form(slices),
         "predicted_s": predicted_s,
         "precision": precision,
+        "tensor_parallel": tensor_parallel,
     }
     obj.update(extra)
     return obj

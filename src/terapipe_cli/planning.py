@@ -3,22 +3,127 @@ uniform baselines priced by the same cost model, all three replayed by the simul
 checked against a limit. Imports no torch.
 
 `terapipe plan` and `scripts/paper_table.py` both plan through `plan_for_profile`; the plan file is
-`Planned.to_plan_dict` (docs/design.md §8). Option errors name the command-line flag (``--stages``): that is the
-name the user typed.
+`Planned.to_plan_dict` (docs/design.md §8). What to plan comes from `terapipe plan`'s options
+(`setting_from_options`): a profile file and the shape, or an experiment file (`experiment_setting`, §7) whose
+values the options given override. Option errors name the command-line flag (``--stages``): that is the name the
+user typed.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 from terapipe_cli import __version__
-from terapipe_cli.costmodel import CostModel, Profile
+from terapipe_cli.costmodel import CostModel, Profile, profile_from_dict, read_profile
 from terapipe_cli.errors import UserError
+from terapipe_cli.experiments import experiment_profile, load_experiment
 from terapipe_cli.plan import make_plan_dict
 from terapipe_cli.planner import METHODS, PlanResult, gpipe_baseline, solve, uniform_baseline
 from terapipe_cli.simulate import StageMemory, simulate, stage_memory
 from terapipe_cli.units import format_bytes, utc_timestamp
+
+
+@dataclass(frozen=True)
+class PlanSetting:
+    """What `terapipe plan` plans on: a profile and the shape asked for (None: the profile's or the model's), from
+    ``--profile`` and the options or from an experiment file (`setting_from_options`)."""
+
+    profile: Profile
+    profile_path: str | None  # what the plan records; None for a profile estimated on the fly
+    stages: int
+    batch_size: int
+    data_parallel: int
+    tensor_parallel: int | None
+    token_step: int | None
+    experiment: dict | None = None  # the plan's ``experiment`` record
+
+    def request(self, **options) -> PlanRequest:
+        """`plan_request` for this setting; ``options`` are the remaining ones (seq_len, epsilon, method, …)."""
+        return plan_request(
+            self.profile,
+            stages=self.stages,
+            batch_size=self.batch_size,
+            data_parallel=self.data_parallel,
+            tensor_parallel=self.tensor_parallel,
+            token_step=self.token_step,
+            **options,
+        )
+
+
+def setting_from_options(
+    *,
+    profile: str | Path | None,
+    experiment: str | None,
+    stages: int | None,
+    batch_size: int | None,
+    data_parallel: int | None,
+    tensor_parallel: int | None,
+    token_step: int | None,
+) -> PlanSetting:
+    """`terapipe plan`'s options as a `PlanSetting`. Without ``experiment``, ``profile``, ``stages`` and
+    ``batch_size`` are required; with it, every option left out comes from the experiment file
+    (`experiment_setting`)."""
+    if experiment is not None:
+        return experiment_setting(
+            experiment, profile=profile, stages=stages, batch_size=batch_size, data_parallel=data_parallel,
+            tensor_parallel=tensor_parallel, token_step=token_step,
+        )  # fmt: skip
+    for value, flag, what in (
+        (profile, "--profile", "a profile JSON from `terapipe profile`"),
+        (stages, "--stages", "the pipeline stages K"),
+        (batch_size, "--batch", "the sequences per replica B"),
+    ):
+        if value is None:
+            raise UserError(f"is required ({what}), unless --experiment names a setting", where=flag)
+    prof = read_profile(profile)
+    return PlanSetting(prof, str(profile), stages, batch_size, data_parallel or 1, tensor_parallel, token_step)
+
+
+def experiment_setting(
+    name: str,
+    *,
+    profile: str | Path | None,
+    stages: int | None,
+    batch_size: int | None,
+    data_parallel: int | None,
+    tensor_parallel: int | None,
+    token_step: int | None,
+) -> PlanSetting:
+    """The setting of an experiment file (a path, a bundled name or the start of one): its stages, data-parallel
+    and tensor-parallel degrees and token step, each unless given; the batch per replica is ``batch_size`` if
+    given, else the file's global batch over the data-parallel degree. The profile is ``profile`` if given (it
+    must be of the experiment's model), else the analytic estimate for the experiment's hardware at its T."""
+    exp = load_experiment(name, flag="--experiment")
+    given = {"stages": stages, "data_parallel": data_parallel, "tensor_parallel": tensor_parallel}
+    given.update(batch_size=batch_size, token_step=token_step)
+    D = exp.data_parallel if data_parallel is None else data_parallel
+    if batch_size is None and D >= 1 and exp.batch_size % D:
+        raise UserError(
+            f"{D} does not divide the global batch of {exp.batch_size} sequences of {exp.name}; give --batch",
+            where="--data-parallel",
+        )
+    B = exp.batch_size // max(D, 1) if batch_size is None else batch_size
+    T = exp.tensor_parallel if tensor_parallel is None else tensor_parallel
+    g = exp.token_step if token_step is None else token_step
+    if profile is not None:
+        prof = read_profile(profile)
+        if prof.model != exp.model:
+            raise UserError(
+                f"is a profile of model {prof.model.name!r}, but {exp.name} trains {exp.model.name!r}",
+                where=str(profile),
+            )
+    else:
+        obj = experiment_profile(exp, batch_size=max(B, 1), tensor_parallel=T, token_step=g)
+        prof = profile_from_dict(obj, f"the analytic profile of {exp.path}")
+    record = {
+        "name": exp.name,
+        "path": exp.path,
+        "overridden": {k: v for k, v in given.items() if v is not None},
+    }
+    stages_ = exp.stages if stages is None else stages
+    return PlanSetting(prof, None if profile is None else str(profile), stages_, B, D, T, g, record)
 
 
 @dataclass(frozen=True)
@@ -33,6 +138,7 @@ class PlanRequest:
     method: str = "exact"
     data_parallel: int = 1
     memory_limit_gib: float | None = None
+    tensor_parallel: int = 1
 
 
 def plan_request(
@@ -46,8 +152,9 @@ def plan_request(
     method: str = "exact",
     data_parallel: int = 1,
     memory_limit_gib: float | None = None,
+    tensor_parallel: int | None = None,
 ) -> PlanRequest:
-    """Check the options against each other and the profile; L and g default to the model's and the profile's."""
+    """Check the options against each other and the profile; L, g and T default to the model's and the profile's."""
     model = profile.model
     if stages < 1:
         raise UserError(f"must be at least 1, got {stages}", where="--stages")
@@ -73,7 +180,29 @@ def plan_request(
         raise UserError(f"must be at least 1, got {g}", where="--token-step")
     if L % g:
         raise UserError(f"the sequence length {L} is not a multiple of the token step {g}", where="--token-step")
-    return PlanRequest(stages, batch_size, L, g, epsilon, method, data_parallel, memory_limit_gib)
+    T = check_tensor_parallel(profile, tensor_parallel)
+    return PlanRequest(stages, batch_size, L, g, epsilon, method, data_parallel, memory_limit_gib, T)
+
+
+def check_tensor_parallel(profile: Profile, tensor_parallel: int | None) -> int:
+    """T asked for (None: the profile's) must divide the model's heads and be the T the profile's times are for:
+    a profile's tile times, parameters and activations are those of one device of a stage's T."""
+    have = profile.tensor_parallel
+    if tensor_parallel is None:
+        return have
+    model = profile.model
+    model.check_tensor_parallel(tensor_parallel, where="--tensor-parallel")
+    if tensor_parallel != have:
+        how = "estimated" if profile.source == "analytic" else "measured"
+        hardware = profile.device.get("hardware_file") or "HARDWARE.toml"
+        raise UserError(
+            f"{tensor_parallel} asked for, but {profile.path or 'the profile'} was {how} at tensor parallelism "
+            f"{have}; make a profile at {tensor_parallel}: `terapipe profile --model {model.name} --tensor-parallel "
+            f"{tensor_parallel}` (measured here) or `terapipe profile --analytic --hardware {hardware} --model "
+            f"{model.name} --tensor-parallel {tensor_parallel}`",
+            where="--tensor-parallel",
+        )
+    return have
 
 
 @dataclass(frozen=True)
@@ -174,11 +303,14 @@ class Planned:
         link = {"latency_s": p.dp_latency_s, "bytes_per_s": p.dp_bytes_per_s}
         return {"priced": True, "seconds": self.cost.allreduce_s, "link": link}
 
-    def to_plan_dict(self, profile_path: str) -> dict:
-        """The ``terapipe.plan/1`` object that `terapipe train` runs."""
+    def to_plan_dict(self, profile_path: str | None, experiment: dict | None = None) -> dict:
+        """The ``terapipe.plan/1`` object that `terapipe train` runs; ``profile_path`` None for a profile that is
+        no file (estimated for ``experiment``, the plan's record of the experiment file it was made for)."""
         r, best, prof = self.request, self.terapipe, self.profile
         allreduce = self.allreduce_record()
         extra = {} if allreduce is None else {"data_parallel_allreduce": allreduce}
+        if experiment is not None:
+            extra["experiment"] = experiment
         return make_plan_dict(
             model=prof.model,
             stages=r.stages,
@@ -189,6 +321,7 @@ class Planned:
             predicted_s=best.predicted_s,
             data_parallel=r.data_parallel,
             precision=prof.precision,
+            tensor_parallel=r.tensor_parallel,
             simulated_s=self.simulated_s["terapipe"],
             t_max_s=best.t_max_s,
             sum_s=best.sum_s,
@@ -221,6 +354,11 @@ def plan_for_profile(profile: Profile, request: PlanRequest) -> Planned:
     """Plan ``request`` on ``profile``: the exact (or enumerated) TeraPipe scheme, GPipe and the best uniform
     slicing, each simulated, and the TeraPipe plan's memory per stage."""
     r = request
+    # Tensor parallelism needs nothing more here: a profile at T holds the numbers of one device of a stage's T
+    # (tile times with the tensor-parallel all-reduces inside them, params_per_layer and activation bytes of one
+    # rank's shard). So the data-parallel all-reduce priced from params_per_layer is each rank's shard over the D
+    # replicas, as the T ranks of a stage run it side by side; a tile's transfer is the full (b, i, H) activation
+    # each rank sends to the same rank of the next stage; and the memory estimate is per device.
     cost = CostModel(profile, r.stages, r.data_parallel)
     shape = {"seq_len": r.seq_len, "batch_size": r.batch_size, "stages": r.stages}
     best = solve(cost, **shape, token_step=r.token_step, epsilon=r.epsilon, method=r.method)

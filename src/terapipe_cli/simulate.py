@@ -283,7 +283,7 @@ def stage_memory(
         return None
     pair = float(raw.get("attention_bytes_per_token_pair_per_layer", 0.0))
     state_per_param = float(raw.get("state_bytes_per_param", 16.0))
-    tp = int((profile.device or {}).get("tensor_parallel", 1))
+    tp = profile.tensor_parallel  # params_per_layer and the sizes above are already per tensor rank
     model = profile.model
     layers = model.stage_layers(stages)
     if schedule is None:

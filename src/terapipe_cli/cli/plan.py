@@ -18,24 +18,62 @@ HELP = """Choose token and batch slicing for a profile with the exact dynamic pr
 
 Prints the TeraPipe scheme next to the GPipe baseline and the best uniform slicing, all priced by the same
 cost model, and writes the plan JSON that `terapipe train` runs. The plan records the profile's precision
-(fp32, bf16 or fp16): its times hold only at that precision, so `terapipe train` runs it.
+(fp32, bf16 or fp16) and tensor-parallel degree T: its times hold only for those, so `terapipe train` runs them,
+with D × K × T workers.
 
-Example:
+--experiment plans a published setting (configs/experiments/, by path, bundled name or the start of one) in one
+command: its model, stages, data-parallel and tensor-parallel degrees, batch and token step, priced by the
+analytic profile of its hardware at its T (--analytic of `terapipe profile`) unless --profile is given. Options
+given explicitly (-k, -b, -d, -t, -g) override the file's values; --batch is per replica, and without it the
+file's global batch is divided by the data-parallel degree.
+
+Examples:
 
     terapipe plan --profile configs/profiles/example-tiny-cpu.json --stages 2 --batch 1 --out plan.json
+
+    terapipe plan --experiment paper-09-gpt3-175b --out plan-175b.json
+
+    terapipe plan --experiment paper-04 --data-parallel 4 --out plan-13b-d4.json
 """
 
 
 def plan(
     profile: Annotated[
-        Path, typer.Option("--profile", help="Profile JSON (terapipe.profile/1) from `terapipe profile`.")
-    ],
-    stages: Annotated[int, typer.Option("--stages", "-k", help="Pipeline stages K; must divide the model's layers.")],
-    batch: Annotated[int, typer.Option("--batch", "-b", help="Sequences per pipeline replica per step (B).")],
+        Path | None,
+        typer.Option(
+            "--profile",
+            help="Profile JSON (terapipe.profile/1) from `terapipe profile` (required without --experiment).",
+        ),
+    ] = None,
+    stages: Annotated[
+        int | None,
+        typer.Option(
+            "--stages", "-k", help="Pipeline stages K; must divide the model's layers [default: the experiment's]."
+        ),
+    ] = None,
+    batch: Annotated[
+        int | None,
+        typer.Option(
+            "--batch", "-b", help="Sequences per pipeline replica per step (B) [default: the experiment's B / D]."
+        ),
+    ] = None,
+    experiment: Annotated[
+        str | None,
+        typer.Option(
+            "--experiment",
+            "-e",
+            help="Plan this experiment file's setting (a path, a bundled name such as paper-09-gpt3-175b, or the "
+            "start of exactly one); options given explicitly override its values.",
+        ),
+    ] = None,
     seq_len: Annotated[int | None, typer.Option("--seq-len", help="Sequence length L [default: the model's].")] = None,
     token_step: Annotated[
         int | None,
-        typer.Option("--token-step", "-g", help="Token slices are multiples of this [default: the profile's]."),
+        typer.Option(
+            "--token-step",
+            "-g",
+            help="Token slices are multiples of this [default: the experiment's, else the profile's].",
+        ),
     ] = None,
     epsilon: Annotated[
         float, typer.Option("--epsilon", help="Seconds; > 0 allows an answer within stages × epsilon of the optimum.")
@@ -44,14 +82,23 @@ def plan(
         str, typer.Option("--method", help="exact (default) or enumerate (the published ε-enumeration, slower).")
     ] = "exact",
     data_parallel: Annotated[
-        int,
+        int | None,
         typer.Option(
             "--data-parallel",
             "-d",
-            help="Pipeline replicas; adds their gradient all-reduce per step (left out, with a warning, when the "
-            "profile has no data_parallel_link).",
+            help="Pipeline replicas D; adds their gradient all-reduce per step (left out, with a warning, when the "
+            "profile has no data_parallel_link) [default: the experiment's, else 1].",
         ),
-    ] = 1,
+    ] = None,
+    tensor_parallel: Annotated[
+        int | None,
+        typer.Option(
+            "--tensor-parallel",
+            "-t",
+            help="Processes per stage T, splitting heads and the MLP; must be the T the profile was made at "
+            "[default: the profile's, or the experiment's].",
+        ),
+    ] = None,
     memory_limit: Annotated[
         float | None,
         typer.Option(
@@ -63,36 +110,36 @@ def plan(
     out: Annotated[Path, typer.Option("--out", "-o", help="Where to write the plan JSON.")] = Path("plan.json"),
     force: Annotated[bool, typer.Option("--force", help="Overwrite --out even if it is not a plan.")] = False,
 ) -> None:
-    from terapipe_cli.costmodel import read_profile
     from terapipe_cli.files import check_output_file
     from terapipe_cli.plan import PLAN_SCHEMA, write_plan
-    from terapipe_cli.planning import plan_for_profile, plan_request
+    from terapipe_cli.planning import plan_for_profile, setting_from_options
 
     console = Console()
     check_output_file(out, kind="plan", schema=PLAN_SCHEMA, force=force, example="plan.json")
-    prof = read_profile(profile)
-    request = plan_request(
-        prof,
-        stages=stages,
-        batch_size=batch,
-        seq_len=seq_len,
-        token_step=token_step,
-        epsilon=epsilon,
-        method=method,
-        data_parallel=data_parallel,
-        memory_limit_gib=memory_limit,
-    )
-    L, g = request.seq_len, request.token_step
-    with console.status(f"Planning {prof.model.name}: L={L}, B={batch}, K={stages}, token step {g} …"):
+    setting = setting_from_options(
+        profile=profile, experiment=experiment, stages=stages, batch_size=batch, data_parallel=data_parallel,
+        tensor_parallel=tensor_parallel, token_step=token_step,
+    )  # fmt: skip
+    request = setting.request(seq_len=seq_len, epsilon=epsilon, method=method, memory_limit_gib=memory_limit)
+    prof, r = setting.profile, request
+    with console.status(
+        f"Planning {prof.model.name}: L={r.seq_len}, B={r.batch_size}, K={r.stages}, token step {r.token_step} …"
+    ):
         planned = plan_for_profile(prof, request)
-    write_plan(out, planned.to_plan_dict(str(profile)))
+    write_plan(out, planned.to_plan_dict(setting.profile_path, setting.experiment))
 
     console.print(_table(planned))
     best = planned.terapipe
+    if setting.profile_path is None:
+        source = f"estimated for {setting.experiment['name']} on {prof.device.get('hardware', '?')}"
+    else:
+        source = f"{setting.profile_path} ({prof.source})"
     console.print(
         f"solver: {method}, ε = {epsilon:g} s, {best.candidates} t_max candidates in {best.seconds:.3f} s · "
-        f"profile: {profile} ({prof.source})"
+        f"profile: {source}"
     )
+    D, K, T = r.data_parallel, r.stages, r.tensor_parallel
+    console.print(f"workers: D × K × T = {D} × {K} × {T} = {D * K * T} processes for `terapipe train`")
     warnings = [planned.allreduce_warning()]
     if planned.memory is not None:
         console.print(planned.memory.summary())
@@ -110,7 +157,9 @@ def _table(planned: Planned) -> Table:
     names the shape and the precision the profile timed (which the plan records and `terapipe train` runs)."""
     r = planned.request
     title = f"{planned.profile.model.name}: L={r.seq_len}, B={r.batch_size}, K={r.stages}"
-    title += (f", D={r.data_parallel}" if r.data_parallel > 1 else "") + f", {planned.profile.precision}"
+    title += f", D={r.data_parallel}" if r.data_parallel > 1 else ""
+    title += f", T={r.tensor_parallel}" if r.tensor_parallel > 1 else ""
+    title += f", {planned.profile.precision}"
     table = Table(title=title)
     table.add_column("scheme")
     table.add_column("slicing (short form)", overflow="fold", max_width=70)

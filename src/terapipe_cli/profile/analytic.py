@@ -42,17 +42,13 @@ Gemm = tuple[str, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
 def check_tensor_parallel(model: ModelConfig, hardware: Hardware, tensor_parallel: int) -> None:
     """Tensor parallelism splits heads and the MLP across GPUs of one node (docs/design.md §7)."""
-    t = tensor_parallel
-    if isinstance(t, bool) or not isinstance(t, int) or t < 1:
-        raise UserError(f"must be a positive integer, got {t!r}", where="tensor_parallel")
-    if t > hardware.gpus_per_node:
+    model.check_tensor_parallel(tensor_parallel)
+    if tensor_parallel > hardware.gpus_per_node:
         raise UserError(
-            f"is {t}, more than the {hardware.gpus_per_node} GPUs of a node of '{hardware.name}' "
+            f"is {tensor_parallel}, more than the {hardware.gpus_per_node} GPUs of a node of '{hardware.name}' "
             "(tensor parallelism stays inside a node)",
             where="tensor_parallel",
         )
-    if model.heads % t or (model.mlp_ratio * model.hidden) % t:
-        raise UserError(f"{t} does not divide the {model.heads} heads of model '{model.name}'", where="tensor_parallel")
 
 
 def forward_gemms(model: ModelConfig, b, i, j, tensor_parallel: int = 1) -> list[Gemm]:
