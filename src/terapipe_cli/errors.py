@@ -23,3 +23,13 @@ class UserError(ValueError):
 
     def __str__(self) -> str:
         return f"{self.where}: {self.message}" if self.where else self.message
+
+
+class Interrupted(Exception):
+    """The user stopped the command (Ctrl-C): one line saying where things stand and how to go on.
+
+    The CLI prints it and exits with 130 (128 + SIGINT), what a shell reports for a command ended by Ctrl-C.
+    Not a ``KeyboardInterrupt``: the work was already stopped cleanly where it was raised.
+    """
+
+    exit_code = 130

@@ -10,7 +10,7 @@ import sys
 
 import typer
 
-from terapipe_cli.errors import UserError
+from terapipe_cli.errors import Interrupted, UserError
 
 app = typer.Typer(
     name="terapipe",
@@ -71,6 +71,10 @@ def main(argv: list[str] | None = None) -> None:
         code = command.main(args=argv, prog_name="terapipe", standalone_mode=False)
     except UserError as e:
         fail(str(e))
+    except Interrupted as e:
+        sys.stdout.flush()
+        sys.stderr.write(f"terapipe: {e}\n")
+        raise SystemExit(Interrupted.exit_code) from None
     except getattr(_exceptions, "NoArgsIsHelpError", ()) as e:
         print(e.ctx.get_help())
         raise SystemExit(0) from None
@@ -80,10 +84,7 @@ def main(argv: list[str] | None = None) -> None:
         fail(f"{where}{e.format_message()}{hint}")
     except _exceptions.ClickException as e:
         fail(e.format_message())
-    except typer.Abort:
+    except (typer.Abort, KeyboardInterrupt):
         sys.stderr.write("terapipe: interrupted\n")
-        raise SystemExit(130) from None
-    except KeyboardInterrupt:
-        sys.stderr.write("terapipe: interrupted\n")
-        raise SystemExit(130) from None
+        raise SystemExit(Interrupted.exit_code) from None
     raise SystemExit(code if isinstance(code, int) else 0)

@@ -10,6 +10,13 @@ with each failed rank's exit code and error file (written by the worker), which 
 root cause: a rank that raised or was killed; else one that lost contact with a neighbour (`PeerLost`, which
 names the neighbour and says whether the connection closed or a wait timed out, as when a rank hangs);
 last, one merely stopped with SIGTERM by torchrun after the first failure.
+
+Ctrl-C: a terminal sends SIGINT to its foreground process group, which is this launcher alone (torchrun's agent
+runs in it; torchrun starts every worker in its own session). The agent would pass the SIGINT on to the workers,
+each of which would then raise ``KeyboardInterrupt`` and say so; `launch` stops them with SIGTERM instead (they
+end silently), waits for them, and raises `Interrupted` with the one line that says how to continue. Whatever
+torchrun logs goes into the run folder (``errors/torchrun.log``) when the launch fails or is interrupted, never
+onto the terminal; a launch that succeeds clears the error files an earlier attempt left there.
 """
 
 from __future__ import annotations
@@ -19,13 +26,18 @@ import math
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import terapipe_cli
+from terapipe_cli.errors import Interrupted, UserError
+from terapipe_cli.files import write_text_atomic
 
 WORKER_MODULE = "terapipe_cli.runtime.worker"
 
@@ -126,24 +138,135 @@ def run_torchrun(args: Sequence[str], *, threads: int, timeout_s: float) -> subp
 
 
 def launch(spec: Launch) -> None:
-    """Run the workers to completion; raise WorkerFailed naming the failed rank and its cause."""
+    """Run the workers to completion; raise WorkerFailed naming the failed rank and its cause, or Interrupted
+    (Ctrl-C) saying how to continue."""
     from torch.distributed import DistError
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     os.environ.update(worker_env(spec))
-    # torchrun's agent logs rendezvous details and a failure table at INFO/ERROR; our one line replaces them.
-    for name in ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher.api"):
-        logging.getLogger(name).setLevel(logging.CRITICAL)
+    args = torchrun.parse_args(torchrun_args(spec))
+    args.signals_to_handle = AGENT_SIGNALS  # not SIGINT: Ctrl-C is `_CtrlC`'s (torchrun's --signals-to-handle)
+    ctrl_c = _CtrlC()
     try:
-        torchrun.run(torchrun.parse_args(torchrun_args(spec)))
+        with _torchrun_log(spec.run_dir), ctrl_c.stops_workers():
+            torchrun.run(args)
     except ChildFailedError as e:
         raise WorkerFailed(describe_failure(e.failures, spec)) from None
     except SignalException as e:
+        if ctrl_c.pressed or e.sigval == signal.SIGINT:
+            raise Interrupted(interrupted_message(spec.run_dir)) from None
         raise WorkerFailed(f"the launcher received {e.sigval.name}; workers stopped") from None
     except DistError as e:  # the rendezvous: a node that never came, or node 0's that never answered
         raise WorkerFailed(describe_rendezvous_failure(e, spec)) from None
+    clear_errors(spec.run_dir)
+
+
+# torchrun's agent handles these signals by stopping the workers with the same signal and raising; SIGINT is
+# left out, so that Ctrl-C reaches `_CtrlC`. Only in `launch`: the torchrun of a pasted --dry-run command keeps
+# its own Ctrl-C handling.
+AGENT_SIGNALS = "SIGTERM,SIGHUP,SIGQUIT"
+
+
+class _CtrlC:
+    """Ctrl-C during a launch: the agent stops the workers with SIGTERM (they end at once, silently, where a
+    SIGINT would make every rank raise and print), and a second Ctrl-C cannot cut that clean-up short."""
+
+    pressed = False
+
+    @contextmanager
+    def stops_workers(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield  # signal handlers belong to the main thread; torchrun says the same
+            return
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        def on_sigint(signum, frame) -> None:
+            self.pressed = True
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            # Caught by the agent, which stops the workers with the exception's signal, then raises it on.
+            raise SignalException("Ctrl-C", sigval=signal.SIGTERM)
+
+        before = signal.signal(signal.SIGINT, on_sigint)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, before)
+
+
+TORCHRUN_LOG = "torchrun.log"
+
+
+@contextmanager
+def _torchrun_log(run_dir: Path) -> Iterator[None]:
+    """Keep torchrun's log off the terminal (its warnings and failure table; `launch` says what failed in one
+    line) and write it to ``run_dir/errors/torchrun.log`` if the launch does not succeed."""
+    logger = logging.getLogger("torch.distributed")  # every torchrun logger ends here (torch: propagate=False)
+    kept = _KeptLog()
+    before = (logger.handlers[:], logger.propagate)
+    logger.handlers, logger.propagate = [kept], False
+    try:
+        yield
+    except BaseException:
+        if kept.lines:
+            _write_error_file(run_dir / "errors" / TORCHRUN_LOG, "\n".join(kept.lines) + "\n")
+        raise
+    finally:
+        logger.handlers, logger.propagate = before
+
+
+class _KeptLog(logging.Handler):
+    """A log handler that keeps the formatted lines."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+        self.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(self.format(record))
+
+
+def _write_error_file(path: Path, text: str) -> None:
+    try:
+        write_text_atomic(path, text)
+    except OSError:
+        pass  # the folder is gone or read-only: the one line on the terminal still says what happened
+
+
+def clear_errors(run_dir: Path) -> None:
+    """After a launch that succeeded: the error files an earlier, failed or interrupted, attempt left in the
+    run folder no longer describe it."""
+    errors = Path(run_dir) / "errors"
+    for path in [*errors.glob("rank_*.txt"), errors / TORCHRUN_LOG]:
+        path.unlink(missing_ok=True)
+    try:
+        errors.rmdir()
+    except OSError:
+        pass  # not there, or holds something else
+
+
+def interrupted_message(run_dir: Path, *, restart: str | None = None, then: str = "") -> str:
+    """One line for a run stopped by Ctrl-C: the step it was in, its last complete checkpoint, and the command
+    that continues from there (``then``: what to run after it); ``restart``: what to do when there is no
+    checkpoint yet (default: start again elsewhere)."""
+    from terapipe_cli.runtime import checkpoint
+    from terapipe_cli.runtime.rundir import read_config, read_metrics
+
+    run_dir = Path(run_dir)
+    try:
+        done = max((int(r["step"]) for r in read_metrics(run_dir)), default=0)
+        steps = read_config(run_dir)[1].steps
+    except (UserError, KeyError, TypeError, ValueError):
+        done, steps = 0, None
+    where = f"interrupted at step {done + 1}" if steps is None or done < steps else f"interrupted after step {done}"
+    saved = checkpoint.latest_complete(run_dir)
+    if saved is None:
+        again = restart or f"start again with another --out (or delete {shlex.quote(str(run_dir))})"
+        return f"{where}; no complete checkpoint yet, nothing to resume: {again}"
+    command = ["terapipe", "train", "--resume", "--out", str(run_dir)] + (["--steps", str(steps)] if steps else [])
+    return f"{where}; the last complete checkpoint is step {saved}; continue with: {shlex.join(command)}{then}"
 
 
 def describe_rendezvous_failure(error: Exception, spec: Launch) -> str:
