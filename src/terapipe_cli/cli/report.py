@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -10,22 +11,28 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from terapipe_cli.cli.console import make_console
+from terapipe_cli.errors import Interrupted, UserError
+
 HELP = """Compare a training run with its GPipe baseline: latency, speed-up, predicted vs measured, idle time per \
 stage, memory, and the loss of every step (which must match: both are the same synchronous training).
 
 Without --baseline, trains the plan's GPipe scheme (same model, data, seed, steps, process layout, through the \
 same runtime) into the sibling folder RUN_DIR-gpipe first, or reuses the one an earlier report trained there. \
 Everything that can fail (the run, --warmup, --out, the profile, whether the baseline can train) is checked \
-before that training starts.
+before that training starts. --no-baseline trains nothing: the report describes the run alone (loss curve, \
+measured and predicted timeline, prediction error).
 
 Writes report.json, report.md, timeline.png (one row per stage, F/B boxes per tile, the run above the baseline \
 on one time axis, next to the simulator's prediction when the plan's profile is at hand), loss.png and \
 trace.json (Chrome trace, one process per rank: open in https://ui.perfetto.dev) into --out (default \
 RUN_DIR/report).
 
-Example:
+Examples:
 
     terapipe report runs/demo/run
+
+    terapipe report runs/demo/run --no-baseline
 """
 
 
@@ -36,6 +43,12 @@ def report(
     baseline: Annotated[
         Path | None, typer.Option("--baseline", help="Run directory of the baseline (default: train RUN_DIR-gpipe).")
     ] = None,
+    no_baseline: Annotated[
+        bool,
+        typer.Option(
+            "--no-baseline", help="Report on the run alone: no baseline is trained, no speed-up or loss comparison."
+        ),
+    ] = False,
     out: Annotated[
         Path | None, typer.Option("--out", "-o", help="Folder for the report (default: RUN_DIR/report).")
     ] = None,
@@ -45,38 +58,28 @@ def report(
         typer.Option("--profile", help="Profile for the simulator's predicted timelines (default: the plan's)."),
     ] = None,
 ) -> None:
-    from terapipe_cli.report.baseline import check_baseline
     from terapipe_cli.report.build import (
         check_report_dir,
         check_warmup,
-        find_baseline,
         find_cost_model,
-        load_baseline,
         loss_mismatch,
         report_dir,
         write_report,
     )
     from terapipe_cli.report.runs import load_run
-
-    console = Console(highlight=False)
     from terapipe_cli.runtime.rundir import check_not_live
 
+    console = make_console(highlight=False)
+    if no_baseline and baseline is not None:
+        raise UserError("a report has a baseline or not: pass --baseline RUN_DIR or --no-baseline", where="--baseline")
     # Everything that can fail is checked before a baseline is trained (minutes of work).
     check_not_live(run_dir, "report on it")
     run = load_run(run_dir)
     check_warmup(run, warmup)
     folder = report_dir(run, out)
     check_report_dir(folder)
-    choice = find_baseline(run, baseline)
     cost, cost_info = find_cost_model(run, profile)
-    if choice.exists:
-        base = load_baseline(run, choice.path)
-        if not choice.given:
-            console.print(f"reusing the GPipe baseline in {choice.path}")
-    else:
-        check_baseline(run, choice.path)
-        train_gpipe(console, run, choice.path)
-        base = load_baseline(run, choice.path)
+    base = None if no_baseline else _baseline(console, run, baseline)
     with console.status("writing the report …") as status:
         result = write_report(
             run,
@@ -95,11 +98,28 @@ def report(
         raise SystemExit(1)
 
 
+def _baseline(console: Console, run, given: Path | None):
+    """The baseline: the one given, the sibling an earlier report trained, or one trained now (checked first)."""
+    from terapipe_cli.report.baseline import check_baseline
+    from terapipe_cli.report.build import find_baseline, load_baseline
+
+    choice = find_baseline(run, given)
+    if choice.exists:
+        base = load_baseline(run, choice)
+        if not choice.given:
+            console.print(f"reusing the GPipe baseline in {choice.path}")
+        return base
+    check_baseline(run, choice.path)
+    train_gpipe(console, run, choice.path)
+    return load_baseline(run, choice)
+
+
 def train_gpipe(console: Console, run, path: Path) -> None:
-    """Train the run's GPipe baseline into ``path``; a failed worker is one line and exit code 1, as in train."""
+    """Train the run's GPipe baseline into ``path``; a failed worker is one line and exit code 1, as in train;
+    Ctrl-C is one line saying how to finish the baseline and then the report."""
     from terapipe_cli.plan import short_form
     from terapipe_cli.report.baseline import gpipe_plan_dict, train_baseline
-    from terapipe_cli.runtime.launch import WorkerFailed
+    from terapipe_cli.runtime.launch import WorkerFailed, interrupted_message
 
     scheme = short_form(gpipe_plan_dict(run.plan)["slices"])
     console.print(
@@ -112,11 +132,17 @@ def train_gpipe(console: Console, run, path: Path) -> None:
         sys.stdout.flush()
         sys.stderr.write(f"terapipe: error: the GPipe baseline failed: {e}\n")
         raise SystemExit(WorkerFailed.exit_code) from None
+    except Interrupted:
+        again = shlex.join(["terapipe", "report", str(run.path)])
+        line = interrupted_message(
+            path, restart=f"delete {shlex.quote(str(path))} and run {again}", then=f", then {again}"
+        )
+        raise Interrupted(f"the GPipe baseline was {line}") from None
 
 
 def render(console: Console, result: dict) -> None:
     """The report's summary in the terminal (the same tables as report.md)."""
-    from terapipe_cli.report.build import (
+    from terapipe_cli.report.text import (
         STAGE_HEADER,
         bubble_line,
         headline,
@@ -125,14 +151,11 @@ def render(console: Console, result: dict) -> None:
         loss_line,
         stage_rows,
         tile_speed_line,
+        title,
     )
 
-    r = result["run"]
-    title = (
-        f"{result['model']}: K={r['stages']}, B={r['batch_size']}, L={r['seq_len']} — "
-        f"steps {r['compared_steps'][0]}–{r['compared_steps'][1]} (after {result['warmup_steps']} warm-up)"
-    )
-    t = Table(title=title)
+    console.print(f"[bold]{title(result)}[/]", soft_wrap=True)  # whole, however narrow the table below
+    t = Table()
     for n, col in enumerate(latency_header(result)):
         t.add_column(col, justify="left" if n == 0 else "right")
     for row in latency_rows(result):
@@ -148,14 +171,15 @@ def render(console: Console, result: dict) -> None:
     console.print(bubble_line(result))
     if tile_speed_line(result):
         console.print(tile_speed_line(result))
-    ok = result["loss"]["match"]
-    console.print(("[green]" if ok else "[red]") + loss_line(result) + "[/]")
+    loss = result["loss"]
+    colour = "" if loss is None else "[green]" if loss["match"] else "[red]"
+    console.print(colour + loss_line(result) + ("[/]" if colour else ""))
     cm = result.get("cost_model") or {}
     if not cm.get("used"):
         console.print(f"(no predicted timeline: {cm.get('why')})")
     console.print("wrote:")
     for name, path in result["files"].items():
-        console.print(f"  {name:<13} {path}")
+        console.print(f"  {name:<13} {path}", markup=False, soft_wrap=True)
 
 
 def register(app: typer.Typer) -> None:

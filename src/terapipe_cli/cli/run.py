@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
+
+from terapipe_cli.cli.console import make_console
 
 HELP = """Run all four stages in order on the tiny model (K = 2 stages, B = 1), on the CPU whatever the machine \
 (--device cuda: on the GPU, the stages sharing it): measure a profile, plan the token slicing, train with the \
@@ -56,7 +57,7 @@ def run(
     from terapipe_cli.files import write_text_atomic
     from terapipe_cli.report.build import FILES
 
-    console = Console(highlight=False)
+    console = make_console(highlight=False)
     cfg = load_demo_config(config, quick=quick)
     device = resolve_device(device)
     paths = DemoPaths.fresh(out)

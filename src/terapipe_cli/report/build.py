@@ -1,9 +1,11 @@
 """Build the report of a run against its baseline: report.json, report.md, timeline.png, loss.png, trace.json.
 
 The command (`terapipe_cli.cli.report`) first checks everything that can fail: `load_run`, `check_warmup`,
-`report_dir` and `check_report_dir`, `find_baseline`, `find_cost_model`, and `load_baseline` for a baseline that
+`report_dir` and `check_report_dir`, `find_cost_model`, `find_baseline`, and `load_baseline` for a baseline that
 exists or `baseline.check_baseline` for one to train. Only then does it train (`baseline.train_baseline`), load
-the baseline, and `write_report` into the report folder.
+the baseline, and `write_report` into the report folder. With ``--no-baseline`` there is no baseline: the same
+files describe the run alone (loss curve, measured and predicted timeline, prediction error). The words and
+tables are `terapipe_cli.report.text`'s.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from terapipe_cli.report.baseline import baseline_dir
 from terapipe_cli.report.compare import compare
 from terapipe_cli.report.figures import TimelinePanel, draw_losses, draw_timelines
 from terapipe_cli.report.runs import Run, check_comparable, load_run
+from terapipe_cli.report.text import shape, to_markdown
 from terapipe_cli.report.trace import TraceRun, chrome_trace
 from terapipe_cli.schedule import plan_tiles, stage_times
-from terapipe_cli.units import format_bytes, format_seconds, utc_timestamp
+from terapipe_cli.units import format_seconds, utc_timestamp
 
 FILES = ("report.json", "report.md", "timeline.png", "loss.png", "trace.json")
 
@@ -56,7 +59,7 @@ def check_report_dir(path: Path) -> None:
 def loss_mismatch(report: dict) -> str | None:
     """Why the report must fail (the two runs' losses differ beyond tolerance), or None when they match."""
     loss = report["loss"]
-    if loss["match"]:
+    if loss is None or loss["match"]:
         return None
     return (
         "the losses of the run and its baseline differ beyond fp32 tolerance "
@@ -80,18 +83,27 @@ def find_baseline(run: Run, baseline: Path | None) -> BaselineChoice:
     if (sibling / "config.json").exists():
         if not (sibling / "summary.json").exists():
             raise UserError(
-                "holds an unfinished baseline run (no summary.json): delete the folder to train it "
-                "again, or pass another run with --baseline",
-                where=str(sibling),
+                "holds an unfinished baseline run (no summary.json): " + _instead(sibling), where=str(sibling)
             )
         return BaselineChoice(sibling, True, False)
     return BaselineChoice(sibling, False, False)
 
 
-def load_baseline(run: Run, path: Path) -> Run:
-    """Load a baseline and check it is the same training as the run."""
-    baseline = load_run(path)
-    check_comparable(run, baseline)
+def _instead(sibling: Path) -> str:
+    """What to do about a baseline folder the report cannot use: the folder to delete, or the flags to pass."""
+    return f"delete {sibling} to have the report train it again, or pass --baseline RUN_DIR or --no-baseline"
+
+
+def load_baseline(run: Run, choice: BaselineChoice) -> Run:
+    """Load a baseline and check it is the same training as the run. A sibling that is not (an earlier report's
+    baseline of a run since trained again with other settings) is refused naming the folder to delete."""
+    try:
+        baseline = load_run(choice.path)
+        check_comparable(run, baseline)
+    except UserError as e:
+        if choice.given:
+            raise
+        raise UserError(f"{e.message}; {_instead(choice.path)}", where=e.where) from None
     return baseline
 
 
@@ -132,53 +144,40 @@ def find_cost_model(run: Run, profile: Path | None):
     return cost, info
 
 
-def simulate_runs(run: Run, baseline: Run, cost) -> dict:
-    """Predicted timelines of both schemes under the same cost model (`terapipe_cli.simulate`)."""
+def simulate_runs(runs: dict[str, Run], cost) -> dict:
+    """Predicted timelines of each run's scheme (``{"run": ..., "baseline": ...}``) under the same cost model
+    (`terapipe_cli.simulate`)."""
     from terapipe_cli.simulate import simulate
 
-    return {
-        "run": simulate(run.plan.slices, cost, run.stages),
-        "baseline": simulate(baseline.plan.slices, cost, baseline.stages),
-    }
+    return {key: simulate(r.plan.slices, cost, r.stages) for key, r in runs.items()}
 
 
 def write_report(
-    run: Run, baseline: Run, out: Path, *, warmup: int, cost=None, cost_info: dict | None = None, progress=None
+    run: Run, baseline: Run | None, out: Path, *, warmup: int, cost=None, cost_info: dict | None = None, progress=None
 ) -> dict:
-    """Compute the comparison and write every file into ``out``; returns the report object (as in report.json)."""
+    """Compute the comparison and write every file into ``out``; returns the report object (as in report.json).
+    Without a baseline (None) the same files describe the run alone."""
     step = progress or (lambda what: None)
-    sims = simulate_runs(run, baseline, cost) if cost is not None else {}
+    runs = {"run": run} | ({"baseline": baseline} if baseline is not None else {})
+    sims = simulate_runs(runs, cost) if cost is not None else {}
     report = compare(run, baseline, warmup=warmup, sims=sims, cost_model=cost_info)
     out = Path(out)
-    files = {name: str(out / name) for name in FILES}
-    report["files"] = files
+    report["files"] = {name: str(out / name) for name in FILES}
     report["created"] = utc_timestamp()
-
     step("timeline.png")
-    draw_timelines(
-        _timeline_grid(run, baseline, report, sims),
-        out / "timeline.png",
-        title=f"{report['model']}: K={run.stages} stages, B={run.plan.batch_size}, L={run.plan.seq_len} — "
-        f"{report['run']['label']} {report['speedup']['median']:.2f}× the speed of "
-        f"{report['baseline']['label']} (median step); one typical step of each, same time axis",
-    )
+    draw_timelines(_timeline_grid(runs, report, sims), out / "timeline.png", title=_timeline_title(report))
     step("loss.png")
-    loss = report["loss"]
     draw_losses(
-        [
-            (report["run"]["label"], report["run"]["losses"]),
-            (report["baseline"]["label"], report["baseline"]["losses"]),
-        ],
+        [(report[key]["label"], report[key]["losses"]) for key in runs],
         out / "loss.png",
         warmup=report["warmup_steps"],
-        title=f"same training, two schedules: max |Δloss| = {loss['max_abs_diff']:.2g} "
-        f"(max relative {loss['max_rel_diff']:.2g})",
+        title=_loss_title(report),
     )
     step("trace.json")
     trace = chrome_trace(
         [
             TraceRun(report[key]["label"], r.events, [m["iteration_s"] for m in r.metrics], r.stages, r.plan.slices)
-            for key, r in (("run", run), ("baseline", baseline))
+            for key, r in runs.items()
         ]
     )
     write_json_atomic(out / "trace.json", trace)
@@ -188,9 +187,29 @@ def write_report(
     return report
 
 
-def _timeline_grid(run: Run, baseline: Run, report: dict, sims: dict) -> list[list[TimelinePanel | None]]:
+def _timeline_title(report: dict) -> str:
+    r, b = report["run"], report["baseline"]
+    if b is None:
+        return f"{report['model']}: {shape(report)} — {r['label']}, one typical step (no baseline run)"
+    return (
+        f"{report['model']}: {shape(report)} — {r['label']} {report['speedup']['median']:.2f}× the speed of "
+        f"{b['label']} (median step); one typical step of each, same time axis"
+    )
+
+
+def _loss_title(report: dict) -> str:
+    loss = report["loss"]
+    if loss is None:
+        return f"training loss of {report['run']['label']} (no baseline run to compare with)"
+    return (
+        f"same training, two schedules: max |Δloss| = {loss['max_abs_diff']:.2g} "
+        f"(max relative {loss['max_rel_diff']:.2g})"
+    )
+
+
+def _timeline_grid(runs: dict[str, Run], report: dict, sims: dict) -> list[list[TimelinePanel | None]]:
     grid = []
-    for key, r in (("run", run), ("baseline", baseline)):
+    for key, r in runs.items():
         s = report[key]
         order = {(t.batch_slice, t.token_slice): n for n, t in enumerate(plan_tiles(r.plan.slices))}
         step = s["representative_step"]
@@ -221,190 +240,3 @@ def _timeline_grid(run: Run, baseline: Run, report: dict, sims: dict) -> list[li
             )
         grid.append(row)
     return grid
-
-
-def _seconds(s: float | None) -> str:
-    """The report's times: tenths of a millisecond."""
-    return format_seconds(s, digits=1)
-
-
-def _pct(x: float | None) -> str:
-    return "–" if x is None else f"{x:+.1%}"
-
-
-def latency_rows(report: dict) -> list[list[str]]:
-    """The main table, one row per quantity and one column per run (shared by the terminal and report.md)."""
-    r, b = report["run"], report["baseline"]
-
-    def row(name: str, f) -> list[str]:
-        return [name, f(r), f(b)]
-
-    def sim(s: dict, key: str):
-        return s["simulated"][key] if s["simulated"] else None
-
-    return [
-        row("tiles per step (M)", lambda s: str(s["tiles"])),
-        row("iteration, median", lambda s: _seconds(s["latency_s"]["median"])),
-        row(
-            "iteration, mean ± std", lambda s: f"{_seconds(s['latency_s']['mean'])} ± {_seconds(s['latency_s']['std'])}"
-        ),
-        row("iteration, min – max", lambda s: f"{_seconds(s['latency_s']['min'])} – {_seconds(s['latency_s']['max'])}"),
-        row("tokens/s", lambda s: f"{s['tokens_per_s']:,.0f}"),
-        row(
-            "predicted by the plan (error)", lambda s: f"{_seconds(s['predicted_s'])} ({_pct(s['predicted_rel_err'])})"
-        ),
-        row(
-            "predicted by the simulator (error)",
-            lambda s: f"{_seconds(sim(s, 'latency_s'))} ({_pct(sim(s, 'rel_err'))})" if s["simulated"] else "–",
-        ),
-        row("bubble, measured", lambda s: f"{s['bubble_fraction']:.1%}"),
-        row("bubble, simulated", lambda s: f"{sim(s, 'bubble_fraction'):.1%}" if s["simulated"] else "–"),
-        row("bubble, (K−1)/(M+K−1)", lambda s: f"{s['bubble_formula']:.1%}"),
-        row("peak memory (largest rank)", lambda s: format_bytes(s["peak_memory_bytes"], "MiB")),
-    ]
-
-
-def latency_header(report: dict) -> list[str]:
-    return ["", report["run"]["label"], report["baseline"]["label"]]
-
-
-STAGE_HEADER = ["schedule", "stage", "busy per step", "idle per step", "busy share"]
-
-
-def stage_rows(report: dict) -> list[list[str]]:
-    rows = []
-    for key in ("run", "baseline"):
-        s = report[key]
-        for st in s["stage_times"]:
-            rows.append(
-                [
-                    s["label"],
-                    str(st["stage"]),
-                    _seconds(st["busy_s"]),
-                    _seconds(st["idle_s"]),
-                    f"{st['busy_fraction']:.0%}",
-                ]
-            )
-    return rows
-
-
-def headline(report: dict) -> str:
-    sp = report["speedup"]
-    r, b = report["run"], report["baseline"]
-    verdict = (
-        f"{r['label']} is {sp['median']:.2f}× faster than {b['label']}"
-        if sp["median"] >= 1
-        else f"{r['label']} is slower than {b['label']} here, {sp['median']:.2f}× its speed"
-    )
-    return (
-        f"{verdict} (median iteration {_seconds(r['latency_s']['median'])} vs {_seconds(b['latency_s']['median'])}, "
-        f"steps {r['compared_steps'][0]}–{r['compared_steps'][1]}); the plan predicted "
-        + (f"{sp['predicted']:.2f}×" if sp["predicted"] else "–")
-        + (f", the simulator {sp['simulated']:.2f}×" if sp["simulated"] else "")
-        + "."
-    )
-
-
-def tile_speed_line(report: dict) -> str | None:
-    """Why measured and predicted differ, when the simulator ran: did the tiles take their profiled time?"""
-    r, b = report["run"], report["baseline"]
-    if not (r["simulated"] and b["simulated"]):
-        return None
-    text = (
-        f"Tile compute took {r['simulated']['busy_ratio']:.2f}× the profile's prediction with {r['label']} and "
-        f"{b['simulated']['busy_ratio']:.2f}× with {b['label']} (measured busy time per stage / simulated)."
-    )
-    if r["simulated"]["busy_ratio"] > 1.2 * b["simulated"]["busy_ratio"]:
-        text += (
-            f" {r['label']}'s stages compute at the same time, so anything they share — cores, memory "
-            "bandwidth, other processes on the machine — slows its tiles more than GPipe's, which mostly take "
-            "turns."
-        )
-    return text
-
-
-def loss_line(report: dict) -> str:
-    loss = report["loss"]
-    verdict = "match" if loss["match"] else "DO NOT match"
-    return (
-        f"Losses {verdict} at every one of the {loss['steps']} steps: max |Δ| = {loss['max_abs_diff']:.3g}, "
-        f"max relative {loss['max_rel_diff']:.3g} (tolerance {loss['rel_tolerance']:g}, fp32) — "
-        "both runs are the same synchronous training."
-    )
-
-
-def bubble_line(report: dict) -> str:
-    r, b = report["run"], report["baseline"]
-    return (
-        f"Idle time: the stages wait {r['bubble_fraction']:.0%} of the pipelined span with {r['label']} "
-        f"({_tiles(r['tiles'])}) vs {b['bubble_fraction']:.0%} with {b['label']} ({_tiles(b['tiles'])}); "
-        f"the formula (K−1)/(M+K−1) for equal tiles says {r['bubble_formula']:.0%} vs {b['bubble_formula']:.0%}."
-    )
-
-
-def _tiles(n: int) -> str:
-    return f"{n} tile" + ("" if n == 1 else "s")
-
-
-def to_markdown(report: dict) -> str:
-    r, b = report["run"], report["baseline"]
-    cm = report.get("cost_model") or {}
-
-    def table(header: list[str], rows: list[list[str]]) -> str:
-        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows]
-        return "\n".join(lines)
-
-    files = report["files"]
-    parts = [
-        f"# terapipe report: {report['model']}, K={r['stages']}, B={r['batch_size']}, L={r['seq_len']}"
-        + (f", D={r['data_parallel']}" if r["data_parallel"] > 1 else ""),
-        "",
-        headline(report),
-        "",
-        f"- {r['label']} run: `{r['path']}` — `{r['short_form']}`",
-        f"- {b['label']} baseline: `{b['path']}` — `{b['short_form']}`",
-        f"- device: {r['device']}; {report['warmup_steps']} warm-up step(s) left out of the timings; "
-        f"{r['tokens_per_step']} tokens per step",
-        "",
-        "## Iteration latency",
-        "",
-        table(latency_header(report), latency_rows(report)),
-        "",
-        "Predictions are the plan's objective (docs/design.md §4) and the schedule simulator, both from the cost model"
-        + (
-            f" of `{cm.get('profile')}` ({cm.get('source')})"
-            if cm.get("used")
-            else f" (simulator not run: {cm.get('why', 'no cost model')})"
-        )
-        + "; errors are (predicted − measured median) / measured median. Peak memory is the largest rank's "
-        "(on CPU: the process's peak resident memory).",
-        "",
-        "## Where the time goes",
-        "",
-        bubble_line(report),
-        "",
-        *([tile_speed_line(report), ""] if tile_speed_line(report) else []),
-        table(STAGE_HEADER, stage_rows(report)),
-        "",
-        f"![timeline]({Path(files['timeline.png']).name})",
-        "",
-        "## Loss",
-        "",
-        loss_line(report),
-        "",
-        table(
-            ["step", r["label"], b["label"], "|Δ|"],
-            [
-                [str(n), f"{x:.6f}", f"{y:.6f}", f"{abs(x - y):.2g}"]
-                for n, (x, y) in enumerate(zip(r["losses"], b["losses"], strict=False), 1)
-            ],
-        ),
-        "",
-        f"![loss]({Path(files['loss.png']).name})",
-        "",
-        f"Chrome trace (one process per rank, both runs): `{Path(files['trace.json']).name}` — open it in "
-        "https://ui.perfetto.dev.",
-        "",
-    ]
-    return "\n".join(parts)

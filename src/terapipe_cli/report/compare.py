@@ -87,6 +87,7 @@ def summarize(run: Run, label: str, warmup: int, sim: SimResult | None = None) -
         "short_form": run.plan.short_form(),
         "stages": run.stages,
         "data_parallel": run.args.data_parallel,
+        "tensor_parallel": run.tensor_parallel,
         "batch_size": run.plan.batch_size,
         "seq_len": run.plan.seq_len,
         "tiles": run.tiles,
@@ -141,28 +142,42 @@ def compare_losses(run: Run, baseline: Run, rtol: float = LOSS_RTOL) -> dict:
 
 
 def compare(
-    run: Run, baseline: Run, *, warmup: int, sims: dict[str, SimResult] | None = None, cost_model: dict | None = None
+    run: Run,
+    baseline: Run | None,
+    *,
+    warmup: int,
+    sims: dict[str, SimResult] | None = None,
+    cost_model: dict | None = None,
 ) -> dict:
-    """The report object (schema ``terapipe.report/1``) without its ``files`` and ``created`` fields."""
+    """The report object (schema ``terapipe.report/1``) without its ``files`` and ``created`` fields. Without a
+    baseline (``terapipe report --no-baseline``) its ``baseline``, ``speedup`` and ``loss`` are null."""
     sims = sims or {}
     r = summarize(run, "TeraPipe", warmup, sims.get("run"))
-    b = summarize(baseline, "GPipe" if _is_gpipe(baseline) else "baseline", warmup, sims.get("baseline"))
-    return {
+    report = {
         "schema": REPORT_SCHEMA,
         "warmup_steps": min(warmup, len(run.steps) - 1),
         "model": run.plan.model.name,
         "run": r,
-        "baseline": b,
-        "speedup": {
-            "median": b["latency_s"]["median"] / r["latency_s"]["median"],
-            "mean": b["latency_s"]["mean"] / r["latency_s"]["mean"],
-            "predicted": (b["predicted_s"] / r["predicted_s"]) if r["predicted_s"] and b["predicted_s"] else None,
-            "simulated": (b["simulated"]["latency_s"] / r["simulated"]["latency_s"])
-            if r["simulated"] and b["simulated"]
-            else None,
-        },
-        "loss": compare_losses(run, baseline),
+        "baseline": None,
+        "speedup": None,
+        "loss": None,
         "cost_model": cost_model,
+    }
+    if baseline is not None:
+        b = summarize(baseline, "GPipe" if _is_gpipe(baseline) else "baseline", warmup, sims.get("baseline"))
+        report.update(baseline=b, speedup=speedup(r, b), loss=compare_losses(run, baseline))
+    return report
+
+
+def speedup(r: dict, b: dict) -> dict:
+    """The baseline's times over the run's (> 1: the run is faster): measured, predicted, simulated."""
+    return {
+        "median": b["latency_s"]["median"] / r["latency_s"]["median"],
+        "mean": b["latency_s"]["mean"] / r["latency_s"]["mean"],
+        "predicted": (b["predicted_s"] / r["predicted_s"]) if r["predicted_s"] and b["predicted_s"] else None,
+        "simulated": (b["simulated"]["latency_s"] / r["simulated"]["latency_s"])
+        if r["simulated"] and b["simulated"]
+        else None,
     }
 
 

@@ -146,9 +146,14 @@ def _draw_panel(ax, panel: TimelinePanel, x_max: float, Rectangle, *, min_label_
 def draw_losses(
     series: Sequence[tuple[str, Sequence[float]]], path: str | Path, *, warmup: int = 0, title: str = ""
 ) -> Path:
-    """Loss per step of each run (top) and the absolute difference of every run from the first (bottom)."""
+    """Loss per step of each run (top) and, with more than one run, the absolute difference of every run from
+    the first (bottom)."""
     plt = _pyplot()
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    if len(series) > 1:
+        fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    else:
+        fig, top = plt.subplots(1, 1, figsize=(10, 4.5))
+        bottom = None
     styles = [
         dict(linestyle="-", marker="o", markersize=4, linewidth=1.8),
         dict(linestyle="--", marker="x", markersize=6, linewidth=1.2),
@@ -169,15 +174,18 @@ def draw_losses(
                 label=f"|{label} − {series[0][0]}|",
             )
     for ax in (top, bottom):
+        if ax is None:
+            continue
         if warmup:
             ax.axvspan(0.5, warmup + 0.5, color="#eeeeee", zorder=0, label="warm-up (not timed)" if ax is top else None)
         ax.grid(color="#dddddd", linewidth=0.6)
     top.set_ylabel("training loss")
     top.legend(frameon=False)
-    bottom.set_ylabel("absolute difference")
-    bottom.set_xlabel("step")
-    bottom.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
-    bottom.legend(frameon=False, fontsize=9)
+    if bottom is not None:
+        bottom.set_ylabel("absolute difference")
+        bottom.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
+        bottom.legend(frameon=False, fontsize=9)
+    (bottom or top).set_xlabel("step")
     if title:
         top.set_title(title, loc="left", fontsize=11)
     fig.tight_layout()

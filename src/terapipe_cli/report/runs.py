@@ -34,6 +34,11 @@ class Run:
         return self.plan.stages
 
     @property
+    def tensor_parallel(self) -> int:
+        """T, the processes that share each stage (1 in runs from before tensor parallelism)."""
+        return int(self.config["arguments"].get("tensor_parallel", 1))
+
+    @property
     def world_size(self) -> int:
         return self.plan.stages * self.args.data_parallel
 
@@ -162,6 +167,12 @@ def check_comparable(run: Run, baseline: Run) -> None:
             raise UserError(
                 f"the baseline was trained with {key} = {b!r}, the run with {a!r}: not comparable", where=where
             )
+    if run.tensor_parallel != baseline.tensor_parallel:
+        raise UserError(
+            f"the baseline was trained with tensor_parallel = {baseline.tensor_parallel}, the run with "
+            f"{run.tensor_parallel}: not comparable",
+            where=where,
+        )
     if run.config.get("device") != baseline.config.get("device"):
         raise UserError(
             f"the baseline ran on {baseline.config.get('device')!r}, the run on "

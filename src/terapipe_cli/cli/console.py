@@ -1,0 +1,38 @@
+"""The one way commands make their rich Console, so that tables stay readable when the output is piped."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from rich.console import Console
+
+# Piped output has no terminal to measure, and rich would then fit every table into 80 columns, wrapping a
+# plan's slicing one word per line. A file or a pager can take long lines; the widest table (the plan's) fits.
+PIPED_WIDTH = 160
+
+
+def make_console(*, stderr: bool = False, **options) -> Console:
+    """A Console for a command's output (``options`` go to rich): on a terminal, the terminal's width; when
+    the output is not a terminal and COLUMNS is not set, at least `PIPED_WIDTH` columns."""
+    stream = sys.stderr if stderr else sys.stdout
+    if "width" not in options and not os.environ.get("COLUMNS", "").isdigit() and not _is_terminal(stream):
+        options["width"] = max(_terminal_width(), PIPED_WIDTH)
+    return Console(stderr=stderr, **options)
+
+
+def _terminal_width() -> int:
+    """The width of the terminal on any of the standard streams (``cmd | less``: stderr's), else 0."""
+    for fd in (1, 2, 0):
+        try:
+            return os.get_terminal_size(fd).columns
+        except OSError:
+            continue
+    return 0
+
+
+def _is_terminal(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # replaced by an object without isatty, or closed
+        return False
