@@ -16,6 +16,7 @@ from conftest import CUDA_VISIBLE_DEVICES, ROOT, assert_one_line_error, gpu_test
 
 from terapipe_cli.errors import UserError
 from terapipe_cli.runtime import prepare, worker
+from terapipe_cli.runtime.mesh import Layout
 from terapipe_cli.runtime.p2p import Links, host_all_reduce, host_staged
 from terapipe_cli.runtime.rundir import read_summary
 
@@ -66,8 +67,8 @@ def test_more_workers_than_gpus_is_allowed_on_cuda(monkeypatch):
     """The measured failure on a 1-GPU machine: K = 2 used to be refused ("more than allowed here (1: 1 GPU(s))")."""
     monkeypatch.setattr(prepare, "gpu_count", lambda: 1)
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
-    assert prepare.workers_per_node(2, 1, 1, "cuda") == 2
-    assert prepare.workers_per_node(2, 2, 1, "cuda") == 4
+    assert prepare.workers_per_node(Layout(1, 2), 1, "cuda") == 2
+    assert prepare.workers_per_node(Layout(2, 2), 1, "cuda") == 4
     allowed, why = prepare.max_workers_per_node("cuda")
     assert allowed == prepare.CPU_WORKERS_PER_CORE * 2 and "beyond the 1 GPU share them" in why
 
@@ -76,9 +77,9 @@ def test_workers_beyond_the_cores_are_still_refused_in_one_line(monkeypatch):
     monkeypatch.setattr(prepare, "gpu_count", lambda: 1)
     monkeypatch.setattr(os, "cpu_count", lambda: 1)
     with pytest.raises(UserError) as e:
-        prepare.workers_per_node(4, 2, 1, "cuda")
+        prepare.workers_per_node(Layout(2, 4), 1, "cuda")
     msg = str(e.value)
-    assert "8 workers per machine" in msg and "4 x 1 CPU cores" in msg and "\n" not in msg
+    assert "8 per machine" in msg and "4 x 1 CPU cores" in msg and "\n" not in msg
 
 
 def test_a_worker_sharing_the_gpu_uses_gpu_local_rank_mod_gpus(monkeypatch):

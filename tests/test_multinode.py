@@ -17,6 +17,7 @@ import pytest
 from conftest import ROOT, terapipe, write_plan_file
 
 from terapipe_cli.runtime import checkpoint
+from terapipe_cli.runtime.mesh import Layout
 from terapipe_cli.runtime.rundir import read_metrics, read_summary, timeline_path
 from terapipe_cli.runtime.worker import FAULT_ENV, folder_roles
 
@@ -118,18 +119,22 @@ def test_folder_roles():
     """Who writes checkpoint files: the lowest rank of each stage in each folder; the folder's lowest marks it."""
     # K = 2, D = 2 on two nodes, node-local folders: node 1 holds replica 1 and writes both its stages.
     owners = [0, 0, 1, 1]
-    assert [folder_roles(r, 2, owners) for r in range(4)] == [
+    assert [folder_roles(r, Layout(2, 2), owners) for r in range(4)] == [
         {"writes_shard": True, "marks_stages": [0, 1]},
         {"writes_shard": True, "marks_stages": None},
         {"writes_shard": True, "marks_stages": [0, 1]},
         {"writes_shard": True, "marks_stages": None},
     ]
     # The same run in one shared folder: replica 0 writes, rank 0 marks.
-    shared = [folder_roles(r, 2, [0, 0, 0, 0]) for r in range(4)]
+    shared = [folder_roles(r, Layout(2, 2), [0, 0, 0, 0]) for r in range(4)]
     assert [x["writes_shard"] for x in shared] == [True, True, False, False]
     assert [x["marks_stages"] for x in shared] == [[0, 1], None, None, None]
     # K = 2, D = 1, node-local: each node marks its own stage.
-    assert folder_roles(1, 2, [0, 1]) == {"writes_shard": True, "marks_stages": [1]}
+    assert folder_roles(1, Layout(1, 2), [0, 1]) == {"writes_shard": True, "marks_stages": [1]}
+    # K = 2, T = 2 in one folder: tensor rank 0 of each stage writes the stage's whole (gathered) file.
+    tensor = [folder_roles(r, Layout(1, 2, 2), [0, 0, 0, 0]) for r in range(4)]
+    assert [x["writes_shard"] for x in tensor] == [True, False, True, False]
+    assert tensor[0]["marks_stages"] == [0, 1]
 
 
 def test_join_run_folder(tmp_path):

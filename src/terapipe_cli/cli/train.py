@@ -21,8 +21,9 @@ CPP_LOG_LEVEL = "TORCH_CPP_LOG_LEVEL"
 if TYPE_CHECKING:
     from terapipe_cli.runtime.prepare import PreparedRun
 
-HELP = """Train on a plan: launch K x D torchrun workers (K pipeline stages, D data-parallel replicas) that run \
-every step cut into the plan's tiles, with exactly the update single-device training would make.
+HELP = """Train on a plan: launch D x K x T torchrun workers (D data-parallel replicas of K pipeline stages, each \
+stage split over T tensor-parallel processes) that run every step cut into the plan's tiles, with exactly the \
+update single-device training would make.
 
 Every step: the lr of a linear warm-up, then a cosine decay to --min-lr at the last step; the gradient norm over \
 all stages clipped to --grad-clip; AdamW on fp32 master weights. --precision bf16 or fp16 computes under \
@@ -36,6 +37,8 @@ Examples:
     terapipe train --plan plan.json --steps 2000 --lr 6e-4 --warmup-steps 100 --min-lr 6e-5 --grad-clip 1.0
 
     terapipe train --plan plan.json --precision fp16 --verify
+
+    terapipe train --plan plan.json --tensor-parallel 2 --dry-run     # show the process mesh, run nothing
 
 Writes runs/NAME/: config.json, plan.json, metrics.jsonl, timelines/, checkpoints/, summary.json. gloo on CPU \
 (one thread per worker unless --threads), NCCL on CUDA with a GPU per worker; with more workers than GPUs \
@@ -119,7 +122,15 @@ def train(
     precision: PrecisionOption = None,
     accept_precision: AcceptPrecisionOption = False,
     data_parallel: Annotated[
-        int | None, typer.Option("--data-parallel", help="Data-parallel replicas D (default: the plan's).")
+        int | None, typer.Option("--data-parallel", "-d", help="Data-parallel replicas D (default: the plan's).")
+    ] = None,
+    tensor_parallel: Annotated[
+        int | None,
+        typer.Option(
+            "--tensor-parallel",
+            "-t",
+            help="Tensor-parallel processes T per stage, splitting heads and MLP (default: the plan's).",
+        ),
     ] = None,
     verify: Annotated[
         bool, typer.Option("--verify", help="Compare with a single-process reference; exit 1 on a mismatch.")
@@ -144,7 +155,7 @@ def train(
     _quiet_torch_logging()
     require_torch("terapipe train")
     from terapipe_cli.runtime.launch import command_line
-    from terapipe_cli.runtime.prepare import kv_handback_requested, prepare_run
+    from terapipe_cli.runtime.prepare import negative_controls, prepare_run
     from terapipe_cli.runtime.rundir import check_not_live
 
     if node_rank == 0:  # other nodes join node 0's run, which holds the lock of a shared folder
@@ -157,6 +168,7 @@ def train(
         seed=seed,
         lr=lr,
         data_parallel=data_parallel,
+        tensor_parallel=tensor_parallel,
         verify=verify,
         resume=resume,
         nnodes=nnodes,
@@ -166,7 +178,7 @@ def train(
         threads=threads,
         timeout_s=timeout_s,
         device=device,
-        kv_handback=kv_handback_requested(),
+        **negative_controls(),
         write=not dry_run,
         precision=precision,
         warmup_steps=warmup_steps,
@@ -176,6 +188,9 @@ def train(
         rdzv_timeout_s=rdzv_timeout,
     )
     if dry_run:
+        console = Console(highlight=False)
+        console.print(f"process mesh (data, pipeline, tensor): {prepared.layout.shape_text()}")
+        console.print(_mesh_table(prepared))
         print(command_line(prepared.launch))
         return
     _launch(prepared, verify)
@@ -222,14 +237,31 @@ def _quiet_torch_logging() -> None:
 def _headline(prepared: PreparedRun) -> str:
     from terapipe_cli.runtime.prepare import placement_note
 
-    p, spec = prepared.plan, prepared.launch
+    p, spec, args = prepared.plan, prepared.launch, prepared.args
+    tensor = f" T={args.tensor_parallel}" if args.tensor_parallel > 1 else ""
     return (
-        f"[bold]terapipe train[/] {p.short_form()}  K={p.stages} D={prepared.args.data_parallel} "
+        f"[bold]terapipe train[/] {p.short_form()}  K={p.stages} D={args.data_parallel}{tensor} "
         f"({spec.nproc_per_node * spec.nnodes} workers, "
         f"{placement_note(prepared.device, spec.nproc_per_node)}, "
         f"{prepared.args.precision})  -> {spec.run_dir}"
         + (f"  (resuming after step {spec.resume_step})" if spec.resume_step is not None else "")
     )
+
+
+def _mesh_table(prepared: PreparedRun, most: int = 64) -> Table:
+    """The process mesh (data, pipeline, tensor): where each rank sits and on which machine (the first ``most``)."""
+    layout, spec = prepared.layout, prepared.launch
+    table = Table()
+    for column in ("rank", "node", "replica", "stage", "tensor rank", "sends to"):
+        table.add_column(column, justify="right")
+    for rank in range(min(layout.world, most)):
+        _, after = layout.neighbours(rank)
+        node = rank // spec.nproc_per_node
+        row = (rank, node, layout.replica(rank), layout.stage(rank), layout.tensor_rank(rank))
+        table.add_row(*map(str, row), "—" if after is None else f"rank {after}")
+    if layout.world > most:
+        table.caption = f"… and {layout.world - most} more ranks"
+    return table
 
 
 def _fail(message: str, code: int) -> None:

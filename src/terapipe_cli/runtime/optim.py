@@ -90,14 +90,19 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 
 def clip_global_norm(
-    params: list[nn.Parameter], max_norm: float, sum_across: Callable[[torch.Tensor], None] | None = None
+    params: list[nn.Parameter],
+    max_norm: float,
+    sum_across: Callable[[torch.Tensor], None] | None = None,
+    counted: list[nn.Parameter] | None = None,
 ) -> float:
     """Scale every gradient so that the global norm is at most ``max_norm``; returns the norm before clipping.
 
-    ``sum_across`` sums a float64 scalar tensor in place over the stages that share the model (an all-reduce
-    over the pipeline group); None for a model held whole. ``max_norm <= 0`` measures without clipping.
+    ``sum_across`` sums a float64 scalar tensor in place over the processes that share the model (an
+    all-reduce over the stages and tensor ranks of one replica); None for a model held whole. ``counted``: the
+    parameters whose squares this process adds (None: all of ``params``) — with tensor parallelism a parameter
+    every tensor rank holds whole is counted by one of them only. ``max_norm <= 0`` measures without clipping.
     """
-    grads = [p.grad for p in params if p.grad is not None]
+    grads = [p.grad for p in (params if counted is None else counted) if p.grad is not None]
     local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=params[0].device)
     squares = local.double().pow(2)
     if sum_across is not None:
@@ -165,12 +170,14 @@ def take_step(
     loss_scale: LossScale | None = None,
     sum_across: Callable[[torch.Tensor], None] | None = None,
     overflow_anywhere: Callable[[bool], bool] | None = None,
+    counted: list[nn.Parameter] | None = None,
 ) -> StepOutcome:
     """The update from the step's complete gradients, the same in every stage and in the reference.
 
     With a ``loss_scale`` (fp16): unscale the gradients, ask ``overflow_anywhere`` (all ranks; None: only this
     process) and, on an overflow, skip the step and lower the scale. Then clip by the global norm
-    (`clip_global_norm` with ``sum_across``) and step. The gradients stay in ``.grad`` unscaled and clipped.
+    (`clip_global_norm` with ``sum_across`` and ``counted``) and step. The gradients stay in ``.grad``
+    unscaled and clipped.
     """
     if loss_scale is not None:
         overflow = unscale_grads(params, loss_scale.scale)
@@ -179,7 +186,7 @@ def take_step(
         loss_scale.update(overflow)
         if overflow:
             return StepOutcome(grad_norm=None, skipped=True, loss_scale=loss_scale.scale)
-    norm = clip_global_norm(params, max_norm, sum_across)
+    norm = clip_global_norm(params, max_norm, sum_across, counted)
     optimizer.step()
     return StepOutcome(norm, skipped=False, loss_scale=loss_scale.scale if loss_scale is not None else None)
 

@@ -27,6 +27,7 @@ from terapipe_cli.plan import Plan, plan_from_dict, read_plan
 from terapipe_cli.runtime import checkpoint
 from terapipe_cli.runtime.data import TokenData, check_data, load_data
 from terapipe_cli.runtime.launch import Launch
+from terapipe_cli.runtime.mesh import Layout
 from terapipe_cli.runtime.optim import DEFAULT_GRAD_CLIP, DEFAULT_LR, LRSchedule
 from terapipe_cli.runtime.rundir import (
     RunArguments,
@@ -38,6 +39,7 @@ from terapipe_cli.runtime.rundir import (
 
 CPU_WORKERS_PER_CORE = 4  # beyond this, single-thread workers only queue for the cores
 DROP_KV_GRADS_ENV = "TERAPIPE_TEST_DROP_KV_GRADS"  # test-only negative control: "1" drops the K/V hand-back
+SKIP_TP_ALLREDUCE_ENV = "TERAPIPE_TEST_SKIP_TP_ALLREDUCE"  # test-only negative control: "1" skips one all-reduce
 PLAN_FIELDS_OF_A_RUN = ("model", "stages", "batch_size", "seq_len", "slices")  # a resumed run's plan keeps them
 # The optimizer step's options: a resumed run keeps the values it was created with (argument name: flag).
 STEP_FLAGS = {
@@ -58,6 +60,10 @@ class PreparedRun:
     backend: str  # "gloo" or "nccl"
     launch: Launch
 
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.args.data_parallel, self.plan.stages, self.args.tensor_parallel)
+
 
 @dataclass(frozen=True)
 class _Run:
@@ -70,10 +76,19 @@ class _Run:
     resume_step: int | None = None  # the checkpoint a resumed run continues from
     config: dict | None = None  # a resumed run's config.json, as read
 
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.args.data_parallel, self.plan.stages, self.args.tensor_parallel)
 
-def kv_handback_requested() -> bool:
-    """False only when the test-only negative control (``TERAPIPE_TEST_DROP_KV_GRADS=1``) asks to drop it."""
-    return os.environ.get(DROP_KV_GRADS_ENV) != "1"
+
+def negative_controls() -> dict[str, bool]:
+    """The test-only negative controls asked for in the environment, as `prepare_run` arguments: the K/V
+    hand-back dropped (``TERAPIPE_TEST_DROP_KV_GRADS=1``), the tensor-parallel backward all-reduce of the
+    column-parallel inputs skipped (``TERAPIPE_TEST_SKIP_TP_ALLREDUCE=1``). Both must make --verify fail."""
+    return {
+        "kv_handback": os.environ.get(DROP_KV_GRADS_ENV) != "1",
+        "tp_allreduce": os.environ.get(SKIP_TP_ALLREDUCE_ENV) != "1",
+    }
 
 
 def gpu_count() -> int:
@@ -159,6 +174,8 @@ def prepare_run(
     timeout_s: float,
     device: str,
     kv_handback: bool = True,
+    tp_allreduce: bool = True,
+    tensor_parallel: int | None = None,
     write: bool = True,
     precision: str | None = None,
     warmup_steps: int | None = None,
@@ -188,18 +205,19 @@ def prepare_run(
     step_flags = dict(precision=precision, lr=lr, warmup_steps=warmup_steps, min_lr=min_lr, grad_clip=grad_clip)
     # What a resumed run may change: its length and how it runs, never the numbers.
     settings = {"steps": steps, "checkpoint_every": checkpoint_every, "threads": threads, "timeout_s": timeout_s}
+    replicas = {"data_parallel": data_parallel, "tensor_parallel": tensor_parallel}
     if resume:
-        run = _resumed_run(out, plan_path, data_parallel, settings)
+        run = _resumed_run(out, plan_path, replicas, settings)
         _check_same_step_settings(run.args, step_flags, dev)
     else:
         numbers = {"data": str(data.resolve()) if data is not None else None, "seed": seed}
         numbers.update(_step_settings(step_flags, steps, dev), accept_precision=accept_precision)
-        numbers.update(verify=verify, kv_handback=kv_handback)
-        run = _new_run(plan_path, out, data_parallel, {**settings, **numbers}, joins_node_0=node_rank > 0)
+        numbers.update(verify=verify, kv_handback=kv_handback, tp_allreduce=tp_allreduce)
+        run = _new_run(plan_path, out, replicas, {**settings, **numbers}, joins_node_0=node_rank > 0)
         _check_plan_precision(run, accept_precision)
     token_data = load_data(run.args.data)
     check_data(token_data, vocab=run.plan.model.vocab, seq_len=run.plan.seq_len)
-    per_node = workers_per_node(run.plan.stages, run.args.data_parallel, nnodes, dev)
+    per_node = workers_per_node(run.layout, nnodes, dev)
     backend = backend_for(dev, per_node)
     plan_obj, arguments = _config_fields(run, settings)
     if write and node_rank == 0:
@@ -305,12 +323,10 @@ def _check_plan_precision(run: _Run, accept: bool) -> None:
         )
 
 
-def _new_run(
-    plan_path: Path | None, out: Path | None, data_parallel: int | None, arguments: dict, *, joins_node_0: bool
-) -> _Run:
-    """A run from a plan file into a fresh folder (default: runs/<local time>), with ``data_parallel``
-    replicas (None: the plan's) and the other `RunArguments` from ``arguments``. A node other than node 0
-    (``joins_node_0``) may find node 0's config.json in a shared folder: its workers decide (§6)."""
+def _new_run(plan_path: Path | None, out: Path | None, replicas: dict, arguments: dict, *, joins_node_0: bool) -> _Run:
+    """A run from a plan file into a fresh folder (default: runs/<local time>), with ``replicas``' data_parallel
+    and tensor_parallel (None: the plan's) and the other `RunArguments` from ``arguments``. A node other than
+    node 0 (``joins_node_0``) may find node 0's config.json in a shared folder: its workers decide (§6)."""
     if plan_path is None:
         raise UserError("missing option '--plan' (a plan JSON from `terapipe plan`)", where="terapipe train")
     plan = read_plan(plan_path)
@@ -318,17 +334,20 @@ def _new_run(
         out = Path("runs") / units.folder_stamp()
     if (out / "config.json").exists() and not joins_node_0:
         raise UserError("already holds a run: use --resume to continue it, or another --out", where=str(out))
-    replicas = plan.data_parallel if data_parallel is None else data_parallel
-    if replicas < 1:
-        raise UserError(f"must be at least 1, got {replicas}", where="--data-parallel")
-    return _Run(plan, dict(plan.raw), RunArguments(**arguments, data_parallel=replicas), out)
+    data_parallel = plan.data_parallel if replicas["data_parallel"] is None else replicas["data_parallel"]
+    if data_parallel < 1:
+        raise UserError(f"must be at least 1, got {data_parallel}", where="--data-parallel")
+    tensor = plan.tensor_parallel if replicas["tensor_parallel"] is None else replicas["tensor_parallel"]
+    plan.model.check_tensor_parallel(tensor, where="--tensor-parallel")
+    args = RunArguments(**arguments, data_parallel=data_parallel, tensor_parallel=tensor)
+    return _Run(plan, dict(plan.raw), args, out)
 
 
-def _resumed_run(out: Path | None, plan_path: Path | None, data_parallel: int | None, settings: dict) -> _Run:
+def _resumed_run(out: Path | None, plan_path: Path | None, replicas: dict, settings: dict) -> _Run:
     """The run in ``out``, continued from its last complete checkpoint to the new number of steps.
 
     Everything that decides the numbers (plan, data, seed, lr, replicas) comes from the run itself; a plan or
-    a replica count given again must agree with it.
+    a replica count or tensor-parallel degree given again must agree with it.
     """
     if out is None:
         raise UserError("--resume needs --out, the run directory to continue", where="--resume")
@@ -343,8 +362,10 @@ def _resumed_run(out: Path | None, plan_path: Path | None, data_parallel: int | 
                 raise UserError(
                     f"field '{key}' differs from the plan of the run being resumed ({out})", where=str(plan_path)
                 )
-    if data_parallel is not None and data_parallel != saved.data_parallel:
-        raise UserError(f"the run used {saved.data_parallel} replicas; resume with the same", where="--data-parallel")
+    for name, flag in (("data_parallel", "--data-parallel"), ("tensor_parallel", "--tensor-parallel")):
+        given, kept = replicas[name], getattr(saved, name)
+        if given is not None and given != kept:
+            raise UserError(f"the run used {flag} {kept}; resume with the same (or leave it out)", where=flag)
     resume_step = checkpoint.latest_complete(out)
     if resume_step is None:
         raise UserError("no complete checkpoint to resume from", where=str(out / "checkpoints"))
@@ -354,22 +375,17 @@ def _resumed_run(out: Path | None, plan_path: Path | None, data_parallel: int | 
     return _Run(plan, config["plan"], args, out, resume_step, config)
 
 
-def workers_per_node(stages: int, data_parallel: int, nnodes: int, device: str) -> int:
-    """K x D workers split evenly over the machines, no more per machine than it allows (`max_workers_per_node`;
-    on CUDA more workers than GPUs is allowed: they share the GPUs, see `backend_for`)."""
-    world = stages * data_parallel
-    if world % nnodes:
-        raise UserError(
-            f"{world} workers (K={stages} x D={data_parallel}) do not split evenly over {nnodes} machines",
-            where="--nnodes",
-        )
-    per_node = world // nnodes
+def workers_per_node(layout: Layout, nnodes: int, device: str) -> int:
+    """D x K x T workers split evenly over the machines, no more per machine than it allows
+    (`max_workers_per_node`; on CUDA more workers than GPUs is allowed: they share the GPUs, see `backend_for`)."""
+    if layout.world % nnodes:
+        raise UserError(f"{layout.shape_text()} do not split evenly over {nnodes} machines", where="--nnodes")
+    per_node = layout.world // nnodes
     allowed, why = max_workers_per_node(device)
     if per_node > allowed:
         raise UserError(
-            f"K x D = {stages} x {data_parallel} = {per_node} workers per machine, more "
-            f"than allowed here ({allowed}: {why})",
-            where="--data-parallel / plan field 'stages'",
+            f"{layout.shape_text()}, {per_node} per machine: more than allowed here ({allowed}: {why})",
+            where="--data-parallel / --tensor-parallel / plan field 'stages'",
         )
     return per_node
 
@@ -394,7 +410,7 @@ def _write_run_dir(run: _Run, arguments: dict, *, device: str, backend: str, nno
         launch_id=launch_id,
         plan=run.plan_obj,
         args=run.args,
-        world_size=run.plan.stages * run.args.data_parallel,
+        world_size=run.layout.world,
         device=device,
         backend=backend,
         nnodes=nnodes,

@@ -3,8 +3,9 @@
 runs/NAME/
   config.json        terapipe.run/1: {"plan": <the plan object>, "arguments": {steps, data, seed, lr,
                      data_parallel, checkpoint_every, threads, timeout_s, verify, kv_handback, precision,
-                     warmup_steps, min_lr, decay_steps, grad_clip, accept_precision},
-                     "world_size", "stages", "device", "backend", "nnodes", "versions": {...}, "created",
+                     warmup_steps, min_lr, decay_steps, grad_clip, accept_precision, tensor_parallel,
+                     tp_allreduce},
+                     "world_size" (D × K × T), "stages", "device", "backend", "nnodes", "versions": {...}, "created",
                      "launch_id" (new at every launch by node 0; how another node tells node 0's folder from its own)}
   plan.json          the plan as given (terapipe.plan/1)
   metrics.jsonl      one JSON object per line and step (terapipe.metrics/1): {"schema", "step", "loss",
@@ -15,7 +16,7 @@ runs/NAME/
   timelines/rank_00000.json   terapipe.timeline/1 (see schedule.py): every tile of every step, F and B
   checkpoints/step_000010/...  see checkpoint.py (the optimizer state carries the fp16 loss scale)
   errors/rank_00001.txt       the traceback of a worker that failed (only then)
-  verify/grads_stage_000.pt   {"step", "grads"}: each stage's gradients (unscaled, clipped) at the first step
+  verify/grads_stage_000.pt   {"step", "grads"}: each stage's whole gradients (unscaled, clipped) at the first step
                      not skipped, by name (only with --verify)
   summary.json       terapipe.run-summary/1: {"status": "complete", "steps", "first_loss", "final_loss",
                      "median_iteration_s", "tokens_per_s", "wall_s", "skipped_steps", "verify": {...}
@@ -61,6 +62,8 @@ class RunArguments:
     decay_steps: int | None = None  # the step the decay reaches min_lr (None: steps); kept by --resume
     grad_clip: float = 0.0  # the global-norm limit (0: measured, not clipped)
     accept_precision: bool = False  # the run was allowed a precision other than its plan's
+    tensor_parallel: int = 1  # T processes per stage (docs/design.md §6b)
+    tp_allreduce: bool = True  # False only for the test-only negative control (one tensor all-reduce skipped)
 
 
 def write_config(
@@ -153,6 +156,8 @@ def read_config(run_dir: Path) -> tuple[dict, RunArguments]:
         decay_steps=f.int("decay_steps", minimum=1) if f.get("decay_steps", None) is not None else None,
         grad_clip=f.number("grad_clip", minimum=0, default=0.0),
         accept_precision=bool(f.get("accept_precision", False)),
+        tensor_parallel=f.int("tensor_parallel", minimum=1, default=1),
+        tp_allreduce=bool(f.get("tp_allreduce", True)),
     )
     return obj, args
 

@@ -21,6 +21,7 @@ import torch
 
 from terapipe_cli.config import ModelConfig
 from terapipe_cli.model import GPT, KVCache, token_loss_sum
+from terapipe_cli.runtime.tensor import TensorGroup, shard_module
 
 AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -44,7 +45,8 @@ class StageRunner:
     """Holds stage ``stage`` of ``stages`` of the model and runs tiles through it.
 
     ``kv_handback=False`` drops the earlier slices' K/V gradients: a test-only negative control that must
-    make verification fail.
+    make verification fail. With ``tensor`` (T > 1), the stage keeps only its tensor rank's heads and MLP
+    columns (`tensor.shard_module`); a tile's input and output are still the whole (b, i, H) activation.
     """
 
     def __init__(
@@ -57,11 +59,16 @@ class StageRunner:
         device: str | torch.device = "cpu",
         kv_handback: bool = True,
         precision: str = "fp32",
+        tensor: TensorGroup | None = None,
     ) -> None:
         if precision not in AUTOCAST_DTYPES:
             raise ValueError(f"precision must be one of {sorted(AUTOCAST_DTYPES)}, got {precision!r}")
         self.device = torch.device(device)
-        self.module = GPT(model, stage, stages, seed=seed).to(self.device)
+        self.module = GPT(model, stage, stages, seed=seed)
+        if tensor is not None:
+            shard_module(self.module, tensor)
+        self.module.to(self.device)
+        self.tensor = tensor
         self.first, self.last = self.module.first, self.module.last
         self.seq_len = model.seq_len
         self.kv_handback = kv_handback

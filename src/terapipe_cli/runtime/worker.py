@@ -1,4 +1,5 @@
-"""One torchrun worker: stage ``rank % K`` of pipeline replica ``rank // K``; walks the schedule every step.
+"""One torchrun worker: one tensor rank of one stage of one pipeline replica (`mesh.Layout`: rank =
+(replica · K + stage) · T + tensor rank); walks the schedule every step.
 
 Launched by `terapipe_cli.runtime.launch` as ``python -m terapipe_cli.runtime.worker --run-dir DIR ...``
 (the rest of the command line: how to join the process group, and its node's settings digest); all settings
@@ -41,6 +42,7 @@ import torch.distributed as dist
 from terapipe_cli.plan import Plan, plan_from_dict
 from terapipe_cli.runtime import checkpoint
 from terapipe_cli.runtime.data import TokenData, check_data, load_data, step_batch
+from terapipe_cli.runtime.mesh import Layout, make_groups
 from terapipe_cli.runtime.optim import LossScale, LRSchedule, StepOutcome, make_optimizer, set_lr, take_step
 from terapipe_cli.runtime.p2p import Links, PeerLost, host_all_reduce, short_error
 from terapipe_cli.runtime.rundir import (
@@ -56,6 +58,7 @@ from terapipe_cli.runtime.rundir import (
     write_summary,
 )
 from terapipe_cli.runtime.stage import StageRunner
+from terapipe_cli.runtime.tensor import TensorGroup, full_state, gather_tensor, local_state, split_of
 from terapipe_cli.schedule import Action, Event, Tile, build_schedule, read_timeline, write_timeline
 
 # Test-only fault injection, in the middle of step STEP (after its forward tiles) on rank RANK, to exercise
@@ -74,6 +77,7 @@ class Worker:
     plan: Plan
     args: RunArguments
     rank: int
+    layout: Layout
     device: torch.device
     runner: StageRunner
     optimizer: torch.optim.Optimizer
@@ -81,7 +85,8 @@ class Worker:
     actions: list[Action]  # this stage's part of the schedule, in schedule.py's order
     data: TokenData
     replica_group: object | None  # this stage's data-parallel group; None with one replica
-    pipeline_group: object | None  # this replica's stages (the gradient norm's sum); None: all ranks (D = 1)
+    pipeline_group: object | None  # this replica's K·T ranks (the gradient norm's sum); None: all ranks (D = 1)
+    tensor: TensorGroup  # this stage's tensor ranks (size 1 without tensor parallelism)
     schedule: LRSchedule
     loss_scale: LossScale | None  # fp16 only: the one dynamic loss scale of the whole pipeline
     # Checkpoints (`folder_roles`): whether this rank writes its stage's file into its run folder, and, for the
@@ -91,15 +96,15 @@ class Worker:
 
     @property
     def stage(self) -> int:
-        return self.rank % self.plan.stages
+        return self.layout.stage(self.rank)
 
     @property
     def replica(self) -> int:
-        return self.rank // self.plan.stages
+        return self.layout.replica(self.rank)
 
     @property
     def world(self) -> int:
-        return self.plan.stages * self.args.data_parallel
+        return self.layout.world
 
     @property
     def tokens_per_step(self) -> int:
@@ -156,7 +161,9 @@ def train(run_dir: Path, resume_step: int | None, request: NodeRequest) -> None:
         sum_replica_gradients(w)
         update = apply_update(w)
         if w.args.verify and w.replica == 0 and not grads_saved and not update.skipped:
-            checkpoint.save_torch_atomic(verify_grads_path(run_dir, w.stage), {"step": step, "grads": gradients(w)})
+            grads = gradients(w)  # a collective over the stage's tensor ranks; the first of them writes
+            if w.tensor.rank == 0:
+                checkpoint.save_torch_atomic(verify_grads_path(run_dir, w.stage), {"step": step, "grads": grads})
             grads_saved = True
         step_loss, memory = end_of_step(w, loss)
         iteration_s.append(time.perf_counter() - step_start)
@@ -179,23 +186,21 @@ def start_worker(run_dir: Path, request: NodeRequest, *, resuming: bool) -> Work
     owners = join_node_0(run_dir, request, device, resuming=resuming)
     cfg, args = read_config(run_dir)
     plan = plan_from_dict(cfg["plan"], f"{run_dir / 'config.json'}: field 'plan'")
-    stages, replicas = plan.stages, args.data_parallel
-    if world != stages * replicas:
-        raise RuntimeError(f"world size {world} is not stages {stages} x data-parallel {replicas}")
-    stage = rank % stages
+    layout = Layout(args.data_parallel, plan.stages, args.tensor_parallel)
+    if world != layout.world:
+        raise RuntimeError(f"world size {world} is not {layout.shape_text()}")
+    stage = layout.stage(rank)
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
-    replica_group = pipeline_group = None
-    if replicas > 1:  # every rank must create every group, in the same order
-        replica_groups = [dist.new_group([r * stages + s for r in range(replicas)]) for s in range(stages)]
-        pipeline_groups = [dist.new_group([r * stages + s for s in range(stages)]) for r in range(replicas)]
-        replica_group, pipeline_group = replica_groups[stage], pipeline_groups[rank // stages]
-    runner, optimizer = build_stage(plan, stage, args, device)
+    groups = make_groups(layout, rank, "cuda" if request.backend == "nccl" else "cpu")
+    tensor = TensorGroup(layout.tensor_rank(rank), layout.tensor, groups.tensor, skip_allreduce=not args.tp_allreduce)
+    runner, optimizer = build_stage(plan, stage, args, device, tensor)
     data = load_data(args.data)
     check_data(data, vocab=plan.model.vocab, seq_len=plan.seq_len)
+    prev_rank, next_rank = layout.neighbours(rank)
     links = Links(
-        prev_rank=rank - 1 if stage > 0 else None,
-        next_rank=rank + 1 if stage < stages - 1 else None,
+        prev_rank=prev_rank,
+        next_rank=next_rank,
         hidden=plan.model.hidden,
         dtype=torch.float32,
         device=device,
@@ -206,17 +211,19 @@ def start_worker(run_dir: Path, request: NodeRequest, *, resuming: bool) -> Work
         plan=plan,
         args=args,
         rank=rank,
+        layout=layout,
         device=device,
         runner=runner,
         optimizer=optimizer,
         links=links,
-        actions=build_schedule(plan.slices, stages)[stage],
+        actions=build_schedule(plan.slices, plan.stages)[stage],
         data=data,
-        replica_group=replica_group,
-        pipeline_group=pipeline_group,
+        replica_group=groups.replicas,
+        pipeline_group=groups.model,
+        tensor=tensor,
         schedule=LRSchedule.of_run(args),
         loss_scale=LossScale() if args.precision == "fp16" else None,
-        **folder_roles(rank, stages, owners),
+        **folder_roles(rank, layout, owners),
     )
 
 
@@ -251,15 +258,17 @@ def _from_rank_0(obj: object, device: torch.device) -> object:
     return box[0]
 
 
-def folder_roles(rank: int, stages: int, owners: list[int]) -> dict:
+def folder_roles(rank: int, layout: Layout, owners: list[int]) -> dict:
     """Who writes what into each run folder at a checkpoint (``owners``: `join_node_0`'s list). In each
-    folder the lowest rank of every stage writes that stage's file (replicas hold the same weights), and the
-    lowest rank writing there marks the checkpoint complete, listing the stages the folder holds."""
+    folder the lowest rank of every stage writes that stage's file (replicas hold the same weights, and the
+    stage's tensor ranks all hold its whole state once gathered, `tensor.full_state`), and the lowest rank
+    writing there marks the checkpoint complete, listing the stages the folder holds."""
+    stage = layout.stage
     mine = [r for r in range(len(owners)) if owners[r] == owners[rank]]
-    writers = [r for r in mine if not any(q < r and q % stages == r % stages for q in mine)]
+    writers = [r for r in mine if not any(q < r and stage(q) == stage(r) for q in mine)]
     return {
         "writes_shard": rank in writers,
-        "marks_stages": sorted(r % stages for r in writers) if rank == mine[0] else None,
+        "marks_stages": sorted(stage(r) for r in writers) if rank == mine[0] else None,
     }
 
 
@@ -277,13 +286,10 @@ def _use_device(device: str, threads: int) -> torch.device:
 
 
 def build_stage(
-    plan: Plan, stage: int, args: RunArguments, device: torch.device
+    plan: Plan, stage: int, args: RunArguments, device: torch.device, tensor: TensorGroup
 ) -> tuple[StageRunner, torch.optim.Optimizer]:
-    """This stage's part of the model (computing at the run's precision) and its optimizer.
-
-    The one place the stage's module is made: what changes the module itself (parallelism within the stage)
-    belongs between building it and giving its parameters to the optimizer.
-    """
+    """This stage's part of the model — this tensor rank's share of it (`tensor.shard_module`), computing at
+    the run's precision — and its optimizer (over exactly the parameters this rank holds)."""
     runner = StageRunner(
         plan.model,
         stage,
@@ -292,6 +298,7 @@ def build_stage(
         device=device,
         kv_handback=args.kv_handback,
         precision=args.precision,
+        tensor=tensor,
     )
     return runner, make_optimizer(runner.module, args.lr)
 
@@ -307,9 +314,11 @@ def restore(w: Worker, resume_step: int | None) -> tuple[int, list[Event]]:
     if not checkpoint.stage_file(w.run_dir, resume_step, w.stage).is_file():
         raise RuntimeError(f"no checkpoint of stage {w.stage} at step {resume_step} in {w.run_dir}")
     state = checkpoint.load_stage(w.run_dir, resume_step, w.stage, map_location=w.device)
-    w.runner.module.load_state_dict(state["model"])
     optimizer_state = dict(state["optimizer"])
     loss_scale = optimizer_state.pop(LOSS_SCALE_KEY, None)
+    # The file holds the whole stage: this tensor rank keeps its part.
+    model_state, optimizer_state = local_state(w.runner.module, w.optimizer, state["model"], optimizer_state, w.tensor)
+    w.runner.module.load_state_dict(model_state)
     w.optimizer.load_state_dict(optimizer_state)
     if w.loss_scale is not None and loss_scale is not None:
         w.loss_scale.load_state_dict(loss_scale)
@@ -454,9 +463,9 @@ def allreduce_grads(module: torch.nn.Module, group) -> None:
 
 
 def gradients(w: Worker) -> dict[str, torch.Tensor]:
-    """This stage's gradients by parameter name, on the CPU: what ``--verify`` compares (after the update, so
-    unscaled and clipped, at the first step not skipped)."""
-    return {n: p.grad.detach().cpu() for n, p in w.runner.module.named_parameters()}
+    """This stage's whole gradients by parameter name (gathered from its tensor ranks: a collective), on the CPU:
+    what ``--verify`` compares (after the update, so unscaled and clipped, at the first step not skipped)."""
+    return {n: gather_tensor(n, p.grad.detach(), w.tensor).cpu() for n, p in w.runner.module.named_parameters()}
 
 
 def apply_update(w: Worker) -> StepOutcome:
@@ -479,13 +488,18 @@ def apply_update(w: Worker) -> StepOutcome:
         collective(lambda: host_all_reduce(flag, op=dist.ReduceOp.MAX), "the fp16 overflow all-reduce")
         return bool(flag.item())
 
+    # With tensor parallelism a parameter every tensor rank holds whole (norms, embeddings, head) has the same
+    # gradient on all of them: tensor rank 0 alone adds its squares.
+    named = list(w.runner.module.named_parameters())
+    counted = [p for n, p in named if w.tensor.rank == 0 or split_of(n) is not None]
     return take_step(
         w.optimizer,
-        list(w.runner.module.parameters()),
+        [p for _, p in named],
         max_norm=w.args.grad_clip,
         loss_scale=w.loss_scale,
         sum_across=sum_over_pipeline,
         overflow_anywhere=overflow_anywhere,
+        counted=counted,
     )
 
 
@@ -495,7 +509,7 @@ def end_of_step(w: Worker, loss: torch.Tensor | None) -> tuple[float, list[int]]
     Returns the step's loss (the single-device mean) and the peak memory of every rank in bytes.
     """
     stats = torch.zeros(1 + w.world, dtype=torch.float64, device=w.device)
-    if loss is not None:
+    if loss is not None and w.tensor.rank == 0:  # a last stage's tensor ranks all compute the same loss
         stats[0] = loss.double() / w.tokens_per_step
     stats[1 + w.rank] = float(peak_memory_bytes(w.device))
     collective(lambda: host_all_reduce(stats), "the end-of-step all-reduce")
@@ -528,11 +542,12 @@ def log_step(w: Worker, step: int, loss: float, lr: float, update: StepOutcome, 
 def save_checkpoint(w: Worker, step: int, events: list[Event]) -> None:
     """Every stage's file in every run folder (`folder_roles`) and every rank's timeline; once the all-reduce
     says all ranks are past that, one rank per folder marks the checkpoint complete there."""
+    # The whole stage, gathered from its tensor ranks (every rank takes part in the collective).
+    model_state, optimizer_state = full_state(w.runner.module, w.optimizer, w.tensor)
     if w.writes_shard:
-        optimizer_state = w.optimizer.state_dict()
         if w.loss_scale is not None:
             optimizer_state[LOSS_SCALE_KEY] = w.loss_scale.state_dict()
-        checkpoint.save_stage(w.run_dir, step, w.stage, w.plan.stages, w.runner.module.state_dict(), optimizer_state)
+        checkpoint.save_stage(w.run_dir, step, w.stage, w.plan.stages, model_state, optimizer_state)
     save_timeline(w, events)
     done = torch.zeros(1, device=w.device)
     collective(lambda: host_all_reduce(done), f"the checkpoint of step {step}")
@@ -546,8 +561,10 @@ def save_timeline(w: Worker, events: list[Event]) -> None:
         "rank": w.rank,
         "stage": w.stage,
         "replica": w.replica,
+        "tensor_rank": w.tensor.rank,
         "stages": w.plan.stages,
         "data_parallel": w.args.data_parallel,
+        "tensor_parallel": w.tensor.size,
         "device": _device_name(w.device),
         "slices": w.plan.short_form(),
     }
@@ -573,6 +590,7 @@ def write_run_summary(w: Worker, resume_step: int | None, iteration_s: list[floa
             "slices": w.plan.short_form(),
             "stages": w.plan.stages,
             "data_parallel": w.args.data_parallel,
+            "tensor_parallel": w.tensor.size,
             "device": _device_name(w.device),
         },
     )
