@@ -82,3 +82,9 @@ def test_only_marked_checkpoints_count(tmp_path):
     assert torch.equal(checkpoint.load_stage(tmp_path, 6, 1)["model"]["w"], state["w"])
     checkpoint.stage_file(tmp_path, 6, 1).unlink()
     assert checkpoint.latest_complete(tmp_path) == 4
+
+
+def test_durations_read_in_whole_units():
+    from terapipe_cli.units import format_duration
+
+    assert [format_duration(s) for s in (0.4, 42, 185, 7620)] == ["0s", "42s", "3m05s", "2h07m"]

@@ -12,6 +12,16 @@ def format_seconds(s: float | None, *, digits: int = 2) -> str:
     return f"{s * 1e3:.{digits}f} ms" if abs(s) < 1 else f"{s:.{max(digits, 3)}f} s"
 
 
+def format_duration(s: float) -> str:
+    """A wait in whole units for a progress line: ``42s``, ``3m05s``, ``2h07m``."""
+    s = max(0, round(s))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
 def format_bytes(n: float | None, unit: str = "GiB") -> str:
     """Bytes in MiB or GiB with one decimal; ``–`` for an unknown value."""
     if n is None:

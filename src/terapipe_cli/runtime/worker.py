@@ -60,6 +60,7 @@ from terapipe_cli.runtime.rundir import (
 from terapipe_cli.runtime.stage import StageRunner
 from terapipe_cli.runtime.tensor import TensorGroup, full_state, gather_tensor, local_state, split_of
 from terapipe_cli.schedule import Action, Event, Tile, build_schedule, read_timeline, write_timeline
+from terapipe_cli.units import format_duration
 
 # Test-only fault injection, in the middle of step STEP (after its forward tiles) on rank RANK, to exercise
 # failure handling and --resume: "kill:RANK:STEP" (SIGKILL itself), "raise:RANK:STEP" (an exception) or
@@ -168,7 +169,7 @@ def train(run_dir: Path, resume_step: int | None, request: NodeRequest) -> None:
         step_loss, memory = end_of_step(w, loss)
         iteration_s.append(time.perf_counter() - step_start)
         if w.rank == 0:
-            log_step(w, step, step_loss, lr, update, iteration_s[-1], memory)
+            log_step(w, step, step_loss, lr, update, iteration_s, memory)
         if step % w.args.checkpoint_every == 0 or step == w.args.steps:
             save_checkpoint(w, step, events)
     save_timeline(w, events)
@@ -522,9 +523,13 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
-def log_step(w: Worker, step: int, loss: float, lr: float, update: StepOutcome, dt: float, memory: list[int]) -> None:
-    """The step's record in metrics.jsonl and its line on the console (rank 0)."""
-    tokens = w.tokens_per_step
+def log_step(
+    w: Worker, step: int, loss: float, lr: float, update: StepOutcome, iteration_s: list[float], memory: list[int]
+) -> None:
+    """The step's record in metrics.jsonl and its line on the console (rank 0), with the time left: the steps
+    to go at the median of this launch's last ten iterations."""
+    tokens, dt = w.tokens_per_step, iteration_s[-1]
+    eta = format_duration((w.args.steps - step) * statistics.median(iteration_s[-10:]))
     record = {"step": step, "loss": loss, "lr": lr, "grad_norm": update.grad_norm, "skipped": update.skipped}
     if update.loss_scale is not None:
         record["loss_scale"] = update.loss_scale
@@ -534,7 +539,7 @@ def log_step(w: Worker, step: int, loss: float, lr: float, update: StepOutcome, 
     scale = f"  scale {update.loss_scale:g}" if update.loss_scale is not None else ""
     print(
         f"step {step:>5}/{w.args.steps}  loss {loss:8.4f}  lr {lr:.2e}  |g| {norm}{scale}  iter {dt * 1e3:9.1f} ms  "
-        f"{tokens / dt:10,.0f} tok/s  mem {max(memory) / 2**20:7.1f} MiB",
+        f"{tokens / dt:10,.0f} tok/s  mem {max(memory) / 2**20:7.1f} MiB  eta {eta}",
         flush=True,
     )
 
