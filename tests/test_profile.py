@@ -323,7 +323,8 @@ def bad_inputs(tmp_path: Path) -> list[tuple[list[str], str]]:
             ],
             "--no-allreduce",
         ),
-        (["--model", str(tmp_path / "ok.toml"), "--tensor-parallel", "2"], "--analytic"),
+        (["--model", str(tmp_path / "ok.toml"), "--hardware", str(ROOT / "configs/hardware/v100.toml")], "--analytic"),
+        (["--model", str(tmp_path / "ok.toml"), "--tensor-parallel", "3"], "3 does not divide the 2 heads"),
         ([], "--model"),
     ] + ([] if torch.cuda.is_available() else [(["--model", str(tmp_path / "ok.toml"), "--device", "cuda"], "GPU")])
 

@@ -19,6 +19,8 @@ HELP = """Measure the cost model t(b, i, j) of docs/design.md §3 on this machin
 
 Times one decoder layer through the runtime's own per-slice code path (forward and backward on a grid of token lengths and batch sizes), fits the context term on random tiles and reports its error on held-out ones, measures the stage-to-stage link between two torchrun processes, the gradient all-reduce that data-parallel replicas run (torchrun with one process per GPU, or two CPU processes; `terapipe plan --data-parallel` prices it) and the optimizer step. One thread on CPU (a stage owns one core); CUDA when a GPU is present (--device auto). --precision picks the compute precision timed and recorded in the profile (default bf16 on CUDA, fp32 on CPU); `terapipe plan` carries it into the plan and `terapipe train` runs it.
 
+--tensor-parallel T times the layer as one of a stage's T tensor ranks (heads and MLP split, all-reduces inside every tile): T torchrun processes, one GPU each on CUDA (NCCL) or one core each on CPU (gloo, wall time); the profile records T, and `terapipe plan` plans at it.
+
 --check also times tiles off the measured grids and compares them with the profile's prediction; --check-profile does that for an existing profile. --analytic estimates a profile for hardware you do not have.
 
 Examples:
@@ -26,6 +28,8 @@ Examples:
     terapipe profile --model configs/models/tiny.toml --out profile.json
 
     terapipe profile --model configs/models/tiny.toml --quick --check
+
+    terapipe profile --model tiny --quick --tensor-parallel 2 --out profile-t2.json
 
     terapipe profile --check-profile profile.json
 
@@ -84,7 +88,13 @@ def profile(
         Path | None, typer.Option("--hardware", help="Hardware TOML for --analytic (configs/hardware/NAME.toml).")
     ] = None,
     tensor_parallel: Annotated[
-        int, typer.Option("--tensor-parallel", "-t", help="With --analytic: GPUs per tensor-parallel group.")
+        int,
+        typer.Option(
+            "--tensor-parallel",
+            "-t",
+            help="Processes per stage T, splitting heads and the MLP: timed by T torchrun processes here, or "
+            "estimated with --analytic (GPUs per tensor-parallel group).",
+        ),
     ] = 1,
     out: Annotated[Path, typer.Option("--out", "-o", help="Where to write the profile JSON.")] = Path("profile.json"),
     force: Annotated[bool, typer.Option("--force", help="Overwrite --out even if it is not a profile.")] = False,
@@ -105,15 +115,19 @@ def profile(
         cfg, batch_sizes=sizes, token_step=token_step, device=device, quick=quick, check=check, seed=seed,
         clock=clock, hardware=hardware, tensor_parallel=tensor_parallel, precision=precision,
     )  # fmt: skip
-    _measure(console, cfg, settings, dev, measure_comm=not no_comm, measure_allreduce=not no_allreduce, out=out)
+    measure = {"measure_comm": not no_comm, "measure_allreduce": not no_allreduce, "tensor_parallel": tensor_parallel}
+    _measure(console, cfg, settings, dev, measure, out=out)
 
 
-def _measure(console: Console, cfg, settings, dev, *, measure_comm: bool, measure_allreduce: bool, out: Path) -> None:
+def _measure(console: Console, cfg, settings, dev, measure: dict, *, out: Path) -> None:
+    """``measure``: the keyword arguments of `measure_profile` that say what to measure."""
     from terapipe_cli.profile.measure import measure_profile
 
+    T = measure["tensor_parallel"]
     console.print(
         f"Profiling one decoder layer of [bold]{cfg.name}[/bold] (H={cfg.hidden}, heads={cfg.heads}, L={cfg.seq_len}) "
-        f"on {dev.type} in {settings.precision}: batch sizes {list(settings.batch_sizes)}, "
+        f"on {dev.type}" + (f" as one of {T} tensor ranks" if T > 1 else "") + f" in {settings.precision}: "
+        f"batch sizes {list(settings.batch_sizes)}, "
         f"{len(settings.token_lengths)} token lengths "
         f"(step {settings.token_step}), {settings.fit_points}+{settings.heldout_points} context tiles"
         + (f", {settings.check_points} check tiles" if settings.check_points else "")
@@ -122,9 +136,7 @@ def _measure(console: Console, cfg, settings, dev, *, measure_comm: bool, measur
     )
     started = time.perf_counter()
     with _progress(console) as update:
-        prof = measure_profile(
-            cfg, settings, dev, progress=update, measure_comm=measure_comm, measure_allreduce=measure_allreduce
-        )
+        prof = measure_profile(cfg, settings, dev, progress=update, **measure)
     _write(console, out, prof, seconds=time.perf_counter() - started)
 
 
@@ -176,6 +188,8 @@ def _ms(s: float) -> str:
 def _render(console: Console, prof: dict, seconds: float) -> None:
     dev = prof["device"]
     title = f"profile of {prof['model']['name']} on {dev['kind']} ({dev['name']}) in {prof['precision']}"
+    tensor_parallel = dev.get("tensor_parallel", 1)
+    title += f", one of {tensor_parallel} tensor ranks" if tensor_parallel > 1 else ""
     t = Table(title=title, show_header=False)
     t.add_column(style="bold")
     t.add_column()

@@ -221,8 +221,6 @@ def _run_torchrun(
 ) -> np.ndarray:
     """Start ``nproc`` workers doing ``op`` under torchrun (standalone rendezvous on this machine) and
     collect rank 0's times, (rounds, sizes) seconds."""
-    where = "communication measurement"
-    limit_s = timeout_s + 30  # the workers' own distributed timeout goes first, with its clearer message
     with tempfile.TemporaryDirectory(prefix="terapipe-comm-") as tmp:
         out = Path(tmp) / "times.json"
         args = [
@@ -230,17 +228,24 @@ def _run_torchrun(
             "--op", op, "--out", str(out), "--sizes", ",".join(str(s) for s in sizes), "--rounds", str(rounds),
             "--iters", str(iters), "--timeout", str(int(timeout_s)),
         ]  # fmt: skip
-        try:
-            # One thread per worker: one core per process, and torchrun stays quiet about it.
-            proc = run_torchrun(args, threads=1, timeout_s=limit_s)
-        except subprocess.TimeoutExpired:
-            raise UserError(f"torchrun did not finish within {limit_s:.0f} s", where=where) from None
-        if proc.returncode != 0 or not out.exists():
-            lines = [ln for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip()]
-            cause = next((ln for ln in reversed(lines) if "Error" in ln), lines[-1] if lines else "no output")
-            raise UserError(f"torchrun failed with exit code {proc.returncode}: {cause.strip()}", where=where)
-        data = read_json(out, what="communication measurement")
+        # The workers' own distributed timeout goes first, with its clearer message.
+        data = run_workers(args, out, limit_s=timeout_s + 30, what="communication measurement")
     return np.asarray(data["seconds"], dtype=float)
+
+
+def run_workers(args: Sequence[str], out: Path, *, limit_s: float, what: str) -> dict:
+    """Run torchrun with ``args``, one thread per worker (one core per process, and torchrun stays quiet about
+    it), and read the JSON file ``out`` its rank 0 wrote. A timeout, a failure or a missing file is one line
+    naming ``what`` and the last error line the workers printed."""
+    try:
+        proc = run_torchrun(args, threads=1, timeout_s=limit_s)
+    except subprocess.TimeoutExpired:
+        raise UserError(f"torchrun did not finish within {limit_s:.0f} s", where=what) from None
+    if proc.returncode != 0 or not out.exists():
+        lines = [ln for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip()]
+        cause = next((ln for ln in reversed(lines) if "Error" in ln), lines[-1] if lines else "no output")
+        raise UserError(f"torchrun failed with exit code {proc.returncode}: {cause.strip()}", where=what)
+    return read_json(out, what=what)
 
 
 def _worker(args: argparse.Namespace) -> None:

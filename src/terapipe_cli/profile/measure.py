@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -40,6 +41,9 @@ from terapipe_cli.device import resolve_device as device_kind
 from terapipe_cli.errors import UserError
 from terapipe_cli.profile.fit import RelErr, fit_context
 from terapipe_cli.units import utc_timestamp
+
+if TYPE_CHECKING:
+    from terapipe_cli.runtime.tensor import TensorGroup
 
 # (phase, done, total): work done so far in arbitrary units, for a progress bar with an ETA.
 Progress = Callable[[str, float, float], None]
@@ -246,7 +250,14 @@ class TileTimer:
     """Times tiles of one decoder layer through the runtime's StageRunner."""
 
     def __init__(
-        self, model: ModelConfig, device: torch.device, *, seed: int = 0, clock: str = "cpu", precision: str = "fp32"
+        self,
+        model: ModelConfig,
+        device: torch.device,
+        *,
+        seed: int = 0,
+        clock: str = "cpu",
+        precision: str = "fp32",
+        tensor: TensorGroup | None = None,
     ) -> None:
         from terapipe_cli.runtime.stage import StageRunner
 
@@ -260,7 +271,11 @@ class TileTimer:
         # embedding nor the head: the per-layer cost the planner multiplies by ℓ.
         self.layer_model = replace(model, layers=3)
         self.device = device
-        self.runner = StageRunner(self.layer_model, stage=1, stages=3, seed=seed, device=device, precision=precision)
+        # With ``tensor`` (T > 1) the layer is this rank's shard, and every tile runs the stage's tensor-parallel
+        # all-reduces: all T ranks must time the same tiles in the same order (`profile.tensor_parallel`).
+        self.runner = StageRunner(
+            self.layer_model, stage=1, stages=3, seed=seed, device=device, precision=precision, tensor=tensor
+        )
         self.precision = precision
         self.hidden = model.hidden
         self._gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -643,18 +658,26 @@ def measure_profile(
     progress: Progress | None = None,
     measure_comm: bool = True,
     measure_allreduce: bool = True,
+    tensor_parallel: int = 1,
 ) -> dict:
     """Measure everything and return a ``terapipe.profile/1`` dict (validated before it is returned).
     ``measure_comm`` / ``measure_allreduce`` False: skip the stage-to-stage link (recorded as free) / the
-    data-parallel all-reduce (no ``data_parallel_link``: plans with replicas leave it unpriced)."""
+    data-parallel all-reduce (no ``data_parallel_link``: plans with replicas leave it unpriced).
+    ``tensor_parallel`` T > 1: the layer is timed as one of a stage's T tensor ranks, by T torchrun processes
+    (`profile.tensor_parallel`); the rest is measured here, as for T = 1."""
+    from terapipe_cli.profile.tensor_parallel import time_layer_tensor_parallel
+
     check_fits_in_memory(model, max(settings.batch_sizes), device)
     started = time.perf_counter()
     tiles = settings.tiles(model.seq_len)
-    timer, timings, layer = _time_layer(model, settings, tiles, device, progress)
+    if tensor_parallel > 1:
+        timings, layer = time_layer_tensor_parallel(model, settings, tiles, device, tensor_parallel, progress)
+    else:
+        timings, layer = time_layer(model, settings, tiles, device, progress)
     tables = _grid_tables(timings, settings)
     context = {which: _context_fit(timings, tiles, which) for which in ("forward", "backward")}
     comm = _link(model, settings, device, progress) if measure_comm else dict(_FREE_LINK)
-    params = sum(p.numel() for p in timer.runner.module.parameters())
+    params = layer["params"]  # one tensor rank's share with T > 1: what each device all-reduces over replicas
     dp_link = (
         _allreduce(model, params, settings, device, progress)
         if measure_allreduce
@@ -666,12 +689,12 @@ def measure_profile(
         "source": "measured",
         "note": (
             f"Measured by `terapipe profile{' --quick' if settings.quick else ''}` through the runtime's StageRunner "
-            f"(one decoder layer) in {settings.precision}, median of {settings.repeats} interleaved rounds. "
-            "token_lengths is a geometric subset of the multiples of token_step; the cost model interpolates "
-            "between them piecewise-linearly."
+            f"(one decoder layer{_tensor_note(tensor_parallel)}) in {settings.precision}, median of "
+            f"{settings.repeats} interleaved rounds. token_lengths is a geometric subset of the multiples of "
+            "token_step; the cost model interpolates between them piecewise-linearly."
         ),
         "created": utc_timestamp(),
-        "device": dict(device_info(device), clock=CLOCK_NAMES[timer.clock]),
+        "device": dict(device_info(device), clock=CLOCK_NAMES[layer["clock"]], tensor_parallel=tensor_parallel),
         "model": model.to_dict(),
         "precision": settings.precision,
         "dtype_bytes": DTYPE_BYTES,
@@ -702,12 +725,27 @@ def measure_profile(
     return profile
 
 
-def _time_layer(
-    model: ModelConfig, settings: Settings, tiles: Tiles, device: torch.device, progress: Progress | None
-) -> tuple[TileTimer, Timings, dict]:
-    """Time all tiles in shared rounds, then one layer's optimizer step and the activations a tile keeps."""
+def _tensor_note(tensor_parallel: int) -> str:
+    if tensor_parallel == 1:
+        return ""
+    return f" as one of {tensor_parallel} tensor ranks: rank 0's times of {tensor_parallel} torchrun processes"
+
+
+def time_layer(
+    model: ModelConfig,
+    settings: Settings,
+    tiles: Tiles,
+    device: torch.device,
+    progress: Progress | None,
+    tensor: TensorGroup | None = None,
+) -> tuple[Timings, dict]:
+    """Time all tiles in shared rounds, then one layer's optimizer step and the activations a tile keeps.
+    ``layer``: optimizer_s, activation_bytes, activation_method, params (of this process's layer: one tensor
+    rank's shard with ``tensor``) and clock. With ``tensor`` every rank of the group must call this alike."""
     with _one_thread_per_stage(device):
-        timer = TileTimer(model, device, seed=settings.seed, clock=settings.clock, precision=settings.precision)
+        timer = TileTimer(
+            model, device, seed=settings.seed, clock=settings.clock, precision=settings.precision, tensor=tensor
+        )
         act_i = min(model.seq_len, 256)
         with timer.runner.step():  # as in a training step: the tiles share one low-precision copy of each weight
             timings = time_points(
@@ -728,8 +766,10 @@ def _time_layer(
         "optimizer_s": optimizer_s,
         "activation_bytes": act_bytes,
         "activation_method": f"{act_method}, at b = 1, i = {act_i}",
+        "params": sum(p.numel() for p in timer.runner.module.parameters()),
+        "clock": timer.clock,
     }
-    return timer, timings, layer
+    return timings, layer
 
 
 def _grid_tables(timings: Timings, settings: Settings) -> dict[str, list[list[float]]]:

@@ -75,6 +75,12 @@ def profile_to_check(
             "checks an existing profile; do not combine it with --model or --analytic", where="--check-profile"
         )
     prof = read_profile(path)
+    if prof.tensor_parallel > 1:
+        raise UserError(
+            f"was measured at tensor parallelism {prof.tensor_parallel}; --check-profile times one process only "
+            "(re-measure with --check instead)",
+            where=str(path),
+        )
     dev = resolve_device(device)
     if prof.source != "measured":
         raise UserError(
@@ -151,19 +157,54 @@ def measurement_request(
 ) -> tuple[Settings, torch.device]:
     """For measuring this machine: what to time (`Settings`, with the precision resolved for the device: None
     or auto is bf16 on CUDA, fp32 on CPU) and on which device, refused at once if the largest tile would not
-    fit in its memory. ``--hardware`` and ``--tensor-parallel`` belong to --analytic."""
+    fit in its memory. ``--hardware`` belongs to --analytic; ``tensor_parallel`` > 1 is checked by
+    `check_tensor_parallel` and times with wall time on a CPU."""
     from terapipe_cli.device import resolve_precision
     from terapipe_cli.profile.measure import Settings, check_fits_in_memory, resolve_device
 
-    if hardware is not None or tensor_parallel != 1:
-        raise UserError(
-            "only applies with --analytic", where="--hardware" if hardware is not None else "--tensor-parallel"
-        )
+    if hardware is not None:
+        raise UserError("only applies with --analytic", where="--hardware")
     dev = resolve_device(device)
+    check_tensor_parallel(cfg, tensor_parallel, dev.type, clock)
     prec = resolve_precision(precision, dev.type)
     sizes = batch_sizes or parse_batch_sizes(DEFAULT_BATCH_SIZES)
+    default_clock = "wall" if tensor_parallel > 1 else "cpu"
     settings = Settings.make(
-        cfg, sizes, token_step, quick=quick, check=check, seed=seed, clock=clock or "cpu", precision=prec
+        cfg, sizes, token_step, quick=quick, check=check, seed=seed, clock=clock or default_clock, precision=prec
     )
     check_fits_in_memory(cfg, max(settings.batch_sizes), dev)
     return settings, dev
+
+
+def check_tensor_parallel(cfg: ModelConfig, tensor_parallel: int, device: str, clock: str | None) -> None:
+    """T processes time the layer as the T tensor ranks of a stage (`profile.tensor_parallel`): T must split the
+    model's heads, and each process needs its own GPU (CUDA) or core (CPU). On a CPU they are timed with wall
+    time: process CPU time would not count the waits inside the tensor-parallel all-reduces."""
+    import os
+
+    cfg.check_tensor_parallel(tensor_parallel, where="--tensor-parallel")
+    if tensor_parallel == 1:
+        return
+    if device == "cuda":
+        import torch
+
+        gpus = torch.cuda.device_count()
+        if gpus < tensor_parallel:
+            raise UserError(
+                f"{tensor_parallel} processes need one GPU each, and this machine has {gpus}; estimate it with "
+                "`terapipe profile --analytic`",
+                where="--tensor-parallel",
+            )
+        return
+    cores = os.cpu_count() or 1
+    if tensor_parallel > cores:
+        raise UserError(
+            f"{tensor_parallel} processes need a core each to be timed, and this machine has {cores}",
+            where="--tensor-parallel",
+        )
+    if clock == "cpu":
+        raise UserError(
+            "cpu cannot see the waits inside the tensor-parallel all-reduces; --tensor-parallel is timed with "
+            "wall time (leave --clock out)",
+            where="--clock",
+        )

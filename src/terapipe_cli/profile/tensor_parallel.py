@@ -1,0 +1,182 @@
+"""Timing a decoder layer as one of a stage's T tensor ranks (`terapipe profile --tensor-parallel T`).
+
+With T > 1 a stage is T processes, each holding its share of the heads and MLP columns, with two all-reduces
+forward and two backward per layer and tile (`runtime.tensor`). A tile's cost is then that of a rank *inside*
+its group — its own share of the work plus the waits in those all-reduces — so it is timed that way: torchrun
+starts T processes (gloo on CPU, one thread each; NCCL on CUDA, one GPU each), each builds the `TileTimer` over a
+tensor-parallel `StageRunner` and runs `measure.time_layer` with the identical tile list, seed, warm-up and
+visit order, so the ranks stay in lockstep through every all-reduce. An untimed forward (the tile's context, or
+another batch slice's tile) runs before every timed one, as in a pipeline step, and its all-reduces line the
+ranks up again before the clock starts. The clock is wall time on CPU: process CPU time would not see the
+waits inside the all-reduces. Rank 0 writes its samples and its layer's numbers (parameters of its shard,
+optimizer step, activation bytes) to a JSON file; the parent assembles the profile as for T = 1
+(`measure.measure_profile`).
+
+Progress: rank 0 appends ``{"phase", "done", "total"}`` lines to a file, which a thread of the parent passes on to
+the progress bar while torchrun runs.
+
+This module is also the worker: ``python -m terapipe_cli.profile.tensor_parallel --worker ...`` (started by
+torchrun).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from terapipe_cli.config import ModelConfig
+from terapipe_cli.files import read_json, write_json_atomic
+from terapipe_cli.profile.comm import run_workers
+from terapipe_cli.runtime.launch import rendezvous_args
+
+if TYPE_CHECKING:
+    import torch
+
+    from terapipe_cli.profile.measure import Progress, Settings, Tiles, Timings
+
+WORKER_MODULE = "terapipe_cli.profile.tensor_parallel"
+COLLECTIVE_TIMEOUT_S = 300  # a rank that hangs stops the others within this (their all-reduce times out)
+LIMIT_S = 24 * 3600  # the whole timing: a hang is caught by the collectives' timeout long before
+
+
+def time_layer_tensor_parallel(
+    model: ModelConfig,
+    settings: Settings,
+    tiles: Tiles,
+    device: torch.device,
+    tensor_parallel: int,
+    progress: Progress | None = None,
+) -> tuple[Timings, dict]:
+    """`measure.time_layer`'s result, timed by rank 0 of ``tensor_parallel`` torchrun processes."""
+    from terapipe_cli.profile.measure import Point, Timings
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    with tempfile.TemporaryDirectory(prefix="terapipe-tp-") as tmp:
+        folder = Path(tmp)
+        request, out, lines = folder / "request.json", folder / "timings.json", folder / "progress.jsonl"
+        write_json_atomic(request, {"model": model.to_dict(), "settings": asdict(settings)})
+        args = [
+            *rendezvous_args(tensor_parallel), "--module", WORKER_MODULE, "--worker", "--request", str(request),
+            "--backend", backend, "--out", str(out), "--progress", str(lines), "--timeout", str(COLLECTIVE_TIMEOUT_S),
+        ]  # fmt: skip
+        with _relay_progress(lines, progress, f"starting {tensor_parallel} tensor ranks (torchrun, {backend})"):
+            data = run_workers(args, out, limit_s=LIMIT_S, what="tensor-parallel tile timing")
+    points = [Point(**p) for p in data["points"]]
+    if points != tiles.all:
+        raise RuntimeError("the tensor-parallel workers timed other tiles than the ones asked for")
+    return Timings(points, data["forward"], data["backward"]), data["layer"]
+
+
+@contextmanager
+def _relay_progress(path: Path, progress: Progress | None, start: str) -> Iterator[None]:
+    """While the body runs, a thread passes the progress lines rank 0 appends to ``path`` on to ``progress``;
+    the phase ``start`` (torchrun starting the ranks) is done when the first line comes."""
+    if progress is None:
+        yield
+        return
+    progress(start, 0, 1)
+    stop = threading.Event()
+    offset = [0]
+
+    def pass_on() -> None:
+        before, offset[0] = offset[0], _pass_on(path, offset[0], progress)
+        if before == 0 and offset[0] > 0:
+            progress(start, 1, 1)
+
+    def relay() -> None:
+        while not stop.wait(0.2):
+            pass_on()
+
+    thread = threading.Thread(target=relay, name="terapipe-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        pass_on()
+
+
+def _pass_on(path: Path, offset: int, progress: Progress) -> int:
+    """Call ``progress`` for every whole line after byte ``offset``; the offset after them."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            chunk = f.read()
+    except FileNotFoundError:
+        return offset
+    whole = chunk[: chunk.rfind(b"\n") + 1]
+    for line in whole.splitlines():
+        entry = json.loads(line)
+        progress(entry["phase"], entry["done"], entry["total"])
+    return offset + len(whole)
+
+
+class _ProgressFile:
+    """Rank 0's progress callback: one JSON line per update, at most every 0.2 s within a phase."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.phase, self.last = path, None, 0.0
+
+    def __call__(self, phase: str, done: float, total: float) -> None:
+        now = time.monotonic()
+        if phase == self.phase and now - self.last < 0.2 and done < total:
+            return
+        self.phase, self.last = phase, now
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"phase": phase, "done": done, "total": total}) + "\n")
+
+
+def _worker(args: argparse.Namespace) -> None:
+    """One tensor rank: the same `time_layer` as every other rank; rank 0 writes the result."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from terapipe_cli.profile.measure import Settings, time_layer
+    from terapipe_cli.runtime.tensor import TensorGroup
+
+    request = read_json(args.request, what="tensor-parallel timing request")
+    model = ModelConfig.from_dict(request["model"], args.request)
+    settings = Settings(**{k: tuple(v) if isinstance(v, list) else v for k, v in request["settings"].items()})
+    if args.backend == "nccl":
+        # Pick this rank's GPU before NCCL starts, so its communicator binds to the right device.
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=args.timeout))
+    rank = dist.get_rank()
+    tensor = TensorGroup(rank, dist.get_world_size(), dist.group.WORLD)
+    progress = _ProgressFile(args.progress) if rank == 0 else None
+    timings, layer = time_layer(model, settings, settings.tiles(model.seq_len), device, progress, tensor=tensor)
+    dist.barrier()
+    if rank == 0:
+        result = {"points": [asdict(p) for p in timings.points], "forward": timings.forward}
+        write_json_atomic(args.out, dict(result, backward=timings.backward, layer=layer))
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="terapipe tensor-parallel tile-timing worker (started by torchrun)")
+    ap.add_argument("--worker", action="store_true", required=True)
+    ap.add_argument("--request", required=True)
+    ap.add_argument("--backend", choices=("gloo", "nccl"), required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--progress", required=True)
+    ap.add_argument("--timeout", type=int, default=COLLECTIVE_TIMEOUT_S)
+    _worker(ap.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
