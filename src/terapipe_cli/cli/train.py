@@ -114,7 +114,25 @@ def train(
         typer.Option("--data", help="Text file (bytes) or uint16 token file (.bin/.npy) (default: the embedded text)."),
     ] = None,
     out: Annotated[Path | None, typer.Option("--out", help="Run directory (default: runs/<timestamp>).")] = None,
-    seed: Annotated[int, typer.Option("--seed", help="Seed of the weights and of the batches.")] = 0,
+    seed: Annotated[
+        int | None, typer.Option("--seed", help="Seed of the weights and of the batches.", show_default="0")
+    ] = None,
+    val_fraction: Annotated[
+        float | None,
+        typer.Option(
+            "--val-fraction",
+            help="The data's last part held out for the validation loss; 0 trains on all of it.",
+            show_default="0.1",
+        ),
+    ] = None,
+    eval_every: Annotated[
+        int | None,
+        typer.Option(
+            "--eval-every",
+            help="Validation loss every N steps and after the last (forward only, same pipeline); 0: never.",
+            show_default="a tenth of --steps",
+        ),
+    ] = None,
     lr: LrOption = None,
     warmup_steps: WarmupStepsOption = None,
     min_lr: MinLrOption = None,
@@ -186,6 +204,8 @@ def train(
         grad_clip=grad_clip,
         accept_precision=accept_precision,
         rdzv_timeout_s=rdzv_timeout,
+        val_fraction=val_fraction,
+        eval_every=eval_every,
     )
     if dry_run:
         console = Console(highlight=False)

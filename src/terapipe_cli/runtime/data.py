@@ -8,6 +8,10 @@ The batch of step s is drawn from the seed and s alone (``numpy`` generator seed
 first L tokens as inputs and the last L as targets. So any worker, the single-process reference of
 ``--verify``, and a resumed run all see exactly the same batches without exchanging anything.
 
+Held-out data: `split_data` keeps the file's last ``val_fraction`` for validation. Training windows are drawn
+from the part before it only, and the validation batch (`validation_batch`) is one fixed set of windows from
+the held-out part, the same at every evaluation, so the validation curve compares like with like.
+
 The embedded default data set (``terapipe_cli/data/tiny-stories.txt``) is ~300 KB of English-like text
 made by `generate_default_text` from a small fixed grammar (subjects, verbs, objects, adjectives, counting
 and simple sums): regular enough that a tiny model's byte-level loss falls visibly within tens of steps,
@@ -117,6 +121,31 @@ def check_data(data: TokenData, *, vocab: int, seq_len: int) -> None:
             f"holds token id {data.max_token}, outside the model's vocabulary of {vocab} (plan field 'model.vocab')",
             where=data.path,
         )
+
+
+def split_data(data: TokenData, val_fraction: float, seq_len: int) -> tuple[TokenData, TokenData | None]:
+    """(training part, held-out part): the file's last ``val_fraction`` held out (None when 0). Both must hold
+    a window of L + 1 tokens."""
+    if not 0 <= val_fraction < 1:
+        raise UserError(f"must be in [0, 1), got {val_fraction}", where="--val-fraction")
+    if val_fraction == 0:
+        return data, None
+    cut = len(data) - int(len(data) * val_fraction)
+    parts = (data.tokens[:cut], data.tokens[cut:])
+    for name, tokens in zip(("training", "held-out"), parts, strict=True):
+        if len(tokens) < seq_len + 1:
+            raise UserError(
+                f"its {name} part ({len(tokens)} of {len(data)} tokens at --val-fraction {val_fraction:g}) is "
+                f"shorter than one window of L + 1 = {seq_len + 1} tokens: give more data or another --val-fraction",
+                where=data.path,
+            )
+    train, held_out = (TokenData(data.path, data.kind, tokens, data.max_token) for tokens in parts)
+    return train, held_out
+
+
+def validation_batch(held_out: TokenData, *, seed: int, sequences: int, seq_len: int) -> torch.Tensor:
+    """The fixed (sequences, L + 1) windows of every evaluation, from the held-out part."""
+    return step_batch(held_out, seed=seed, step=0, sequences=sequences, seq_len=seq_len)
 
 
 def step_batch(data: TokenData, *, seed: int, step: int, sequences: int, seq_len: int) -> torch.Tensor:

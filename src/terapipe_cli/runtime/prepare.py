@@ -25,7 +25,7 @@ from terapipe_cli.device import resolve_device, resolve_precision
 from terapipe_cli.errors import UserError
 from terapipe_cli.plan import Plan, plan_from_dict, read_plan
 from terapipe_cli.runtime import checkpoint
-from terapipe_cli.runtime.data import TokenData, check_data, load_data
+from terapipe_cli.runtime.data import TokenData, check_data, load_data, split_data
 from terapipe_cli.runtime.launch import Launch
 from terapipe_cli.runtime.mesh import Layout
 from terapipe_cli.runtime.optim import DEFAULT_GRAD_CLIP, DEFAULT_LR, LRSchedule
@@ -38,11 +38,16 @@ from terapipe_cli.runtime.rundir import (
 )
 
 CPU_WORKERS_PER_CORE = 4  # beyond this, single-thread workers only queue for the cores
+DEFAULT_VAL_FRACTION = 0.1  # the data's last tenth held out for the validation loss
 DROP_KV_GRADS_ENV = "TERAPIPE_TEST_DROP_KV_GRADS"  # test-only negative control: "1" drops the K/V hand-back
 SKIP_TP_ALLREDUCE_ENV = "TERAPIPE_TEST_SKIP_TP_ALLREDUCE"  # test-only negative control: "1" skips one all-reduce
 PLAN_FIELDS_OF_A_RUN = ("model", "stages", "batch_size", "seq_len", "slices")  # a resumed run's plan keeps them
 # The optimizer step's options: a resumed run keeps the values it was created with (argument name: flag).
+# What decides a run's numbers besides its plan: a resumed run keeps them, and refuses another value given again.
 STEP_FLAGS = {
+    "data": "--data",
+    "seed": "--seed",
+    "val_fraction": "--val-fraction",
     "precision": "--precision",
     "lr": "--lr",
     "warmup_steps": "--warmup-steps",
@@ -55,7 +60,7 @@ STEP_FLAGS = {
 class PreparedRun:
     plan: Plan
     args: RunArguments
-    data: TokenData
+    data: TokenData  # the part training draws from (the held-out part excluded)
     device: str  # "cpu" or "cuda"
     backend: str  # "gloo" or "nccl"
     launch: Launch
@@ -161,7 +166,7 @@ def prepare_run(
     steps: int,
     data: Path | None,
     out: Path | None,
-    seed: int,
+    seed: int | None,
     lr: float | None,
     data_parallel: int | None,
     verify: bool,
@@ -183,12 +188,15 @@ def prepare_run(
     grad_clip: float | None = None,
     accept_precision: bool = False,
     rdzv_timeout_s: float = 300.0,
+    val_fraction: float | None = None,
+    eval_every: int | None = None,
 ) -> PreparedRun:
     """Validate the request; unless ``write`` is False, write config.json and plan.json into the run dir.
 
-    ``lr``, ``precision``, ``warmup_steps``, ``min_lr``, ``grad_clip``: None is the default (a new run) or the
-    run's own value (a resumed one). On several nodes only node 0 writes here, with a fresh launch id; the
-    other nodes' workers take node 0's config once the nodes have met (`rundir.join_run_folder`)."""
+    ``data``, ``seed``, ``lr``, ``precision``, ``warmup_steps``, ``min_lr``, ``grad_clip``, ``val_fraction``,
+    ``eval_every``: None is the default (a new run) or the run's own value (a resumed one). On several nodes only
+    node 0 writes here, with a fresh launch id; the other nodes' workers take node 0's config once the nodes have
+    met (`rundir.join_run_folder`)."""
     check_options(
         steps=steps,
         checkpoint_every=checkpoint_every,
@@ -202,21 +210,26 @@ def prepare_run(
         rdzv_timeout_s=rdzv_timeout_s,
     )
     dev = resolve_device(device)
+    data_path = str(data.resolve()) if data is not None else None
     step_flags = dict(precision=precision, lr=lr, warmup_steps=warmup_steps, min_lr=min_lr, grad_clip=grad_clip)
     # What a resumed run may change: its length and how it runs, never the numbers.
     settings = {"steps": steps, "checkpoint_every": checkpoint_every, "threads": threads, "timeout_s": timeout_s}
     replicas = {"data_parallel": data_parallel, "tensor_parallel": tensor_parallel}
     if resume:
-        run = _resumed_run(out, plan_path, replicas, settings)
-        _check_same_step_settings(run.args, step_flags, dev)
+        run = _resumed_run(out, plan_path, replicas, settings, eval_every)
+        numbers = dict(step_flags, data=data_path, seed=seed, val_fraction=val_fraction)
+        _check_same_step_settings(run.args, numbers, dev)
     else:
-        numbers = {"data": str(data.resolve()) if data is not None else None, "seed": seed}
+        val_fraction = DEFAULT_VAL_FRACTION if val_fraction is None else val_fraction
+        numbers = {"data": data_path, "seed": 0 if seed is None else seed, "val_fraction": val_fraction}
         numbers.update(_step_settings(step_flags, steps, dev), accept_precision=accept_precision)
         numbers.update(verify=verify, kv_handback=kv_handback, tp_allreduce=tp_allreduce)
+        settings["eval_every"] = _eval_every(eval_every, steps, val_fraction)
         run = _new_run(plan_path, out, replicas, {**settings, **numbers}, joins_node_0=node_rank > 0)
         _check_plan_precision(run, accept_precision)
     token_data = load_data(run.args.data)
     check_data(token_data, vocab=run.plan.model.vocab, seq_len=run.plan.seq_len)
+    token_data, _ = split_data(token_data, run.args.val_fraction, run.plan.seq_len)
     per_node = workers_per_node(run.layout, nnodes, dev)
     backend = backend_for(dev, per_node)
     plan_obj, arguments = _config_fields(run, settings)
@@ -294,8 +307,18 @@ def _step_settings(flags: dict, steps: int, device: str) -> dict:
     }
 
 
+def _eval_every(given: int | None, steps: int, val_fraction: float) -> int:
+    """Validation every N steps: as given, else about ten times a run (never without held-out data)."""
+    if given is not None and given < 0:
+        raise UserError(f"must be 0 (never) or a number of steps, got {given}", where="--eval-every")
+    if val_fraction == 0:
+        return 0
+    return max(1, steps // 10) if given is None else given
+
+
 def _check_same_step_settings(saved: RunArguments, flags: dict, device: str) -> None:
-    """A resumed run keeps its precision, lr schedule and clipping: a different value given again is refused."""
+    """A resumed run keeps its data, seed, held-out part, precision, lr schedule and clipping: a different value
+    given again is refused, naming it."""
     for name, given in flags.items():
         if given is None:
             continue
@@ -303,7 +326,8 @@ def _check_same_step_settings(saved: RunArguments, flags: dict, device: str) -> 
             given = resolve_precision(given, device)
         kept = getattr(saved, name)
         if given != kept:
-            was = f"{STEP_FLAGS[name]} {kept}" if kept is not None else f"no {STEP_FLAGS[name]} (a constant lr)"
+            unset = {"data": "the embedded default data (no --data)", "min_lr": "no --min-lr (a constant lr)"}
+            was = f"{STEP_FLAGS[name]} {kept}" if kept is not None else unset.get(name, f"no {STEP_FLAGS[name]}")
             raise UserError(
                 f"the run being resumed was trained with {was}; a resumed run keeps it "
                 f"(leave the option out, or start a new run with --out)",
@@ -343,7 +367,9 @@ def _new_run(plan_path: Path | None, out: Path | None, replicas: dict, arguments
     return _Run(plan, dict(plan.raw), args, out)
 
 
-def _resumed_run(out: Path | None, plan_path: Path | None, replicas: dict, settings: dict) -> _Run:
+def _resumed_run(
+    out: Path | None, plan_path: Path | None, replicas: dict, settings: dict, eval_every: int | None
+) -> _Run:
     """The run in ``out``, continued from its last complete checkpoint to the new number of steps.
 
     Everything that decides the numbers (plan, data, seed, lr, replicas) comes from the run itself; a plan or
@@ -371,6 +397,8 @@ def _resumed_run(out: Path | None, plan_path: Path | None, replicas: dict, setti
         raise UserError("no complete checkpoint to resume from", where=str(out / "checkpoints"))
     if settings["steps"] <= resume_step:
         raise UserError(f"the run already reached step {resume_step}; ask for more steps", where="--steps")
+    if eval_every is not None:  # how often to evaluate may change; what is held out may not
+        settings["eval_every"] = _eval_every(eval_every, settings["steps"], saved.val_fraction)
     args = dataclasses.replace(saved, **settings, verify=False)
     return _Run(plan, config["plan"], args, out, resume_step, config)
 

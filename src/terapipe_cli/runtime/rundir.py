@@ -4,7 +4,7 @@ runs/NAME/
   config.json        terapipe.run/1: {"plan": <the plan object>, "arguments": {steps, data, seed, lr,
                      data_parallel, checkpoint_every, threads, timeout_s, verify, kv_handback, precision,
                      warmup_steps, min_lr, decay_steps, grad_clip, accept_precision, tensor_parallel,
-                     tp_allreduce},
+                     tp_allreduce, val_fraction, eval_every},
                      "world_size" (D × K × T), "stages", "device", "backend", "nnodes", "versions": {...}, "created",
                      "launch_id" (new at every launch by node 0; how another node tells node 0's folder from its own)}
   plan.json          the plan as given (terapipe.plan/1)
@@ -12,14 +12,15 @@ runs/NAME/
                      "lr" (this step's), "grad_norm" (global, before clipping; null on a skipped step),
                      "skipped" (fp16: the step was skipped for an inf/nan gradient), "loss_scale" (fp16 only:
                      the scale for the next step), "iteration_s", "tokens_per_s",
-                     "memory_bytes" (peak, largest rank), "memory_bytes_per_rank": [...]}
+                     "memory_bytes" (peak, largest rank), "memory_bytes_per_rank": [...],
+                     "val_loss" (only on evaluated steps: the held-out loss after the step's update)}
   timelines/rank_00000.json   terapipe.timeline/1 (see schedule.py): every tile of every step, F and B
   checkpoints/step_000010/...  see checkpoint.py (the optimizer state carries the fp16 loss scale)
   errors/rank_00001.txt       the traceback of a worker that failed (only then)
   verify/grads_stage_000.pt   {"step", "grads"}: each stage's whole gradients (unscaled, clipped) at the first step
                      not skipped, by name (only with --verify)
   summary.json       terapipe.run-summary/1: {"status": "complete", "steps", "first_loss", "final_loss",
-                     "median_iteration_s", "tokens_per_s", "wall_s", "skipped_steps", "verify": {...}
+                     "final_val_loss", "median_iteration_s", "tokens_per_s", "wall_s", "skipped_steps", "verify": {...}
                      (with --verify; see runtime/verify.py)}
 """
 
@@ -64,6 +65,8 @@ class RunArguments:
     accept_precision: bool = False  # the run was allowed a precision other than its plan's
     tensor_parallel: int = 1  # T processes per stage (docs/design.md §6b)
     tp_allreduce: bool = True  # False only for the test-only negative control (one tensor all-reduce skipped)
+    val_fraction: float = 0.0  # the data's last part held out for validation (0: none, as before it existed)
+    eval_every: int = 0  # validation every N steps and after the last (0: never)
 
 
 def write_config(
@@ -158,6 +161,8 @@ def read_config(run_dir: Path) -> tuple[dict, RunArguments]:
         accept_precision=bool(f.get("accept_precision", False)),
         tensor_parallel=f.int("tensor_parallel", minimum=1, default=1),
         tp_allreduce=bool(f.get("tp_allreduce", True)),
+        val_fraction=f.number("val_fraction", minimum=0, default=0.0),
+        eval_every=f.int("eval_every", minimum=0, default=0),
     )
     return obj, args
 

@@ -100,13 +100,20 @@ class StageRunner:
         return self.autocast()
 
     def forward_tile(
-        self, batch_slice: int, token_slice: int, x: torch.Tensor, targets: torch.Tensor | None = None
+        self,
+        batch_slice: int,
+        token_slice: int,
+        x: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        *,
+        grad: bool = True,
     ) -> torch.Tensor:
         """Run one tile forward; tiles of a batch slice must come in token order.
 
         x: (b, i) int64 token ids on stage 0, else the (b, i, H) activation from the previous stage.
         Returns the detached (b, i, H) output to send on, or on the last stage the tile's summed token
-        loss (0-d, detached; needs ``targets`` (b, i)).
+        loss (0-d, detached; needs ``targets`` (b, i)). ``grad=False``: an evaluation, no graph kept (no
+        backward follows; `reset` afterwards).
         """
         key = (batch_slice, token_slice)
         if key in self._tiles:
@@ -119,8 +126,8 @@ class StageRunner:
             raise RuntimeError(f"tile {key}: token slices of a batch slice must run in order (reset between steps)")
         x = x.to(self.device, non_blocking=True)
         if not self.first:
-            x = x.detach().requires_grad_(True)
-        with torch.enable_grad(), self.autocast():
+            x = x.detach().requires_grad_(grad)
+        with torch.enable_grad() if grad else torch.no_grad(), self.autocast():
             out = self.module(x, state.next_token, state.caches)
             if self.last:
                 if targets is None:

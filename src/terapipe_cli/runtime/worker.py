@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from terapipe_cli.plan import Plan, plan_from_dict
 from terapipe_cli.runtime import checkpoint
-from terapipe_cli.runtime.data import TokenData, check_data, load_data, step_batch
+from terapipe_cli.runtime.data import TokenData, check_data, load_data, split_data, step_batch, validation_batch
 from terapipe_cli.runtime.mesh import Layout, make_groups
 from terapipe_cli.runtime.optim import LossScale, LRSchedule, StepOutcome, make_optimizer, set_lr, take_step
 from terapipe_cli.runtime.p2p import Links, PeerLost, host_all_reduce, short_error
@@ -84,7 +84,8 @@ class Worker:
     optimizer: torch.optim.Optimizer
     links: Links
     actions: list[Action]  # this stage's part of the schedule, in schedule.py's order
-    data: TokenData
+    data: TokenData  # the training part of the data
+    held_out: TokenData | None  # the validation part (None: no validation)
     replica_group: object | None  # this stage's data-parallel group; None with one replica
     pipeline_group: object | None  # this replica's K·T ranks (the gradient norm's sum); None: all ranks (D = 1)
     tensor: TensorGroup  # this stage's tensor ranks (size 1 without tensor parallelism)
@@ -168,8 +169,9 @@ def train(run_dir: Path, resume_step: int | None, request: NodeRequest) -> None:
             grads_saved = True
         step_loss, memory = end_of_step(w, loss)
         iteration_s.append(time.perf_counter() - step_start)
+        val_loss = evaluate(w) if evaluation_due(w, step) else None
         if w.rank == 0:
-            log_step(w, step, step_loss, lr, update, iteration_s, memory)
+            log_step(w, step, step_loss, lr, update, iteration_s, memory, val_loss)
         if step % w.args.checkpoint_every == 0 or step == w.args.steps:
             save_checkpoint(w, step, events)
     save_timeline(w, events)
@@ -198,6 +200,7 @@ def start_worker(run_dir: Path, request: NodeRequest, *, resuming: bool) -> Work
     runner, optimizer = build_stage(plan, stage, args, device, tensor)
     data = load_data(args.data)
     check_data(data, vocab=plan.model.vocab, seq_len=plan.seq_len)
+    data, held_out = split_data(data, args.val_fraction, plan.seq_len)
     prev_rank, next_rank = layout.neighbours(rank)
     links = Links(
         prev_rank=prev_rank,
@@ -219,6 +222,7 @@ def start_worker(run_dir: Path, request: NodeRequest, *, resuming: bool) -> Work
         links=links,
         actions=build_schedule(plan.slices, plan.stages)[stage],
         data=data,
+        held_out=held_out,
         replica_group=groups.replicas,
         pipeline_group=groups.model,
         tensor=tensor,
@@ -338,6 +342,32 @@ def replica_batch(w: Worker, step: int) -> torch.Tensor:
     return batch[w.replica * B : (w.replica + 1) * B].to(w.device)
 
 
+def evaluation_due(w: Worker, step: int) -> bool:
+    """Validation every ``eval_every`` steps and after the last, when the run holds data out."""
+    every = w.args.eval_every
+    return w.held_out is not None and every > 0 and (step % every == 0 or step == w.args.steps)
+
+
+def evaluate(w: Worker) -> float:
+    """The held-out loss (mean over B·D·L tokens): the fixed validation batch through the same pipeline and
+    tiles, forward only, no graph kept. Every rank takes part; one all-reduce sums the last stages' losses."""
+    B = w.plan.batch_size
+    batch = validation_batch(w.held_out, seed=w.args.seed, sequences=B * w.args.data_parallel, seq_len=w.plan.seq_len)
+    batch = batch[w.replica * B : (w.replica + 1) * B].to(w.device)
+    forwards = [a.tile for a in w.actions if a.phase == "F"]
+    walk = _StepWalk(w.runner, w.links, batch, forwards, None, train=False)
+    with w.runner.step():
+        for t in forwards:
+            walk.forward(t)
+    w.links.finish_sends()
+    w.runner.reset()
+    total = torch.zeros(1, dtype=torch.float64, device=w.device)
+    if walk.loss is not None and w.tensor.rank == 0:
+        total[0] = walk.loss.double() / w.tokens_per_step
+    collective(lambda: host_all_reduce(total), "the validation-loss all-reduce")
+    return float(total[0])
+
+
 def run_schedule(
     runner: StageRunner,
     actions: list[Action],
@@ -372,7 +402,8 @@ class _StepWalk:
     """One step's tiles on this stage: their messages to and from the neighbours, and the summed loss.
 
     `forward` and `backward` each run one tile and return the moment its compute began (after its input
-    arrived); the caller takes the end with `now`, so a tile's time includes issuing its send.
+    arrived); the caller takes the end with `now`, so a tile's time includes issuing its send. With ``train``
+    False the walk is an evaluation: forwards only, no graph kept, no gradients expected.
     """
 
     def __init__(
@@ -382,8 +413,11 @@ class _StepWalk:
         batch: torch.Tensor,
         tiles: list[Tile],
         after_forward: Callable[[], None] | None,
+        *,
+        train: bool = True,
     ) -> None:
         self.runner, self.links, self.batch, self.tiles = runner, links, batch, tiles
+        self.train = train
         self.index = {t: n for n, t in enumerate(tiles)}
         self.forward_in = links.post_forward_recvs(tiles)
         self.backward_in: dict = {}
@@ -408,13 +442,13 @@ class _StepWalk:
             x = links.wait(self.forward_in.pop(t), f"receiving the activation of tile {n}", links.prev_rank)
         targets = self.batch[rows, t.token_start + 1 : t.token_start + t.tokens + 1] if runner.last else None
         start = self.now()
-        out = runner.forward_tile(t.batch_slice, t.token_slice, x, targets)
+        out = runner.forward_tile(t.batch_slice, t.token_slice, x, targets, grad=self.train)
         if runner.last:
             self.loss = out if self.loss is None else self.loss + out
         else:
             links.send_forward(out, n)
         self.forwards_left -= 1
-        if self.forwards_left == 0:
+        if self.forwards_left == 0 and self.train:
             # Only now: on NCCL these receives would otherwise block the activation sends queued above.
             self.backward_in = links.post_backward_recvs(self.tiles)
             if self.after_forward is not None:
@@ -524,22 +558,32 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 def log_step(
-    w: Worker, step: int, loss: float, lr: float, update: StepOutcome, iteration_s: list[float], memory: list[int]
+    w: Worker,
+    step: int,
+    loss: float,
+    lr: float,
+    update: StepOutcome,
+    iteration_s: list[float],
+    memory: list[int],
+    val_loss: float | None = None,
 ) -> None:
-    """The step's record in metrics.jsonl and its line on the console (rank 0), with the time left: the steps
-    to go at the median of this launch's last ten iterations."""
+    """The step's record in metrics.jsonl and its line on the console (rank 0), with the held-out loss when
+    evaluated and the time left: the steps to go at the median of this launch's last ten iterations."""
     tokens, dt = w.tokens_per_step, iteration_s[-1]
     eta = format_duration((w.args.steps - step) * statistics.median(iteration_s[-10:]))
     record = {"step": step, "loss": loss, "lr": lr, "grad_norm": update.grad_norm, "skipped": update.skipped}
     if update.loss_scale is not None:
         record["loss_scale"] = update.loss_scale
     record.update(iteration_s=dt, tokens_per_s=tokens / dt, memory_bytes=max(memory), memory_bytes_per_rank=memory)
+    if val_loss is not None:
+        record["val_loss"] = val_loss
     append_metrics(w.run_dir, record)
     norm = "skipped" if update.grad_norm is None else f"{update.grad_norm:7.3f}"
     scale = f"  scale {update.loss_scale:g}" if update.loss_scale is not None else ""
+    val = f"  val {val_loss:8.4f}" if val_loss is not None else ""
     print(
-        f"step {step:>5}/{w.args.steps}  loss {loss:8.4f}  lr {lr:.2e}  |g| {norm}{scale}  iter {dt * 1e3:9.1f} ms  "
-        f"{tokens / dt:10,.0f} tok/s  mem {max(memory) / 2**20:7.1f} MiB  eta {eta}",
+        f"step {step:>5}/{w.args.steps}  loss {loss:8.4f}{val}  lr {lr:.2e}  |g| {norm}{scale}  "
+        f"iter {dt * 1e3:9.1f} ms  {tokens / dt:10,.0f} tok/s  mem {max(memory) / 2**20:7.1f} MiB  eta {eta}",
         flush=True,
     )
 
@@ -587,6 +631,7 @@ def write_run_summary(w: Worker, resume_step: int | None, iteration_s: list[floa
             "resumed_from": resume_step,
             "first_loss": records[0]["loss"] if records else None,
             "final_loss": records[-1]["loss"] if records else None,
+            "final_val_loss": next((r["val_loss"] for r in reversed(records) if "val_loss" in r), None),
             "skipped_steps": sum(1 for r in records if r.get("skipped")),
             "precision": w.args.precision,
             "median_iteration_s": median_s,
