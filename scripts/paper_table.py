@@ -36,11 +36,10 @@ from rich.table import Table  # noqa: E402
 
 from terapipe_cli.costmodel import profile_from_dict  # noqa: E402
 from terapipe_cli.errors import UserError  # noqa: E402
-from terapipe_cli.experiments import Experiment, load_experiment  # noqa: E402
+from terapipe_cli.experiments import Experiment, experiment_profile, load_experiment  # noqa: E402
 from terapipe_cli.hardware import load_hardware  # noqa: E402
 from terapipe_cli.plan import short_form  # noqa: E402
 from terapipe_cli.planning import plan_for_profile, plan_request  # noqa: E402
-from terapipe_cli.profile.analytic import analytic_profile  # noqa: E402
 
 
 @dataclass
@@ -71,11 +70,7 @@ class Row:
 def plan_experiment(exp: Experiment) -> Row:
     """Analytic profile -> the library's plan and its two baselines, for one pipeline replica."""
     B, g = exp.batch_per_replica, exp.token_step
-    # Every batch-slice size the planner may choose is on the profile's grid: analytic times cost nothing to
-    # compute, and it spares the cost model's interpolation along b.
-    obj = analytic_profile(
-        exp.model, exp.hardware, tensor_parallel=exp.tensor_parallel, batch_sizes=range(1, B + 1), token_step=g
-    )
+    obj = experiment_profile(exp, batch_size=B, tensor_parallel=exp.tensor_parallel, token_step=g)
     profile = profile_from_dict(obj, f"analytic profile of {exp.path}")
     request = plan_request(
         profile, stages=exp.stages, batch_size=B, seq_len=exp.seq_len, token_step=g, data_parallel=exp.data_parallel

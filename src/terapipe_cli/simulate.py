@@ -273,8 +273,9 @@ def stage_memory(
     every tile of the step, which is why TeraPipe and GPipe hold the same activations for the same batch).
     Per layer a tile holds ``b·i·activation_bytes_per_token_per_layer`` plus, when the profile has it,
     ``b·i·(i+j)·attention_bytes_per_token_pair_per_layer`` for the attention matrices. Stage 0 also holds the
-    token and position embeddings, the last stage the LM head (vocabulary-parallel under tensor parallelism)
-    and its fp32 logits per tile. Returns None when the profile lacks the sizes (a measured CPU profile).
+    token and position embeddings, the last stage the LM head and its fp32 logits per tile — whole on every
+    tensor rank, as the runtime keeps them (runtime/tensor.py replicates them; only the layers are split).
+    Returns None when the profile lacks the sizes (a measured CPU profile).
     """
     raw = getattr(profile, "raw", {}) or {}
     per_token = profile.activation_bytes_per_token_per_layer
@@ -283,7 +284,7 @@ def stage_memory(
         return None
     pair = float(raw.get("attention_bytes_per_token_pair_per_layer", 0.0))
     state_per_param = float(raw.get("state_bytes_per_param", 16.0))
-    tp = profile.tensor_parallel  # params_per_layer and the sizes above are already per tensor rank
+    # params_per_layer and the sizes above are already per tensor rank; embeddings and head are replicated.
     model = profile.model
     layers = model.stage_layers(stages)
     if schedule is None:
@@ -297,10 +298,10 @@ def stage_memory(
         stage_params = layers * params
         logits = 0.0
         if k == 0:
-            stage_params += (model.vocab * model.hidden) / tp + model.seq_len * model.hidden
+            stage_params += model.vocab * model.hidden + model.seq_len * model.hidden
         if k == stages - 1:
-            stage_params += (model.vocab * model.hidden) / tp
-            logits = 4.0 * model.vocab / tp  # fp32 logits per token, kept for the loss's backward
+            stage_params += model.vocab * model.hidden
+            logits = 4.0 * model.vocab  # fp32 logits per token, kept for the loss's backward
         alive = peak = 0.0
         count = peak_count = 0
         for a in schedule[k]:
