@@ -24,6 +24,7 @@ from terapipe_cli.report.build import find_baseline, find_cost_model, write_repo
 from terapipe_cli.report.compare import LOSS_RTOL, bubble_formula, compare, latency_stats
 from terapipe_cli.report.runs import check_comparable, load_run
 from terapipe_cli.report.trace import TraceRun, chrome_trace
+from terapipe_cli.runtime.mesh import Layout
 from terapipe_cli.runtime.rundir import RunArguments, append_metrics, timeline_path, write_config, write_summary
 from terapipe_cli.schedule import write_timeline
 from terapipe_cli.simulate import simulate
@@ -48,6 +49,7 @@ def make_run(
     stages: int = 2,
     steps: int = 6,
     replicas: int = 1,
+    tensor: int = 1,
     model=None,
     losses=None,
     iteration_s=None,
@@ -67,6 +69,7 @@ def make_run(
         slices=slices,
         predicted_s=0.05,
         data_parallel=replicas,
+        tensor_parallel=tensor,
         **(plan_extra or {}),
     )
     args = RunArguments(
@@ -79,12 +82,13 @@ def make_run(
         threads=1,
         timeout_s=60.0,
         verify=False,
+        tensor_parallel=tensor,
     )
     write_config(
         path,
         plan=plan,
         args=args,
-        world_size=stages * replicas,
+        world_size=stages * replicas * tensor,
         device="cpu",
         backend="gloo",
         nnodes=1,
@@ -105,18 +109,18 @@ def make_run(
                 "iteration_s": iteration_s[s],
                 "tokens_per_s": batch * replicas * SEQ / iteration_s[s],
                 "memory_bytes": 1000 + s,
-                "memory_bytes_per_rank": [1000 + s - r for r in range(stages * replicas)],
+                "memory_bytes_per_rank": [1000 + s - r for r in range(stages * replicas * tensor)],
             },
         )
-    write_timelines(path, sim.events, stages=stages, replicas=replicas, steps=steps)
+    write_timelines(path, sim.events, Layout(replicas, stages, tensor), steps=steps)
     write_summary(path, {"status": "complete", "steps": steps})
     return path
 
 
-def write_timelines(path: Path, step_events, *, stages: int, replicas: int, steps: int) -> None:
-    """Every rank's timeline file: the same simulated step, repeated for each step."""
-    for rank in range(stages * replicas):
-        stage, replica = rank % stages, rank // stages
+def write_timelines(path: Path, step_events, layout: Layout, *, steps: int) -> None:
+    """Every rank's timeline file: the same simulated step, repeated for each step (a stage's tensor ranks alike)."""
+    for rank in range(layout.world):
+        stage, replica = layout.stage(rank), layout.replica(rank)
         events = []
         for s in range(steps):
             for e in step_events:
@@ -240,7 +244,7 @@ def test_trace_lays_steps_end_to_end():
     from terapipe_cli.schedule import Event
 
     events = {0: [Event(0, "F", 0, 0, 0.001, 0.002, 0, 0, 1), Event(0, "F", 0, 0, 0.001, 0.002, 0, 0, 2)]}
-    trace = chrome_trace([TraceRun("X", events, [0.5, 0.25], 1, [(1, [4])])])
+    trace = chrome_trace([TraceRun("X", events, [0.5, 0.25], Layout(1, 1), [(1, [4])])])
     tiles = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] == "forward"]
     assert [e["ts"] for e in tiles] == pytest.approx([1000.0, 501000.0])
     assert tiles[0]["dur"] == pytest.approx(1000.0)

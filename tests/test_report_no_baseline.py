@@ -12,12 +12,14 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, assert_one_line_error, terapipe
+from conftest import ROOT, assert_one_line_error, terapipe, write_plan_file
 from test_report import GPIPE, SEQ, TERAPIPE, assert_chrome_trace, assert_nontrivial_png, make_run
 
 from terapipe_cli.cli.console import PIPED_WIDTH, make_console
 from terapipe_cli.report.build import FILES
 from terapipe_cli.report.text import NO_BASELINE
+
+CPU = ("--device", "cpu")
 
 
 @pytest.fixture
@@ -63,16 +65,23 @@ def test_a_stale_baseline_names_the_folder_to_delete(run_dir, tmp_path):
     assert terapipe("report", run_dir, "--no-baseline", timeout=120).returncode == 0
 
 
-def test_the_header_shows_d_k_and_t(run_dir):
-    config = json.loads((run_dir / "config.json").read_text())
-    config["arguments"]["tensor_parallel"] = 2
-    (run_dir / "config.json").write_text(json.dumps(config))
+def test_the_header_shows_d_k_and_t(tmp_path):
+    """T = 2: the header says so, and a stage's two tensor ranks count as one stage (they run the same tiles)."""
+    single = make_run(tmp_path / "t1", TERAPIPE)
+    run_dir = make_run(tmp_path / "t2", TERAPIPE, tensor=2)
     p = terapipe("report", run_dir, "--no-baseline", timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr
     header = "D=1, K=2, T=2, B=1, L=32"
     assert header in p.stdout.splitlines()[0]
     assert header in (run_dir / "report" / "report.md").read_text().splitlines()[0]
-    assert json.loads((run_dir / "report" / "report.json").read_text())["run"]["tensor_parallel"] == 2
+    report = json.loads((run_dir / "report" / "report.json").read_text())
+    assert report["run"]["tensor_parallel"] == 2
+    assert terapipe("report", single, "--no-baseline", timeout=120).returncode == 0
+    alone = json.loads((single / "report" / "report.json").read_text())
+    assert report["run"]["stage_times"] == alone["run"]["stage_times"]
+    trace = json.loads((run_dir / "report" / "trace.json").read_text())
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
+    assert "TeraPipe · rank 3 (stage 1, replica 0, tensor rank 1)" in names and len(names) == 4
 
 
 def test_a_run_from_before_tensor_parallelism_is_t_1(run_dir):
@@ -112,3 +121,16 @@ def test_make_console_is_wide_when_not_a_terminal(monkeypatch):
     assert make_console().width >= PIPED_WIDTH
     monkeypatch.setenv("COLUMNS", "100")  # the user's choice wins
     assert make_console().width == 100
+
+
+def test_a_tensor_parallel_run_and_its_baseline(tmp_path):
+    """A real run at T = 2 (one stage, two tensor ranks): its report trains the GPipe baseline at the same T."""
+    plan = write_plan_file(tmp_path / "plan.json", [(1, [16, 16])], stages=1)
+    run_dir = tmp_path / "run"
+    p = terapipe("train", "--plan", plan, "--steps", "4", "--out", run_dir, "--tensor-parallel", "2", *CPU)
+    assert p.returncode == 0, p.stdout + p.stderr
+    p = terapipe("report", run_dir, "--warmup", "1")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "D=1, K=1, T=2" in p.stdout and "Losses match" in p.stdout
+    baseline = json.loads((tmp_path / "run-gpipe" / "config.json").read_text())
+    assert baseline["arguments"]["tensor_parallel"] == 2 and baseline["world_size"] == 2

@@ -1,7 +1,7 @@
 """The GPipe baseline of a run: the plan's GPipe scheme, trained through the same runtime as the run.
 
-Same model, data, seed, learning rate, steps and process layout (stages × data-parallel replicas, device,
-threads) — only the slicing differs — so any difference in time is the slicing's, and the losses must be
+Same model, data, seed, learning rate, steps and process layout (data-parallel replicas × stages × tensor
+ranks, device, threads) — only the slicing differs — so any difference in time is the slicing's, and the losses must be
 equal up to floating-point summation order (docs/design.md §6: both are the same synchronous training).
 """
 
@@ -55,6 +55,7 @@ def gpipe_plan_dict(plan: Plan) -> dict:
         predicted_s=predicted,
         data_parallel=plan.data_parallel,
         precision=plan.precision,
+        tensor_parallel=plan.tensor_parallel,
         **extra,
     )
 
@@ -120,6 +121,8 @@ def _prepare(run: Run, plan_path: Path, out: Path, *, write: bool):
         timeout_s=a.timeout_s,
         device=str(run.config.get("device", "auto")),
         kv_handback=a.kv_handback,
+        tp_allreduce=a.tp_allreduce,
+        tensor_parallel=a.tensor_parallel,
         write=write,
         precision=a.precision,
         warmup_steps=a.warmup_steps,

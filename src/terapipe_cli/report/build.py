@@ -109,32 +109,24 @@ def load_baseline(run: Run, choice: BaselineChoice) -> Run:
 
 def find_cost_model(run: Run, profile: Path | None):
     """The cost model the plan was made with, for the simulator's predicted timelines: ``profile`` if given,
-    else the profile the plan names (when it is still there, unchanged). Returns (CostModel | None, info)."""
+    else the profile the plan names (when it is still there, unchanged, and for the run's T). Returns
+    (CostModel | None, info)."""
     from terapipe_cli.costmodel import CostModel, read_profile
 
-    named = (run.plan.raw.get("profile") or {}) if isinstance(run.plan.raw.get("profile"), dict) else {}
     if profile is None:
-        path = named.get("path")
-        if not path:
-            return None, {"used": False, "why": "the plan names no profile (pass one with --profile)"}
-        # The plan records the path as given to `terapipe plan`, relative to where it ran; the file is also looked
-        # for beside the run (as `terapipe run` lays it out). The checksum below makes any match safe.
-        name = Path(path).name
-        candidates = [Path(path), run.path / name, run.path.parent / name]
-        found = next((p for p in candidates if p.is_file()), None)
-        if found is None:
-            return None, {"used": False, "why": f"the plan's profile {path} is not here (pass it with --profile)"}
-        prof = read_profile(found)
-        if named.get("sha256") and prof.sha256 != named["sha256"]:
-            return None, {
-                "used": False,
-                "why": f"the profile {found} changed since the plan was made (pass it with --profile)",
-            }
+        prof, why = _plans_profile(run)
+        if prof is None:
+            return None, {"used": False, "why": why}
     else:
         prof = read_profile(profile)
         if prof.model != run.plan.model:
             raise UserError(
                 f"is a profile of model {prof.model.name!r}, the run trains {run.plan.model.name!r}", where=str(profile)
+            )
+        if prof.tensor_parallel != run.args.tensor_parallel:
+            raise UserError(
+                f"was measured at T={prof.tensor_parallel}, the run used T={run.args.tensor_parallel}",
+                where=str(profile),
             )
     cost = CostModel(prof, run.stages, run.args.data_parallel)
     info = {"used": True, "profile": prof.path, "source": prof.source, "sha256": prof.sha256}
@@ -142,6 +134,31 @@ def find_cost_model(run: Run, profile: Path | None):
     if cost.allreduce_unpriced:
         info["data_parallel_allreduce"] = f"unknown — not priced: {cost.allreduce_unpriced}"
     return cost, info
+
+
+def _plans_profile(run: Run):
+    """The profile the plan names, if it is here, unchanged, and for the run's T: (Profile, None), or (None, why)."""
+    from terapipe_cli.costmodel import read_profile
+
+    named = run.plan.raw.get("profile") if isinstance(run.plan.raw.get("profile"), dict) else {}
+    path = named.get("path")
+    if not path:
+        return None, "the plan names no profile (pass one with --profile)"
+    # The plan records the path as given to `terapipe plan`, relative to where it ran; the file is also looked
+    # for beside the run (as `terapipe run` lays it out). The checksum below makes any match safe.
+    name = Path(path).name
+    found = next((p for p in (Path(path), run.path / name, run.path.parent / name) if p.is_file()), None)
+    if found is None:
+        return None, f"the plan's profile {path} is not here (pass it with --profile)"
+    prof = read_profile(found)
+    if named.get("sha256") and prof.sha256 != named["sha256"]:
+        return None, f"the profile {found} changed since the plan was made (pass it with --profile)"
+    if prof.tensor_parallel != run.args.tensor_parallel:
+        return None, (
+            f"the plan's profile {found} is for T={prof.tensor_parallel}, the run used T={run.args.tensor_parallel} "
+            "(pass a profile at the run's T with --profile)"
+        )
+    return prof, None
 
 
 def simulate_runs(runs: dict[str, Run], cost) -> dict:
@@ -176,7 +193,7 @@ def write_report(
     step("trace.json")
     trace = chrome_trace(
         [
-            TraceRun(report[key]["label"], r.events, [m["iteration_s"] for m in r.metrics], r.stages, r.plan.slices)
+            TraceRun(report[key]["label"], r.events, [m["iteration_s"] for m in r.metrics], r.layout, r.plan.slices)
             for key, r in runs.items()
         ]
     )

@@ -87,7 +87,7 @@ def summarize(run: Run, label: str, warmup: int, sim: SimResult | None = None) -
         "short_form": run.plan.short_form(),
         "stages": run.stages,
         "data_parallel": run.args.data_parallel,
-        "tensor_parallel": run.tensor_parallel,
+        "tensor_parallel": run.args.tensor_parallel,
         "batch_size": run.plan.batch_size,
         "seq_len": run.plan.seq_len,
         "tiles": run.tiles,

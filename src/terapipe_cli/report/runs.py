@@ -13,6 +13,7 @@ from pathlib import Path
 
 from terapipe_cli.errors import UserError
 from terapipe_cli.plan import Plan, plan_from_dict
+from terapipe_cli.runtime.mesh import Layout
 from terapipe_cli.runtime.rundir import RunArguments, read_config, read_metrics, read_summary, timeline_path
 from terapipe_cli.schedule import Event, plan_tiles, read_timeline
 
@@ -34,13 +35,13 @@ class Run:
         return self.plan.stages
 
     @property
-    def tensor_parallel(self) -> int:
-        """T, the processes that share each stage (1 in runs from before tensor parallelism)."""
-        return int(self.config["arguments"].get("tensor_parallel", 1))
+    def layout(self) -> Layout:
+        """D replicas × K stages × T tensor ranks (T is 1 in runs from before tensor parallelism)."""
+        return Layout(self.args.data_parallel, self.plan.stages, self.args.tensor_parallel)
 
     @property
     def world_size(self) -> int:
-        return self.plan.stages * self.args.data_parallel
+        return self.layout.world
 
     @property
     def tiles(self) -> int:
@@ -57,10 +58,11 @@ class Run:
         return [int(r["step"]) for r in self.metrics]
 
     def step_events(self, step: int, replica: int | None = None) -> list[Event]:
-        """The events of one step (optionally of one replica), all ranks, times from that step's start."""
-        out = []
+        """The events of one step (optionally of one replica), times from that step's start: every stage's, as
+        its tensor rank 0 ran them (a stage's T ranks run the same tiles together, so one stands for the stage)."""
+        layout, out = self.layout, []
         for rank, events in self.events.items():
-            if replica is not None and rank // self.stages != replica:
+            if layout.tensor_rank(rank) != 0 or (replica is not None and layout.replica(rank) != replica):
                 continue
             out.extend(e for e in events if e.step == step)
         return sorted(out, key=lambda e: (e.stage, e.start_s))
@@ -93,13 +95,13 @@ def load_run(path: str | Path) -> Run:
         )
     metrics = _metrics(run_dir, args.steps)
     events: dict[int, list[Event]] = {}
-    world = plan.stages * args.data_parallel
-    for rank in range(world):
+    layout = Layout(args.data_parallel, plan.stages, args.tensor_parallel)
+    for rank in range(layout.world):
         tl = timeline_path(run_dir, rank)
         if not tl.exists():
-            raise UserError(f"timeline of rank {rank} not found (the run has {world} ranks)", where=str(tl))
+            raise UserError(f"timeline of rank {rank} not found (the run has {layout.world} ranks)", where=str(tl))
         _, evs = read_timeline(tl)
-        stage = rank % plan.stages
+        stage = layout.stage(rank)
         wrong = next((e for e in evs if e.stage != stage), None)
         if wrong is not None:
             raise UserError(f"holds an event of stage {wrong.stage}, but rank {rank} runs stage {stage}", where=str(tl))
@@ -147,7 +149,18 @@ def _metrics(run_dir: Path, steps: int) -> list[dict]:
 # What must agree between a run and its baseline for the comparison to mean anything: the same model trained
 # on the same data, batches, seed, steps and process layout (only the slicing may differ).
 SAME = ("model", "stages", "batch_size", "seq_len")
-SAME_ARGS = ("steps", "data", "seed", "lr", "data_parallel", "precision", "warmup_steps", "min_lr", "grad_clip")
+SAME_ARGS = (
+    "steps",
+    "data",
+    "seed",
+    "lr",
+    "data_parallel",
+    "tensor_parallel",
+    "precision",
+    "warmup_steps",
+    "min_lr",
+    "grad_clip",
+)
 
 
 def check_comparable(run: Run, baseline: Run) -> None:
@@ -167,12 +180,6 @@ def check_comparable(run: Run, baseline: Run) -> None:
             raise UserError(
                 f"the baseline was trained with {key} = {b!r}, the run with {a!r}: not comparable", where=where
             )
-    if run.tensor_parallel != baseline.tensor_parallel:
-        raise UserError(
-            f"the baseline was trained with tensor_parallel = {baseline.tensor_parallel}, the run with "
-            f"{run.tensor_parallel}: not comparable",
-            where=where,
-        )
     if run.config.get("device") != baseline.config.get("device"):
         raise UserError(
             f"the baseline ran on {baseline.config.get('device')!r}, the run on "

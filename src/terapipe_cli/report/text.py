@@ -23,10 +23,7 @@ def summaries(report: dict) -> list[dict]:
 def shape(report: dict) -> str:
     """The run's parallel layout and batch: ``D=1, K=2, T=1, B=1, L=32`` (replicas, stages, tensor ranks)."""
     r = report["run"]
-    return (
-        f"D={r['data_parallel']}, K={r['stages']}, T={r['tensor_parallel']}, "
-        f"B={r['batch_size']}, L={r['seq_len']}"
-    )
+    return f"D={r['data_parallel']}, K={r['stages']}, T={r['tensor_parallel']}, B={r['batch_size']}, L={r['seq_len']}"
 
 
 def title(report: dict) -> str:

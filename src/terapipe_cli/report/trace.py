@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from terapipe_cli.runtime.mesh import Layout
 from terapipe_cli.schedule import Event, plan_tiles
 
 
@@ -22,7 +23,7 @@ class TraceRun:
     label: str  # "TeraPipe", "GPipe"
     events: dict[int, list[Event]]  # rank -> events
     iteration_s: Sequence[float]  # per step, steps 1..n
-    stages: int
+    layout: Layout  # where each rank sits (stage, replica, tensor rank)
     slices: Sequence  # to name tiles by their sizes
 
 
@@ -37,14 +38,13 @@ def chrome_trace(runs: Sequence[TraceRun]) -> dict:
         tiles = {(t.batch_slice, t.token_slice): (n, t) for n, t in enumerate(plan_tiles(run.slices))}
         for rank in sorted(run.events):
             pid = pid_offset + rank
-            stage, replica = rank % run.stages, rank // run.stages
             out.append(
                 {
                     "ph": "M",
                     "pid": pid,
                     "tid": 0,
                     "name": "process_name",
-                    "args": {"name": f"{run.label} · rank {rank} (stage {stage}, replica {replica})"},
+                    "args": {"name": f"{run.label} · rank {rank} ({run.layout.describe(rank)})"},
                 }
             )
             out.append({"ph": "M", "pid": pid, "tid": 0, "name": "process_sort_index", "args": {"sort_index": pid}})

@@ -38,6 +38,7 @@ from pathlib import Path
 import terapipe_cli
 from terapipe_cli.errors import Interrupted, UserError
 from terapipe_cli.files import write_text_atomic
+from terapipe_cli.runtime.mesh import Layout
 
 WORKER_MODULE = "terapipe_cli.runtime.worker"
 
@@ -63,6 +64,13 @@ class Launch:
     timeout_s: float = 120.0  # every distributed wait of the workers (--timeout-s)
     rdzv_timeout_s: float = 300.0  # how long the nodes wait for each other at the rendezvous (--rdzv-timeout)
     settings_digest: str = ""  # `rundir.settings_digest` of this node's request: every node's must be node 0's
+    tensor_parallel: int = 1  # T processes per stage
+
+    @property
+    def layout(self) -> Layout:
+        """Where each rank sits: D replicas × K stages × T tensor ranks over all nodes' workers."""
+        world = self.nproc_per_node * self.nnodes
+        return Layout(world // (self.stages * self.tensor_parallel), self.stages, self.tensor_parallel)
 
 
 def rendezvous_args(
@@ -312,7 +320,7 @@ def describe_failure(failures: dict, spec: Launch) -> str:
         cause = _message(f) if f.error_file != "<N/A>" else f"exited with code {f.exitcode}"
         if len(cause) > 400:
             cause = cause[:400] + "..."
-    where = f"rank {rank} (stage {rank % spec.stages}, replica {rank // spec.stages})"
+    where = f"rank {rank} ({spec.layout.describe(rank)})"
     others = sorted(r for r in failures if r != rank)
     tail = f"; ranks {others} then failed too" if others else ""
     log = spec.run_dir / "errors" / f"rank_{rank:05d}.txt"
