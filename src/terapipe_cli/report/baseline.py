@@ -129,4 +129,6 @@ def _prepare(run: Run, plan_path: Path, out: Path, *, write: bool):
         min_lr=a.min_lr,
         grad_clip=a.grad_clip,
         accept_precision=a.accept_precision,
+        val_fraction=a.val_fraction,  # the same training windows, and the same held-out ones
+        eval_every=a.eval_every,
     )
