@@ -10,6 +10,8 @@ from conftest import assert_one_line_error, terapipe, write_plan_file
 from terapipe_cli.errors import UserError
 from terapipe_cli.model import GPT, token_loss_sum
 from terapipe_cli.plan import read_plan
+from terapipe_cli.report.build import _held_out
+from terapipe_cli.report.runs import load_run
 from terapipe_cli.runtime import checkpoint
 from terapipe_cli.runtime.data import TokenData, load_data, split_data, validation_batch
 from terapipe_cli.runtime.rundir import read_config, read_metrics, read_summary
@@ -56,6 +58,12 @@ def test_validation_loss_is_the_single_device_loss_of_the_trained_weights(tmp_pa
     with torch.no_grad():
         expected = token_loss_sum(model(batch[:, :-1]), batch[:, 1:]).item() / batch[:, 1:].numel()
     assert records[-1]["val_loss"] == pytest.approx(expected, rel=1e-5)
+
+    # The report draws the held-out curve next to the training loss.
+    p = terapipe("report", str(out), "--no-baseline", "--warmup", "1")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert (out / "report" / "loss.png").stat().st_size > 0
+    assert _held_out(load_run(out)) == [(2, records[1]["val_loss"]), (3, records[2]["val_loss"])]
 
 
 def test_no_held_out_data_means_no_validation(tmp_path):

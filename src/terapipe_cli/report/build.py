@@ -161,6 +161,11 @@ def _plans_profile(run: Run):
     return prof, None
 
 
+def _held_out(run: Run) -> list[tuple[int, float]]:
+    """(step, validation loss) of the run's evaluated steps."""
+    return [(r["step"], r["val_loss"]) for r in run.metrics if r.get("val_loss") is not None]
+
+
 def simulate_runs(runs: dict[str, Run], cost) -> dict:
     """Predicted timelines of each run's scheme (``{"run": ..., "baseline": ...}``) under the same cost model
     (`terapipe_cli.simulate`)."""
@@ -189,6 +194,7 @@ def write_report(
         out / "loss.png",
         warmup=report["warmup_steps"],
         title=_loss_title(report),
+        held_out=[(report[key]["label"], _held_out(r)) for key, r in runs.items()],
     )
     step("trace.json")
     trace = chrome_trace(

@@ -144,10 +144,15 @@ def _draw_panel(ax, panel: TimelinePanel, x_max: float, Rectangle, *, min_label_
 
 
 def draw_losses(
-    series: Sequence[tuple[str, Sequence[float]]], path: str | Path, *, warmup: int = 0, title: str = ""
+    series: Sequence[tuple[str, Sequence[float]]],
+    path: str | Path,
+    *,
+    warmup: int = 0,
+    title: str = "",
+    held_out: Sequence[tuple[str, Sequence[tuple[int, float]]]] = (),
 ) -> Path:
-    """Loss per step of each run (top) and, with more than one run, the absolute difference of every run from
-    the first (bottom)."""
+    """Loss per step of each run (top; with ``held_out``, each run's validation loss at its evaluated steps as a
+    second curve) and, with more than one run, the absolute difference of every run from the first (bottom)."""
     plt = _pyplot()
     if len(series) > 1:
         fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
@@ -173,13 +178,18 @@ def draw_losses(
                 markersize=3,
                 label=f"|{label} − {series[0][0]}|",
             )
+    for n, (label, points) in enumerate(held_out):
+        if points:
+            steps, values = zip(*points, strict=True)
+            style = dict(linestyle=":", marker="s", markersize=5, linewidth=1.6, markerfacecolor="none")
+            top.plot(steps, values, label=f"{label}, held-out", color=colors[(n + 2) % len(colors)], **style)
     for ax in (top, bottom):
         if ax is None:
             continue
         if warmup:
             ax.axvspan(0.5, warmup + 0.5, color="#eeeeee", zorder=0, label="warm-up (not timed)" if ax is top else None)
         ax.grid(color="#dddddd", linewidth=0.6)
-    top.set_ylabel("training loss")
+    top.set_ylabel("loss" if any(points for _, points in held_out) else "training loss")
     top.legend(frameon=False)
     if bottom is not None:
         bottom.set_ylabel("absolute difference")
