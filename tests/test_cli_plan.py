@@ -255,3 +255,13 @@ def test_plan_out_is_checked_before_planning(tmp_path):
     assert terapipe(*base, "--out", "notes.txt", "--force", cwd=tmp_path).returncode == 0
     assert terapipe(*base, "--out", "notes.txt", cwd=tmp_path).returncode == 0  # now a plan: overwriting it is fine
     assert terapipe(*base, "--out", "new/plan.json", cwd=tmp_path).returncode == 0  # its own folder is made
+
+
+def test_plan_table_stays_on_one_line_per_scheme_when_piped(tmp_path):
+    """Piped, with no COLUMNS, rich would fit the table into 80 columns (one word per line); it gets 160."""
+    p = terapipe(
+        "plan", "--profile", str(EXAMPLE), "-k", "2", "-b", "1", "--out", str(tmp_path / "p.json"), env={"COLUMNS": ""}
+    )
+    assert p.returncode == 0, p.stderr
+    rows = [line for line in p.stdout.splitlines() if line.startswith(("│ TeraPipe (DP)", "│ GPipe "))]
+    assert len(rows) == 2 and all("×" in row for row in rows), p.stdout

@@ -50,7 +50,7 @@ class ModelConfig:
         return sharded // t + replicated
 
     def check_tensor_parallel(self, tensor_parallel: int, where: str = "tensor_parallel") -> None:
-        """T ranks split the heads and the MLP's inner dimension (docs/design.md §7, §12): T must divide both."""
+        """T ranks split the heads and the MLP's inner dimension (docs/design.md §6b): T must divide both."""
         t = tensor_parallel
         if isinstance(t, bool) or not isinstance(t, int) or t < 1:
             raise UserError(f"must be a positive integer, got {t!r}", where=where)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import typer
-from rich.console import Console
 from rich.table import Table
+
+from terapipe_cli.cli.console import make_console
 
 HELP = """List the bundled models, hardware files and experiments: the names `--model`, `--hardware` and the \
 experiment loaders accept from any folder (a TOML path works everywhere too).
@@ -23,7 +24,7 @@ def configs() -> None:
     for kind in BUNDLED_KINDS:
         for name, summary in bundled_config_summaries(kind):
             table.add_row(kind, name, summary)
-    Console(highlight=False).print(table)
+    make_console(highlight=False).print(table)
 
 
 def register(app: typer.Typer) -> None:

@@ -6,7 +6,8 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
+
+from terapipe_cli.cli.console import make_console
 
 HELP = """Join a run's per-stage checkpoint into one single-device model file, loadable without terapipe's runtime:
 
@@ -42,7 +43,7 @@ def export(
     model, done, state = export_state(run, step)
     write_export(out, run, model, done, state)
     params = sum(t.numel() for t in state.values())
-    Console(highlight=False).print(
+    make_console(highlight=False).print(
         f"exported step {done} of {run} ({model.name}, {params:,} parameters) -> {out}", soft_wrap=True
     )
 

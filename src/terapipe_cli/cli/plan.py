@@ -6,9 +6,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from terapipe_cli.cli.console import make_console
 from terapipe_cli.units import format_seconds
 
 if TYPE_CHECKING:
@@ -114,7 +114,7 @@ def plan(
     from terapipe_cli.plan import PLAN_SCHEMA, write_plan
     from terapipe_cli.planning import plan_for_profile, setting_from_options
 
-    console = Console()
+    console = make_console()
     check_output_file(out, kind="plan", schema=PLAN_SCHEMA, force=force, example="plan.json")
     setting = setting_from_options(
         profile=profile, experiment=experiment, stages=stages, batch_size=batch, data_parallel=data_parallel,
@@ -145,7 +145,7 @@ def plan(
         console.print(planned.memory.summary())
         warnings.append(planned.memory.warning())
     for warning in filter(None, warnings):
-        Console(stderr=True).print(f"[yellow]warning:[/yellow] {warning}", soft_wrap=True, highlight=False)
+        make_console(stderr=True).print(f"[yellow]warning:[/yellow] {warning}", soft_wrap=True, highlight=False)
     console.print(f"wrote [bold]{out}[/bold]")
 
 

@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from terapipe_cli.cli.console import make_console
 from terapipe_cli.cli.options import DeviceOption, PrecisionOption
 from terapipe_cli.profile import options
 from terapipe_cli.units import format_seconds
@@ -99,7 +100,7 @@ def profile(
     out: Annotated[Path, typer.Option("--out", "-o", help="Where to write the profile JSON.")] = Path("profile.json"),
     force: Annotated[bool, typer.Option("--force", help="Overwrite --out even if it is not a profile.")] = False,
 ) -> None:
-    console = Console()
+    console = make_console()
     if check_profile is not None:
         _recheck(console, check_profile, device, precision, quick, seed, clock, model=model, analytic=analytic)
         return

@@ -13,6 +13,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from terapipe_cli.cli.console import make_console
 from terapipe_cli.cli.options import DeviceOption, PrecisionOption
 from terapipe_cli.runtime import require_torch
 
@@ -208,7 +209,7 @@ def train(
         eval_every=eval_every,
     )
     if dry_run:
-        console = Console(highlight=False)
+        console = make_console(highlight=False)
         console.print(f"process mesh (data, pipeline, tensor): {prepared.layout.shape_text()}")
         console.print(_mesh_table(prepared))
         print(command_line(prepared.launch))
@@ -221,7 +222,7 @@ def _launch(prepared: PreparedRun, verify: bool) -> None:
     from terapipe_cli.runtime.launch import WorkerFailed, launch
     from terapipe_cli.runtime.rundir import run_lock
 
-    console = Console(stderr=False, highlight=False)
+    console = make_console(stderr=False, highlight=False)
     console.print(_headline(prepared))
     start = time.perf_counter()
     # Node 0 holds the run folder while it trains: a second train, --resume or report on it is refused.
