@@ -265,3 +265,12 @@ def test_plan_table_stays_on_one_line_per_scheme_when_piped(tmp_path):
     assert p.returncode == 0, p.stderr
     rows = [line for line in p.stdout.splitlines() if line.startswith(("│ TeraPipe (DP)", "│ GPipe "))]
     assert len(rows) == 2 and all("×" in row for row in rows), p.stdout
+
+
+def test_the_plan_stores_its_profile_path_absolute(tmp_path):
+    """A relative --profile is stored absolute, so a report or a run started elsewhere still finds it."""
+    (tmp_path / "p.json").write_text(EXAMPLE.read_text())
+    p = terapipe("plan", "--profile", "p.json", "-k", "2", "-b", "1", "--out", "plan.json", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    stored = json.loads((tmp_path / "plan.json").read_text())["profile"]["path"]
+    assert Path(stored).is_absolute() and Path(stored) == tmp_path / "p.json"

@@ -31,7 +31,7 @@ class PlanSetting:
     ``--profile`` and the options or from an experiment file (`setting_from_options`)."""
 
     profile: Profile
-    profile_path: str | None  # what the plan records; None for a profile estimated on the fly
+    profile_path: str | None  # what the plan records (absolute); None for a profile estimated on the fly
     stages: int
     batch_size: int
     data_parallel: int
@@ -78,7 +78,7 @@ def setting_from_options(
         if value is None:
             raise UserError(f"is required ({what}), unless --experiment names a setting", where=flag)
     prof = read_profile(profile)
-    return PlanSetting(prof, str(profile), stages, batch_size, data_parallel or 1, tensor_parallel, token_step)
+    return PlanSetting(prof, _stored(profile), stages, batch_size, data_parallel or 1, tensor_parallel, token_step)
 
 
 def experiment_setting(
@@ -119,11 +119,16 @@ def experiment_setting(
         prof = profile_from_dict(obj, f"the analytic profile of {exp.path}")
     record = {
         "name": exp.name,
-        "path": exp.path,
+        "path": _stored(exp.path),
         "overridden": {k: v for k, v in given.items() if v is not None},
     }
     stages_ = exp.stages if stages is None else stages
-    return PlanSetting(prof, None if profile is None else str(profile), stages_, B, D, T, g, record)
+    return PlanSetting(prof, None if profile is None else _stored(profile), stages_, B, D, T, g, record)
+
+
+def _stored(path: str | Path) -> str:
+    """A path as a plan stores it: absolute, so a report or a run started from another folder finds the file."""
+    return str(Path(path).absolute())
 
 
 @dataclass(frozen=True)

@@ -144,8 +144,9 @@ def _plans_profile(run: Run):
     path = named.get("path")
     if not path:
         return None, "the plan names no profile (pass one with --profile)"
-    # The plan records the path as given to `terapipe plan`, relative to where it ran; the file is also looked
-    # for beside the run (as `terapipe run` lays it out). The checksum below makes any match safe.
+    # The plan records the path absolute (older plans: as given to `terapipe plan`, relative to where it ran);
+    # the file is also looked for beside the run, should the folders have moved together (as `terapipe run`
+    # lays them out). The checksum below makes any match safe.
     name = Path(path).name
     found = next((p for p in (Path(path), run.path / name, run.path.parent / name) if p.is_file()), None)
     if found is None:

@@ -239,6 +239,7 @@ def prepare_run(
         run_dir=run.out.resolve(),
         nproc_per_node=per_node,
         stages=run.plan.stages,
+        tensor_parallel=run.args.tensor_parallel,
         nnodes=nnodes,
         node_rank=node_rank,
         rdzv_endpoint=rdzv_endpoint,

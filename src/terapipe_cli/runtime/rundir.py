@@ -17,6 +17,8 @@ runs/NAME/
   timelines/rank_00000.json   terapipe.timeline/1 (see schedule.py): every tile of every step, F and B
   checkpoints/step_000010/...  see checkpoint.py (the optimizer state carries the fp16 loss scale)
   errors/rank_00001.txt       the traceback of a worker that failed (only then)
+  errors/torchrun.log         torchrun's own log of a launch that failed or was interrupted (only then); a launch
+                     that succeeds removes errors/
   verify/grads_stage_000.pt   {"step", "grads"}: each stage's whole gradients (unscaled, clipped) at the first step
                      not skipped, by name (only with --verify)
   summary.json       terapipe.run-summary/1: {"status": "complete", "steps", "first_loss", "final_loss",
