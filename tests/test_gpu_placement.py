@@ -79,7 +79,7 @@ def test_workers_beyond_the_cores_are_still_refused_in_one_line(monkeypatch):
     with pytest.raises(UserError) as e:
         prepare.workers_per_node(Layout(2, 4), 1, "cuda")
     msg = str(e.value)
-    assert "8 per machine" in msg and "4 x 1 CPU cores" in msg and "\n" not in msg
+    assert "= 8 workers" in msg and "4 x 1 CPU cores" in msg and "\n" not in msg
 
 
 def test_a_worker_sharing_the_gpu_uses_gpu_local_rank_mod_gpus(monkeypatch):

@@ -49,7 +49,7 @@ def test_token_ids_outside_the_vocabulary(tmp_path, capsys, plan):
 
 def test_too_many_workers(tmp_path, capsys, plan):
     code, err = run(capsys, "--plan", str(plan), "--data-parallel", "1000", "--out", str(tmp_path / "r"))
-    assert code == 2 and "K x D = 2 x 1000" in err and "more than allowed" in err
+    assert code == 2 and "D × K × T = 1000 × 2 × 1 = 2000 workers" in err and "more than allowed" in err
 
 
 def test_plan_that_does_not_fit_the_model(tmp_path, capsys):

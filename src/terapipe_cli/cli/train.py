@@ -109,7 +109,14 @@ def train(
     plan: Annotated[
         Path | None, typer.Option("--plan", help="Plan JSON from `terapipe plan` (optional with --resume).")
     ] = None,
-    steps: Annotated[int, typer.Option("--steps", help="Training steps (with --resume: the new total).")] = 20,
+    steps: Annotated[
+        int | None,
+        typer.Option(
+            "--steps",
+            help="Training steps (with --resume: the new total).",
+            show_default="20; with --resume, the run's",
+        ),
+    ] = None,
     data: Annotated[
         Path | None,
         typer.Option("--data", help="Text file (bytes) or uint16 token file (.bin/.npy) (default: the embedded text)."),

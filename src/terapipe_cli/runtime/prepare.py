@@ -38,6 +38,7 @@ from terapipe_cli.runtime.rundir import (
 )
 
 CPU_WORKERS_PER_CORE = 4  # beyond this, single-thread workers only queue for the cores
+DEFAULT_STEPS = 20  # a new run's length; a resumed run goes on to its own unless --steps says otherwise
 DEFAULT_VAL_FRACTION = 0.1  # the data's last tenth held out for the validation loss
 DROP_KV_GRADS_ENV = "TERAPIPE_TEST_DROP_KV_GRADS"  # test-only negative control: "1" drops the K/V hand-back
 SKIP_TP_ALLREDUCE_ENV = "TERAPIPE_TEST_SKIP_TP_ALLREDUCE"  # test-only negative control: "1" skips one all-reduce
@@ -163,7 +164,7 @@ def versions() -> dict:
 def prepare_run(
     *,
     plan_path: Path | None,
-    steps: int,
+    steps: int | None,
     data: Path | None,
     out: Path | None,
     seed: int | None,
@@ -198,7 +199,7 @@ def prepare_run(
     node 0 writes here, with a fresh launch id; the other nodes' workers take node 0's config once the nodes have
     met (`rundir.join_run_folder`)."""
     check_options(
-        steps=steps,
+        steps=DEFAULT_STEPS if steps is None else steps,
         checkpoint_every=checkpoint_every,
         threads=threads,
         timeout_s=timeout_s,
@@ -216,10 +217,11 @@ def prepare_run(
     settings = {"steps": steps, "checkpoint_every": checkpoint_every, "threads": threads, "timeout_s": timeout_s}
     replicas = {"data_parallel": data_parallel, "tensor_parallel": tensor_parallel}
     if resume:
-        run = _resumed_run(out, plan_path, replicas, settings, eval_every)
+        run = _resumed_run(out, plan_path, replicas, settings, eval_every)  # steps None: the run's own total
         numbers = dict(step_flags, data=data_path, seed=seed, val_fraction=val_fraction)
         _check_same_step_settings(run.args, numbers, dev)
     else:
+        steps = settings["steps"] = DEFAULT_STEPS if steps is None else steps
         val_fraction = DEFAULT_VAL_FRACTION if val_fraction is None else val_fraction
         numbers = {"data": data_path, "seed": 0 if seed is None else seed, "val_fraction": val_fraction}
         numbers.update(_step_settings(step_flags, steps, dev), accept_precision=accept_precision)
@@ -396,8 +398,13 @@ def _resumed_run(
     resume_step = checkpoint.latest_complete(out)
     if resume_step is None:
         raise UserError("no complete checkpoint to resume from", where=str(out / "checkpoints"))
+    if settings["steps"] is None:
+        settings["steps"] = saved.steps
     if settings["steps"] <= resume_step:
-        raise UserError(f"the run already reached step {resume_step}; ask for more steps", where="--steps")
+        raise UserError(
+            f"the run already reached step {resume_step}; ask for more steps (--steps N, N > {resume_step})",
+            where="--steps",
+        )
     if eval_every is not None:  # how often to evaluate may change; what is held out may not
         settings["eval_every"] = _eval_every(eval_every, settings["steps"], saved.val_fraction)
     args = dataclasses.replace(saved, **settings, verify=False)
@@ -413,7 +420,8 @@ def workers_per_node(layout: Layout, nnodes: int, device: str) -> int:
     allowed, why = max_workers_per_node(device)
     if per_node > allowed:
         raise UserError(
-            f"{layout.shape_text()}, {per_node} per machine: more than allowed here ({allowed}: {why})",
+            f"{layout.shape_text()}{f', {per_node} per machine' if nnodes > 1 else ''}: more than allowed here "
+            f"({allowed}: {why})",
             where="--data-parallel / --tensor-parallel / plan field 'stages'",
         )
     return per_node
