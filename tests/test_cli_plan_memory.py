@@ -57,3 +57,20 @@ def test_bad_memory_limit_is_one_line(gpt3_1b_profile: Path, tmp_path: Path) -> 
     proc = plan_12_stages(gpt3_1b_profile, tmp_path, "--memory-limit", "-1")
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "--memory-limit" in proc.stderr
     assert not (tmp_path / "p.json").exists()
+
+
+def test_a_cpu_profile_warns_against_the_machine_all_workers_share(tmp_path: Path) -> None:
+    """On a CPU every worker shares the machine's memory: the check adds up all of them (D x T x K)."""
+    obj = json.loads((ROOT / "configs" / "profiles" / "tiny-cpu-measured.json").read_text())
+    obj["device"]["memory_bytes"] = 2**30  # a 1 GiB machine
+    profile = tmp_path / "profile.json"
+    write_json_atomic(profile, obj)
+    plan = [str(x) for x in ("plan", "--profile", profile, "-k", "2", "-b", "8", "--out", tmp_path / "p.json")]
+    fits = terapipe(*plan)
+    assert fits.returncode == 0 and "warning" not in fits.stderr, fits.stderr
+    needed = json.loads((tmp_path / "p.json").read_text())["memory"]["per_stage_bytes"]
+    assert 2 * sum(needed) > 2**30 > sum(needed)  # two replicas do not fit where one does
+    p = terapipe(*plan, "-d", "2", "--force")
+    assert p.returncode == 0, p.stderr
+    warning = [line for line in p.stderr.splitlines() if "workers need" in line]
+    assert len(warning) == 1 and "the 4 workers need about" in warning[0] and "1.0 GiB" in warning[0]

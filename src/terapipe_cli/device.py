@@ -27,6 +27,16 @@ def resolve_device(name: str) -> str:
     return name
 
 
+def machine_memory_bytes() -> int | None:
+    """This machine's physical memory (None where the system does not say): what CPU workers share."""
+    import os
+
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
 def default_precision(device: str) -> str:
     """The precision used when none is asked for: bf16 on ``"cuda"``, fp32 on ``"cpu"``.
 

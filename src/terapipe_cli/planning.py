@@ -17,6 +17,7 @@ from pathlib import Path
 
 from terapipe_cli import __version__
 from terapipe_cli.costmodel import CostModel, Profile, profile_from_dict, read_profile
+from terapipe_cli.device import machine_memory_bytes
 from terapipe_cli.errors import UserError
 from terapipe_cli.experiments import experiment_profile, load_experiment
 from terapipe_cli.plan import make_plan_dict
@@ -217,6 +218,9 @@ class MemoryCheck:
     per_stage: list[StageMemory]
     limit_bytes: float | None
     limit_source: str | None  # completes "more than the 16.0 GiB ...": where the limit came from
+    # On a CPU every worker of the machine shares its memory: the limit is then for all of them together, the
+    # pipeline's stages times ``copies`` (D replicas x T tensor ranks); 0 for a limit per device.
+    copies: int = 0
 
     @property
     def peak_bytes(self) -> float:
@@ -227,17 +231,34 @@ class MemoryCheck:
         return [m.total_bytes for m in self.per_stage].index(self.peak_bytes)
 
     @property
+    def needed_bytes(self) -> float:
+        """What must fit under the limit: the fullest stage's peak, or on shared memory every worker's."""
+        if self.copies:
+            return self.copies * sum(m.total_bytes for m in self.per_stage)
+        return self.peak_bytes
+
+    @property
     def exceeded(self) -> bool:
-        return bool(self.limit_bytes) and self.peak_bytes > self.limit_bytes
+        return bool(self.limit_bytes) and self.needed_bytes > self.limit_bytes
 
     def summary(self) -> str:
-        limit = f", limit {format_bytes(self.limit_bytes)}" if self.limit_bytes else ""
-        return f"estimated peak memory per stage: {format_bytes(self.peak_bytes)} (largest){limit}"
+        text = f"estimated peak memory per stage: {format_bytes(self.peak_bytes)} (largest)"
+        if self.copies:
+            workers = self.copies * len(self.per_stage)
+            text += f"; all {workers} workers on one machine: {format_bytes(self.needed_bytes)}"
+        return text + (f", limit {format_bytes(self.limit_bytes)}" if self.limit_bytes else "")
 
     def warning(self) -> str | None:
         """One line for a plan whose fullest stage does not fit, with what to change; None when it fits."""
         if not self.exceeded:
             return None
+        if self.copies:
+            workers = self.copies * len(self.per_stage)
+            return (
+                f"the {workers} workers need about {format_bytes(self.needed_bytes)} together (stage "
+                f"{self.fullest_stage}: {format_bytes(self.peak_bytes)}), more than the "
+                f"{format_bytes(self.limit_bytes)} {self.limit_source}; use a smaller batch or more machines"
+            )
         return (
             f"stage {self.fullest_stage} needs about {format_bytes(self.peak_bytes)}, more than the "
             f"{format_bytes(self.limit_bytes)} {self.limit_source}; use more stages, a smaller batch, or tensor "
@@ -255,15 +276,22 @@ class MemoryCheck:
         return out
 
 
-def check_memory(per_stage: list[StageMemory] | None, device: dict, limit_gib: float | None) -> MemoryCheck | None:
-    """The limit is ``--memory-limit`` when given, else the profile's device memory when it records one."""
+def check_memory(
+    per_stage: list[StageMemory] | None, device: dict, limit_gib: float | None, copies: int = 1
+) -> MemoryCheck | None:
+    """The limit is ``--memory-limit`` (per device) when given, else the profile's device memory when it records
+    one, else, for a CPU profile, this machine's memory. A CPU's memory is shared by all the workers on it
+    (``copies`` x the stages: D x T x K, as on one machine), a GPU's is one worker's."""
     if per_stage is None:
         return None
     if limit_gib is not None:
         return MemoryCheck(per_stage, limit_gib * 2**30, "GiB of --memory-limit")
+    shared = copies if device.get("kind") == "cpu" else 0
     if isinstance(device.get("memory_bytes"), (int, float)):
         source = f"of the profile's device ({device.get('name', '?')})"
-        return MemoryCheck(per_stage, float(device["memory_bytes"]), source)
+        return MemoryCheck(per_stage, float(device["memory_bytes"]), source, shared)
+    if device.get("kind") == "cpu" and machine_memory_bytes():
+        return MemoryCheck(per_stage, float(machine_memory_bytes()), "of this machine's memory", shared)
     return MemoryCheck(per_stage, None, None)
 
 
@@ -375,5 +403,6 @@ def plan_for_profile(profile: Profile, request: PlanRequest) -> Planned:
         name: simulate(res.slices, cost, r.stages).latency_s
         for name, res in (("terapipe", best), ("gpipe", gpipe), ("uniform", uniform))
     }
-    memory = check_memory(stage_memory(best.slices, profile, r.stages), profile.device, r.memory_limit_gib)
+    copies = r.data_parallel * r.tensor_parallel
+    memory = check_memory(stage_memory(best.slices, profile, r.stages), profile.device, r.memory_limit_gib, copies)
     return Planned(profile, r, cost, best, gpipe, uniform, simulated, memory)

@@ -37,6 +37,7 @@ import torch
 
 from terapipe_cli.config import ModelConfig
 from terapipe_cli.costmodel import PROFILE_SCHEMA, CostModel, profile_from_dict
+from terapipe_cli.device import machine_memory_bytes
 from terapipe_cli.device import resolve_device as device_kind
 from terapipe_cli.errors import UserError
 from terapipe_cli.profile.fit import RelErr, fit_context
@@ -77,13 +78,11 @@ def device_info(device: torch.device) -> dict:
             "torch": torch.__version__,
             "cuda": torch.version.cuda,
         }
-    return {
-        "kind": "cpu",
-        "name": _cpu_name(),
-        "threads": 1,
-        "cores": os.cpu_count(),
-        "torch": torch.__version__,
-    }
+    info = {"kind": "cpu", "name": _cpu_name(), "threads": 1, "cores": os.cpu_count(), "torch": torch.__version__}
+    memory = machine_memory_bytes()
+    if memory is not None:
+        info["memory_bytes"] = memory  # shared by every worker on the machine (planning.check_memory)
+    return info
 
 
 def _cpu_name() -> str:
