@@ -13,6 +13,7 @@ import pytest
 from conftest import terapipe, write_plan_file
 
 from terapipe_cli.runtime import checkpoint
+from terapipe_cli.runtime.optim import DEFAULT_LR
 from terapipe_cli.runtime.rundir import read_metrics, read_summary, timeline_path
 from terapipe_cli.schedule import plan_tiles, read_timeline
 
@@ -55,7 +56,7 @@ def test_verify_passes(tmp_path, name, precision):
     records = read_metrics(out)
     assert [r["step"] for r in records] == [1, 2, 3]
     # Warm-up (1 step, the default for 3) to the peak, cosine down to 0.1 x lr at the last step; clipped throughout.
-    assert [r["lr"] for r in records] == pytest.approx([1e-3, 5.5e-4, 1e-4])
+    assert [r["lr"] for r in records] == pytest.approx([DEFAULT_LR * f for f in (1, 0.55, 0.1)])
     assert all(r["grad_norm"] > CLIP and r["skipped"] is False for r in records)
     # One timeline per rank with every tile's forward and backward of every step, on the right stage.
     tiles = len(plan_tiles(slices))

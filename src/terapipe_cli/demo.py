@@ -105,6 +105,8 @@ def load_demo_config(path: str | Path | None = None, *, quick: bool = False) -> 
         )
     if quick:
         settings.update(overrides)
+    from terapipe_cli.runtime.optim import DEFAULT_LR  # `terapipe train`'s default, the demo's too
+
     f = Fields(settings, where, "demo.")
     model = _model(f, base, where)
     stages = f.int("stages", minimum=1)
@@ -118,7 +120,7 @@ def load_demo_config(path: str | Path | None = None, *, quick: bool = False) -> 
         steps=f.int("steps", minimum=1),
         warmup=f.int("warmup", minimum=0, default=2),
         seed=f.int("seed", default=0),
-        lr=f.number("lr", positive=True, default=3e-4),
+        lr=f.number("lr", positive=True, default=DEFAULT_LR),
         profile_quick=_bool(f, "profile_quick", False),
         source=where,
     )

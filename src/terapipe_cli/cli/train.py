@@ -50,7 +50,12 @@ Writes runs/NAME/: config.json, plan.json, metrics.jsonl, timelines/, checkpoint
 # The optimizer step's options (docs/design.md §6a). None: the default of a new run, or a resumed run's own value.
 LrOption = Annotated[
     float | None,
-    typer.Option("--lr", help="Peak AdamW learning rate, e.g. --lr 6e-4.", show_default="1e-3"),
+    typer.Option(
+        "--lr",
+        help="Peak AdamW learning rate, e.g. --lr 6e-4. The default (the demo's too) lies between GPT-3's peaks for "
+        "its 125M-1.3B shapes and trains the tiny model without a spike; bigger models want less.",
+        show_default="3e-4",
+    ),
 ]
 WarmupStepsOption = Annotated[
     int | None,
