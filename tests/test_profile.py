@@ -389,3 +389,9 @@ def test_profile_out_is_checked_before_measuring(tmp_path):
     p = terapipe("profile", "--model", "tiny", "--quick", "--out", str(tmp_path), cwd=tmp_path)
     assert_one_line_error(p, "names a folder")
     assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_a_token_step_that_does_not_divide_the_sequence_is_refused_before_timing(tmp_path):
+    p = terapipe("profile", "--model", "tiny", "--quick", "--token-step", "7", "--out", str(tmp_path / "p.json"))
+    assert_one_line_error(p, "--token-step", "1024", "multiple of 7")
+    assert not (tmp_path / "p.json").exists()

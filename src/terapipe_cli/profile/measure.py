@@ -591,6 +591,14 @@ class Settings:
         if clock not in CLOCKS:
             raise UserError(f"must be one of {', '.join(CLOCKS)}, got {clock!r}", where="--clock")
         lengths = tuple(token_grid(model.seq_len, token_step, quick=quick))
+        L = model.seq_len
+        if L % token_step:  # before anything is timed: a plan cuts the sequence into multiples of the token step
+            near = max(d for d in range(1, token_step + 1) if L % d == 0)
+            raise UserError(
+                f"the model's sequence length {L} is not a multiple of {token_step}, so no plan could use this "
+                f"profile; take a divisor of {L} (e.g. {near})",
+                where="--token-step",
+            )
         preset = _QUICK if quick else _DEFAULT
         check_count = preset["fit_points"] // 4 if check else 0
         settings = Settings(
