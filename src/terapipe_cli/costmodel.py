@@ -270,17 +270,20 @@ class CostModel:
 
     ``b``, ``i``, ``j`` are broadcastable integer arrays: sequences in the batch slice, new tokens, context
     tokens. ``step_s`` is the per-step constant (the optimizer update of a stage's layers plus any fixed
-    overhead) that the objective adds once per step.
+    overhead) that the objective adds once per step. With ``recompute`` every tile's forward runs twice (once
+    more inside its backward, runtime/stage.py), so its forward time, context term included, counts twice.
     """
 
-    def __init__(self, profile: Profile, stages: int, data_parallel: int = 1) -> None:
+    def __init__(self, profile: Profile, stages: int, data_parallel: int = 1, *, recompute: bool = False) -> None:
         self.profile = profile
         self.stages = stages
         self.data_parallel = data_parallel
+        self.recompute = recompute
         self.layers_per_stage = profile.model.stage_layers(stages, where="stages")
         self._bs = np.asarray(profile.batch_sizes, dtype=float)
         self._ts = np.asarray(profile.token_lengths, dtype=float)
-        self._nc = profile.forward_s + profile.backward_s
+        self._forwards = 2.0 if recompute else 1.0
+        self._nc = self._forwards * profile.forward_s + profile.backward_s
         bytes_per_token = profile.model.hidden * profile.dtype_bytes
         self._comm_latency = 2.0 * profile.latency_s if stages > 1 else 0.0
         self._comm_per_token = 2.0 * bytes_per_token / profile.bytes_per_s if stages > 1 else 0.0
@@ -313,8 +316,10 @@ class CostModel:
         )
 
     @classmethod
-    def from_profile(cls, path: str | Path, stages: int, data_parallel: int = 1) -> CostModel:
-        return cls(read_profile(path), stages, data_parallel)
+    def from_profile(
+        cls, path: str | Path, stages: int, data_parallel: int = 1, *, recompute: bool = False
+    ) -> CostModel:
+        return cls(read_profile(path), stages, data_parallel, recompute=recompute)
 
     def no_context(self, b: np.ndarray, i: np.ndarray) -> np.ndarray:
         """Per-layer forward + backward seconds of b × i tokens with no context."""
@@ -339,7 +344,7 @@ class CostModel:
     def context(self, b: np.ndarray, i: np.ndarray, j: np.ndarray) -> np.ndarray:
         """Per-layer extra forward + backward seconds caused by j context tokens."""
         b, i, j = (np.asarray(x, dtype=float) for x in (b, i, j))
-        return self.profile.context_forward(b, i, j) + self.profile.context_backward(b, i, j)
+        return self._forwards * self.profile.context_forward(b, i, j) + self.profile.context_backward(b, i, j)
 
     def comm(self, b: np.ndarray, i: np.ndarray) -> np.ndarray:
         return self._comm_latency + self._comm_per_token * (np.asarray(b, dtype=float) * np.asarray(i, dtype=float))

@@ -10,6 +10,10 @@ A plan with ``data_parallel`` > 1 made by `terapipe plan` also has ``data_parall
 true, "seconds": s, "link": {...}}`` when the profile priced the replicas' gradient all-reduce, or ``{"priced":
 false, "seconds": null, "why": "unknown — not priced: ..."}`` when the profile has no ``data_parallel_link``
 (or no ``params_per_layer``) and the plan was made without it (docs/design.md §8).
+``order`` is the schedule order every stage walks, ``"gpipe"`` (all forwards, then all backwards; the default) or
+``"1f1b"`` (one batch slice's backward as soon as the pipeline allows, `schedule.build_schedule`); ``recompute``
+lists, per stage, whether its tiles re-run their forward inside their backward instead of keeping activations
+(absent: none).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from terapipe_cli.config import ModelConfig
 from terapipe_cli.device import precision_field
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import Fields, read_json_with_schema, write_json_atomic
+from terapipe_cli.schedule import ORDERS
 
 PLAN_SCHEMA = "terapipe.plan/1"
 
@@ -121,6 +126,8 @@ class Plan:
     data_parallel: int = 1
     precision: str = "fp32"  # the profile's: the precision `terapipe train` must run at
     tensor_parallel: int = 1  # T: processes per stage, splitting heads and the MLP (the profile's)
+    order: str = "gpipe"  # the schedule order: "gpipe" or "1f1b" (schedule.ORDERS)
+    recompute: tuple[bool, ...] = ()  # per stage: recompute its tiles' forward in the backward (empty: none)
     raw: dict = field(default_factory=dict, repr=False, compare=False)
     path: str | None = None
 
@@ -163,6 +170,8 @@ def plan_from_dict(obj: dict, where: str) -> Plan:
         data_parallel=f.int("data_parallel", minimum=1, default=1),
         precision=precision_field(f),
         tensor_parallel=_tensor_parallel(f, model, where),
+        order=_order(f),
+        recompute=_recompute(f, stages),
         raw=obj,
         path=where,
     )
@@ -172,6 +181,23 @@ def _tensor_parallel(f: Fields, model: ModelConfig, where: str) -> int:
     t = f.int("tensor_parallel", minimum=1, default=1)
     model.check_tensor_parallel(t, where=f"{where}: field 'tensor_parallel'")
     return t
+
+
+def _order(f: Fields) -> str:
+    order = f.get("order", "gpipe")
+    if order not in ORDERS:
+        raise f.fail("order", f"must be one of {', '.join(ORDERS)}, got {order!r}")
+    return order
+
+
+def _recompute(f: Fields, stages: int) -> tuple[bool, ...]:
+    """One bool per stage (absent: none recompute)."""
+    value = f.get("recompute", None)
+    if value is None:
+        return (False,) * stages
+    if not isinstance(value, list) or len(value) != stages or not all(isinstance(v, bool) for v in value):
+        raise f.fail("recompute", f"must be a list of {stages} booleans (one per stage), got {value!r}")
+    return tuple(value)
 
 
 def read_plan(path: str | Path) -> Plan:
@@ -197,6 +223,8 @@ def make_plan_dict(
     data_parallel: int = 1,
     precision: str = "fp32",
     tensor_parallel: int = 1,
+    order: str = "gpipe",
+    recompute: Sequence[bool] | None = None,
     **extra,
 ) -> dict:
     """The plan object, for `terapipe plan` and for hand-made schemes (tests, baselines, the report's GPipe
@@ -215,6 +243,8 @@ def make_plan_dict(
         "predicted_s": predicted_s,
         "precision": precision,
         "tensor_parallel": tensor_parallel,
+        "order": order,
+        "recompute": [bool(r) for r in recompute] if recompute is not None else [False] * stages,
     }
     obj.update(extra)
     return obj

@@ -22,6 +22,7 @@ from terapipe_cli.errors import UserError
 from terapipe_cli.experiments import experiment_profile, load_experiment
 from terapipe_cli.plan import make_plan_dict
 from terapipe_cli.planner import METHODS, PlanResult, gpipe_baseline, solve, uniform_baseline
+from terapipe_cli.schedule import ORDERS, build_schedule
 from terapipe_cli.simulate import StageMemory, simulate, stage_memory
 from terapipe_cli.units import format_bytes, utc_timestamp
 
@@ -145,6 +146,8 @@ class PlanRequest:
     data_parallel: int = 1
     memory_limit_gib: float | None = None
     tensor_parallel: int = 1
+    order: str = "gpipe"  # the schedule order the plan runs in (schedule.ORDERS)
+    recompute: bool = False  # every stage re-runs its tiles' forward in their backward
 
 
 def plan_request(
@@ -159,8 +162,12 @@ def plan_request(
     data_parallel: int = 1,
     memory_limit_gib: float | None = None,
     tensor_parallel: int | None = None,
+    order: str = "gpipe",
+    recompute: bool = False,
 ) -> PlanRequest:
     """Check the options against each other and the profile; L, g and T default to the model's and the profile's."""
+    if order not in ORDERS:
+        raise UserError(f"must be one of {', '.join(ORDERS)}, got {order!r}", where="--order")
     model = profile.model
     if stages < 1:
         raise UserError(f"must be at least 1, got {stages}", where="--stages")
@@ -187,7 +194,7 @@ def plan_request(
     if L % g:
         raise UserError(f"the sequence length {L} is not a multiple of the token step {g}", where="--token-step")
     T = check_tensor_parallel(profile, tensor_parallel)
-    return PlanRequest(stages, batch_size, L, g, epsilon, method, data_parallel, memory_limit_gib, T)
+    return PlanRequest(stages, batch_size, L, g, epsilon, method, data_parallel, memory_limit_gib, T, order, recompute)
 
 
 def check_tensor_parallel(profile: Profile, tensor_parallel: int | None) -> int:
@@ -355,6 +362,8 @@ class Planned:
             data_parallel=r.data_parallel,
             precision=prof.precision,
             tensor_parallel=r.tensor_parallel,
+            order=r.order,
+            recompute=[r.recompute] * r.stages,
             simulated_s=self.simulated_s["terapipe"],
             t_max_s=best.t_max_s,
             sum_s=best.sum_s,
@@ -392,17 +401,25 @@ def plan_for_profile(profile: Profile, request: PlanRequest) -> Planned:
     # rank's shard). So the data-parallel all-reduce priced from params_per_layer is each rank's shard over the D
     # replicas, as the T ranks of a stage run it side by side; a tile's transfer is the full (b, i, H) activation
     # each rank sends to the same rank of the next stage; and the memory estimate is per device.
-    cost = CostModel(profile, r.stages, r.data_parallel)
+    cost = CostModel(profile, r.stages, r.data_parallel, recompute=r.recompute)
     shape = {"seq_len": r.seq_len, "batch_size": r.batch_size, "stages": r.stages}
     best = solve(cost, **shape, token_step=r.token_step, epsilon=r.epsilon, method=r.method)
     gpipe = gpipe_baseline(cost, **shape)
     uniform = uniform_baseline(cost, **shape, token_step=r.token_step)
     # The formula prices every tile's transfers inside the tile; the simulator replays the schedule with
     # asynchronous sends, as the runtime runs it. Both are reported.
+    # All three in the request's order and recomputation: they differ only in how the batch is sliced.
     simulated = {
-        name: simulate(res.slices, cost, r.stages).latency_s
+        name: simulate(res.slices, cost, r.stages, schedule=build_schedule(res.slices, r.stages, r.order)).latency_s
         for name, res in (("terapipe", best), ("gpipe", gpipe), ("uniform", uniform))
     }
     copies = r.data_parallel * r.tensor_parallel
-    memory = check_memory(stage_memory(best.slices, profile, r.stages), profile.device, r.memory_limit_gib, copies)
+    per_stage = stage_memory(
+        best.slices,
+        profile,
+        r.stages,
+        schedule=build_schedule(best.slices, r.stages, r.order),
+        recompute=[r.recompute] * r.stages,
+    )
+    memory = check_memory(per_stage, profile.device, r.memory_limit_gib, copies)
     return Planned(profile, r, cost, best, gpipe, uniform, simulated, memory)

@@ -5,9 +5,12 @@ A schedule is data (as in torch.distributed.pipelining): for every stage, an ord
 with a cost model (a predicted timeline), and the report draws both — so predicted and measured line up.
 `stage_times` is the one reading of a timeline into busy and idle time per stage and the bubble fraction.
 
-Order (docs/design.md §6): forward over batch slices in order and, within one, token slices in order; backward in
-exactly the reverse order, because a later token slice's backward produces the key/value gradients that the
-earlier slice's backward needs.
+Order (docs/design.md §6): forward over batch slices in order and, within one, token slices in order; a batch
+slice's backward in exactly the reverse token order, because a later token slice's backward produces the
+key/value gradients that the earlier slice's backward needs. Two orders of the batch slices (`ORDERS`):
+``gpipe``, every forward then every backward (last batch slice first), the same on every stage; and ``1f1b``,
+where stage k of K runs the forwards of at most K − k batch slices ahead of their backwards, then alternates a
+backward (the oldest open batch slice) with a forward — the activations of fewer batch slices are alive at once.
 
 Timeline file (schema ``terapipe.timeline/1``), one per rank or one per simulation::
 
@@ -30,6 +33,7 @@ from terapipe_cli.files import Fields, read_json, write_json_atomic
 
 TIMELINE_SCHEMA = "terapipe.timeline/1"
 PHASES = ("F", "B")
+ORDERS = ("gpipe", "1f1b")
 
 
 @dataclass(frozen=True)
@@ -64,17 +68,37 @@ def plan_tiles(slices: Sequence) -> list[Tile]:
     return tiles
 
 
-def build_schedule(slices: Sequence, stages: int) -> list[list[Action]]:
-    """Per stage: every tile forward in pipeline order, then every tile backward in reverse order.
+def build_schedule(slices: Sequence, stages: int, order: str = "gpipe") -> list[list[Action]]:
+    """Per stage, its actions in order (see the module's docstring for the two orders).
 
-    Every stage gets the same order; the pipelining comes from stages waiting for their inputs, not from
-    reordering — which is what makes the result identical to one device (docs/design.md §6).
+    ``gpipe``: every tile forward in pipeline order, then every tile backward in reverse order, on every stage.
+    ``1f1b``: stage k first runs the forwards of min(K − k, D) batch slices (D batch slices in all); then, while
+    forwards remain, the backward of the oldest open batch slice and the forward of the next; then the remaining
+    backwards. A batch slice's tiles always go forward in token order and backward in reverse. Either way the
+    gradients are the same sums (docs/design.md §6): only when, not what.
     """
     if stages < 1:
         raise ValueError(f"stages must be at least 1, got {stages}")
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
     tiles = plan_tiles(slices)
-    order = [Action("F", t) for t in tiles] + [Action("B", t) for t in reversed(tiles)]
-    return [list(order) for _ in range(stages)]
+    if order == "gpipe":
+        actions = [Action("F", t) for t in tiles] + [Action("B", t) for t in reversed(tiles)]
+        return [list(actions) for _ in range(stages)]
+    by_slice = [[t for t in tiles if t.batch_slice == d] for d in range(len(slices))]
+    return [_one_f_one_b(by_slice, warmup=min(stages - k, len(by_slice))) for k in range(stages)]
+
+
+def _one_f_one_b(by_slice: list[list[Tile]], warmup: int) -> list[Action]:
+    """One stage's 1F1B order over batch slices, ``warmup`` forwards ahead."""
+    forward = [[Action("F", t) for t in ts] for ts in by_slice]
+    backward = [[Action("B", t) for t in reversed(ts)] for ts in by_slice]
+    out = [a for d in range(warmup) for a in forward[d]]
+    for d in range(warmup, len(by_slice)):
+        out += backward[d - warmup] + forward[d]
+    for d in range(len(by_slice) - warmup, len(by_slice)):
+        out += backward[d]
+    return out
 
 
 @dataclass

@@ -51,7 +51,8 @@ def cost_model_parts(cost: CostModel) -> TileParts:
     """Split a `CostModel` into forward, backward and one-way transfer times per tile.
 
     Built from two copies of the cost model that keep only the forward (resp. backward) measurements, so the
-    interpolation is the cost model's own; their sum plus the two transfers is exactly ``cost(b, i, j)``.
+    interpolation is the cost model's own; their sum plus the two transfers is exactly ``cost(b, i, j)``. With
+    recomputation the backward part holds the forward a second time (it runs inside the backward).
     """
     p = cost.profile
     zero_fit = ContextFit((0.0, 0.0, 0.0, 0.0))
@@ -64,6 +65,8 @@ def cost_model_parts(cost: CostModel) -> TileParts:
         b, i, j = np.broadcast_arrays(*(np.asarray(x, dtype=float) for x in (b, i, j)))
         fwd = layers * (fwd_only.no_context(b, i) + fwd_only.context(b, i, j))
         bwd = layers * (bwd_only.no_context(b, i) + bwd_only.context(b, i, j))
+        if cost.recompute:
+            bwd = bwd + fwd
         # comm() is the round trip (activation forward + gradient back), each one latency + bytes/bandwidth.
         one_way = np.broadcast_to(cost.comm(b, i) / 2.0, b.shape)
         return fwd, bwd, one_way, one_way
@@ -264,7 +267,12 @@ class StageMemory:
 
 
 def stage_memory(
-    slices: Sequence, profile, stages: int, *, schedule: list[list[Action]] | None = None
+    slices: Sequence,
+    profile,
+    stages: int,
+    *,
+    schedule: list[list[Action]] | None = None,
+    recompute: Sequence[bool] | None = None,
 ) -> list[StageMemory] | None:
     """Peak memory per stage for a scheme, from the profile's per-parameter and per-token sizes.
 
@@ -275,6 +283,9 @@ def stage_memory(
     ``b·i·(i+j)·attention_bytes_per_token_pair_per_layer`` for the attention matrices. Stage 0 also holds the
     token and position embeddings, the last stage the LM head and its fp32 logits per tile — whole on every
     tensor rank, as the runtime keeps them (runtime/tensor.py replicates them; only the layers are split).
+    A stage that recomputes (``recompute[k]``) keeps per tile only its input activation (b·i·H, fp32) and its
+    keys and values (2·b·i·H/T per layer, in the compute precision), and holds one tile's full activations at a
+    time again while that tile's backward re-runs its forward: the largest of them is added to its peak.
     Returns None when the profile lacks the sizes (a measured CPU profile).
     """
     raw = getattr(profile, "raw", {}) or {}
@@ -289,10 +300,12 @@ def stage_memory(
     layers = model.stage_layers(stages)
     if schedule is None:
         schedule = build_schedule(slices, stages)
-    tile_bytes = {
+    full = {
         t: layers * t.batch_size * t.tokens * (per_token + pair * (t.tokens + t.token_start))
         for t in plan_tiles(slices)
     }
+    kept = {t: t.batch_size * t.tokens * recomputed_bytes_per_token(profile, layers) for t in full}
+    recompute = list(recompute) if recompute is not None else [False] * stages
     out: list[StageMemory] = []
     for k in range(stages):
         stage_params = layers * params
@@ -302,10 +315,14 @@ def stage_memory(
         if k == stages - 1:
             stage_params += model.vocab * model.hidden
             logits = 4.0 * model.vocab  # fp32 logits per token, kept for the loss's backward
+        # Without recomputation a tile holds its activations (and its logits on the last stage); recomputing, its
+        # input and K/V, and one tile's whole activations come back while its backward re-runs the forward.
+        held = {t: full[t] + logits * t.batch_size * t.tokens for t in full}
+        transient = max(held.values()) if recompute[k] else 0.0
         alive = peak = 0.0
         count = peak_count = 0
         for a in schedule[k]:
-            extra = tile_bytes[a.tile] + (logits * a.tile.batch_size * a.tile.tokens)
+            extra = kept[a.tile] if recompute[k] else held[a.tile]
             if a.phase == "F":
                 alive += extra
                 count += 1
@@ -314,5 +331,13 @@ def stage_memory(
             else:
                 alive -= extra
                 count -= 1
-        out.append(StageMemory(k, stage_params * state_per_param, peak, peak_count))
+        out.append(StageMemory(k, stage_params * state_per_param, peak + transient, peak_count))
     return out
+
+
+def recomputed_bytes_per_token(profile, layers: int) -> float:
+    """What a recomputing stage keeps per token of a tile: its fp32 input activation, and each layer's key and
+    value of this tensor rank's heads in the compute precision (they stay in the K/V cache for later slices)."""
+    H, T = profile.model.hidden, profile.tensor_parallel
+    compute_bytes = 4 if profile.precision == "fp32" else 2
+    return 4.0 * H + layers * 2.0 * (H / T) * compute_bytes

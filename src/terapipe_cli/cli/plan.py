@@ -107,6 +107,22 @@ def plan(
             "[default: the profile's device memory, if known].",
         ),
     ] = None,
+    order: Annotated[
+        str,
+        typer.Option(
+            "--order",
+            help="Schedule order: gpipe (every forward, then every backward) or 1f1b (a batch slice's backward as "
+            "soon as the pipeline allows: fewer batch slices' activations alive at once).",
+        ),
+    ] = "gpipe",
+    recompute: Annotated[
+        bool,
+        typer.Option(
+            "--recompute",
+            help="Every stage keeps only each tile's input and K/V and re-runs its forward in the backward: "
+            "priced as one more forward per tile, in the memory estimate as the activations not kept.",
+        ),
+    ] = False,
     out: Annotated[Path, typer.Option("--out", "-o", help="Where to write the plan JSON.")] = Path("plan.json"),
     force: Annotated[bool, typer.Option("--force", help="Overwrite --out even if it is not a plan.")] = False,
 ) -> None:
@@ -120,7 +136,9 @@ def plan(
         profile=profile, experiment=experiment, stages=stages, batch_size=batch, data_parallel=data_parallel,
         tensor_parallel=tensor_parallel, token_step=token_step,
     )  # fmt: skip
-    request = setting.request(seq_len=seq_len, epsilon=epsilon, method=method, memory_limit_gib=memory_limit)
+    request = setting.request(
+        seq_len=seq_len, epsilon=epsilon, method=method, memory_limit_gib=memory_limit, order=order, recompute=recompute
+    )
     prof, r = setting.profile, request
     with console.status(
         f"Planning {prof.model.name}: L={r.seq_len}, B={r.batch_size}, K={r.stages}, token step {r.token_step} …"
@@ -160,6 +178,8 @@ def _table(planned: Planned) -> Table:
     title += f", D={r.data_parallel}" if r.data_parallel > 1 else ""
     title += f", T={r.tensor_parallel}" if r.tensor_parallel > 1 else ""
     title += f", {planned.profile.precision}"
+    title += ", 1F1B order" if r.order == "1f1b" else ""
+    title += ", recomputed" if r.recompute else ""
     table = Table(title=title)
     table.add_column("scheme")
     table.add_column("slicing (short form)", overflow="fold", max_width=70)

@@ -20,6 +20,7 @@ This module is also the worker: ``python -m terapipe_cli.profile.comm --worker .
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import subprocess
 import tempfile
@@ -248,24 +249,31 @@ def run_workers(args: Sequence[str], out: Path, *, limit_s: float, what: str) ->
     return read_json(out, what=what)
 
 
+def join_worker_group(backend: str, timeout_s: float):
+    """A profile worker's (device, rank): its own GPU on NCCL (chosen before NCCL starts, so its communicator
+    binds to the right device), else the CPU; then the process group."""
+    import torch
+    import torch.distributed as dist
+
+    if backend == "nccl":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return device, dist.get_rank()
+
+
 def _worker(args: argparse.Namespace) -> None:
     """One rank of the measurement. ``pingpong``: rank 0 sends, rank 1 echoes, the time kept is half the
     round trip. ``allreduce``: every rank reduces the buffer. Rank 0 writes the times."""
-    import datetime
 
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     sizes = [int(s) for s in args.sizes.split(",")]
-    if args.backend == "nccl":
-        # Pick this rank's GPU before NCCL starts, so its communicator binds to the right device.
-        dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(dev)
-    else:
-        dev = torch.device("cpu")
-    dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=args.timeout))
-    rank = dist.get_rank()
+    dev, rank = join_worker_group(args.backend, args.timeout)
     once = _pingpong(rank) if args.op == "pingpong" else lambda buf: dist.all_reduce(buf)
     share = 0.5 if args.op == "pingpong" else 1.0
 

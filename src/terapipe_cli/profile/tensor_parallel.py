@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 import threading
 import time
@@ -35,7 +34,7 @@ from typing import TYPE_CHECKING
 
 from terapipe_cli.config import ModelConfig
 from terapipe_cli.files import read_json, write_json_atomic
-from terapipe_cli.profile.comm import run_workers
+from terapipe_cli.profile.comm import join_worker_group, run_workers
 from terapipe_cli.runtime.launch import rendezvous_args
 
 if TYPE_CHECKING:
@@ -138,9 +137,7 @@ class _ProgressFile:
 
 def _worker(args: argparse.Namespace) -> None:
     """One tensor rank: the same `time_layer` as every other rank; rank 0 writes the result."""
-    import datetime
 
-    import torch
     import torch.distributed as dist
 
     from terapipe_cli.profile.measure import Settings, time_layer
@@ -149,14 +146,7 @@ def _worker(args: argparse.Namespace) -> None:
     request = read_json(args.request, what="tensor-parallel timing request")
     model = ModelConfig.from_dict(request["model"], args.request)
     settings = Settings(**{k: tuple(v) if isinstance(v, list) else v for k, v in request["settings"].items()})
-    if args.backend == "nccl":
-        # Pick this rank's GPU before NCCL starts, so its communicator binds to the right device.
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=args.timeout))
-    rank = dist.get_rank()
+    device, rank = join_worker_group(args.backend, args.timeout)
     tensor = TensorGroup(rank, dist.get_world_size(), dist.group.WORLD)
     progress = _ProgressFile(args.progress) if rank == 0 else None
     timings, layer = time_layer(model, settings, settings.tiles(model.seq_len), device, progress, tensor=tensor)

@@ -88,6 +88,8 @@ def summarize(run: Run, label: str, warmup: int, sim: SimResult | None = None) -
         "stages": run.stages,
         "data_parallel": run.args.data_parallel,
         "tensor_parallel": run.args.tensor_parallel,
+        "order": run.plan.order,
+        "recompute": list(run.plan.recompute),
         "batch_size": run.plan.batch_size,
         "seq_len": run.plan.seq_len,
         "tiles": run.tiles,

@@ -21,9 +21,16 @@ def summaries(report: dict) -> list[dict]:
 
 
 def shape(report: dict) -> str:
-    """The run's parallel layout and batch: ``D=1, K=2, T=1, B=1, L=32`` (replicas, stages, tensor ranks)."""
+    """The run's parallel layout and batch: ``D=1, K=2, T=1, B=1, L=32`` (replicas, stages, tensor ranks), and its
+    schedule order and recomputation when not the defaults (``, 1F1B order, recomputed on stages 0, 1``)."""
     r = report["run"]
-    return f"D={r['data_parallel']}, K={r['stages']}, T={r['tensor_parallel']}, B={r['batch_size']}, L={r['seq_len']}"
+    text = f"D={r['data_parallel']}, K={r['stages']}, T={r['tensor_parallel']}, B={r['batch_size']}, L={r['seq_len']}"
+    if r.get("order", "gpipe") != "gpipe":
+        text += f", {r['order'].upper()} order"
+    recomputed = [str(k) for k, on in enumerate(r.get("recompute") or []) if on]
+    if recomputed:
+        text += f", recomputed on stage{'s' if len(recomputed) > 1 else ''} {', '.join(recomputed)}"
+    return text
 
 
 def title(report: dict) -> str:

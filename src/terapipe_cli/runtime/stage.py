@@ -8,6 +8,12 @@ K/V again. The K/V gradient hand-back lives in the cache: a later slice's backwa
 earlier rows there, and the earlier slice's own backward (reverse token order) picks them up — every tile's
 graph is walked exactly once.
 
+Recomputation. With ``recompute=True`` a tile keeps only its input (and, in the K/V caches, its keys and values,
+which later slices read anyway): its forward runs inside ``torch.utils.checkpoint`` (non-reentrant), which drops
+what the forward would save and re-runs it when the tile's backward needs it. The re-run writes the same keys and
+values into the same cache rows, and the K/V hand-back happens in the one backward, so the result is exactly
+the same; the cost is one more forward per tile, inside its backward.
+
 Precision. ``precision="bf16"`` or ``"fp16"`` runs each tile's forward under autocast (the backward follows the
 forward's types); parameters, their gradients and the activations sent between stages stay fp32.
 """
@@ -18,6 +24,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from terapipe_cli.config import ModelConfig
 from terapipe_cli.model import GPT, KVCache, token_loss_sum
@@ -60,6 +67,7 @@ class StageRunner:
         kv_handback: bool = True,
         precision: str = "fp32",
         tensor: TensorGroup | None = None,
+        recompute: bool = False,
     ) -> None:
         if precision not in AUTOCAST_DTYPES:
             raise ValueError(f"precision must be one of {sorted(AUTOCAST_DTYPES)}, got {precision!r}")
@@ -69,6 +77,7 @@ class StageRunner:
             shard_module(self.module, tensor)
         self.module.to(self.device)
         self.tensor = tensor
+        self.recompute = recompute
         self.first, self.last = self.module.first, self.module.last
         self.seq_len = model.seq_len
         self.kv_handback = kv_handback
@@ -127,16 +136,26 @@ class StageRunner:
         x = x.to(self.device, non_blocking=True)
         if not self.first:
             x = x.detach().requires_grad_(grad)
+        if self.last:
+            if targets is None:
+                raise ValueError("the last stage needs targets")
+            targets = targets.to(self.device, non_blocking=True)
         with torch.enable_grad() if grad else torch.no_grad(), self.autocast():
-            out = self.module(x, state.next_token, state.caches)
-            if self.last:
-                if targets is None:
-                    raise ValueError("the last stage needs targets")
-                out = token_loss_sum(out, targets.to(self.device, non_blocking=True))
+            if grad and self.recompute:
+                out = checkpoint(self._forward, x, state.next_token, state.caches, targets, use_reentrant=False)
+            else:
+                out = self._forward(x, state.next_token, state.caches, targets)
         self._tiles[key] = _TileState(x, out)
         state.open_tiles.append(token_slice)
         state.next_token += x.shape[1]
         return out.detach()
+
+    def _forward(
+        self, x: torch.Tensor, start: int, caches: list[KVCache], targets: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The stage's layers on one tile, and on the last stage its summed token loss."""
+        out = self.module(x, start, caches)
+        return token_loss_sum(out, targets) if self.last else out
 
     def backward_tile(self, batch_slice: int, token_slice: int, grad_out: torch.Tensor | None) -> torch.Tensor | None:
         """Back-propagate one tile, once; tiles of a batch slice must come in reverse token order.

@@ -220,7 +220,7 @@ def start_worker(run_dir: Path, request: NodeRequest, *, resuming: bool) -> Work
         runner=runner,
         optimizer=optimizer,
         links=links,
-        actions=build_schedule(plan.slices, plan.stages)[stage],
+        actions=build_schedule(plan.slices, plan.stages, plan.order)[stage],
         data=data,
         held_out=held_out,
         replica_group=groups.replicas,
@@ -304,6 +304,7 @@ def build_stage(
         kv_handback=args.kv_handback,
         precision=args.precision,
         tensor=tensor,
+        recompute=plan.recompute[stage],
     )
     return runner, make_optimizer(runner.module, args.lr)
 
@@ -420,7 +421,7 @@ class _StepWalk:
         self.train = train
         self.index = {t: n for n, t in enumerate(tiles)}
         self.forward_in = links.post_forward_recvs(tiles)
-        self.backward_in: dict = {}
+        self.backward_in: dict | None = None  # posted at the first backward
         self.forwards_left = len(tiles)
         self.after_forward = after_forward
         self.loss: torch.Tensor | None = None
@@ -448,15 +449,17 @@ class _StepWalk:
         else:
             links.send_forward(out, n)
         self.forwards_left -= 1
-        if self.forwards_left == 0 and self.train:
-            # Only now: on NCCL these receives would otherwise block the activation sends queued above.
-            self.backward_in = links.post_backward_recvs(self.tiles)
-            if self.after_forward is not None:
-                self.after_forward()
+        if self.forwards_left == 0 and self.train and self.after_forward is not None:
+            self.after_forward()
         return start
 
     def backward(self, t: Tile) -> float:
         runner, links, n = self.runner, self.links, self.index[t]
+        if self.backward_in is None:
+            # At the first backward (in GPipe order, after the last forward): on NCCL, receives posted earlier
+            # would block the activation sends queued before them. In 1F1B order forwards still follow; their
+            # sends go to the next stage, these receives come from it, and gloo pairs them by tag.
+            self.backward_in = links.post_backward_recvs(self.tiles)
         grad = None
         if not runner.last:
             grad = links.wait(self.backward_in.pop(t), f"receiving the gradient of tile {n}", links.next_rank)
