@@ -14,7 +14,7 @@ PROFILE = ROOT / "configs" / "profiles" / "tiny-cpu-measured.json"
 
 
 def _plan_file(tmp_path, slices, stages, **keys):
-    path = write_plan_file(tmp_path / "plan.json", slices, stages=stages, layers=6)
+    path = write_plan_file(tmp_path / "plan.json", slices, stages=stages, layers=4)
     obj = json.loads(path.read_text())
     obj.update(keys)
     path.write_text(json.dumps(obj))
@@ -24,7 +24,7 @@ def _plan_file(tmp_path, slices, stages, **keys):
 @pytest.mark.parametrize(
     "name, slices, stages, keys",
     [
-        ("1F1B, K=3, 4 batch slices", [(1, [12, 20])] * 4, 3, {"order": "1f1b"}),
+        ("1F1B, K=2, 4 batch slices", [(1, [12, 20])] * 4, 2, {"order": "1f1b"}),
         ("recompute, K=2", [(2, [8, 8, 16])], 2, {"recompute": [True, True]}),
         ("1F1B and recompute on one stage", [(1, [20, 12])] * 3, 2, {"order": "1f1b", "recompute": [False, True]}),
     ],

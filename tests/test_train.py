@@ -32,8 +32,13 @@ SCHEMES = {
 CLIP = 0.05  # below the tiny model's gradient norm (about 1.5) at every step: clipping is active
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize("name", list(SCHEMES))
+# bf16 on the families whose rounding differs most from fp32's (uneven and mixed token slices, replicas); fp32 on all.
+CASES = [(name, "fp32") for name in SCHEMES] + [
+    (name, "bf16") for name in ("uneven token slices", "a different token slicing per batch slice", "D=2, K=2")
+]
+
+
+@pytest.mark.parametrize("name, precision", CASES)
 def test_verify_passes(tmp_path, name, precision):
     """Every scheme family matches single-device training with the whole optimizer step active: warm-up, cosine
     decay, clipping by the global norm (equal to single-device clipping only if the norm is the whole model's)."""

@@ -12,6 +12,7 @@ from terapipe_cli.config import load_model_config
 from terapipe_cli.files import write_json_atomic
 from terapipe_cli.plan import make_plan_dict
 from terapipe_cli.runtime import checkpoint
+from terapipe_cli.runtime.optim import DEFAULT_LR
 from terapipe_cli.runtime.rundir import read_metrics, read_summary
 
 ISSUE_MODEL = """\
@@ -28,7 +29,8 @@ seq_len = 512
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_default_settings_verify_on_a_larger_model(tmp_path, precision):
     """The issue's example: 6 layers, H = 192, 6 heads, L = 512, K = 3, B = 1, 10 steps, every setting at its
-    default (lr 1e-3, warm-up, cosine decay, clipping at 1.0) — --verify passes in fp32 and in bf16."""
+    default (lr, warm-up, cosine decay, clipping at 1.0) — --verify passes in fp32 and in bf16. (No validation
+    loss: it is not what this checks, and ten evaluations would add a third to the test's time.)"""
     (tmp_path / "model.toml").write_text(ISSUE_MODEL)
     model = load_model_config(tmp_path / "model.toml")
     slices = [(1, [192, 160, 96, 64])]  # TeraPipe's shape: longer slices first
@@ -39,7 +41,7 @@ def test_default_settings_verify_on_a_larger_model(tmp_path, precision):
     out = tmp_path / "run"
     p = terapipe(
         "train",
-        *("--plan", str(tmp_path / "plan.json"), "--steps", "10", "--out", str(out), "--verify"),
+        *("--plan", str(tmp_path / "plan.json"), "--steps", "10", "--out", str(out), "--verify", "--eval-every", "0"),
         *("--device", "cpu", "--precision", precision),
         timeout=600,
     )
@@ -71,7 +73,7 @@ def test_fp16_trains_verifies_and_records_the_loss_scale(tmp_path):
     assert arguments["precision"] == "fp16" and arguments["accept_precision"] is True
     assert (arguments["warmup_steps"], arguments["min_lr"], arguments["decay_steps"], arguments["grad_clip"]) == (
         1,
-        pytest.approx(1e-4),
+        pytest.approx(0.1 * DEFAULT_LR),
         3,
         1.0,
     )
@@ -88,7 +90,7 @@ def test_fp16_resume_reproduces_the_losses_and_keeps_the_settings(tmp_path):
     assert p.returncode == 1 and checkpoint.latest_complete(broken) == 2
 
     # A resumed run keeps its precision, schedule and clipping: another value given again is refused.
-    for flag, value in [("--precision", "fp32"), ("--grad-clip", "1.0"), ("--warmup-steps", "1"), ("--lr", "3e-4")]:
+    for flag, value in [("--precision", "fp32"), ("--grad-clip", "1.0"), ("--warmup-steps", "1"), ("--lr", "1e-3")]:
         p = terapipe("train", "--resume", "--out", str(broken), "--steps", "5", flag, value)
         assert_one_line_error(p, flag, "resumed")
     p = terapipe("train", "--resume", "--out", str(broken), "--steps", "5", "--precision", "fp16")

@@ -143,7 +143,7 @@ def train(
         typer.Option(
             "--eval-every",
             help="Validation loss every N steps and after the last (forward only, same pipeline); 0: never.",
-            show_default="a tenth of --steps",
+            show_default="a tenth of --steps; a run under 10 steps: after the last",
         ),
     ] = None,
     lr: LrOption = None,

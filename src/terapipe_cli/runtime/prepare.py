@@ -311,12 +311,13 @@ def _step_settings(flags: dict, steps: int, device: str) -> dict:
 
 
 def _eval_every(given: int | None, steps: int, val_fraction: float) -> int:
-    """Validation every N steps: as given, else about ten times a run (never without held-out data)."""
+    """Validation every N steps: as given, else ten times a run of 10 steps or more, and once, after the last
+    step, in a shorter one (never without held-out data)."""
     if given is not None and given < 0:
         raise UserError(f"must be 0 (never) or a number of steps, got {given}", where="--eval-every")
     if val_fraction == 0:
         return 0
-    return max(1, steps // 10) if given is None else given
+    return (steps // 10 if steps >= 10 else steps) if given is None else given
 
 
 def _check_same_step_settings(saved: RunArguments, flags: dict, device: str) -> None:
