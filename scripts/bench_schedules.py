@@ -1,0 +1,229 @@
+#!/usr/bin/env python3
+"""Schedule order, recomputation, and the maintained peer: one training step, interleaved in one torchrun job.
+
+    python scripts/bench_schedules.py                  # tiny model, K = 2, B = 4, 10 rounds
+    python scripts/bench_schedules.py --rounds 20 --markdown
+
+Same model (configs/models/tiny.toml unless --model), same batch (B sequences), same two stage processes on CPU
+(gloo, one thread each), one full training step (forward, backward, AdamW) per candidate, the candidates taken in
+turn round after round so that drift in the machine's speed hits them all alike:
+
+- terapipe with B microbatches of one whole sequence (GPipe's slicing) in GPipe order, in 1F1B order, and in
+  GPipe order with every tile recomputed;
+- terapipe with each sequence also cut into 4 token slices (TeraPipe's slicing), the same three ways;
+- ``torch.distributed.pipelining``'s ``ScheduleGPipe`` and ``Schedule1F1B`` with B microbatches, on the same two
+  stage modules (stage 0: embeddings and the first half of the layers; stage 1: the rest, the head and the loss).
+
+Prints the median step (min–max) of each and its ratio to ScheduleGPipe. A CPU with two cores and two stage
+processes shows the cost of each choice, not a GPU's speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+from bench_train import cpu_lock  # noqa: E402  (the one lock that keeps measurements on this machine apart)
+
+PEERS = ("torch ScheduleGPipe", "torch Schedule1F1B")
+
+
+def candidates(B: int, L: int) -> list[dict]:
+    """terapipe's: (name, slices, order, recompute)."""
+    whole, sliced = [[1, [L]]] * B, [[1, [L // 4] * 4]] * B
+    out = []
+    for label, slices in (("microbatches", whole), ("4 token slices", sliced)):
+        out += [
+            {"name": f"terapipe {label}, GPipe order", "slices": slices, "order": "gpipe", "recompute": False},
+            {"name": f"terapipe {label}, 1F1B order", "slices": slices, "order": "1f1b", "recompute": False},
+            {"name": f"terapipe {label}, recomputed", "slices": slices, "order": "gpipe", "recompute": True},
+        ]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- the worker
+
+
+def worker(config_path: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from terapipe_cli.config import ModelConfig
+    from terapipe_cli.runtime.data import load_data, step_batch
+
+    cfg = json.loads(Path(config_path).read_text())
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, stages = dist.get_rank(), dist.get_world_size()
+    model = ModelConfig.from_dict(cfg["model"], config_path)
+    B, L = cfg["batch_size"], model.seq_len
+    batch = step_batch(load_data(None), seed=0, step=1, sequences=B, seq_len=L)
+    steps = {c["name"]: _terapipe_step(c, model, rank, stages, B, batch) for c in cfg["candidates"]}
+    steps.update(_peer_steps(model, rank, stages, B, batch))
+    flag = torch.zeros(1)
+    times: dict[str, list[float]] = {n: [] for n in steps}
+    for round_ in range(cfg["warmup"] + cfg["rounds"]):
+        for name, step in steps.items():
+            dist.all_reduce(flag)  # start together
+            start = time.perf_counter()
+            step()
+            dist.all_reduce(flag)  # the step ends when the slowest stage is done
+            if rank == 0 and round_ >= cfg["warmup"]:
+                times[name].append(time.perf_counter() - start)
+    if rank == 0:
+        Path(cfg["out"]).write_text(json.dumps(times))
+    dist.destroy_process_group()
+
+
+def _terapipe_step(c: dict, model, rank: int, stages: int, B: int, batch):
+    """One training step through terapipe's runtime (`worker.run_schedule`) for candidate ``c``."""
+    import torch
+
+    from terapipe_cli.runtime.optim import make_optimizer
+    from terapipe_cli.runtime.p2p import Links
+    from terapipe_cli.runtime.stage import StageRunner
+    from terapipe_cli.runtime.worker import run_schedule
+    from terapipe_cli.schedule import build_schedule
+
+    runner = StageRunner(model, rank, stages, seed=0, recompute=c["recompute"])
+    runner.set_loss_scale(1.0 / (B * model.seq_len))
+    optimizer = make_optimizer(runner.module, 1e-4)
+    prev_rank, next_rank = (rank - 1 if rank else None), (rank + 1 if rank < stages - 1 else None)
+    links = Links(
+        prev_rank=prev_rank, next_rank=next_rank, hidden=model.hidden, dtype=torch.float32,
+        device=torch.device("cpu"), timeout_s=300,
+    )  # fmt: skip
+    actions = build_schedule(c["slices"], stages, c["order"])[rank]
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        run_schedule(runner, actions, links, batch, step_start=time.perf_counter(), stage=rank)
+        optimizer.step()
+
+    return step
+
+
+def _peer_steps(model, rank: int, stages: int, B: int, batch) -> dict:
+    """One training step of ``torch.distributed.pipelining``'s GPipe and 1F1B schedules, B microbatches, on this
+    rank's stage of the same model (the same modules terapipe's stages hold, run on whole sequences)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    from terapipe_cli.model import GPT
+    from terapipe_cli.runtime.optim import make_optimizer
+
+    class Whole(torch.nn.Module):
+        """A stage of the GPT on whole sequences (no K/V context: each microbatch is one whole sequence)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.part = GPT(model, rank, stages, seed=0)
+
+        def forward(self, x):
+            return self.part(x)
+
+    def loss_fn(logits, targets):
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    out = {}
+    for name, kind in zip(PEERS, (ScheduleGPipe, Schedule1F1B), strict=True):
+        module = Whole()
+        optimizer = make_optimizer(module, 1e-4)
+        shape = (1, model.seq_len) if rank == 0 else (1, model.seq_len, model.hidden)
+        example = torch.zeros(shape, dtype=torch.long) if rank == 0 else torch.zeros(shape)
+        stage = PipelineStage(module, rank, stages, torch.device("cpu"), input_args=(example,))
+        schedule = kind(stage, n_microbatches=B, loss_fn=loss_fn)
+
+        def step(schedule=schedule, optimizer=optimizer) -> None:
+            optimizer.zero_grad(set_to_none=True)
+            if rank == 0:
+                schedule.step(batch[:, :-1])
+            elif rank == stages - 1:
+                schedule.step(target=batch[:, 1:], losses=[])
+            else:
+                schedule.step()
+            optimizer.step()
+
+        out[name] = step
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- the driver
+
+
+def main() -> None:
+    a = _parse_args()
+    if a.worker:
+        worker(a.worker)
+        return
+    sys.path.insert(0, str(ROOT / "src"))
+    from terapipe_cli.config import load_model_config
+
+    model = load_model_config(a.model)
+    tmp = Path(tempfile.mkdtemp(prefix="bench_schedules."))
+    config = {
+        "model": model.to_dict(),
+        "batch_size": a.batch,
+        "candidates": candidates(a.batch, model.seq_len),
+        "rounds": a.rounds,
+        "warmup": a.warmup,
+        "out": str(tmp / "times.json"),
+    }
+    (tmp / "config.json").write_text(json.dumps(config))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2"]
+    cmd += ["--max-restarts", "0", __file__, "--worker", str(tmp / "config.json")]
+    print(
+        f"{model.name}: H={model.hidden}, {model.layers} layers, L={model.seq_len}, B={a.batch}, K=2 on CPU; "
+        f"{len(config['candidates']) + len(PEERS)} candidates, {a.rounds} interleaved rounds (+{a.warmup} warm-up)",
+        flush=True,
+    )
+    with cpu_lock():
+        load = os.getloadavg()[0]
+        subprocess.run(cmd, check=True, env=env)
+    times = json.loads((tmp / "times.json").read_text())
+    _print(times, markdown=a.markdown)
+    print(f"\n1-minute load average before: {load:.2f} (the job adds ~2)")
+
+
+def _print(times: dict, *, markdown: bool) -> None:
+    med = {n: statistics.median(v) for n, v in times.items()}
+    ref = med[PEERS[0]]
+    rows = [
+        (n, f"{med[n] * 1e3:.1f}", f"{min(v) * 1e3:.1f}–{max(v) * 1e3:.1f}", f"{ref / med[n]:.2f}×")
+        for n, v in times.items()
+    ]
+    head = ("candidate", "median ms", "min–max ms", "speed vs ScheduleGPipe")
+    if markdown:
+        print("| " + " | ".join(head) + " |\n|---|---|---|---|")
+        for r in rows:
+            print("| " + " | ".join(r) + " |")
+        return
+    print(f"\n{head[0]:<45} {head[1]:>10} {head[2]:>16} {head[3]:>23}")
+    for r in rows:
+        print(f"{r[0]:<45} {r[1]:>10} {r[2]:>16} {r[3]:>23}")
+
+
+def _parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=str(ROOT / "configs/models/tiny.toml"))
+    parser.add_argument("--batch", type=int, default=4, help="Sequences per step B (= microbatches of the peers).")
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--markdown", action="store_true", help="Print the table as markdown.")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    return parser.parse_args()
+
+
+if __name__ == "__main__":
+    main()
