@@ -135,6 +135,7 @@ def _peer_steps(model, rank: int, stages: int, B: int, batch) -> dict:
     def loss_fn(logits, targets):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
+    inputs, targets = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()  # the stage checks strides
     out = {}
     for name, kind in zip(PEERS, (ScheduleGPipe, Schedule1F1B), strict=True):
         module = Whole()
@@ -147,9 +148,9 @@ def _peer_steps(model, rank: int, stages: int, B: int, batch) -> dict:
         def step(schedule=schedule, optimizer=optimizer) -> None:
             optimizer.zero_grad(set_to_none=True)
             if rank == 0:
-                schedule.step(batch[:, :-1])
+                schedule.step(inputs)
             elif rank == stages - 1:
-                schedule.step(target=batch[:, 1:], losses=[])
+                schedule.step(target=targets, losses=[])
             else:
                 schedule.step()
             optimizer.step()
