@@ -46,7 +46,9 @@ def test_plan_carries_simulated_latency_and_memory(gpt3_1b_profile: Path, tmp_pa
 
 
 def test_plan_warns_in_one_line_over_the_memory_limit(gpt3_1b_profile: Path, tmp_path: Path) -> None:
-    proc = plan_12_stages(gpt3_1b_profile, tmp_path, "--memory-limit", "0.5")
+    """With the order fixed by the user the limit warns (left free, the planner would choose; see
+    test_orders_and_recompute.py)."""
+    proc = plan_12_stages(gpt3_1b_profile, tmp_path, "--memory-limit", "0.5", "--order", "gpipe")
     assert proc.returncode == 0, proc.stderr
     warning = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(warning) == 1 and warning[0].startswith("warning:") and "0.5 GiB" in warning[0]

@@ -12,7 +12,7 @@ user typed.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from terapipe_cli import __version__
@@ -148,6 +148,8 @@ class PlanRequest:
     tensor_parallel: int = 1
     order: str = "gpipe"  # the schedule order the plan runs in (schedule.ORDERS)
     recompute: bool = False  # every stage re-runs its tiles' forward in their backward
+    # Whether the planner may change order and recomputation to fit the memory limit (the user fixed neither).
+    choose_for_memory: bool = False
 
 
 def plan_request(
@@ -162,10 +164,14 @@ def plan_request(
     data_parallel: int = 1,
     memory_limit_gib: float | None = None,
     tensor_parallel: int | None = None,
-    order: str = "gpipe",
-    recompute: bool = False,
+    order: str | None = None,
+    recompute: bool | None = None,
 ) -> PlanRequest:
-    """Check the options against each other and the profile; L, g and T default to the model's and the profile's."""
+    """Check the options against each other and the profile; L, g and T default to the model's and the profile's.
+    ``order`` and ``recompute`` None: GPipe order without recomputation unless the memory limit asks for more
+    (`plan_for_profile`)."""
+    choose = order is None and recompute is None
+    order, recompute = order or "gpipe", bool(recompute)
     if order not in ORDERS:
         raise UserError(f"must be one of {', '.join(ORDERS)}, got {order!r}", where="--order")
     model = profile.model
@@ -194,7 +200,9 @@ def plan_request(
     if L % g:
         raise UserError(f"the sequence length {L} is not a multiple of the token step {g}", where="--token-step")
     T = check_tensor_parallel(profile, tensor_parallel)
-    return PlanRequest(stages, batch_size, L, g, epsilon, method, data_parallel, memory_limit_gib, T, order, recompute)
+    return PlanRequest(
+        stages, batch_size, L, g, epsilon, method, data_parallel, memory_limit_gib, T, order, recompute, choose
+    )
 
 
 def check_tensor_parallel(profile: Profile, tensor_parallel: int | None) -> int:
@@ -228,6 +236,10 @@ class MemoryCheck:
     # On a CPU every worker of the machine shares its memory: the limit is then for all of them together, the
     # pipeline's stages times ``copies`` (D replicas x T tensor ranks); 0 for a limit per device.
     copies: int = 0
+    # The limit constrains the plan (`--memory-limit` given); the profile's device memory, or this machine's for a
+    # CPU profile that records none, only warns: the estimate counts embeddings and head whole on every tensor rank,
+    # as this runtime keeps them, so published settings that split the vocabulary would be refused for it.
+    enforced: bool = False
 
     @property
     def peak_bytes(self) -> float:
@@ -292,7 +304,7 @@ def check_memory(
     if per_stage is None:
         return None
     if limit_gib is not None:
-        return MemoryCheck(per_stage, limit_gib * 2**30, "GiB of --memory-limit")
+        return MemoryCheck(per_stage, limit_gib * 2**30, "of --memory-limit", enforced=True)
     shared = copies if device.get("kind") == "cpu" else 0
     if isinstance(device.get("memory_bytes"), (int, float)):
         source = f"of the profile's device ({device.get('name', '?')})"
@@ -314,6 +326,23 @@ class Planned:
     uniform: PlanResult
     simulated_s: dict[str, float]  # by "terapipe", "gpipe", "uniform"
     memory: MemoryCheck | None
+    # With order and recomputation chosen to fit the memory limit: the plan without them, which did not fit.
+    unfitted: Planned | None = None
+
+    def choice_text(self) -> str:
+        """``GPipe order`` / ``1F1B order, recomputed``: how the plan's steps run."""
+        text = "1F1B order" if self.request.order == "1f1b" else "GPipe order"
+        return text + (", recomputed" if self.request.recompute else "")
+
+    def memory_choice(self) -> str | None:
+        """One line when order and recomputation were chosen to fit the memory limit; None otherwise."""
+        if self.unfitted is None:
+            return None
+        m, before = self.memory, self.unfitted.memory
+        return (
+            f"planned in {self.choice_text()} to fit {format_bytes(m.limit_bytes)} {m.limit_source}: "
+            f"{format_bytes(m.needed_bytes)} instead of {format_bytes(before.needed_bytes)} in GPipe order"
+        )
 
     def schemes(self) -> list[tuple[str, PlanResult]]:
         return [("terapipe", self.terapipe), ("gpipe", self.gpipe), ("uniform", self.uniform)]
@@ -392,7 +421,34 @@ class Planned:
         )
 
 
+# The choices tried, in this order, when GPipe order without recomputation does not fit the memory limit.
+MEMORY_CHOICES = (("1f1b", False), ("gpipe", True), ("1f1b", True))
+
+
 def plan_for_profile(profile: Profile, request: PlanRequest) -> Planned:
+    """Plan ``request`` on ``profile`` (`plan_one`). When the plan does not fit an enforced memory limit and the
+    user fixed neither order nor recomputation, plan again with each of `MEMORY_CHOICES` and keep the fastest
+    (simulated) that fits; when none fits, one line with the smallest estimate. Within each choice the slicing is
+    the unconstrained optimum: the limit picks among the choices, it does not yet constrain the slicing search."""
+    planned = plan_one(profile, request)
+    memory = planned.memory
+    if not (request.choose_for_memory and memory is not None and memory.exceeded and memory.enforced):
+        return planned
+    tried = [plan_one(profile, replace(request, order=o, recompute=c)) for o, c in MEMORY_CHOICES]
+    fits = [p for p in tried if not p.memory.exceeded]
+    if not fits:
+        least = min([planned, *tried], key=lambda p: p.memory.needed_bytes)
+        raise UserError(
+            f"no order or recomputation fits the {format_bytes(memory.limit_bytes)} {memory.limit_source}: the "
+            f"smallest estimate is {format_bytes(least.memory.needed_bytes)} ({least.choice_text()}); use more "
+            "stages, a smaller batch, or tensor parallelism",
+            where="--memory-limit",
+        )
+    best = min(fits, key=lambda p: p.simulated_s["terapipe"])
+    return replace(best, unfitted=planned)
+
+
+def plan_one(profile: Profile, request: PlanRequest) -> Planned:
     """Plan ``request`` on ``profile``: the exact (or enumerated) TeraPipe scheme, GPipe and the best uniform
     slicing, each simulated, and the TeraPipe plan's memory per stage."""
     r = request

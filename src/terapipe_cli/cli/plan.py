@@ -103,26 +103,29 @@ def plan(
         float | None,
         typer.Option(
             "--memory-limit",
-            help="GiB per device; warn when a stage's estimated peak exceeds it "
-            "[default: the profile's device memory, if known].",
+            help="GiB per device. A plan whose estimated peak exceeds it is planned again in 1F1B order and/or "
+            "with recomputation (unless --order or --recompute is given: then a warning), the fastest that fits "
+            "kept; when none fits, one line. Without it, the profile's device memory (if known) only warns.",
         ),
     ] = None,
     order: Annotated[
-        str,
+        str | None,
         typer.Option(
             "--order",
             help="Schedule order: gpipe (every forward, then every backward) or 1f1b (a batch slice's backward as "
             "soon as the pipeline allows: fewer batch slices' activations alive at once).",
+            show_default="gpipe, or what fits the memory limit",
         ),
-    ] = "gpipe",
+    ] = None,
     recompute: Annotated[
-        bool,
+        bool | None,
         typer.Option(
-            "--recompute",
+            "--recompute/--no-recompute",
             help="Every stage keeps only each tile's input and K/V and re-runs its forward in the backward: "
             "priced as one more forward per tile, in the memory estimate as the activations not kept.",
+            show_default="off, or what fits the memory limit",
         ),
-    ] = False,
+    ] = None,
     out: Annotated[Path, typer.Option("--out", "-o", help="Where to write the plan JSON.")] = Path("plan.json"),
     force: Annotated[bool, typer.Option("--force", help="Overwrite --out even if it is not a plan.")] = False,
 ) -> None:
@@ -159,6 +162,8 @@ def plan(
     D, K, T = r.data_parallel, r.stages, r.tensor_parallel
     console.print(f"workers: D × K × T = {D} × {K} × {T} = {D * K * T} processes for `terapipe train`")
     warnings = [planned.allreduce_warning()]
+    if planned.memory_choice() is not None:
+        console.print(planned.memory_choice())
     if planned.memory is not None:
         console.print(planned.memory.summary())
         warnings.append(planned.memory.warning())
