@@ -32,7 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
-from bench_train import cpu_lock  # noqa: E402  (the one lock that keeps measurements on this machine apart)
+from bench_train import cpu_lock, join_bench_job, time_rounds  # noqa: E402  (one lock and one timing loop for both)
 
 PEERS = ("torch ScheduleGPipe", "torch Schedule1F1B")
 
@@ -54,34 +54,14 @@ def candidates(B: int, L: int) -> list[dict]:
 
 
 def worker(config_path: str) -> None:
-    import torch
-    import torch.distributed as dist
-
-    from terapipe_cli.config import ModelConfig
     from terapipe_cli.runtime.data import load_data, step_batch
 
-    cfg = json.loads(Path(config_path).read_text())
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank, stages = dist.get_rank(), dist.get_world_size()
-    model = ModelConfig.from_dict(cfg["model"], config_path)
+    cfg, rank, stages, model = join_bench_job(config_path)
     B, L = cfg["batch_size"], model.seq_len
     batch = step_batch(load_data(None), seed=0, step=1, sequences=B, seq_len=L)
     steps = {c["name"]: _terapipe_step(c, model, rank, stages, B, batch) for c in cfg["candidates"]}
     steps.update(_peer_steps(model, rank, stages, B, batch))
-    flag = torch.zeros(1)
-    times: dict[str, list[float]] = {n: [] for n in steps}
-    for round_ in range(cfg["warmup"] + cfg["rounds"]):
-        for name, step in steps.items():
-            dist.all_reduce(flag)  # start together
-            start = time.perf_counter()
-            step()
-            dist.all_reduce(flag)  # the step ends when the slowest stage is done
-            if rank == 0 and round_ >= cfg["warmup"]:
-                times[name].append(time.perf_counter() - start)
-    if rank == 0:
-        Path(cfg["out"]).write_text(json.dumps(times))
-    dist.destroy_process_group()
+    time_rounds(steps, cfg, rank)
 
 
 def _terapipe_step(c: dict, model, rank: int, stages: int, B: int, batch):

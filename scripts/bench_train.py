@@ -46,11 +46,43 @@ def cpu_lock():
 # ----------------------------------------------------------------------------------------------- the worker
 
 
-def worker(config_path: str) -> None:
+def join_bench_job(config_path: str):
+    """A benchmark worker's start: its config, one thread, the gloo group; returns (config, rank, stages, model)."""
     import torch
     import torch.distributed as dist
 
     from terapipe_cli.config import ModelConfig
+
+    cfg = json.loads(Path(config_path).read_text())
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    return cfg, dist.get_rank(), dist.get_world_size(), ModelConfig.from_dict(cfg["model"], config_path)
+
+
+def time_rounds(steps: dict, cfg: dict, rank: int) -> None:
+    """Every step function in turn, round after round, all ranks starting each together; rank 0 writes the seconds
+    of each (from the common start to the slowest rank's end) after the warm-up rounds to ``cfg["out"]``."""
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.zeros(1)
+    times: dict[str, list[float]] = {n: [] for n in steps}
+    for round_ in range(cfg["warmup"] + cfg["rounds"]):
+        for name, step in steps.items():
+            dist.all_reduce(flag)  # start together
+            start = time.perf_counter()
+            step()
+            dist.all_reduce(flag)  # the step ends when the slowest rank is done
+            if rank == 0 and round_ >= cfg["warmup"]:
+                times[name].append(time.perf_counter() - start)
+    if rank == 0:
+        Path(cfg["out"]).write_text(json.dumps(times))
+    dist.destroy_process_group()
+
+
+def worker(config_path: str) -> None:
+    import torch
+
     from terapipe_cli.model import GPT, token_loss_sum
     from terapipe_cli.runtime.data import load_data, step_batch
     from terapipe_cli.runtime.optim import make_optimizer
@@ -59,11 +91,7 @@ def worker(config_path: str) -> None:
     from terapipe_cli.runtime.worker import run_schedule
     from terapipe_cli.schedule import build_schedule
 
-    cfg = json.loads(Path(config_path).read_text())
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank, stages = dist.get_rank(), dist.get_world_size()
-    model = ModelConfig.from_dict(cfg["model"], config_path)
+    cfg, rank, stages, model = join_bench_job(config_path)
     B, L = cfg["batch_size"], model.seq_len
     runner = StageRunner(model, rank, stages, seed=0)
     runner.set_loss_scale(1.0 / (B * L))
@@ -78,35 +106,25 @@ def worker(config_path: str) -> None:
     )
     actions = {c["name"]: build_schedule(c["slices"], stages)[rank] for c in cfg["candidates"]}
     batch = step_batch(load_data(None), seed=0, step=1, sequences=B, seq_len=L)
-    if rank == 0:
-        full = GPT(model, seed=0)
-        full_optimizer = make_optimizer(full, 1e-4)
-    flag = torch.zeros(1)
-    names = [c["name"] for c in cfg["candidates"]] + ["single process"]
-    times: dict[str, list[float]] = {n: [] for n in names}
-    for round_ in range(cfg["warmup"] + cfg["rounds"]):
-        for name in names:
-            dist.all_reduce(flag)  # start together
-            start = time.perf_counter()
-            if name == "single process":
-                if rank == 0:
-                    full_optimizer.zero_grad(set_to_none=True)
-                    logits = full(batch[:, :-1])
-                    (token_loss_sum(logits, batch[:, 1:]) / (B * L)).backward()
-                    full_optimizer.step()
-                    elapsed = time.perf_counter() - start
-                dist.all_reduce(flag)
-            else:
-                optimizer.zero_grad(set_to_none=True)
-                run_schedule(runner, actions[name], links, batch, step_start=start, stage=rank)
-                optimizer.step()
-                dist.all_reduce(flag)  # the step ends when the slowest stage is done
-                elapsed = time.perf_counter() - start
-            if rank == 0 and round_ >= cfg["warmup"]:
-                times[name].append(elapsed)
-    if rank == 0:
-        Path(cfg["out"]).write_text(json.dumps(times))
-    dist.destroy_process_group()
+    full = GPT(model, seed=0) if rank == 0 else None
+    full_optimizer = make_optimizer(full, 1e-4) if full is not None else None
+
+    def pipelined(name: str):
+        def step() -> None:
+            optimizer.zero_grad(set_to_none=True)
+            run_schedule(runner, actions[name], links, batch, step_start=time.perf_counter(), stage=rank)
+            optimizer.step()
+
+        return step
+
+    def single_process() -> None:  # the whole model on rank 0; the other ranks wait
+        if full is not None:
+            full_optimizer.zero_grad(set_to_none=True)
+            (token_loss_sum(full(batch[:, :-1]), batch[:, 1:]) / (B * L)).backward()
+            full_optimizer.step()
+
+    steps = {c["name"]: pipelined(c["name"]) for c in cfg["candidates"]} | {"single process": single_process}
+    time_rounds(steps, cfg, rank)
 
 
 # ----------------------------------------------------------------------------------------------- the driver
