@@ -56,11 +56,13 @@ def test_each_worker_gets_its_own_gpu_while_there_are_enough_then_shares(workers
     assert [prepare.gpu_of(r, gpus) for r in range(workers)] == placed
 
 
-def test_the_launch_line_says_which_mode():
+def test_the_launch_line_says_which_mode(monkeypatch):
     assert prepare.placement_note("cuda", 2, 1) == "2 workers share 1 GPU: gloo through host memory"
     assert prepare.placement_note("cuda", 8, 4) == "8 workers share 4 GPUs: gloo through host memory"
     assert prepare.placement_note("cuda", 2, 2) == "nccl, one GPU per worker"
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
     assert prepare.placement_note("cpu", 2, 0) == "gloo on cpu"
+    assert prepare.placement_note("cpu", 8, 0) == "gloo on cpu, 8 workers sharing 2 cores: each slower than alone"
 
 
 def test_more_workers_than_gpus_is_allowed_on_cuda(monkeypatch):

@@ -136,6 +136,9 @@ def placement_note(device: str, workers_per_node: int, n_gpus: int | None = None
     """How a machine's workers compute and talk, as `terapipe train`'s launch line says it."""
     backend = backend_for(device, workers_per_node, n_gpus)
     if device != "cuda":
+        cores = os.cpu_count() or 1
+        if workers_per_node > cores:  # allowed (`max_workers_per_node`), but the user should know
+            return f"{backend} on cpu, {workers_per_node} workers sharing {cores} cores: each slower than alone"
         return f"{backend} on cpu"
     if backend == "nccl":
         return "nccl, one GPU per worker"
