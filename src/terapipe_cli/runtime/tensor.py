@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from terapipe_cli.runtime.p2p import host_staged
+from terapipe_cli.runtime.p2p import host_all_reduce, host_staged
 
 
 @dataclass(frozen=True)
@@ -47,12 +47,9 @@ class TensorGroup:
     skip_allreduce: bool = False
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The sum over the group's ranks, in place (through host memory for CUDA tensors on gloo)."""
-        if host_staged(tensor.device, self.group):
-            host = tensor.cpu()
-            dist.all_reduce(host, group=self.group)
-            return tensor.copy_(host)
-        dist.all_reduce(tensor, group=self.group)
+        """The sum over the group's ranks, in place (`p2p.host_all_reduce`: through host memory for CUDA tensors
+        on gloo); returns ``tensor``."""
+        host_all_reduce(tensor, group=self.group)
         return tensor
 
     def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
@@ -90,25 +87,24 @@ class _SumOverRanks(torch.autograd.Function):
         return grad, None
 
 
-class ColumnParallelLinear(nn.Module):
-    """``y_r = x · W_rᵀ``: this rank's output columns of a bias-free linear; the input's gradient is summed."""
+class _ShardedLinear(nn.Module):
+    """A bias-free linear holding this rank's slice ``weight`` of the whole one (under the whole one's name)."""
 
     def __init__(self, weight: torch.Tensor, tp: TensorGroup) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight.detach().clone())
         self.tp = tp
+
+
+class ColumnParallelLinear(_ShardedLinear):
+    """``y_r = x · W_rᵀ``: this rank's output columns of a bias-free linear; the input's gradient is summed."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(_CopyToRanks.apply(x, self.tp), self.weight)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_ShardedLinear):
     """``y = Σ_r x_r · W_rᵀ``: this rank's input columns of a bias-free linear; the output is summed."""
-
-    def __init__(self, weight: torch.Tensor, tp: TensorGroup) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(weight.detach().clone())
-        self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _SumOverRanks.apply(F.linear(x, self.weight), self.tp)
@@ -152,22 +148,20 @@ def shard_module(module: nn.Module, tp: TensorGroup) -> None:
     """Keep only this rank's part of every decoder layer of ``module`` (a `model.GPT`), in place."""
     if tp.size == 1:
         return
+    module.cfg.check_tensor_parallel(tp.size)  # T splits the heads and the MLP's width
     for n, block in module.blocks.items():
-        attn, mlp = block.attn, block.mlp
-        if attn.heads % tp.size or mlp.fc.out_features % tp.size:
-            width = mlp.fc.out_features
-            raise ValueError(f"{tp.size} tensor ranks do not split {attn.heads} heads and {width} MLP features")
-        for owner, attr, kind in (
-            (attn, "qkv", ColumnParallelLinear),
-            (attn, "proj", RowParallelLinear),
-            (mlp, "fc", ColumnParallelLinear),
-            (mlp, "proj", RowParallelLinear),
+        for path, kind in (
+            ("attn.qkv", ColumnParallelLinear),
+            ("attn.proj", RowParallelLinear),
+            ("mlp.fc", ColumnParallelLinear),
+            ("mlp.proj", RowParallelLinear),
         ):
-            name = f"blocks.{n}.{'attn' if owner is attn else 'mlp'}.{attr}.weight"
-            weight = getattr(owner, attr).weight
-            setattr(owner, attr, kind(shard_tensor(name, weight, tp), tp).to(weight.device))
-        attn.heads //= tp.size
-        attn.hidden //= tp.size
+            owner, attr = path.split(".")
+            weight = getattr(getattr(block, owner), attr).weight
+            sharded = kind(shard_tensor(f"blocks.{n}.{path}.weight", weight, tp), tp).to(weight.device)
+            setattr(getattr(block, owner), attr, sharded)
+        block.attn.heads //= tp.size
+        block.attn.hidden //= tp.size
 
 
 def parameter_names(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:

@@ -338,9 +338,20 @@ def restore(w: Worker, resume_step: int | None) -> tuple[int, list[Event]]:
 
 def replica_batch(w: Worker, step: int) -> torch.Tensor:
     """This replica's B token windows (B, L + 1) of the step's global batch of B·D, on the device."""
+    sequences, L = w.plan.batch_size * w.args.data_parallel, w.plan.seq_len
+    return _replica_rows(w, step_batch(w.data, seed=w.args.seed, step=step, sequences=sequences, seq_len=L))
+
+
+def _replica_rows(w: Worker, batch: torch.Tensor) -> torch.Tensor:
+    """This replica's B rows of a global batch of B·D windows, on the device."""
     B = w.plan.batch_size
-    batch = step_batch(w.data, seed=w.args.seed, step=step, sequences=B * w.args.data_parallel, seq_len=w.plan.seq_len)
     return batch[w.replica * B : (w.replica + 1) * B].to(w.device)
+
+
+def _loss_share(w: Worker, loss: torch.Tensor | None) -> float:
+    """What this rank adds to a step's mean loss: its summed token loss over B·D·L, on the last stage only, and
+    there from tensor rank 0 only (a last stage's tensor ranks all compute the same loss)."""
+    return float(loss.double()) / w.tokens_per_step if loss is not None and w.tensor.rank == 0 else 0.0
 
 
 def evaluation_due(w: Worker, step: int) -> bool:
@@ -352,9 +363,8 @@ def evaluation_due(w: Worker, step: int) -> bool:
 def evaluate(w: Worker) -> float:
     """The held-out loss (mean over B·D·L tokens): the fixed validation batch through the same pipeline and
     tiles, forward only, no graph kept. Every rank takes part; one all-reduce sums the last stages' losses."""
-    B = w.plan.batch_size
-    batch = validation_batch(w.held_out, seed=w.args.seed, sequences=B * w.args.data_parallel, seq_len=w.plan.seq_len)
-    batch = batch[w.replica * B : (w.replica + 1) * B].to(w.device)
+    sequences, L = w.plan.batch_size * w.args.data_parallel, w.plan.seq_len
+    batch = _replica_rows(w, validation_batch(w.held_out, seed=w.args.seed, sequences=sequences, seq_len=L))
     forwards = [a.tile for a in w.actions if a.phase == "F"]
     walk = _StepWalk(w.runner, w.links, batch, forwards, None, train=False)
     with w.runner.step():
@@ -362,9 +372,7 @@ def evaluate(w: Worker) -> float:
             walk.forward(t)
     w.links.finish_sends()
     w.runner.reset()
-    total = torch.zeros(1, dtype=torch.float64, device=w.device)
-    if walk.loss is not None and w.tensor.rank == 0:
-        total[0] = walk.loss.double() / w.tokens_per_step
+    total = torch.tensor([_loss_share(w, walk.loss)], dtype=torch.float64, device=w.device)
     collective(lambda: host_all_reduce(total), "the validation-loss all-reduce")
     return float(total[0])
 
@@ -547,8 +555,7 @@ def end_of_step(w: Worker, loss: torch.Tensor | None) -> tuple[float, list[int]]
     Returns the step's loss (the single-device mean) and the peak memory of every rank in bytes.
     """
     stats = torch.zeros(1 + w.world, dtype=torch.float64, device=w.device)
-    if loss is not None and w.tensor.rank == 0:  # a last stage's tensor ranks all compute the same loss
-        stats[0] = loss.double() / w.tokens_per_step
+    stats[0] = _loss_share(w, loss)
     stats[1 + w.rank] = float(peak_memory_bytes(w.device))
     collective(lambda: host_all_reduce(stats), "the end-of-step all-reduce")
     return float(stats[0]), [int(m) for m in stats[1:].tolist()]
