@@ -10,13 +10,24 @@ all-reduce and optimizer step included):
     python scripts/paper_table.py                                   # V100 (p3.16xlarge), as published
     python scripts/paper_table.py --hardware configs/hardware/h100.toml   # the same settings on p5 nodes
     python scripts/paper_table.py --markdown                        # a Markdown table for the README
+    python scripts/paper_table.py --memory-limit 12                 # every setting within 12 GiB per device
+
+Every setting is planned within a memory limit per device, as `terapipe plan` plans: by default the device memory
+of the experiment's hardware file (16 GiB on the V100), or --memory-limit GIB for all. The planner returns the
+fastest scheme that fits, choosing the token slicing, equal batch slices, the schedule order (GPipe or 1F1B) and
+which stages recompute; the GPipe baseline runs in the same order and recomputation. A setting that no scheme fits
+(GPT3-175B at 16 GiB: this runtime keeps the embeddings whole on every tensor rank) is planned without the limit,
+so its times still compare TeraPipe with GPipe, and its peak is flagged "(!)" with the smallest peak any scheme
+could reach ("min").
 
 Columns: GPipe scheme and predicted latency per step, TeraPipe scheme and predicted latency, the predicted
-speed-up, the DP's gain over the best uniform slicing (uniform / DP latency), and the planner's seconds.
+speed-up, the DP's gain over the best uniform slicing (uniform / DP latency), and the planner's wall seconds
+(the search within the memory limit and the baselines included).
 Schemes are in the short form of docs/design.md §2, runs of equal slices folded (``[72]*12``); long ones are
-shortened in the middle (--full shows them whole). Two more columns: the latencies the schedule simulator
-predicts for the GPipe and TeraPipe schemes (transfers overlapping compute, as the runtime's asynchronous
-sends do), and the TeraPipe plan's estimated peak memory of its fullest stage, "(!)" above the device's.
+shortened in the middle (--full shows them whole). Then the latencies the schedule simulator predicts for the
+GPipe and TeraPipe schemes (transfers overlapping compute, as the runtime's asynchronous sends do), the plan's
+schedule order and recomputing stages ("—" none, "all", or a list such as "0–3, 7"), and its estimated peak
+memory of its fullest stage in GiB.
 """
 
 from __future__ import annotations
@@ -39,7 +50,10 @@ from terapipe_cli.errors import UserError  # noqa: E402
 from terapipe_cli.experiments import Experiment, experiment_profile, load_experiment  # noqa: E402
 from terapipe_cli.hardware import load_hardware  # noqa: E402
 from terapipe_cli.plan import short_form  # noqa: E402
-from terapipe_cli.planning import plan_for_profile, plan_request  # noqa: E402
+from terapipe_cli.planning import plan_for_profile, plan_request, smallest_peak  # noqa: E402
+
+# The limit a setting that no scheme fits is planned under instead: none that any model here comes near.
+NO_LIMIT_GIB = 1e6
 
 
 @dataclass
@@ -52,11 +66,19 @@ class Row:
     uniform_scheme: str
     uniform_s: float
     step_s: float
-    planner_s: float
+    planner_s: float  # wall seconds of planning: the slicing DP, the search within the memory limit, the baselines
     gpipe_sim_s: float
     terapipe_sim_s: float
+    order: str  # the plan's schedule order: "gpipe" or "1f1b"
+    recompute: tuple[bool, ...]  # per stage
     peak_memory_bytes: float
-    memory_exceeded: bool  # over the device memory of the hardware file
+    # No scheme fits the limit: the row is planned without it, and this is the smallest peak any scheme could reach
+    # (bytes); None when the plan fits.
+    smallest_peak_bytes: float | None = None
+
+    @property
+    def fits(self) -> bool:
+        return self.smallest_peak_bytes is None
 
     @property
     def speedup(self) -> float:
@@ -67,15 +89,32 @@ class Row:
         return self.uniform_s / self.terapipe_s
 
 
-def plan_experiment(exp: Experiment) -> Row:
-    """Analytic profile -> the library's plan and its two baselines, for one pipeline replica."""
+def plan_experiment(exp: Experiment, memory_limit_gib: float | None = None) -> Row:
+    """Analytic profile -> the library's plan and its two baselines, for one pipeline replica, within
+    ``memory_limit_gib`` per device (None: the device memory of the experiment's hardware). A setting that no
+    scheme fits is planned without the limit and records the smallest peak any scheme could reach."""
     B, g = exp.batch_per_replica, exp.token_step
     obj = experiment_profile(exp, batch_size=B, tensor_parallel=exp.tensor_parallel, token_step=g)
     profile = profile_from_dict(obj, f"analytic profile of {exp.path}")
     request = plan_request(
-        profile, stages=exp.stages, batch_size=B, seq_len=exp.seq_len, token_step=g, data_parallel=exp.data_parallel
+        profile,
+        stages=exp.stages,
+        batch_size=B,
+        seq_len=exp.seq_len,
+        token_step=g,
+        data_parallel=exp.data_parallel,
+        memory_limit_gib=memory_limit_gib,
     )
-    planned = plan_for_profile(profile, request)
+    least, start = None, time.perf_counter()
+    try:
+        planned = plan_for_profile(profile, request)
+    except UserError as e:
+        if e.where != "--memory-limit":  # raised by plan_for_profile only when no scheme fits the limit
+            raise
+        limit = memory_limit_gib * 2**30 if memory_limit_gib is not None else float(profile.device["memory_bytes"])
+        least, _ = smallest_peak(profile, request, limit)
+        planned = plan_for_profile(profile, replace(request, memory_limit_gib=NO_LIMIT_GIB))
+    planner_s = time.perf_counter() - start
     gp, res, un = planned.gpipe, planned.terapipe, planned.uniform
     memory = planned.memory
     return Row(
@@ -87,17 +126,40 @@ def plan_experiment(exp: Experiment) -> Row:
         uniform_scheme=compact_form(un.slices),
         uniform_s=un.predicted_s,
         step_s=planned.cost.step_s,
-        planner_s=res.seconds,
+        planner_s=planner_s,
         gpipe_sim_s=planned.simulated_s["gpipe"],
         terapipe_sim_s=planned.simulated_s["terapipe"],
+        order=planned.order,
+        recompute=planned.recompute,
         peak_memory_bytes=memory.peak_bytes if memory else float("nan"),
-        memory_exceeded=bool(memory and memory.exceeded),
+        smallest_peak_bytes=least,
     )
 
 
 def compact_form(slices) -> str:
     """The short form of docs/design.md §2 with runs of equal token slices folded; still a valid Python expression."""
     return short_form(slices, fold=True)
+
+
+def stage_ranges(stages: tuple[bool, ...]) -> str:
+    """The recomputing stages, compact: ``—`` for none, ``all``, or runs such as ``0–3, 7``."""
+    if not any(stages):
+        return "—"
+    if all(stages):
+        return "all"
+    on = [k for k, yes in enumerate(stages) if yes]
+    runs: list[list[int]] = []
+    for k in on:
+        if runs and k == runs[-1][-1] + 1:
+            runs[-1].append(k)
+        else:
+            runs.append([k])
+    return ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}–{r[-1]}" for r in runs)
+
+
+def _peak_cell(row: Row) -> str:
+    gib = f"{row.peak_memory_bytes / 2**30:.1f}"
+    return gib if row.fits else f"{gib} (!) min {row.smallest_peak_bytes / 2**30:.1f}"
 
 
 def _shorten(scheme: str, width: int) -> str:
@@ -125,7 +187,9 @@ def _cells(row: Row, width: int) -> list[str]:
         f"{row.dp_gain:.3f}x",
         f"{row.planner_s:.2f}",
         f"{row.gpipe_sim_s:.3f} / {row.terapipe_sim_s:.3f}",
-        f"{row.peak_memory_bytes / 2**30:.1f}" + (" (!)" if row.memory_exceeded else ""),
+        "1F1B" if row.order == "1f1b" else "GPipe",
+        stage_ranges(row.recompute),
+        _peak_cell(row),
     ]
 
 
@@ -145,12 +209,24 @@ HEADERS = [
     "DP vs uniform",
     "planner s",
     "simulated GPipe / TeraPipe s",
+    "order",
+    "recompute",
     "peak GiB",
 ]
 
 
-def render_rich(rows: list[Row], console: Console, width: int, title: str) -> None:
-    table = Table(title=title, show_lines=False)
+def footnote(rows: list[Row], limit_text: str) -> str | None:
+    """The line under the table explaining "(!)"; None when every setting fits."""
+    if all(row.fits for row in rows):
+        return None
+    return (
+        f"(!) no scheme fits {limit_text}: planned without the limit; min = the smallest peak any scheme reaches "
+        "(equal batch slices, either order, recomputing where it helps)."
+    )
+
+
+def render_rich(rows: list[Row], console: Console, width: int, title: str, note: str | None) -> None:
+    table = Table(title=title, show_lines=False, caption=note, caption_justify="left")
     for h in HEADERS:
         table.add_column(
             h, justify="right" if h not in {"model", "GPipe scheme", "TeraPipe scheme"} else "left", overflow="fold"
@@ -160,12 +236,14 @@ def render_rich(rows: list[Row], console: Console, width: int, title: str) -> No
     console.print(table)
 
 
-def render_markdown(rows: list[Row], width: int) -> str:
+def render_markdown(rows: list[Row], width: int, note: str | None) -> str:
     lines = ["| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
     for row in rows:
         cells = _cells(row, width)
         cells[7], cells[9] = f"`{cells[7]}`", f"`{cells[9]}`"
         lines.append("| " + " | ".join(cells) + " |")
+    if note:
+        lines += ["", note]
     return "\n".join(lines)
 
 
@@ -175,6 +253,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hardware", help="plan every setting on this hardware file instead of the experiment's own")
     ap.add_argument("--markdown", action="store_true", help="print a Markdown table (for the README)")
     ap.add_argument("--full", action="store_true", help="show long schemes whole instead of shortened")
+    ap.add_argument(
+        "--memory-limit",
+        type=float,
+        metavar="GIB",
+        help="plan every setting within this many GiB per device (default: the device memory of its hardware file)",
+    )
     args = ap.parse_args(argv)
     # Piped into a file, rich would wrap rows at 80 columns; a wide canvas keeps one line per setting.
     console = Console(width=None if sys.stdout.isatty() else 240)
@@ -199,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
             task = progress.add_task("planning", total=len(experiments))
             for exp in experiments:
                 progress.update(task, description=f"planning {exp.name}")
-                rows.append(plan_experiment(exp))
+                rows.append(plan_experiment(exp, args.memory_limit))
                 progress.advance(task)
         total = time.perf_counter() - start
     except UserError as e:
@@ -207,15 +291,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     width = 0 if args.full else 60
     hardware = sorted({e.hardware.name for e in experiments})
+    limit_text = "the device memory" if args.memory_limit is None else f"{args.memory_limit:g} GiB per device"
     title = (
-        f"TeraPipe vs GPipe, predicted from analytic profiles on {', '.join(hardware)} "
+        f"TeraPipe vs GPipe, predicted from analytic profiles on {', '.join(hardware)} within {limit_text} "
         f"(per step, data-parallel all-reduce and optimizer included); {total:.1f} s in all"
     )
+    note = footnote(rows, limit_text)
     if args.markdown:
         print(f"{title}\n")
-        print(render_markdown(rows, width))
+        print(render_markdown(rows, width, note))
     else:
-        render_rich(rows, console, width, title)
+        render_rich(rows, console, width, title, note)
     return 0
 
 
