@@ -9,7 +9,10 @@ Every number here is recomputable from the run directories (the tests do so):
   the formula ``(K−1)/(M+K−1)`` (M tiles on K stages, equal tiles, free transfers);
 * predicted vs measured: the plan's ``predicted_s`` (the objective of docs/design.md §4) and, when a cost model
   is at hand, the schedule simulator's latency, each with ``(predicted − measured) / measured`` against the
-  median.
+  median;
+* memory per stage: the plan's estimate (`terapipe_cli.memory`) next to the largest a stage's ranks
+  measured over the compared steps: what it kept for the backward (``saved_bytes_per_rank``, counted by the
+  runtime's saved-tensor hooks) and the process's peak (``memory_bytes_per_rank``).
 """
 
 from __future__ import annotations
@@ -69,6 +72,47 @@ def run_stage_times(run: Run, steps: Sequence[int]) -> StageTimes:
     )
 
 
+def stage_max(run: Run, steps: Sequence[int], key: str) -> list[int] | None:
+    """A per-rank metric (``key`` of metrics.jsonl) reduced to its stages: the largest over ``steps`` and each stage's
+    ranks (every replica and tensor rank). None when a step lacks it (runs from before it was recorded)."""
+    per_rank = [run.metric(s).get(key) for s in steps]
+    if not all(isinstance(p, list) and len(p) == run.world_size for p in per_rank):
+        return None
+    out = [0] * run.stages
+    for p in per_rank:
+        for rank, value in enumerate(p):
+            k = run.layout.stage(rank)
+            out[k] = max(out[k], int(value))
+    return out
+
+
+def memory_per_stage(run: Run, steps: Sequence[int]) -> list[dict]:
+    """Per stage: the plan's estimate (None for a plan without one) and what the run measured over ``steps``,
+    with the error of the estimate of what is kept for the backward: (estimated − measured) / measured."""
+    estimate = run.plan.raw.get("memory") or {}
+
+    def planned(key: str, k: int) -> float | None:
+        values = estimate.get(key)
+        return values[k] if isinstance(values, list) and len(values) == run.stages else None
+
+    saved = stage_max(run, steps, "saved_bytes_per_rank")
+    peak = stage_max(run, steps, "memory_bytes_per_rank")
+    out = []
+    for k in range(run.stages):
+        est, measured = planned("activation_bytes", k), saved[k] if saved else None
+        out.append(
+            {
+                "stage": k,
+                "estimated_activation_bytes": est,
+                "measured_saved_bytes": measured,
+                "rel_err": (est - measured) / measured if est is not None and measured else None,
+                "estimated_total_bytes": planned("per_stage_bytes", k),
+                "measured_peak_bytes": peak[k] if peak else None,
+            }
+        )
+    return out
+
+
 def summarize(run: Run, label: str, warmup: int, sim: SimResult | None = None) -> dict:
     """Everything the report says about one run (its part of report.json)."""
     steps = compared_steps(run, warmup)
@@ -105,6 +149,7 @@ def summarize(run: Run, label: str, warmup: int, sim: SimResult | None = None) -
         "bubble_formula": bubble_formula(run.stages, run.tiles),
         "peak_memory_bytes": max(int(r["memory_bytes"]) for r in run.metrics),
         "peak_memory_bytes_per_rank": peak_per_rank,
+        "memory_per_stage": memory_per_stage(run, steps),
         "representative_step": rep,
         "losses": [float(r["loss"]) for r in run.metrics],
     }

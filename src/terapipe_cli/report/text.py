@@ -95,6 +95,32 @@ def stage_rows(report: dict) -> list[list[str]]:
     ]
 
 
+MEMORY_TITLE = "memory per stage (its largest rank over the compared steps)"
+
+
+def memory_table(report: dict) -> tuple[list[str], list[list[str]]] | None:
+    """The plan's memory estimate per stage next to the measured (``memory_per_stage``), for each run; a column no
+    run has (no estimate in the plan, no saved-tensor count in an older run) is left out. None when nothing is
+    known."""
+    stages = [(s["label"], st) for s in summaries(report) for st in s.get("memory_per_stage") or []]
+    sizes = [v for _, st in stages for k, v in st.items() if k.endswith("_bytes") and v is not None]
+    unit = "GiB" if max(sizes, default=0) >= 2**30 else "MiB"
+    peak = "process RSS" if str(report["run"]["device"]).startswith("cpu") else "CUDA max allocated"
+    columns = {  # header -> cell of one stage
+        "estimated kept for backward": lambda st: format_bytes(st["estimated_activation_bytes"], unit),
+        "measured kept (saved tensors)": lambda st: format_bytes(st["measured_saved_bytes"], unit),
+        "error": lambda st: _pct(st["rel_err"]),
+        "estimated total (with state)": lambda st: format_bytes(st["estimated_total_bytes"], unit),
+        f"measured peak ({peak})": lambda st: format_bytes(st["measured_peak_bytes"], unit),
+    }
+    cells = {name: [cell(st) for _, st in stages] for name, cell in columns.items()}
+    shown = [name for name, column in cells.items() if any(c != "–" for c in column)]
+    if not shown:
+        return None
+    rows = [[label, str(st["stage"]), *(cells[name][n] for name in shown)] for n, (label, st) in enumerate(stages)]
+    return ["schedule", "stage", *shown], rows
+
+
 def headline(report: dict) -> str:
     """The report's verdict in one sentence: the speed-up, or without a baseline the run's own time."""
     r, b, sp = report["run"], report["baseline"], report["speedup"]
@@ -197,6 +223,7 @@ def to_markdown(report: dict) -> str:
         "",
         f"![timeline]({files['timeline.png']})",
         "",
+        *_memory_section(report),
         "## Loss",
         "",
         loss_line(report),
@@ -210,6 +237,18 @@ def to_markdown(report: dict) -> str:
         "",
     ]
     return "\n".join(parts)
+
+
+def _memory_section(report: dict) -> list[str]:
+    table = memory_table(report)
+    if table is None:
+        return []
+    note = (
+        "Each stage's largest rank over the compared steps. Kept for backward: the tensors a stage holds for its "
+        "backward, estimated by the plan and measured by the runtime's saved-tensor hooks; error = (estimated − "
+        "measured) / measured."
+    )
+    return ["## Memory per stage", "", note, "", _table(*table), ""]
 
 
 def _runs_list(report: dict) -> list[str]:
