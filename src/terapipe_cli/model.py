@@ -101,28 +101,18 @@ class _Window(torch.autograd.Function):
         return gk, gv, None, None
 
 
-_CPU_MASKS: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
-_CPU_MASK_BYTES = 256 * 2**20  # the cache is emptied when its masks pass this size
+def reversed_causal_mask(i: int, start: int, dtype: torch.dtype) -> torch.Tensor:
+    """The CPU's additive mask for a slice of ``i`` queries after ``start`` context keys, the queries reversed.
 
-
-def context_mask(i: int, start: int, q: torch.Tensor):
-    """The mask of a slice of ``i`` queries after ``start`` context keys: causal, aligned to the bottom-right.
-
-    On CUDA, `causal_lower_right`: the fused kernels apply it without building a mask. On the CPU, PyTorch would
-    materialise it for every call and keep that copy for the backward (every layer, every tile); an additive
-    mask built once per slice shape is shared by all layers and batch slices instead.
+    PyTorch's CPU attention needs an explicit mask for the bottom-right causal alignment and keeps it for the
+    backward: a full (i, start + i) mask would hold 4 bytes per (query, key) pair for every tile until its
+    backward, more than the tile's activations at long context. With the queries in reverse order, row r'
+    (query i − 1 − r') blocks key c exactly when r' + c > start + i − 1: a function of r' + c, so the mask is a
+    stride-(1, 1) view of one vector of start + 2i − 1 values, O(L) memory.
     """
-    if q.device.type != "cpu":
-        return causal_lower_right(i, start + i)
-    key = (i, start, q.dtype)
-    mask = _CPU_MASKS.get(key)
-    if mask is None:
-        if sum(m.numel() * m.element_size() for m in _CPU_MASKS.values()) > _CPU_MASK_BYTES:
-            _CPU_MASKS.clear()
-        blocked = torch.ones(i, start + i, dtype=torch.bool).triu(start + 1)
-        mask = torch.zeros(i, start + i, dtype=q.dtype).masked_fill_(blocked, float("-inf"))
-        _CPU_MASKS[key] = mask
-    return mask
+    line = torch.zeros(start + 2 * i - 1, dtype=dtype)
+    line[start + i :] = float("-inf")
+    return line.as_strided((i, start + i), (1, 1))
 
 
 class CausalSelfAttention(nn.Module):
@@ -143,15 +133,21 @@ class CausalSelfAttention(nn.Module):
         if cache is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
-            # q on its own storage, so the projection's output (q, k, v together) is not kept for the backward:
-            # attention saves q and the cache's rows, no more than the whole-sequence path keeps.
+            # q on its own storage (a copy), so the projection's output (q, k, v together) is not kept for the
+            # backward: attention saves q and the cache's rows, no more than the whole-sequence path keeps.
             keys, values = cache.window(k, v, start)
-            q = q.contiguous()
-            if start:
-                # Causal aligned to the bottom-right corner: the slice's first query sees all `start` earlier keys.
-                y = F.scaled_dot_product_attention(q, keys, values, attn_mask=context_mask(i, start, q))
+            if not start:
+                y = F.scaled_dot_product_attention(q.contiguous(), keys, values, is_causal=True)
+            elif q.device.type == "cpu":
+                # Queries reversed, output back in order: the same forward; the key and value gradients sum the
+                # queries' shares in another order (rounding-level differences).
+                mask = reversed_causal_mask(i, start, q.dtype)
+                y = F.scaled_dot_product_attention(q.flip(2), keys, values, attn_mask=mask).flip(2)
             else:
-                y = F.scaled_dot_product_attention(q, keys, values, is_causal=True)
+                # Causal aligned to the bottom-right corner: the slice's first query sees all `start` earlier keys;
+                # the fused kernels apply it without building a mask.
+                mask = causal_lower_right(i, start + i)
+                y = F.scaled_dot_product_attention(q.contiguous(), keys, values, attn_mask=mask)
         y = y.transpose(1, 2).reshape(b, i, self.hidden)
         return self.proj(y)
 
