@@ -139,7 +139,7 @@ def test_tile_timer_runs_the_runtime_path_and_leaves_it_clean():
     assert all(torch.equal(before[k], after[k]) for k in before)  # the optimizer timing leaves weights alone
     act, method = timer.activation_bytes_per_token(1, 16)
     assert act >= 2 * MICRO.hidden * 4  # at least the tile's input and output are kept for the backward
-    assert method.startswith("computed")
+    assert method.startswith("measured")
     # The K/V cache holds the whole sequence's rows, but a tile keeps only its own: the same per token for a
     # tile of 8 tokens as for one of 32.
     assert timer.activation_bytes_per_token(1, 8)[0] == timer.activation_bytes_per_token(1, 32)[0]

@@ -363,32 +363,28 @@ class TileTimer:
     def activation_bytes_per_token(self, b: int, i: int) -> tuple[float, str]:
         """Bytes a tile keeps alive from its forward to its backward, per token, on one layer.
 
-        CUDA: the growth of allocated memory across the forward (measured). CPU: the bytes the autograd graph
-        saves plus the tile's input and output (counted from the tensors themselves). Another batch slice's
-        forward runs first, as in a step; what both tiles share (the step's low-precision weight copies, when
-        called inside `StageRunner.step`) is not counted. The batch slice's K/V cache holds the whole
-        sequence's rows; only the tile's own i rows of it are counted.
+        CUDA: the growth of allocated memory across the forward (measured). CPU: the growth of what the runner
+        keeps for its backward (`runtime.stage.SavedBytes`: the storages autograd saves, the tile's input and
+        output, the K/V cache), counted exactly. Another batch slice's forward runs first, as in a step; what
+        both tiles share (the step's low-precision weight copies, when called inside `StageRunner.step`) is not
+        counted. The batch slice's K/V cache holds the whole sequence's rows; only the tile's own i rows of it
+        are counted.
         """
         runner = self.runner
         runner.reset()
         x, grad = self._tensors(b, i)
-        if self.device.type == "cuda":
-            runner.forward_tile(1, 0, x)
-            torch.cuda.synchronize(self.device)
-            before = torch.cuda.memory_allocated(self.device)
-            runner.forward_tile(0, 0, x)
-            torch.cuda.synchronize(self.device)
-            held = torch.cuda.memory_allocated(self.device) - before - self._later_kv_rows_bytes(b, i)
-            method = (
-                "measured: CUDA allocated-memory growth across the forward of one tile, less the K/V cache rows "
-                "of later tiles"
-            )
-        else:
-            held = self._saved_bytes(x)
-            method = "computed: bytes saved by autograd plus the tile's input and output"
+        cuda = self.device.type == "cuda"
+        runner.forward_tile(1, 0, x)
+        self._sync()
+        before = torch.cuda.memory_allocated(self.device) if cuda else runner.saved.alive
+        runner.forward_tile(0, 0, x)
+        self._sync()
+        after = torch.cuda.memory_allocated(self.device) if cuda else runner.saved.alive
+        held = after - before - self._later_kv_rows_bytes(b, i)
+        what = "CUDA allocated memory" if cuda else "the storages the runner keeps for the backward (counted)"
         runner.backward_tile(0, 0, grad)
         runner.reset()
-        return held / (b * i), method
+        return held / (b * i), f"measured: the growth of {what} across one tile's forward, less later K/V rows"
 
     def _later_kv_rows_bytes(self, b: int, i: int) -> int:
         """Bytes of the K/V cache rows past a first tile of i tokens: its first tile allocates keys and values
@@ -398,32 +394,6 @@ class TileTimer:
         low = AUTOCAST_DTYPES[self.precision]
         element = torch.empty(0, dtype=low or torch.float32).element_size()
         return 2 * b * (self.layer_model.seq_len - i) * self.hidden * element
-
-    def _saved_bytes(self, x: torch.Tensor) -> int:
-        """Bytes the forward of tile (0, 0) saves for its backward that no other tile saves, plus its input and
-        output; batch slice 1's forward runs first. A storage counts with the bytes its saved tensors reach
-        (the K/V cache is saved as a view of the rows read so far)."""
-        runner = self.runner
-        params = {p.untyped_storage().data_ptr() for p in runner.module.parameters()}
-
-        def saved(batch_slice: int) -> tuple[dict[int, int], torch.Tensor]:
-            reached: dict[int, int] = {}
-
-            def pack(t: torch.Tensor) -> torch.Tensor:
-                key = t.untyped_storage().data_ptr()
-                reached[key] = max(reached.get(key, 0), t.numel() * t.element_size())
-                return t
-
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                out = runner.forward_tile(batch_slice, 0, x)
-            return reached, out
-
-        shared = set(saved(1)[0]) | params
-        own, out = saved(0)
-        held = {k: n for k, n in own.items() if k not in shared}
-        for t in (x, out):
-            held[t.untyped_storage().data_ptr()] = t.numel() * t.element_size()
-        return sum(held.values())
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

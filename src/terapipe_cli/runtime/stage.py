@@ -9,10 +9,15 @@ earlier rows there, and the earlier slice's own backward (reverse token order) p
 graph is walked exactly once.
 
 Recomputation. With ``recompute=True`` a tile keeps only its input (and, in the K/V caches, its keys and values,
-which later slices read anyway): its forward runs inside ``torch.utils.checkpoint`` (non-reentrant), which drops
-what the forward would save and re-runs it when the tile's backward needs it. The re-run writes the same keys and
-values into the same cache rows, and the K/V hand-back happens in the one backward, so the result is exactly
+which later slices read anyway): its forward runs without autograd, and its backward runs the forward again,
+this time keeping what autograd saves, and back-propagates through it at once. The re-run writes the same keys
+and values into the same cache rows, and the K/V hand-back happens in the one backward, so the result is exactly
 the same; the cost is one more forward per tile, inside its backward.
+
+Memory. `SavedBytes` counts, exactly, what the stage keeps for its backward (docs/design.md §10): every storage
+autograd saves (``torch.autograd.graph.saved_tensors_hooks``), the tiles' inputs and outputs and the K/V caches,
+each storage once, from when it is first kept until the backward that releases it; its peak is the measured side
+of the memory estimate.
 
 Precision. ``precision="bf16"`` or ``"fp16"`` runs each tile's forward under autocast (the backward follows the
 forward's types); parameters, their gradients and the activations sent between stages stay fp32.
@@ -20,11 +25,10 @@ forward's types); parameters, their gradients and the activations sent between s
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from terapipe_cli.config import ModelConfig
 from terapipe_cli.model import GPT, KVCache, token_loss_sum
@@ -36,7 +40,70 @@ AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 @dataclass
 class _TileState:
     x: torch.Tensor  # the input leaf (stage > 0) whose .grad goes back to the previous stage
-    out: torch.Tensor  # the output activation, or the summed token loss on the last stage
+    out: torch.Tensor | None  # the output activation, or the summed token loss on the last stage (None: recompute)
+    start: int = 0  # the tile's first token
+    targets: torch.Tensor | None = None  # the last stage's targets, kept for the re-run of a recomputed tile
+
+
+class SavedBytes:
+    """The bytes a stage keeps for its backward, counted exactly, and their peak (docs/design.md §10).
+
+    Holders (a tile, a batch slice's K/V caches, a recomputed tile's re-run) keep storages; a storage counts once,
+    with its full size, while any holder keeps it. Parameters are not counted: they are the stage's state.
+    """
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self._params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        self._held: dict[object, set[int]] = {}
+        self._storages: dict[int, list[int]] = {}  # data pointer -> [bytes, holders]
+        self.alive = 0
+        self.peak = 0
+
+    def keep(self, holder: object, tensor: torch.Tensor | None) -> None:
+        """``holder`` keeps ``tensor``'s storage until `release`."""
+        if tensor is None:
+            return
+        storage = tensor.untyped_storage()
+        ptr = storage.data_ptr()
+        held = self._held.setdefault(holder, set())
+        if ptr in self._params or ptr in held or storage.nbytes() == 0:
+            return
+        held.add(ptr)
+        entry = self._storages.setdefault(ptr, [storage.nbytes(), 0])
+        entry[1] += 1
+        if entry[1] == 1:
+            self.alive += entry[0]
+            self.peak = max(self.peak, self.alive)
+
+    def release(self, holder: object) -> None:
+        for ptr in self._held.pop(holder, ()):
+            entry = self._storages[ptr]
+            entry[1] -= 1
+            if entry[1] == 0:
+                self.alive -= entry[0]
+                del self._storages[ptr]
+
+    @contextmanager
+    def saving(self, holder: object):
+        """Within: every tensor autograd saves is kept by ``holder``."""
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            self.keep(holder, t)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+
+    def take_peak(self) -> int:
+        """The peak since the last call (or the start); the next peak counts from what is alive now."""
+        peak, self.peak = self.peak, self.alive
+        return peak
+
+    def clear(self) -> None:
+        """Forget every holder; the peak starts again from zero."""
+        self._held.clear()
+        self._storages.clear()
+        self.alive = self.peak = 0
 
 
 @dataclass
@@ -85,6 +152,7 @@ class StageRunner:
         self.loss_scale = 1.0
         self._tiles: dict[tuple[int, int], _TileState] = {}
         self._slices: dict[int, _BatchSlice] = {}
+        self.saved = SavedBytes(self.module)
 
     def set_loss_scale(self, scale: float) -> None:
         """1 / (predicted tokens of the whole step, all replicas): makes the gradient the single-device one.
@@ -140,12 +208,20 @@ class StageRunner:
             if targets is None:
                 raise ValueError("the last stage needs targets")
             targets = targets.to(self.device, non_blocking=True)
-        with torch.enable_grad() if grad else torch.no_grad(), self.autocast():
-            if grad and self.recompute:
-                out = checkpoint(self._forward, x, state.next_token, state.caches, targets, use_reentrant=False)
-            else:
+        if grad and not self.recompute:
+            with torch.enable_grad(), self.autocast(), self.saved.saving(key):
                 out = self._forward(x, state.next_token, state.caches, targets)
-        self._tiles[key] = _TileState(x, out)
+            self._tiles[key] = _TileState(x, out)
+            self.saved.keep(key, out)
+        else:  # an evaluation, or a recomputed tile: only the input is kept, the backward runs the forward again
+            with torch.no_grad(), self.autocast():
+                out = self._forward(x, state.next_token, state.caches, targets)
+            self._tiles[key] = _TileState(x, None, state.next_token, targets)
+        if grad:  # an evaluation keeps nothing for a backward
+            self.saved.keep(key, x)
+            for cache in state.caches if token_slice == 0 else ():
+                self.saved.keep(("kv", batch_slice), cache.keys)
+                self.saved.keep(("kv", batch_slice), cache.values)
         state.open_tiles.append(token_slice)
         state.next_token += x.shape[1]
         return out.detach()
@@ -169,22 +245,30 @@ class StageRunner:
         if key not in self._tiles or state is None or state.open_tiles[-1] != token_slice:
             raise RuntimeError(f"tile {key}: backward must run once per tile, in reverse token order")
         tile = self._tiles.pop(key)
+        out = tile.out
+        if out is None:  # recomputed: the forward again, with autograd, then straight back through it
+            with torch.enable_grad(), self.autocast(), self.saved.saving((key, "re-run")):
+                out = self._forward(tile.x, tile.start, state.caches, tile.targets)
         if self.last:
-            torch.autograd.backward(tile.out * self.loss_scale)
+            torch.autograd.backward(out * self.loss_scale)
         else:
             if grad_out is None:
                 raise ValueError("a stage other than the last needs the gradient of its output")
-            torch.autograd.backward(tile.out, grad_out.to(self.device, non_blocking=True))
+            torch.autograd.backward(out, grad_out.to(self.device, non_blocking=True))
+        self.saved.release((key, "re-run"))
+        self.saved.release(key)
         state.open_tiles.pop()
         if not state.open_tiles:
             # Every slice of this batch slice is done: its keys/values are no longer needed.
             del self._slices[batch_slice]
+            self.saved.release(("kv", batch_slice))
         return None if self.first else tile.x.grad
 
     def reset(self) -> None:
         """Forget stored tiles and keys/values (between steps or measurements)."""
         self._tiles.clear()
         self._slices.clear()
+        self.saved.clear()
 
     @property
     def pending_tiles(self) -> int:

@@ -549,16 +549,20 @@ def apply_update(w: Worker) -> StepOutcome:
     )
 
 
-def end_of_step(w: Worker, loss: torch.Tensor | None) -> tuple[float, list[int]]:
+def end_of_step(w: Worker, loss: torch.Tensor | None) -> tuple[float, dict[str, list[int]]]:
     """One collective per step: sums the loss and everyone's peak memory, and lines the ranks up.
 
-    Returns the step's loss (the single-device mean) and the peak memory of every rank in bytes.
+    Returns the step's loss (the single-device mean) and, per rank in bytes, the process's peak memory
+    (``memory``) and the most its stage kept for the backward during the step (``saved``, counted by
+    `runtime.stage.SavedBytes`: the measured side of the plan's activation estimate).
     """
-    stats = torch.zeros(1 + w.world, dtype=torch.float64, device=w.device)
+    stats = torch.zeros(1 + 2 * w.world, dtype=torch.float64, device=w.device)
     stats[0] = _loss_share(w, loss)
     stats[1 + w.rank] = float(peak_memory_bytes(w.device))
+    stats[1 + w.world + w.rank] = float(w.runner.saved.take_peak())
     collective(lambda: host_all_reduce(stats), "the end-of-step all-reduce")
-    return float(stats[0]), [int(m) for m in stats[1:].tolist()]
+    values = [int(m) for m in stats[1:].tolist()]
+    return float(stats[0]), {"memory": values[: w.world], "saved": values[w.world :]}
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -574,7 +578,7 @@ def log_step(
     lr: float,
     update: StepOutcome,
     iteration_s: list[float],
-    memory: list[int],
+    memory: dict[str, list[int]],
     val_loss: float | None = None,
 ) -> None:
     """The step's record in metrics.jsonl and its line on the console (rank 0), with the held-out loss when
@@ -584,7 +588,9 @@ def log_step(
     record = {"step": step, "loss": loss, "lr": lr, "grad_norm": update.grad_norm, "skipped": update.skipped}
     if update.loss_scale is not None:
         record["loss_scale"] = update.loss_scale
-    record.update(iteration_s=dt, tokens_per_s=tokens / dt, memory_bytes=max(memory), memory_bytes_per_rank=memory)
+    peaks = memory["memory"]
+    record.update(iteration_s=dt, tokens_per_s=tokens / dt, memory_bytes=max(peaks), memory_bytes_per_rank=peaks)
+    record["saved_bytes_per_rank"] = memory["saved"]
     if val_loss is not None:
         record["val_loss"] = val_loss
     append_metrics(w.run_dir, record)
@@ -593,7 +599,7 @@ def log_step(
     val = f"  val {val_loss:8.4f}" if val_loss is not None else ""
     print(
         f"step {step:>5}/{w.args.steps}  loss {loss:8.4f}{val}  lr {lr:.2e}  |g| {norm}{scale}  "
-        f"iter {dt * 1e3:9.1f} ms  {tokens / dt:10,.0f} tok/s  mem {max(memory) / 2**20:7.1f} MiB  eta {eta}",
+        f"iter {dt * 1e3:9.1f} ms  {tokens / dt:10,.0f} tok/s  mem {max(peaks) / 2**20:7.1f} MiB  eta {eta}",
         flush=True,
     )
 
