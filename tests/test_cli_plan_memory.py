@@ -45,14 +45,13 @@ def test_plan_carries_simulated_latency_and_memory(gpt3_1b_profile: Path, tmp_pa
     assert "warning" not in proc.stderr
 
 
-def test_plan_warns_in_one_line_over_the_memory_limit(gpt3_1b_profile: Path, tmp_path: Path) -> None:
-    """With the order fixed by the user the limit warns (left free, the planner would choose; see
-    test_orders_and_recompute.py)."""
+def test_nothing_within_the_memory_limit_is_one_line(gpt3_1b_profile: Path, tmp_path: Path) -> None:
+    """The limit constrains the plan, also with the order fixed by the user; when no scheme fits, one line gives the
+    smallest peak any could reach, and no plan is written."""
     proc = plan_12_stages(gpt3_1b_profile, tmp_path, "--memory-limit", "0.5", "--order", "gpipe")
-    assert proc.returncode == 0, proc.stderr
-    warning = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(warning) == 1 and warning[0].startswith("warning:") and "0.5 GiB" in warning[0]
-    assert json.loads((tmp_path / "p.json").read_text())["memory"]["limit_bytes"] == 0.5 * 2**30
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "no scheme fits the 0.5 GiB" in proc.stderr and "smallest possible peak" in proc.stderr
+    assert not (tmp_path / "p.json").exists()
 
 
 def test_bad_memory_limit_is_one_line(gpt3_1b_profile: Path, tmp_path: Path) -> None:

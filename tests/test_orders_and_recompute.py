@@ -79,8 +79,8 @@ def test_the_report_shows_the_order_and_recomputation(tmp_path):
 
 
 def test_a_memory_limit_chooses_the_order_and_recomputation_that_fit(tmp_path):
-    """GPipe order does not fit: the planner keeps the fastest of 1F1B / recomputed / both that does, and says so.
-    Nothing fits: one line with the smallest estimate, and no plan written."""
+    """The fastest scheme does not fit: the planner returns the fastest that does, and says so; an order fixed by the
+    user is kept (and the rest chosen around it). Nothing fits: one line with the smallest peak, no plan written."""
     base = ("plan", "--profile", PROFILE, "-k", "2", "-b", "8", "-g", "64")
     free = tmp_path / "free.json"
     assert terapipe(*base, "--out", free).returncode == 0
@@ -92,10 +92,11 @@ def test_a_memory_limit_chooses_the_order_and_recomputation_that_fit(tmp_path):
     plan = read_plan(out)
     assert (plan.order, plan.recompute) != ("gpipe", (False, False))
     assert max(json.loads(out.read_text())["memory"]["per_stage_bytes"]) <= limit_gib * 2**30
-    assert "to fit" in p.stdout and "instead of" in p.stdout
-    # Fixed by the user: kept, with a warning.
-    p = terapipe(*base, "--memory-limit", f"{limit_gib:.4f}", "--order", "gpipe", "--out", tmp_path / "fixed.json")
-    assert p.returncode == 0 and "warning" in p.stderr and read_plan(tmp_path / "fixed.json").order == "gpipe"
+    assert "planned within" in p.stdout and "fastest scheme overall would need" in p.stdout
+    fixed = tmp_path / "fixed.json"
+    p = terapipe(*base, "--memory-limit", f"{limit_gib:.4f}", "--order", "gpipe", "--out", fixed)
+    assert p.returncode == 0 and read_plan(fixed).order == "gpipe", p.stderr
+    assert max(json.loads(fixed.read_text())["memory"]["per_stage_bytes"]) <= limit_gib * 2**30
     p = terapipe(*base, "--memory-limit", "0.001", "--out", tmp_path / "none.json")
-    assert_one_line_error(p, "--memory-limit", "no order or recomputation fits", "smallest estimate")
+    assert_one_line_error(p, "--memory-limit", "no scheme fits", "smallest possible peak")
     assert not (tmp_path / "none.json").exists()

@@ -135,25 +135,3 @@ def test_timeline_round_trip_and_comparison(tmp_path: Path):
     err = compare_timelines(sim.events, slower.events)
     assert err.rel_err == pytest.approx(1 / 1.25 - 1)
     assert err.action_rel_err_mean == pytest.approx(1 - 1 / 1.25)
-
-
-def test_stage_memory_counts_state_and_tiles_in_flight():
-    from terapipe_cli.config import load_model_config
-    from terapipe_cli.costmodel import profile_from_dict
-    from terapipe_cli.hardware import load_hardware
-    from terapipe_cli.profile.analytic import analytic_profile
-    from terapipe_cli.simulate import stage_memory
-
-    assert stage_memory([(1, [1024])], PROFILE, 2) is None  # the example profile has no parameter count
-    model = load_model_config(ROOT / "configs" / "models" / "gpt3-13b.toml")
-    hw = load_hardware(ROOT / "configs" / "hardware" / "v100.toml")
-    prof = profile_from_dict(analytic_profile(model, hw, tensor_parallel=8, batch_sizes=(1,)), "analytic")
-    gpipe = stage_memory([(1, [2048])] * 4, prof, 40)
-    sliced = stage_memory([(1, [512] * 4)] * 4, prof, 40)
-    mid = 20  # a middle stage: one layer, no embeddings
-    assert gpipe[mid].state_bytes == prof.params_per_layer * 16
-    assert gpipe[mid].tiles_in_flight == 4 and sliced[mid].tiles_in_flight == 16
-    # Same tokens in flight; slicing only shrinks the attention matrices (i·(i+j) summed < L²).
-    linear = 4 * 2048 * prof.activation_bytes_per_token_per_layer
-    assert linear < sliced[mid].activation_bytes < gpipe[mid].activation_bytes
-    assert gpipe[0].state_bytes > gpipe[mid].state_bytes and gpipe[-1].activation_bytes > gpipe[mid].activation_bytes

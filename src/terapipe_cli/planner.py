@@ -147,7 +147,7 @@ def _result(
 # Baselines
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
@@ -155,7 +155,7 @@ def gpipe_baseline(cost: Cost, *, seq_len: int, batch_size: int, stages: int) ->
     """GPipe: whole sequences, microbatch size m among the divisors of B, the best m by the same objective."""
     _check_sizes(seq_len=seq_len, batch_size=batch_size, stages=stages, token_step=1)
     best = None
-    for m in _divisors(batch_size):
+    for m in divisors(batch_size):
         slices = [(m, [seq_len])] * (batch_size // m)
         res = _result(
             cost, slices, stages=stages, seq_len=seq_len, batch_size=batch_size, token_step=seq_len, method="gpipe"
@@ -175,7 +175,7 @@ def _uniform_schemes(seq_len: int, batch_size: int, token_step: int):
     n = 1
     while n <= units:
         if units % n == 0:
-            for m in _divisors(batch_size):
+            for m in divisors(batch_size):
                 yield [(m, [seq_len // n] * n)] * (batch_size // m), n, m
         n *= 2
 
@@ -214,7 +214,8 @@ class _Tables:
         i = (lengths * token_step)[None, :]
         j = ((ends - lengths) * token_step)[None, :]
         raw = np.broadcast_to(np.asarray(cost(b, i, j), dtype=float), (batch_size, len(ends)))
-        if not np.all(np.isfinite(raw)):
+        # +inf marks a tile no scheme may use (the memory-aware search forbids tiles that do not fit).
+        if np.any(np.isnan(raw)) or np.any(raw == -np.inf):
             raise UserError("the cost function returned a non-finite time", where="cost")
         self.by_end = np.full((batch_size, n + 1, n + 1), np.inf)
         offset = 0
@@ -240,7 +241,7 @@ class _Tables:
 
     def smallest_feasible_t_max(self) -> float:
         """Below this no scheme exists: the batch cannot be composed of batch slices that fit."""
-        for t in np.unique(self.bottleneck):
+        for t in np.unique(self.bottleneck[np.isfinite(self.bottleneck)]):
             allowed = np.nonzero(self.bottleneck <= t)[0] + 1
             reach = np.zeros(self.batch_size + 1, dtype=bool)
             reach[0] = True
@@ -249,7 +250,7 @@ class _Tables:
                 reach[s] = bool(reach[s - use].any())
             if reach[self.batch_size]:
                 return float(t)
-        raise AssertionError("batch slices of one sequence always compose the batch")
+        return math.inf  # every slicing uses a forbidden tile
 
     def widths(self, t_max: float) -> np.ndarray:
         """``w[b-1, p]``: the longest slice ending at p whose cost for b sequences is ≤ t_max (0 if none)."""
@@ -415,33 +416,43 @@ def _check_sizes(*, seq_len: int, batch_size: int, stages: int, token_step: int)
 
 
 def _improve(
-    results: list[_Probe], stages: int, best_T: float, best_slices: Slices | None
+    results: list[_Probe], stages: int, best_T: float, best_slices: Slices | None, copies: int = 1
 ) -> tuple[float, Slices | None]:
     """The best objective among the probes' schemes and the incumbent (each scheme priced by its realised max)."""
     for pr in results:
         if pr.slices is not None:
-            T = objective(pr.total, pr.realised, stages)
+            T = objective(copies * pr.total, pr.realised, stages)
             if T < best_T:
                 best_T, best_slices = T, pr.slices
     return best_T, best_slices
 
 
-def _search_exact(tables: _Tables, stages: int, epsilon: float) -> tuple[Slices, int]:
+def _scaled_batch(cost: Cost, b: int) -> Cost:
+    """The cost of a batch slice of b sequences, as the cost of "one" sequence (for equal batch slices)."""
+    return lambda bb, i, j: cost(np.asarray(bb) * b, i, j)
+
+
+def _search_exact(tables: _Tables, stages: int, epsilon: float, copies: int = 1) -> tuple[Slices | None, int]:
+    """``copies``: the scheme runs ``copies`` times (D equal batch slices, `solve(batch_slice=…)`): the objective
+    is copies·S + (K−1)·t_max."""
     top = _probe(tables, np.array([np.inf]))[0]
     probes = 1
-    best_T = objective(top.total, top.realised, stages)
+    if top.slices is None:
+        return None, probes
+    best_T = objective(copies * top.total, top.realised, stages)
     best_slices = top.slices
     if stages == 1:
         return best_slices, probes
     for seed in _seed_schemes(tables):
-        T = objective(*_scheme_sum_max(tables, seed), stages)
+        sum_s, max_s = _scheme_sum_max(tables, seed)
+        T = objective(copies * sum_s, max_s, stages)
         if T < best_T:
             best_T, best_slices = T, seed
     slack = stages * epsilon
 
     def cutoff() -> float:
-        # No t above this can win: T(t) ≥ S*(∞) + (K−1)·t.
-        return (best_T - top.total) / (stages - 1)
+        # No t above this can win: T(t) ≥ copies·S*(∞) + (K−1)·t.
+        return (best_T - copies * top.total) / (stages - 1)
 
     c = tables.distinct_costs(tables.smallest_feasible_t_max(), cutoff())
     # Open intervals of candidate indices [lo, hi] with s_up = a value ≤ S*(t) for all t in them.
@@ -452,7 +463,7 @@ def _search_exact(tables: _Tables, stages: int, epsilon: float) -> tuple[Slices,
         live = []
         for lo, hi, s_up in open_:
             hi = min(hi, hi_cut)
-            if lo <= hi and s_up + (stages - 1) * c[lo] < limit:
+            if lo <= hi and copies * s_up + (stages - 1) * c[lo] < limit:
                 live.append((lo, hi, s_up))
         if not live:
             break
@@ -467,7 +478,7 @@ def _search_exact(tables: _Tables, stages: int, epsilon: float) -> tuple[Slices,
         results = _probe(tables, c[[x for _, x in picks]])
         probes += len(picks)
         # Update the best, then split each interval at its probes.
-        best_T, best_slices = _improve(results, stages, best_T, best_slices)
+        best_T, best_slices = _improve(results, stages, best_T, best_slices, copies)
         new_open = []
         for k, (lo, hi, s_up) in enumerate(live):
             mine = sorted((x, results[n]) for n, (kk, x) in enumerate(picks) if kk == k)
@@ -486,7 +497,7 @@ def _search_exact(tables: _Tables, stages: int, epsilon: float) -> tuple[Slices,
     return best_slices, probes
 
 
-def _search_enumerate(tables: _Tables, stages: int, epsilon: float) -> tuple[Slices, int]:
+def _search_enumerate(tables: _Tables, stages: int, epsilon: float, copies: int = 1) -> tuple[Slices | None, int]:
     """The published method: t_max ascending over the distinct tile costs, stopping once K·t_max exceeds the best.
 
     With ε > 0 the costs are taken in windows [s, s + ε] and only the window's largest cost is evaluated: every
@@ -506,12 +517,12 @@ def _search_enumerate(tables: _Tables, stages: int, epsilon: float) -> tuple[Sli
     for first in range(0, len(tops), _ENUMERATE_BATCH):
         window = slice(first, first + _ENUMERATE_BATCH)
         # A scheme whose largest tile is t costs at least K·t: nothing from here on can beat best_T.
-        alive = stages * starts[window] <= best_T
+        alive = (copies + stages - 1) * starts[window] <= best_T
         if not alive.any():
             break
         results = _probe(tables, tops[window][alive])
         probes += len(results)
-        best_T, best_slices = _improve(results, stages, best_T, best_slices)
+        best_T, best_slices = _improve(results, stages, best_T, best_slices, copies)
     return best_slices, probes
 
 
@@ -524,11 +535,14 @@ def solve(
     token_step: int = 1,
     epsilon: float = 0.0,
     method: str = "exact",
-) -> PlanResult:
+    batch_slice: int | None = None,
+) -> PlanResult | None:
     """Choose token and batch slicing minimising the objective of docs/design.md §4.
 
     ``method="exact"`` (default) returns the exact optimum for ``epsilon=0`` and stays within ``stages·epsilon``
     of it otherwise; ``method="enumerate"`` is the published ε-enumeration, kept for comparison.
+    ``batch_slice=b`` (dividing the batch) plans B/b equal batch slices of b sequences, all sliced alike. A cost of
+    +inf forbids a tile; None when every scheme needs a forbidden tile.
     """
     _check_sizes(seq_len=seq_len, batch_size=batch_size, stages=stages, token_step=token_step)
     if not (isinstance(epsilon, (int, float)) and epsilon >= 0 and math.isfinite(epsilon)):
@@ -536,9 +550,20 @@ def solve(
     if method not in METHODS:
         raise UserError(f"must be one of {', '.join(METHODS)}, got {method!r}", where="method")
     started = time.perf_counter()
-    tables = _Tables(cost, seq_len=seq_len, batch_size=batch_size, token_step=token_step)
     search = _search_exact if method == "exact" else _search_enumerate
-    slices, probes = search(tables, stages, float(epsilon))
+    if batch_slice is None:
+        tables = _Tables(cost, seq_len=seq_len, batch_size=batch_size, token_step=token_step)
+        slices, probes = search(tables, stages, float(epsilon))
+    else:
+        if batch_size % batch_slice:
+            raise UserError(f"{batch_slice} does not divide the batch of {batch_size}", where="batch_slice")
+        one = _scaled_batch(cost, batch_slice)
+        tables = _Tables(one, seq_len=seq_len, batch_size=1, token_step=token_step)
+        slices, probes = search(tables, stages, float(epsilon), batch_size // batch_slice)
+        if slices is not None:
+            slices = [(batch_slice, slices[0][1])] * (batch_size // batch_slice)
+    if slices is None:
+        return None
     res = _result(
         cost,
         slices,

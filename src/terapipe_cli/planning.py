@@ -15,15 +15,18 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import numpy as np
+
 from terapipe_cli import __version__
 from terapipe_cli.costmodel import CostModel, Profile, profile_from_dict, read_profile
 from terapipe_cli.device import machine_memory_bytes
 from terapipe_cli.errors import UserError
 from terapipe_cli.experiments import experiment_profile, load_experiment
+from terapipe_cli.memory import EqualSlices, StageMemory, stage_memory, stage_sizes
 from terapipe_cli.plan import make_plan_dict
-from terapipe_cli.planner import METHODS, PlanResult, gpipe_baseline, solve, uniform_baseline
+from terapipe_cli.planner import METHODS, PlanResult, divisors, gpipe_baseline, solve, uniform_baseline
 from terapipe_cli.schedule import ORDERS, build_schedule
-from terapipe_cli.simulate import StageMemory, simulate, stage_memory
+from terapipe_cli.simulate import simulate
 from terapipe_cli.units import format_bytes, utc_timestamp
 
 
@@ -148,8 +151,10 @@ class PlanRequest:
     tensor_parallel: int = 1
     order: str = "gpipe"  # the schedule order the plan runs in (schedule.ORDERS)
     recompute: bool = False  # every stage re-runs its tiles' forward in their backward
-    # Whether the planner may change order and recomputation to fit the memory limit (the user fixed neither).
-    choose_for_memory: bool = False
+    # Whether the planner may choose the order and which stages recompute to fit the memory limit (the user fixed
+    # neither with --order / --recompute, --no-recompute).
+    order_free: bool = True
+    recompute_free: bool = True
 
 
 def plan_request(
@@ -170,7 +175,7 @@ def plan_request(
     """Check the options against each other and the profile; L, g and T default to the model's and the profile's.
     ``order`` and ``recompute`` None: GPipe order without recomputation unless the memory limit asks for more
     (`plan_for_profile`)."""
-    choose = order is None and recompute is None
+    order_free, recompute_free = order is None, recompute is None
     order, recompute = order or "gpipe", bool(recompute)
     if order not in ORDERS:
         raise UserError(f"must be one of {', '.join(ORDERS)}, got {order!r}", where="--order")
@@ -201,7 +206,19 @@ def plan_request(
         raise UserError(f"the sequence length {L} is not a multiple of the token step {g}", where="--token-step")
     T = check_tensor_parallel(profile, tensor_parallel)
     return PlanRequest(
-        stages, batch_size, L, g, epsilon, method, data_parallel, memory_limit_gib, T, order, recompute, choose
+        stages,
+        batch_size,
+        L,
+        g,
+        epsilon,
+        method,
+        data_parallel,
+        memory_limit_gib,
+        T,
+        order,
+        recompute,
+        order_free,
+        recompute_free,
     )
 
 
@@ -236,9 +253,8 @@ class MemoryCheck:
     # On a CPU every worker of the machine shares its memory: the limit is then for all of them together, the
     # pipeline's stages times ``copies`` (D replicas x T tensor ranks); 0 for a limit per device.
     copies: int = 0
-    # The limit constrains the plan (`--memory-limit` given); the profile's device memory, or this machine's for a
-    # CPU profile that records none, only warns: the estimate counts embeddings and head whole on every tensor rank,
-    # as this runtime keeps them, so published settings that split the vocabulary would be refused for it.
+    # The limit constrains the plan: a limit per device (`--memory-limit`, or a GPU profile's device memory). A CPU's
+    # memory, shared by all the workers on the machine, only warns.
     enforced: bool = False
 
     @property
@@ -308,7 +324,7 @@ def check_memory(
     shared = copies if device.get("kind") == "cpu" else 0
     if isinstance(device.get("memory_bytes"), (int, float)):
         source = f"of the profile's device ({device.get('name', '?')})"
-        return MemoryCheck(per_stage, float(device["memory_bytes"]), source, shared)
+        return MemoryCheck(per_stage, float(device["memory_bytes"]), source, shared, enforced=not shared)
     if device.get("kind") == "cpu" and machine_memory_bytes():
         return MemoryCheck(per_stage, float(machine_memory_bytes()), "of this machine's memory", shared)
     return MemoryCheck(per_stage, None, None)
@@ -326,22 +342,24 @@ class Planned:
     uniform: PlanResult
     simulated_s: dict[str, float]  # by "terapipe", "gpipe", "uniform"
     memory: MemoryCheck | None
-    # With order and recomputation chosen to fit the memory limit: the plan without them, which did not fit.
+    recompute: tuple[bool, ...]  # per stage
+    order: str
+    # Planned within the memory limit: the fastest scheme overall, which did not fit (None: it did, or no limit).
     unfitted: Planned | None = None
 
     def choice_text(self) -> str:
-        """``GPipe order`` / ``1F1B order, recomputed``: how the plan's steps run."""
-        text = "1F1B order" if self.request.order == "1f1b" else "GPipe order"
-        return text + (", recomputed" if self.request.recompute else "")
+        """``GPipe order`` / ``1F1B order, recomputed on stages 0, 1``: how the plan's steps run."""
+        return choice_text(self.order, self.recompute)
 
     def memory_choice(self) -> str | None:
-        """One line when order and recomputation were chosen to fit the memory limit; None otherwise."""
+        """One line when the plan was chosen to fit the memory limit; None otherwise."""
         if self.unfitted is None:
             return None
         m, before = self.memory, self.unfitted.memory
         return (
-            f"planned in {self.choice_text()} to fit {format_bytes(m.limit_bytes)} {m.limit_source}: "
-            f"{format_bytes(m.needed_bytes)} instead of {format_bytes(before.needed_bytes)} in GPipe order"
+            f"planned within {format_bytes(m.limit_bytes)} {m.limit_source}: {self.terapipe.short_form(fold=True)} "
+            f"in {self.choice_text()}, {format_bytes(m.needed_bytes)} at most per stage; the fastest scheme "
+            f"overall would need {format_bytes(before.needed_bytes)}"
         )
 
     def schemes(self) -> list[tuple[str, PlanResult]]:
@@ -391,8 +409,8 @@ class Planned:
             data_parallel=r.data_parallel,
             precision=prof.precision,
             tensor_parallel=r.tensor_parallel,
-            order=r.order,
-            recompute=[r.recompute] * r.stages,
+            order=self.order,
+            recompute=list(self.recompute),
             simulated_s=self.simulated_s["terapipe"],
             t_max_s=best.t_max_s,
             sum_s=best.sum_s,
@@ -421,61 +439,174 @@ class Planned:
         )
 
 
-# The choices tried, in this order, when GPipe order without recomputation does not fit the memory limit.
-MEMORY_CHOICES = (("1f1b", False), ("gpipe", True), ("1f1b", True))
+def choice_text(order: str, recompute: tuple[bool, ...]) -> str:
+    """``GPipe order``, ``1F1B order, recomputed``, ``GPipe order, recomputed on stage 0``."""
+    text = "1F1B order" if order == "1f1b" else "GPipe order"
+    if all(recompute):
+        return text + ", recomputed"
+    stages = [str(k) for k, on in enumerate(recompute) if on]
+    if stages:
+        text += f", recomputed on stage{'s' if len(stages) > 1 else ''} {', '.join(stages)}"
+    return text
 
 
 def plan_for_profile(profile: Profile, request: PlanRequest) -> Planned:
-    """Plan ``request`` on ``profile`` (`plan_one`). When the plan does not fit an enforced memory limit and the
-    user fixed neither order nor recomputation, plan again with each of `MEMORY_CHOICES` and keep the fastest
-    (simulated) that fits; when none fits, one line with the smallest estimate. Within each choice the slicing is
-    the unconstrained optimum: the limit picks among the choices, it does not yet constrain the slicing search."""
+    """Plan ``request`` on ``profile``: the fastest scheme (`plan_one`), or, when it does not fit an enforced
+    memory limit, the fastest that does (`plan_within_memory`)."""
     planned = plan_one(profile, request)
     memory = planned.memory
-    if not (request.choose_for_memory and memory is not None and memory.exceeded and memory.enforced):
+    if memory is None or not memory.enforced or not memory.exceeded:
         return planned
-    tried = [plan_one(profile, replace(request, order=o, recompute=c)) for o, c in MEMORY_CHOICES]
-    fits = [p for p in tried if not p.memory.exceeded]
-    if not fits:
-        least = min([planned, *tried], key=lambda p: p.memory.needed_bytes)
-        raise UserError(
-            f"no order or recomputation fits the {format_bytes(memory.limit_bytes)} {memory.limit_source}: the "
-            f"smallest estimate is {format_bytes(least.memory.needed_bytes)} ({least.choice_text()}); use more "
-            "stages, a smaller batch, or tensor parallelism",
-            where="--memory-limit",
-        )
-    best = min(fits, key=lambda p: p.simulated_s["terapipe"])
-    return replace(best, unfitted=planned)
+    return plan_within_memory(profile, request, planned)
 
 
-def plan_one(profile: Profile, request: PlanRequest) -> Planned:
-    """Plan ``request`` on ``profile``: the exact (or enumerated) TeraPipe scheme, GPipe and the best uniform
-    slicing, each simulated, and the TeraPipe plan's memory per stage."""
+def plan_one(
+    profile: Profile,
+    request: PlanRequest,
+    best: PlanResult | None = None,
+    *,
+    order: str | None = None,
+    recompute: tuple[bool, ...] | None = None,
+) -> Planned:
+    """Plan ``request`` on ``profile``: the exact (or enumerated) TeraPipe scheme (or ``best``, already chosen), GPipe
+    and the best uniform slicing, each simulated, and the TeraPipe plan's memory per stage. ``order`` and
+    ``recompute`` (per stage) default to the request's."""
     r = request
+    order = order or r.order
+    recompute = tuple(recompute) if recompute is not None else (r.recompute,) * r.stages
     # Tensor parallelism needs nothing more here: a profile at T holds the numbers of one device of a stage's T
     # (tile times with the tensor-parallel all-reduces inside them, params_per_layer and activation bytes of one
     # rank's shard). So the data-parallel all-reduce priced from params_per_layer is each rank's shard over the D
     # replicas, as the T ranks of a stage run it side by side; a tile's transfer is the full (b, i, H) activation
     # each rank sends to the same rank of the next stage; and the memory estimate is per device.
-    cost = CostModel(profile, r.stages, r.data_parallel, recompute=r.recompute)
+    # Recomputation on any stage prices every tile with one more forward: the formula's stages are alike, and the
+    # slowest one sets the pace (the simulator below charges it on the recomputing stages only).
+    cost = CostModel(profile, r.stages, r.data_parallel, recompute=any(recompute))
     shape = {"seq_len": r.seq_len, "batch_size": r.batch_size, "stages": r.stages}
-    best = solve(cost, **shape, token_step=r.token_step, epsilon=r.epsilon, method=r.method)
+    if best is None:
+        best = solve(cost, **shape, token_step=r.token_step, epsilon=r.epsilon, method=r.method)
     gpipe = gpipe_baseline(cost, **shape)
     uniform = uniform_baseline(cost, **shape, token_step=r.token_step)
     # The formula prices every tile's transfers inside the tile; the simulator replays the schedule with
     # asynchronous sends, as the runtime runs it. Both are reported.
-    # All three in the request's order and recomputation: they differ only in how the batch is sliced.
+    # All three in the same order and recomputation: they differ only in how the batch is sliced.
     simulated = {
-        name: simulate(res.slices, cost, r.stages, schedule=build_schedule(res.slices, r.stages, r.order)).latency_s
+        name: simulate(
+            res.slices, cost, r.stages, schedule=build_schedule(res.slices, r.stages, order), recompute=recompute
+        ).latency_s
         for name, res in (("terapipe", best), ("gpipe", gpipe), ("uniform", uniform))
     }
     copies = r.data_parallel * r.tensor_parallel
-    per_stage = stage_memory(
-        best.slices,
-        profile,
-        r.stages,
-        schedule=build_schedule(best.slices, r.stages, r.order),
-        recompute=[r.recompute] * r.stages,
-    )
+    schedule = build_schedule(best.slices, r.stages, order)
+    per_stage = stage_memory(best.slices, profile, r.stages, schedule=schedule, recompute=recompute)
     memory = check_memory(per_stage, profile.device, r.memory_limit_gib, copies)
-    return Planned(profile, r, cost, best, gpipe, uniform, simulated, memory)
+    return Planned(profile, r, cost, best, gpipe, uniform, simulated, memory, recompute, order)
+
+
+class _Forbidding:
+    """A cost model under which tiles that do not fit the memory limit cost +inf (`planner.solve` skips them)."""
+
+    def __init__(self, cost: CostModel, fits) -> None:
+        self.cost, self.fits, self.step_s = cost, fits, cost.step_s
+
+    def __call__(self, b, i, j):
+        return np.where(self.fits(i, j), self.cost(b, i, j), np.inf)
+
+
+def plan_within_memory(profile: Profile, request: PlanRequest, fastest: Planned) -> Planned:
+    """The fastest scheme whose estimated peak fits the limit on every stage (docs/design.md §10), exactly:
+
+    1. The fastest scheme overall without recomputation, in the other order (its price does not depend on the order).
+    2. Otherwise, for every batch-slice size b dividing B (D equal batch slices, sliced alike) and each order: without
+       recomputation if every stage fits (memory then does not depend on the token slicing), else recomputing on
+       exactly the stages that do not fit without, with the slicing search restricted to tiles under which those
+       fit (the largest tile sets a recomputing stage's peak). Every candidate is the optimum of its own search; the
+       fastest by the formula wins, ties to the simulator.
+
+    The order and the recomputation are searched only where the user left them free. Nothing fits: one line with
+    the smallest peak any scheme could reach.
+    """
+    r, limit = request, fastest.memory.limit_bytes
+    orders = ORDERS if r.order_free else (r.order,)
+    plain_ok = r.recompute_free or not r.recompute  # schemes without recomputation are allowed
+    recompute_ok = r.recompute_free or r.recompute
+    plain = (False,) * r.stages
+    if plain_ok:
+        fit = [o for o in orders if _fits(profile, fastest.terapipe.slices, r.stages, o, plain, limit)]
+        if fit:
+            planned = [plan_one(profile, r, fastest.terapipe, order=o, recompute=plain) for o in fit]
+            return replace(min(planned, key=lambda p: p.simulated_s["terapipe"]), unfitted=fastest)
+    sizes = stage_sizes(profile, r.stages)
+    cost = CostModel(profile, r.stages, r.data_parallel)
+    recomputed = CostModel(profile, r.stages, r.data_parallel, recompute=True)
+    shape = {"seq_len": r.seq_len, "batch_size": r.batch_size, "stages": r.stages, "token_step": r.token_step}
+    searched: dict[tuple, PlanResult | None] = {}  # searches with the same constraints, run once
+    candidates: list[tuple[PlanResult, str, tuple[bool, ...]]] = []
+    for b in divisors(r.batch_size):
+        for order in orders:
+            eq = EqualSlices(sizes, b, r.batch_size // b, r.seq_len, order, limit)
+            fits_plain = eq.fits_plain()
+            if all(fits_plain) and plain_ok:
+                on, key = plain, (b,)  # memory does not depend on the token slicing: one search for either order
+                if key not in searched:
+                    searched[key] = solve(cost, **shape, epsilon=r.epsilon, method=r.method, batch_slice=b)
+            elif recompute_ok:
+                # With --recompute every stage recomputes; left free, exactly those that do not fit without.
+                on = (True,) * r.stages if not r.recompute_free else tuple(not p for p in fits_plain)
+                key = (b, on, tuple(eq.in_flight(k) for k in range(r.stages)))
+                if key not in searched:
+                    fits = lambda i, j, eq=eq, on=on: eq.tile_fits(i, j, stages=on)  # noqa: E731
+                    searched[key] = solve(
+                        _Forbidding(recomputed, fits), **shape, epsilon=r.epsilon, method=r.method, batch_slice=b
+                    )
+            else:
+                continue
+            if searched[key] is not None:
+                candidates.append((searched[key], order, on))
+    if not candidates:
+        raise UserError(_nothing_fits(profile, r, fastest.memory, plain_ok, recompute_ok), where="--memory-limit")
+    # The fastest by the formula; among equals (the same scheme in either order, say), the simulator decides.
+    least = min(res.predicted_s for res, _, _ in candidates)
+    tied = [c for c in candidates if c[0].predicted_s <= least * (1 + 1e-12)]
+    planned = [plan_one(profile, r, res, order=o, recompute=on) for res, o, on in tied]
+    return replace(min(planned, key=lambda p: p.simulated_s["terapipe"]), unfitted=fastest)
+
+
+def _fits(profile: Profile, slices, stages: int, order: str, recompute: tuple[bool, ...], limit: float) -> bool:
+    schedule = build_schedule(slices, stages, order)
+    per_stage = stage_memory(slices, profile, stages, schedule=schedule, recompute=recompute)
+    return max(m.total_bytes for m in per_stage) <= limit
+
+
+def smallest_peak(
+    profile: Profile, request: PlanRequest, limit_bytes: float, *, plain: bool = True, recomputed: bool = True
+) -> tuple[float, str]:
+    """The smallest peak any scheme of equal batch slices could reach on its fullest stage (bytes), and how
+    (``1F1B order, recomputed, batch slices of 1, tiles of 8 tokens``): without or with recomputation as allowed."""
+    r = request
+    sizes = stage_sizes(profile, r.stages)
+    least, how = math.inf, ""
+    for b in divisors(r.batch_size):
+        for order in ORDERS if r.order_free else (r.order,):
+            eq = EqualSlices(sizes, b, r.batch_size // b, r.seq_len, order, limit_bytes)
+            without = [eq.plain_bytes(k) if plain else math.inf for k in range(r.stages)]
+            # Recomputed, the smallest peak has tiles of one token step (the last one's context is L − g).
+            rerun = [
+                float(eq.recomputed_bytes(k, r.token_step, r.seq_len - r.token_step)) if recomputed else math.inf
+                for k in range(r.stages)
+            ]
+            per_stage = [min(p, q) for p, q in zip(without, rerun, strict=True)]
+            if max(per_stage) < least:
+                least = max(per_stage)
+                on = tuple(q < p for p, q in zip(without, rerun, strict=True))
+                how = f"{choice_text(order, on)}, batch slices of {b}, tiles of {r.token_step} tokens"
+    return least, how
+
+
+def _nothing_fits(profile: Profile, r: PlanRequest, memory: MemoryCheck, plain_ok: bool, recompute_ok: bool) -> str:
+    """The one line when no scheme fits: the smallest peak any could reach, and how."""
+    least, how = smallest_peak(profile, r, memory.limit_bytes, plain=plain_ok, recomputed=recompute_ok)
+    return (
+        f"no scheme fits the {format_bytes(memory.limit_bytes)} {memory.limit_source}: the smallest possible peak is "
+        f"{format_bytes(least)} ({how}); use more stages, a smaller batch, or tensor parallelism"
+    )

@@ -51,8 +51,8 @@ def cost_model_parts(cost: CostModel) -> TileParts:
     """Split a `CostModel` into forward, backward and one-way transfer times per tile.
 
     Built from two copies of the cost model that keep only the forward (resp. backward) measurements, so the
-    interpolation is the cost model's own; their sum plus the two transfers is exactly ``cost(b, i, j)``. With
-    recomputation the backward part holds the forward a second time (it runs inside the backward).
+    interpolation is the cost model's own; their sum plus the two transfers is exactly ``cost(b, i, j)`` of a cost
+    model without recomputation. A recomputing stage's backward holds the forward a second time (`simulate`).
     """
     p = cost.profile
     zero_fit = ContextFit((0.0, 0.0, 0.0, 0.0))
@@ -65,8 +65,6 @@ def cost_model_parts(cost: CostModel) -> TileParts:
         b, i, j = np.broadcast_arrays(*(np.asarray(x, dtype=float) for x in (b, i, j)))
         fwd = layers * (fwd_only.no_context(b, i) + fwd_only.context(b, i, j))
         bwd = layers * (bwd_only.no_context(b, i) + bwd_only.context(b, i, j))
-        if cost.recompute:
-            bwd = bwd + fwd
         # comm() is the round trip (activation forward + gradient back), each one latency + bytes/bandwidth.
         one_way = np.broadcast_to(cost.comm(b, i) / 2.0, b.shape)
         return fwd, bwd, one_way, one_way
@@ -93,20 +91,25 @@ def simulate(
     schedule: list[list[Action]] | None = None,
     replica: int = 0,
     step: int = 0,
+    recompute: Sequence[bool] | None = None,
 ) -> SimResult:
     """Simulate one training step of a scheme on ``stages`` stages.
 
     ``cost_parts``: a `CostModel` (its forward/backward split and its transfers are used; its ``step_s`` is the
     per-step constant unless ``step_s`` is given) or a `TileParts` callable. ``schedule`` defaults to
     `build_schedule(slices, stages)`; any per-stage order the runtime could walk is accepted, and an order that
-    can never finish raises ValueError. Ranks in the events are the stage numbers of this replica.
+    can never finish raises ValueError. Ranks in the events are the stage numbers of this replica. ``recompute``:
+    the stages whose backward runs the tile's forward again first (default: every stage if ``cost_parts`` is a
+    `CostModel` with recomputation, else none).
     """
     parts, step_s = _resolve_parts(cost_parts, stages, step_s)
+    if recompute is None:
+        recompute = [bool(getattr(cost_parts, "recompute", False))] * stages
     if schedule is None:
         schedule = build_schedule(slices, stages)
     if len(schedule) != stages:
         raise ValueError(f"the schedule has {len(schedule)} stages, expected {stages}")
-    pipeline = _Pipeline(plan_tiles(slices), parts, stages)
+    pipeline = _Pipeline(plan_tiles(slices), parts, stages, recompute)
     events = pipeline.walk(schedule, replica=replica, step=step)
     compute_end = float(pipeline.stage_free.max()) if stages else 0.0
     return SimResult(
@@ -128,7 +131,7 @@ def _resolve_parts(cost_parts: CostModel | TileParts, stages: int, step_s: float
 class _Pipeline:
     """The state of the stages and links while a schedule is walked: what has arrived where, and when."""
 
-    def __init__(self, tiles: list[Tile], parts: TileParts, stages: int) -> None:
+    def __init__(self, tiles: list[Tile], parts: TileParts, stages: int, recompute: Sequence[bool]) -> None:
         self.index = {t: n for n, t in enumerate(tiles)}
         b = np.array([t.batch_size for t in tiles], dtype=float)
         i = np.array([t.tokens for t in tiles], dtype=float)
@@ -137,6 +140,7 @@ class _Pipeline:
             np.broadcast_to(np.asarray(x, dtype=float), b.shape) for x in parts(b, i, j)
         )
         self.stages = stages
+        self.recompute = list(recompute)
         shape = (stages, len(tiles))
         # Arrival time at stage k of tile n's activation (forward) or gradient (backward); NaN until sent.
         self.act_in = np.full(shape, np.nan)
@@ -200,7 +204,7 @@ class _Pipeline:
                 self.link_fwd_free[k] = depart + self.send_f[n]
                 self.act_in[k + 1, n] = depart + self.send_f[n]
         else:
-            end = start + self.bwd[n]
+            end = start + self.bwd[n] + (self.fwd[n] if self.recompute[k] else 0.0)
             if k > 0:
                 depart = max(end, self.link_bwd_free[k])
                 self.link_bwd_free[k] = depart + self.send_b[n]
@@ -250,94 +254,3 @@ def compare_timelines(predicted: Sequence[Event], measured: Sequence[Event]) -> 
         action_rel_err_mean=float(np.mean(errs)) if errs else float("nan"),
         matched=len(errs),
     )
-
-
-@dataclass(frozen=True)
-class StageMemory:
-    """Estimated peak device memory of one stage (bytes)."""
-
-    stage: int
-    state_bytes: float  # weights, gradients and optimizer state of the stage's parameters
-    activation_bytes: float  # the largest total of activations held by tiles in flight under the schedule
-    tiles_in_flight: int  # how many tiles those were
-
-    @property
-    def total_bytes(self) -> float:
-        return self.state_bytes + self.activation_bytes
-
-
-def stage_memory(
-    slices: Sequence,
-    profile,
-    stages: int,
-    *,
-    schedule: list[list[Action]] | None = None,
-    recompute: Sequence[bool] | None = None,
-) -> list[StageMemory] | None:
-    """Peak memory per stage for a scheme, from the profile's per-parameter and per-token sizes.
-
-    A tile's activations live on a stage from its forward until its backward; walking the stage's action order
-    gives the largest set alive at once (with the runtime's order — all forwards, then all backwards — that is
-    every tile of the step, which is why TeraPipe and GPipe hold the same activations for the same batch).
-    Per layer a tile holds ``b·i·activation_bytes_per_token_per_layer`` plus, when the profile has it,
-    ``b·i·(i+j)·attention_bytes_per_token_pair_per_layer`` for the attention matrices. Stage 0 also holds the
-    token and position embeddings, the last stage the LM head and its fp32 logits per tile — whole on every
-    tensor rank, as the runtime keeps them (runtime/tensor.py replicates them; only the layers are split).
-    A stage that recomputes (``recompute[k]``) keeps per tile only its input activation (b·i·H, fp32) and its
-    keys and values (2·b·i·H/T per layer, in the compute precision), and holds one tile's full activations at a
-    time again while that tile's backward re-runs its forward: the largest of them is added to its peak.
-    Returns None when the profile lacks the sizes (a measured CPU profile).
-    """
-    raw = getattr(profile, "raw", {}) or {}
-    per_token = profile.activation_bytes_per_token_per_layer
-    params = profile.params_per_layer
-    if per_token is None or params is None:
-        return None
-    pair = float(raw.get("attention_bytes_per_token_pair_per_layer", 0.0))
-    state_per_param = float(raw.get("state_bytes_per_param", 16.0))
-    # params_per_layer and the sizes above are already per tensor rank; embeddings and head are replicated.
-    model = profile.model
-    layers = model.stage_layers(stages)
-    if schedule is None:
-        schedule = build_schedule(slices, stages)
-    full = {
-        t: layers * t.batch_size * t.tokens * (per_token + pair * (t.tokens + t.token_start))
-        for t in plan_tiles(slices)
-    }
-    kept = {t: t.batch_size * t.tokens * recomputed_bytes_per_token(profile, layers) for t in full}
-    recompute = list(recompute) if recompute is not None else [False] * stages
-    out: list[StageMemory] = []
-    for k in range(stages):
-        stage_params = layers * params
-        logits = 0.0
-        if k == 0:
-            stage_params += model.vocab * model.hidden + model.seq_len * model.hidden
-        if k == stages - 1:
-            stage_params += model.vocab * model.hidden
-            logits = 4.0 * model.vocab  # fp32 logits per token, kept for the loss's backward
-        # Without recomputation a tile holds its activations (and its logits on the last stage); recomputing, its
-        # input and K/V, and one tile's whole activations come back while its backward re-runs the forward.
-        held = {t: full[t] + logits * t.batch_size * t.tokens for t in full}
-        transient = max(held.values()) if recompute[k] else 0.0
-        alive = peak = 0.0
-        count = peak_count = 0
-        for a in schedule[k]:
-            extra = kept[a.tile] if recompute[k] else held[a.tile]
-            if a.phase == "F":
-                alive += extra
-                count += 1
-                if alive > peak:
-                    peak, peak_count = alive, count
-            else:
-                alive -= extra
-                count -= 1
-        out.append(StageMemory(k, stage_params * state_per_param, peak + transient, peak_count))
-    return out
-
-
-def recomputed_bytes_per_token(profile, layers: int) -> float:
-    """What a recomputing stage keeps per token of a tile: its fp32 input activation, and each layer's key and
-    value of this tensor rank's heads in the compute precision (they stay in the K/V cache for later slices)."""
-    H, T = profile.model.hidden, profile.tensor_parallel
-    compute_bytes = 4 if profile.precision == "fp32" else 2
-    return 4.0 * H + layers * 2.0 * (H / T) * compute_bytes

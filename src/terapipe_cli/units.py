@@ -22,10 +22,11 @@ def format_duration(s: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
-def format_bytes(n: float | None, unit: str = "GiB") -> str:
-    """Bytes in MiB or GiB with one decimal; ``–`` for an unknown value."""
+def format_bytes(n: float | None, unit: str | None = None) -> str:
+    """Bytes in MiB or GiB with one decimal (by default GiB from 0.1 GiB up, else MiB); ``–`` for an unknown value."""
     if n is None:
         return "–"
+    unit = unit or ("GiB" if n >= 0.1 * 2**30 else "MiB")
     scale = {"MiB": 2**20, "GiB": 2**30}[unit]
     return f"{n / scale:.1f} {unit}"
 

@@ -183,8 +183,7 @@ def _table(planned: Planned) -> Table:
     title += f", D={r.data_parallel}" if r.data_parallel > 1 else ""
     title += f", T={r.tensor_parallel}" if r.tensor_parallel > 1 else ""
     title += f", {planned.profile.precision}"
-    title += ", 1F1B order" if r.order == "1f1b" else ""
-    title += ", recomputed" if r.recompute else ""
+    title += f", {planned.choice_text()}" if planned.choice_text() != "GPipe order" else ""
     table = Table(title=title)
     table.add_column("scheme")
     table.add_column("slicing (short form)", overflow="fold", max_width=70)

@@ -158,18 +158,15 @@ def layer_seconds(
 
 
 def activation_bytes_per_token(model: ModelConfig, dtype_bytes: int, tensor_parallel: int = 1) -> float:
-    """Activation bytes one layer keeps for the backward per token, without the attention matrices.
+    """Activation bytes one layer keeps for the backward per token.
 
-    Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", eq. 2, for
-    fp16 with no sequence parallelism): s·b·h·(10 + 24/t) + 5·a·s²·b/t bytes per layer. The first term per
-    token is returned here; `attention_bytes_per_token_pair` is the second, per (new token, attended token).
+    Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", eq. 2, for fp16
+    with no sequence parallelism): s·b·h·(10 + 24/t) bytes per layer, plus 5·a·s²·b/t for the attention scores,
+    softmax and dropout that a plain attention stores. The runtime's attention is PyTorch's fused kernel
+    (`scaled_dot_product_attention`), which keeps the output and a log-sum-exp per query instead of any
+    (query, key) matrix, so only the first term applies; its log-sum-exp (4·a/t bytes per token) is left out.
     """
     return model.hidden * (10 + 24 / tensor_parallel) * dtype_bytes / 2
-
-
-def attention_bytes_per_token_pair(model: ModelConfig, dtype_bytes: int, tensor_parallel: int = 1) -> float:
-    """Bytes per layer per (new token × attended token): scores, softmax output and dropout mask (eq. 2)."""
-    return 5 * model.heads / tensor_parallel * dtype_bytes / 2
 
 
 def _context_points(
@@ -250,7 +247,6 @@ def analytic_profile(
             "bytes_per_s": net.bytes_per_s / hardware.gpus_per_node,
         },
         "activation_bytes_per_token_per_layer": activation_bytes_per_token(model, e, t),
-        "attention_bytes_per_token_pair_per_layer": attention_bytes_per_token_pair(model, e, t),
         "state_bytes_per_param": hardware.training.state_bytes_per_param,
     }
 

@@ -170,16 +170,13 @@ def _held_out(run: Run) -> list[tuple[int, float]]:
 def simulate_runs(runs: dict[str, Run], cost) -> dict:
     """Predicted timelines of each run's scheme (``{"run": ..., "baseline": ...}``) under the same cost model
     (`terapipe_cli.simulate`)."""
-    from terapipe_cli.costmodel import CostModel
     from terapipe_cli.schedule import build_schedule
     from terapipe_cli.simulate import simulate
 
     def simulated(r: Run):
-        # The run's own order, and its recomputation (priced on every stage if on any: the cost model is per stage).
-        priced = (
-            CostModel(cost.profile, cost.stages, cost.data_parallel, recompute=True) if any(r.plan.recompute) else cost
-        )
-        return simulate(r.plan.slices, priced, r.stages, schedule=build_schedule(r.plan.slices, r.stages, r.plan.order))
+        # The run's own order, and its recomputation on the stages that recompute.
+        schedule = build_schedule(r.plan.slices, r.stages, r.plan.order)
+        return simulate(r.plan.slices, cost, r.stages, schedule=schedule, recompute=r.plan.recompute)
 
     return {key: simulated(r) for key, r in runs.items()}
 

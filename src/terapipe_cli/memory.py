@@ -1,0 +1,199 @@
+"""The memory estimate (docs/design.md §10): what each stage keeps for its backward, walked along its schedule.
+
+No torch, no I/O. The sizes come from a profile (`stage_sizes`); `stage_memory` walks one stage's actions the way
+the runtime keeps and releases tensors (`runtime.stage.StageRunner`, whose `SavedBytes` counts the same things
+on the measured side):
+
+* a batch slice's K/V caches (ℓ layers × keys and values of the whole sequence, this tensor rank's heads, in the
+  compute precision) are allocated by its first forward and freed after its last backward;
+* without recomputation a tile keeps everything its forward saved, from its forward to its backward;
+* with recomputation a tile keeps only its input; its backward runs the forward again, and while it does, the
+  tile's saved tensors are back on top of everything still kept.
+
+For the planner the same walk has a closed form when the batch is cut into D equal batch slices with one token
+slicing (`EqualSlices`): stage k holds w_k batch slices at once (all D in GPipe order, min(K − k, D) in 1F1B), so
+
+    no recomputation:  peak_k = w·b·L·(cache + tile)
+    recomputation:     peak_k = max over tiles (i, j) of  w·b·L·cache + (w − 1)·b·L·kept + b·(j + i)·kept + b·i·rerun
+
+(per token: ``cache`` the K/V caches, ``tile`` what a tile keeps, ``kept`` its input, ``rerun`` what its re-run
+saves besides), reached at the backward of the oldest batch slice in flight. The tests check the closed form
+against the walk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from terapipe_cli.schedule import Action, build_schedule
+
+_INDEX_BYTES = 8  # an int64 token id or position, per token
+
+
+@dataclass(frozen=True)
+class StageSizes:
+    """Bytes per token that stage k keeps, from the profile (docs/design.md §10)."""
+
+    state: float  # weights, gradients and optimizer state of the stage's parameters (not per token)
+    cache: float  # K/V caches, per token of a batch slice's sequence: ℓ · 2 · H/T · compute bytes
+    tile: float  # what a tile keeps without recomputation, per token of the tile (its caches' rows apart)
+    kept: float  # what a recomputed tile keeps: its input (token ids on stage 0, the fp32 activation elsewhere)
+    rerun: float  # what the re-run of a recomputed tile saves on top of ``kept``
+    copies: float = 0.0  # a 16-bit compute type's copies of the weight matrices, one per step (not per token)
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Estimated peak memory of one stage (bytes)."""
+
+    stage: int
+    state_bytes: float  # weights, gradients and optimizer state of the stage's parameters
+    activation_bytes: float  # the most kept for the backward at once, walking the stage's actions
+    tiles_in_flight: int  # tiles run forward and not yet backward at that moment
+
+    @property
+    def total_bytes(self) -> float:
+        return self.state_bytes + self.activation_bytes
+
+
+def stage_sizes(profile, stages: int) -> list[StageSizes] | None:
+    """Per stage, the sizes the estimate walks with; None when the profile lacks them.
+
+    ``activation_bytes_per_token_per_layer`` (a) is what `terapipe profile` measured for one layer: the tensors it
+    saves (its input among them) and its own rows of the K/V cache. Over ℓ layers each layer's input is the output
+    of the one before, so a tile keeps ℓ·(a − kv) per token besides the caches, plus the stage's output (4H, fp32)
+    — except on the last stage, which keeps its final norm's input and output and the logits instead (fp32
+    log-probabilities for the loss; with a 16-bit compute type also the 16-bit logits and the head's 16-bit
+    input), and its targets. Stage 0 also keeps the token ids and positions its embeddings index. Parameters
+    count whole where the runtime replicates them: embeddings and head on every tensor rank (runtime/tensor.py);
+    the layers' numbers are the profile's, already per tensor rank. With a 16-bit compute type the step also keeps
+    one 16-bit copy of each weight matrix (the layers' and the head's; `StageRunner.step`) while tiles are in
+    flight.
+    """
+    raw = getattr(profile, "raw", {}) or {}
+    per_layer = profile.activation_bytes_per_token_per_layer
+    params = profile.params_per_layer
+    if per_layer is None or params is None:
+        return None
+    model = profile.model
+    H, V, T = model.hidden, model.vocab, profile.tensor_parallel
+    layers = model.stage_layers(stages)
+    compute = 4 if profile.precision == "fp32" else 2
+    kv = 2.0 * (H / T) * compute
+    state_per_param = float(raw.get("state_bytes_per_param", 16.0))
+    out = []
+    for k in range(stages):
+        first, last = k == 0, k == stages - 1
+        stage_params = layers * params
+        tile = layers * (per_layer - kv) + (0.0 if last else 4.0 * H)
+        if first:
+            stage_params += model.vocab * model.hidden + model.seq_len * model.hidden
+            tile += 2 * _INDEX_BYTES
+        if last:
+            stage_params += model.vocab * model.hidden
+            tile += 4.0 * H + compute * H + 4.0 * V + (2.0 * V if compute == 2 else 0.0) + _INDEX_BYTES
+        kept = _INDEX_BYTES if first else 4.0 * H
+        # The re-run keeps nothing of its own output (the backward starts from it at once).
+        rerun = max(tile - kept - (0.0 if last else 4.0 * H), 0.0)
+        copies = 0.0 if compute == 4 else compute * (layers * params + (model.vocab * H if last else 0.0))
+        out.append(StageSizes(stage_params * state_per_param, layers * kv, tile, kept, rerun, copies))
+    return out
+
+
+def walk_peak(actions: Sequence[Action], sizes: StageSizes, seq_len: int, recompute: bool) -> tuple[float, int]:
+    """The most one stage keeps at once along its actions, and how many tiles are in flight then."""
+    alive = peak = 0.0
+    count = peak_count = 0
+    open_tiles: dict[int, int] = {}  # batch slice -> its tiles run forward, not yet backward
+    if actions:
+        alive = peak = sizes.copies
+    for a in actions:
+        t = a.tile
+        tokens = t.batch_size * t.tokens
+        if a.phase == "F":
+            if not open_tiles.get(t.batch_slice):
+                alive += t.batch_size * seq_len * sizes.cache
+            open_tiles[t.batch_slice] = open_tiles.get(t.batch_slice, 0) + 1
+            alive += tokens * (sizes.kept if recompute else sizes.tile)
+            count += 1
+            if alive > peak:
+                peak, peak_count = alive, count
+            continue
+        if recompute and alive + tokens * sizes.rerun > peak:
+            peak, peak_count = alive + tokens * sizes.rerun, count
+        alive -= tokens * (sizes.kept if recompute else sizes.tile)
+        count -= 1
+        open_tiles[t.batch_slice] -= 1
+        if not open_tiles[t.batch_slice]:
+            alive -= t.batch_size * seq_len * sizes.cache
+    return peak, peak_count
+
+
+def stage_memory(
+    slices: Sequence,
+    profile,
+    stages: int,
+    *,
+    schedule: list[list[Action]] | None = None,
+    recompute: Sequence[bool] | None = None,
+) -> list[StageMemory] | None:
+    """Peak memory per stage of a scheme in a schedule (default: GPipe order), walking each stage's actions
+    (`walk_peak`). Returns None when the profile lacks the sizes."""
+    sizes = stage_sizes(profile, stages)
+    if sizes is None:
+        return None
+    if schedule is None:
+        schedule = build_schedule(slices, stages)
+    recompute = list(recompute) if recompute is not None else [False] * stages
+    seq_len = sum(slices[0][1])
+    out = []
+    for k, s in enumerate(sizes):
+        peak, count = walk_peak(schedule[k], s, seq_len, recompute[k])
+        out.append(StageMemory(k, s.state, peak, count))
+    return out
+
+
+@dataclass(frozen=True)
+class EqualSlices:
+    """The closed form of the walk for D equal batch slices of b sequences, one token slicing (module docstring).
+
+    ``limit`` is the bytes per stage (device); ``order`` the schedule order.
+    """
+
+    sizes: list[StageSizes]
+    batch_slice: int  # b
+    slices: int  # D
+    seq_len: int  # L
+    order: str
+    limit: float
+
+    def in_flight(self, k: int) -> int:
+        return self.slices if self.order == "gpipe" else min(len(self.sizes) - k, self.slices)
+
+    def plain_bytes(self, k: int) -> float:
+        """Stage k's peak without recomputation, for any token slicing."""
+        s, w, bL = self.sizes[k], self.in_flight(k), self.batch_slice * self.seq_len
+        return s.state + s.copies + w * bL * (s.cache + s.tile)
+
+    def fits_plain(self) -> list[bool]:
+        return [self.plain_bytes(k) <= self.limit for k in range(len(self.sizes))]
+
+    def recomputed_bytes(self, k: int, i, j) -> np.ndarray:
+        """Stage k's peak with recomputation, if a tile of i tokens after j were the largest: see the module."""
+        s, w, b = self.sizes[k], self.in_flight(k), self.batch_slice
+        base = s.state + s.copies + w * b * self.seq_len * s.cache + (w - 1) * b * self.seq_len * s.kept
+        i, j = np.asarray(i, dtype=float), np.asarray(j, dtype=float)
+        return base + b * (j + i) * s.kept + b * i * s.rerun
+
+    def tile_fits(self, i, j, *, stages: Sequence[bool] | None = None) -> np.ndarray:
+        """Whether a tile (i, j) fits every recomputing stage: ``stages[k]`` (default: those that do not fit
+        without)."""
+        ok = np.ones(np.broadcast(np.asarray(i), np.asarray(j)).shape, dtype=bool)
+        on = [not p for p in self.fits_plain()] if stages is None else stages
+        for k, recomputing in enumerate(on):
+            if recomputing:
+                ok &= self.recomputed_bytes(k, i, j) <= self.limit
+        return ok

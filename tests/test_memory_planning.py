@@ -1,0 +1,119 @@
+"""Memory-aware planning is exact (docs/design.md §10): compared with brute force over every scheme of equal batch
+slices, every schedule order and every choice of recomputing stages, under limits that bind.
+
+The brute force shares nothing with the planner's search: it walks each candidate's schedule for its memory
+(`memory.stage_memory`) and prices it with the objective straight from its definition."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from brute import compositions, divisors
+from conftest import ROOT
+
+from terapipe_cli.costmodel import CostModel, read_profile
+from terapipe_cli.errors import UserError
+from terapipe_cli.memory import stage_memory
+from terapipe_cli.planner import evaluate
+from terapipe_cli.planning import plan_for_profile, plan_one, plan_request
+from terapipe_cli.schedule import ORDERS, build_schedule
+from terapipe_cli.units import format_bytes
+
+MEASURED = read_profile(ROOT / "configs" / "profiles" / "tiny-cpu-measured.json")
+
+
+def _peak(slices, stages, order, recompute) -> float:
+    schedule = build_schedule(slices, stages, order)
+    return max(m.total_bytes for m in stage_memory(slices, MEASURED, stages, schedule=schedule, recompute=recompute))
+
+
+def _every_candidate(batch, seq_len, step, stages):
+    """(objective, peak of the fullest stage, scheme, order, recompute) of every equal-batch-slice scheme."""
+    plain = CostModel(MEASURED, stages)
+    rerun = CostModel(MEASURED, stages, recompute=True)
+    out = []
+    for b in divisors(batch):
+        for comp in compositions(seq_len // step):
+            slices = [(b, [u * step for u in comp])] * (batch // b)
+            value = {False: evaluate(plain, slices, stages), True: evaluate(rerun, slices, stages)}
+            for order in ORDERS:
+                for recompute in itertools.product((False, True), repeat=stages):
+                    peak = _peak(slices, stages, order, recompute)
+                    out.append((value[any(recompute)], peak, slices, order, recompute))
+    return out
+
+
+CASES = [(B, L, 8, K) for B, L, K in [(1, 48, 1), (1, 48, 2), (2, 40, 2), (4, 32, 2), (2, 40, 4), (3, 32, 4)]]
+
+
+@pytest.mark.parametrize("batch, seq_len, step, stages", CASES)
+def test_memory_aware_plans_equal_brute_force(batch, seq_len, step, stages):
+    candidates = _every_candidate(batch, seq_len, step, stages)
+    peaks = np.unique([c[1] for c in candidates])
+    fastest = plan_one(
+        MEASURED, plan_request(MEASURED, stages=stages, batch_size=batch, seq_len=seq_len, token_step=step)
+    )
+    binding = 0
+    for q in (0.0, 0.05, 0.2, 0.4, 0.6, 0.8, 0.95):
+        limit = float(np.quantile(peaks, q))
+        request = plan_request(
+            MEASURED, stages=stages, batch_size=batch, seq_len=seq_len, token_step=step, memory_limit_gib=limit / 2**30
+        )
+        fits = [c for c in candidates if c[1] <= request.memory_limit_gib * 2**30]
+        # The fastest scheme overall (any batch slices) is the answer whenever it fits in some order unrecomputed.
+        if any(_peak(fastest.terapipe.slices, stages, o, (False,) * stages) <= limit for o in ORDERS):
+            expected = fastest.terapipe.predicted_s
+        else:
+            expected = min(c[0] for c in fits)
+            binding += 1
+        planned = plan_for_profile(MEASURED, request)
+        assert planned.terapipe.predicted_s == pytest.approx(expected, rel=1e-9), (q, planned.terapipe.slices)
+        schedule = build_schedule(planned.terapipe.slices, stages, planned.order)
+        memory = stage_memory(planned.terapipe.slices, MEASURED, stages, schedule=schedule, recompute=planned.recompute)
+        assert max(m.total_bytes for m in memory) <= limit * (1 + 1e-12)
+        assert memory == planned.memory.per_stage
+    assert binding >= 3  # the limit decided the answer in most of them
+
+
+@pytest.mark.parametrize("batch, seq_len, step, stages", CASES[1:4])
+def test_nothing_fits_gives_the_smallest_peak_of_brute_force(batch, seq_len, step, stages):
+    least = min(c[1] for c in _every_candidate(batch, seq_len, step, stages))
+    request = plan_request(
+        MEASURED, stages=stages, batch_size=batch, seq_len=seq_len, token_step=step,
+        memory_limit_gib=0.999 * least / 2**30,
+    )  # fmt: skip
+    with pytest.raises(UserError, match="no scheme fits") as err:
+        plan_for_profile(MEASURED, request)
+    assert f"smallest possible peak is {format_bytes(least)}" in str(err.value)
+    # At that limit exactly, a plan exists, and its fullest stage is that peak.
+    ok = plan_for_profile(MEASURED, replace(request, memory_limit_gib=least / 2**30))
+    assert ok.memory.peak_bytes == pytest.approx(least, rel=1e-9)
+
+
+def test_a_fixed_order_or_recomputation_is_kept():
+    """What the user fixed is searched around, not changed."""
+    request = plan_request(MEASURED, stages=2, batch_size=4, seq_len=32, token_step=8)
+    candidates = _every_candidate(4, 32, 8, 2)
+    limit = float(np.quantile([c[1] for c in candidates], 0.3))
+    for order, recompute in [("gpipe", None), ("1f1b", None), (None, True), (None, False)]:
+        r = plan_request(
+            MEASURED, stages=2, batch_size=4, seq_len=32, token_step=8, memory_limit_gib=limit / 2**30, order=order,
+            recompute=recompute,
+        )  # fmt: skip
+        allowed = [
+            c for c in candidates
+            if c[1] <= limit and (order is None or c[3] == order)
+            and (recompute is None or all(c[4]) == recompute and any(c[4]) == recompute)
+        ]  # fmt: skip
+        if not allowed:
+            with pytest.raises(UserError, match="no scheme fits"):
+                plan_for_profile(MEASURED, r)
+            continue
+        planned = plan_for_profile(MEASURED, r)
+        assert order is None or planned.order == order
+        assert recompute is None or set(planned.recompute) == {recompute}
+        assert planned.terapipe.predicted_s <= min(c[0] for c in allowed) * (1 + 1e-9)
+    assert request.memory_limit_gib is None
