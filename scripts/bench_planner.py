@@ -7,8 +7,14 @@ of the row's layers. The shapes are the reference ones of the planner's search (
 72, a long sequence (L = 8192) and a token step of one. The two methods run interleaved (A B A B …) on the same
 cost; each row prints the median seconds (min–max), the speed-up, and both objectives.
 
+A second table times whole plans (`planning.plan_for_profile`: search, baselines, simulation, memory) at long context
+(L = 131072, GPT3-13B on the H100 nodes of configs/hardware/h100.toml, T = 8), without a memory limit and with one
+that binds: halfway between the smallest peak any scheme reaches and the peak of the fastest scheme, so the fastest
+does not fit and the memory-aware search must choose. Both run interleaved; the table shows what was chosen.
+
     python scripts/bench_planner.py                 # all rows, 3 repeats
     python scripts/bench_planner.py --repeats 1 --rows 1,2
+    python scripts/bench_planner.py --memory-only   # only the long-context table with a memory limit
 """
 
 from __future__ import annotations
@@ -29,9 +35,12 @@ from terapipe_cli.config import load_model_config  # noqa: E402
 from terapipe_cli.costmodel import CostModel, profile_from_dict  # noqa: E402
 from terapipe_cli.hardware import load_hardware  # noqa: E402
 from terapipe_cli.planner import solve  # noqa: E402
+from terapipe_cli.planning import plan_for_profile, plan_request, smallest_peak  # noqa: E402
 from terapipe_cli.profile.analytic import analytic_profile  # noqa: E402
+from terapipe_cli.units import format_bytes  # noqa: E402
 
 HARDWARE = ROOT / "configs" / "hardware" / "v100.toml"
+LONG_HARDWARE = ROOT / "configs" / "hardware" / "h100.toml"
 TENSOR_PARALLEL = 8
 
 # (label, model file under configs/models, token_step, batch, stages); L is the model's sequence length.
@@ -45,17 +54,77 @@ ROWS = [
 ]
 
 
-def analytic_cost(model_name: str, token_step: int, batch: int, stages: int) -> CostModel:
-    """The cost of one stage from an analytic profile whose grid holds every batch-slice size up to B."""
+# (label, model file, token_step, batch, stages) of the long-context rows; the model's L is 131072.
+MEMORY_ROWS = [
+    ("GPT3-13B L=131072 g=512 B=1 K=40", "gpt3-13b-L128k", 512, 1, 40),
+    ("GPT3-13B L=131072 g=64  B=1 K=40", "gpt3-13b-L128k", 64, 1, 40),
+]
+
+
+def analytic(model_name: str, token_step: int, batch: int, hardware=HARDWARE):
+    """An analytic profile whose grid holds every batch-slice size up to B."""
     model = load_model_config(ROOT / "configs" / "models" / f"{model_name}.toml")
     obj = analytic_profile(
         model,
-        load_hardware(HARDWARE),
+        load_hardware(hardware),
         tensor_parallel=TENSOR_PARALLEL,
         batch_sizes=range(1, batch + 1),
         token_step=token_step,
     )
-    return CostModel(profile_from_dict(obj, f"analytic profile of {model_name}"), stages)
+    return profile_from_dict(obj, f"analytic profile of {model_name}")
+
+
+def analytic_cost(model_name: str, token_step: int, batch: int, stages: int) -> CostModel:
+    """The cost of one stage from an analytic profile whose grid holds every batch-slice size up to B."""
+    return CostModel(analytic(model_name, token_step, batch), stages)
+
+
+def _fmt(ts: list[float]) -> str:
+    return f"{statistics.median(ts):.3f} ({min(ts):.3f}–{max(ts):.3f})" if ts else "—"
+
+
+def memory_table(repeats: int, console: Console, markdown: bool) -> None:
+    """Whole plans at L = 131072 without and with a binding memory limit, interleaved (module docstring)."""
+    columns = ("shape", "limit", "no limit s", "with limit s", "fastest: peak", "within the limit: chosen",
+               "peak", "T / fastest T")  # fmt: skip
+    table = Table(title=f"Planning at long context with a binding memory limit, {repeats} interleaved repeats")
+    for col in columns:
+        table.add_column(col, justify="left" if col in ("shape", "within the limit: chosen") else "right")
+    rows_out = []
+    for label, model_name, g, B, K in MEMORY_ROWS:
+        profile = analytic(model_name, g, B, LONG_HARDWARE)
+        free = plan_request(profile, stages=K, batch_size=B, token_step=g, memory_limit_gib=1e6)
+        fastest = plan_for_profile(profile, free)
+        least, _ = smallest_peak(profile, free, 0.0)
+        limit = (least + fastest.memory.peak_bytes) / 2
+        bound = plan_request(profile, stages=K, batch_size=B, token_step=g, memory_limit_gib=limit / 2**30)
+        t_free, t_bound, chosen = [], [], None
+        for _ in range(repeats):
+            started = time.perf_counter()
+            plan_for_profile(profile, free)
+            t_free.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            chosen = plan_for_profile(profile, bound)
+            t_bound.append(time.perf_counter() - started)
+        cells = [
+            label,
+            format_bytes(limit),
+            _fmt(t_free),
+            _fmt(t_bound),
+            format_bytes(fastest.memory.peak_bytes),
+            f"{chosen.choice_text()}: {chosen.terapipe.tiles} tiles, largest {chosen.terapipe.t_max_s * 1e3:.1f} ms",
+            format_bytes(chosen.memory.peak_bytes),
+            f"{chosen.terapipe.predicted_s / fastest.terapipe.predicted_s:.3f}",
+        ]
+        table.add_row(*cells)
+        rows_out.append(cells)
+        console.print(f"done: {label}", style="dim")
+    console.print(table)
+    if markdown:
+        print("| " + " | ".join(columns) + " |")
+        print("|" + "---|" * len(columns))
+        for cells in rows_out:
+            print("| " + " | ".join(cells) + " |")
 
 
 def main() -> None:
@@ -65,9 +134,13 @@ def main() -> None:
     ap.add_argument("--epsilon", type=float, default=1e-5, help="ε of the enumeration, seconds (default 1e-5)")
     ap.add_argument("--no-enumerate", action="store_true", help="time only the exact default method")
     ap.add_argument("--markdown", action="store_true", help="also print the table as Markdown (for the README)")
+    ap.add_argument("--memory-only", action="store_true", help="only the long-context table with a memory limit")
     args = ap.parse_args()
     rows = [ROWS[int(k) - 1] for k in args.rows.split(",")] if args.rows else ROWS
     console = Console(width=max(Console().width, 200))  # a wide table; piped output would wrap it unreadably
+    if args.memory_only:
+        memory_table(args.repeats, console, args.markdown)
+        return
     title = f"Planner: exact default vs ε-enumeration (ε = {args.epsilon:g} s), {args.repeats} interleaved repeats"
     table = Table(title=title)
     columns = ("shape", "exact s", "enumerate s", "speed-up", "exact T (s)", "enumerate T (s)", "Δ objective",
@@ -90,15 +163,12 @@ def main() -> None:
                 )
                 t_enum.append(time.perf_counter() - started)
 
-        def fmt(ts: list[float]) -> str:
-            return f"{statistics.median(ts):.3f} ({min(ts):.3f}–{max(ts):.3f})" if ts else "—"
-
         speedup = f"{statistics.median(t_enum) / statistics.median(t_exact):.1f}×" if t_enum else "—"
         delta = f"{(res_exact.predicted_s - res_enum.predicted_s) / res_enum.predicted_s:+.4%}" if res_enum else "—"
         cells = [
             label,
-            fmt(t_exact),
-            fmt(t_enum),
+            _fmt(t_exact),
+            _fmt(t_enum),
             speedup,
             f"{res_exact.predicted_s:.6f}",
             f"{res_enum.predicted_s:.6f}" if res_enum else "—",
@@ -115,6 +185,7 @@ def main() -> None:
         print("|" + "---|" * len(columns))
         for cells in rows_out:
             print("| " + " | ".join(cells[:-1]) + f" | `{cells[-1]}` |")
+    memory_table(args.repeats, console, args.markdown)
 
 
 if __name__ == "__main__":
