@@ -143,12 +143,14 @@ def train_gpipe(console: Console, run, path: Path) -> None:
 def render(console: Console, result: dict) -> None:
     """The report's summary in the terminal (the same tables as report.md)."""
     from terapipe_cli.report.text import (
+        MEMORY_TITLE,
         STAGE_HEADER,
         bubble_line,
         headline,
         latency_header,
         latency_rows,
         loss_line,
+        memory_table,
         stage_rows,
         tile_speed_line,
         title,
@@ -167,6 +169,14 @@ def render(console: Console, result: dict) -> None:
     for row in stage_rows(result):
         s.add_row(*row)
     console.print(s)
+    memory = memory_table(result)
+    if memory:
+        m = Table(title=MEMORY_TITLE)
+        for n, col in enumerate(memory[0]):
+            m.add_column(col, justify="left" if n == 0 else "right")
+        for row in memory[1]:
+            m.add_row(*row)
+        console.print(m)
     console.print(f"[bold]{headline(result)}[/]")
     console.print(bubble_line(result))
     if tile_speed_line(result):
