@@ -543,7 +543,8 @@ def plan_within_memory(profile: Profile, request: PlanRequest, fastest: Planned)
     searched: dict[tuple, PlanResult | None] = {}  # searches with the same constraints, run once
     candidates: list[tuple[PlanResult, str, tuple[bool, ...]]] = []
     for b in divisors(r.batch_size):
-        for order in orders:
+        # One batch slice runs the same actions in either order: search it once.
+        for order in orders if b < r.batch_size else orders[:1]:
             eq = EqualSlices(sizes, b, r.batch_size // b, r.seq_len, order, limit)
             fits_plain = eq.fits_plain()
             if all(fits_plain) and plain_ok:
@@ -568,8 +569,16 @@ def plan_within_memory(profile: Profile, request: PlanRequest, fastest: Planned)
     # The fastest by the formula; among equals (the same scheme in either order, say), the simulator decides.
     least = min(res.predicted_s for res, _, _ in candidates)
     tied = [c for c in candidates if c[0].predicted_s <= least * (1 + 1e-12)]
-    planned = [plan_one(profile, r, res, order=o, recompute=on) for res, o, on in tied]
-    return replace(min(planned, key=lambda p: p.simulated_s["terapipe"]), unfitted=fastest)
+    if len(tied) > 1:
+        tied.sort(key=lambda c: _simulated(profile, r, *c))
+    res, order, on = tied[0]
+    return replace(plan_one(profile, r, res, order=order, recompute=on), unfitted=fastest)
+
+
+def _simulated(profile: Profile, r: PlanRequest, res: PlanResult, order: str, recompute: tuple[bool, ...]) -> float:
+    cost = CostModel(profile, r.stages, r.data_parallel)
+    schedule = build_schedule(res.slices, r.stages, order)
+    return simulate(res.slices, cost, r.stages, schedule=schedule, recompute=recompute).latency_s
 
 
 def _fits(profile: Profile, slices, stages: int, order: str, recompute: tuple[bool, ...], limit: float) -> bool:

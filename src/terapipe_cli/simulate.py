@@ -111,7 +111,7 @@ def simulate(
         raise ValueError(f"the schedule has {len(schedule)} stages, expected {stages}")
     pipeline = _Pipeline(plan_tiles(slices), parts, stages, recompute)
     events = pipeline.walk(schedule, replica=replica, step=step)
-    compute_end = float(pipeline.stage_free.max()) if stages else 0.0
+    compute_end = max(pipeline.stage_free) if stages else 0.0
     return SimResult(
         latency_s=compute_end + step_s, events=events, compute_end_s=compute_end, step_s=step_s, stages=stages
     )
@@ -129,7 +129,10 @@ def _resolve_parts(cost_parts: CostModel | TileParts, stages: int, step_s: float
 
 
 class _Pipeline:
-    """The state of the stages and links while a schedule is walked: what has arrived where, and when."""
+    """The state of the stages and links while a schedule is walked: what has arrived where, and when.
+
+    Plain Python lists and floats: the walk touches one element at a time, where numpy's scalar access costs more
+    than the arithmetic."""
 
     def __init__(self, tiles: list[Tile], parts: TileParts, stages: int, recompute: Sequence[bool]) -> None:
         self.index = {t: n for n, t in enumerate(tiles)}
@@ -137,33 +140,33 @@ class _Pipeline:
         i = np.array([t.tokens for t in tiles], dtype=float)
         j = np.array([t.token_start for t in tiles], dtype=float)
         self.fwd, self.bwd, self.send_f, self.send_b = (
-            np.broadcast_to(np.asarray(x, dtype=float), b.shape) for x in parts(b, i, j)
+            np.broadcast_to(np.asarray(x, dtype=float), b.shape).tolist() for x in parts(b, i, j)
         )
         self.stages = stages
         self.recompute = list(recompute)
-        shape = (stages, len(tiles))
-        # Arrival time at stage k of tile n's activation (forward) or gradient (backward); NaN until sent.
-        self.act_in = np.full(shape, np.nan)
-        self.grad_in = np.full(shape, np.nan)
-        self.forward_done = np.zeros(shape, dtype=bool)
-        self.link_fwd_free = np.zeros(stages)  # link k -> k+1, free from this time
-        self.link_bwd_free = np.zeros(stages)  # link k -> k-1
-        self.stage_free = np.zeros(stages)
+        # Arrival time at stage k of tile n's activation (forward) or gradient (backward); None until sent.
+        self.act_in: list[list[float | None]] = [[None] * len(tiles) for _ in range(stages)]
+        self.grad_in: list[list[float | None]] = [[None] * len(tiles) for _ in range(stages)]
+        self.forward_done = [[False] * len(tiles) for _ in range(stages)]
+        self.link_fwd_free = [0.0] * stages  # link k -> k+1, free from this time
+        self.link_bwd_free = [0.0] * stages  # link k -> k-1
+        self.stage_free = [0.0] * stages
 
     def walk(self, schedule: list[list[Action]], *, replica: int, step: int) -> list[Event]:
         """Run every stage's actions in order, each as soon as its input is there; events sorted by start."""
         pos = [0] * self.stages
+        tile_of = [[self.index[a.tile] for a in actions] for actions in schedule]
         events: list[Event] = []
         remaining = sum(len(s) for s in schedule)
         while remaining:
             progressed = False
             for k in range(self.stages):
                 while pos[k] < len(schedule[k]):
-                    action = schedule[k][pos[k]]
-                    t_ready = self.ready(k, action)
+                    action, n = schedule[k][pos[k]], tile_of[k][pos[k]]
+                    t_ready = self.ready(k, action.phase, n)
                     if t_ready is None:
                         break
-                    start, end = self.run(k, action, t_ready)
+                    start, end = self.run(k, action.phase, n, t_ready)
                     tile = action.tile
                     events.append(
                         Event(k, action.phase, tile.batch_slice, tile.token_slice, start, end, k, replica, step)
@@ -177,40 +180,30 @@ class _Pipeline:
         events.sort(key=lambda e: (e.start_s, e.stage))
         return events
 
-    def ready(self, k: int, action: Action) -> float | None:
-        """When the input of ``action`` on stage k is there, or None while it has not been sent."""
-        n = self.index[action.tile]
-        if action.phase == "F":
-            if k == 0:
-                return 0.0
-            t = self.act_in[k, n]
-        else:
-            if not self.forward_done[k, n]:
-                return None
-            if k == self.stages - 1:
-                return 0.0
-            t = self.grad_in[k, n]
-        return None if np.isnan(t) else float(t)
+    def ready(self, k: int, phase: str, n: int) -> float | None:
+        """When the input of tile n's ``phase`` on stage k is there, or None while it has not been sent."""
+        if phase == "F":
+            return 0.0 if k == 0 else self.act_in[k][n]
+        if not self.forward_done[k][n]:
+            return None
+        return 0.0 if k == self.stages - 1 else self.grad_in[k][n]
 
-    def run(self, k: int, action: Action, t_ready: float) -> tuple[float, float]:
-        """Compute ``action`` on stage k and send its output down the link; returns its (start, end)."""
-        n = self.index[action.tile]
+    def run(self, k: int, phase: str, n: int, t_ready: float) -> tuple[float, float]:
+        """Compute tile n's ``phase`` on stage k and send its output down the link; returns its (start, end)."""
         start = max(self.stage_free[k], t_ready)
-        if action.phase == "F":
+        if phase == "F":
             end = start + self.fwd[n]
-            self.forward_done[k, n] = True
+            self.forward_done[k][n] = True
             if k + 1 < self.stages:
                 depart = max(end, self.link_fwd_free[k])
-                self.link_fwd_free[k] = depart + self.send_f[n]
-                self.act_in[k + 1, n] = depart + self.send_f[n]
+                self.link_fwd_free[k] = self.act_in[k + 1][n] = depart + self.send_f[n]
         else:
             end = start + self.bwd[n] + (self.fwd[n] if self.recompute[k] else 0.0)
             if k > 0:
                 depart = max(end, self.link_bwd_free[k])
-                self.link_bwd_free[k] = depart + self.send_b[n]
-                self.grad_in[k - 1, n] = depart + self.send_b[n]
+                self.link_bwd_free[k] = self.grad_in[k - 1][n] = depart + self.send_b[n]
         self.stage_free[k] = end
-        return float(start), float(end)
+        return start, end
 
 
 @dataclass(frozen=True)
