@@ -50,7 +50,7 @@ def test_nothing_within_the_memory_limit_is_one_line(gpt3_1b_profile: Path, tmp_
     smallest peak any could reach, and no plan is written."""
     proc = plan_12_stages(gpt3_1b_profile, tmp_path, "--memory-limit", "0.5", "--order", "gpipe")
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
-    assert "no scheme fits the 0.5 GiB" in proc.stderr and "smallest possible peak" in proc.stderr
+    assert "no scheme fits the 512.0 MiB" in proc.stderr and "smallest possible peak" in proc.stderr
     assert not (tmp_path / "p.json").exists()
 
 

@@ -23,10 +23,10 @@ def format_duration(s: float) -> str:
 
 
 def format_bytes(n: float | None, unit: str | None = None) -> str:
-    """Bytes in MiB or GiB with one decimal (by default GiB from 0.1 GiB up, else MiB); ``–`` for an unknown value."""
+    """Bytes in MiB or GiB with one decimal (by default GiB from 1 GiB up, else MiB); ``–`` for an unknown value."""
     if n is None:
         return "–"
-    unit = unit or ("GiB" if n >= 0.1 * 2**30 else "MiB")
+    unit = unit or ("GiB" if n >= 2**30 else "MiB")
     scale = {"MiB": 2**20, "GiB": 2**30}[unit]
     return f"{n / scale:.1f} {unit}"
 
