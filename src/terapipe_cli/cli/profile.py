@@ -53,7 +53,7 @@ def profile(
     device: DeviceOption = "auto",
     precision: PrecisionOption = None,
     quick: Annotated[
-        bool, typer.Option("--quick", help="Coarse grid, few repeats: under 30 s for tests/demos.")
+        bool, typer.Option("--quick", help="Coarse grid, few repeats: about 30 s for the tiny model (10 min at L = 16384).")
     ] = False,
     check: Annotated[
         bool, typer.Option("--check", help="Also time tiles off the grids and compare with the profile's prediction.")
