@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import Fields
 
@@ -61,6 +63,41 @@ def resolve_precision(name: str | None, device: str) -> str:
     if name == "bf16" and device == "cuda" and not _native_bf16():
         raise UserError("this GPU has no native bf16 (it is older than Ampere); use fp16", where="--precision")
     return name
+
+
+def runs_natively(precision: str, device: str) -> bool:
+    """Whether ``device`` (``"cpu"`` or ``"cuda"``) computes in ``precision`` without emulation: everything but bf16
+    on a GPU older than Ampere."""
+    return precision != "bf16" or device != "cuda" or _native_bf16()
+
+
+# A GPU model in a device name: H100, A100, V100, L40S, GH200 (not a form factor such as SXM5 or memory as HBM3).
+_GPU_MODEL = re.compile(r"(?!sxm|hbm)[a-z]{1,3}\d{2,4}[a-z]?")
+_MEMORY = re.compile(r"\d+gb")
+_FORM_FACTORS = ("sxm", "pcie", "nvl")
+
+
+def same_device_name(described: str, local: str) -> bool:
+    """Whether a profile's device name (``described``, e.g. a hardware file's "NVIDIA H100-SXM5-80GB") names the
+    device PyTorch reports here (``local``, e.g. "NVIDIA H100 80GB HBM3").
+
+    Vendors spell one GPU differently, so names with a GPU model (H100, A100, V100, ...) match when the models are
+    equal and they agree on memory size (80GB) and form factor (SXM, PCIe, NVL) wherever both state one. Names
+    without one (CPUs) must be equal, ignoring case, spacing and punctuation. Imports no torch.
+    """
+    a, b = (re.findall(r"[a-z0-9]+", name.lower()) for name in (described, local))
+    model_a, model_b = (next((t for t in tokens if _GPU_MODEL.fullmatch(t)), None) for tokens in (a, b))
+    if model_a is None or model_b is None:
+        return a == b
+    if model_a != model_b:
+        return False
+    return all(not x or not y or x == y for x, y in zip(_details(a), _details(b), strict=True))
+
+
+def _details(tokens: list[str]) -> tuple[set[str], set[str]]:
+    """The memory sizes and form factors a device name states (usually one each, or none)."""
+    memory = {t for t in tokens if _MEMORY.fullmatch(t)}
+    return memory, {f for t in tokens for f in _FORM_FACTORS if t.startswith(f)}
 
 
 def _native_bf16() -> bool:

@@ -22,7 +22,7 @@ Times one decoder layer through the runtime's own per-slice code path (forward a
 
 --tensor-parallel T times the layer as one of a stage's T tensor ranks (heads and MLP split, all-reduces inside every tile): T torchrun processes, one GPU each on CUDA (NCCL) or one core each on CPU (gloo, wall time); the profile records T, and `terapipe plan` plans at it.
 
---check also times tiles off the measured grids and compares them with the profile's prediction; --check-profile does that for an existing profile. --analytic estimates a profile for hardware you do not have.
+--check also times tiles off the measured grids and compares them with the profile's prediction; --check-profile does that for an existing profile, at its precision: a measured one on the kind of device it was measured on, an analytic one only on the device and in the precision it describes (the same GPU model, e.g. the hardware file's "NVIDIA H100-SXM5-80GB" and CUDA's "NVIDIA H100 80GB HBM3"; elsewhere it is refused: measure a profile instead). --analytic estimates a profile for hardware you do not have.
 
 Examples:
 
@@ -60,7 +60,11 @@ def profile(
     ] = False,
     check_profile: Annotated[
         Path | None,
-        typer.Option("--check-profile", help="Check an existing profile against direct timings now; writes nothing."),
+        typer.Option(
+            "--check-profile",
+            help="Check an existing profile (measured, or analytic for this device and precision) against direct "
+            "timings now; writes nothing.",
+        ),
     ] = None,
     no_comm: Annotated[
         bool, typer.Option("--no-comm", help="Skip the torchrun link measurement (the profile records a free link).")
@@ -237,7 +241,9 @@ def _allreduce_text(prof: dict) -> str:
     )
 
 
-def _render_check(console: Console, check: dict) -> None:
+def _render_check(console: Console, check: dict, *, estimated: bool = False) -> None:
+    """``estimated``: the profile is an analytic estimate, so the reference tiles' ratio is how far off its overall
+    speed is, not a drift of this machine since it was measured."""
     t = Table(title="check: tiles off the grids, the profile's cost(b, i, j) vs a direct timing (one layer)")
     for col in ("b", "i", "j", "measured", "predicted", "error"):
         t.add_column(col, justify="right")
@@ -249,9 +255,14 @@ def _render_check(console: Console, check: dict) -> None:
     console.print(f"check: relative error mean {check['rel_err_mean']:.1%}, max {check['rel_err_max']:.1%}")
     if "reference" in check:
         ratio = check["reference"]["speed_ratio"]
+        if estimated:
+            speed = f"this device's speed: tiles on the estimate's own grid take {ratio:.3f}× their estimated time"
+            scale = "that scale"
+        else:
+            speed = f"machine speed now: tiles on the profile's own grid take {ratio:.3f}× their profiled time"
+            scale = "that drift"
         console.print(
-            f"machine speed now: tiles on the profile's own grid take {ratio:.3f}× their profiled time; "
-            f"with that drift divided out the check's error is mean {check['drift_adjusted_rel_err_mean']:.1%}, "
+            f"{speed}; with {scale} divided out the check's error is mean {check['drift_adjusted_rel_err_mean']:.1%}, "
             f"max {check['drift_adjusted_rel_err_max']:.1%}"
         )
 
@@ -268,18 +279,19 @@ def _recheck(
     model,
     analytic: bool,
 ) -> None:
-    from terapipe_cli.profile.measure import recheck_profile
+    from terapipe_cli.profile.measure import device_info, recheck_profile
 
     prof, dev = options.profile_to_check(path, device, precision=precision, model=model, analytic=analytic)
+    estimated = prof.source == "analytic"
     console.print(
-        f"Checking [bold]{path}[/bold] ({prof.device.get('name')}) against direct timings on {dev.type} "
-        f"in {prof.precision}"
+        f"Checking [bold]{path}[/bold] ({'an analytic estimate for ' if estimated else ''}{prof.device.get('name')}) "
+        f"against direct timings on {dev.type} ({device_info(dev)['name']}) in {prof.precision}"
     )
     with _progress(console) as update:
         result = recheck_profile(
             prof.raw, dev, count=4 if quick else 8, repeats=3 if quick else 5, seed=seed, clock=clock, progress=update
         )
-    _render_check(console, result)
+    _render_check(console, result, estimated=estimated)
 
 
 def _render_analytic(console: Console, prof: dict) -> None:

@@ -109,8 +109,16 @@ def _free_memory_bytes(device: torch.device) -> int | None:
     return None
 
 
-def check_fits_in_memory(model: ModelConfig, max_batch: int, device: torch.device) -> None:
+def check_fits_in_memory(
+    model: ModelConfig,
+    max_batch: int,
+    device: torch.device,
+    *,
+    where: str = "--model",
+    advice: str = "use smaller --batch-sizes, or estimate with `terapipe profile --analytic`",
+) -> None:
     """Refuse, with one line, a profile whose largest tile cannot fit on the device (instead of an OOM crash).
+    ``where`` and ``advice``: the option at fault and what to do, for the one line.
 
     A rough upper bound: one layer's weights, gradients and AdamW state (16 bytes per parameter), plus the
     largest tile's activations with its full-length context: ~34·H floats per token and the attention
@@ -125,9 +133,8 @@ def check_fits_in_memory(model: ModelConfig, max_batch: int, device: torch.devic
     if need > 0.9 * free:
         raise UserError(
             f"one layer of model '{model.name}' at batch {max_batch} × {L} tokens needs about {need / 2**30:.1f} GiB, "
-            f"but {device.type} has {free / 2**30:.1f} GiB free; use smaller --batch-sizes, or estimate with "
-            "`terapipe profile --analytic`",
-            where="--model",
+            f"but {device.type} has {free / 2**30:.1f} GiB free; {advice}",
+            where=where,
         )
 
 

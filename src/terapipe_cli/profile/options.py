@@ -63,43 +63,85 @@ def model_to_profile(
 def profile_to_check(
     path: Path, device: str, *, precision: str | None, model: Path | None, analytic: bool
 ) -> tuple[Profile, torch.device]:
-    """For ``--check-profile``: the measured profile at ``path`` and the device to time it on, which must be
-    the kind it was measured on. The check times at the profile's precision; another ``--precision`` is
-    refused."""
+    """For ``--check-profile``: the profile at ``path`` and the device to time it on. A measured profile is timed
+    on the kind of device it was measured on; an analytic one only on the device and in the precision it
+    describes (`check_analytic_device`), since its prediction is for that GPU. An example profile (made-up
+    numbers) predicts no device and is refused. The check times at the profile's precision; another
+    ``--precision`` is refused, and so is T > 1 (the check times one process)."""
     from terapipe_cli.costmodel import read_profile
     from terapipe_cli.device import resolve_precision
-    from terapipe_cli.profile.measure import resolve_device
+    from terapipe_cli.profile.measure import check_fits_in_memory, resolve_device
 
     if model is not None or analytic:
         raise UserError(
             "checks an existing profile; do not combine it with --model or --analytic", where="--check-profile"
         )
     prof = read_profile(path)
-    if prof.tensor_parallel > 1:
+    if prof.source not in ("measured", "analytic"):
         raise UserError(
-            f"was measured at tensor parallelism {prof.tensor_parallel}; --check-profile times one process only "
-            "(re-measure with --check instead)",
+            f"is an {prof.source!r} profile; only a measured profile or an analytic one can be checked by timing",
             where=str(path),
         )
     dev = resolve_device(device)
-    if prof.source != "measured":
+    measured = prof.source == "measured"
+    if not measured:
+        check_analytic_device(prof, dev, path)
+    elif prof.device.get("kind") != dev.type:
         raise UserError(
-            f"is an {prof.source!r} profile; only a measured profile can be checked by timing", where=str(path)
+            f"was measured on {prof.device.get('kind')!r}, but this check would time {dev.type!r} (see --device)",
+            where=str(path),
         )
-    kind = prof.device.get("kind")
-    if kind != dev.type:
+    T = prof.tensor_parallel
+    if T > 1:
+        todo = (
+            "re-measure with --check instead"
+            if measured
+            else f"check its T = 1 estimate, or measure {T} ranks here with `terapipe profile --tensor-parallel {T} "
+            "--check`"
+        )
         raise UserError(
-            f"was measured on {kind!r}, but this check would time {dev.type!r} (see --device)", where=str(path)
+            f"{'was measured at' if measured else 'is an estimate for'} tensor parallelism {T}; --check-profile "
+            f"times one process only ({todo})",
+            where=str(path),
         )
     # Not given or auto: the profile's own (refused, like any bf16, on a GPU without bf16).
     asked = resolve_precision(prof.precision if precision in (None, "auto") else precision, dev.type)
     if asked != prof.precision:
         raise UserError(
-            f"{asked} asked for, but {path} was measured in {prof.precision}; leave --precision out to check it "
-            "at its own",
+            f"{asked} asked for, but {path} was {'measured' if measured else 'estimated'} in {prof.precision}; leave "
+            "--precision out to check it at its own",
             where="--precision",
         )
+    if not measured:  # a measured profile fitted here when it was made
+        check_fits_in_memory(
+            prof.model,
+            max(prof.batch_sizes),
+            dev,
+            where=str(path),
+            advice="check an estimate with smaller batch sizes (`terapipe profile --analytic --batch-sizes 1,2`)",
+        )
     return prof, dev
+
+
+def check_analytic_device(prof: Profile, dev: torch.device, path: Path) -> None:
+    """An analytic profile is checked only where its prediction applies: the same kind of device, a device name
+    that `device.same_device_name` matches (a hardware file's "NVIDIA H100-SXM5-80GB" and CUDA's
+    "NVIDIA H100 80GB HBM3" both name an H100), and a precision this device computes natively."""
+    from terapipe_cli.device import default_precision, runs_natively, same_device_name
+    from terapipe_cli.profile.measure import device_info
+
+    kind, described = prof.device.get("kind"), str(prof.device.get("name"))
+    local = device_info(dev)["name"]
+    here = prof.precision if runs_natively(prof.precision, dev.type) else default_precision(dev.type)
+    if kind == dev.type and same_device_name(described, local) and here == prof.precision:
+        return
+    raise UserError(
+        f"is an analytic estimate for {described} ({kind}) in {prof.precision}, but this check would time "
+        f"{local} ({dev.type}) in {here}; an estimate is checked only on the device and in the precision it "
+        f"describes: make a measured profile of this machine with `terapipe profile --model {prof.model.name} "
+        "--check`",
+        where=str(path),
+    )
 
 
 def analytic_request(
