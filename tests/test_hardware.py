@@ -32,10 +32,14 @@ def test_every_constant_has_a_source_comment(path: Path):
 def test_numbers_are_sane(path: Path):
     hw = load_hardware(path)
     d = hw.device
-    # Compute-to-bandwidth ratios of real accelerators lie between ~50 and ~500 FLOP/byte.
-    assert 50 < d.peak_flops / d.memory_bytes_per_s < 500
+    # Compute-to-bandwidth ratios of real accelerators lie between ~50 and ~500 FLOP/byte on their tensor cores,
+    # ~10-50 on their fp32 CUDA cores.
+    low, high = (10, 50) if hw.training.dtype == "fp32" else (50, 500)
+    assert low < d.peak_flops / d.memory_bytes_per_s < high
     assert hw.intra_node.bytes_per_s > hw.network.bytes_per_s / hw.gpus_per_node
-    assert hw.training.dtype_bytes == 2
+    assert hw.training.dtype_bytes == {"fp32": 4, "bf16": 2, "fp16": 2}[hw.training.dtype]
+    # The host dispatches a kernel in microseconds to tens of them, never in a millisecond.
+    assert 0 <= d.dispatch_s < 200e-6
 
 
 V100 = (ROOT / "configs" / "hardware" / "v100.toml").read_text()
@@ -56,6 +60,17 @@ def test_bad_file_is_one_line_naming_the_field(tmp_path: Path, edit, field: str)
     path = tmp_path / "hw.toml"
     path.write_text(edit(V100))
     assert_file_error(load_hardware, path, field)
+
+
+def test_optional_fields_default_to_the_files_before_them(tmp_path: Path):
+    """dispatch_s (no floor) and attention (dense) are optional: files written before them keep their meaning."""
+    hw = load_hardware(ROOT / "configs" / "hardware" / "v100.toml")
+    assert hw.device.dispatch_s == 0 and hw.training.attention == "dense"
+    path = tmp_path / "hw.toml"
+    path.write_text(V100.replace('dtype = "fp16"', 'dtype = "fp16"\nattention = "flash"'))
+    assert_file_error(load_hardware, path, "training.attention", "dense or fused")
+    path.write_text(V100.replace("kernel_launch_s = 5e-6", "kernel_launch_s = 5e-6\ndispatch_s = -1"))
+    assert_file_error(load_hardware, path, "device.dispatch_s")
 
 
 def test_missing_and_malformed_files(tmp_path: Path):

@@ -16,7 +16,10 @@ measurements; the file's comments give the source of each.
     matmul_efficiency = 0.75       # fraction of peak a large matrix product reaches
     matmul_half_dim = 64           # a matrix dimension this small halves the efficiency (x / (x + h) per dim)
     memory_efficiency = 0.83       # fraction of memory bandwidth a streaming kernel reaches
-    kernel_launch_s = 5e-6         # no kernel takes less than this
+    kernel_launch_s = 5e-6         # no kernel takes less than this on the GPU
+    dispatch_s = 30e-6             # optional (default 0: no floor): host seconds per kernel eager PyTorch issues;
+                                   # a tile takes at least (kernels it launches) × dispatch_s (profile/analytic.py);
+                                   # 0 also prices a CUDA-graphed layer, which no host dispatches kernel by kernel
 
     [intra_node]                   # GPU-to-GPU inside a node (NVLink): tensor-parallel all-reduces
     bytes_per_s = 150e9
@@ -31,6 +34,11 @@ measurements; the file's comments give the source of each.
     dtype_bytes = 2
     state_bytes_per_param = 16     # weights + gradients + optimizer state held per parameter
     optimizer_bytes_per_param = 28 # memory traffic of one optimizer update per parameter
+    attention = "fused"            # optional: "dense" (the default; Megatron's scores, softmax and dropout
+                                   # kernels) or "fused" (one scaled_dot_product_attention kernel, as the runtime)
+
+Files fitted to measurements by `terapipe profile --calibrate` (`profile.calibrate`) say so in their header and
+in the comment of every fitted constant.
 """
 
 from __future__ import annotations
@@ -52,6 +60,10 @@ class Device:
     matmul_half_dim: float
     memory_efficiency: float
     kernel_launch_s: float
+    # Host time per kernel issued by eager PyTorch (Python, dispatcher, autograd, launch): the floor of a tile
+    # whose kernels are shorter than that (docs/design.md §12). 0, the default: no floor, the pure roofline of
+    # the files written before it; 0 also prices a CUDA-graphed layer, which the host does not dispatch.
+    dispatch_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -62,12 +74,20 @@ class Link:
     latency_s: float
 
 
+ATTENTION = ("dense", "fused")
+
+
 @dataclass(frozen=True)
 class Training:
     dtype: str
     dtype_bytes: int
     state_bytes_per_param: float
     optimizer_bytes_per_param: float
+    # "dense" (the default, Megatron-LM of the published runs): scores Q·Kᵀ over the whole i × (i + j) rectangle
+    # are written to memory, then softmax and dropout kernels read them. "fused" (the runtime's
+    # scaled_dot_product_attention, FlashAttention-style): one kernel keeps the scores on chip, skips the blocks
+    # the causal mask hides, and its backward recomputes them.
+    attention: str = "dense"
 
 
 @dataclass(frozen=True)
@@ -123,6 +143,7 @@ def hardware_from_dict(obj: dict, where: str) -> Hardware:
         "matmul_half_dim",
         "memory_efficiency",
         "kernel_launch_s",
+        "dispatch_s",
     )
     _check_keys(dev, dev_obj, device_keys)
     device = Device(
@@ -134,15 +155,20 @@ def hardware_from_dict(obj: dict, where: str) -> Hardware:
         matmul_half_dim=dev.number("matmul_half_dim", minimum=0),
         memory_efficiency=_fraction(dev, "memory_efficiency"),
         kernel_launch_s=dev.number("kernel_launch_s", minimum=0),
+        dispatch_s=dev.number("dispatch_s", minimum=0, default=0.0),
     )
 
     tr, tr_obj = _table(top, obj, "training")
-    _check_keys(tr, tr_obj, ("dtype", "dtype_bytes", "state_bytes_per_param", "optimizer_bytes_per_param"))
+    _check_keys(tr, tr_obj, ("dtype", "dtype_bytes", "state_bytes_per_param", "optimizer_bytes_per_param", "attention"))
+    attention = tr.str("attention", default="dense")
+    if attention not in ATTENTION:
+        raise tr.fail("attention", f"must be {' or '.join(ATTENTION)}, got {attention!r}")
     training = Training(
         dtype=tr.str("dtype"),
         dtype_bytes=tr.int("dtype_bytes", minimum=1),
         state_bytes_per_param=tr.number("state_bytes_per_param", minimum=0),
         optimizer_bytes_per_param=tr.number("optimizer_bytes_per_param", minimum=0),
+        attention=attention,
     )
     return Hardware(
         name=hw.str("name"),

@@ -10,7 +10,10 @@ kernel is timed with a roofline:
   FLOP counts are exact (2·m·n·k per product; forward and backward are listed product by product);
 * an element-wise kernel (layer norm, softmax, GeLU, dropout, residual) moves its bytes over the memory
   bandwidth, and no kernel beats the launch floor;
-* a tensor-parallel all-reduce is a ring over the intra-node link: ``2(t−1)·latency + 2(t−1)/t · bytes/bw``.
+* a tensor-parallel all-reduce is a ring over the intra-node link: ``2(t−1)·latency + 2(t−1)/t · bytes/bw``;
+* the dispatch floor (hardware files with ``dispatch_s``): eager PyTorch issues the layer's kernels one by one
+  from the host, so a tile's forward (backward) takes at least the kernels it launches × ``dispatch_s``
+  (`dispatch_floor_seconds`). That floor, not FLOPs, prices short slices on a fast GPU.
 
 Placement assumed: consecutive stages of one pipeline fill a node (tensor-parallel groups inside a node),
 so at least one stage boundary per node crosses the network, which sets the pipeline's pace; every
@@ -108,6 +111,27 @@ def _gemm_seconds(dev: Device, dtype_bytes: int, gemm: Gemm) -> np.ndarray:
     return np.maximum(np.maximum(compute, memory), dev.kernel_launch_s)
 
 
+def _fused_attention_seconds(
+    dev: Device, dtype_bytes: int, model: ModelConfig, b: np.ndarray, i: np.ndarray, j: np.ndarray, t: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Fused attention (``[training] attention = "fused"``): one kernel forward, one backward, each priced like a
+    matrix product (FlashAttention, Dao et al. 2022).
+
+    The scores never leave the chip, so memory moves only q, k, v and the output (and their gradients); the causal
+    mask lets the kernel skip the key blocks above the diagonal, so a query meets j + i/2 keys on average; the
+    backward recomputes the scores and runs five products against the forward's two (2.5× its FLOPs).
+    """
+    heads, d, h = model.heads / t, float(model.head_dim), dev.matmul_half_dim
+    keys = j + i / 2
+    flops = 4.0 * b * heads * i * keys * d
+    efficiency = dev.matmul_efficiency * (i / (i + h)) * (keys / (keys + h)) * (d / (d + h))
+    rows = dtype_bytes * b * heads * d  # bytes of one row (a query, key or value) across the heads
+    bw = dev.memory_bytes_per_s * dev.memory_efficiency
+    forward = np.maximum(flops / (dev.peak_flops * efficiency), rows * (2 * i + 2 * (i + j)) / bw)
+    backward = np.maximum(2.5 * flops / (dev.peak_flops * efficiency), rows * (4 * i + 4 * (i + j)) / bw)
+    return np.maximum(forward, dev.kernel_launch_s), np.maximum(backward, dev.kernel_launch_s)
+
+
 def _stream_seconds(dev: Device, nbytes: np.ndarray) -> np.ndarray:
     return np.maximum(nbytes / (dev.memory_bytes_per_s * dev.memory_efficiency), dev.kernel_launch_s)
 
@@ -125,15 +149,22 @@ def layer_seconds(
     scores = b * (model.heads / t) * i * (i + j) * e  # bytes of one attention score matrix
 
     fwd_gemms = forward_gemms(model, b, i, j, t)
+    fused = hardware.training.attention == "fused"
+    if fused:  # the attention products run inside one kernel, priced on their own
+        fwd_gemms = [g for g in fwd_gemms if g[0] not in ("scores", "values")]
+        scores = 0.0 * scores  # never written to memory
     forward = sum(_gemm_seconds(dev, e, g) for g in fwd_gemms)
     backward = sum(_gemm_seconds(dev, e, g) for g in backward_gemms(fwd_gemms))
+    if fused:
+        attention_fwd, attention_bwd = _fused_attention_seconds(dev, e, model, b, i, j, t)
+        forward, backward = forward + attention_fwd, backward + attention_bwd
 
     # Element-wise kernels, bytes moved (read + write; a dropout mask is one byte per element).
     mask = 1.0 / e
     fwd_stream = [
         2 * act,  # layer norm 1
-        2 * scores,  # scale + causal mask + softmax (fused)
-        (2 + mask) * scores,  # attention dropout
+        2 * scores,  # scale + causal mask + softmax (fused; dense attention only)
+        (2 + mask) * scores,  # attention dropout (dense attention only)
         (3 + mask) * act,  # bias + dropout + residual after the projection (fused)
         2 * act,  # layer norm 2
         2 * inner,  # bias + GeLU
@@ -141,8 +172,8 @@ def layer_seconds(
     ]
     bwd_stream = [
         3 * act,  # layer norm 1: read dy and x, write dx
-        3 * scores,  # softmax: read dy and y, write dx
-        (2 + mask) * scores,  # attention dropout
+        3 * scores,  # softmax: read dy and y, write dx (dense attention only)
+        (2 + mask) * scores,  # attention dropout (dense attention only)
         (2 + mask) * act,  # residual + dropout
         3 * act,  # layer norm 2
         3 * inner,  # GeLU: read dy and x, write dx
@@ -154,7 +185,84 @@ def layer_seconds(
     # Megatron's f/g operators: two all-reduces of the activation forward, two of its gradient backward.
     link = hardware.intra_node
     allreduce = ring_allreduce_seconds(act, t, latency_s=link.latency_s, bytes_per_s=link.bytes_per_s)
-    return forward + 2 * allreduce, backward + 2 * allreduce
+    forward, backward = forward + 2 * allreduce, backward + 2 * allreduce
+    if dev.dispatch_s:
+        floor_fwd, floor_bwd = dispatch_floor_seconds(hardware, t)
+        forward, backward = np.maximum(forward, floor_fwd), np.maximum(backward, floor_bwd)
+    return forward, backward
+
+
+# The kernels one tile of the runtime's decoder layer launches on CUDA (`model.Block` with a K/V cache, as
+# `runtime.stage.StageRunner` runs it), op by op. Views (split, view, transpose, slicing the cache) launch none.
+FORWARD_KERNELS = (
+    ("ln_1", 1),
+    ("qkv", 1),
+    ("k, v into the K/V cache (two copies)", 2),
+    ("q.contiguous()", 1),
+    ("scaled_dot_product_attention", 1),
+    ("heads back to (b, i, H): reshape copy", 1),
+    ("attention proj", 1),
+    ("residual add", 1),
+    ("ln_2", 1),
+    ("fc", 1),
+    ("gelu", 1),
+    ("mlp proj", 1),
+    ("residual add", 1),
+)
+# Backward: every matrix product gives two (input and weight gradient), each parameter's gradient is added to
+# its .grad (the tiles of a step accumulate), a layer norm's backward is two kernels (input; weight and bias), a
+# tensor used twice sums its two gradients, and the fused attention's backward is a pre-processing kernel (the
+# output·gradient row sums) plus the main one and a zero-fill of its gradient accumulator.
+BACKWARD_KERNELS = (
+    ("residual: x's two gradients summed (twice)", 2),
+    ("mlp proj: dgrad, wgrad, .grad +=", 3),
+    ("gelu backward", 1),
+    ("fc: dgrad, wgrad, .grad +=", 3),
+    ("ln_2: dx, dweight and dbias, two .grad +=", 4),
+    ("attention proj: dgrad, wgrad, .grad +=", 3),
+    ("reshape copy backward", 1),
+    ("scaled_dot_product_attention backward", 3),
+    ("K/V hand-back: own rows + later slices' share, earlier rows into the cache's gradient", 4),
+    ("q, k, v gradients back into one (b, i, 3H) tensor", 2),
+    ("qkv: dgrad, wgrad, .grad +=", 3),
+    ("ln_1: dx, dweight and dbias, two .grad +=", 4),
+)
+# Under autocast (bf16/fp16): the two layer norms run in fp32, so the inputs of qkv and fc are cast (one kernel
+# each, and one backward each); each weight's 16-bit copy is made once per step (not per tile, StageRunner.step)
+# but its gradient is cast back to fp32 in every tile's backward (four kernels).
+AUTOCAST_KERNELS = (2, 2 + 4)
+# Tensor parallelism: two all-reduces forward and two backward, each a clone and the collective (runtime/tensor.py).
+TENSOR_PARALLEL_KERNELS = (4, 4)
+
+
+def kernels_per_tile(dtype: str, tensor_parallel: int = 1) -> tuple[int, int]:
+    """The kernels one tile of one layer launches, forward and backward, in ``dtype`` on T tensor ranks.
+
+    Counted from the runtime's layer (tables above) for the PyTorch 2.x CUDA kernels; a version that fuses or
+    splits a kernel differently moves the count by one or two of about 15 forward and 35 backward, which the
+    calibrated ``dispatch_s`` absorbs (it is fitted against these counts).
+    """
+    fwd, bwd = (sum(n for _, n in kernels) for kernels in (FORWARD_KERNELS, BACKWARD_KERNELS))
+    if dtype in ("bf16", "fp16"):
+        fwd, bwd = fwd + AUTOCAST_KERNELS[0], bwd + AUTOCAST_KERNELS[1]
+    if tensor_parallel > 1:
+        fwd, bwd = fwd + TENSOR_PARALLEL_KERNELS[0], bwd + TENSOR_PARALLEL_KERNELS[1]
+    return fwd, bwd
+
+
+def dispatch_floor_seconds(hardware: Hardware, tensor_parallel: int = 1) -> tuple[float, float]:
+    """The least time the host needs to issue one tile's forward and backward kernels.
+
+    Eager PyTorch launches kernels asynchronously: the host walks the layer op by op (Python, the dispatcher,
+    autograd's bookkeeping, the launch) while the GPU works through its queue. When the kernels are longer than
+    their dispatch the host runs ahead and the GPU sets the pace; when they are shorter, the GPU waits for each
+    next kernel and the host sets it. So a tile takes max(GPU time, kernels × dispatch_s) — the two bounds of
+    that queue. The max is exact wherever one side dominates, which is everywhere but near the crossover, where
+    it is low by at most half (a GPU that idles on a few short kernels while long ones queue up); the measured
+    tile times showed a flat floor and then a straight GPU line, with no wide bend to model.
+    """
+    fwd, bwd = kernels_per_tile(hardware.training.dtype, tensor_parallel)
+    return fwd * hardware.device.dispatch_s, bwd * hardware.device.dispatch_s
 
 
 def activation_bytes_per_token(model: ModelConfig, dtype_bytes: int, tensor_parallel: int = 1) -> float:
