@@ -24,6 +24,8 @@ Times one decoder layer through the runtime's own per-slice code path (forward a
 
 --check also times tiles off the measured grids and compares them with the profile's prediction; --check-profile does that for an existing profile, at its precision: a measured one on the kind of device it was measured on, an analytic one only on the device and in the precision it describes (the same GPU model, e.g. the hardware file's "NVIDIA H100-SXM5-80GB" and CUDA's "NVIDIA H100 80GB HBM3"; elsewhere it is refused: measure a profile instead). --analytic estimates a profile for hardware you do not have.
 
+--calibrate fits a hardware file's dispatch floor and matrix-product efficiency to a measured profile of the same device and precision (or to a CSV tile table, with --precision), writes the calibrated hardware TOML and prints the fit's error per tile size; --analytic with that file then predicts what the runtime measures.
+
 Examples:
 
     terapipe profile --model configs/models/tiny.toml --out profile.json
@@ -35,6 +37,8 @@ Examples:
     terapipe profile --check-profile profile.json
 
     terapipe profile --analytic --hardware configs/hardware/v100.toml --model configs/models/gpt3-175b.toml -t 8
+
+    terapipe profile --calibrate profile.json --hardware h100-fp32 --out h100-fp32-calibrated.toml
 """  # noqa: E501
 
 
@@ -53,7 +57,8 @@ def profile(
     device: DeviceOption = "auto",
     precision: PrecisionOption = None,
     quick: Annotated[
-        bool, typer.Option("--quick", help="Coarse grid, few repeats: about 30 s for the tiny model (10 min at L = 16384).")
+        bool,
+        typer.Option("--quick", help="Coarse grid, few repeats: about 30 s for the tiny model (10 min at L = 16384)."),
     ] = False,
     check: Annotated[
         bool, typer.Option("--check", help="Also time tiles off the grids and compare with the profile's prediction.")
@@ -90,7 +95,16 @@ def profile(
         bool, typer.Option("--analytic", help="Estimate from a hardware file instead of measuring (needs --hardware).")
     ] = False,
     hardware: Annotated[
-        Path | None, typer.Option("--hardware", help="Hardware TOML for --analytic (configs/hardware/NAME.toml).")
+        Path | None,
+        typer.Option("--hardware", help="Hardware TOML for --analytic or --calibrate (configs/hardware/NAME.toml)."),
+    ] = None,
+    calibrate: Annotated[
+        Path | None,
+        typer.Option(
+            "--calibrate",
+            help="Fit --hardware's dispatch floor and matrix-product efficiency to this measured profile (or CSV "
+            "tile table, with --precision) of the same device and precision; writes the calibrated hardware TOML.",
+        ),
     ] = None,
     tensor_parallel: Annotated[
         int,
@@ -101,10 +115,29 @@ def profile(
             "estimated with --analytic (GPUs per tensor-parallel group).",
         ),
     ] = 1,
-    out: Annotated[Path, typer.Option("--out", "-o", help="Where to write the profile JSON.")] = Path("profile.json"),
-    force: Annotated[bool, typer.Option("--force", help="Overwrite --out even if it is not a profile.")] = False,
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            "--out",
+            "-o",
+            help="Where to write the profile JSON (with --calibrate: the hardware TOML).",
+            show_default="profile.json; with --calibrate, HARDWARE-calibrated.toml",
+        ),
+    ] = None,
+    force: Annotated[
+        bool, typer.Option("--force", help="Overwrite --out even if it is not a profile (--calibrate: any file).")
+    ] = False,
 ) -> None:
     console = make_console()
+    if calibrate is not None:
+        others = {
+            "--model": model is not None, "--analytic": analytic, "--check": check, "--quick": quick,
+            "--check-profile": check_profile is not None, "--batch-sizes": batch_sizes is not None,
+            "--tensor-parallel": tensor_parallel != 1, "--no-comm": no_comm, "--no-allreduce": no_allreduce,
+        }  # fmt: skip
+        _calibrate(console, calibrate, hardware=hardware, precision=precision, out=out, force=force, others=others)
+        return
+    out = out if out is not None else Path("profile.json")
     if check_profile is not None:
         _recheck(console, check_profile, device, precision, quick, seed, clock, model=model, analytic=analytic)
         return
@@ -302,6 +335,55 @@ def _render_analytic(console: Console, prof: dict) -> None:
         f"context fit held-out error forward {ctx['forward']['heldout_rel_err_mean']:.2%} mean, "
         f"backward {ctx['backward']['heldout_rel_err_mean']:.2%} mean"
     )
+
+
+def _calibrate(console: Console, measured: Path, *, hardware, precision, out, force: bool, others: dict) -> None:
+    """``--calibrate``: fit, write the calibrated hardware TOML, show the error per tile size."""
+    from terapipe_cli.files import write_text_atomic
+    from terapipe_cli.profile.calibrate import calibrate, calibrated_toml
+
+    measurement, hw, text, out = options.calibration_request(
+        measured, hardware=hardware, precision=precision, out=out, force=force, others=others
+    )
+    result = calibrate(measurement, hw)
+    write_text_atomic(out, calibrated_toml(text, result, str(measured)))
+    _render_calibration(console, result, measured)
+    console.print(f"wrote [bold]{out}[/bold]")
+
+
+def _render_calibration(console: Console, result, measured: Path) -> None:
+    before, after = result.uncalibrated.device, result.hardware.device
+    t = Table(
+        title=f"calibration of {result.uncalibrated.path} on {measured}: tile time (forward + backward of one layer), "
+        "mean per tile size",
+    )
+    for col in ("tiles", "b·i", "count", "measured", "calibrated", "error", "max", "uncalibrated", "error"):
+        t.add_column(col, justify="left" if col == "tiles" else "right")
+    for r in result.rows:
+        t.add_row(
+            r.kind, f"{r.low + 1}-{r.high}", str(r.tiles), _ms(r.measured_s), _ms(r.calibrated_s),
+            f"{r.rel_err_mean:.1%}", f"{r.rel_err_max:.1%}",
+            _ms(r.uncalibrated_s), f"{r.uncalibrated_rel_err_mean:.0%}",
+        )  # fmt: skip
+    t.add_section()
+    t.add_row(
+        "all", "", str(result.tiles), "", "", f"{result.rel_err_mean:.1%}", f"{result.rel_err_max:.1%}", "",
+        f"{result.uncalibrated_rel_err_mean:.0%}",
+    )  # fmt: skip
+    console.print(t)
+    fitted = ", ".join(f"{k} {getattr(before, k):.4g} -> {v:.4g}" for k, v in result.fitted.items())
+    console.print(f"fitted: {fitted}")
+    if result.at_bounds:
+        edges = ", ".join(result.at_bounds)
+        console.print(f"at the edge of the range searched (not pinned down by these tiles): {edges}")
+    if after.dispatch_s:
+        from terapipe_cli.profile.analytic import kernels_per_tile
+
+        fwd, bwd = kernels_per_tile(result.hardware.training.dtype)
+        console.print(
+            f"dispatch floor: {fwd} kernels forward, {bwd} backward × {after.dispatch_s * 1e6:.1f} µs = "
+            f"{_ms(fwd * after.dispatch_s)} + {_ms(bwd * after.dispatch_s)} per tile and layer"
+        )
 
 
 def register(app: typer.Typer) -> None:

@@ -18,6 +18,8 @@ if TYPE_CHECKING:
     import torch
 
     from terapipe_cli.costmodel import Profile
+    from terapipe_cli.hardware import Hardware
+    from terapipe_cli.profile.calibrate import Measurement
     from terapipe_cli.profile.measure import Settings
 
 DEFAULT_BATCH_SIZES = "1,2,4"
@@ -250,3 +252,55 @@ def check_tensor_parallel(cfg: ModelConfig, tensor_parallel: int, device: str, c
             "wall time (leave --clock out)",
             where="--clock",
         )
+
+
+def calibration_request(
+    measured: Path,
+    *,
+    hardware: Path | None,
+    precision: str | None,
+    out: Path | None,
+    force: bool,
+    others: dict[str, bool],
+) -> tuple[Measurement, Hardware, str, Path]:
+    """For ``--calibrate``: the measured tile times (a measured profile, or a CSV tile table whose precision
+    ``--precision`` names), the hardware file to fit, its text, and a writable ``out`` (default
+    ``NAME-calibrated.toml`` here). ``others``: flag -> whether it was given, for the flags that do not apply.
+    The measurement's device and precision must be the hardware file's."""
+    from terapipe_cli.costmodel import read_profile
+    from terapipe_cli.files import check_output_file, read_user_text
+    from terapipe_cli.hardware import load_hardware
+    from terapipe_cli.profile.calibrate import check_matches, from_profile, read_tile_table
+
+    given = [flag for flag, on in others.items() if on]
+    if given:
+        raise UserError("applies to measuring or estimating a profile, not to --calibrate", where=given[0])
+    if hardware is None:
+        raise UserError(
+            "is required with --calibrate (the hardware TOML to fit, e.g. configs/hardware/h100-fp32.toml)",
+            where="--hardware",
+        )
+    hw = load_hardware(hardware)
+    text = read_user_text(Path(hw.path), name="hardware file", expected="a hardware TOML file")
+    asked = None if precision in (None, "auto") else precision
+    if measured.suffix.lower() == ".csv":
+        if asked is None:
+            raise UserError(
+                f"a tile table does not record its precision; name it with --precision ({hw.path} prices "
+                f"{hw.training.dtype})",
+                where=str(measured),
+            )
+        measurement = read_tile_table(measured, asked)
+    else:
+        measurement = from_profile(read_profile(measured))
+        if asked is not None and asked != measurement.precision:
+            raise UserError(
+                f"{asked} asked for, but {measured} was measured in {measurement.precision}; leave --precision out",
+                where="--precision",
+            )
+    check_matches(measurement, hw)
+    out = out if out is not None else Path(f"{Path(hw.path).stem}-calibrated.toml")
+    if out.exists() and out.resolve() == Path(hw.path).resolve():
+        raise UserError(f"is the --hardware file {hw.path} itself; write the calibrated file elsewhere", where="--out")
+    check_output_file(out, kind="hardware file", schema=None, force=force, example="h100-calibrated.toml")
+    return measurement, hw, text, out
