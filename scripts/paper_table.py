@@ -20,12 +20,15 @@ which stages recompute; the GPipe baseline runs in the same order and recomputat
 so its times still compare TeraPipe with GPipe, and its peak is flagged "(!)" with the smallest peak any scheme
 could reach ("min").
 
-Columns: GPipe scheme and predicted latency per step, TeraPipe scheme and predicted latency, the predicted
-speed-up, the DP's gain over the best uniform slicing (uniform / DP latency), and the planner's wall seconds
-(the search within the memory limit and the baselines included).
+Columns: GPipe scheme and predicted latency per step, TeraPipe scheme (the DP's exact optimum of the objective) and
+predicted latency, the predicted speed-up, the DP's gain over the best uniform slicing (uniform / DP latency), and
+the planner's wall seconds (the search within the memory limit, the schedule-aware choice and the baselines
+included).
 Schemes are in the short form of docs/design.md §2, runs of equal slices folded (``[72]*12``); long ones are
 shortened in the middle (--full shows them whole). Then the latencies the schedule simulator predicts for the
-GPipe and TeraPipe schemes (transfers overlapping compute, as the runtime's asynchronous sends do), the plan's
+GPipe and TeraPipe schemes (transfers overlapping compute, as the runtime's asynchronous sends do); the simulated
+latency of the plan's schedule-aware choice (`terapipe plan --rank simulated`, the default: the fastest in the
+simulator among the optimum and the schemes the search ranks next to it) and its gain, or "same"; the plan's
 schedule order and recomputing stages ("—" none, "all", or a list such as "0–3, 7"), and its estimated peak
 memory of its fullest stage in GiB.
 """
@@ -68,7 +71,8 @@ class Row:
     step_s: float
     planner_s: float  # wall seconds of planning: the slicing DP, the search within the memory limit, the baselines
     gpipe_sim_s: float
-    terapipe_sim_s: float
+    terapipe_sim_s: float  # the objective's optimum (the TeraPipe scheme above), simulated
+    chosen_sim_s: float  # the plan's schedule-aware choice (`terapipe plan --rank simulated`), simulated
     order: str  # the plan's schedule order: "gpipe" or "1f1b"
     recompute: tuple[bool, ...]  # per stage
     peak_memory_bytes: float
@@ -115,7 +119,9 @@ def plan_experiment(exp: Experiment, memory_limit_gib: float | None = None) -> R
         least, _ = smallest_peak(profile, request, limit)
         planned = plan_for_profile(profile, replace(request, memory_limit_gib=NO_LIMIT_GIB))
     planner_s = time.perf_counter() - start
-    gp, res, un = planned.gpipe, planned.terapipe, planned.uniform
+    gp, un = planned.gpipe, planned.uniform
+    res = planned.formula_optimal or planned.terapipe  # the DP's exact optimum of the objective
+    optimum_sim = planned.formula_optimal_simulated_s or planned.simulated_s["terapipe"]
     memory = planned.memory
     return Row(
         experiment=exp,
@@ -128,7 +134,8 @@ def plan_experiment(exp: Experiment, memory_limit_gib: float | None = None) -> R
         step_s=planned.cost.step_s,
         planner_s=planner_s,
         gpipe_sim_s=planned.simulated_s["gpipe"],
-        terapipe_sim_s=planned.simulated_s["terapipe"],
+        terapipe_sim_s=optimum_sim,
+        chosen_sim_s=planned.simulated_s["terapipe"],
         order=planned.order,
         recompute=planned.recompute,
         peak_memory_bytes=memory.peak_bytes if memory else float("nan"),
@@ -162,6 +169,13 @@ def _peak_cell(row: Row) -> str:
     return gib if row.fits else f"{gib} (!) min {row.smallest_peak_bytes / 2**30:.1f}"
 
 
+def _rerank_cell(row: Row) -> str:
+    """The schedule-aware choice's simulated latency and its gain over the optimum's, or "same"."""
+    if row.chosen_sim_s >= row.terapipe_sim_s:
+        return "same"
+    return f"{row.chosen_sim_s:.3f} ({row.chosen_sim_s / row.terapipe_sim_s - 1:+.1%})"
+
+
 def _shorten(scheme: str, width: int) -> str:
     if width <= 0 or len(scheme) <= width:
         return scheme
@@ -187,6 +201,7 @@ def _cells(row: Row, width: int) -> list[str]:
         f"{row.dp_gain:.3f}x",
         f"{row.planner_s:.2f}",
         f"{row.gpipe_sim_s:.3f} / {row.terapipe_sim_s:.3f}",
+        _rerank_cell(row),
         "1F1B" if row.order == "1f1b" else "GPipe",
         stage_ranges(row.recompute),
         _peak_cell(row),
@@ -209,6 +224,7 @@ HEADERS = [
     "DP vs uniform",
     "planner s",
     "simulated GPipe / TeraPipe s",
+    "schedule-aware: simulated s",
     "order",
     "recompute",
     "peak GiB",

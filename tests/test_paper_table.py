@@ -31,6 +31,8 @@ def test_a_row_is_a_real_plan_better_than_both_baselines():
     assert 0 < row.step_s < row.terapipe_s
     # Planned within the V100's 16 GiB.
     assert row.fits and row.peak_memory_bytes <= 16 * 2**30
+    # The schedule-aware choice is never slower in the simulator than the optimum of the objective.
+    assert row.chosen_sim_s <= row.terapipe_sim_s
 
 
 def test_a_setting_no_scheme_fits_is_planned_without_the_limit_and_flagged():

@@ -69,6 +69,8 @@ class PlanResult:
     candidates: int = 0
     sum_s: float = 0.0
     extra: dict = field(default_factory=dict)
+    # Schemes the search ranks next to this one (`solve(neighbours=…)`), by the objective, best first.
+    alternatives: list[PlanResult] = field(default_factory=list)
 
     def short_form(self, *, fold: bool = False) -> str:
         return short_form(self.slices, fold=fold)
@@ -536,13 +538,16 @@ def solve(
     epsilon: float = 0.0,
     method: str = "exact",
     batch_slice: int | None = None,
+    neighbours: int = 0,
 ) -> PlanResult | None:
     """Choose token and batch slicing minimising the objective of docs/design.md §4.
 
     ``method="exact"`` (default) returns the exact optimum for ``epsilon=0`` and stays within ``stages·epsilon``
     of it otherwise; ``method="enumerate"`` is the published ε-enumeration, kept for comparison.
     ``batch_slice=b`` (dividing the batch) plans B/b equal batch slices of b sequences, all sliced alike. A cost of
-    +inf forbids a tile; None when every scheme needs a forbidden tile.
+    +inf forbids a tile; None when every scheme needs a forbidden tile. ``neighbours=n`` also returns, in
+    ``alternatives``, the cheapest schemes under the n distinct tile costs on either side of the optimum's largest
+    tile (each the exact optimum for its threshold): the candidates a schedule-aware choice re-ranks.
     """
     _check_sizes(seq_len=seq_len, batch_size=batch_size, stages=stages, token_step=token_step)
     if not (isinstance(epsilon, (int, float)) and epsilon >= 0 and math.isfinite(epsilon)):
@@ -554,26 +559,39 @@ def solve(
     if batch_slice is None:
         tables = _Tables(cost, seq_len=seq_len, batch_size=batch_size, token_step=token_step)
         slices, probes = search(tables, stages, float(epsilon))
+        whole = lambda sl: sl  # noqa: E731
     else:
         if batch_size % batch_slice:
             raise UserError(f"{batch_slice} does not divide the batch of {batch_size}", where="batch_slice")
         one = _scaled_batch(cost, batch_slice)
         tables = _Tables(one, seq_len=seq_len, batch_size=1, token_step=token_step)
         slices, probes = search(tables, stages, float(epsilon), batch_size // batch_slice)
-        if slices is not None:
-            slices = [(batch_slice, slices[0][1])] * (batch_size // batch_slice)
+        whole = lambda sl: [(batch_slice, sl[0][1])] * (batch_size // batch_slice)  # noqa: E731
     if slices is None:
         return None
-    res = _result(
-        cost,
-        slices,
-        stages=stages,
-        seq_len=seq_len,
-        batch_size=batch_size,
-        token_step=token_step,
-        method=method,
-        epsilon=float(epsilon),
-        candidates=probes,
-    )
+    shape = {"stages": stages, "seq_len": seq_len, "batch_size": batch_size, "token_step": token_step}
+    res = _result(cost, whole(slices), **shape, method=method, epsilon=float(epsilon), candidates=probes)
+    if neighbours and stages > 1:
+        near = [whole(sl) for sl in _neighbour_schemes(tables, _scheme_max(tables, slices), neighbours)]
+        res.alternatives = sorted(
+            (_result(cost, sl, **shape, method=method) for sl in near if sl != res.slices),
+            key=lambda r: r.predicted_s,
+        )
     res.seconds = time.perf_counter() - started
     return res
+
+
+def _neighbour_schemes(tables: _Tables, t_max: float, count: int) -> list[Slices]:
+    """Distinct schemes S*(t) for ``count`` thresholds t spread evenly (by rank) over the feasible tile costs below
+    ``t_max`` and ``count`` over those from ``t_max`` up to twice it."""
+    c = tables.distinct_costs(tables.smallest_feasible_t_max(), 2 * t_max)
+    c = c[np.isfinite(c)]
+    at = int(np.searchsorted(c, t_max))
+    below = np.unique(np.linspace(0, at - 1, count).round().astype(int)) if at > 0 else np.array([], dtype=int)
+    above = np.unique(np.linspace(at + 1, len(c) - 1, count).round().astype(int)) if at + 1 < len(c) else below[:0]
+    picks = c[np.concatenate([below, above])]
+    out: list[Slices] = []
+    for pr in _probe(tables, picks) if len(picks) else []:
+        if pr.slices is not None and pr.slices not in out:
+            out.append(pr.slices)
+    return out

@@ -27,7 +27,7 @@ from terapipe_cli.plan import make_plan_dict
 from terapipe_cli.planner import METHODS, PlanResult, divisors, gpipe_baseline, solve, uniform_baseline
 from terapipe_cli.schedule import ORDERS, build_schedule
 from terapipe_cli.simulate import simulate
-from terapipe_cli.units import format_bytes, utc_timestamp
+from terapipe_cli.units import format_bytes, format_seconds, utc_timestamp
 
 
 @dataclass(frozen=True)
@@ -136,6 +136,15 @@ def _stored(path: str | Path) -> str:
     return str(Path(path).absolute())
 
 
+# How the plan's scheme is chosen: "formula", the exact optimum of the objective (docs/design.md §4); "simulated",
+# the fastest in the simulator (§11) among that optimum and the schemes the search ranks next to it (within
+# RERANK_WITHIN of it by the objective, at most RERANK_COUNT), so never slower in the simulator than the optimum.
+RANKS = ("simulated", "formula")
+RERANK_NEIGHBOURS = 4  # thresholds on either side of the optimum's largest tile (`planner.solve(neighbours=…)`)
+RERANK_WITHIN = 0.05
+RERANK_COUNT = 8
+
+
 @dataclass(frozen=True)
 class PlanRequest:
     """What to plan, checked against the profile; ``seq_len`` and ``token_step`` resolved to numbers."""
@@ -155,6 +164,7 @@ class PlanRequest:
     # neither with --order / --recompute, --no-recompute).
     order_free: bool = True
     recompute_free: bool = True
+    rank: str = "simulated"  # RANKS: how the plan's scheme is chosen among the exact search's best
 
 
 def plan_request(
@@ -171,6 +181,7 @@ def plan_request(
     tensor_parallel: int | None = None,
     order: str | None = None,
     recompute: bool | None = None,
+    rank: str = "simulated",
 ) -> PlanRequest:
     """Check the options against each other and the profile; L, g and T default to the model's and the profile's.
     ``order`` and ``recompute`` None: GPipe order without recomputation unless the memory limit asks for more
@@ -192,6 +203,8 @@ def plan_request(
         raise UserError(f"must be a positive number of GiB, got {memory_limit_gib}", where="--memory-limit")
     if method not in METHODS:
         raise UserError(f"must be 'exact' or 'enumerate', got {method!r}", where="--method")
+    if rank not in RANKS:
+        raise UserError(f"must be one of {', '.join(RANKS)}, got {rank!r}", where="--rank")
     source = profile.path or "the profile"
     model.stage_layers(stages, where=f"--stages (model {model.name} in {source})")
     L = model.seq_len if seq_len is None else seq_len
@@ -219,6 +232,7 @@ def plan_request(
         recompute,
         order_free,
         recompute_free,
+        rank,
     )
 
 
@@ -344,6 +358,8 @@ class Planned:
     memory: MemoryCheck | None
     recompute: tuple[bool, ...]  # per stage
     order: str
+    formula_optimal: PlanResult | None = None  # the exact optimum of the objective (None: the plan's scheme is it)
+    formula_optimal_simulated_s: float | None = None
     # Planned within the memory limit: the fastest scheme overall, which did not fit (None: it did, or no limit).
     unfitted: Planned | None = None
 
@@ -361,6 +377,26 @@ class Planned:
             f"in {self.choice_text()}, {format_bytes(m.needed_bytes)} at most per stage; the fastest scheme "
             f"overall would need {format_bytes(before.needed_bytes)}"
         )
+
+    def rank_line(self) -> str | None:
+        """One line when the simulator chose another scheme than the objective's optimum; None otherwise."""
+        best = self.formula_optimal
+        if best is None:
+            return None
+        return (
+            f"schedule-aware choice (--rank simulated): simulated {format_seconds(self.simulated_s['terapipe'])} "
+            f"against {format_seconds(self.formula_optimal_simulated_s)} for the objective's optimum "
+            f"{best.short_form(fold=True)} (formula {format_seconds(self.terapipe.predicted_s)} against "
+            f"{format_seconds(best.predicted_s)})"
+        )
+
+    def rank_record(self) -> dict:
+        """The plan's ``rank`` (docs/design.md §8): how its scheme was chosen, and the formula's optimum."""
+        out = {"by": self.request.rank}
+        best = self.formula_optimal or self.terapipe
+        sim = self.formula_optimal_simulated_s or self.simulated_s["terapipe"]
+        out["formula_optimal"] = {"short_form": best.short_form(), "predicted_s": best.predicted_s, "simulated_s": sim}
+        return out
 
     def schemes(self) -> list[tuple[str, PlanResult]]:
         return [("terapipe", self.terapipe), ("gpipe", self.gpipe), ("uniform", self.uniform)]
@@ -426,6 +462,7 @@ class Planned:
                 "uniform": {**self.uniform.to_dict(), **self.uniform.extra, "simulated_s": self.simulated_s["uniform"]},
             },
             memory=None if self.memory is None else self.memory.to_dict(),
+            rank=self.rank_record(),
             solver={"method": r.method, "epsilon": r.epsilon, "seconds": best.seconds, "candidates": best.candidates},
             profile={
                 "path": profile_path,
@@ -484,7 +521,11 @@ def plan_one(
     cost = CostModel(profile, r.stages, r.data_parallel, recompute=any(recompute))
     shape = {"seq_len": r.seq_len, "batch_size": r.batch_size, "stages": r.stages}
     if best is None:
-        best = solve(cost, **shape, token_step=r.token_step, epsilon=r.epsilon, method=r.method)
+        near = RERANK_NEIGHBOURS if r.rank == "simulated" else 0
+        best = solve(cost, **shape, token_step=r.token_step, epsilon=r.epsilon, method=r.method, neighbours=near)
+    optimum, optimum_sim = best, None
+    if r.rank == "simulated" and best.alternatives:
+        best, optimum_sim = _rerank(profile, r, best, cost, order, recompute)
     gpipe = gpipe_baseline(cost, **shape)
     uniform = uniform_baseline(cost, **shape, token_step=r.token_step)
     # The formula prices every tile's transfers inside the tile; the simulator replays the schedule with
@@ -500,7 +541,36 @@ def plan_one(
     schedule = build_schedule(best.slices, r.stages, order)
     per_stage = stage_memory(best.slices, profile, r.stages, schedule=schedule, recompute=recompute)
     memory = check_memory(per_stage, profile.device, r.memory_limit_gib, copies)
-    return Planned(profile, r, cost, best, gpipe, uniform, simulated, memory, recompute, order)
+    return Planned(
+        profile, r, cost, best, gpipe, uniform, simulated, memory, recompute, order,
+        formula_optimal=optimum if optimum is not best else None, formula_optimal_simulated_s=optimum_sim,
+    )  # fmt: skip
+
+
+def _rerank(
+    profile: Profile, r: PlanRequest, optimum: PlanResult, cost: CostModel, order: str, recompute: tuple[bool, ...]
+) -> tuple[PlanResult, float]:
+    """The schedule-aware choice (`RANKS`): the fastest simulated among ``optimum`` and its alternatives within
+    `RERANK_WITHIN` by the objective, keeping only those that fit an enforced memory limit when the optimum does;
+    returns it and the optimum's simulated latency."""
+    close = [a for a in optimum.alternatives if a.predicted_s <= optimum.predicted_s * (1 + RERANK_WITHIN)]
+    candidates = [optimum, *close[:RERANK_COUNT]]
+
+    def fits(res: PlanResult) -> bool:
+        schedule = build_schedule(res.slices, r.stages, order)
+        per_stage = stage_memory(res.slices, profile, r.stages, schedule=schedule, recompute=recompute)
+        check = check_memory(per_stage, profile.device, r.memory_limit_gib, r.data_parallel * r.tensor_parallel)
+        return check is None or not (check.enforced and check.exceeded)
+
+    if not fits(optimum):
+        fits = lambda res: True  # noqa: E731  (the memory-aware search takes over from here)
+    timed = []
+    for res in candidates:
+        if res is optimum or fits(res):
+            schedule = build_schedule(res.slices, r.stages, order)
+            timed.append((simulate(res.slices, cost, r.stages, schedule=schedule, recompute=recompute).latency_s, res))
+    chosen = min(timed, key=lambda x: x[0])[1]
+    return chosen, timed[0][0]
 
 
 class _Forbidding:
@@ -531,15 +601,17 @@ def plan_within_memory(profile: Profile, request: PlanRequest, fastest: Planned)
     plain_ok = r.recompute_free or not r.recompute  # schemes without recomputation are allowed
     recompute_ok = r.recompute_free or r.recompute
     plain = (False,) * r.stages
+    optimum = fastest.formula_optimal or fastest.terapipe
     if plain_ok:
-        fit = [o for o in orders if _fits(profile, fastest.terapipe.slices, r.stages, o, plain, limit)]
+        fit = [o for o in orders if _fits(profile, optimum.slices, r.stages, o, plain, limit)]
         if fit:
-            planned = [plan_one(profile, r, fastest.terapipe, order=o, recompute=plain) for o in fit]
+            planned = [plan_one(profile, r, optimum, order=o, recompute=plain) for o in fit]
             return replace(min(planned, key=lambda p: p.simulated_s["terapipe"]), unfitted=fastest)
     sizes = stage_sizes(profile, r.stages)
     cost = CostModel(profile, r.stages, r.data_parallel)
     recomputed = CostModel(profile, r.stages, r.data_parallel, recompute=True)
     shape = {"seq_len": r.seq_len, "batch_size": r.batch_size, "stages": r.stages, "token_step": r.token_step}
+    search = {"epsilon": r.epsilon, "method": r.method, "neighbours": RERANK_NEIGHBOURS if r.rank == "simulated" else 0}
     searched: dict[tuple, PlanResult | None] = {}  # searches with the same constraints, run once
     candidates: list[tuple[PlanResult, str, tuple[bool, ...]]] = []
     for b in divisors(r.batch_size):
@@ -550,16 +622,14 @@ def plan_within_memory(profile: Profile, request: PlanRequest, fastest: Planned)
             if all(fits_plain) and plain_ok:
                 on, key = plain, (b,)  # memory does not depend on the token slicing: one search for either order
                 if key not in searched:
-                    searched[key] = solve(cost, **shape, epsilon=r.epsilon, method=r.method, batch_slice=b)
+                    searched[key] = solve(cost, **shape, **search, batch_slice=b)
             elif recompute_ok:
                 # With --recompute every stage recomputes; left free, exactly those that do not fit without.
                 on = (True,) * r.stages if not r.recompute_free else tuple(not p for p in fits_plain)
                 key = (b, on, tuple(eq.in_flight(k) for k in range(r.stages)))
                 if key not in searched:
                     fits = lambda i, j, eq=eq, on=on: eq.tile_fits(i, j, stages=on)  # noqa: E731
-                    searched[key] = solve(
-                        _Forbidding(recomputed, fits), **shape, epsilon=r.epsilon, method=r.method, batch_slice=b
-                    )
+                    searched[key] = solve(_Forbidding(recomputed, fits), **shape, **search, batch_slice=b)
             else:
                 continue
             if searched[key] is not None:

@@ -31,7 +31,7 @@ Examples:
 
     terapipe plan --profile configs/profiles/example-tiny-cpu.json --stages 2 --batch 1 --out plan.json
 
-    terapipe plan --experiment paper-09-gpt3-175b --out plan-175b.json
+    terapipe plan --experiment paper-08-gpt3-44b --out plan-44b.json
 
     terapipe plan --experiment paper-04 --data-parallel 4 --out plan-13b-d4.json
 """
@@ -103,9 +103,10 @@ def plan(
         float | None,
         typer.Option(
             "--memory-limit",
-            help="GiB per device. A plan whose estimated peak exceeds it is planned again in 1F1B order and/or "
-            "with recomputation (unless --order or --recompute is given: then a warning), the fastest that fits "
-            "kept; when none fits, one line. Without it, the profile's device memory (if known) only warns.",
+            help="GiB per device: the plan is the fastest scheme whose estimated peak fits on every stage (over "
+            "token slicing, equal batch slices, the order and which stages recompute, where not fixed by --order "
+            "or --recompute); when none fits, one line with the smallest possible peak. Default: a GPU profile's "
+            "device memory (a CPU's memory, shared by all workers, only warns).",
         ),
     ] = None,
     order: Annotated[
@@ -121,11 +122,21 @@ def plan(
         bool | None,
         typer.Option(
             "--recompute/--no-recompute",
-            help="Every stage keeps only each tile's input and K/V and re-runs its forward in the backward: "
-            "priced as one more forward per tile, in the memory estimate as the activations not kept.",
+            help="Every stage (--recompute) or none (--no-recompute) keeps only each tile's input and runs its "
+            "forward again in the backward: priced as one more forward per tile, in the memory estimate as the "
+            "activations not kept.",
             show_default="off, or what fits the memory limit",
         ),
     ] = None,
+    rank: Annotated[
+        str,
+        typer.Option(
+            "--rank",
+            help="simulated: among the exact optimum of the objective and the schemes the search ranks next to it "
+            "(within 5%), the fastest in the schedule simulator (never slower there than the optimum); formula: "
+            "the exact optimum of the objective. The plan records both.",
+        ),
+    ] = "simulated",
     out: Annotated[Path, typer.Option("--out", "-o", help="Where to write the plan JSON.")] = Path("plan.json"),
     force: Annotated[bool, typer.Option("--force", help="Overwrite --out even if it is not a plan.")] = False,
 ) -> None:
@@ -140,8 +151,9 @@ def plan(
         tensor_parallel=tensor_parallel, token_step=token_step,
     )  # fmt: skip
     request = setting.request(
-        seq_len=seq_len, epsilon=epsilon, method=method, memory_limit_gib=memory_limit, order=order, recompute=recompute
-    )
+        seq_len=seq_len, epsilon=epsilon, method=method, memory_limit_gib=memory_limit, order=order,
+        recompute=recompute, rank=rank,
+    )  # fmt: skip
     prof, r = setting.profile, request
     with console.status(
         f"Planning {prof.model.name}: L={r.seq_len}, B={r.batch_size}, K={r.stages}, token step {r.token_step} …"
@@ -162,6 +174,8 @@ def plan(
     D, K, T = r.data_parallel, r.stages, r.tensor_parallel
     console.print(f"workers: D × K × T = {D} × {K} × {T} = {D * K * T} processes for `terapipe train`")
     warnings = [planned.allreduce_warning()]
+    if planned.rank_line() is not None:
+        console.print(planned.rank_line())
     if planned.memory_choice() is not None:
         console.print(planned.memory_choice())
     if planned.memory is not None:
