@@ -79,6 +79,7 @@ class Row:
     # No scheme fits the limit: the row is planned without it, and this is the smallest peak any scheme could reach
     # (bytes); None when the plan fits.
     smallest_peak_bytes: float | None = None
+    calibrated: Row | None = None  # the same setting planned on the calibrated hardware file (--calibrated)
 
     @property
     def fits(self) -> bool:
@@ -87,6 +88,11 @@ class Row:
     @property
     def speedup(self) -> float:
         return self.gpipe_s / self.terapipe_s
+
+    @property
+    def simulated_speedup(self) -> float:
+        """GPipe's simulated latency over the plan's (its schedule-aware choice's)."""
+        return self.gpipe_sim_s / self.chosen_sim_s
 
     @property
     def dp_gain(self) -> float:
@@ -169,6 +175,24 @@ def _peak_cell(row: Row) -> str:
     return gib if row.fits else f"{gib} (!) min {row.smallest_peak_bytes / 2**30:.1f}"
 
 
+def _calibrated_cell(row: Row, width: int) -> str:
+    c = row.calibrated
+    if c is None:
+        return "—"
+    return f"{_shorten(c.terapipe_scheme, width // 2)}: {c.speedup:.2f}x / {c.simulated_speedup:.2f}x"
+
+
+def calibrated_sibling(hardware_path: str | Path) -> Path | None:
+    """The calibrated counterpart of a hardware file, when one is shipped beside it: ``X-calibrated.toml``, or
+    ``X-dispatch.toml`` (a dispatch floor carried over from a calibrated GPU: an estimate)."""
+    path = Path(hardware_path)
+    for suffix in ("-calibrated", "-dispatch"):
+        sibling = path.with_name(f"{path.stem}{suffix}.toml")
+        if sibling.is_file():
+            return sibling
+    return None
+
+
 def _rerank_cell(row: Row) -> str:
     """The schedule-aware choice's simulated latency and its gain over the optimum's, or "same"."""
     if row.chosen_sim_s >= row.terapipe_sim_s:
@@ -197,7 +221,8 @@ def _cells(row: Row, width: int) -> list[str]:
         f"{row.gpipe_s:.3f}",
         _shorten(row.terapipe_scheme, width),
         f"{row.terapipe_s:.3f}",
-        f"{row.speedup:.2f}x",
+        f"{row.speedup:.2f}x / {row.simulated_speedup:.2f}x",
+        _calibrated_cell(row, width),
         f"{row.dp_gain:.3f}x",
         f"{row.planner_s:.2f}",
         f"{row.gpipe_sim_s:.3f} / {row.terapipe_sim_s:.3f}",
@@ -220,7 +245,8 @@ HEADERS = [
     "GPipe s",
     "TeraPipe scheme",
     "TeraPipe s",
-    "speed-up",
+    "speed-up formula / simulated",
+    "calibrated: TeraPipe scheme, speed-up formula / simulated",
     "DP vs uniform",
     "planner s",
     "simulated GPipe / TeraPipe s",
@@ -270,6 +296,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--markdown", action="store_true", help="print a Markdown table (for the README)")
     ap.add_argument("--full", action="store_true", help="show long schemes whole instead of shortened")
     ap.add_argument(
+        "--calibrated",
+        metavar="HARDWARE.toml",
+        help="also plan every setting on this hardware file (default: the calibrated file shipped beside each "
+        "setting's own, X-calibrated.toml or X-dispatch.toml, when there is one)",
+    )
+    ap.add_argument("--no-calibrated", action="store_true", help="do not plan on a calibrated hardware file")
+    ap.add_argument(
         "--memory-limit",
         type=float,
         metavar="GIB",
@@ -297,9 +330,16 @@ def main(argv: list[str] | None = None) -> int:
             transient=True,
         ) as progress:
             task = progress.add_task("planning", total=len(experiments))
+            calibrated_files = set()
             for exp in experiments:
                 progress.update(task, description=f"planning {exp.name}")
-                rows.append(plan_experiment(exp, args.memory_limit))
+                row = plan_experiment(exp, args.memory_limit)
+                after = None if args.no_calibrated else args.calibrated or calibrated_sibling(exp.hardware_path)
+                if after:
+                    hw = replace(exp, hardware=load_hardware(str(after)), hardware_path=str(after))
+                    row.calibrated = plan_experiment(hw, args.memory_limit)
+                    calibrated_files.add(Path(after).name)
+                rows.append(row)
                 progress.advance(task)
         total = time.perf_counter() - start
     except UserError as e:
@@ -313,6 +353,11 @@ def main(argv: list[str] | None = None) -> int:
         f"(per step, data-parallel all-reduce and optimizer included); {total:.1f} s in all"
     )
     note = footnote(rows, limit_text)
+    if calibrated_files:
+        note = ((note + "\n") if note else "") + (
+            f"calibrated: planned again on {', '.join(sorted(calibrated_files))} (its dispatch floor and efficiency "
+            "fitted to measurements, or carried over from a calibrated GPU as an estimate: see its header)."
+        )
     if args.markdown:
         print(f"{title}\n")
         print(render_markdown(rows, width, note))

@@ -15,7 +15,7 @@ SCRIPT = ROOT / "scripts" / "paper_table.py"
 EXP = ROOT / "configs" / "experiments"
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from paper_table import compact_form, plan_experiment, stage_ranges  # noqa: E402
+from paper_table import calibrated_sibling, compact_form, plan_experiment, stage_ranges  # noqa: E402
 
 from terapipe_cli.experiments import load_experiment  # noqa: E402
 
@@ -117,3 +117,10 @@ def test_script_bad_experiment_is_one_line_exit_2(tmp_path: Path):
     out = subprocess.run([sys.executable, str(SCRIPT), str(bad)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert out.stderr.count("\n") == 1 and str(bad) in out.stderr and "Traceback" not in out.stderr
+
+
+def test_the_calibrated_counterpart_is_found_beside_the_hardware_file():
+    hw = ROOT / "configs" / "hardware"
+    assert calibrated_sibling(hw / "v100.toml") == hw / "v100-dispatch.toml"  # an estimate carried over
+    assert calibrated_sibling(hw / "h100-bf16.toml") == hw / "h100-bf16-calibrated.toml"  # fitted to measurements
+    assert calibrated_sibling(hw / "h100.toml") is None
