@@ -104,11 +104,12 @@ def test_verify_cannot_follow_resume(tmp_path, capsys):
 
 def test_a_live_run_folder_is_refused(tmp_path):
     """While `terapipe train` runs in a folder it holds its lock: a second train, --resume or report says so in one
-    line. The live run hangs at step 3 (a test fault) until its 10-s wait limit ends it; then --resume works."""
+    line. The live run hangs at step 3 (a test fault) until its 20-s wait limit ends it (long enough for the three
+    commands on a loaded machine); then --resume works."""
     plan = write_plan_file(tmp_path / "plan.json", [(1, [16, 16])], stages=2)
     run = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "CUDA_VISIBLE_DEVICES": "", "TERAPIPE_TEST_FAULT": "hang:1:3"}
-    args = ["train", "--plan", str(plan), "--steps", "4", "--checkpoint-every", "1", "--timeout-s", "10"]
+    args = ["train", "--plan", str(plan), "--steps", "4", "--checkpoint-every", "1", "--timeout-s", "20"]
     args += ["--out", str(run), "--device", "cpu"]
     live = subprocess.Popen([sys.executable, "-m", "terapipe_cli", *args], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)  # fmt: skip
