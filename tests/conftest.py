@@ -35,6 +35,19 @@ def gpu_test(fn):
 
 
 @pytest.fixture(scope="session", autouse=True)
+def one_thread():
+    """Torch in this process on one thread: two pytest workers share two cores (scripts/test.sh), and two threads
+    each would make them spin against each other (an in-process step measured 100x slower). Processes that tests
+    start set their own threads, as the runtime's stage processes do."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session", autouse=True)
 def hide_gpus():
     """The session runs as on a machine without a GPU (module docstring); `show_gpus` undoes it for a GPU test."""
     with pytest.MonkeyPatch.context() as mp:
