@@ -8,9 +8,10 @@ of the row's layers. The shapes are the reference ones of the planner's search (
 cost; each row prints the median seconds (min–max), the speed-up, and both objectives.
 
 A second table times whole plans (`planning.plan_for_profile`: search, baselines, simulation, memory) at long context
-(L = 131072, GPT3-13B on the H100 nodes of configs/hardware/h100.toml, T = 8), without a memory limit and with one
-that binds: halfway between the smallest peak any scheme reaches and the peak of the fastest scheme, so the fastest
-does not fit and the memory-aware search must choose. Both run interleaved; the table shows what was chosen.
+(L = 32768 and 131072, GPT3-13B on the H100 nodes of configs/hardware/h100.toml, T = 8), without a memory limit and
+with one that binds: between the smallest peak any scheme reaches and the peak of the fastest scheme (halfway for
+B = 1, a tenth of the way for B > 1), so the fastest does not fit and the memory-aware search (over every batch
+grouping, both orders and recomputation) must choose. Both run interleaved; the table shows what was chosen.
 
     python scripts/bench_planner.py                 # all rows, 3 repeats
     python scripts/bench_planner.py --repeats 1 --rows 1,2
@@ -54,10 +55,15 @@ ROWS = [
 ]
 
 
-# (label, model file, token_step, batch, stages) of the long-context rows; the model's L is 131072.
+# (label, model file, token_step, batch, stages, where) of the long-context rows: the limit lies ``where`` of the
+# way from the smallest peak any scheme reaches to the fastest scheme's peak. With B > 1 the fastest scheme fits
+# in 1F1B order down to about a quarter of the way, so those rows take a tenth: the search over every batch
+# grouping, with recomputation, must choose.
 MEMORY_ROWS = [
-    ("GPT3-13B L=131072 g=512 B=1 K=40", "gpt3-13b-L128k", 512, 1, 40),
-    ("GPT3-13B L=131072 g=64  B=1 K=40", "gpt3-13b-L128k", 64, 1, 40),
+    ("GPT3-13B L=131072 g=512 B=1 K=40", "gpt3-13b-L128k", 512, 1, 40, 0.5),
+    ("GPT3-13B L=131072 g=64  B=1 K=40", "gpt3-13b-L128k", 64, 1, 40, 0.5),
+    ("GPT3-13B L=32768  g=512 B=8 K=40", "gpt3-13b-L32k", 512, 8, 40, 0.1),
+    ("GPT3-13B L=131072 g=512 B=4 K=40", "gpt3-13b-L128k", 512, 4, 40, 0.1),
 ]
 
 
@@ -91,12 +97,12 @@ def memory_table(repeats: int, console: Console, markdown: bool) -> None:
     for col in columns:
         table.add_column(col, justify="left" if col in ("shape", "within the limit: chosen") else "right")
     rows_out = []
-    for label, model_name, g, B, K in MEMORY_ROWS:
+    for label, model_name, g, B, K, where in MEMORY_ROWS:
         profile = analytic(model_name, g, B, LONG_HARDWARE)
         free = plan_request(profile, stages=K, batch_size=B, token_step=g, memory_limit_gib=1e6)
         fastest = plan_for_profile(profile, free)
         least, _ = smallest_peak(profile, free, 0.0)
-        limit = (least + fastest.memory.peak_bytes) / 2
+        limit = least + where * (fastest.memory.peak_bytes - least)
         bound = plan_request(profile, stages=K, batch_size=B, token_step=g, memory_limit_gib=limit / 2**30)
         t_free, t_bound, chosen = [], [], None
         for _ in range(repeats):
@@ -112,7 +118,9 @@ def memory_table(repeats: int, console: Console, markdown: bool) -> None:
             _fmt(t_free),
             _fmt(t_bound),
             format_bytes(fastest.memory.peak_bytes),
-            f"{chosen.choice_text()}: {chosen.terapipe.tiles} tiles, largest {chosen.terapipe.t_max_s * 1e3:.1f} ms",
+            f"{chosen.choice_text()}: batch slices {'+'.join(str(b) for b, _ in chosen.terapipe.slices)}, "
+            f"{chosen.terapipe.tiles} tiles, largest {chosen.terapipe.t_max_s * 1e3:.1f} ms"
+            + (" (equal batch slices only)" if chosen.equal_slices_only else ""),
             format_bytes(chosen.memory.peak_bytes),
             f"{chosen.terapipe.predicted_s / fastest.terapipe.predicted_s:.3f}",
         ]

@@ -14,7 +14,7 @@ all-reduce and optimizer step included):
 
 Every setting is planned within a memory limit per device, as `terapipe plan` plans: by default the device memory
 of the experiment's hardware file (16 GiB on the V100), or --memory-limit GIB for all. The planner returns the
-fastest scheme that fits, choosing the token slicing, equal batch slices, the schedule order (GPipe or 1F1B) and
+fastest scheme that fits, choosing the token slicing, the batch grouping, the schedule order (GPipe or 1F1B) and
 which stages recompute; the GPipe baseline runs in the same order and recomputation. A setting that no scheme fits
 (GPT3-175B at 16 GiB: this runtime keeps the embeddings whole on every tensor rank) is planned without the limit,
 so its times still compare TeraPipe with GPipe, and its peak is flagged "(!)" with the smallest peak any scheme
@@ -263,7 +263,7 @@ def footnote(rows: list[Row], limit_text: str) -> str | None:
         return None
     return (
         f"(!) no scheme fits {limit_text}: planned without the limit; min = the smallest peak any scheme reaches "
-        "(equal batch slices, either order, recomputing where it helps)."
+        "(batch slices of one sequence, either order, recomputing where it helps)."
     )
 
 

@@ -12,7 +12,7 @@ from conftest import ROOT
 
 from terapipe_cli.config import ModelConfig
 from terapipe_cli.costmodel import read_profile
-from terapipe_cli.memory import EqualSlices, stage_memory, stage_sizes
+from terapipe_cli.memory import EqualSlices, grouping_peaks, stage_memory, stage_sizes
 from terapipe_cli.profile.measure import TileTimer
 from terapipe_cli.runtime.stage import StageRunner
 from terapipe_cli.schedule import build_schedule, plan_tiles
@@ -43,6 +43,33 @@ def test_the_closed_form_for_equal_batch_slices_is_the_walk(order, stages):
                 assert plain[k].total_bytes == pytest.approx(eq.plain_bytes(k), rel=1e-12)
                 assert rerun[k].total_bytes == pytest.approx(eq.recomputed_bytes(k, i, j).max(), rel=1e-12)
                 assert rerun[k].total_bytes <= plain[k].total_bytes  # what the planner's search relies on
+
+
+@pytest.mark.parametrize("order", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("stages", [1, 2, 4])
+def test_the_closed_form_for_any_grouping_is_the_walk(order, stages):
+    """Batch slices of different sizes, each with its own token slicing, in any order: `grouping_peaks` (what the
+    memory-aware search constrains) gives the walk's peak on every stage, with and without recomputation."""
+    sizes = stage_sizes(PROFILE, stages)
+    rng = np.random.default_rng(10 + stages)
+    for _ in range(12):
+        batch_sizes = rng.integers(1, 4, size=rng.integers(1, 7)).tolist()
+        slices, worst = [], []
+        for b in batch_sizes:
+            cuts = np.sort(rng.choice(np.arange(8, 1024, 8), size=rng.integers(0, 5), replace=False))
+            lengths = np.diff(np.concatenate([[0], cuts, [1024]])).tolist()
+            slices.append((b, lengths))
+            # The tile the closed form needs: the largest (j + i)·kept + i·rerun, found here by the walk's sizes.
+            j = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+            worst.append([(int(i), int(jj)) for i, jj in zip(lengths, j, strict=True)])
+        schedule = build_schedule(slices, stages, order)
+        for on in (False, True):
+            walked = stage_memory(slices, PROFILE, stages, schedule=schedule, recompute=[on] * stages)
+            for k in range(stages):
+                s = sizes[k]
+                tiles = [max(w, key=lambda t, s=s: (t[1] + t[0]) * s.kept + t[0] * s.rerun) for w in worst]
+                closed = grouping_peaks(batch_sizes, tiles, sizes, 1024, order, [on] * stages)[k]
+                assert walked[k].total_bytes == pytest.approx(closed, rel=1e-12), (batch_sizes, k, on)
 
 
 def test_order_and_recomputation_shrink_the_peak_and_slicing_alone_does_not():
@@ -104,6 +131,8 @@ CASES = [
     ("1F1B order", [(1, [128, 64, 64])] * 4, 2, "1f1b", [False, False]),
     ("recomputed", [(2, [160, 64, 32])], 2, "gpipe", [True, True]),
     ("1F1B, recomputed on stage 0", [(1, [64] * 4)] * 3, 3, "1f1b", [True, False, False]),
+    # A grouping of the memory-aware search: batch slices of different sizes, each sliced its own way.
+    ("unequal, 1F1B, recomputed", [(2, [32] * 8), (1, [64] * 4), (1, [96, 96, 64])], 3, "1f1b", [True] * 3),
 ]
 
 

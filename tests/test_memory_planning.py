@@ -1,17 +1,19 @@
-"""Memory-aware planning is exact (docs/design.md §10): compared with brute force over every scheme of equal batch
-slices, every schedule order and every choice of recomputing stages, under limits that bind.
+"""Memory-aware planning is exact (docs/design.md §10): compared with brute force over every scheme (every batch
+grouping in every order of its batch slices, each batch slice with its own token slicing), every schedule order
+and every choice of recomputing stages, under limits that bind.
 
 The brute force shares nothing with the planner's search: it walks each candidate's schedule for its memory
 (`memory.stage_memory`) and prices it with the objective straight from its definition."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import replace
 
 import numpy as np
 import pytest
-from brute import compositions, divisors
+from brute import compositions
 from conftest import ROOT
 
 from terapipe_cli.costmodel import CostModel, read_profile
@@ -30,23 +32,42 @@ def _peak(slices, stages, order, recompute) -> float:
     return max(m.total_bytes for m in stage_memory(slices, MEASURED, stages, schedule=schedule, recompute=recompute))
 
 
+def _schemes(batch, seq_len, step):
+    """Every scheme: each ordered batch grouping, each batch slice with any token slicing of its own."""
+    slicings = [[u * step for u in comp] for comp in compositions(seq_len // step)]
+    for grouping in compositions(batch):
+        for lengths in itertools.product(slicings, repeat=len(grouping)):
+            yield [(b, list(ls)) for b, ls in zip(grouping, lengths, strict=True)]
+
+
+@functools.cache
 def _every_candidate(batch, seq_len, step, stages):
-    """(objective, peak of the fullest stage, scheme, order, recompute) of every equal-batch-slice scheme."""
+    """(objective, peak of the fullest stage, scheme, order, recompute) of every scheme, order and choice of
+    recomputing stages."""
     plain = CostModel(MEASURED, stages)
     rerun = CostModel(MEASURED, stages, recompute=True)
     out = []
-    for b in divisors(batch):
-        for comp in compositions(seq_len // step):
-            slices = [(b, [u * step for u in comp])] * (batch // b)
-            value = {False: evaluate(plain, slices, stages), True: evaluate(rerun, slices, stages)}
-            for order in ORDERS:
-                for recompute in itertools.product((False, True), repeat=stages):
-                    peak = _peak(slices, stages, order, recompute)
-                    out.append((value[any(recompute)], peak, slices, order, recompute))
+    for slices in _schemes(batch, seq_len, step):
+        value = {False: evaluate(plain, slices, stages), True: evaluate(rerun, slices, stages)}
+        for order in ORDERS:
+            schedule = build_schedule(slices, stages, order)
+            # A stage's peak depends on its own recomputation only: walk every stage both ways once.
+            per_stage = {
+                on: [
+                    m.total_bytes
+                    for m in stage_memory(slices, MEASURED, stages, schedule=schedule, recompute=[on] * stages)
+                ]
+                for on in (False, True)
+            }
+            for recompute in itertools.product((False, True), repeat=stages):
+                peak = max(per_stage[on][k] for k, on in enumerate(recompute))
+                out.append((value[any(recompute)], peak, slices, order, recompute))
     return out
 
 
-CASES = [(B, L, 8, K) for B, L, K in [(1, 48, 1), (1, 48, 2), (2, 40, 2), (4, 32, 2), (2, 40, 4), (3, 32, 4)]]
+CASES = [
+    (B, L, 8, K) for B, L, K in [(1, 48, 1), (1, 48, 2), (2, 40, 2), (4, 32, 2), (2, 40, 4), (3, 32, 4), (5, 24, 4)]
+]
 
 
 @pytest.mark.parametrize("batch, seq_len, step, stages", CASES)
@@ -119,3 +140,32 @@ def test_a_fixed_order_or_recomputation_is_kept():
         optimum = planned.formula_optimal or planned.terapipe
         assert optimum.predicted_s <= min(c[0] for c in allowed) * (1 + 1e-9)
     assert request.memory_limit_gib is None
+
+
+def test_unequal_batch_slices_win_under_a_limit_and_the_fallback_says_so(monkeypatch):
+    """Negative control for the search over every grouping: restricted to equal batch slices (as it is when every
+    grouping is too large a search), the same binding limit gives a slower plan, and the plan line says so."""
+    import terapipe_cli.memory as memory
+
+    batch, seq_len, step, stages = 2, 40, 8, 2
+    candidates = _every_candidate(batch, seq_len, step, stages)
+    equal = [c for c in candidates if len({(b, tuple(ls)) for b, ls in c[2]}) == 1]
+    gains = []
+    for q in (0.05, 0.2, 0.4):
+        limit = float(np.quantile(np.unique([c[1] for c in candidates]), q))
+        fits_all = min(c[0] for c in candidates if c[1] <= limit)
+        fits_equal = min(c[0] for c in equal if c[1] <= limit)
+        request = plan_request(
+            MEASURED, stages=stages, batch_size=batch, seq_len=seq_len, token_step=step, memory_limit_gib=limit / 2**30
+        )
+        planned = plan_for_profile(MEASURED, request)
+        assert (planned.formula_optimal or planned.terapipe).predicted_s == pytest.approx(fits_all, rel=1e-9)
+        assert planned.equal_slices_only == () and "equal batch slices only" not in planned.memory_choice()
+        with monkeypatch.context() as m:
+            m.setattr(memory, "MAX_GROUPING_STATES", 0)
+            m.setattr(memory, "MAX_GROUPING_CELLS", 0)
+            fallback = plan_for_profile(MEASURED, request)
+        assert (fallback.formula_optimal or fallback.terapipe).predicted_s == pytest.approx(fits_equal, rel=1e-9)
+        assert fallback.equal_slices_only == ORDERS and "equal batch slices only" in fallback.memory_choice()
+        gains.append(fits_equal / fits_all)
+    assert max(gains) > 1.01  # the groupings the equal search cannot see decide at least one of these limits

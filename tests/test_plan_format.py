@@ -187,3 +187,14 @@ def test_short_form_folds_runs_of_three_or_more() -> None:
     assert short_form([(1, [72, 72, 72, 64])] * 2, fold=True) == "[(1, [72]*3 + [64])] * 2"
     assert short_form([(1, [72, 72, 64, 64, 64])], fold=True) == "[(1, [72, 72] + [64]*3)]"
     assert short_form([(1, [72, 72, 72, 64])], fold=False) == "[(1, [72, 72, 72, 64])]"
+
+
+def test_recomputing_stages_are_named_in_ranges():
+    from terapipe_cli.planning import choice_text
+
+    assert choice_text("gpipe", (False,) * 3) == "GPipe order"
+    assert choice_text("1f1b", (True,) * 3) == "1F1B order, recomputed"
+    assert choice_text("gpipe", (True, False, False)) == "GPipe order, recomputed on stage 0"
+    assert choice_text("gpipe", (True, True, False)) == "GPipe order, recomputed on stages 0, 1"
+    forty = tuple(k < 34 or k == 39 for k in range(40))
+    assert choice_text("1f1b", forty) == "1F1B order, recomputed on stages 0–33, 39"

@@ -10,15 +10,19 @@ on the measured side):
 * with recomputation a tile keeps only its input; its backward runs the forward again, and while it does, the
   tile's saved tensors are back on top of everything still kept.
 
-For the planner the same walk has a closed form when the batch is cut into D equal batch slices with one token
-slicing (`EqualSlices`): stage k holds w_k batch slices at once (all D in GPipe order, min(K − k, D) in 1F1B), so
+For the planner the same walk has a closed form for any batch grouping. When batch slice d (b_d sequences) runs
+its backward on stage k, the batch slices still open there hold W_kd sequences in all, d's own included: in GPipe
+order (backwards from the last batch slice) those of batch slices 0 … d; in 1F1B order those of d and the next
+K − k − 1 batch slices (stage k runs at most K − k ahead). Per token (``cache`` the K/V caches, ``tile`` what a
+tile keeps, ``kept`` a recomputed tile's input, ``rerun`` what its re-run saves besides):
 
-    no recomputation:  peak_k = w·b·L·(cache + tile)
-    recomputation:     peak_k = max over tiles (i, j) of  w·b·L·cache + (w − 1)·b·L·kept + b·(j + i)·kept + b·i·rerun
+    no recomputation:  peak_k = max over d of  W_kd·L·(cache + tile)
+    recomputation:     peak_k = max over d and d's tiles (i, j) of
+                                W_kd·L·cache + (W_kd − b_d)·L·kept + b_d·(j + i)·kept + b_d·i·rerun
 
-(per token: ``cache`` the K/V caches, ``tile`` what a tile keeps, ``kept`` its input, ``rerun`` what its re-run
-saves besides), reached at the backward of the oldest batch slice in flight. The tests check the closed form
-against the walk.
+(`in_flight`, `plain_bytes`, `recomputed_bytes`; plus the stage's state and weight copies). The planner searches
+batch groupings with it (`grouping_search`); for D equal batch slices of b (`EqualSlices`) the largest W is
+D·b in GPipe order and min(K − k, D)·b in 1F1B. The tests check the closed form against the walk.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from terapipe_cli.planner import Sequencing
 from terapipe_cli.schedule import Action, build_schedule
 
 _INDEX_BYTES = 8  # an int64 token id or position, per token
@@ -156,6 +161,132 @@ def stage_memory(
     return out
 
 
+def in_flight(batch_sizes: Sequence[int], order: str, stages: int) -> list[list[int]]:
+    """``W[k][d]``: the sequences of the batch slices open on stage k while batch slice d runs its backward."""
+    prefix = np.cumsum([0, *batch_sizes])
+    D = len(batch_sizes)
+    if order == "gpipe":
+        return [[int(prefix[d + 1]) for d in range(D)] for _ in range(stages)]
+    return [[int(prefix[min(d + stages - k, D)] - prefix[d]) for d in range(D)] for k in range(stages)]
+
+
+def plain_bytes(s: StageSizes, open_sequences, seq_len: int):
+    """A stage's peak without recomputation while batch slices of ``open_sequences`` sequences are open."""
+    return s.state + s.copies + np.asarray(open_sequences, dtype=float) * seq_len * (s.cache + s.tile)
+
+
+def recomputed_bytes(s: StageSizes, open_sequences, b, seq_len: int, i, j):
+    """A stage's peak with recomputation at the backward of a tile of i tokens after j of a batch slice of b
+    sequences, while batch slices of ``open_sequences`` sequences (b's among them) are open."""
+    W, b = np.asarray(open_sequences, dtype=float), np.asarray(b, dtype=float)
+    i, j = np.asarray(i, dtype=float), np.asarray(j, dtype=float)
+    return (
+        s.state + s.copies + W * seq_len * s.cache + (W - b) * seq_len * s.kept + b * ((j + i) * s.kept + i * s.rerun)
+    )
+
+
+# Beyond these the exact search over batch groupings is not run (`grouping_search` returns None): states of the
+# 1F1B machine, and DP table cells (rows × (L/g + 1)²; the search keeps two float64 arrays of them).
+MAX_GROUPING_STATES = 4096
+MAX_GROUPING_CELLS = 2**25
+
+
+def grouping_search(
+    sizes: Sequence[StageSizes], batch_size: int, seq_len: int, token_step: int, order: str, limit: float,
+    recompute: bool,
+) -> Sequencing | None:  # fmt: skip
+    """Every batch grouping (batch slices of any sizes, in any order) whose peak fits ``limit`` on every stage, as a
+    `planner.Sequencing` for the exact search (docs/design.md §10). Without recomputation a grouping fits or not
+    whatever the token slicing; with it (on every stage) each batch slice's tiles are restricted by its place.
+
+    GPipe order: states are the sequences placed so far (front to back), W_kd their number. 1F1B order: batch slices
+    are placed back to front and a state is (sequences placed, the sizes of the next K − 1 batch slices), which gives
+    every W_kd. None when the search would be too large (`MAX_GROUPING_STATES`, `MAX_GROUPING_CELLS`).
+    """
+    K, B, L = len(sizes), batch_size, seq_len
+    # Stages of equal sizes (the middle ones) bind alike: only the most sequences open on any of them matters.
+    alike = list(dict.fromkeys(sizes))
+    members = [[k for k in range(K) if sizes[k] == s] for s in alike]
+    rows: dict[tuple, int] = {}
+    moves: list[tuple[int, int, int]] = []
+
+    def row(b: int, opened: tuple[int, ...]) -> int:
+        key = (b, opened) if recompute else (b,)
+        return rows.setdefault(key, len(rows))
+
+    def most(opened: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(max(opened[k] for k in ks) for ks in members)
+
+    def fits_plain(opened: tuple[int, ...]) -> bool:
+        return recompute or all(plain_bytes(s, w, L) <= limit for s, w in zip(alike, opened, strict=True))
+
+    if order == "gpipe":
+        for placed in range(B):
+            for b in range(1, B - placed + 1):
+                opened = (placed + b,) * len(alike)
+                if fits_plain(opened):
+                    moves.append((placed, placed + b, row(b, opened)))
+        states, finals, last_first = B + 1, (B,), False
+    else:
+        index: dict[tuple[int, tuple[int, ...]], int] = {(0, ()): 0}
+        todo = [(0, ())]
+        for placed, after in todo:  # breadth-first: a state's moves lead to states placed later in `todo`
+            for b in range(1, B - placed + 1):
+                opened = most(tuple(b + sum(after[: K - k - 1]) for k in range(K)))
+                if not fits_plain(opened):
+                    continue
+                nxt = (placed + b, ((b,) + after)[: K - 1])
+                if nxt not in index:
+                    index[nxt] = len(index)
+                    todo.append(nxt)
+                    if len(index) > MAX_GROUPING_STATES:
+                        return None
+                moves.append((index[(placed, after)], index[nxt], row(b, opened)))
+        # Number the states by sequences placed, so that every move goes forward.
+        ranked = sorted(index, key=lambda st: (st[0], index[st]))
+        renumber = {index[st]: n for n, st in enumerate(ranked)}
+        moves = [(renumber[a], renumber[c], r) for a, c, r in moves]
+        states, last_first = len(index), True
+        finals = tuple(renumber[index[st]] for st in index if st[0] == B)
+    if not finals:  # no grouping fits: a Sequencing without moves
+        moves, finals = [], (0,)
+    if len(rows) * (seq_len // token_step + 1) ** 2 > MAX_GROUPING_CELLS:
+        return None
+    keys = sorted(rows, key=rows.get)
+    fits = tuple(_tile_fits(alike, key, L, limit) if recompute else None for key in keys)
+    return Sequencing(tuple(key[0] for key in keys), fits, tuple(moves), states, finals, last_first)
+
+
+def _tile_fits(sizes: Sequence[StageSizes], key: tuple, seq_len: int, limit: float):
+    b, opened = key
+
+    def fits(i, j) -> np.ndarray:
+        ok = np.ones(np.broadcast(np.asarray(i), np.asarray(j)).shape, dtype=bool)
+        for s, w in zip(sizes, opened, strict=True):
+            ok &= recomputed_bytes(s, w, b, seq_len, i, j) <= limit
+        return ok
+
+    return fits
+
+
+def grouping_peaks(
+    batch_sizes: Sequence[int], worst: Sequence[tuple[int, int]], sizes: Sequence[StageSizes], seq_len: int,
+    order: str, recompute: Sequence[bool],
+) -> list[float]:  # fmt: skip
+    """Each stage's peak by the closed form, for batch slices of ``batch_sizes`` whose tiles (i, j) maximising
+    ``(j + i)·kept + i·rerun`` are ``worst[d]`` (used on recomputing stages only)."""
+    W = in_flight(batch_sizes, order, len(sizes))
+    out = []
+    for k, s in enumerate(sizes):
+        if recompute[k]:
+            out.append(
+                max(float(recomputed_bytes(s, W[k][d], b, seq_len, *worst[d])) for d, b in enumerate(batch_sizes))
+            )
+        else:
+            out.append(float(plain_bytes(s, max(W[k]), seq_len)))
+    return out
+
+
 @dataclass(frozen=True)
 class EqualSlices:
     """The closed form of the walk for D equal batch slices of b sequences, one token slicing (module docstring).
@@ -175,18 +306,15 @@ class EqualSlices:
 
     def plain_bytes(self, k: int) -> float:
         """Stage k's peak without recomputation, for any token slicing."""
-        s, w, bL = self.sizes[k], self.in_flight(k), self.batch_slice * self.seq_len
-        return s.state + s.copies + w * bL * (s.cache + s.tile)
+        return float(plain_bytes(self.sizes[k], self.in_flight(k) * self.batch_slice, self.seq_len))
 
     def fits_plain(self) -> list[bool]:
         return [self.plain_bytes(k) <= self.limit for k in range(len(self.sizes))]
 
     def recomputed_bytes(self, k: int, i, j) -> np.ndarray:
         """Stage k's peak with recomputation, if a tile of i tokens after j were the largest: see the module."""
-        s, w, b = self.sizes[k], self.in_flight(k), self.batch_slice
-        base = s.state + s.copies + w * b * self.seq_len * s.cache + (w - 1) * b * self.seq_len * s.kept
-        i, j = np.asarray(i, dtype=float), np.asarray(j, dtype=float)
-        return base + b * (j + i) * s.kept + b * i * s.rerun
+        b = self.batch_slice
+        return recomputed_bytes(self.sizes[k], self.in_flight(k) * b, b, self.seq_len, i, j)
 
     def tile_fits(self, i, j, *, stages: Sequence[bool] | None = None) -> np.ndarray:
         """Whether a tile (i, j) fits every recomputing stage: ``stages[k]`` (default: those that do not fit

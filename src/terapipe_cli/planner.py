@@ -90,6 +90,26 @@ class PlanResult:
         }
 
 
+@dataclass(frozen=True)
+class Sequencing:
+    """Batch groupings as paths through a state machine, for searches where a batch slice's place in the batch
+    matters (the memory-aware search, docs/design.md §10; built by `memory.grouping_search`).
+
+    A *row* is a batch-slice size with the tiles allowed to it: ``row_sizes[r]`` sequences, and ``row_fits[r](i, j)``
+    True for the tiles of i tokens after j that it may use (None: every tile). A *move* ``(a, c, r)`` goes from
+    state a to state c > a by placing one batch slice of row r. Every path from state 0 to one of ``finals`` is
+    a batch grouping the search may return, its batch slices in the order placed, or the reverse of it when
+    ``placed_last_first``. Without a Sequencing the batch is an unordered multiset of batch-slice sizes (a knapsack).
+    """
+
+    row_sizes: tuple[int, ...]
+    row_fits: tuple[Callable | None, ...]
+    moves: tuple[tuple[int, int, int], ...]
+    states: int
+    finals: tuple[int, ...]
+    placed_last_first: bool = False
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Pricing any scheme
 
@@ -201,25 +221,38 @@ def uniform_baseline(cost: Cost, *, seq_len: int, batch_size: int, stages: int, 
 
 
 class _Tables:
-    """Tile costs laid out for the DP, in units of the token step.
+    """Tile costs laid out for the DP, in units of the token step, one *row* per batch-slice size (rows b = 1 … B
+    for the knapsack) or per row of a `Sequencing`.
 
-    ``by_end[b-1, p, i]`` is the cost of the tile of ``b`` sequences that ends at prefix ``p`` (units) and is ``i``
-    units long, so its context is ``p − i``. Entries with ``i > p`` or ``i == 0`` are +inf.
+    ``by_end[r, p, i]`` is the cost of the tile of row r's batch slice that ends at prefix ``p`` (units) and is ``i``
+    units long, so its context is ``p − i``. Entries with ``i > p`` or ``i == 0`` are +inf, and so are the tiles a
+    row may not use.
     """
 
-    def __init__(self, cost: Cost, *, seq_len: int, batch_size: int, token_step: int) -> None:
+    def __init__(
+        self, cost: Cost, *, seq_len: int, batch_size: int, token_step: int, grouping: Sequencing | None = None
+    ) -> None:
         n = seq_len // token_step
         self.units, self.batch_size, self.token_step = n, batch_size, token_step
+        sizes = np.arange(1, batch_size + 1) if grouping is None else np.asarray(grouping.row_sizes)
+        self.row_sizes, self.rows = sizes, len(sizes)
+        self.combine = _Knapsack(batch_size) if grouping is None else _Paths(grouping)
         # Only the valid (prefix, length) pairs are priced: half the cube, and the cost model's time.
         ends, lengths = np.nonzero(np.tri(n + 1, dtype=bool) & (np.arange(n + 1) >= 1)[None, :])
-        b = np.arange(1, batch_size + 1)[:, None]
         i = (lengths * token_step)[None, :]
         j = ((ends - lengths) * token_step)[None, :]
-        raw = np.broadcast_to(np.asarray(cost(b, i, j), dtype=float), (batch_size, len(ends)))
+        distinct, at = np.unique(sizes, return_inverse=True)
+        raw = np.broadcast_to(np.asarray(cost(distinct[:, None], i, j), dtype=float), (len(distinct), len(ends)))
         # +inf marks a tile no scheme may use (the memory-aware search forbids tiles that do not fit).
         if np.any(np.isnan(raw)) or np.any(raw == -np.inf):
             raise UserError("the cost function returned a non-finite time", where="cost")
-        self.by_end = np.full((batch_size, n + 1, n + 1), np.inf)
+        if grouping is not None:  # one row per Sequencing row, its forbidden tiles at +inf
+            raw = raw[at.reshape(-1)]
+            allowed = [
+                np.ones(len(ends), dtype=bool) if f is None else np.asarray(f(i[0], j[0])) for f in grouping.row_fits
+            ]
+            raw = np.where(np.stack(allowed), raw, np.inf)
+        self.by_end = np.full((self.rows, n + 1, n + 1), np.inf)
         offset = 0
         for p in range(1, n + 1):  # np.nonzero is row-major: prefix p's lengths 1..p are contiguous in `raw`
             self.by_end[:, p, 1 : p + 1] = raw[:, offset : offset + p]
@@ -233,9 +266,9 @@ class _Tables:
         self.bottleneck = self._bottleneck()
 
     def _bottleneck(self) -> np.ndarray:
-        """For each b: the smallest possible largest tile over all token slicings of one batch slice of b."""
+        """For each row: the smallest possible largest tile over all token slicings of its batch slice."""
         n = self.units
-        worst = np.full((self.batch_size, n + 1), np.inf)
+        worst = np.full((self.rows, n + 1), np.inf)
         worst[:, 0] = -np.inf
         for p in range(1, n + 1):
             worst[:, p] = np.maximum(worst[:, p - 1 :: -1][:, :p], self.by_end[:, p, 1 : p + 1]).min(axis=1)
@@ -243,19 +276,10 @@ class _Tables:
 
     def smallest_feasible_t_max(self) -> float:
         """Below this no scheme exists: the batch cannot be composed of batch slices that fit."""
-        for t in np.unique(self.bottleneck[np.isfinite(self.bottleneck)]):
-            allowed = np.nonzero(self.bottleneck <= t)[0] + 1
-            reach = np.zeros(self.batch_size + 1, dtype=bool)
-            reach[0] = True
-            for s in range(1, self.batch_size + 1):
-                use = allowed[allowed <= s]
-                reach[s] = bool(reach[s - use].any())
-            if reach[self.batch_size]:
-                return float(t)
-        return math.inf  # every slicing uses a forbidden tile
+        return self.combine.smallest_feasible(self.bottleneck)
 
     def widths(self, t_max: float) -> np.ndarray:
-        """``w[b-1, p]``: the longest slice ending at p whose cost for b sequences is ≤ t_max (0 if none)."""
+        """``w[r, p]``: the longest slice ending at p whose cost in row r is ≤ t_max (0 if none)."""
         fits = (self._longer_min <= t_max).sum(axis=2)  # longest fitting length + 1 (length 0 counts), or 0
         return np.maximum(fits - 1, 0)
 
@@ -265,7 +289,7 @@ class _Tables:
 
 
 def _width_groups(b_alive: np.ndarray, widest: np.ndarray) -> list[np.ndarray]:
-    """Group batch-slice sizes whose widest usable slice is within ``_GROUP_RATIO``× of the group's widest.
+    """Group rows (batch-slice sizes) whose widest usable slice is within ``_GROUP_RATIO``× of the group's widest.
 
     Large batch slices can only use short token slices under a given t_max; padding their DP rows to the width of
     small batch slices would multiply the work, so each group runs with its own widths.
@@ -283,10 +307,10 @@ def _width_groups(b_alive: np.ndarray, widest: np.ndarray) -> list[np.ndarray]:
 def _batched_dp(tables: _Tables, t_max: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Token-slicing DP for every candidate t_max and every batch-slice size at once.
 
-    Returns ``best[m, b-1, p]`` (least total tile time covering the first p units of a batch slice of b sequences
-    with every tile ≤ t_max[m]; +inf if impossible) and ``choice[m, b-1, p]`` (the length of the last slice).
+    Returns ``best[m, r, p]`` (least total tile time covering the first p units of row r's batch slice with every
+    tile ≤ t_max[m]; +inf if impossible) and ``choice[m, r, p]`` (the length of the last slice).
     """
-    n, B, M = tables.units, tables.batch_size, len(t_max)
+    n, B, M = tables.units, tables.rows, len(t_max)
     best = np.full((M, B, n + 1), np.inf)
     best[:, :, 0] = 0.0
     choice = np.zeros((M, B, n + 1), dtype=np.int32)
@@ -331,26 +355,105 @@ def _knapsack(per_b: np.ndarray, batch_size: int) -> tuple[np.ndarray, np.ndarra
     return total, last
 
 
-def _scheme(tables: _Tables, choice: np.ndarray, last: np.ndarray, m: int) -> Slices:
-    """Read candidate m's scheme back from the argmins (larger batch slices first)."""
+class _Knapsack:
+    """The batch as a multiset of batch-slice sizes (rows b = 1 … B): an unbounded knapsack."""
+
+    def __init__(self, batch_size: int) -> None:
+        self.batch_size = batch_size
+
+    def combine(self, per_row: np.ndarray) -> tuple[np.ndarray, object]:
+        """Least total per candidate (``per_row[m, r]``: row r's best), and what `rows_of` reads back."""
+        total, last = _knapsack(per_row, self.batch_size)
+        return total[:, self.batch_size], last
+
+    def rows_of(self, back, m: int) -> list[int]:
+        """Candidate m's rows in pipeline order (larger batch slices first)."""
+        sizes, s = [], self.batch_size
+        while s > 0:
+            sizes.append(int(back[m, s]))
+            s -= sizes[-1]
+        return [b - 1 for b in sorted(sizes, reverse=True)]
+
+    def smallest_feasible(self, bottleneck: np.ndarray) -> float:
+        for t in np.unique(bottleneck[np.isfinite(bottleneck)]):
+            allowed = np.nonzero(bottleneck <= t)[0] + 1
+            reach = np.zeros(self.batch_size + 1, dtype=bool)
+            reach[0] = True
+            for s in range(1, self.batch_size + 1):
+                use = allowed[allowed <= s]
+                reach[s] = bool(reach[s - use].any())
+            if reach[self.batch_size]:
+                return float(t)
+        return math.inf  # every slicing uses a forbidden tile
+
+
+class _Paths:
+    """The batch as a path through a `Sequencing`: a shortest-path DP over its states, for every candidate."""
+
+    def __init__(self, grouping: Sequencing) -> None:
+        self.grouping = grouping
+        into: list[list[tuple[int, int]]] = [[] for _ in range(grouping.states)]
+        for a, c, r in grouping.moves:
+            if not a < c < grouping.states:
+                raise ValueError(f"move {(a, c, r)} does not go forward")
+            into[c].append((a, r))
+        self.into = [
+            (np.array([a for a, _ in m], dtype=np.int64), np.array([r for _, r in m], dtype=np.int64)) for m in into
+        ]
+        self.finals = np.asarray(grouping.finals, dtype=np.int64)
+
+    def combine(self, per_row: np.ndarray) -> tuple[np.ndarray, object]:
+        M, S = per_row.shape[0], self.grouping.states
+        value = np.full((M, S), np.inf)
+        value[:, 0] = 0.0
+        arg = np.zeros((M, S), dtype=np.int64)
+        for c in range(1, S):
+            froms, rows = self.into[c]
+            if len(froms):
+                vals = value[:, froms] + per_row[:, rows]
+                arg[:, c] = vals.argmin(axis=1)
+                value[:, c] = vals[np.arange(M), arg[:, c]]
+        ends = value[:, self.finals]
+        end = ends.argmin(axis=1)
+        return ends[np.arange(M), end], (arg, end)
+
+    def rows_of(self, back, m: int) -> list[int]:
+        arg, end = back
+        state, rows = int(self.finals[end[m]]), []
+        while state != 0:
+            froms, moved = self.into[state]
+            k = int(arg[m, state])
+            rows.append(int(moved[k]))
+            state = int(froms[k])
+        # `rows` runs from the last batch slice placed back to the first.
+        return rows if self.grouping.placed_last_first else rows[::-1]
+
+    def smallest_feasible(self, bottleneck: np.ndarray) -> float:
+        """The least largest tile over all paths: a bottleneck shortest path."""
+        worst = np.full(self.grouping.states, np.inf)
+        worst[0] = -np.inf
+        for c in range(1, self.grouping.states):
+            froms, rows = self.into[c]
+            if len(froms):
+                worst[c] = np.maximum(worst[froms], bottleneck[rows]).min()
+        least = float(worst[self.finals].min())
+        return least if least > -np.inf else math.inf
+
+
+def _scheme(tables: _Tables, choice: np.ndarray, rows: Sequence[int], m: int) -> tuple[Slices, float]:
+    """Read candidate m's scheme back from the argmins, for its rows in pipeline order; and its largest tile."""
     g = tables.token_step
-    sizes = []
-    s = tables.batch_size
-    while s > 0:
-        b = int(last[m, s])
-        sizes.append(b)
-        s -= b
-    sizes.sort(reverse=True)
-    paths: dict[int, list[int]] = {}
-    for b in set(sizes):
-        lengths = []
-        p = tables.units
+    paths: dict[int, tuple[list[int], float]] = {}
+    for r in set(rows):
+        units, p = [], tables.units
         while p > 0:
-            i = int(choice[m, b - 1, p])
-            lengths.append(i * g)
-            p -= i
-        paths[b] = lengths[::-1]
-    return [(b, list(paths[b])) for b in sizes]
+            units.append(int(choice[m, r, p]))
+            p -= units[-1]
+        units = units[::-1]
+        worst = float(tables.by_end[r, np.cumsum(units), units].max())
+        paths[r] = ([i * g for i in units], worst)
+    slices = [(int(tables.row_sizes[r]), list(paths[r][0])) for r in rows]
+    return slices, max(paths[r][1] for r in rows)
 
 
 def _scheme_sum_max(tables: _Tables, slices: Slices) -> tuple[float, float]:
@@ -375,7 +478,9 @@ def _scheme_max(tables: _Tables, slices: Slices) -> float:
 
 def _seed_schemes(tables: _Tables) -> list[Slices]:
     """GPipe and the uniform slicings: cheap to price and often close to the optimum, so the exact search starts
-    with a tight bound and a small candidate range."""
+    with a tight bound and a small candidate range. (None for a `Sequencing`, whose paths they may not be.)"""
+    if not isinstance(tables.combine, _Knapsack):
+        return []
     L = tables.units * tables.token_step
     return [slices for slices, _, _ in _uniform_schemes(L, tables.batch_size, tables.token_step)]
 
@@ -391,15 +496,15 @@ class _Probe:
 def _probe(tables: _Tables, t_values: np.ndarray) -> list[_Probe]:
     t_values = np.asarray(t_values, dtype=float)
     best, choice = _batched_dp(tables, t_values)
-    total, last = _knapsack(best[:, :, tables.units], tables.batch_size)
+    total, back = tables.combine.combine(best[:, :, tables.units])
     out = []
     for m, t in enumerate(t_values):
-        s_star = float(total[m, tables.batch_size])
+        s_star = float(total[m])
         if not math.isfinite(s_star):
             out.append(_Probe(float(t), math.inf, None, math.inf))
             continue
-        slices = _scheme(tables, choice, last, m)
-        out.append(_Probe(float(t), s_star, slices, _scheme_max(tables, slices)))
+        slices, realised = _scheme(tables, choice, tables.combine.rows_of(back, m), m)
+        out.append(_Probe(float(t), s_star, slices, realised))
     return out
 
 
@@ -538,6 +643,7 @@ def solve(
     epsilon: float = 0.0,
     method: str = "exact",
     batch_slice: int | None = None,
+    grouping: Sequencing | None = None,
     neighbours: int = 0,
 ) -> PlanResult | None:
     """Choose token and batch slicing minimising the objective of docs/design.md §4.
@@ -545,7 +651,8 @@ def solve(
     ``method="exact"`` (default) returns the exact optimum for ``epsilon=0`` and stays within ``stages·epsilon``
     of it otherwise; ``method="enumerate"`` is the published ε-enumeration, kept for comparison.
     ``batch_slice=b`` (dividing the batch) plans B/b equal batch slices of b sequences, all sliced alike. A cost of
-    +inf forbids a tile; None when every scheme needs a forbidden tile. ``neighbours=n`` also returns, in
+    +inf forbids a tile; None when every scheme needs a forbidden tile. ``grouping`` (a `Sequencing`) restricts the
+    batch groupings, in order, and the tiles each batch slice may use by its place. ``neighbours=n`` also returns, in
     ``alternatives``, the cheapest schemes under the n distinct tile costs on either side of the optimum's largest
     tile (each the exact optimum for its threshold): the candidates a schedule-aware choice re-ranks.
     """
@@ -556,8 +663,10 @@ def solve(
         raise UserError(f"must be one of {', '.join(METHODS)}, got {method!r}", where="method")
     started = time.perf_counter()
     search = _search_exact if method == "exact" else _search_enumerate
+    if batch_slice is not None and grouping is not None:
+        raise ValueError("batch_slice and grouping exclude each other")
     if batch_slice is None:
-        tables = _Tables(cost, seq_len=seq_len, batch_size=batch_size, token_step=token_step)
+        tables = _Tables(cost, seq_len=seq_len, batch_size=batch_size, token_step=token_step, grouping=grouping)
         slices, probes = search(tables, stages, float(epsilon))
         whole = lambda sl: sl  # noqa: E731
     else:
@@ -572,7 +681,9 @@ def solve(
     shape = {"stages": stages, "seq_len": seq_len, "batch_size": batch_size, "token_step": token_step}
     res = _result(cost, whole(slices), **shape, method=method, epsilon=float(epsilon), candidates=probes)
     if neighbours and stages > 1:
-        near = [whole(sl) for sl in _neighbour_schemes(tables, _scheme_max(tables, slices), neighbours)]
+        # (A Sequencing's rows are not batch sizes: its largest tile is the result's, priced by the same cost.)
+        t_max = _scheme_max(tables, slices) if grouping is None else res.t_max_s
+        near = [whole(sl) for sl in _neighbour_schemes(tables, t_max, neighbours)]
         res.alternatives = sorted(
             (_result(cost, sl, **shape, method=method) for sl in near if sl != res.slices),
             key=lambda r: r.predicted_s,

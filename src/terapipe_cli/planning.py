@@ -22,12 +22,20 @@ from terapipe_cli.costmodel import CostModel, Profile, profile_from_dict, read_p
 from terapipe_cli.device import machine_memory_bytes
 from terapipe_cli.errors import UserError
 from terapipe_cli.experiments import experiment_profile, load_experiment
-from terapipe_cli.memory import EqualSlices, StageMemory, stage_memory, stage_sizes
+from terapipe_cli.memory import (
+    EqualSlices,
+    StageMemory,
+    grouping_search,
+    in_flight,
+    plain_bytes,
+    stage_memory,
+    stage_sizes,
+)
 from terapipe_cli.plan import make_plan_dict
 from terapipe_cli.planner import METHODS, PlanResult, divisors, gpipe_baseline, solve, uniform_baseline
 from terapipe_cli.schedule import ORDERS, build_schedule
 from terapipe_cli.simulate import simulate
-from terapipe_cli.units import format_bytes, format_seconds, utc_timestamp
+from terapipe_cli.units import format_bytes, format_seconds, format_stages, utc_timestamp
 
 
 @dataclass(frozen=True)
@@ -362,6 +370,9 @@ class Planned:
     formula_optimal_simulated_s: float | None = None
     # Planned within the memory limit: the fastest scheme overall, which did not fit (None: it did, or no limit).
     unfitted: Planned | None = None
+    # The orders planned within the memory limit over equal batch slices only (every batch grouping was too large a
+    # search there); empty when every grouping was searched.
+    equal_slices_only: tuple[str, ...] = ()
 
     def choice_text(self) -> str:
         """``GPipe order`` / ``1F1B order, recomputed on stages 0, 1``: how the plan's steps run."""
@@ -372,10 +383,14 @@ class Planned:
         if self.unfitted is None:
             return None
         m, before = self.memory, self.unfitted.memory
+        only = ""
+        if self.equal_slices_only:
+            orders = " and ".join(choice_text(o, (False,)) for o in self.equal_slices_only)
+            only = f" ({orders}: searched over equal batch slices only, every grouping of this batch is too large)"
         return (
             f"planned within {format_bytes(m.limit_bytes)} {m.limit_source}: {self.terapipe.short_form(fold=True)} "
             f"in {self.choice_text()}, {format_bytes(m.needed_bytes)} at most per stage; the fastest scheme "
-            f"overall would need {format_bytes(before.needed_bytes)}"
+            f"overall would need {format_bytes(before.needed_bytes)}{only}"
         )
 
     def rank_line(self) -> str | None:
@@ -477,13 +492,12 @@ class Planned:
 
 
 def choice_text(order: str, recompute: tuple[bool, ...]) -> str:
-    """``GPipe order``, ``1F1B order, recomputed``, ``GPipe order, recomputed on stage 0``."""
+    """``GPipe order``, ``1F1B order, recomputed``, ``GPipe order, recomputed on stage 0``, ``… on stages 0–33, 39``."""
     text = "1F1B order" if order == "1f1b" else "GPipe order"
     if all(recompute):
         return text + ", recomputed"
-    stages = [str(k) for k, on in enumerate(recompute) if on]
-    if stages:
-        text += f", recomputed on stage{'s' if len(stages) > 1 else ''} {', '.join(stages)}"
+    if any(recompute):
+        text += f", recomputed on {format_stages(recompute)}"
     return text
 
 
@@ -526,6 +540,8 @@ def plan_one(
     optimum, optimum_sim = best, None
     if r.rank == "simulated" and best.alternatives:
         best, optimum_sim = _rerank(profile, r, best, cost, order, recompute)
+        # The search that found both: its time and candidates stay with the plan's scheme.
+        best = replace(best, seconds=optimum.seconds, candidates=optimum.candidates)
     gpipe = gpipe_baseline(cost, **shape)
     uniform = uniform_baseline(cost, **shape, token_step=r.token_step)
     # The formula prices every tile's transfers inside the tile; the simulator replays the schedule with
@@ -587,14 +603,17 @@ def plan_within_memory(profile: Profile, request: PlanRequest, fastest: Planned)
     """The fastest scheme whose estimated peak fits the limit on every stage (docs/design.md §10), exactly:
 
     1. The fastest scheme overall without recomputation, in the other order (its price does not depend on the order).
-    2. Otherwise, for every batch-slice size b dividing B (D equal batch slices, sliced alike) and each order: without
-       recomputation if every stage fits (memory then does not depend on the token slicing), else recomputing on
-       exactly the stages that do not fit without, with the slicing search restricted to tiles under which those
-       fit (the largest tile sets a recomputing stage's peak). Every candidate is the optimum of its own search; the
-       fastest by the formula wins, ties to the simulator.
+    2. Otherwise, for each order: the fastest scheme without recomputation among the batch groupings that fit
+       (the token slicing does not change a stage's peak then), and the fastest recomputed one, each batch slice's
+       tiles restricted by its place in the grouping (`memory.grouping_search`, `planner.solve(grouping=…)`). The
+       formula prices recomputation alike whichever stages recompute, and recomputing never raises a stage's peak,
+       so the recomputed search lets every stage recompute; the plan then recomputes only on the stages its scheme
+       does not fit without. The fastest candidate by the formula wins, ties to the simulator.
 
-    The order and the recomputation are searched only where the user left them free. Nothing fits: one line with
-    the smallest peak any scheme could reach.
+    Where every batch grouping is too large a search (`memory.MAX_GROUPING_STATES`, `MAX_GROUPING_CELLS`), the same
+    search runs over equal batch slices (`_equal_slice_candidates`) and the plan says so. The order and the
+    recomputation are searched only where the user left them free. Nothing fits: one line with the smallest peak
+    any scheme could reach.
     """
     r, limit = request, fastest.memory.limit_bytes
     orders = ORDERS if r.order_free else (r.order,)
@@ -608,32 +627,30 @@ def plan_within_memory(profile: Profile, request: PlanRequest, fastest: Planned)
             planned = [plan_one(profile, r, optimum, order=o, recompute=plain) for o in fit]
             return replace(min(planned, key=lambda p: p.simulated_s["terapipe"]), unfitted=fastest)
     sizes = stage_sizes(profile, r.stages)
-    cost = CostModel(profile, r.stages, r.data_parallel)
-    recomputed = CostModel(profile, r.stages, r.data_parallel, recompute=True)
+    costs = {rerun: CostModel(profile, r.stages, r.data_parallel, recompute=rerun) for rerun in (False, True)}
     shape = {"seq_len": r.seq_len, "batch_size": r.batch_size, "stages": r.stages, "token_step": r.token_step}
     search = {"epsilon": r.epsilon, "method": r.method, "neighbours": RERANK_NEIGHBOURS if r.rank == "simulated" else 0}
-    searched: dict[tuple, PlanResult | None] = {}  # searches with the same constraints, run once
+    modes = [rerun for rerun, ok in ((False, plain_ok), (True, recompute_ok)) if ok]
     candidates: list[tuple[PlanResult, str, tuple[bool, ...]]] = []
-    for b in divisors(r.batch_size):
-        # One batch slice runs the same actions in either order: search it once.
-        for order in orders if b < r.batch_size else orders[:1]:
-            eq = EqualSlices(sizes, b, r.batch_size // b, r.seq_len, order, limit)
-            fits_plain = eq.fits_plain()
-            if all(fits_plain) and plain_ok:
-                on, key = plain, (b,)  # memory does not depend on the token slicing: one search for either order
-                if key not in searched:
-                    searched[key] = solve(cost, **shape, **search, batch_slice=b)
-            elif recompute_ok:
-                # With --recompute every stage recomputes; left free, exactly those that do not fit without.
-                on = (True,) * r.stages if not r.recompute_free else tuple(not p for p in fits_plain)
-                key = (b, on, tuple(eq.in_flight(k) for k in range(r.stages)))
-                if key not in searched:
-                    fits = lambda i, j, eq=eq, on=on: eq.tile_fits(i, j, stages=on)  # noqa: E731
-                    searched[key] = solve(_Forbidding(recomputed, fits), **shape, **search, batch_slice=b)
-            else:
+    equal_only: list[str] = []
+    # One batch slice runs the same actions in either order: search it once.
+    for order in orders if r.batch_size > 1 else orders[:1]:
+        for rerun in modes:
+            grouping = grouping_search(sizes, r.batch_size, r.seq_len, r.token_step, order, limit, rerun)
+            if grouping is None:
+                equal_only += [order] if order not in equal_only else []
+                candidates += _equal_slice_candidates(r, sizes, costs, order, rerun, limit, shape, search)
                 continue
-            if searched[key] is not None:
-                candidates.append((searched[key], order, on))
+            res = solve(costs[rerun], **shape, **search, grouping=grouping) if grouping.moves else None
+            if res is None:
+                continue
+            on = (True,) * r.stages
+            if rerun and r.recompute_free:  # recompute only where the scheme does not fit without
+                W = in_flight([b for b, _ in res.slices], order, r.stages)
+                on = tuple(bool(plain_bytes(s, max(W[k]), r.seq_len) > limit) for k, s in enumerate(sizes))
+                if not any(on):  # it fits without: the search without recomputation has it, priced lower
+                    continue
+            candidates.append((res, order, on if rerun else plain))
     if not candidates:
         raise UserError(_nothing_fits(profile, r, fastest.memory, plain_ok, recompute_ok), where="--memory-limit")
     # The fastest by the formula; among equals (the same scheme in either order, say), the simulator decides.
@@ -642,7 +659,32 @@ def plan_within_memory(profile: Profile, request: PlanRequest, fastest: Planned)
     if len(tied) > 1:
         tied.sort(key=lambda c: _simulated(profile, r, *c))
     res, order, on = tied[0]
-    return replace(plan_one(profile, r, res, order=order, recompute=on), unfitted=fastest)
+    planned = plan_one(profile, r, res, order=order, recompute=on)
+    return replace(planned, unfitted=fastest, equal_slices_only=tuple(equal_only))
+
+
+def _equal_slice_candidates(
+    r: PlanRequest, sizes, costs: dict, order: str, rerun: bool, limit: float, shape: dict, search: dict
+) -> list[tuple[PlanResult, str, tuple[bool, ...]]]:
+    """`plan_within_memory`'s search over D equal batch slices of every b dividing B (`memory.EqualSlices`), for
+    one order, without or with recomputation (only on the stages that do not fit without)."""
+    out = []
+    for b in divisors(r.batch_size):
+        eq = EqualSlices(sizes, b, r.batch_size // b, r.seq_len, order, limit)
+        fits_plain = eq.fits_plain()
+        if not rerun:
+            res = solve(costs[False], **shape, **search, batch_slice=b) if all(fits_plain) else None
+            on = (False,) * r.stages
+        else:
+            # With --recompute every stage recomputes; left free, exactly those that do not fit without.
+            on = (True,) * r.stages if not r.recompute_free else tuple(not p for p in fits_plain)
+            if not any(on):
+                continue
+            fits = lambda i, j, eq=eq, on=on: eq.tile_fits(i, j, stages=on)  # noqa: E731
+            res = solve(_Forbidding(costs[True], fits), **shape, **search, batch_slice=b)
+        if res is not None:
+            out.append((res, order, on))
+    return out
 
 
 def _simulated(profile: Profile, r: PlanRequest, res: PlanResult, order: str, recompute: tuple[bool, ...]) -> float:
@@ -660,8 +702,12 @@ def _fits(profile: Profile, slices, stages: int, order: str, recompute: tuple[bo
 def smallest_peak(
     profile: Profile, request: PlanRequest, limit_bytes: float, *, plain: bool = True, recomputed: bool = True
 ) -> tuple[float, str]:
-    """The smallest peak any scheme of equal batch slices could reach on its fullest stage (bytes), and how
-    (``1F1B order, recomputed, batch slices of 1, tiles of 8 tokens``): without or with recomputation as allowed."""
+    """The smallest peak any scheme could reach on its fullest stage (bytes), and how (``1F1B order, recomputed,
+    batch slices of 1, tiles of 8 tokens``): without or with recomputation as allowed.
+
+    Equal batch slices suffice: batch slices of one sequence reach the least of every stage's peak at once, since
+    each open batch slice holds at least one sequence (W only grows with coarser groupings) and a recomputed
+    tile's re-run grows with its batch slice (docs/design.md §10; the tests check it against every scheme)."""
     r = request
     sizes = stage_sizes(profile, r.stages)
     least, how = math.inf, ""

@@ -31,6 +31,22 @@ def format_bytes(n: float | None, unit: str | None = None) -> str:
     return f"{n / scale:.1f} {unit}"
 
 
+def format_stages(flags) -> str:
+    """The stages whose flag is on, runs of three or more as ranges: ``stage 0``, ``stages 0, 1``,
+    ``stages 0–33, 39``; empty when none is."""
+    on = [k for k, flag in enumerate(flags) if flag]
+    runs: list[list[int]] = []
+    for k in on:
+        if runs and runs[-1][-1] == k - 1:
+            runs[-1].append(k)
+        else:
+            runs.append([k])
+    parts = []
+    for run in runs:
+        parts += [f"{run[0]}–{run[-1]}"] if len(run) > 2 else [str(k) for k in run]
+    return f"stage{'s' if len(on) > 1 else ''} {', '.join(parts)}" if on else ""
+
+
 def utc_timestamp() -> str:
     """The moment a file is written, as stored in its ``"created"`` field (ISO 8601, UTC, whole seconds)."""
     return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -104,7 +104,7 @@ def plan(
         typer.Option(
             "--memory-limit",
             help="GiB per device: the plan is the fastest scheme whose estimated peak fits on every stage (over "
-            "token slicing, equal batch slices, the order and which stages recompute, where not fixed by --order "
+            "token slicing, batch grouping, the order and which stages recompute, where not fixed by --order "
             "or --recompute); when none fits, one line with the smallest possible peak. Default: a GPU profile's "
             "device memory (a CPU's memory, shared by all workers, only warns).",
         ),

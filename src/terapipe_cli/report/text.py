@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from terapipe_cli.units import format_bytes, format_seconds
+from terapipe_cli.units import format_bytes, format_seconds, format_stages
 
 NO_BASELINE = "No baseline was run (--no-baseline): no speed-up, and no loss comparison."
 
@@ -27,9 +27,8 @@ def shape(report: dict) -> str:
     text = f"D={r['data_parallel']}, K={r['stages']}, T={r['tensor_parallel']}, B={r['batch_size']}, L={r['seq_len']}"
     if r.get("order", "gpipe") != "gpipe":
         text += f", {r['order'].upper()} order"
-    recomputed = [str(k) for k, on in enumerate(r.get("recompute") or []) if on]
-    if recomputed:
-        text += f", recomputed on stage{'s' if len(recomputed) > 1 else ''} {', '.join(recomputed)}"
+    if any(r.get("recompute") or []):
+        text += f", recomputed on {format_stages(r['recompute'])}"
     return text
 
 
