@@ -93,6 +93,9 @@ def test_memory_aware_plans_equal_brute_force(batch, seq_len, step, stages):
         planned = plan_for_profile(MEASURED, request)
         optimum = planned.formula_optimal or planned.terapipe  # the objective's optimum; the plan may re-rank it
         assert optimum.predicted_s == pytest.approx(expected, rel=1e-9), (q, optimum.slices)
+        # The published enumeration of t_max (at ε = 0) searches the same groupings to the same optimum.
+        published = plan_for_profile(MEASURED, replace(request, method="enumerate"))
+        assert (published.formula_optimal or published.terapipe).predicted_s == pytest.approx(expected, rel=1e-9)
         schedule = build_schedule(planned.terapipe.slices, stages, planned.order)
         memory = stage_memory(planned.terapipe.slices, MEASURED, stages, schedule=schedule, recompute=planned.recompute)
         assert max(m.total_bytes for m in memory) <= limit * (1 + 1e-12)

@@ -26,7 +26,13 @@ def _plan_file(tmp_path, slices, stages, **keys):
     [
         ("1F1B, K=2, 4 batch slices", [(1, [12, 20])] * 4, 2, {"order": "1f1b"}),
         ("recompute, K=2", [(2, [8, 8, 16])], 2, {"recompute": [True, True]}),
-        ("1F1B and recompute on one stage", [(1, [20, 12])] * 3, 2, {"order": "1f1b", "recompute": [False, True]}),
+        # Batch slices of different sizes, each sliced its own way: what the memory-aware search may return.
+        (
+            "1F1B and recompute on one stage, unequal batch slices",
+            [(2, [20, 12]), (1, [8, 24]), (1, [32])],
+            2,
+            {"order": "1f1b", "recompute": [False, True]},
+        ),
     ],
 )
 def test_verify_passes(tmp_path, name, slices, stages, keys):
