@@ -270,11 +270,11 @@ def _tile_fits(sizes: Sequence[StageSizes], key: tuple, seq_len: int, limit: flo
 
 
 def grouping_peaks(
-    batch_sizes: Sequence[int], worst: Sequence[tuple[int, int]], sizes: Sequence[StageSizes], seq_len: int,
+    batch_sizes: Sequence[int], worst: Sequence[tuple[int, int]] | None, sizes: Sequence[StageSizes], seq_len: int,
     order: str, recompute: Sequence[bool],
 ) -> list[float]:  # fmt: skip
     """Each stage's peak by the closed form, for batch slices of ``batch_sizes`` whose tiles (i, j) maximising
-    ``(j + i)·kept + i·rerun`` are ``worst[d]`` (used on recomputing stages only)."""
+    ``(j + i)·kept + i·rerun`` are ``worst[d]`` (needed on recomputing stages only)."""
     W = in_flight(batch_sizes, order, len(sizes))
     out = []
     for k, s in enumerate(sizes):
@@ -319,9 +319,8 @@ class EqualSlices:
     def tile_fits(self, i, j, *, stages: Sequence[bool] | None = None) -> np.ndarray:
         """Whether a tile (i, j) fits every recomputing stage: ``stages[k]`` (default: those that do not fit
         without)."""
-        ok = np.ones(np.broadcast(np.asarray(i), np.asarray(j)).shape, dtype=bool)
         on = [not p for p in self.fits_plain()] if stages is None else stages
-        for k, recomputing in enumerate(on):
-            if recomputing:
-                ok &= self.recomputed_bytes(k, i, j) <= self.limit
-        return ok
+        ks = [k for k, recomputing in enumerate(on) if recomputing]
+        b = self.batch_slice
+        opened = tuple(self.in_flight(k) * b for k in ks)
+        return _tile_fits([self.sizes[k] for k in ks], (b, opened), self.seq_len, self.limit)(i, j)

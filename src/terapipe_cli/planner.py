@@ -472,10 +472,6 @@ def _scheme_sum_max(tables: _Tables, slices: Slices) -> tuple[float, float]:
     return total, worst
 
 
-def _scheme_max(tables: _Tables, slices: Slices) -> float:
-    return _scheme_sum_max(tables, slices)[1]
-
-
 def _seed_schemes(tables: _Tables) -> list[Slices]:
     """GPipe and the uniform slicings: cheap to price and often close to the optimum, so the exact search starts
     with a tight bound and a small candidate range. (None for a `Sequencing`, whose paths they may not be.)"""
@@ -523,15 +519,16 @@ def _check_sizes(*, seq_len: int, batch_size: int, stages: int, token_step: int)
 
 
 def _improve(
-    results: list[_Probe], stages: int, best_T: float, best_slices: Slices | None, copies: int = 1
-) -> tuple[float, Slices | None]:
-    """The best objective among the probes' schemes and the incumbent (each scheme priced by its realised max)."""
+    results: list[_Probe], stages: int, best_T: float, best_slices: Slices | None, best_max: float, copies: int = 1
+) -> tuple[float, Slices | None, float]:
+    """The best objective among the probes' schemes and the incumbent (each scheme priced by its realised max), its
+    scheme and its largest tile."""
     for pr in results:
         if pr.slices is not None:
             T = objective(copies * pr.total, pr.realised, stages)
             if T < best_T:
-                best_T, best_slices = T, pr.slices
-    return best_T, best_slices
+                best_T, best_slices, best_max = T, pr.slices, pr.realised
+    return best_T, best_slices, best_max
 
 
 def _scaled_batch(cost: Cost, b: int) -> Cost:
@@ -539,22 +536,22 @@ def _scaled_batch(cost: Cost, b: int) -> Cost:
     return lambda bb, i, j: cost(np.asarray(bb) * b, i, j)
 
 
-def _search_exact(tables: _Tables, stages: int, epsilon: float, copies: int = 1) -> tuple[Slices | None, int]:
-    """``copies``: the scheme runs ``copies`` times (D equal batch slices, `solve(batch_slice=…)`): the objective
-    is copies·S + (K−1)·t_max."""
+def _search_exact(tables: _Tables, stages: int, epsilon: float, copies: int = 1) -> tuple[Slices | None, float, int]:
+    """The best scheme, its largest tile and the candidates probed. ``copies``: the scheme runs ``copies`` times (D
+    equal batch slices, `solve(batch_slice=…)`): the objective is copies·S + (K−1)·t_max."""
     top = _probe(tables, np.array([np.inf]))[0]
     probes = 1
     if top.slices is None:
-        return None, probes
+        return None, math.inf, probes
     best_T = objective(copies * top.total, top.realised, stages)
-    best_slices = top.slices
+    best_slices, best_max = top.slices, top.realised
     if stages == 1:
-        return best_slices, probes
+        return best_slices, best_max, probes
     for seed in _seed_schemes(tables):
         sum_s, max_s = _scheme_sum_max(tables, seed)
         T = objective(copies * sum_s, max_s, stages)
         if T < best_T:
-            best_T, best_slices = T, seed
+            best_T, best_slices, best_max = T, seed, max_s
     slack = stages * epsilon
 
     def cutoff() -> float:
@@ -585,7 +582,7 @@ def _search_exact(tables: _Tables, stages: int, epsilon: float, copies: int = 1)
         results = _probe(tables, c[[x for _, x in picks]])
         probes += len(picks)
         # Update the best, then split each interval at its probes.
-        best_T, best_slices = _improve(results, stages, best_T, best_slices, copies)
+        best_T, best_slices, best_max = _improve(results, stages, best_T, best_slices, best_max, copies)
         new_open = []
         for k, (lo, hi, s_up) in enumerate(live):
             mine = sorted((x, results[n]) for n, (kk, x) in enumerate(picks) if kk == k)
@@ -601,10 +598,12 @@ def _search_exact(tables: _Tables, stages: int, epsilon: float, copies: int = 1)
             if lo <= cursor_hi:
                 new_open.append((lo, cursor_hi, cursor_s))
         open_ = new_open
-    return best_slices, probes
+    return best_slices, best_max, probes
 
 
-def _search_enumerate(tables: _Tables, stages: int, epsilon: float, copies: int = 1) -> tuple[Slices | None, int]:
+def _search_enumerate(
+    tables: _Tables, stages: int, epsilon: float, copies: int = 1
+) -> tuple[Slices | None, float, int]:
     """The published method: t_max ascending over the distinct tile costs, stopping once K·t_max exceeds the best.
 
     With ε > 0 the costs are taken in windows [s, s + ε] and only the window's largest cost is evaluated: every
@@ -620,7 +619,7 @@ def _search_enumerate(tables: _Tables, stages: int, epsilon: float, copies: int 
         tops.append(c[top])
         k = top + 1
     starts, tops = np.asarray(starts), np.asarray(tops)
-    best_T, best_slices, probes = math.inf, None, 0
+    best_T, best_slices, best_max, probes = math.inf, None, math.inf, 0
     for first in range(0, len(tops), _ENUMERATE_BATCH):
         window = slice(first, first + _ENUMERATE_BATCH)
         # A scheme whose largest tile is t costs at least K·t: nothing from here on can beat best_T.
@@ -629,8 +628,8 @@ def _search_enumerate(tables: _Tables, stages: int, epsilon: float, copies: int 
             break
         results = _probe(tables, tops[window][alive])
         probes += len(results)
-        best_T, best_slices = _improve(results, stages, best_T, best_slices, copies)
-    return best_slices, probes
+        best_T, best_slices, best_max = _improve(results, stages, best_T, best_slices, best_max, copies)
+    return best_slices, best_max, probes
 
 
 def solve(
@@ -667,22 +666,20 @@ def solve(
         raise ValueError("batch_slice and grouping exclude each other")
     if batch_slice is None:
         tables = _Tables(cost, seq_len=seq_len, batch_size=batch_size, token_step=token_step, grouping=grouping)
-        slices, probes = search(tables, stages, float(epsilon))
+        slices, t_max, probes = search(tables, stages, float(epsilon))
         whole = lambda sl: sl  # noqa: E731
     else:
         if batch_size % batch_slice:
             raise UserError(f"{batch_slice} does not divide the batch of {batch_size}", where="batch_slice")
         one = _scaled_batch(cost, batch_slice)
         tables = _Tables(one, seq_len=seq_len, batch_size=1, token_step=token_step)
-        slices, probes = search(tables, stages, float(epsilon), batch_size // batch_slice)
+        slices, t_max, probes = search(tables, stages, float(epsilon), batch_size // batch_slice)
         whole = lambda sl: [(batch_slice, sl[0][1])] * (batch_size // batch_slice)  # noqa: E731
     if slices is None:
         return None
     shape = {"stages": stages, "seq_len": seq_len, "batch_size": batch_size, "token_step": token_step}
     res = _result(cost, whole(slices), **shape, method=method, epsilon=float(epsilon), candidates=probes)
     if neighbours and stages > 1:
-        # (A Sequencing's rows are not batch sizes: its largest tile is the result's, priced by the same cost.)
-        t_max = _scheme_max(tables, slices) if grouping is None else res.t_max_s
         near = [whole(sl) for sl in _neighbour_schemes(tables, t_max, neighbours)]
         res.alternatives = sorted(
             (_result(cost, sl, **shape, method=method) for sl in near if sl != res.slices),

@@ -25,9 +25,8 @@ from terapipe_cli.experiments import experiment_profile, load_experiment
 from terapipe_cli.memory import (
     EqualSlices,
     StageMemory,
+    grouping_peaks,
     grouping_search,
-    in_flight,
-    plain_bytes,
     stage_memory,
     stage_sizes,
 )
@@ -646,8 +645,8 @@ def plan_within_memory(profile: Profile, request: PlanRequest, fastest: Planned)
                 continue
             on = (True,) * r.stages
             if rerun and r.recompute_free:  # recompute only where the scheme does not fit without
-                W = in_flight([b for b, _ in res.slices], order, r.stages)
-                on = tuple(bool(plain_bytes(s, max(W[k]), r.seq_len) > limit) for k, s in enumerate(sizes))
+                plain_peaks = grouping_peaks([b for b, _ in res.slices], None, sizes, r.seq_len, order, plain)
+                on = tuple(peak > limit for peak in plain_peaks)
                 if not any(on):  # it fits without: the search without recomputation has it, priced lower
                     continue
             candidates.append((res, order, on if rerun else plain))
