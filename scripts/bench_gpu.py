@@ -83,7 +83,7 @@ def peak_flops(device_name: str, given_tflops: float | None) -> tuple[float | No
     if given_tflops is not None:
         return given_tflops * 1e12, "--peak-tflops"
     if "H100" in device_name or "H200" in device_name:
-        from terapipe_cli.hardware import load_hardware
+        from terapipe_cli.config.hardware import load_hardware
 
         return load_hardware(PEAK_HARDWARE).device.peak_flops, f"{PEAK_HARDWARE.relative_to(ROOT)} (H100 SXM)"
     return None, "unknown for this device: pass --peak-tflops"
@@ -108,8 +108,8 @@ def measure_profile_for(model, precision: str, batches: list[int], device, out_d
 
 def plan_cells(model, precision: str, profile_path: Path, batches: list[int]) -> list[Cell]:
     """Every scheme at every B for one precision, with the planner's plan and the cost model's predictions."""
-    from terapipe_cli.costmodel import CostModel
-    from terapipe_cli.planner import evaluate, solve
+    from terapipe_cli.plan.costmodel import CostModel
+    from terapipe_cli.plan.search import evaluate, solve
 
     cost = CostModel.from_profile(profile_path, stages=1)
     cells = []
@@ -124,11 +124,11 @@ def time_group(model, cells: list[Cell], device, *, rounds: int, warmup: int) ->
     """Time one (precision, B) group's schemes interleaved on one stage; returns N (linear weights)."""
     import torch
 
-    from terapipe_cli.runtime.data import load_data, step_batch
-    from terapipe_cli.runtime.optim import make_optimizer
-    from terapipe_cli.runtime.p2p import Links
-    from terapipe_cli.runtime.stage import StageRunner
-    from terapipe_cli.schedule import build_schedule
+    from terapipe_cli.engine.data import load_data, step_batch
+    from terapipe_cli.engine.optim import make_optimizer
+    from terapipe_cli.engine.p2p import Links
+    from terapipe_cli.engine.stage import StageRunner
+    from terapipe_cli.plan.schedule import build_schedule
 
     batch, precision = cells[0].batch, cells[0].precision
     runner = StageRunner(model, 0, 1, seed=0, device=device, precision=precision)
@@ -151,8 +151,8 @@ def _time_step(cell: Cell, runner, optimizer, links, actions, tokens, *, keep: b
     """One training step of ``cell``'s scheme: its time and peak memory, or why it failed (out of memory)."""
     import torch
 
-    from terapipe_cli.runtime.optim import take_step
-    from terapipe_cli.runtime.worker import run_schedule
+    from terapipe_cli.engine.optim import take_step
+    from terapipe_cli.train.worker import run_schedule
 
     params = list(runner.module.parameters())
     torch.cuda.synchronize()
@@ -199,7 +199,7 @@ def _ms(values: list[float]) -> str:
 
 def table_rows(cells: list[Cell], flops_of, peak: float | None) -> list[list[str]]:
     """One row per cell, and a "CUDA graphs on" row per precision (not implemented in the runtime)."""
-    from terapipe_cli.plan import short_form
+    from terapipe_cli.plan.file import short_form
 
     rows = []
     for c in cells:
@@ -270,8 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print(NO_GPU, file=sys.stderr)
         return 2
-    from terapipe_cli.config import load_model_config
-    from terapipe_cli.costmodel import read_profile
+    from terapipe_cli.config.model import load_model_config
+    from terapipe_cli.plan.costmodel import read_profile
 
     device = torch.device("cuda", torch.cuda.current_device())
     name = torch.cuda.get_device_name(device)

@@ -32,11 +32,12 @@ sys.path.insert(0, str(ROOT / "src"))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from terapipe_cli.config import load_model_config  # noqa: E402
-from terapipe_cli.costmodel import CostModel, profile_from_dict  # noqa: E402
-from terapipe_cli.hardware import load_hardware  # noqa: E402
-from terapipe_cli.planner import solve  # noqa: E402
-from terapipe_cli.planning import plan_for_profile, plan_request, smallest_peak  # noqa: E402
+from terapipe_cli.config.hardware import load_hardware  # noqa: E402
+from terapipe_cli.config.model import load_model_config  # noqa: E402
+from terapipe_cli.plan.choice import plan_for_profile, smallest_peak
+from terapipe_cli.plan.costmodel import CostModel, profile_from_dict  # noqa: E402
+from terapipe_cli.plan.request import plan_request  # noqa: E402
+from terapipe_cli.plan.search import solve  # noqa: E402
 from terapipe_cli.profile.analytic import analytic_profile  # noqa: E402
 from terapipe_cli.units import format_bytes  # noqa: E402
 

@@ -54,7 +54,7 @@ def candidates(B: int, L: int) -> list[dict]:
 
 
 def worker(config_path: str) -> None:
-    from terapipe_cli.runtime.data import load_data, step_batch
+    from terapipe_cli.engine.data import load_data, step_batch
 
     cfg, rank, stages, model = join_bench_job(config_path)
     B, L = cfg["batch_size"], model.seq_len
@@ -68,11 +68,11 @@ def _terapipe_step(c: dict, model, rank: int, stages: int, B: int, batch):
     """One training step through terapipe's runtime (`worker.run_schedule`) for candidate ``c``."""
     import torch
 
-    from terapipe_cli.runtime.optim import make_optimizer
-    from terapipe_cli.runtime.p2p import Links
-    from terapipe_cli.runtime.stage import StageRunner
-    from terapipe_cli.runtime.worker import run_schedule
-    from terapipe_cli.schedule import build_schedule
+    from terapipe_cli.engine.optim import make_optimizer
+    from terapipe_cli.engine.p2p import Links
+    from terapipe_cli.engine.stage import StageRunner
+    from terapipe_cli.plan.schedule import build_schedule
+    from terapipe_cli.train.worker import run_schedule
 
     runner = StageRunner(model, rank, stages, seed=0, recompute=c["recompute"])
     runner.set_loss_scale(1.0 / (B * model.seq_len))
@@ -99,8 +99,8 @@ def _peer_steps(model, rank: int, stages: int, B: int, batch) -> dict:
     import torch.nn.functional as F
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    from terapipe_cli.model import GPT
-    from terapipe_cli.runtime.optim import make_optimizer
+    from terapipe_cli.engine.model import GPT
+    from terapipe_cli.engine.optim import make_optimizer
 
     class Whole(torch.nn.Module):
         """A stage of the GPT on whole sequences (no K/V context: each microbatch is one whole sequence)."""
@@ -148,7 +148,7 @@ def main() -> None:
         worker(a.worker)
         return
     sys.path.insert(0, str(ROOT / "src"))
-    from terapipe_cli.config import load_model_config
+    from terapipe_cli.config.model import load_model_config
 
     model = load_model_config(a.model)
     tmp = Path(tempfile.mkdtemp(prefix="bench_schedules."))

@@ -51,7 +51,7 @@ def join_bench_job(config_path: str):
     import torch
     import torch.distributed as dist
 
-    from terapipe_cli.config import ModelConfig
+    from terapipe_cli.config.model import ModelConfig
 
     cfg = json.loads(Path(config_path).read_text())
     torch.set_num_threads(1)
@@ -83,13 +83,13 @@ def time_rounds(steps: dict, cfg: dict, rank: int) -> None:
 def worker(config_path: str) -> None:
     import torch
 
-    from terapipe_cli.model import GPT, token_loss_sum
-    from terapipe_cli.runtime.data import load_data, step_batch
-    from terapipe_cli.runtime.optim import make_optimizer
-    from terapipe_cli.runtime.p2p import Links
-    from terapipe_cli.runtime.stage import StageRunner
-    from terapipe_cli.runtime.worker import run_schedule
-    from terapipe_cli.schedule import build_schedule
+    from terapipe_cli.engine.data import load_data, step_batch
+    from terapipe_cli.engine.model import GPT, token_loss_sum
+    from terapipe_cli.engine.optim import make_optimizer
+    from terapipe_cli.engine.p2p import Links
+    from terapipe_cli.engine.stage import StageRunner
+    from terapipe_cli.plan.schedule import build_schedule
+    from terapipe_cli.train.worker import run_schedule
 
     cfg, rank, stages, model = join_bench_job(config_path)
     B, L = cfg["batch_size"], model.seq_len
@@ -137,10 +137,10 @@ def main() -> None:
         return
 
     sys.path.insert(0, str(ROOT / "src"))
-    from terapipe_cli.config import load_model_config
-    from terapipe_cli.costmodel import CostModel, read_profile
-    from terapipe_cli.plan import short_form
-    from terapipe_cli.planner import solve
+    from terapipe_cli.config.model import load_model_config
+    from terapipe_cli.plan.costmodel import CostModel, read_profile
+    from terapipe_cli.plan.file import short_form
+    from terapipe_cli.plan.search import solve
 
     model = load_model_config(a.model)
     L, B, K = model.seq_len, a.batch, a.stages
@@ -233,8 +233,8 @@ def _time(a: argparse.Namespace, model, candidates: list[dict], tmp: Path, env: 
 
 
 def _print_table(times: dict, candidates: list[dict], cost, K: int, rounds: int) -> None:
-    from terapipe_cli.plan import short_form
-    from terapipe_cli.planner import evaluate
+    from terapipe_cli.plan.file import short_form
+    from terapipe_cli.plan.search import evaluate
 
     med = {n: statistics.median(v) for n, v in times.items()}
     bound = med["single process"] / K

@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from terapipe_cli.config import load_model_config  # noqa: E402
+from terapipe_cli.config.model import load_model_config  # noqa: E402
 from terapipe_cli.files import write_json_atomic  # noqa: E402
 from terapipe_cli.units import utc_timestamp  # noqa: E402
 

@@ -48,12 +48,14 @@ from rich.console import Console  # noqa: E402
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from terapipe_cli.costmodel import profile_from_dict  # noqa: E402
+from terapipe_cli.config.experiment import Experiment, load_experiment
+from terapipe_cli.config.hardware import load_hardware  # noqa: E402
 from terapipe_cli.errors import UserError  # noqa: E402
-from terapipe_cli.experiments import Experiment, experiment_profile, load_experiment  # noqa: E402
-from terapipe_cli.hardware import load_hardware  # noqa: E402
-from terapipe_cli.plan import short_form  # noqa: E402
-from terapipe_cli.planning import plan_for_profile, plan_request, smallest_peak  # noqa: E402
+from terapipe_cli.plan.choice import plan_for_profile, smallest_peak
+from terapipe_cli.plan.costmodel import profile_from_dict  # noqa: E402
+from terapipe_cli.plan.file import short_form  # noqa: E402
+from terapipe_cli.plan.request import plan_request  # noqa: E402
+from terapipe_cli.profile.analytic import experiment_profile  # noqa: E402
 
 # The limit a setting that no scheme fits is planned under instead: none that any model here comes near.
 NO_LIMIT_GIB = 1e6

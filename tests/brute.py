@@ -1,4 +1,4 @@
-"""Brute-force references for the planner tests, written independently of `terapipe_cli.planner`.
+"""Brute-force references for the planner tests, written independently of `terapipe_cli.plan.search`.
 
 Nothing here shares code or ideas with the planner's DP: it enumerates every composition of the sequence
 (2^(n-1) of them for n = L/g token steps), every multiset of batch-slice sizes, and every threshold on the

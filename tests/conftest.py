@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from terapipe_cli.config import ModelConfig
+from terapipe_cli.config.model import ModelConfig
 
 # This process's own setting, before `hide_gpus` changes it for the session (None: not set).
 CUDA_VISIBLE_DEVICES = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -87,7 +87,7 @@ def tiny() -> ModelConfig:
 def write_plan_file(path, slices, *, stages: int, layers: int = 6, seq_len: int = 32, data_parallel: int = 1):
     """A hand-made plan for a tiny model (H = 32, 2 heads) over ``slices``; returns the path."""
     from terapipe_cli.files import write_json_atomic
-    from terapipe_cli.plan import make_plan_dict
+    from terapipe_cli.plan.file import make_plan_dict
 
     model = tiny_model(layers=layers, seq_len=seq_len)
     plan = make_plan_dict(

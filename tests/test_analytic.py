@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from terapipe_cli.config import load_model_config
-from terapipe_cli.costmodel import CostModel, profile_from_dict, ring_allreduce_seconds
+from terapipe_cli.config.hardware import load_hardware
+from terapipe_cli.config.model import load_model_config
 from terapipe_cli.errors import UserError
-from terapipe_cli.hardware import load_hardware
+from terapipe_cli.plan.costmodel import CostModel, profile_from_dict, ring_allreduce_seconds
 from terapipe_cli.profile.analytic import (
     analytic_profile,
     layer_flops,

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from terapipe_cli.cli import main
-from terapipe_cli.config import load_model_config
-from terapipe_cli.costmodel import profile_from_dict, read_profile
+from terapipe_cli.config.hardware import hardware_from_dict, load_hardware
+from terapipe_cli.config.model import load_model_config
 from terapipe_cli.errors import UserError
-from terapipe_cli.hardware import hardware_from_dict, load_hardware
+from terapipe_cli.plan.costmodel import profile_from_dict, read_profile
 from terapipe_cli.profile.analytic import analytic_profile, kernels_per_tile, layer_seconds
 from terapipe_cli.profile.calibrate import (
     calibrate,

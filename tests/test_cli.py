@@ -14,7 +14,7 @@ def test_version_and_short_help():
 
 
 def test_configs_lists_the_bundled_names():
-    from terapipe_cli.config import bundled_names
+    from terapipe_cli.config.bundled import bundled_names
 
     p = terapipe("configs")
     assert p.returncode == 0, p.stderr

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from conftest import assert_one_line_error, terapipe
 
-from terapipe_cli.costmodel import CostModel
-from terapipe_cli.plan import read_plan, short_form
-from terapipe_cli.planner import evaluate, gpipe_baseline, solve, uniform_baseline
+from terapipe_cli.plan.costmodel import CostModel
+from terapipe_cli.plan.file import read_plan, short_form
+from terapipe_cli.plan.search import evaluate, gpipe_baseline, solve, uniform_baseline
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "configs" / "profiles" / "example-tiny-cpu.json"

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from conftest import terapipe
 
-from terapipe_cli.config import load_model_config
+from terapipe_cli.config.hardware import load_hardware
+from terapipe_cli.config.model import load_model_config
 from terapipe_cli.files import write_json_atomic
-from terapipe_cli.hardware import load_hardware
 from terapipe_cli.profile.analytic import analytic_profile
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from file_errors import assert_file_error
 
-from terapipe_cli.config import ModelConfig, load_model_config
+from terapipe_cli.config.model import ModelConfig, load_model_config
 from terapipe_cli.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,9 +86,9 @@ def test_missing_and_folder(tmp_path: Path) -> None:
 
 def test_bundled_configs_by_name_from_any_folder(tmp_path, monkeypatch):
     """--model tiny, --hardware h100, an experiment by name: they ship with the package, found from any folder."""
-    from terapipe_cli.config import bundled_names
-    from terapipe_cli.experiments import load_experiment
-    from terapipe_cli.hardware import load_hardware
+    from terapipe_cli.config.bundled import bundled_names
+    from terapipe_cli.config.experiment import load_experiment
+    from terapipe_cli.config.hardware import load_hardware
 
     monkeypatch.chdir(tmp_path)
     assert {"tiny", "gpt3-13b"} <= set(bundled_names("models"))

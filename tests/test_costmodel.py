@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from file_errors import assert_file_error
 
-from terapipe_cli.costmodel import CostModel, read_profile
 from terapipe_cli.errors import UserError
+from terapipe_cli.plan.costmodel import CostModel, read_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "configs" / "profiles" / "example-tiny-cpu.json"

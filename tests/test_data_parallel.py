@@ -12,9 +12,9 @@ import pytest
 from conftest import ROOT, assert_one_line_error, terapipe
 from test_report import make_run
 
-from terapipe_cli.costmodel import CostModel, profile_from_dict, ring_allreduce_seconds, ring_link_from_allreduce
+from terapipe_cli.plan.costmodel import CostModel, profile_from_dict, ring_allreduce_seconds, ring_link_from_allreduce
 from terapipe_cli.profile.comm import allreduce_from_samples, measure_allreduce, message_sizes
-from terapipe_cli.report.baseline import baseline_dir
+from terapipe_cli.report.runs import baseline_dir
 
 MEASURED = ROOT / "configs/profiles/tiny-cpu-measured.json"
 EXAMPLE = ROOT / "configs/profiles/example-tiny-cpu.json"

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from file_errors import assert_file_error
 
+from terapipe_cli.config.experiment import load_experiment
 from terapipe_cli.errors import UserError
-from terapipe_cli.experiments import load_experiment
 
 ROOT = Path(__file__).resolve().parents[1]
 EXP = ROOT / "configs" / "experiments"

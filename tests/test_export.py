@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 from conftest import assert_one_line_error, terapipe, write_plan_file
 
-from terapipe_cli.model import GPT, KVCache
-from terapipe_cli.plan import plan_from_dict
-from terapipe_cli.runtime import checkpoint
-from terapipe_cli.runtime.export import load_exported
-from terapipe_cli.runtime.rundir import read_config
-from terapipe_cli.runtime.stage import StageRunner
+from terapipe_cli.engine.model import GPT, KVCache
+from terapipe_cli.engine.stage import StageRunner
+from terapipe_cli.plan.file import plan_from_dict
+from terapipe_cli.train import checkpoint
+from terapipe_cli.train.export import load_exported
+from terapipe_cli.train.rundir import read_config
 
 
 def test_export_equals_the_pipelined_model(tmp_path):

@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import ROOT
 
-from terapipe_cli.runtime.rundir import read_metrics
+from terapipe_cli.train.rundir import read_metrics
 
 
 @pytest.fixture(scope="module")

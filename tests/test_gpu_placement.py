@@ -14,11 +14,11 @@ import torch
 import torch.distributed as dist
 from conftest import CUDA_VISIBLE_DEVICES, ROOT, assert_one_line_error, gpu_test, terapipe, write_plan_file
 
+from terapipe_cli.engine.mesh import Layout, gpu_of
+from terapipe_cli.engine.p2p import Links, host_all_reduce, host_staged
 from terapipe_cli.errors import UserError
-from terapipe_cli.runtime import prepare, worker
-from terapipe_cli.runtime.mesh import Layout
-from terapipe_cli.runtime.p2p import Links, host_all_reduce, host_staged
-from terapipe_cli.runtime.rundir import read_summary
+from terapipe_cli.train import prepare, worker
+from terapipe_cli.train.rundir import read_summary
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import bench_gpu  # noqa: E402
@@ -53,7 +53,7 @@ def test_backend_counts_this_machines_gpus_by_default(monkeypatch):
     [(2, 1, [0, 0]), (4, 2, [0, 1, 0, 1]), (3, 2, [0, 1, 0]), (2, 4, [0, 1]), (4, 4, [0, 1, 2, 3])],
 )
 def test_each_worker_gets_its_own_gpu_while_there_are_enough_then_shares(workers, gpus, placed):
-    assert [prepare.gpu_of(r, gpus) for r in range(workers)] == placed
+    assert [gpu_of(r, gpus) for r in range(workers)] == placed
 
 
 def test_the_launch_line_says_which_mode(monkeypatch):
@@ -133,7 +133,7 @@ def test_host_all_reduce_on_the_cpu_reduces_in_place(gloo_group):
 
 def test_tests_see_no_gpu_unless_they_ask():
     """conftest hides the GPU from every test but a GPU one, here and in the processes tests start."""
-    from terapipe_cli.device import resolve_device
+    from terapipe_cli.config.device import resolve_device
 
     assert torch.cuda.is_available() is False and torch.cuda.device_count() == 0
     assert resolve_device("auto") == "cpu"

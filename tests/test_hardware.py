@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from file_errors import assert_file_error
 
+from terapipe_cli.config.hardware import load_hardware
 from terapipe_cli.errors import UserError
-from terapipe_cli.hardware import load_hardware
 
 ROOT = Path(__file__).resolve().parents[1]
 FILES = sorted((ROOT / "configs" / "hardware").glob("*.toml"))

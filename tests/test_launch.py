@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from terapipe_cli.runtime.launch import Launch, describe_failure
+from terapipe_cli.train.launch import Launch, describe_failure
 
 
 @dataclass

@@ -10,12 +10,12 @@ import pytest
 import torch
 from conftest import ROOT
 
-from terapipe_cli.config import ModelConfig
-from terapipe_cli.costmodel import read_profile
-from terapipe_cli.memory import EqualSlices, grouping_peaks, stage_memory, stage_sizes
+from terapipe_cli.config.model import ModelConfig
+from terapipe_cli.engine.stage import StageRunner
+from terapipe_cli.plan.costmodel import read_profile
+from terapipe_cli.plan.memory import EqualSlices, grouping_peaks, stage_memory, stage_sizes
+from terapipe_cli.plan.schedule import build_schedule, plan_tiles
 from terapipe_cli.profile.measure import TileTimer
-from terapipe_cli.runtime.stage import StageRunner
-from terapipe_cli.schedule import build_schedule, plan_tiles
 
 PROFILE = read_profile(ROOT / "configs" / "profiles" / "tiny-cpu-measured.json")
 

@@ -16,12 +16,13 @@ import pytest
 from brute import compositions
 from conftest import ROOT
 
-from terapipe_cli.costmodel import CostModel, read_profile
 from terapipe_cli.errors import UserError
-from terapipe_cli.memory import stage_memory
-from terapipe_cli.planner import evaluate
-from terapipe_cli.planning import plan_for_profile, plan_one, plan_request
-from terapipe_cli.schedule import ORDERS, build_schedule
+from terapipe_cli.plan.choice import plan_for_profile, plan_one
+from terapipe_cli.plan.costmodel import CostModel, read_profile
+from terapipe_cli.plan.memory import stage_memory
+from terapipe_cli.plan.request import plan_request
+from terapipe_cli.plan.schedule import ORDERS, build_schedule
+from terapipe_cli.plan.search import evaluate
 from terapipe_cli.units import format_bytes
 
 MEASURED = read_profile(ROOT / "configs" / "profiles" / "tiny-cpu-measured.json")
@@ -148,7 +149,7 @@ def test_a_fixed_order_or_recomputation_is_kept():
 def test_unequal_batch_slices_win_under_a_limit_and_the_fallback_says_so(monkeypatch):
     """Negative control for the search over every grouping: restricted to equal batch slices (as it is when every
     grouping is too large a search), the same binding limit gives a slower plan, and the plan line says so."""
-    import terapipe_cli.memory as memory
+    import terapipe_cli.plan.groupings as groupings
 
     batch, seq_len, step, stages = 2, 40, 8, 2
     candidates = _every_candidate(batch, seq_len, step, stages)
@@ -165,8 +166,8 @@ def test_unequal_batch_slices_win_under_a_limit_and_the_fallback_says_so(monkeyp
         assert (planned.formula_optimal or planned.terapipe).predicted_s == pytest.approx(fits_all, rel=1e-9)
         assert planned.equal_slices_only == () and "equal batch slices only" not in planned.memory_choice()
         with monkeypatch.context() as m:
-            m.setattr(memory, "MAX_GROUPING_STATES", 0)
-            m.setattr(memory, "MAX_GROUPING_CELLS", 0)
+            m.setattr(groupings, "MAX_GROUPING_STATES", 0)
+            m.setattr(groupings, "MAX_GROUPING_CELLS", 0)
             fallback = plan_for_profile(MEASURED, request)
         assert (fallback.formula_optimal or fallback.terapipe).predicted_s == pytest.approx(fits_equal, rel=1e-9)
         assert fallback.equal_slices_only == ORDERS and "equal batch slices only" in fallback.memory_choice()

@@ -1,7 +1,7 @@
 import torch
 from conftest import tiny_model
 
-from terapipe_cli.model import GPT, KVCache, token_loss_sum
+from terapipe_cli.engine.model import GPT, KVCache, token_loss_sum
 
 
 def test_same_weights_whatever_the_stage_count(tiny):

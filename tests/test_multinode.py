@@ -16,10 +16,10 @@ import time
 import pytest
 from conftest import ROOT, terapipe, write_plan_file
 
-from terapipe_cli.runtime import checkpoint
-from terapipe_cli.runtime.mesh import Layout
-from terapipe_cli.runtime.rundir import read_metrics, read_summary, timeline_path
-from terapipe_cli.runtime.worker import FAULT_ENV, folder_roles
+from terapipe_cli.engine.mesh import Layout
+from terapipe_cli.train import checkpoint
+from terapipe_cli.train.rundir import read_metrics, read_summary, timeline_path
+from terapipe_cli.train.worker import FAULT_ENV, folder_roles
 
 STEPS = ("--steps", "4", "--checkpoint-every", "2", "--device", "cpu", "--seed", "1")
 
@@ -142,7 +142,7 @@ def test_join_run_folder(tmp_path):
     refused for a new run, replaced by node 0's on --resume."""
     from terapipe_cli.errors import UserError
     from terapipe_cli.files import read_json, write_json_atomic
-    from terapipe_cli.runtime.rundir import RUN_SCHEMA, join_run_folder
+    from terapipe_cli.train.rundir import RUN_SCHEMA, join_run_folder
 
     config = {"schema": RUN_SCHEMA, "plan": {"stages": 2}, "arguments": {}, "launch_id": "new"}
     shared, local = tmp_path / "shared", tmp_path / "local"

@@ -7,15 +7,9 @@ import math
 import pytest
 import torch
 
+from terapipe_cli.engine.optim import LossScale, LRSchedule, clip_global_norm, make_optimizer, take_step
 from terapipe_cli.errors import UserError
-from terapipe_cli.runtime.optim import (
-    LossScale,
-    LRSchedule,
-    clip_global_norm,
-    make_optimizer,
-    take_step,
-)
-from terapipe_cli.runtime.rundir import RunArguments
+from terapipe_cli.train.rundir import RunArguments
 
 
 def test_warmup_is_linear_up_to_the_peak():

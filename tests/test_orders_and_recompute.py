@@ -7,8 +7,8 @@ import json
 import pytest
 from conftest import ROOT, assert_one_line_error, terapipe, write_plan_file
 
-from terapipe_cli.plan import read_plan
-from terapipe_cli.runtime.rundir import read_summary
+from terapipe_cli.plan.file import read_plan
+from terapipe_cli.train.rundir import read_summary
 
 PROFILE = ROOT / "configs" / "profiles" / "tiny-cpu-measured.json"
 

@@ -17,7 +17,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from paper_table import calibrated_sibling, compact_form, plan_experiment, stage_ranges  # noqa: E402
 
-from terapipe_cli.experiments import load_experiment  # noqa: E402
+from terapipe_cli.config.experiment import load_experiment  # noqa: E402
 
 
 def test_a_row_is_a_real_plan_better_than_both_baselines():

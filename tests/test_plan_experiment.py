@@ -9,12 +9,14 @@ from pathlib import Path
 import pytest
 from conftest import assert_one_line_error, terapipe
 
-from terapipe_cli.config import bundled_names, find_config
+from terapipe_cli.cli.plan import setting_from_options
+from terapipe_cli.config.bundled import bundled_names, find_config
+from terapipe_cli.config.experiment import load_experiment
 from terapipe_cli.errors import UserError
-from terapipe_cli.experiments import experiment_profile, load_experiment
 from terapipe_cli.files import write_json_atomic
-from terapipe_cli.plan import read_plan
-from terapipe_cli.planning import plan_for_profile, setting_from_options
+from terapipe_cli.plan.choice import plan_for_profile
+from terapipe_cli.plan.file import read_plan
+from terapipe_cli.profile.analytic import experiment_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "configs" / "profiles" / "example-tiny-cpu.json"

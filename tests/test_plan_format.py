@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from file_errors import assert_file_error
 
-from terapipe_cli.config import ModelConfig
+from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import write_json_atomic
-from terapipe_cli.plan import (
+from terapipe_cli.plan.file import (
     PLAN_SCHEMA,
     check_slices,
     make_plan_dict,
@@ -190,7 +190,7 @@ def test_short_form_folds_runs_of_three_or_more() -> None:
 
 
 def test_recomputing_stages_are_named_in_ranges():
-    from terapipe_cli.planning import choice_text
+    from terapipe_cli.plan.choice import choice_text
 
     assert choice_text("gpipe", (False,) * 3) == "GPipe order"
     assert choice_text("1f1b", (True,) * 3) == "1F1B order, recomputed"

@@ -21,9 +21,9 @@ from brute import (
     uniform_reference,
 )
 
-from terapipe_cli.costmodel import CostModel
 from terapipe_cli.errors import UserError
-from terapipe_cli.planner import evaluate, gpipe_baseline, solve, uniform_baseline
+from terapipe_cli.plan.costmodel import CostModel
+from terapipe_cli.plan.search import evaluate, gpipe_baseline, solve, uniform_baseline
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_PROFILE = ROOT / "configs" / "profiles" / "example-tiny-cpu.json"

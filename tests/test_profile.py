@@ -12,11 +12,11 @@ import torch
 from conftest import assert_one_line_error, terapipe
 
 from terapipe_cli.cli import main
-from terapipe_cli.config import ModelConfig
-from terapipe_cli.costmodel import CostModel, profile_from_dict, read_profile
-from terapipe_cli.device import default_precision, resolve_precision
+from terapipe_cli.config.device import default_precision, resolve_precision
+from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.errors import UserError
-from terapipe_cli.plan import read_plan
+from terapipe_cli.plan.costmodel import CostModel, profile_from_dict, read_profile
+from terapipe_cli.plan.file import read_plan
 from terapipe_cli.profile.measure import (
     TileTimer,
     check_points,
@@ -350,7 +350,7 @@ def test_bad_input_from_the_real_command_line(tmp_path):
 
 
 def test_micro_config_round_trip(tmp_path):
-    from terapipe_cli.config import load_model_config
+    from terapipe_cli.config.model import load_model_config
 
     assert load_model_config(write_model(tmp_path / "m.toml")) == MICRO
     assert replace(MICRO, layers=3).stage_layers(3) == 1

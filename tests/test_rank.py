@@ -9,12 +9,14 @@ import json
 import pytest
 from conftest import ROOT, assert_one_line_error, terapipe
 
-from terapipe_cli.costmodel import CostModel, profile_from_dict, read_profile
-from terapipe_cli.experiments import experiment_profile, load_experiment
-from terapipe_cli.planner import solve
-from terapipe_cli.planning import plan_for_profile, plan_request
-from terapipe_cli.schedule import build_schedule
-from terapipe_cli.simulate import simulate
+from terapipe_cli.config.experiment import load_experiment
+from terapipe_cli.plan.choice import plan_for_profile
+from terapipe_cli.plan.costmodel import CostModel, profile_from_dict, read_profile
+from terapipe_cli.plan.request import plan_request
+from terapipe_cli.plan.schedule import build_schedule
+from terapipe_cli.plan.search import solve
+from terapipe_cli.plan.simulate import simulate
+from terapipe_cli.profile.analytic import experiment_profile
 
 MEASURED = read_profile(ROOT / "configs" / "profiles" / "tiny-cpu-measured.json")
 

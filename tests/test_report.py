@@ -16,18 +16,18 @@ import numpy as np
 import pytest
 from conftest import assert_one_line_error, terapipe, tiny_model
 
-from terapipe_cli.config import ModelConfig
+from terapipe_cli.config.model import ModelConfig
+from terapipe_cli.engine.mesh import Layout
 from terapipe_cli.errors import UserError
-from terapipe_cli.plan import make_plan_dict
-from terapipe_cli.report.baseline import baseline_dir, gpipe_plan_dict
+from terapipe_cli.plan.baseline import gpipe_plan_dict
+from terapipe_cli.plan.file import make_plan_dict
+from terapipe_cli.plan.simulate import simulate
+from terapipe_cli.plan.timeline import write_timeline
 from terapipe_cli.report.build import find_baseline, find_cost_model, write_report
 from terapipe_cli.report.compare import LOSS_RTOL, bubble_formula, compare, latency_stats
-from terapipe_cli.report.runs import check_comparable, load_run
+from terapipe_cli.report.runs import baseline_dir, check_comparable, load_run
 from terapipe_cli.report.trace import TraceRun, chrome_trace
-from terapipe_cli.runtime.mesh import Layout
-from terapipe_cli.runtime.rundir import RunArguments, append_metrics, timeline_path, write_config, write_summary
-from terapipe_cli.schedule import write_timeline
-from terapipe_cli.simulate import simulate
+from terapipe_cli.train.rundir import RunArguments, append_metrics, timeline_path, write_config, write_summary
 
 SEQ = 32
 
@@ -241,7 +241,7 @@ def assert_chrome_trace(trace: dict, ranks_per_run: dict[str, int]) -> None:
 
 
 def test_trace_lays_steps_end_to_end():
-    from terapipe_cli.schedule import Event
+    from terapipe_cli.plan.timeline import Event
 
     events = {0: [Event(0, "F", 0, 0, 0.001, 0.002, 0, 0, 1), Event(0, "F", 0, 0, 0.001, 0.002, 0, 0, 2)]}
     trace = chrome_trace([TraceRun("X", events, [0.5, 0.25], Layout(1, 1), [(1, [4])])])

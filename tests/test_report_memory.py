@@ -12,7 +12,7 @@ import shutil
 import pytest
 from conftest import ROOT, terapipe
 
-from terapipe_cli.runtime.mesh import Layout
+from terapipe_cli.engine.mesh import Layout
 
 PROFILE = ROOT / "configs" / "profiles" / "tiny-cpu-measured.json"
 STAGES = 2

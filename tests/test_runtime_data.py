@@ -6,15 +6,9 @@ import numpy as np
 import pytest
 import torch
 
+from terapipe_cli.engine.data import check_data, default_data_path, generate_default_text, load_data, step_batch
 from terapipe_cli.errors import UserError
-from terapipe_cli.runtime import checkpoint
-from terapipe_cli.runtime.data import (
-    check_data,
-    default_data_path,
-    generate_default_text,
-    load_data,
-    step_batch,
-)
+from terapipe_cli.train import checkpoint
 
 
 def test_embedded_data_is_the_generators_output():

@@ -6,9 +6,9 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from terapipe_cli.model import GPT, token_loss_sum
-from terapipe_cli.runtime.stage import StageRunner
-from terapipe_cli.schedule import build_schedule
+from terapipe_cli.engine.model import GPT, token_loss_sum
+from terapipe_cli.engine.stage import StageRunner
+from terapipe_cli.plan.schedule import build_schedule
 
 
 def reference_grads(cfg, tokens, targets, seed, autocast_dtype=None):

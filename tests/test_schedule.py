@@ -1,4 +1,5 @@
-from terapipe_cli.schedule import Action, Event, Tile, build_schedule, plan_tiles, read_timeline, write_timeline
+from terapipe_cli.plan.schedule import Action, Tile, build_schedule, plan_tiles
+from terapipe_cli.plan.timeline import Event, read_timeline, write_timeline
 
 
 def test_plan_tiles_uneven_slices_and_batch_slices():
@@ -51,7 +52,7 @@ def test_timeline_rejects_bad_phase(tmp_path):
 def test_1f1b_runs_each_batch_slice_forward_then_backward_reversed_with_bounded_lookahead():
     import pytest
 
-    from terapipe_cli.simulate import simulate, uniform_parts
+    from terapipe_cli.plan.simulate import simulate, uniform_parts
 
     slices = [(1, [3, 5])] * 5
     stages = 3

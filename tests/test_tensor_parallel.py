@@ -7,12 +7,12 @@ import pytest
 import torch
 from conftest import assert_one_line_error, terapipe, tiny_model, write_plan_file
 
-from terapipe_cli.model import GPT
-from terapipe_cli.runtime import checkpoint
-from terapipe_cli.runtime.mesh import Layout
-from terapipe_cli.runtime.rundir import read_config, read_metrics, read_summary
-from terapipe_cli.runtime.tensor import SPLITS, TensorGroup, shard_module, shard_tensor, split_of
-from terapipe_cli.runtime.worker import FAULT_ENV
+from terapipe_cli.engine.mesh import Layout
+from terapipe_cli.engine.model import GPT
+from terapipe_cli.engine.tensor import SPLITS, TensorGroup, shard_module, shard_tensor, split_of
+from terapipe_cli.train import checkpoint
+from terapipe_cli.train.rundir import read_config, read_metrics, read_summary
+from terapipe_cli.train.worker import FAULT_ENV
 
 CPU = ("--device", "cpu")
 

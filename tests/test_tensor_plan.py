@@ -10,13 +10,14 @@ from pathlib import Path
 import pytest
 from conftest import assert_one_line_error, terapipe
 
-from terapipe_cli.config import load_model_config
-from terapipe_cli.costmodel import profile_from_dict
+from terapipe_cli.config.hardware import load_hardware
+from terapipe_cli.config.model import load_model_config
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import write_json_atomic
-from terapipe_cli.hardware import load_hardware
-from terapipe_cli.plan import make_plan_dict, plan_from_dict, read_plan
-from terapipe_cli.planning import plan_for_profile, plan_request
+from terapipe_cli.plan.choice import plan_for_profile
+from terapipe_cli.plan.costmodel import profile_from_dict
+from terapipe_cli.plan.file import make_plan_dict, plan_from_dict, read_plan
+from terapipe_cli.plan.request import plan_request
 from terapipe_cli.profile.analytic import analytic_profile
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from conftest import assert_one_line_error, terapipe
 
-from terapipe_cli.config import ModelConfig
-from terapipe_cli.costmodel import read_profile
+from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.errors import UserError
-from terapipe_cli.plan import read_plan
+from terapipe_cli.plan.costmodel import read_profile
+from terapipe_cli.plan.file import read_plan
 from terapipe_cli.profile import options
 from terapipe_cli.profile.measure import CLOCK_NAMES
 

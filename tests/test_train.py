@@ -12,10 +12,11 @@ import time
 import pytest
 from conftest import terapipe, write_plan_file
 
-from terapipe_cli.runtime import checkpoint
-from terapipe_cli.runtime.optim import DEFAULT_LR
-from terapipe_cli.runtime.rundir import read_metrics, read_summary, timeline_path
-from terapipe_cli.schedule import plan_tiles, read_timeline
+from terapipe_cli.engine.optim import DEFAULT_LR
+from terapipe_cli.plan.schedule import plan_tiles
+from terapipe_cli.plan.timeline import read_timeline
+from terapipe_cli.train import checkpoint
+from terapipe_cli.train.rundir import read_metrics, read_summary, timeline_path
 
 SCHEMES = {
     # name: (slices, stages, data_parallel)
@@ -222,7 +223,7 @@ def test_dry_run_prints_the_torchrun_command(tmp_path):
     assert p.returncode == 0, p.stderr
     line = p.stdout.strip()
     assert "-m torch.distributed.run --standalone --nnodes 1 --nproc-per-node 4" in line
-    assert "--module terapipe_cli.runtime.worker --run-dir" in line
+    assert "--module terapipe_cli.train.worker --run-dir" in line
     assert "OMP_NUM_THREADS=1" in line
     assert not (tmp_path / "run").exists()  # a dry run writes nothing
     p = terapipe(

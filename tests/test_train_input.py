@@ -71,7 +71,7 @@ def test_resume_without_a_run(tmp_path, capsys):
 def test_resume_without_a_complete_checkpoint(tmp_path, capsys, plan):
     code, _ = run(capsys, "--plan", str(plan), "--out", str(tmp_path / "r"), "--dry-run")
     assert code == 0
-    from terapipe_cli.runtime.prepare import prepare_run
+    from terapipe_cli.train.prepare import prepare_run
 
     prepare_run(
         plan_path=plan,

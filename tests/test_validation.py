@@ -7,14 +7,14 @@ import pytest
 import torch
 from conftest import assert_one_line_error, terapipe, write_plan_file
 
+from terapipe_cli.engine.data import TokenData, load_data, split_data, validation_batch
+from terapipe_cli.engine.model import GPT, token_loss_sum
 from terapipe_cli.errors import UserError
-from terapipe_cli.model import GPT, token_loss_sum
-from terapipe_cli.plan import read_plan
+from terapipe_cli.plan.file import read_plan
 from terapipe_cli.report.build import _held_out
 from terapipe_cli.report.runs import load_run
-from terapipe_cli.runtime import checkpoint
-from terapipe_cli.runtime.data import TokenData, load_data, split_data, validation_batch
-from terapipe_cli.runtime.rundir import read_config, read_metrics, read_summary
+from terapipe_cli.train import checkpoint
+from terapipe_cli.train.rundir import read_config, read_metrics, read_summary
 
 CPU = ("--device", "cpu")
 

@@ -15,7 +15,7 @@ Example:  terapipe configs
 
 
 def configs() -> None:
-    from terapipe_cli.config import BUNDLED_KINDS, bundled_config_summaries
+    from terapipe_cli.config.bundled import BUNDLED_KINDS, bundled_config_summaries
 
     table = Table(title="bundled configs", title_justify="left")
     table.add_column("kind")

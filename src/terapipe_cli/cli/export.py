@@ -11,8 +11,8 @@ from terapipe_cli.cli.console import make_console
 
 HELP = """Join a run's per-stage checkpoint into one single-device model file, loadable without terapipe's runtime:
 
-    from terapipe_cli.runtime.export import load_exported
-    model, info = load_exported("model.pt")     # terapipe_cli.model.GPT, strict=True
+    from terapipe_cli.train.export import load_exported
+    model, info = load_exported("model.pt")     # terapipe_cli.engine.model.GPT, strict=True
 
 or by hand: GPT(ModelConfig(**obj["model_config"])).load_state_dict(obj["state_dict"]) with
 obj = torch.load("model.pt", weights_only=True).
@@ -33,11 +33,11 @@ def export(
     ] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing --out file.")] = False,
 ) -> None:
+    from terapipe_cli.engine import require_torch
     from terapipe_cli.files import check_output_file
-    from terapipe_cli.runtime import require_torch
 
     require_torch("terapipe export")
-    from terapipe_cli.runtime.export import export_state, write_export
+    from terapipe_cli.train.export import export_state, write_export
 
     check_output_file(out, kind="model export", schema=None, force=force, example="model.pt")
     model, done, state = export_state(run, step)

@@ -6,10 +6,10 @@ from typing import Annotated
 
 import typer
 
-# The one device rule behind it: `terapipe_cli.device.resolve_device`.
+# The one device rule behind it: `terapipe_cli.config.device.resolve_device`.
 DeviceOption = Annotated[str, typer.Option("--device", help="auto (CUDA when present), cpu or cuda.")]
 
-# The one precision rule behind it: `terapipe_cli.device.resolve_precision` (None: not given, the default).
+# The one precision rule behind it: `terapipe_cli.config.device.resolve_precision` (None: not given, the default).
 PrecisionOption = Annotated[
     str | None,
     typer.Option(

@@ -9,10 +9,15 @@ import typer
 from rich.table import Table
 
 from terapipe_cli.cli.console import make_console
+from terapipe_cli.config.experiment import load_experiment
+from terapipe_cli.errors import UserError
+from terapipe_cli.plan.costmodel import profile_from_dict, read_profile
+from terapipe_cli.plan.request import PlanSetting, experiment_setting, experiment_shape, stored_path
+from terapipe_cli.profile.analytic import experiment_profile
 from terapipe_cli.units import format_seconds
 
 if TYPE_CHECKING:
-    from terapipe_cli.planning import Planned
+    from terapipe_cli.plan.choice import Planned
 
 HELP = """Choose token and batch slicing for a profile with the exact dynamic program (docs/design.md §5).
 
@@ -141,8 +146,8 @@ def plan(
     force: Annotated[bool, typer.Option("--force", help="Overwrite --out even if it is not a plan.")] = False,
 ) -> None:
     from terapipe_cli.files import check_output_file
-    from terapipe_cli.plan import PLAN_SCHEMA, write_plan
-    from terapipe_cli.planning import plan_for_profile, setting_from_options
+    from terapipe_cli.plan.choice import plan_for_profile
+    from terapipe_cli.plan.file import PLAN_SCHEMA, write_plan
 
     console = make_console()
     check_output_file(out, kind="plan", schema=PLAN_SCHEMA, force=force, example="plan.json")
@@ -214,6 +219,45 @@ def _table(planned: Planned) -> Table:
             format_seconds(res.t_max_s),
         )
     return table
+
+
+def setting_from_options(
+    *,
+    profile: str | Path | None,
+    experiment: str | None,
+    stages: int | None,
+    batch_size: int | None,
+    data_parallel: int | None,
+    tensor_parallel: int | None,
+    token_step: int | None,
+) -> PlanSetting:
+    """`terapipe plan`'s options as a `PlanSetting`. Without ``experiment``, ``profile``, ``stages`` and
+    ``batch_size`` are required; with it, every option left out comes from the experiment file (a path, a bundled
+    name or the start of one), and the profile, unless given, is the analytic estimate for its hardware at its T."""
+    if experiment is None:
+        for value, flag, what in (
+            (profile, "--profile", "a profile JSON from `terapipe profile`"),
+            (stages, "--stages", "the pipeline stages K"),
+            (batch_size, "--batch", "the sequences per replica B"),
+        ):
+            if value is None:
+                raise UserError(f"is required ({what}), unless --experiment names a setting", where=flag)
+        prof = read_profile(profile)
+        T, g = tensor_parallel, token_step
+        return PlanSetting(prof, stored_path(profile), stages, batch_size, data_parallel or 1, T, g)
+    exp = load_experiment(experiment, flag="--experiment")
+    shape = experiment_shape(
+        exp, stages=stages, batch_size=batch_size, data_parallel=data_parallel, tensor_parallel=tensor_parallel,
+        token_step=token_step,
+    )  # fmt: skip
+    if profile is not None:
+        prof = read_profile(profile)
+    else:
+        obj = experiment_profile(
+            exp, batch_size=max(shape.batch_size, 1), tensor_parallel=shape.tensor_parallel, token_step=shape.token_step
+        )
+        prof = profile_from_dict(obj, f"the analytic profile of {exp.path}")
+    return experiment_setting(exp, shape, prof, profile)
 
 
 def register(app: typer.Typer) -> None:

@@ -67,7 +67,7 @@ def report(
         write_report,
     )
     from terapipe_cli.report.runs import load_run
-    from terapipe_cli.runtime.rundir import check_not_live
+    from terapipe_cli.train.rundir import check_not_live
 
     console = make_console(highlight=False)
     if no_baseline and baseline is not None:
@@ -100,8 +100,8 @@ def report(
 
 def _baseline(console: Console, run, given: Path | None):
     """The baseline: the one given, the sibling an earlier report trained, or one trained now (checked first)."""
-    from terapipe_cli.report.baseline import check_baseline
     from terapipe_cli.report.build import find_baseline, load_baseline
+    from terapipe_cli.train.baseline import check_baseline
 
     choice = find_baseline(run, given)
     if choice.exists:
@@ -109,7 +109,7 @@ def _baseline(console: Console, run, given: Path | None):
         if not choice.given:
             console.print(f"reusing the GPipe baseline in {choice.path}")
         return base
-    check_baseline(run, choice.path)
+    check_baseline(run.path, choice.path)
     train_gpipe(console, run, choice.path)
     return load_baseline(run, choice)
 
@@ -117,9 +117,10 @@ def _baseline(console: Console, run, given: Path | None):
 def train_gpipe(console: Console, run, path: Path) -> None:
     """Train the run's GPipe baseline into ``path``; a failed worker is one line and exit code 1, as in train;
     Ctrl-C is one line saying how to finish the baseline and then the report."""
-    from terapipe_cli.plan import short_form
-    from terapipe_cli.report.baseline import gpipe_plan_dict, train_baseline
-    from terapipe_cli.runtime.launch import WorkerFailed, interrupted_message
+    from terapipe_cli.plan.baseline import gpipe_plan_dict
+    from terapipe_cli.plan.file import short_form
+    from terapipe_cli.train.baseline import train_baseline
+    from terapipe_cli.train.launch import WorkerFailed, interrupted_message
 
     scheme = short_form(gpipe_plan_dict(run.plan)["slices"])
     console.print(
@@ -127,7 +128,7 @@ def train_gpipe(console: Console, run, path: Path) -> None:
         f"and layout) -> {path}"
     )
     try:
-        train_baseline(run, path)
+        train_baseline(run.path, path)
     except WorkerFailed as e:
         sys.stdout.flush()
         sys.stderr.write(f"terapipe: error: the GPipe baseline failed: {e}\n")

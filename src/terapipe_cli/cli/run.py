@@ -1,6 +1,6 @@
 """``terapipe run``: the whole flow in one command — profile -> plan -> train -> report — on the demo settings.
 
-Each stage is the very command a user would type (`terapipe_cli.demo.demo_stages` builds its argument list once):
+Each stage is the very command a user would type (`demo_stages` builds its argument list once):
 the command line is printed whole, then run through the same parser, so the demo also teaches the four commands.
 """
 
@@ -52,8 +52,8 @@ def run(
         ),
     ] = "cpu",
 ) -> None:
-    from terapipe_cli.demo import DemoPaths, demo_stages, load_demo_config, model_toml
-    from terapipe_cli.device import resolve_device
+    from terapipe_cli.config.demo import DemoPaths, demo_stages, load_demo_config, model_toml
+    from terapipe_cli.config.device import resolve_device
     from terapipe_cli.files import write_text_atomic
     from terapipe_cli.report.build import FILES
 

@@ -15,12 +15,12 @@ from rich.table import Table
 
 from terapipe_cli.cli.console import make_console
 from terapipe_cli.cli.options import DeviceOption, PrecisionOption
-from terapipe_cli.runtime import require_torch
+from terapipe_cli.engine import require_torch
 
 CPP_LOG_LEVEL = "TORCH_CPP_LOG_LEVEL"
 
 if TYPE_CHECKING:
-    from terapipe_cli.runtime.prepare import PreparedRun
+    from terapipe_cli.train.prepare import PreparedRun
 
 HELP = """Train on a plan: launch D x K x T torchrun workers (D data-parallel replicas of K pipeline stages, each \
 stage split over T tensor-parallel processes) that run every step cut into the plan's tiles, with exactly the \
@@ -185,9 +185,9 @@ def train(
 ) -> None:
     _quiet_torch_logging()
     require_torch("terapipe train")
-    from terapipe_cli.runtime.launch import command_line
-    from terapipe_cli.runtime.prepare import negative_controls, prepare_run
-    from terapipe_cli.runtime.rundir import check_not_live
+    from terapipe_cli.train.launch import command_line
+    from terapipe_cli.train.prepare import negative_controls, prepare_run
+    from terapipe_cli.train.rundir import check_not_live
 
     if node_rank == 0:  # other nodes join node 0's run, which holds the lock of a shared folder
         check_not_live(out, "resume it" if resume else "use another --out, or --resume it")
@@ -231,8 +231,8 @@ def train(
 
 def _launch(prepared: PreparedRun, verify: bool) -> None:
     """Start the workers, wait for them, and verify when asked; a failure ends with one line."""
-    from terapipe_cli.runtime.launch import WorkerFailed, launch
-    from terapipe_cli.runtime.rundir import run_lock
+    from terapipe_cli.train.launch import WorkerFailed, launch
+    from terapipe_cli.train.rundir import run_lock
 
     console = make_console(stderr=False, highlight=False)
     console.print(_headline(prepared))
@@ -268,7 +268,7 @@ def _quiet_torch_logging() -> None:
 
 
 def _headline(prepared: PreparedRun) -> str:
-    from terapipe_cli.runtime.prepare import placement_note
+    from terapipe_cli.train.prepare import placement_note
 
     p, spec, args = prepared.plan, prepared.launch, prepared.args
     tensor = f" T={args.tensor_parallel}" if args.tensor_parallel > 1 else ""
@@ -305,7 +305,7 @@ def _fail(message: str, code: int) -> None:
 
 
 def _verify(console: Console, prepared: PreparedRun) -> None:
-    from terapipe_cli.runtime.verify import SPREAD_FACTOR, verify_and_record
+    from terapipe_cli.train.verify import SPREAD_FACTOR, verify_and_record
 
     console.print("verifying against a single-process reference (same seed, same batches) ...")
     result = verify_and_record(prepared)

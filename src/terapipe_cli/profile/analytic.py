@@ -31,27 +31,17 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from terapipe_cli.config import ModelConfig
-from terapipe_cli.costmodel import PROFILE_SCHEMA, ring_allreduce_seconds
-from terapipe_cli.device import PRECISIONS
+from terapipe_cli.config.device import PRECISIONS
+from terapipe_cli.config.experiment import Experiment
+from terapipe_cli.config.hardware import Device, Hardware
+from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.errors import UserError
-from terapipe_cli.hardware import Device, Hardware
+from terapipe_cli.plan.costmodel import PROFILE_SCHEMA, ring_allreduce_seconds
 from terapipe_cli.profile.fit import fit_context
 from terapipe_cli.units import utc_timestamp
 
 # One matrix product: (name, batch count, m, n, k) with broadcastable numpy arrays; flops = 2·batch·m·n·k.
 Gemm = tuple[str, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
-
-
-def check_tensor_parallel(model: ModelConfig, hardware: Hardware, tensor_parallel: int) -> None:
-    """Tensor parallelism splits heads and the MLP across GPUs of one node (docs/design.md §7)."""
-    model.check_tensor_parallel(tensor_parallel)
-    if tensor_parallel > hardware.gpus_per_node:
-        raise UserError(
-            f"is {tensor_parallel}, more than the {hardware.gpus_per_node} GPUs of a node of '{hardware.name}' "
-            "(tensor parallelism stays inside a node)",
-            where="tensor_parallel",
-        )
 
 
 def forward_gemms(model: ModelConfig, b, i, j, tensor_parallel: int = 1) -> list[Gemm]:
@@ -363,7 +353,7 @@ def _check_grid(
     model: ModelConfig, hardware: Hardware, tensor_parallel: int, batch_sizes: Sequence[int], token_step: int
 ) -> list[int]:
     """The batch sizes of the grid, sorted and deduplicated, once every argument is checked."""
-    check_tensor_parallel(model, hardware, tensor_parallel)
+    hardware.check_tensor_parallel(model, tensor_parallel)
     if isinstance(token_step, bool) or not isinstance(token_step, int) or token_step < 1:
         raise UserError(f"must be a positive integer, got {token_step!r}", where="token_step")
     sizes = sorted(set(batch_sizes))
@@ -416,3 +406,20 @@ def _device_entry(hardware: Hardware, tensor_parallel: int) -> dict:
         "gpus_per_node": hardware.gpus_per_node,
         "tensor_parallel": tensor_parallel,
     }
+
+
+def experiment_profile(exp: Experiment, *, batch_size: int, tensor_parallel: int, token_step: int) -> dict:
+    """The analytic profile (docs/design.md §12) of the experiment's model on its hardware at ``tensor_parallel``,
+    for planning pipelines of ``batch_size`` sequences: every batch-slice size the planner may choose, 1 to
+    ``batch_size``, is on the grid (analytic times cost nothing to compute, and it spares the interpolation in b)."""
+    try:
+        exp.hardware.check_tensor_parallel(exp.model, tensor_parallel)
+    except UserError as e:
+        raise UserError(f"{e.message} (experiment {exp.name})", where="--tensor-parallel") from None
+    return analytic_profile(
+        exp.model,
+        exp.hardware,
+        tensor_parallel=tensor_parallel,
+        batch_sizes=range(1, batch_size + 1),
+        token_step=token_step,
+    )

@@ -28,10 +28,10 @@ from pathlib import Path
 
 import numpy as np
 
-from terapipe_cli.config import ModelConfig
-from terapipe_cli.costmodel import Profile
+from terapipe_cli.config.hardware import Hardware
+from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.errors import UserError
-from terapipe_cli.hardware import Hardware
+from terapipe_cli.plan.costmodel import Profile
 from terapipe_cli.profile.analytic import layer_seconds
 
 # What a calibration may fit, with the range it searches (a value at an edge says the data does not pin it).
@@ -114,7 +114,7 @@ class Calibration:
 
 def check_matches(measurement: Measurement, hardware: Hardware) -> None:
     """A calibration fits one device in one precision: the measurement's must be the hardware file's."""
-    from terapipe_cli.device import same_device_name
+    from terapipe_cli.config.device import same_device_name
 
     where = measurement.source
     if measurement.precision != hardware.training.dtype:

@@ -1,7 +1,7 @@
 """The two links of docs/design.md §3: stage to stage (comm(b, i)) and the data-parallel gradient all-reduce.
 
 **Point-to-point.** Two processes are started by torchrun (``torch.distributed.run``, run through
-`terapipe_cli.runtime.launch`) — gloo on CPU, NCCL when two GPUs are present — and play ping-pong with
+`terapipe_cli.engine.torchrun`) — gloo on CPU, NCCL when two GPUs are present — and play ping-pong with
 messages of the sizes a tile's activation takes. Rank 0 times round trips and writes the one-way times to a
 JSON file; `measure_link` fits ``latency_s + bytes / bytes_per_s`` to them (`fit.fit_link`). With a single
 GPU there is no second device to send to: we then time a device-to-device copy on that GPU, which is what
@@ -31,11 +31,11 @@ from pathlib import Path
 
 import numpy as np
 
-from terapipe_cli.costmodel import ring_link_from_allreduce
+from terapipe_cli.engine.torchrun import rendezvous_args, run_torchrun
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import read_json, write_json_atomic
+from terapipe_cli.plan.costmodel import ring_link_from_allreduce
 from terapipe_cli.profile.fit import LinkFit, fit_link
-from terapipe_cli.runtime.launch import rendezvous_args, run_torchrun
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.optimize import lsq_linear
 
-from terapipe_cli.costmodel import context_seconds, context_terms
+from terapipe_cli.plan.costmodel import context_seconds, context_terms
 
 # The smallest seconds-per-byte a link fit may report: keeps bytes_per_s finite (JSON has no infinity)
 # when the measured slope is zero within noise; 1e-15 s/B is 1 PB/s, far above any real link.

@@ -1,6 +1,6 @@
 """Measure the cost model on the local device (docs/design.md §3) through the runtime's own per-slice code path.
 
-Every time here is a tile run by `terapipe_cli.runtime.stage.StageRunner` — the object the training workers
+Every time here is a tile run by `terapipe_cli.engine.stage.StageRunner` — the object the training workers
 use — on the middle stage of a 3-layer copy of the model, which holds exactly one decoder layer. So the
 per-slice overhead the workers pay (the K/V cache, the context mask, the K/V gradient hand-back, autocast,
 Python) is in the numbers; on a CPU it is a large part of a small slice's cost.
@@ -35,16 +35,16 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from terapipe_cli.config import ModelConfig
-from terapipe_cli.costmodel import PROFILE_SCHEMA, CostModel, profile_from_dict
-from terapipe_cli.device import machine_memory_bytes
-from terapipe_cli.device import resolve_device as device_kind
+from terapipe_cli.config.device import machine_memory_bytes
+from terapipe_cli.config.device import resolve_device as device_kind
+from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.errors import UserError
+from terapipe_cli.plan.costmodel import PROFILE_SCHEMA, CostModel, profile_from_dict
 from terapipe_cli.profile.fit import RelErr, fit_context
 from terapipe_cli.units import utc_timestamp
 
 if TYPE_CHECKING:
-    from terapipe_cli.runtime.tensor import TensorGroup
+    from terapipe_cli.engine.tensor import TensorGroup
 
 # (phase, done, total): work done so far in arbitrary units, for a progress bar with an ETA.
 Progress = Callable[[str, float, float], None]
@@ -62,7 +62,7 @@ CLOCK_NAMES = {
 
 
 def resolve_device(name: str) -> torch.device:
-    """The device to time on (see `terapipe_cli.device.resolve_device`), with the current CUDA index."""
+    """The device to time on (see `terapipe_cli.config.device.resolve_device`), with the current CUDA index."""
     kind = device_kind(name)
     return torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
 
@@ -265,7 +265,7 @@ class TileTimer:
         precision: str = "fp32",
         tensor: TensorGroup | None = None,
     ) -> None:
-        from terapipe_cli.runtime.stage import StageRunner
+        from terapipe_cli.engine.stage import StageRunner
 
         if clock not in CLOCKS:
             raise ValueError(f"clock must be one of {CLOCKS}, got {clock!r}")
@@ -342,8 +342,8 @@ class TileTimer:
         In bf16/fp16 it includes the per-step cost of autocast's low-precision copy of the layer's weight
         matrices, which the next step's first tile makes once for the whole step (see `StageRunner.step`).
         """
-        from terapipe_cli.runtime.optim import make_optimizer
-        from terapipe_cli.runtime.stage import AUTOCAST_DTYPES
+        from terapipe_cli.engine.optim import make_optimizer
+        from terapipe_cli.engine.stage import AUTOCAST_DTYPES
 
         module = self.runner.module
         low = AUTOCAST_DTYPES[self.precision]
@@ -396,7 +396,7 @@ class TileTimer:
     def _later_kv_rows_bytes(self, b: int, i: int) -> int:
         """Bytes of the K/V cache rows past a first tile of i tokens: its first tile allocates keys and values
         of shape (b, heads, L, head_dim) in the compute type (docs/design.md §6)."""
-        from terapipe_cli.runtime.stage import AUTOCAST_DTYPES
+        from terapipe_cli.engine.stage import AUTOCAST_DTYPES
 
         low = AUTOCAST_DTYPES[self.precision]
         element = torch.empty(0, dtype=low or torch.float32).element_size()
@@ -548,7 +548,7 @@ class Settings:
     seed: int = 0
     quick: bool = False
     clock: str = "cpu"
-    precision: str = "fp32"  # one of `terapipe_cli.device.PRECISIONS`, already resolved for the device
+    precision: str = "fp32"  # one of `terapipe_cli.config.device.PRECISIONS`, already resolved for the device
 
     @staticmethod
     def make(
@@ -695,7 +695,7 @@ def measure_profile(
         **dp_link,
         "grid": {
             "kind": "quick" if settings.quick else "default",
-            "interpolation": "piecewise-linear in tokens, then in batch size (terapipe_cli.costmodel)",
+            "interpolation": "piecewise-linear in tokens, then in batch size (terapipe_cli.plan.costmodel)",
             "repeats": settings.repeats,
             **{f"{w}_{s}_s": tables[f"{w}_{s}_s"] for w in ("forward", "backward") for s in ("min", "max")},
         },

@@ -11,14 +11,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from terapipe_cli.config import ModelConfig
+from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.errors import UserError
 
 if TYPE_CHECKING:
     import torch
 
-    from terapipe_cli.costmodel import Profile
-    from terapipe_cli.hardware import Hardware
+    from terapipe_cli.config.hardware import Hardware
+    from terapipe_cli.plan.costmodel import Profile
     from terapipe_cli.profile.calibrate import Measurement
     from terapipe_cli.profile.measure import Settings
 
@@ -42,8 +42,8 @@ def parse_batch_sizes(text: str) -> tuple[int, ...]:
 def check_writable(out: Path, force: bool = False) -> None:
     """Fail before minutes of measuring, not after: ``out`` must be a profile file we may write
     (`files.check_output_file`)."""
-    from terapipe_cli.costmodel import PROFILE_SCHEMA
     from terapipe_cli.files import check_output_file
+    from terapipe_cli.plan.costmodel import PROFILE_SCHEMA
 
     check_output_file(out, kind="profile", schema=PROFILE_SCHEMA, force=force, example="profile.json")
 
@@ -52,7 +52,7 @@ def model_to_profile(
     model: Path | None, batch_sizes: str | None, out: Path, force: bool = False
 ) -> tuple[ModelConfig, tuple[int, ...]]:
     """The model to profile, the batch sizes asked for (empty: the default), and a writable ``out``."""
-    from terapipe_cli.config import load_model_config
+    from terapipe_cli.config.model import load_model_config
 
     if model is None:
         raise UserError("is required (a model TOML such as configs/models/tiny.toml)", where="--model")
@@ -70,8 +70,8 @@ def profile_to_check(
     describes (`check_analytic_device`), since its prediction is for that GPU. An example profile (made-up
     numbers) predicts no device and is refused. The check times at the profile's precision; another
     ``--precision`` is refused, and so is T > 1 (the check times one process)."""
-    from terapipe_cli.costmodel import read_profile
-    from terapipe_cli.device import resolve_precision
+    from terapipe_cli.config.device import resolve_precision
+    from terapipe_cli.plan.costmodel import read_profile
     from terapipe_cli.profile.measure import check_fits_in_memory, resolve_device
 
     if model is not None or analytic:
@@ -129,7 +129,7 @@ def check_analytic_device(prof: Profile, dev: torch.device, path: Path) -> None:
     """An analytic profile is checked only where its prediction applies: the same kind of device, a device name
     that `device.same_device_name` matches (a hardware file's "NVIDIA H100-SXM5-80GB" and CUDA's
     "NVIDIA H100 80GB HBM3" both name an H100), and a precision this device computes natively."""
-    from terapipe_cli.device import default_precision, runs_natively, same_device_name
+    from terapipe_cli.config.device import default_precision, runs_natively, same_device_name
     from terapipe_cli.profile.measure import device_info
 
     kind, described = prof.device.get("kind"), str(prof.device.get("name"))
@@ -162,7 +162,7 @@ def analytic_request(
     """For ``--analytic``: the estimated profile (`terapipe_cli.profile.analytic`); the flags about measuring
     this machine do not apply. ``precision`` None or auto: the hardware file's; another one is refused, since
     the file's peak FLOPs are for its own precision."""
-    from terapipe_cli.hardware import load_hardware
+    from terapipe_cli.config.hardware import load_hardware
     from terapipe_cli.profile.analytic import analytic_profile
 
     if check or quick or no_comm or no_allreduce:
@@ -203,7 +203,7 @@ def measurement_request(
     or auto is bf16 on CUDA, fp32 on CPU) and on which device, refused at once if the largest tile would not
     fit in its memory. ``--hardware`` belongs to --analytic; ``tensor_parallel`` > 1 is checked by
     `check_tensor_parallel` and times with wall time on a CPU."""
-    from terapipe_cli.device import resolve_precision
+    from terapipe_cli.config.device import resolve_precision
     from terapipe_cli.profile.measure import Settings, check_fits_in_memory, resolve_device
 
     if hardware is not None:
@@ -267,9 +267,9 @@ def calibration_request(
     ``--precision`` names), the hardware file to fit, its text, and a writable ``out`` (default
     ``NAME-calibrated.toml`` here). ``others``: flag -> whether it was given, for the flags that do not apply.
     The measurement's device and precision must be the hardware file's."""
-    from terapipe_cli.costmodel import read_profile
+    from terapipe_cli.config.hardware import load_hardware
     from terapipe_cli.files import check_output_file, read_user_text
-    from terapipe_cli.hardware import load_hardware
+    from terapipe_cli.plan.costmodel import read_profile
     from terapipe_cli.profile.calibrate import check_matches, from_profile, read_tile_table
 
     given = [flag for flag, on in others.items() if on]

@@ -32,10 +32,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from terapipe_cli.config import ModelConfig
+from terapipe_cli.config.model import ModelConfig
+from terapipe_cli.engine.torchrun import rendezvous_args
 from terapipe_cli.files import read_json, write_json_atomic
 from terapipe_cli.profile.comm import join_worker_group, run_workers
-from terapipe_cli.runtime.launch import rendezvous_args
 
 if TYPE_CHECKING:
     import torch
@@ -140,8 +140,8 @@ def _worker(args: argparse.Namespace) -> None:
 
     import torch.distributed as dist
 
+    from terapipe_cli.engine.tensor import TensorGroup
     from terapipe_cli.profile.measure import Settings, time_layer
-    from terapipe_cli.runtime.tensor import TensorGroup
 
     request = read_json(args.request, what="tensor-parallel timing request")
     model = ModelConfig.from_dict(request["model"], args.request)

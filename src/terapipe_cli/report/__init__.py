@@ -9,6 +9,6 @@
     text.py      the tables and sentences, shared by the terminal and report.md
     build.py     everything above into report.json, report.md, the pictures and the trace
 
-Measured timelines (from the workers) and predicted ones (from `terapipe_cli.simulate`) are the same
+Measured timelines (from the workers) and predicted ones (from `terapipe_cli.plan.simulate`) are the same
 `schedule.Event` form, so every picture and number treats them alike.
 """

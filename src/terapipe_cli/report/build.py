@@ -16,13 +16,13 @@ from pathlib import Path
 
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import write_json_atomic, write_text_atomic
-from terapipe_cli.report.baseline import baseline_dir
+from terapipe_cli.plan.schedule import plan_tiles
+from terapipe_cli.plan.timeline import stage_times
 from terapipe_cli.report.compare import compare
 from terapipe_cli.report.figures import TimelinePanel, draw_losses, draw_timelines
-from terapipe_cli.report.runs import Run, check_comparable, load_run
+from terapipe_cli.report.runs import Run, baseline_dir, check_comparable, load_run
 from terapipe_cli.report.text import shape, to_markdown
 from terapipe_cli.report.trace import TraceRun, chrome_trace
-from terapipe_cli.schedule import plan_tiles, stage_times
 from terapipe_cli.units import format_seconds, utc_timestamp
 
 FILES = ("report.json", "report.md", "timeline.png", "loss.png", "trace.json")
@@ -111,7 +111,7 @@ def find_cost_model(run: Run, profile: Path | None):
     """The cost model the plan was made with, for the simulator's predicted timelines: ``profile`` if given,
     else the profile the plan names (when it is still there, unchanged, and for the run's T). Returns
     (CostModel | None, info)."""
-    from terapipe_cli.costmodel import CostModel, read_profile
+    from terapipe_cli.plan.costmodel import CostModel, read_profile
 
     if profile is None:
         prof, why = _plans_profile(run)
@@ -138,7 +138,7 @@ def find_cost_model(run: Run, profile: Path | None):
 
 def _plans_profile(run: Run):
     """The profile the plan names, if it is here, unchanged, and for the run's T: (Profile, None), or (None, why)."""
-    from terapipe_cli.costmodel import read_profile
+    from terapipe_cli.plan.costmodel import read_profile
 
     named = run.plan.raw.get("profile") if isinstance(run.plan.raw.get("profile"), dict) else {}
     path = named.get("path")
@@ -169,9 +169,9 @@ def _held_out(run: Run) -> list[tuple[int, float]]:
 
 def simulate_runs(runs: dict[str, Run], cost) -> dict:
     """Predicted timelines of each run's scheme (``{"run": ..., "baseline": ...}``) under the same cost model
-    (`terapipe_cli.simulate`)."""
-    from terapipe_cli.schedule import build_schedule
-    from terapipe_cli.simulate import simulate
+    (`terapipe_cli.plan.simulate`)."""
+    from terapipe_cli.plan.schedule import build_schedule
+    from terapipe_cli.plan.simulate import simulate
 
     def simulated(r: Run):
         # The run's own order, and its recomputation on the stages that recompute.

@@ -10,7 +10,7 @@ Every number here is recomputable from the run directories (the tests do so):
 * predicted vs measured: the plan's ``predicted_s`` (the objective of docs/design.md §4) and, when a cost model
   is at hand, the schedule simulator's latency, each with ``(predicted − measured) / measured`` against the
   median;
-* memory per stage: the plan's estimate (`terapipe_cli.memory`) next to the largest a stage's ranks
+* memory per stage: the plan's estimate (`terapipe_cli.plan.memory`) next to the largest a stage's ranks
   measured over the compared steps: what it kept for the backward (``saved_bytes_per_rank``, counted by the
   runtime's saved-tensor hooks) and the process's peak (``memory_bytes_per_rank``).
 """
@@ -20,9 +20,9 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
+from terapipe_cli.plan.simulate import SimResult, compare_timelines
+from terapipe_cli.plan.timeline import StageTimes, stage_times
 from terapipe_cli.report.runs import Run
-from terapipe_cli.schedule import StageTimes, stage_times
-from terapipe_cli.simulate import SimResult, compare_timelines
 
 REPORT_SCHEMA = "terapipe.report/1"
 

@@ -1,4 +1,4 @@
-"""A finished run directory, loaded and checked once, for the report (format: `terapipe_cli.runtime.rundir`).
+"""A finished run directory, loaded and checked once, for the report (format: `terapipe_cli.train.rundir`).
 
 Everything the report needs is read here through the runtime's own readers, and every way a folder can fail
 to be a usable run (not a run at all, an unfinished run, a corrupt ``metrics.jsonl``, a missing timeline) is
@@ -11,11 +11,12 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from terapipe_cli.engine.mesh import Layout
 from terapipe_cli.errors import UserError
-from terapipe_cli.plan import Plan, plan_from_dict
-from terapipe_cli.runtime.mesh import Layout
-from terapipe_cli.runtime.rundir import RunArguments, read_config, read_metrics, read_summary, timeline_path
-from terapipe_cli.schedule import Event, plan_tiles, read_timeline
+from terapipe_cli.plan.file import Plan, plan_from_dict
+from terapipe_cli.plan.schedule import plan_tiles
+from terapipe_cli.plan.timeline import Event, read_timeline
+from terapipe_cli.train.rundir import RunArguments, read_config, read_metrics, read_summary, timeline_path
 
 
 @dataclass
@@ -186,3 +187,14 @@ def check_comparable(run: Run, baseline: Run) -> None:
             f"{run.config.get('device')!r}: not comparable",
             where=where,
         )
+
+
+BASELINE_SUFFIX = "-gpipe"
+
+
+def baseline_dir(run_dir: Path) -> Path:
+    """Where the report trains a run's baseline: a sibling folder, ``RUN_DIR-gpipe``."""
+    run_dir = Path(run_dir)
+    if run_dir.name in ("", ".", ".."):  # "." has no name to extend; keep other paths as the user gave them
+        run_dir = run_dir.resolve()
+    return run_dir.with_name(run_dir.name + BASELINE_SUFFIX)

@@ -12,8 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from terapipe_cli.runtime.mesh import Layout
-from terapipe_cli.schedule import Event, plan_tiles
+from terapipe_cli.engine.mesh import Layout
+from terapipe_cli.plan.schedule import plan_tiles
+from terapipe_cli.plan.timeline import Event
 
 
 @dataclass

@@ -22,25 +22,22 @@ onto the terminal; a launch that succeeds clears the error files an earlier atte
 from __future__ import annotations
 
 import logging
-import math
 import os
 import re
 import shlex
 import signal
-import subprocess
-import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import terapipe_cli
+from terapipe_cli.engine.mesh import Layout
+from terapipe_cli.engine.torchrun import package_env, rendezvous_args, torchrun_argv
 from terapipe_cli.errors import Interrupted, UserError
 from terapipe_cli.files import write_text_atomic
-from terapipe_cli.runtime.mesh import Layout
 
-WORKER_MODULE = "terapipe_cli.runtime.worker"
+WORKER_MODULE = "terapipe_cli.train.worker"
 
 
 class WorkerFailed(Exception):
@@ -73,28 +70,6 @@ class Launch:
         return Layout(world // (self.stages * self.tensor_parallel), self.stages, self.tensor_parallel)
 
 
-def rendezvous_args(
-    nproc_per_node: int,
-    *,
-    nnodes: int = 1,
-    node_rank: int = 0,
-    rdzv_endpoint: str | None = None,
-    rdzv_timeout_s: float | None = None,
-) -> list[str]:
-    """torchrun's process arguments: standalone on one machine, or the given static rendezvous across nodes
-    (node 0 hosts it at the endpoint; node ``R``'s ranks are R x nproc_per_node onwards), waiting at most
-    ``rdzv_timeout_s`` for the other nodes. No restarts: a failed worker fails the job, and the agent looks at
-    its workers every 0.1 s."""
-    args = ["--nproc-per-node", str(nproc_per_node), "--max-restarts", "0", "--monitor-interval", "0.1"]
-    if nnodes == 1 and rdzv_endpoint is None:
-        return ["--standalone", "--nnodes", "1", *args]
-    endpoint = rdzv_endpoint or "localhost:29500"
-    args = ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--rdzv-endpoint", endpoint, *args]
-    if rdzv_timeout_s is not None:
-        args += ["--rdzv-conf", f"timeout={math.ceil(rdzv_timeout_s)}"]
-    return args
-
-
 def torchrun_args(spec: Launch) -> list[str]:
     """torchrun's arguments for the stage workers of ``spec``."""
     args = rendezvous_args(
@@ -112,19 +87,6 @@ def torchrun_args(spec: Launch) -> list[str]:
     return args
 
 
-def torchrun_argv(args: Sequence[str]) -> list[str]:
-    """The whole command: this Python running torchrun (``torch.distributed.run``) with ``args``."""
-    return [sys.executable, "-m", "torch.distributed.run", *args]
-
-
-def package_env(threads: int) -> dict[str, str]:
-    """Environment torchrun's workers need beyond the caller's: their thread count, and this package first on
-    the path, so they import it however the caller did (installed, or ``PYTHONPATH=src`` from any folder)."""
-    package_root = str(Path(terapipe_cli.__file__).resolve().parent.parent)
-    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != package_root]
-    return {"OMP_NUM_THREADS": str(threads), "PYTHONPATH": os.pathsep.join([package_root, *paths])}
-
-
 def worker_env(spec: Launch) -> dict[str, str]:
     """Environment the stage workers need beyond the caller's (`package_env`)."""
     return package_env(spec.threads)
@@ -134,15 +96,6 @@ def command_line(spec: Launch) -> str:
     """The shell command `launch` runs, environment first, for ``--dry-run`` to print."""
     env = " ".join(f"{k}={shlex.quote(v)}" for k, v in worker_env(spec).items())
     return f"{env} " + shlex.join(torchrun_argv(torchrun_args(spec)))
-
-
-def run_torchrun(args: Sequence[str], *, threads: int, timeout_s: float) -> subprocess.CompletedProcess:
-    """Run torchrun with ``args`` as a child process, output captured, in its own session (so that a
-    timeout stops torchrun and not the caller's terminal); raises ``subprocess.TimeoutExpired``."""
-    env = dict(os.environ, **package_env(threads))
-    return subprocess.run(
-        torchrun_argv(args), env=env, capture_output=True, text=True, timeout=timeout_s, start_new_session=True
-    )
 
 
 def launch(spec: Launch) -> None:
@@ -259,8 +212,8 @@ def interrupted_message(run_dir: Path, *, restart: str | None = None, then: str 
     """One line for a run stopped by Ctrl-C: the step it was in, its last complete checkpoint, and the command
     that continues from there (``then``: what to run after it); ``restart``: what to do when there is no
     checkpoint yet (default: start again elsewhere)."""
-    from terapipe_cli.runtime import checkpoint
-    from terapipe_cli.runtime.rundir import read_config, read_metrics
+    from terapipe_cli.train import checkpoint
+    from terapipe_cli.train.rundir import read_config, read_metrics
 
     run_dir = Path(run_dir)
     try:

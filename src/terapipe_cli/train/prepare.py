@@ -21,21 +21,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from terapipe_cli import units
-from terapipe_cli.device import resolve_device, resolve_precision
+from terapipe_cli.config.device import resolve_device, resolve_precision
+from terapipe_cli.engine.data import TokenData, check_data, load_data, split_data
+from terapipe_cli.engine.mesh import Layout
+from terapipe_cli.engine.optim import DEFAULT_GRAD_CLIP, DEFAULT_LR, LRSchedule
 from terapipe_cli.errors import UserError
-from terapipe_cli.plan import Plan, plan_from_dict, read_plan
-from terapipe_cli.runtime import checkpoint
-from terapipe_cli.runtime.data import TokenData, check_data, load_data, split_data
-from terapipe_cli.runtime.launch import Launch
-from terapipe_cli.runtime.mesh import Layout
-from terapipe_cli.runtime.optim import DEFAULT_GRAD_CLIP, DEFAULT_LR, LRSchedule
-from terapipe_cli.runtime.rundir import (
-    RunArguments,
-    read_config,
-    settings_digest,
-    update_arguments,
-    write_config,
-)
+from terapipe_cli.plan.file import Plan, plan_from_dict, read_plan
+from terapipe_cli.train import checkpoint
+from terapipe_cli.train.launch import Launch
+from terapipe_cli.train.rundir import RunArguments, read_config, settings_digest, update_arguments, write_config
 
 CPU_WORKERS_PER_CORE = 4  # beyond this, single-thread workers only queue for the cores
 DEFAULT_STEPS = 20  # a new run's length; a resumed run goes on to its own unless --steps says otherwise
@@ -125,11 +119,6 @@ def backend_for(device: str, workers_per_node: int = 1, n_gpus: int | None = Non
         return "gloo"
     gpus = gpu_count() if n_gpus is None else n_gpus
     return "nccl" if workers_per_node <= gpus else "gloo"
-
-
-def gpu_of(local_rank: int, n_gpus: int) -> int:
-    """The GPU index of the worker with this local rank: its own while there are enough, else shared in turn."""
-    return local_rank % n_gpus
 
 
 def placement_note(device: str, workers_per_node: int, n_gpus: int | None = None) -> str:

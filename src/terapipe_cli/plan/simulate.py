@@ -1,7 +1,7 @@
 """The schedule simulator: walk the one schedule form with a cost model -> predicted timeline. No torch, no I/O.
 
 The planner's objective (docs/design.md §4) is a closed formula, ``Σ t + (K−1)·max t``. This module instead replays the
-step the way the runtime executes it (`terapipe_cli.runtime.worker`):
+step the way the runtime executes it (`terapipe_cli.train.worker`):
 
 * every stage runs its actions (`schedule.build_schedule`) strictly in order, one at a time;
 * a forward on stage k waits for the activation of the same tile from stage k−1; a backward waits for the
@@ -24,8 +24,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from terapipe_cli.costmodel import ContextFit, CostModel
-from terapipe_cli.schedule import Action, Event, StageTimes, Tile, build_schedule, plan_tiles, stage_times
+from terapipe_cli.plan.costmodel import ContextFit, CostModel
+from terapipe_cli.plan.schedule import Action, Tile, build_schedule, plan_tiles
+from terapipe_cli.plan.timeline import Event, StageTimes, stage_times
 
 # parts(b, i, j) -> (forward_s, backward_s, send_forward_s, send_backward_s), arrays over tiles: one stage's
 # compute of the tile's forward and backward, and the transfer of its activation / gradient to the neighbour.

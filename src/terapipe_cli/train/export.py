@@ -1,7 +1,7 @@
 """``terapipe export``: a run's per-stage checkpoint as ONE single-device model file.
 
 Every stage keeps its layers under their global names (``blocks.5...``, docs/design.md §6), so the stages' state
-dicts join without renaming into the state dict of the whole model, `terapipe_cli.model.GPT(cfg)`.
+dicts join without renaming into the state dict of the whole model, `terapipe_cli.engine.model.GPT(cfg)`.
 
 The file (``torch.save``, ``weights_only``-loadable) holds ``{"schema": "terapipe.export/1", "model_config": {...},
 "step", "run", "state_dict"}``; `load_exported` rebuilds the model from it with ``strict=True``.
@@ -14,12 +14,12 @@ from pathlib import Path
 
 import torch
 
-from terapipe_cli.config import ModelConfig
+from terapipe_cli.config.model import ModelConfig
+from terapipe_cli.engine.model import GPT
 from terapipe_cli.errors import UserError
-from terapipe_cli.model import GPT
-from terapipe_cli.plan import plan_from_dict
-from terapipe_cli.runtime import checkpoint
-from terapipe_cli.runtime.rundir import read_config
+from terapipe_cli.plan.file import plan_from_dict
+from terapipe_cli.train import checkpoint
+from terapipe_cli.train.rundir import read_config
 
 EXPORT_SCHEMA = "terapipe.export/1"
 

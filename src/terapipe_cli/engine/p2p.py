@@ -26,7 +26,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from terapipe_cli.schedule import Tile
+from terapipe_cli.plan.schedule import Tile
 
 
 class PeerLost(RuntimeError):

@@ -22,11 +22,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from terapipe_cli.config import ModelConfig
-from terapipe_cli.device import precision_field
+from terapipe_cli.config.device import precision_field
+from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import Fields, read_json_with_schema, write_json_atomic
-from terapipe_cli.schedule import ORDERS
+from terapipe_cli.plan.schedule import ORDERS
 
 PLAN_SCHEMA = "terapipe.plan/1"
 

@@ -46,7 +46,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from terapipe_cli.config import find_config, load_toml
+from terapipe_cli.config.bundled import find_config, load_toml
+from terapipe_cli.config.model import ModelConfig
+from terapipe_cli.errors import UserError
 from terapipe_cli.files import Fields
 
 
@@ -99,6 +101,16 @@ class Hardware:
     network: Link
     training: Training
     path: str | None = None
+
+    def check_tensor_parallel(self, model: ModelConfig, tensor_parallel: int) -> None:
+        """Tensor parallelism splits heads and the MLP across GPUs of one node (docs/design.md §7)."""
+        model.check_tensor_parallel(tensor_parallel)
+        if tensor_parallel > self.gpus_per_node:
+            raise UserError(
+                f"is {tensor_parallel}, more than the {self.gpus_per_node} GPUs of a node of '{self.name}' "
+                "(tensor parallelism stays inside a node)",
+                where="tensor_parallel",
+            )
 
 
 def _check_keys(f: Fields, obj: dict, known: tuple[str, ...]) -> None:

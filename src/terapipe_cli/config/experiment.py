@@ -22,11 +22,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from terapipe_cli.config import ModelConfig, find_config, load_model_config, load_toml
+from terapipe_cli.config.bundled import find_config, load_toml
+from terapipe_cli.config.hardware import Hardware, load_hardware
+from terapipe_cli.config.model import ModelConfig, load_model_config
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import Fields
-from terapipe_cli.hardware import Hardware, load_hardware
-from terapipe_cli.profile.analytic import analytic_profile, check_tensor_parallel
 
 KNOWN = (
     "name",
@@ -122,7 +122,7 @@ def load_experiment(path: str | Path, flag: str = "experiment") -> Experiment:
     if model.layers % stages:
         raise f.fail("stages", f"{stages} stages do not divide the {model.layers} layers of model '{model.name}'")
     try:
-        check_tensor_parallel(model, hardware, tp)
+        hardware.check_tensor_parallel(model, tp)
     except UserError as e:
         raise f.fail("tensor_parallel", e.message) from None
     if token_step > model.seq_len:
@@ -142,21 +142,4 @@ def load_experiment(path: str | Path, flag: str = "experiment") -> Experiment:
         tensor_parallel=tp,
         token_step=token_step,
         path=where,
-    )
-
-
-def experiment_profile(exp: Experiment, *, batch_size: int, tensor_parallel: int, token_step: int) -> dict:
-    """The analytic profile (docs/design.md §12) of the experiment's model on its hardware at ``tensor_parallel``,
-    for planning pipelines of ``batch_size`` sequences: every batch-slice size the planner may choose, 1 to
-    ``batch_size``, is on the grid (analytic times cost nothing to compute, and it spares the interpolation in b)."""
-    try:
-        check_tensor_parallel(exp.model, exp.hardware, tensor_parallel)
-    except UserError as e:
-        raise UserError(f"{e.message} (experiment {exp.name})", where="--tensor-parallel") from None
-    return analytic_profile(
-        exp.model,
-        exp.hardware,
-        tensor_parallel=tensor_parallel,
-        batch_sizes=range(1, batch_size + 1),
-        token_step=token_step,
     )

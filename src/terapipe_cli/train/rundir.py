@@ -38,7 +38,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from terapipe_cli.device import precision_field
+from terapipe_cli.config.device import precision_field
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import Fields, read_json, write_json_atomic, write_text_atomic
 

@@ -42,13 +42,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from terapipe_cli.model import GPT, token_loss_sum
-from terapipe_cli.runtime import checkpoint
-from terapipe_cli.runtime.data import step_batch
-from terapipe_cli.runtime.optim import LossScale, LRSchedule, make_optimizer, set_lr, take_step
-from terapipe_cli.runtime.prepare import PreparedRun
-from terapipe_cli.runtime.rundir import read_metrics, read_summary, verify_grads_path, write_summary
-from terapipe_cli.runtime.stage import AUTOCAST_DTYPES, StageRunner
+from terapipe_cli.engine.data import step_batch
+from terapipe_cli.engine.model import GPT, token_loss_sum
+from terapipe_cli.engine.optim import LossScale, LRSchedule, make_optimizer, set_lr, take_step
+from terapipe_cli.engine.stage import AUTOCAST_DTYPES, StageRunner
+from terapipe_cli.train import checkpoint
+from terapipe_cli.train.prepare import PreparedRun
+from terapipe_cli.train.rundir import read_metrics, read_summary, verify_grads_path, write_summary
 
 # The tolerance of a check is max(floor, SPREAD_FACTOR x the spread run's difference from the reference).
 LOSS_FLOOR = 1e-5  # relative, every step's loss

@@ -56,6 +56,11 @@ class Layout:
         return f"D × K × T = {self.data} × {self.stages} × {self.tensor} = {self.world} workers"
 
 
+def gpu_of(local_rank: int, n_gpus: int) -> int:
+    """The GPU index of the worker with this local rank: its own while there are enough, else shared in turn."""
+    return local_rank % n_gpus
+
+
 @dataclass(frozen=True)
 class Groups:
     """The process groups one rank needs (None where its dimension has one member, or the group is all ranks).

@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from terapipe_cli.config import ModelConfig
-from terapipe_cli.model import GPT, KVCache, token_loss_sum
-from terapipe_cli.runtime.tensor import TensorGroup, shard_module
+from terapipe_cli.config.model import ModelConfig
+from terapipe_cli.engine.model import GPT, KVCache, token_loss_sum
+from terapipe_cli.engine.tensor import TensorGroup, shard_module
 
 AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from terapipe_cli.runtime.p2p import host_all_reduce, host_staged
+from terapipe_cli.engine.p2p import host_all_reduce, host_staged
 
 
 @dataclass(frozen=True)

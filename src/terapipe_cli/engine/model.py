@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
-from terapipe_cli.config import ModelConfig
+from terapipe_cli.config.model import ModelConfig
 
 # Per-component seed offsets: the embedding, layer l (l + _LAYER), and the final norm + head.
 _EMBED, _HEAD, _LAYER = 1, 2, 16

@@ -1,7 +1,7 @@
 """One torchrun worker: one tensor rank of one stage of one pipeline replica (`mesh.Layout`: rank =
 (replica · K + stage) · T + tensor rank); walks the schedule every step.
 
-Launched by `terapipe_cli.runtime.launch` as ``python -m terapipe_cli.runtime.worker --run-dir DIR ...``
+Launched by `terapipe_cli.train.launch` as ``python -m terapipe_cli.train.worker --run-dir DIR ...``
 (the rest of the command line: how to join the process group, and its node's settings digest); all settings
 come from node 0's ``config.json``, written and validated by node 0's launcher before any worker starts and
 sent to every rank at start-up (`join_node_0`, docs/design.md §6).
@@ -39,13 +39,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from terapipe_cli.plan import Plan, plan_from_dict
-from terapipe_cli.runtime import checkpoint
-from terapipe_cli.runtime.data import TokenData, check_data, load_data, split_data, step_batch, validation_batch
-from terapipe_cli.runtime.mesh import Layout, make_groups
-from terapipe_cli.runtime.optim import LossScale, LRSchedule, StepOutcome, make_optimizer, set_lr, take_step
-from terapipe_cli.runtime.p2p import Links, PeerLost, host_all_reduce, short_error
-from terapipe_cli.runtime.rundir import (
+from terapipe_cli.engine.data import TokenData, check_data, load_data, split_data, step_batch, validation_batch
+from terapipe_cli.engine.mesh import Layout, make_groups
+from terapipe_cli.engine.optim import LossScale, LRSchedule, StepOutcome, make_optimizer, set_lr, take_step
+from terapipe_cli.engine.p2p import Links, PeerLost, host_all_reduce, short_error
+from terapipe_cli.engine.stage import StageRunner
+from terapipe_cli.engine.tensor import TensorGroup, full_state, gather_tensor, local_state, split_of
+from terapipe_cli.plan.file import Plan, plan_from_dict
+from terapipe_cli.plan.schedule import Action, Tile, build_schedule
+from terapipe_cli.plan.timeline import Event, read_timeline, write_timeline
+from terapipe_cli.train import checkpoint
+from terapipe_cli.train.rundir import (
     RunArguments,
     append_metrics,
     join_run_folder,
@@ -57,9 +61,6 @@ from terapipe_cli.runtime.rundir import (
     verify_grads_path,
     write_summary,
 )
-from terapipe_cli.runtime.stage import StageRunner
-from terapipe_cli.runtime.tensor import TensorGroup, full_state, gather_tensor, local_state, split_of
-from terapipe_cli.schedule import Action, Event, Tile, build_schedule, read_timeline, write_timeline
 from terapipe_cli.units import format_duration
 
 # Test-only fault injection, in the middle of step STEP (after its forward tiles) on rank RANK, to exercise
@@ -281,7 +282,7 @@ def _use_device(device: str, threads: int) -> torch.device:
     """This rank's device: GPU LOCAL_RANK % GPUs (torchrun's LOCAL_RANK; its own GPU when the machine has one
     per worker, else one it shares, `prepare.backend_for`), or the CPU with ``threads`` threads."""
     if device == "cuda":
-        from terapipe_cli.runtime.prepare import gpu_of
+        from terapipe_cli.engine.mesh import gpu_of
 
         cuda = torch.device("cuda", gpu_of(int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count()))
         torch.cuda.set_device(cuda)

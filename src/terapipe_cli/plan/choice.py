@@ -1,267 +1,38 @@
-"""From a profile and a training shape to a plan: the options checked, the TeraPipe scheme planned, its GPipe and
-uniform baselines priced by the same cost model, all three replayed by the simulator, and the memory estimate
-checked against a limit. Imports no torch.
+"""The choice of a plan for a `PlanRequest` (`plan.request`): the TeraPipe scheme planned, its GPipe and uniform
+baselines priced by the same cost model, all three replayed by the simulator, the schedule-aware re-ranking, and
+the memory estimate checked against a limit — within which the fastest scheme that fits is searched exactly
+(`plan_within_memory`). Imports no torch.
 
 `terapipe plan` and `scripts/paper_table.py` both plan through `plan_for_profile`; the plan file is
-`Planned.to_plan_dict` (docs/design.md §8). What to plan comes from `terapipe plan`'s options
-(`setting_from_options`): a profile file and the shape, or an experiment file (`experiment_setting`, §7) whose
-values the options given override. Option errors name the command-line flag (``--stages``): that is the name the
-user typed.
+`Planned.to_plan_dict` (docs/design.md §8).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import numpy as np
 
 from terapipe_cli import __version__
-from terapipe_cli.costmodel import CostModel, Profile, profile_from_dict, read_profile
-from terapipe_cli.device import machine_memory_bytes
+from terapipe_cli.config.device import machine_memory_bytes
 from terapipe_cli.errors import UserError
-from terapipe_cli.experiments import experiment_profile, load_experiment
-from terapipe_cli.memory import (
-    EqualSlices,
-    StageMemory,
-    grouping_peaks,
-    grouping_search,
-    stage_memory,
-    stage_sizes,
-)
-from terapipe_cli.plan import make_plan_dict
-from terapipe_cli.planner import METHODS, PlanResult, divisors, gpipe_baseline, solve, uniform_baseline
-from terapipe_cli.schedule import ORDERS, build_schedule
-from terapipe_cli.simulate import simulate
+from terapipe_cli.plan.costmodel import CostModel, Profile
+from terapipe_cli.plan.file import make_plan_dict
+from terapipe_cli.plan.groupings import grouping_search
+from terapipe_cli.plan.memory import EqualSlices, StageMemory, grouping_peaks, stage_memory, stage_sizes
+from terapipe_cli.plan.request import PlanRequest
+from terapipe_cli.plan.schedule import ORDERS, build_schedule
+from terapipe_cli.plan.search import PlanResult, divisors, gpipe_baseline, solve, uniform_baseline
+from terapipe_cli.plan.simulate import simulate
 from terapipe_cli.units import format_bytes, format_seconds, format_stages, utc_timestamp
 
-
-@dataclass(frozen=True)
-class PlanSetting:
-    """What `terapipe plan` plans on: a profile and the shape asked for (None: the profile's or the model's), from
-    ``--profile`` and the options or from an experiment file (`setting_from_options`)."""
-
-    profile: Profile
-    profile_path: str | None  # what the plan records (absolute); None for a profile estimated on the fly
-    stages: int
-    batch_size: int
-    data_parallel: int
-    tensor_parallel: int | None
-    token_step: int | None
-    experiment: dict | None = None  # the plan's ``experiment`` record
-
-    def request(self, **options) -> PlanRequest:
-        """`plan_request` for this setting; ``options`` are the remaining ones (seq_len, epsilon, method, …)."""
-        return plan_request(
-            self.profile,
-            stages=self.stages,
-            batch_size=self.batch_size,
-            data_parallel=self.data_parallel,
-            tensor_parallel=self.tensor_parallel,
-            token_step=self.token_step,
-            **options,
-        )
-
-
-def setting_from_options(
-    *,
-    profile: str | Path | None,
-    experiment: str | None,
-    stages: int | None,
-    batch_size: int | None,
-    data_parallel: int | None,
-    tensor_parallel: int | None,
-    token_step: int | None,
-) -> PlanSetting:
-    """`terapipe plan`'s options as a `PlanSetting`. Without ``experiment``, ``profile``, ``stages`` and
-    ``batch_size`` are required; with it, every option left out comes from the experiment file
-    (`experiment_setting`)."""
-    if experiment is not None:
-        return experiment_setting(
-            experiment, profile=profile, stages=stages, batch_size=batch_size, data_parallel=data_parallel,
-            tensor_parallel=tensor_parallel, token_step=token_step,
-        )  # fmt: skip
-    for value, flag, what in (
-        (profile, "--profile", "a profile JSON from `terapipe profile`"),
-        (stages, "--stages", "the pipeline stages K"),
-        (batch_size, "--batch", "the sequences per replica B"),
-    ):
-        if value is None:
-            raise UserError(f"is required ({what}), unless --experiment names a setting", where=flag)
-    prof = read_profile(profile)
-    return PlanSetting(prof, _stored(profile), stages, batch_size, data_parallel or 1, tensor_parallel, token_step)
-
-
-def experiment_setting(
-    name: str,
-    *,
-    profile: str | Path | None,
-    stages: int | None,
-    batch_size: int | None,
-    data_parallel: int | None,
-    tensor_parallel: int | None,
-    token_step: int | None,
-) -> PlanSetting:
-    """The setting of an experiment file (a path, a bundled name or the start of one): its stages, data-parallel
-    and tensor-parallel degrees and token step, each unless given; the batch per replica is ``batch_size`` if
-    given, else the file's global batch over the data-parallel degree. The profile is ``profile`` if given (it
-    must be of the experiment's model), else the analytic estimate for the experiment's hardware at its T."""
-    exp = load_experiment(name, flag="--experiment")
-    given = {"stages": stages, "data_parallel": data_parallel, "tensor_parallel": tensor_parallel}
-    given.update(batch_size=batch_size, token_step=token_step)
-    D = exp.data_parallel if data_parallel is None else data_parallel
-    if batch_size is None and D >= 1 and exp.batch_size % D:
-        raise UserError(
-            f"{D} does not divide the global batch of {exp.batch_size} sequences of {exp.name}; give --batch",
-            where="--data-parallel",
-        )
-    B = exp.batch_size // max(D, 1) if batch_size is None else batch_size
-    T = exp.tensor_parallel if tensor_parallel is None else tensor_parallel
-    g = exp.token_step if token_step is None else token_step
-    if profile is not None:
-        prof = read_profile(profile)
-        if prof.model != exp.model:
-            raise UserError(
-                f"is a profile of model {prof.model.name!r}, but {exp.name} trains {exp.model.name!r}",
-                where=str(profile),
-            )
-    else:
-        obj = experiment_profile(exp, batch_size=max(B, 1), tensor_parallel=T, token_step=g)
-        prof = profile_from_dict(obj, f"the analytic profile of {exp.path}")
-    record = {
-        "name": exp.name,
-        "path": _stored(exp.path),
-        "overridden": {k: v for k, v in given.items() if v is not None},
-    }
-    stages_ = exp.stages if stages is None else stages
-    return PlanSetting(prof, None if profile is None else _stored(profile), stages_, B, D, T, g, record)
-
-
-def _stored(path: str | Path) -> str:
-    """A path as a plan stores it: absolute, so a report or a run started from another folder finds the file."""
-    return str(Path(path).absolute())
-
-
-# How the plan's scheme is chosen: "formula", the exact optimum of the objective (docs/design.md §4); "simulated",
-# the fastest in the simulator (§11) among that optimum and the schemes the search ranks next to it (within
-# RERANK_WITHIN of it by the objective, at most RERANK_COUNT), so never slower in the simulator than the optimum.
-RANKS = ("simulated", "formula")
-RERANK_NEIGHBOURS = 4  # thresholds on either side of the optimum's largest tile (`planner.solve(neighbours=…)`)
+# The schedule-aware choice (`request.RANKS`, "simulated"): the fastest in the simulator among the exact optimum
+# and the schemes the search ranks next to it (within RERANK_WITHIN of it by the objective, at most RERANK_COUNT),
+# so never slower in the simulator than the optimum.
+RERANK_NEIGHBOURS = 4  # thresholds on either side of the optimum's largest tile (`search.solve(neighbours=…)`)
 RERANK_WITHIN = 0.05
 RERANK_COUNT = 8
-
-
-@dataclass(frozen=True)
-class PlanRequest:
-    """What to plan, checked against the profile; ``seq_len`` and ``token_step`` resolved to numbers."""
-
-    stages: int
-    batch_size: int
-    seq_len: int
-    token_step: int
-    epsilon: float = 0.0
-    method: str = "exact"
-    data_parallel: int = 1
-    memory_limit_gib: float | None = None
-    tensor_parallel: int = 1
-    order: str = "gpipe"  # the schedule order the plan runs in (schedule.ORDERS)
-    recompute: bool = False  # every stage re-runs its tiles' forward in their backward
-    # Whether the planner may choose the order and which stages recompute to fit the memory limit (the user fixed
-    # neither with --order / --recompute, --no-recompute).
-    order_free: bool = True
-    recompute_free: bool = True
-    rank: str = "simulated"  # RANKS: how the plan's scheme is chosen among the exact search's best
-
-
-def plan_request(
-    profile: Profile,
-    *,
-    stages: int,
-    batch_size: int,
-    seq_len: int | None = None,
-    token_step: int | None = None,
-    epsilon: float = 0.0,
-    method: str = "exact",
-    data_parallel: int = 1,
-    memory_limit_gib: float | None = None,
-    tensor_parallel: int | None = None,
-    order: str | None = None,
-    recompute: bool | None = None,
-    rank: str = "simulated",
-) -> PlanRequest:
-    """Check the options against each other and the profile; L, g and T default to the model's and the profile's.
-    ``order`` and ``recompute`` None: GPipe order without recomputation unless the memory limit asks for more
-    (`plan_for_profile`)."""
-    order_free, recompute_free = order is None, recompute is None
-    order, recompute = order or "gpipe", bool(recompute)
-    if order not in ORDERS:
-        raise UserError(f"must be one of {', '.join(ORDERS)}, got {order!r}", where="--order")
-    model = profile.model
-    if stages < 1:
-        raise UserError(f"must be at least 1, got {stages}", where="--stages")
-    if batch_size < 1:
-        raise UserError(f"must be at least 1, got {batch_size}", where="--batch")
-    if data_parallel < 1:
-        raise UserError(f"must be at least 1, got {data_parallel}", where="--data-parallel")
-    if not (epsilon >= 0 and math.isfinite(epsilon)):
-        raise UserError(f"must be a non-negative number of seconds, got {epsilon}", where="--epsilon")
-    if memory_limit_gib is not None and not (memory_limit_gib > 0 and math.isfinite(memory_limit_gib)):
-        raise UserError(f"must be a positive number of GiB, got {memory_limit_gib}", where="--memory-limit")
-    if method not in METHODS:
-        raise UserError(f"must be 'exact' or 'enumerate', got {method!r}", where="--method")
-    if rank not in RANKS:
-        raise UserError(f"must be one of {', '.join(RANKS)}, got {rank!r}", where="--rank")
-    source = profile.path or "the profile"
-    model.stage_layers(stages, where=f"--stages (model {model.name} in {source})")
-    L = model.seq_len if seq_len is None else seq_len
-    g = profile.token_step if token_step is None else token_step
-    if L < 1:
-        raise UserError(f"must be at least 1, got {L}", where="--seq-len")
-    if L > model.seq_len:
-        raise UserError(f"{L} is longer than the model's seq_len {model.seq_len} (in {source})", where="--seq-len")
-    if g < 1:
-        raise UserError(f"must be at least 1, got {g}", where="--token-step")
-    if L % g:
-        raise UserError(f"the sequence length {L} is not a multiple of the token step {g}", where="--token-step")
-    T = check_tensor_parallel(profile, tensor_parallel)
-    return PlanRequest(
-        stages,
-        batch_size,
-        L,
-        g,
-        epsilon,
-        method,
-        data_parallel,
-        memory_limit_gib,
-        T,
-        order,
-        recompute,
-        order_free,
-        recompute_free,
-        rank,
-    )
-
-
-def check_tensor_parallel(profile: Profile, tensor_parallel: int | None) -> int:
-    """T asked for (None: the profile's) must divide the model's heads and be the T the profile's times are for:
-    a profile's tile times, parameters and activations are those of one device of a stage's T."""
-    have = profile.tensor_parallel
-    if tensor_parallel is None:
-        return have
-    model = profile.model
-    model.check_tensor_parallel(tensor_parallel, where="--tensor-parallel")
-    if tensor_parallel != have:
-        how = "estimated" if profile.source == "analytic" else "measured"
-        hardware = profile.device.get("hardware_file") or "HARDWARE.toml"
-        raise UserError(
-            f"{tensor_parallel} asked for, but {profile.path or 'the profile'} was {how} at tensor parallelism "
-            f"{have}; make a profile at {tensor_parallel}: `terapipe profile --model {model.name} --tensor-parallel "
-            f"{tensor_parallel}` (measured here) or `terapipe profile --analytic --hardware {hardware} --model "
-            f"{model.name} --tensor-parallel {tensor_parallel}`",
-            where="--tensor-parallel",
-        )
-    return have
 
 
 @dataclass(frozen=True)

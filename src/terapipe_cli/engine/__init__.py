@@ -1,0 +1,23 @@
+"""The engine: what one rank runs (docs/design.md §6). The model knows nothing of parallelism; the rest applies it.
+
+model.py     the GPT decoder with a K/V cache per layer: the attention over earlier token slices
+stage.py     StageRunner: one stage's per-tile forward and backward, with the K/V gradient hand-back
+tensor.py    tensor parallelism inside a stage (Megatron's split), applied to a plain model from outside
+p2p.py       pre-posted point-to-point messages between neighbouring stages (shapes from the plan)
+mesh.py      where every rank sits in the (data, pipeline, tensor) grid, and its process groups
+optim.py     the optimizer step: lr schedule, global-norm clipping, fp16 loss scale, AdamW
+data.py      token data and the deterministic batches of each step
+torchrun.py  how ranks are started: torchrun's command line and environment
+
+`terapipe profile` times tiles through `StageRunner`; `terapipe train`'s workers (`train.worker`) run it all.
+"""
+
+from terapipe_cli.errors import UserError
+
+
+def require_torch(where: str) -> None:
+    """The runtime's modules import PyTorch; without it, one line that says how to get it."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise UserError("needs PyTorch in this Python (see scripts/setup.sh)", where=where) from None

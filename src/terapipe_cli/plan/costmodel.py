@@ -1,0 +1,353 @@
+"""The cost model t(b, i, j) of docs/design.md §3, built from a ``terapipe.profile/1`` file. Imports no torch.
+
+    t(b, i, j) = ℓ · [ t_nc(b, i) + t_ctx(b, i, j) ] + comm(b, i)
+
+* ``t_nc(b, i)``: per-layer forward + backward time with no context, measured on a grid of batch sizes
+  and token lengths and interpolated piecewise-linearly between grid points (linearly extrapolated above
+  the grid, held at the smallest measured point below it).
+* ``t_ctx(b, i, j) = a0 + a1·b·i + a2·b·j + a3·b·i·j`` for j > 0 (zero for j = 0), forward and backward
+  fitted separately; clipped at zero because context never makes a layer faster.
+* ``comm(b, i)``: the activation sent forward and its gradient sent back, each ``latency + bytes/bandwidth``
+  with ``bytes = b·i·hidden·dtype_bytes``; zero when there is one stage.
+
+The profile format (every field is checked by `read_profile`):
+
+    {
+      "schema": "terapipe.profile/1",
+      "source": "measured" | "analytic" | "example",   how the numbers were obtained
+      "note": "...",                                   free text (e.g. how an example was made)
+      "created": "2026-11-21T20:00:00Z",
+      "device": {"kind": "cpu" | "cuda", "name": "...", "tensor_parallel": T, ...},
+                                                       T (optional, absent: 1): the tensor-parallel degree
+                                                       the times are for; every number below is then
+                                                       per device, one of the T ranks of a stage
+      "model": {"name", "layers", "hidden", "heads", "vocab", "seq_len"},
+      "precision": "fp32" | "bf16" | "fp16",          optional (absent: fp32): the compute precision timed
+      "dtype_bytes": 4,                                bytes per element of what is sent between devices
+      "token_step": 8,                                 the grid step the times were taken on
+      "batch_sizes": [1, 2, 4],                        ascending
+      "token_lengths": [8, 16, ...],                   ascending
+      "forward_s":  [[per-layer seconds per token length] per batch size],
+      "backward_s": [[...] per batch size],
+      "context": {"forward":  {"coef": [a0, a1, a2, a3], "heldout_rel_err_mean": e, "heldout_rel_err_max": e},
+                  "backward": {...}},
+      "comm": {"latency_s": s, "bytes_per_s": x},
+      "optimizer_s_per_layer": s,                      optional: one optimizer step of one layer's weights
+      "activation_bytes_per_token_per_layer": n,       optional
+      "step_overhead_s": s,                            optional: any other fixed time per training step
+      "params_per_layer": n,                           optional: parameters of one decoder layer (per device:
+                                                       one tensor rank's share)
+      "data_parallel_link": {"latency_s": s, "bytes_per_s": x}
+                                                       optional: one step of the ring all-reduce the
+                                                       data-parallel replicas run (measured by `terapipe
+                                                       profile`, or estimated from a hardware file)
+    }
+
+With ``data_parallel = D > 1`` the per-step constant also holds the ring all-reduce of a stage's gradients:
+``2(D−1)·latency + 2(D−1)/D · bytes / bandwidth`` with ``bytes = ℓ · params_per_layer · dtype_bytes``. A
+profile without ``params_per_layer`` or ``data_parallel_link`` still plans with D > 1: the all-reduce is then
+left out of the price (zero), and `CostModel.allreduce_unpriced` says why, for the plan to record it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from terapipe_cli.config.device import precision_field
+from terapipe_cli.config.model import ModelConfig
+from terapipe_cli.errors import UserError
+from terapipe_cli.files import Fields, read_json_with_schema
+
+PROFILE_SCHEMA = "terapipe.profile/1"
+PROFILE_SOURCES = ("measured", "analytic", "example")
+
+
+def context_terms(b, i, j) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The four terms the context coefficients multiply: 1, b·i, b·j, b·i·j (the fit's feature columns)."""
+    b, i, j = (np.asarray(x, dtype=float) for x in (b, i, j))
+    bi = b * i
+    return np.ones_like(bi), bi, b * j, bi * j
+
+
+def context_seconds(coef: tuple[float, float, float, float], b, i, j) -> np.ndarray:
+    """t_ctx = a0 + a1·b·i + a2·b·j + a3·b·i·j for j > 0, zero for j = 0, never negative.
+
+    Clipped at zero because context never makes a layer faster.
+    """
+    a0, a1, a2, a3 = coef
+    _, bi, bj, bij = context_terms(b, i, j)
+    t = a0 + a1 * bi + a2 * bj + a3 * bij
+    return np.where(np.asarray(j) > 0, np.maximum(t, 0.0), 0.0)
+
+
+def ring_allreduce_seconds(nbytes, ranks: int, *, latency_s: float, bytes_per_s: float) -> np.ndarray:
+    """Ring all-reduce of ``nbytes`` over ``ranks`` peers: 2(r−1) steps, each moving nbytes/r.
+
+    ``2(r−1)·latency + 2(r−1)/r · bytes / bandwidth``; zero for a single rank.
+    """
+    nbytes = np.asarray(nbytes, dtype=float)
+    if ranks <= 1:
+        return np.zeros_like(nbytes)
+    steps = 2 * (ranks - 1)
+    return steps * latency_s + steps / ranks * nbytes / bytes_per_s
+
+
+def ring_link_from_allreduce(latency_s: float, bytes_per_s: float, ranks: int) -> tuple[float, float]:
+    """The per-step link (latency, bandwidth) for which `ring_allreduce_seconds` over ``ranks`` peers takes
+    ``latency_s + bytes / bytes_per_s``, the time of a whole all-reduce as measured: the latency divided by
+    the 2(r−1) steps, the bandwidth multiplied by 2(r−1)/r."""
+    if ranks < 2:
+        raise ValueError(f"ring_link_from_allreduce: needs at least 2 ranks, got {ranks}")
+    steps = 2 * (ranks - 1)
+    return latency_s / steps, bytes_per_s * steps / ranks
+
+
+@dataclass(frozen=True)
+class ContextFit:
+    """t_ctx = a0 + a1·b·i + a2·b·j + a3·b·i·j (seconds, per layer)."""
+
+    coef: tuple[float, float, float, float]
+    heldout_rel_err_mean: float | None = None
+    heldout_rel_err_max: float | None = None
+
+    def __call__(self, b: np.ndarray, i: np.ndarray, j: np.ndarray) -> np.ndarray:
+        return context_seconds(self.coef, b, i, j)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A validated ``terapipe.profile/1``."""
+
+    model: ModelConfig
+    source: str
+    device: dict
+    dtype_bytes: int
+    token_step: int
+    batch_sizes: tuple[int, ...]
+    token_lengths: tuple[int, ...]
+    forward_s: np.ndarray  # (len(batch_sizes), len(token_lengths)) seconds per layer
+    backward_s: np.ndarray
+    context_forward: ContextFit
+    context_backward: ContextFit
+    latency_s: float
+    bytes_per_s: float
+    optimizer_s_per_layer: float = 0.0
+    activation_bytes_per_token_per_layer: float | None = None
+    step_overhead_s: float = 0.0
+    params_per_layer: float | None = None
+    dp_latency_s: float | None = None
+    dp_bytes_per_s: float | None = None
+    precision: str = "fp32"  # the compute precision the times are for (docs/design.md §6a)
+    tensor_parallel: int = 1  # device.tensor_parallel: the T the times are for, per device of a stage's T
+    raw: dict = field(default_factory=dict, repr=False, compare=False)
+    path: str | None = None
+    sha256: str | None = None
+
+
+def _context_fit(f: Fields, key: str) -> ContextFit:
+    sub = f.sub(key)
+    coef = sub.list("coef")
+    if len(coef) != 4 or not all(isinstance(c, (int, float)) and not isinstance(c, bool) for c in coef):
+        raise sub.fail("coef", "must be a list of four numbers [a0, a1, a2, a3]")
+    err_mean = sub.get("heldout_rel_err_mean", None)
+    err_max = sub.get("heldout_rel_err_max", None)
+    return ContextFit(tuple(float(c) for c in coef), err_mean, err_max)
+
+
+def _grid(f: Fields, key: str, rows: int, cols: int) -> np.ndarray:
+    value = f.list(key)
+    try:
+        arr = np.asarray(value, dtype=float)
+    except (TypeError, ValueError):
+        raise f.fail(key, "must be a table of numbers (one row per batch size)") from None
+    if arr.shape != (rows, cols):
+        raise f.fail(key, f"must have shape [batch_sizes={rows}][token_lengths={cols}], got {list(arr.shape)}")
+    if not np.all(np.isfinite(arr)) or np.any(arr < 0):
+        raise f.fail(key, "must hold finite, non-negative seconds")
+    return arr
+
+
+def _ascending_ints(f: Fields, key: str) -> tuple[int, ...]:
+    values = f.list(key)
+    if not values or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in values):
+        raise f.fail(key, "must be a non-empty list of positive integers")
+    if any(a >= b for a, b in zip(values, values[1:], strict=False)):
+        raise f.fail(key, "must be strictly ascending")
+    return tuple(values)
+
+
+def profile_from_dict(obj: dict, where: str) -> Profile:
+    """Validate a profile object; every error names ``where`` and the field."""
+    if obj.get("schema") != PROFILE_SCHEMA:
+        raise UserError(f"field 'schema' is {obj.get('schema')!r}, expected {PROFILE_SCHEMA!r}", where=where)
+    f = Fields(obj, where)
+    source = f.str("source")
+    if source not in PROFILE_SOURCES:
+        raise f.fail("source", f"must be one of {', '.join(PROFILE_SOURCES)}, got {source!r}")
+    model_obj = f.get("model")
+    if not isinstance(model_obj, dict):
+        raise f.fail("model", "must be an object")
+    model = ModelConfig.from_dict(model_obj, where)
+    batch_sizes = _ascending_ints(f, "batch_sizes")
+    token_lengths = _ascending_ints(f, "token_lengths")
+    forward = _grid(f, "forward_s", len(batch_sizes), len(token_lengths))
+    backward = _grid(f, "backward_s", len(batch_sizes), len(token_lengths))
+    ctx = f.sub("context")
+    comm = f.sub("comm")
+    device = f.get("device", {})
+    if not isinstance(device, dict):
+        raise f.fail("device", "must be an object")
+    tensor_parallel = Fields(device, where, "device.").int("tensor_parallel", minimum=1, default=1)
+    model.check_tensor_parallel(tensor_parallel, where=f"{where}: field 'device.tensor_parallel'")
+    act = f.get("activation_bytes_per_token_per_layer", None)
+    if act is not None:
+        act = f.number("activation_bytes_per_token_per_layer", minimum=0)
+    params = f.get("params_per_layer", None)
+    if params is not None:
+        params = f.number("params_per_layer", minimum=0)
+    dp_latency = dp_bandwidth = None
+    if "data_parallel_link" in obj:
+        link = f.sub("data_parallel_link")
+        dp_latency = link.number("latency_s", minimum=0)
+        dp_bandwidth = link.number("bytes_per_s", positive=True)
+    return Profile(
+        model=model,
+        source=source,
+        device=device,
+        dtype_bytes=f.int("dtype_bytes", minimum=1),
+        token_step=f.int("token_step", minimum=1),
+        batch_sizes=batch_sizes,
+        token_lengths=token_lengths,
+        forward_s=forward,
+        backward_s=backward,
+        context_forward=_context_fit(ctx, "forward"),
+        context_backward=_context_fit(ctx, "backward"),
+        latency_s=comm.number("latency_s", minimum=0),
+        bytes_per_s=comm.number("bytes_per_s", positive=True),
+        optimizer_s_per_layer=f.number("optimizer_s_per_layer", minimum=0, default=0.0),
+        activation_bytes_per_token_per_layer=act,
+        step_overhead_s=f.number("step_overhead_s", minimum=0, default=0.0),
+        params_per_layer=params,
+        dp_latency_s=dp_latency,
+        dp_bytes_per_s=dp_bandwidth,
+        precision=precision_field(f),
+        tensor_parallel=tensor_parallel,
+        raw=obj,
+    )
+
+
+def read_profile(path: str | Path) -> Profile:
+    """Read and validate a profile file (one clear error naming the file and field)."""
+    prof = profile_from_dict(read_json_with_schema(path, PROFILE_SCHEMA, "profile"), str(path))
+    digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    return _with(prof, path=str(path), sha256=digest)
+
+
+def _with(prof: Profile, **changes) -> Profile:
+    from dataclasses import replace
+
+    return replace(prof, **changes)
+
+
+def _interp_linear(x: np.ndarray, xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
+    """Piecewise-linear in x; linear extrapolation above the grid, held at ys[0] below it."""
+    x = np.asarray(x, dtype=float)
+    if len(xs) == 1:
+        # One grid point: time proportional to size above it, held below it.
+        return ys[0] * np.maximum(x / xs[0], 1.0)
+    inside = np.interp(x, xs, ys)
+    slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+    above = ys[-1] + slope * (x - xs[-1])
+    return np.where(x > xs[-1], above, inside)
+
+
+class CostModel:
+    """``cost(b, i, j)``: seconds for one stage's forward + backward of a tile (docs/design.md §3), vectorised.
+
+    ``b``, ``i``, ``j`` are broadcastable integer arrays: sequences in the batch slice, new tokens, context
+    tokens. ``step_s`` is the per-step constant (the optimizer update of a stage's layers plus any fixed
+    overhead) that the objective adds once per step. With ``recompute`` every tile's forward runs twice (once
+    more inside its backward, runtime/stage.py), so its forward time, context term included, counts twice.
+    """
+
+    def __init__(self, profile: Profile, stages: int, data_parallel: int = 1, *, recompute: bool = False) -> None:
+        self.profile = profile
+        self.stages = stages
+        self.data_parallel = data_parallel
+        self.recompute = recompute
+        self.layers_per_stage = profile.model.stage_layers(stages, where="stages")
+        self._bs = np.asarray(profile.batch_sizes, dtype=float)
+        self._ts = np.asarray(profile.token_lengths, dtype=float)
+        self._forwards = 2.0 if recompute else 1.0
+        self._nc = self._forwards * profile.forward_s + profile.backward_s
+        bytes_per_token = profile.model.hidden * profile.dtype_bytes
+        self._comm_latency = 2.0 * profile.latency_s if stages > 1 else 0.0
+        self._comm_per_token = 2.0 * bytes_per_token / profile.bytes_per_s if stages > 1 else 0.0
+        self.step_s = self.layers_per_stage * profile.optimizer_s_per_layer + profile.step_overhead_s
+        # Why the gradient all-reduce of D > 1 replicas is not in the price (None when it is, or D = 1).
+        self.allreduce_unpriced = self._unpriced(data_parallel)
+        self.allreduce_s = self._allreduce_s(data_parallel) if self.allreduce_unpriced is None else 0.0
+        self.step_s += self.allreduce_s
+
+    def _unpriced(self, replicas: int) -> str | None:
+        if replicas < 1:
+            raise UserError(f"must be at least 1, got {replicas}", where="data_parallel")
+        p = self.profile
+        missing = [
+            key
+            for key, value in (("params_per_layer", p.params_per_layer), ("data_parallel_link", p.dp_latency_s))
+            if value is None
+        ]
+        if replicas == 1 or not missing:
+            return None
+        return f"{p.path or 'the profile'} has no {' or '.join(repr(k) for k in missing)}"
+
+    def _allreduce_s(self, replicas: int) -> float:
+        if replicas == 1:
+            return 0.0
+        p = self.profile
+        grad_bytes = self.layers_per_stage * p.params_per_layer * p.dtype_bytes
+        return float(
+            ring_allreduce_seconds(grad_bytes, replicas, latency_s=p.dp_latency_s, bytes_per_s=p.dp_bytes_per_s)
+        )
+
+    @classmethod
+    def from_profile(
+        cls, path: str | Path, stages: int, data_parallel: int = 1, *, recompute: bool = False
+    ) -> CostModel:
+        return cls(read_profile(path), stages, data_parallel, recompute=recompute)
+
+    def no_context(self, b: np.ndarray, i: np.ndarray) -> np.ndarray:
+        """Per-layer forward + backward seconds of b × i tokens with no context."""
+        b, i = np.asarray(b, dtype=float), np.asarray(i, dtype=float)
+        # The planner asks for every (b, i) pair of a large broadcast grid, but the inputs hold few distinct
+        # values: interpolate once per distinct pair, then gather.
+        ub, b_idx = np.unique(b, return_inverse=True)
+        ui, i_idx = np.unique(i, return_inverse=True)
+        table = self._no_context_table(ub, ui)
+        return table[b_idx.reshape(b.shape), i_idx.reshape(i.shape)]
+
+    def _no_context_table(self, b: np.ndarray, i: np.ndarray) -> np.ndarray:
+        """``t_nc`` for every b (rows) and i (columns): first along tokens, then along the batch size."""
+        rows = np.stack([_interp_linear(i, self._ts, row) for row in self._nc])  # (grid batch sizes, len(i))
+        if len(self._bs) == 1:
+            return rows[0][None, :] * np.maximum(b / self._bs[0], 1.0)[:, None]
+        k = np.clip(np.searchsorted(self._bs, b, side="right") - 1, 0, len(self._bs) - 2)
+        b0, b1 = self._bs[k], self._bs[k + 1]
+        w = (np.maximum(b - b0, 0.0) / (b1 - b0))[:, None]  # held at the smallest batch size below the grid
+        return rows[k] + w * (rows[k + 1] - rows[k])
+
+    def context(self, b: np.ndarray, i: np.ndarray, j: np.ndarray) -> np.ndarray:
+        """Per-layer extra forward + backward seconds caused by j context tokens."""
+        b, i, j = (np.asarray(x, dtype=float) for x in (b, i, j))
+        return self._forwards * self.profile.context_forward(b, i, j) + self.profile.context_backward(b, i, j)
+
+    def comm(self, b: np.ndarray, i: np.ndarray) -> np.ndarray:
+        return self._comm_latency + self._comm_per_token * (np.asarray(b, dtype=float) * np.asarray(i, dtype=float))
+
+    def __call__(self, b, i, j) -> np.ndarray:
+        return self.layers_per_stage * (self.no_context(b, i) + self.context(b, i, j)) + self.comm(b, i)

@@ -1,0 +1,231 @@
+"""What to plan: a profile and the shape asked for (`PlanSetting`), checked against each other (`plan_request` ->
+`PlanRequest`). Imports no torch.
+
+A setting comes from a profile file and the options, or from an experiment file (docs/design.md §7,
+`experiment_shape`) whose values the options given override; `terapipe plan` (cli/plan.py) reads the profile, or
+estimates it for the experiment's hardware. Option errors name the command-line flag (``--stages``): that is the
+name the user typed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from terapipe_cli.config.experiment import Experiment
+from terapipe_cli.errors import UserError
+from terapipe_cli.plan.costmodel import Profile
+from terapipe_cli.plan.schedule import ORDERS
+from terapipe_cli.plan.search import METHODS
+
+# How the plan's scheme is chosen: "formula", the exact optimum of the objective (docs/design.md §4); "simulated",
+# the fastest in the simulator (§11) among that optimum and the schemes the search ranks next to it (`plan.choice`).
+RANKS = ("simulated", "formula")
+
+
+@dataclass(frozen=True)
+class PlanSetting:
+    """What `terapipe plan` plans on: a profile and the shape asked for (None: the profile's or the model's), from
+    ``--profile`` and the options or from an experiment file."""
+
+    profile: Profile
+    profile_path: str | None  # what the plan records (absolute); None for a profile estimated on the fly
+    stages: int
+    batch_size: int
+    data_parallel: int
+    tensor_parallel: int | None
+    token_step: int | None
+    experiment: dict | None = None  # the plan's ``experiment`` record
+
+    def request(self, **options) -> PlanRequest:
+        """`plan_request` for this setting; ``options`` are the remaining ones (seq_len, epsilon, method, …)."""
+        return plan_request(
+            self.profile,
+            stages=self.stages,
+            batch_size=self.batch_size,
+            data_parallel=self.data_parallel,
+            tensor_parallel=self.tensor_parallel,
+            token_step=self.token_step,
+            **options,
+        )
+
+
+def stored_path(path: str | Path) -> str:
+    """A path as a plan stores it: absolute, so a report or a run started from another folder finds the file."""
+    return str(Path(path).absolute())
+
+
+@dataclass(frozen=True)
+class ExperimentShape:
+    """An experiment's training shape with the options given over it: K, B per replica, D, T and g."""
+
+    stages: int
+    batch_size: int
+    data_parallel: int
+    tensor_parallel: int
+    token_step: int
+    record: dict  # the plan's ``experiment`` record: name, path, and the options that overrode the file
+
+
+def experiment_shape(
+    exp: Experiment,
+    *,
+    stages: int | None,
+    batch_size: int | None,
+    data_parallel: int | None,
+    tensor_parallel: int | None,
+    token_step: int | None,
+) -> ExperimentShape:
+    """The experiment's stages, data-parallel and tensor-parallel degrees and token step, each unless given; the
+    batch per replica is ``batch_size`` if given, else the file's global batch over the data-parallel degree."""
+    given = {"stages": stages, "data_parallel": data_parallel, "tensor_parallel": tensor_parallel}
+    given.update(batch_size=batch_size, token_step=token_step)
+    D = exp.data_parallel if data_parallel is None else data_parallel
+    if batch_size is None and D >= 1 and exp.batch_size % D:
+        raise UserError(
+            f"{D} does not divide the global batch of {exp.batch_size} sequences of {exp.name}; give --batch",
+            where="--data-parallel",
+        )
+    record = {
+        "name": exp.name,
+        "path": stored_path(exp.path),
+        "overridden": {k: v for k, v in given.items() if v is not None},
+    }
+    return ExperimentShape(
+        stages=exp.stages if stages is None else stages,
+        batch_size=exp.batch_size // max(D, 1) if batch_size is None else batch_size,
+        data_parallel=D,
+        tensor_parallel=exp.tensor_parallel if tensor_parallel is None else tensor_parallel,
+        token_step=exp.token_step if token_step is None else token_step,
+        record=record,
+    )
+
+
+def experiment_setting(
+    exp: Experiment, shape: ExperimentShape, profile: Profile, profile_path: str | Path | None
+) -> PlanSetting:
+    """The setting of an experiment's ``shape`` on ``profile`` (a file at ``profile_path``, which must be of the
+    experiment's model, or None: the analytic estimate for its hardware)."""
+    if profile_path is not None and profile.model != exp.model:
+        raise UserError(
+            f"is a profile of model {profile.model.name!r}, but {exp.name} trains {exp.model.name!r}",
+            where=str(profile_path),
+        )
+    s = shape
+    stored = None if profile_path is None else stored_path(profile_path)
+    return PlanSetting(
+        profile, stored, s.stages, s.batch_size, s.data_parallel, s.tensor_parallel, s.token_step, s.record
+    )
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What to plan, checked against the profile; ``seq_len`` and ``token_step`` resolved to numbers."""
+
+    stages: int
+    batch_size: int
+    seq_len: int
+    token_step: int
+    epsilon: float = 0.0
+    method: str = "exact"
+    data_parallel: int = 1
+    memory_limit_gib: float | None = None
+    tensor_parallel: int = 1
+    order: str = "gpipe"  # the schedule order the plan runs in (schedule.ORDERS)
+    recompute: bool = False  # every stage re-runs its tiles' forward in their backward
+    # Whether the planner may choose the order and which stages recompute to fit the memory limit (the user fixed
+    # neither with --order / --recompute, --no-recompute).
+    order_free: bool = True
+    recompute_free: bool = True
+    rank: str = "simulated"  # RANKS: how the plan's scheme is chosen among the exact search's best
+
+
+def plan_request(
+    profile: Profile,
+    *,
+    stages: int,
+    batch_size: int,
+    seq_len: int | None = None,
+    token_step: int | None = None,
+    epsilon: float = 0.0,
+    method: str = "exact",
+    data_parallel: int = 1,
+    memory_limit_gib: float | None = None,
+    tensor_parallel: int | None = None,
+    order: str | None = None,
+    recompute: bool | None = None,
+    rank: str = "simulated",
+) -> PlanRequest:
+    """Check the options against each other and the profile; L, g and T default to the model's and the profile's.
+    ``order`` and ``recompute`` None: GPipe order without recomputation unless the memory limit asks for more
+    (`plan_for_profile`)."""
+    order_free, recompute_free = order is None, recompute is None
+    order, recompute = order or "gpipe", bool(recompute)
+    if order not in ORDERS:
+        raise UserError(f"must be one of {', '.join(ORDERS)}, got {order!r}", where="--order")
+    model = profile.model
+    if stages < 1:
+        raise UserError(f"must be at least 1, got {stages}", where="--stages")
+    if batch_size < 1:
+        raise UserError(f"must be at least 1, got {batch_size}", where="--batch")
+    if data_parallel < 1:
+        raise UserError(f"must be at least 1, got {data_parallel}", where="--data-parallel")
+    if not (epsilon >= 0 and math.isfinite(epsilon)):
+        raise UserError(f"must be a non-negative number of seconds, got {epsilon}", where="--epsilon")
+    if memory_limit_gib is not None and not (memory_limit_gib > 0 and math.isfinite(memory_limit_gib)):
+        raise UserError(f"must be a positive number of GiB, got {memory_limit_gib}", where="--memory-limit")
+    if method not in METHODS:
+        raise UserError(f"must be 'exact' or 'enumerate', got {method!r}", where="--method")
+    if rank not in RANKS:
+        raise UserError(f"must be one of {', '.join(RANKS)}, got {rank!r}", where="--rank")
+    source = profile.path or "the profile"
+    model.stage_layers(stages, where=f"--stages (model {model.name} in {source})")
+    L = model.seq_len if seq_len is None else seq_len
+    g = profile.token_step if token_step is None else token_step
+    if L < 1:
+        raise UserError(f"must be at least 1, got {L}", where="--seq-len")
+    if L > model.seq_len:
+        raise UserError(f"{L} is longer than the model's seq_len {model.seq_len} (in {source})", where="--seq-len")
+    if g < 1:
+        raise UserError(f"must be at least 1, got {g}", where="--token-step")
+    if L % g:
+        raise UserError(f"the sequence length {L} is not a multiple of the token step {g}", where="--token-step")
+    T = check_tensor_parallel(profile, tensor_parallel)
+    return PlanRequest(
+        stages,
+        batch_size,
+        L,
+        g,
+        epsilon,
+        method,
+        data_parallel,
+        memory_limit_gib,
+        T,
+        order,
+        recompute,
+        order_free,
+        recompute_free,
+        rank,
+    )
+
+
+def check_tensor_parallel(profile: Profile, tensor_parallel: int | None) -> int:
+    """T asked for (None: the profile's) must divide the model's heads and be the T the profile's times are for:
+    a profile's tile times, parameters and activations are those of one device of a stage's T."""
+    have = profile.tensor_parallel
+    if tensor_parallel is None:
+        return have
+    model = profile.model
+    model.check_tensor_parallel(tensor_parallel, where="--tensor-parallel")
+    if tensor_parallel != have:
+        how = "estimated" if profile.source == "analytic" else "measured"
+        hardware = profile.device.get("hardware_file") or "HARDWARE.toml"
+        raise UserError(
+            f"{tensor_parallel} asked for, but {profile.path or 'the profile'} was {how} at tensor parallelism "
+            f"{have}; make a profile at {tensor_parallel}: `terapipe profile --model {model.name} --tensor-parallel "
+            f"{tensor_parallel}` (measured here) or `terapipe profile --analytic --hardware {hardware} --model "
+            f"{model.name} --tensor-parallel {tensor_parallel}`",
+            where="--tensor-parallel",
+        )
+    return have

@@ -1,0 +1,705 @@
+"""The slicing planner (docs/design.md §4–§5): pure numpy, no torch, no I/O.
+
+Given ``cost(b, i, j)`` — seconds for one stage's forward + backward of a tile of ``b`` sequences × ``i`` new
+tokens after ``j`` context tokens — find the scheme ``[(b_1, [l_11, …]), (b_2, [l_21, …]), …]`` minimising
+
+    T = Σ tiles t + (K − 1) · max tile t   (+ cost.step_s, a per-step constant)
+
+The exact method (the default)
+------------------------------
+``T* = min over t_max of S*(t_max) + (K−1)·t_max`` where ``S*(t)`` is the least total tile time over schemes whose
+tiles all cost ≤ t. For one t, ``S*(t)`` is a one-dimensional DP over the prefix length per batch-slice size b,
+followed by an unbounded knapsack over b. The published method evaluates t_max for the distinct tile costs in
+ascending order (optionally skipping candidates within ε). We instead run an exact branch-and-bound over the
+sorted candidate costs ``c[0] < c[1] < …``:
+
+* Evaluating at ``c[p]`` gives ``S*(c[p])`` and a scheme whose largest tile is ``c[q] ≤ c[p]``. Every candidate in
+  ``[c[q], c[p]]`` has the same ``S*`` (the scheme stays feasible, and S* is non-increasing), so that whole range is
+  settled by one value: ``S*(c[p]) + (K−1)·c[q]``.
+* For a still-open index interval ``[lo, hi]`` whose upper neighbour was evaluated with value ``S_up``:
+  ``T(t) ≥ S_up + (K−1)·c[lo]`` for every t in it (S* only grows as t falls). Intervals whose bound reaches the
+  best objective found are discarded; the others are probed again.
+* Everything above ``(best − S*(∞)) / (K−1)`` is discarded up front, since ``T(t) ≥ S*(∞) + (K−1)·t``.
+
+Each round probes many candidates at once: the DP runs vectorised over (candidates × batch-slice sizes × slice
+lengths), one numpy step per prefix length, and only over slice lengths whose cost can fit under the round's
+largest candidate. With ε > 0, intervals within K·ε of the best are discarded too, so the answer is within K·ε of
+the optimum.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from terapipe_cli.errors import UserError
+from terapipe_cli.plan.file import Slices, short_form
+
+Cost = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+
+METHODS = ("exact", "enumerate")
+# Candidates probed per round of the exact search, and per batch of the enumeration. Larger rounds amortise the
+# per-prefix numpy overhead; smaller ones prune more between rounds.
+_PROBES_PER_ROUND = 32
+_ENUMERATE_BATCH = 32
+# Batch-slice sizes whose widest usable token slice is within this factor share one DP array.
+_GROUP_RATIO = 3
+# Two objectives closer than this (relative) are treated as equal when pruning: floating-point summation noise.
+_REL_TOL = 1e-12
+
+
+@dataclass
+class PlanResult:
+    """A scheme and its predicted iteration time."""
+
+    slices: Slices
+    predicted_s: float
+    t_max_s: float
+    stages: int
+    seq_len: int
+    batch_size: int
+    token_step: int
+    method: str = "exact"
+    epsilon: float = 0.0
+    seconds: float = 0.0
+    candidates: int = 0
+    sum_s: float = 0.0
+    extra: dict = field(default_factory=dict)
+    # Schemes the search ranks next to this one (`solve(neighbours=…)`), by the objective, best first.
+    alternatives: list[PlanResult] = field(default_factory=list)
+
+    def short_form(self, *, fold: bool = False) -> str:
+        return short_form(self.slices, fold=fold)
+
+    @property
+    def tiles(self) -> int:
+        return sum(len(lengths) for _, lengths in self.slices)
+
+    def to_dict(self) -> dict:
+        return {
+            "slices": [[b, list(lengths)] for b, lengths in self.slices],
+            "short_form": self.short_form(),
+            "predicted_s": self.predicted_s,
+            "t_max_s": self.t_max_s,
+            "sum_s": self.sum_s,
+            "tiles": self.tiles,
+        }
+
+
+@dataclass(frozen=True)
+class Sequencing:
+    """Batch groupings as paths through a state machine, for searches where a batch slice's place in the batch
+    matters (the memory-aware search, docs/design.md §10; built by `memory.grouping_search`).
+
+    A *row* is a batch-slice size with the tiles allowed to it: ``row_sizes[r]`` sequences, and ``row_fits[r](i, j)``
+    True for the tiles of i tokens after j that it may use (None: every tile). A *move* ``(a, c, r)`` goes from
+    state a to state c > a by placing one batch slice of row r. Every path from state 0 to one of ``finals`` is
+    a batch grouping the search may return, its batch slices in the order placed, or the reverse of it when
+    ``placed_last_first``. Without a Sequencing the batch is an unordered multiset of batch-slice sizes (a knapsack).
+    """
+
+    row_sizes: tuple[int, ...]
+    row_fits: tuple[Callable | None, ...]
+    moves: tuple[tuple[int, int, int], ...]
+    states: int
+    finals: tuple[int, ...]
+    placed_last_first: bool = False
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Pricing any scheme
+
+
+def _tile_arrays(slices: Sequence) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    bs, ii, jj = [], [], []
+    for b, lengths in slices:
+        j = 0
+        for n in lengths:
+            bs.append(b)
+            ii.append(n)
+            jj.append(j)
+            j += n
+    return np.asarray(bs, dtype=np.int64), np.asarray(ii, dtype=np.int64), np.asarray(jj, dtype=np.int64)
+
+
+def tile_costs(cost: Cost, slices: Sequence) -> np.ndarray:
+    """Cost of every tile of a scheme, in pipeline order."""
+    b, i, j = _tile_arrays(slices)
+    return np.broadcast_to(np.asarray(cost(b, i, j), dtype=float), b.shape)
+
+
+def objective(sum_s: float, t_max_s: float, stages: int, step_s: float = 0.0) -> float:
+    """The objective of docs/design.md §4: Σ t + (K−1)·max t, plus a per-step constant.
+
+    Given the sum and the largest of a scheme's tile times; every search and every report prices through here.
+    """
+    return sum_s + (stages - 1) * t_max_s + step_s
+
+
+def evaluate(cost: Cost, slices: Sequence, stages: int) -> float:
+    """The objective of any scheme, with the cost's per-step constant."""
+    if stages < 1:
+        raise UserError(f"must be at least 1, got {stages}", where="stages")
+    t = tile_costs(cost, slices)
+    return float(objective(t.sum(), t.max(), stages, getattr(cost, "step_s", 0.0)))
+
+
+def _result(
+    cost: Cost, slices: Slices, *, stages: int, seq_len: int, batch_size: int, token_step: int, **kw
+) -> PlanResult:
+    t = tile_costs(cost, slices)
+    return PlanResult(
+        slices=slices,
+        predicted_s=float(objective(t.sum(), t.max(), stages, getattr(cost, "step_s", 0.0))),
+        t_max_s=float(t.max()),
+        sum_s=float(t.sum()),
+        stages=stages,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        token_step=token_step,
+        **kw,
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Baselines
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def gpipe_baseline(cost: Cost, *, seq_len: int, batch_size: int, stages: int) -> PlanResult:
+    """GPipe: whole sequences, microbatch size m among the divisors of B, the best m by the same objective."""
+    _check_sizes(seq_len=seq_len, batch_size=batch_size, stages=stages, token_step=1)
+    best = None
+    for m in divisors(batch_size):
+        slices = [(m, [seq_len])] * (batch_size // m)
+        res = _result(
+            cost, slices, stages=stages, seq_len=seq_len, batch_size=batch_size, token_step=seq_len, method="gpipe"
+        )
+        res.extra["microbatch"] = m
+        if best is None or res.predicted_s < best.predicted_s:
+            best = res
+    return best
+
+
+def _uniform_schemes(seq_len: int, batch_size: int, token_step: int):
+    """Every uniform scheme: n equal token slices (n a power of two dividing L/g), batch slices all of size m | B.
+
+    Yields ``(slices, n, m)``; n = 1 is GPipe with microbatch m.
+    """
+    units = seq_len // token_step
+    n = 1
+    while n <= units:
+        if units % n == 0:
+            for m in divisors(batch_size):
+                yield [(m, [seq_len // n] * n)] * (batch_size // m), n, m
+        n *= 2
+
+
+def uniform_baseline(cost: Cost, *, seq_len: int, batch_size: int, stages: int, token_step: int = 1) -> PlanResult:
+    """The best uniform slicing: n equal token slices (n a power of two dividing L/g), batch slices all of size m."""
+    _check_sizes(seq_len=seq_len, batch_size=batch_size, stages=stages, token_step=token_step)
+    best = None
+    for slices, n, m in _uniform_schemes(seq_len, batch_size, token_step):
+        res = _result(
+            cost, slices, stages=stages, seq_len=seq_len, batch_size=batch_size, token_step=token_step, method="uniform"
+        )
+        res.extra.update(token_slices=n, microbatch=m)
+        if best is None or res.predicted_s < best.predicted_s:
+            best = res
+    return best
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The DP for many t_max at once
+
+
+class _Tables:
+    """Tile costs laid out for the DP, in units of the token step, one *row* per batch-slice size (rows b = 1 … B
+    for the knapsack) or per row of a `Sequencing`.
+
+    ``by_end[r, p, i]`` is the cost of the tile of row r's batch slice that ends at prefix ``p`` (units) and is ``i``
+    units long, so its context is ``p − i``. Entries with ``i > p`` or ``i == 0`` are +inf, and so are the tiles a
+    row may not use.
+    """
+
+    def __init__(
+        self, cost: Cost, *, seq_len: int, batch_size: int, token_step: int, grouping: Sequencing | None = None
+    ) -> None:
+        n = seq_len // token_step
+        self.units, self.batch_size, self.token_step = n, batch_size, token_step
+        sizes = np.arange(1, batch_size + 1) if grouping is None else np.asarray(grouping.row_sizes)
+        self.row_sizes, self.rows = sizes, len(sizes)
+        self.combine = _Knapsack(batch_size) if grouping is None else _Paths(grouping)
+        # Only the valid (prefix, length) pairs are priced: half the cube, and the cost model's time.
+        ends, lengths = np.nonzero(np.tri(n + 1, dtype=bool) & (np.arange(n + 1) >= 1)[None, :])
+        i = (lengths * token_step)[None, :]
+        j = ((ends - lengths) * token_step)[None, :]
+        distinct, at = np.unique(sizes, return_inverse=True)
+        raw = np.broadcast_to(np.asarray(cost(distinct[:, None], i, j), dtype=float), (len(distinct), len(ends)))
+        # +inf marks a tile no scheme may use (the memory-aware search forbids tiles that do not fit).
+        if np.any(np.isnan(raw)) or np.any(raw == -np.inf):
+            raise UserError("the cost function returned a non-finite time", where="cost")
+        if grouping is not None:  # one row per Sequencing row, its forbidden tiles at +inf
+            raw = raw[at.reshape(-1)]
+            allowed = [
+                np.ones(len(ends), dtype=bool) if f is None else np.asarray(f(i[0], j[0])) for f in grouping.row_fits
+            ]
+            raw = np.where(np.stack(allowed), raw, np.inf)
+        self.by_end = np.full((self.rows, n + 1, n + 1), np.inf)
+        offset = 0
+        for p in range(1, n + 1):  # np.nonzero is row-major: prefix p's lengths 1..p are contiguous in `raw`
+            self.by_end[:, p, 1 : p + 1] = raw[:, offset : offset + p]
+            offset += p
+        self._valid = raw
+        # Reversed suffix minimum: _longer_min[b, p, k] = the cheapest slice of length ≥ n − k ending at p. Under a
+        # threshold t the entries ≤ t count the lengths 0..w up to the longest slice that fits, so the DP can skip
+        # longer ones. (Stored reversed and contiguous because the accumulation is then 4× faster.)
+        self._longer_min = np.ascontiguousarray(self.by_end[:, :, ::-1])
+        np.minimum.accumulate(self._longer_min, axis=2, out=self._longer_min)
+        self.bottleneck = self._bottleneck()
+
+    def _bottleneck(self) -> np.ndarray:
+        """For each row: the smallest possible largest tile over all token slicings of its batch slice."""
+        n = self.units
+        worst = np.full((self.rows, n + 1), np.inf)
+        worst[:, 0] = -np.inf
+        for p in range(1, n + 1):
+            worst[:, p] = np.maximum(worst[:, p - 1 :: -1][:, :p], self.by_end[:, p, 1 : p + 1]).min(axis=1)
+        return worst[:, n]
+
+    def smallest_feasible_t_max(self) -> float:
+        """Below this no scheme exists: the batch cannot be composed of batch slices that fit."""
+        return self.combine.smallest_feasible(self.bottleneck)
+
+    def widths(self, t_max: float) -> np.ndarray:
+        """``w[r, p]``: the longest slice ending at p whose cost in row r is ≤ t_max (0 if none)."""
+        fits = (self._longer_min <= t_max).sum(axis=2)  # longest fitting length + 1 (length 0 counts), or 0
+        return np.maximum(fits - 1, 0)
+
+    def distinct_costs(self, lo: float, hi: float) -> np.ndarray:
+        c = self._valid[(self._valid >= lo) & (self._valid <= hi)]
+        return np.unique(c)
+
+
+def _width_groups(b_alive: np.ndarray, widest: np.ndarray) -> list[np.ndarray]:
+    """Group rows (batch-slice sizes) whose widest usable slice is within ``_GROUP_RATIO``× of the group's widest.
+
+    Large batch slices can only use short token slices under a given t_max; padding their DP rows to the width of
+    small batch slices would multiply the work, so each group runs with its own widths.
+    """
+    order = b_alive[np.argsort(-widest[b_alive], kind="stable")]
+    groups: list[list[int]] = []
+    for b in order:
+        if groups and widest[b] * _GROUP_RATIO >= widest[groups[-1][0]]:
+            groups[-1].append(int(b))
+        else:
+            groups.append([int(b)])
+    return [np.sort(np.asarray(g)) for g in groups]
+
+
+def _batched_dp(tables: _Tables, t_max: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Token-slicing DP for every candidate t_max and every batch-slice size at once.
+
+    Returns ``best[m, r, p]`` (least total tile time covering the first p units of row r's batch slice with every
+    tile ≤ t_max[m]; +inf if impossible) and ``choice[m, r, p]`` (the length of the last slice).
+    """
+    n, B, M = tables.units, tables.rows, len(t_max)
+    best = np.full((M, B, n + 1), np.inf)
+    best[:, :, 0] = 0.0
+    choice = np.zeros((M, B, n + 1), dtype=np.int32)
+    t_top = float(np.max(t_max))
+    widths = np.minimum(tables.widths(t_top), np.arange(n + 1)[None, :])  # (B, n+1)
+    alive = np.nonzero(tables.bottleneck <= t_top)[0]  # the others cannot be sliced under any t_max here
+    limit = t_max[:, None, None]
+    for group in _width_groups(alive, widths.max(axis=1)):
+        contiguous = group[-1] - group[0] + 1 == len(group)
+        rows = slice(int(group[0]), int(group[-1]) + 1) if contiguous else group
+        by_end = tables.by_end[rows]
+        sub = best[:, rows]
+        sub_choice = choice[:, rows]
+        group_widths = widths[rows].max(axis=0)
+        for p in range(1, n + 1):
+            w = int(group_widths[p])
+            if w == 0:
+                continue
+            c = by_end[:, p, 1 : w + 1]  # (G, w): slice lengths 1..w ending at p
+            prev = sub[:, :, p - 1 :: -1][:, :, :w] if p - 1 - w < 0 else sub[:, :, p - 1 : p - 1 - w : -1]
+            vals = np.where(c <= limit, prev + c, np.inf)  # (M, G, w)
+            sub[:, :, p] = vals.min(axis=2)
+            sub_choice[:, :, p] = vals.argmin(axis=2) + 1
+        if not contiguous:  # fancy indexing copied the rows: write them back
+            best[:, rows] = sub
+            choice[:, rows] = sub_choice
+    return best, choice
+
+
+def _knapsack(per_b: np.ndarray, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Unbounded knapsack over batch-slice sizes, for every candidate: ``total[m, s]`` for s sequences."""
+    M, B = per_b.shape
+    total = np.full((M, batch_size + 1), np.inf)
+    total[:, 0] = 0.0
+    last = np.zeros((M, batch_size + 1), dtype=np.int32)
+    for s in range(1, batch_size + 1):
+        k = min(s, B)
+        vals = total[:, s - 1 :: -1][:, :k] + per_b[:, :k]  # using b = 1..k as the last batch slice
+        arg = vals.argmin(axis=1)
+        total[:, s] = vals[np.arange(M), arg]
+        last[:, s] = arg + 1
+    return total, last
+
+
+class _Knapsack:
+    """The batch as a multiset of batch-slice sizes (rows b = 1 … B): an unbounded knapsack."""
+
+    def __init__(self, batch_size: int) -> None:
+        self.batch_size = batch_size
+
+    def combine(self, per_row: np.ndarray) -> tuple[np.ndarray, object]:
+        """Least total per candidate (``per_row[m, r]``: row r's best), and what `rows_of` reads back."""
+        total, last = _knapsack(per_row, self.batch_size)
+        return total[:, self.batch_size], last
+
+    def rows_of(self, back, m: int) -> list[int]:
+        """Candidate m's rows in pipeline order (larger batch slices first)."""
+        sizes, s = [], self.batch_size
+        while s > 0:
+            sizes.append(int(back[m, s]))
+            s -= sizes[-1]
+        return [b - 1 for b in sorted(sizes, reverse=True)]
+
+    def smallest_feasible(self, bottleneck: np.ndarray) -> float:
+        for t in np.unique(bottleneck[np.isfinite(bottleneck)]):
+            allowed = np.nonzero(bottleneck <= t)[0] + 1
+            reach = np.zeros(self.batch_size + 1, dtype=bool)
+            reach[0] = True
+            for s in range(1, self.batch_size + 1):
+                use = allowed[allowed <= s]
+                reach[s] = bool(reach[s - use].any())
+            if reach[self.batch_size]:
+                return float(t)
+        return math.inf  # every slicing uses a forbidden tile
+
+
+class _Paths:
+    """The batch as a path through a `Sequencing`: a shortest-path DP over its states, for every candidate."""
+
+    def __init__(self, grouping: Sequencing) -> None:
+        self.grouping = grouping
+        into: list[list[tuple[int, int]]] = [[] for _ in range(grouping.states)]
+        for a, c, r in grouping.moves:
+            if not a < c < grouping.states:
+                raise ValueError(f"move {(a, c, r)} does not go forward")
+            into[c].append((a, r))
+        self.into = [
+            (np.array([a for a, _ in m], dtype=np.int64), np.array([r for _, r in m], dtype=np.int64)) for m in into
+        ]
+        self.finals = np.asarray(grouping.finals, dtype=np.int64)
+
+    def combine(self, per_row: np.ndarray) -> tuple[np.ndarray, object]:
+        M, S = per_row.shape[0], self.grouping.states
+        value = np.full((M, S), np.inf)
+        value[:, 0] = 0.0
+        arg = np.zeros((M, S), dtype=np.int64)
+        for c in range(1, S):
+            froms, rows = self.into[c]
+            if len(froms):
+                vals = value[:, froms] + per_row[:, rows]
+                arg[:, c] = vals.argmin(axis=1)
+                value[:, c] = vals[np.arange(M), arg[:, c]]
+        ends = value[:, self.finals]
+        end = ends.argmin(axis=1)
+        return ends[np.arange(M), end], (arg, end)
+
+    def rows_of(self, back, m: int) -> list[int]:
+        arg, end = back
+        state, rows = int(self.finals[end[m]]), []
+        while state != 0:
+            froms, moved = self.into[state]
+            k = int(arg[m, state])
+            rows.append(int(moved[k]))
+            state = int(froms[k])
+        # `rows` runs from the last batch slice placed back to the first.
+        return rows if self.grouping.placed_last_first else rows[::-1]
+
+    def smallest_feasible(self, bottleneck: np.ndarray) -> float:
+        """The least largest tile over all paths: a bottleneck shortest path."""
+        worst = np.full(self.grouping.states, np.inf)
+        worst[0] = -np.inf
+        for c in range(1, self.grouping.states):
+            froms, rows = self.into[c]
+            if len(froms):
+                worst[c] = np.maximum(worst[froms], bottleneck[rows]).min()
+        least = float(worst[self.finals].min())
+        return least if least > -np.inf else math.inf
+
+
+def _scheme(tables: _Tables, choice: np.ndarray, rows: Sequence[int], m: int) -> tuple[Slices, float]:
+    """Read candidate m's scheme back from the argmins, for its rows in pipeline order; and its largest tile."""
+    g = tables.token_step
+    paths: dict[int, tuple[list[int], float]] = {}
+    for r in set(rows):
+        units, p = [], tables.units
+        while p > 0:
+            units.append(int(choice[m, r, p]))
+            p -= units[-1]
+        units = units[::-1]
+        worst = float(tables.by_end[r, np.cumsum(units), units].max())
+        paths[r] = ([i * g for i in units], worst)
+    slices = [(int(tables.row_sizes[r]), list(paths[r][0])) for r in rows]
+    return slices, max(paths[r][1] for r in rows)
+
+
+def _scheme_sum_max(tables: _Tables, slices: Slices) -> tuple[float, float]:
+    """Total and largest tile cost of a scheme, read from the tables (identical batch slices priced once)."""
+    g = tables.token_step
+    total, worst = 0.0, 0.0
+    counts: dict[tuple[int, tuple[int, ...]], int] = {}
+    for b, lengths in slices:
+        key = (b, tuple(lengths))
+        counts[key] = counts.get(key, 0) + 1
+    for (b, lengths), count in counts.items():
+        units = np.asarray(lengths) // g
+        t = tables.by_end[b - 1, np.cumsum(units), units]
+        total += count * float(t.sum())
+        worst = max(worst, float(t.max()))
+    return total, worst
+
+
+def _seed_schemes(tables: _Tables) -> list[Slices]:
+    """GPipe and the uniform slicings: cheap to price and often close to the optimum, so the exact search starts
+    with a tight bound and a small candidate range. (None for a `Sequencing`, whose paths they may not be.)"""
+    if not isinstance(tables.combine, _Knapsack):
+        return []
+    L = tables.units * tables.token_step
+    return [slices for slices, _, _ in _uniform_schemes(L, tables.batch_size, tables.token_step)]
+
+
+@dataclass
+class _Probe:
+    t_max: float
+    total: float  # S*(t_max)
+    slices: Slices | None
+    realised: float  # the scheme's largest tile (≤ t_max)
+
+
+def _probe(tables: _Tables, t_values: np.ndarray) -> list[_Probe]:
+    t_values = np.asarray(t_values, dtype=float)
+    best, choice = _batched_dp(tables, t_values)
+    total, back = tables.combine.combine(best[:, :, tables.units])
+    out = []
+    for m, t in enumerate(t_values):
+        s_star = float(total[m])
+        if not math.isfinite(s_star):
+            out.append(_Probe(float(t), math.inf, None, math.inf))
+            continue
+        slices, realised = _scheme(tables, choice, tables.combine.rows_of(back, m), m)
+        out.append(_Probe(float(t), s_star, slices, realised))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Searching t_max
+
+
+def _check_sizes(*, seq_len: int, batch_size: int, stages: int, token_step: int) -> None:
+    for name, v in (("seq_len", seq_len), ("batch_size", batch_size), ("stages", stages), ("token_step", token_step)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise UserError(f"must be a positive integer, got {v!r}", where=name)
+    if seq_len % token_step:
+        raise UserError(
+            f"the sequence length {seq_len} is not a multiple of the token step {token_step}", where="token_step"
+        )
+
+
+def _improve(
+    results: list[_Probe], stages: int, best_T: float, best_slices: Slices | None, best_max: float, copies: int = 1
+) -> tuple[float, Slices | None, float]:
+    """The best objective among the probes' schemes and the incumbent (each scheme priced by its realised max), its
+    scheme and its largest tile."""
+    for pr in results:
+        if pr.slices is not None:
+            T = objective(copies * pr.total, pr.realised, stages)
+            if T < best_T:
+                best_T, best_slices, best_max = T, pr.slices, pr.realised
+    return best_T, best_slices, best_max
+
+
+def _scaled_batch(cost: Cost, b: int) -> Cost:
+    """The cost of a batch slice of b sequences, as the cost of "one" sequence (for equal batch slices)."""
+    return lambda bb, i, j: cost(np.asarray(bb) * b, i, j)
+
+
+def _search_exact(tables: _Tables, stages: int, epsilon: float, copies: int = 1) -> tuple[Slices | None, float, int]:
+    """The best scheme, its largest tile and the candidates probed. ``copies``: the scheme runs ``copies`` times (D
+    equal batch slices, `solve(batch_slice=…)`): the objective is copies·S + (K−1)·t_max."""
+    top = _probe(tables, np.array([np.inf]))[0]
+    probes = 1
+    if top.slices is None:
+        return None, math.inf, probes
+    best_T = objective(copies * top.total, top.realised, stages)
+    best_slices, best_max = top.slices, top.realised
+    if stages == 1:
+        return best_slices, best_max, probes
+    for seed in _seed_schemes(tables):
+        sum_s, max_s = _scheme_sum_max(tables, seed)
+        T = objective(copies * sum_s, max_s, stages)
+        if T < best_T:
+            best_T, best_slices, best_max = T, seed, max_s
+    slack = stages * epsilon
+
+    def cutoff() -> float:
+        # No t above this can win: T(t) ≥ copies·S*(∞) + (K−1)·t.
+        return (best_T - copies * top.total) / (stages - 1)
+
+    c = tables.distinct_costs(tables.smallest_feasible_t_max(), cutoff())
+    # Open intervals of candidate indices [lo, hi] with s_up = a value ≤ S*(t) for all t in them.
+    open_ = [(0, len(c) - 1, top.total)]
+    while open_:
+        limit = best_T - slack - _REL_TOL * abs(best_T)
+        hi_cut = int(np.searchsorted(c, cutoff(), side="right")) - 1
+        live = []
+        for lo, hi, s_up in open_:
+            hi = min(hi, hi_cut)
+            if lo <= hi and copies * s_up + (stages - 1) * c[lo] < limit:
+                live.append((lo, hi, s_up))
+        if not live:
+            break
+        # Spread this round's probes over the live intervals, more where the interval is wider.
+        sizes = np.array([hi - lo + 1 for lo, hi, _ in live], dtype=float)
+        share = np.maximum(1, np.floor(_PROBES_PER_ROUND * sizes / sizes.sum())).astype(int)
+        picks: list[tuple[int, int]] = []  # (interval number, candidate index)
+        for k, ((lo, hi, _), q) in enumerate(zip(live, share, strict=True)):
+            q = min(q, hi - lo + 1)
+            idx = np.unique(np.linspace(lo, hi, q + 1)[1:].round().astype(int))
+            picks += [(k, int(x)) for x in idx]
+        results = _probe(tables, c[[x for _, x in picks]])
+        probes += len(picks)
+        # Update the best, then split each interval at its probes.
+        best_T, best_slices, best_max = _improve(results, stages, best_T, best_slices, best_max, copies)
+        new_open = []
+        for k, (lo, hi, s_up) in enumerate(live):
+            mine = sorted((x, results[n]) for n, (kk, x) in enumerate(picks) if kk == k)
+            cursor_hi, cursor_s = hi, s_up
+            for x, pr in reversed(mine):  # from the top of the interval down
+                if x < cursor_hi:
+                    new_open.append((x + 1, cursor_hi, cursor_s))
+                if pr.slices is None:  # infeasible at c[x]: so is everything below
+                    cursor_hi = lo - 1
+                    break
+                q = int(np.searchsorted(c, pr.realised, side="left"))
+                cursor_hi, cursor_s = min(q, x) - 1, pr.total
+            if lo <= cursor_hi:
+                new_open.append((lo, cursor_hi, cursor_s))
+        open_ = new_open
+    return best_slices, best_max, probes
+
+
+def _search_enumerate(
+    tables: _Tables, stages: int, epsilon: float, copies: int = 1
+) -> tuple[Slices | None, float, int]:
+    """The published method: t_max ascending over the distinct tile costs, stopping once K·t_max exceeds the best.
+
+    With ε > 0 the costs are taken in windows [s, s + ε] and only the window's largest cost is evaluated: every
+    skipped t* in the window then has S*(top) ≤ S*(t*) and a largest tile ≤ t* + ε, so the answer stays within
+    (K−1)·ε of the optimum.
+    """
+    c = tables.distinct_costs(0.0, np.inf)
+    starts, tops = [], []
+    k = 0
+    while k < len(c):
+        top = int(np.searchsorted(c, c[k] + epsilon, side="right")) - 1 if epsilon > 0 else k
+        starts.append(c[k])
+        tops.append(c[top])
+        k = top + 1
+    starts, tops = np.asarray(starts), np.asarray(tops)
+    best_T, best_slices, best_max, probes = math.inf, None, math.inf, 0
+    for first in range(0, len(tops), _ENUMERATE_BATCH):
+        window = slice(first, first + _ENUMERATE_BATCH)
+        # A scheme whose largest tile is t costs at least K·t: nothing from here on can beat best_T.
+        alive = (copies + stages - 1) * starts[window] <= best_T
+        if not alive.any():
+            break
+        results = _probe(tables, tops[window][alive])
+        probes += len(results)
+        best_T, best_slices, best_max = _improve(results, stages, best_T, best_slices, best_max, copies)
+    return best_slices, best_max, probes
+
+
+def solve(
+    cost: Cost,
+    *,
+    seq_len: int,
+    batch_size: int,
+    stages: int,
+    token_step: int = 1,
+    epsilon: float = 0.0,
+    method: str = "exact",
+    batch_slice: int | None = None,
+    grouping: Sequencing | None = None,
+    neighbours: int = 0,
+) -> PlanResult | None:
+    """Choose token and batch slicing minimising the objective of docs/design.md §4.
+
+    ``method="exact"`` (default) returns the exact optimum for ``epsilon=0`` and stays within ``stages·epsilon``
+    of it otherwise; ``method="enumerate"`` is the published ε-enumeration, kept for comparison.
+    ``batch_slice=b`` (dividing the batch) plans B/b equal batch slices of b sequences, all sliced alike. A cost of
+    +inf forbids a tile; None when every scheme needs a forbidden tile. ``grouping`` (a `Sequencing`) restricts the
+    batch groupings, in order, and the tiles each batch slice may use by its place. ``neighbours=n`` also returns, in
+    ``alternatives``, the cheapest schemes under the n distinct tile costs on either side of the optimum's largest
+    tile (each the exact optimum for its threshold): the candidates a schedule-aware choice re-ranks.
+    """
+    _check_sizes(seq_len=seq_len, batch_size=batch_size, stages=stages, token_step=token_step)
+    if not (isinstance(epsilon, (int, float)) and epsilon >= 0 and math.isfinite(epsilon)):
+        raise UserError(f"must be a non-negative number of seconds, got {epsilon!r}", where="epsilon")
+    if method not in METHODS:
+        raise UserError(f"must be one of {', '.join(METHODS)}, got {method!r}", where="method")
+    started = time.perf_counter()
+    search = _search_exact if method == "exact" else _search_enumerate
+    if batch_slice is not None and grouping is not None:
+        raise ValueError("batch_slice and grouping exclude each other")
+    if batch_slice is None:
+        tables = _Tables(cost, seq_len=seq_len, batch_size=batch_size, token_step=token_step, grouping=grouping)
+        slices, t_max, probes = search(tables, stages, float(epsilon))
+        whole = lambda sl: sl  # noqa: E731
+    else:
+        if batch_size % batch_slice:
+            raise UserError(f"{batch_slice} does not divide the batch of {batch_size}", where="batch_slice")
+        one = _scaled_batch(cost, batch_slice)
+        tables = _Tables(one, seq_len=seq_len, batch_size=1, token_step=token_step)
+        slices, t_max, probes = search(tables, stages, float(epsilon), batch_size // batch_slice)
+        whole = lambda sl: [(batch_slice, sl[0][1])] * (batch_size // batch_slice)  # noqa: E731
+    if slices is None:
+        return None
+    shape = {"stages": stages, "seq_len": seq_len, "batch_size": batch_size, "token_step": token_step}
+    res = _result(cost, whole(slices), **shape, method=method, epsilon=float(epsilon), candidates=probes)
+    if neighbours and stages > 1:
+        near = [whole(sl) for sl in _neighbour_schemes(tables, t_max, neighbours)]
+        res.alternatives = sorted(
+            (_result(cost, sl, **shape, method=method) for sl in near if sl != res.slices),
+            key=lambda r: r.predicted_s,
+        )
+    res.seconds = time.perf_counter() - started
+    return res
+
+
+def _neighbour_schemes(tables: _Tables, t_max: float, count: int) -> list[Slices]:
+    """Distinct schemes S*(t) for ``count`` thresholds t spread evenly (by rank) over the feasible tile costs below
+    ``t_max`` and ``count`` over those from ``t_max`` up to twice it."""
+    c = tables.distinct_costs(tables.smallest_feasible_t_max(), 2 * t_max)
+    c = c[np.isfinite(c)]
+    at = int(np.searchsorted(c, t_max))
+    below = np.unique(np.linspace(0, at - 1, count).round().astype(int)) if at > 0 else np.array([], dtype=int)
+    above = np.unique(np.linspace(at + 1, len(c) - 1, count).round().astype(int)) if at + 1 < len(c) else below[:0]
+    picks = c[np.concatenate([below, above])]
+    out: list[Slices] = []
+    for pr in _probe(tables, picks) if len(picks) else []:
+        if pr.slices is not None and pr.slices not in out:
+            out.append(pr.slices)
+    return out
