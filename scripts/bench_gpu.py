@@ -125,10 +125,11 @@ def time_group(model, cells: list[Cell], device, *, rounds: int, warmup: int) ->
     import torch
 
     from terapipe_cli.engine.data import load_data, step_batch
+    from terapipe_cli.engine.executor import StageExecutor
     from terapipe_cli.engine.optim import make_optimizer
     from terapipe_cli.engine.p2p import Links
     from terapipe_cli.engine.stage import StageRunner
-    from terapipe_cli.plan.schedule import build_schedule
+    from terapipe_cli.plan.schedule import Schedule
 
     batch, precision = cells[0].batch, cells[0].precision
     runner = StageRunner(model, 0, 1, seed=0, device=device, precision=precision)
@@ -136,23 +137,22 @@ def time_group(model, cells: list[Cell], device, *, rounds: int, warmup: int) ->
     optimizer = make_optimizer(runner.module, 1e-5)
     links = Links(prev_rank=None, next_rank=None, hidden=model.hidden, dtype=torch.float32, device=device, timeout_s=60)
     tokens = step_batch(load_data(None), seed=0, step=1, sequences=batch, seq_len=model.seq_len).to(device)
-    actions = {c.name: build_schedule(c.slices, 1)[0] for c in cells}
+    executors = {c.name: StageExecutor(runner, Schedule.build(c.slices, 1), 0, links) for c in cells}
     linear = sum(m.weight.numel() for m in runner.module.modules() if isinstance(m, torch.nn.Linear))
     for round_ in range(warmup + rounds):
         for cell in cells:
             if cell.failed is None:
-                _time_step(cell, runner, optimizer, links, actions[cell.name], tokens, keep=round_ >= warmup)
+                _time_step(cell, runner, optimizer, executors[cell.name], tokens, keep=round_ >= warmup)
     del runner, optimizer, links
     torch.cuda.empty_cache()
     return linear
 
 
-def _time_step(cell: Cell, runner, optimizer, links, actions, tokens, *, keep: bool) -> None:
+def _time_step(cell: Cell, runner, optimizer, executor, tokens, *, keep: bool) -> None:
     """One training step of ``cell``'s scheme: its time and peak memory, or why it failed (out of memory)."""
     import torch
 
     from terapipe_cli.engine.optim import take_step
-    from terapipe_cli.train.worker import run_schedule
 
     params = list(runner.module.parameters())
     torch.cuda.synchronize()
@@ -160,7 +160,7 @@ def _time_step(cell: Cell, runner, optimizer, links, actions, tokens, *, keep: b
     start = time.perf_counter()
     try:
         optimizer.zero_grad(set_to_none=True)
-        run_schedule(runner, actions, links, tokens, step_start=start, stage=0)
+        executor.step(tokens, step_start=start)
         take_step(optimizer, params, max_norm=1.0)
         torch.cuda.synchronize()
     except torch.cuda.OutOfMemoryError:

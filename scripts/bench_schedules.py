@@ -65,14 +65,14 @@ def worker(config_path: str) -> None:
 
 
 def _terapipe_step(c: dict, model, rank: int, stages: int, B: int, batch):
-    """One training step through terapipe's runtime (`worker.run_schedule`) for candidate ``c``."""
+    """One training step through terapipe's runtime (`engine.executor.StageExecutor`) for candidate ``c``."""
     import torch
 
+    from terapipe_cli.engine.executor import StageExecutor
     from terapipe_cli.engine.optim import make_optimizer
     from terapipe_cli.engine.p2p import Links
     from terapipe_cli.engine.stage import StageRunner
-    from terapipe_cli.plan.schedule import build_schedule
-    from terapipe_cli.train.worker import run_schedule
+    from terapipe_cli.plan.schedule import Schedule
 
     runner = StageRunner(model, rank, stages, seed=0, recompute=c["recompute"])
     runner.set_loss_scale(1.0 / (B * model.seq_len))
@@ -82,11 +82,11 @@ def _terapipe_step(c: dict, model, rank: int, stages: int, B: int, batch):
         prev_rank=prev_rank, next_rank=next_rank, hidden=model.hidden, dtype=torch.float32,
         device=torch.device("cpu"), timeout_s=300,
     )  # fmt: skip
-    actions = build_schedule(c["slices"], stages, c["order"])[rank]
+    executor = StageExecutor(runner, Schedule.build(c["slices"], stages, c["order"]), rank, links)
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
-        run_schedule(runner, actions, links, batch, step_start=time.perf_counter(), stage=rank)
+        executor.step(batch, step_start=time.perf_counter())
         optimizer.step()
 
     return step

@@ -84,12 +84,12 @@ def worker(config_path: str) -> None:
     import torch
 
     from terapipe_cli.engine.data import load_data, step_batch
+    from terapipe_cli.engine.executor import StageExecutor
     from terapipe_cli.engine.model import GPT, token_loss_sum
     from terapipe_cli.engine.optim import make_optimizer
     from terapipe_cli.engine.p2p import Links
     from terapipe_cli.engine.stage import StageRunner
-    from terapipe_cli.plan.schedule import build_schedule
-    from terapipe_cli.train.worker import run_schedule
+    from terapipe_cli.plan.schedule import Schedule
 
     cfg, rank, stages, model = join_bench_job(config_path)
     B, L = cfg["batch_size"], model.seq_len
@@ -104,7 +104,9 @@ def worker(config_path: str) -> None:
         device=torch.device("cpu"),
         timeout_s=300,
     )
-    actions = {c["name"]: build_schedule(c["slices"], stages)[rank] for c in cfg["candidates"]}
+    executors = {
+        c["name"]: StageExecutor(runner, Schedule.build(c["slices"], stages), rank, links) for c in cfg["candidates"]
+    }
     batch = step_batch(load_data(None), seed=0, step=1, sequences=B, seq_len=L)
     full = GPT(model, seed=0) if rank == 0 else None
     full_optimizer = make_optimizer(full, 1e-4) if full is not None else None
@@ -112,7 +114,7 @@ def worker(config_path: str) -> None:
     def pipelined(name: str):
         def step() -> None:
             optimizer.zero_grad(set_to_none=True)
-            run_schedule(runner, actions[name], links, batch, step_start=time.perf_counter(), stage=rank)
+            executors[name].step(batch, step_start=time.perf_counter())
             optimizer.step()
 
         return step

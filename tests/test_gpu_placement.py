@@ -14,10 +14,11 @@ import torch
 import torch.distributed as dist
 from conftest import CUDA_VISIBLE_DEVICES, ROOT, assert_one_line_error, gpu_test, terapipe, write_plan_file
 
+from terapipe_cli.engine.comm import host_all_reduce, host_staged
 from terapipe_cli.engine.mesh import Layout, gpu_of
-from terapipe_cli.engine.p2p import Links, host_all_reduce, host_staged
+from terapipe_cli.engine.p2p import Links
 from terapipe_cli.errors import UserError
-from terapipe_cli.train import prepare, worker
+from terapipe_cli.train import placement, worker
 from terapipe_cli.train.rundir import read_summary
 
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -37,15 +38,15 @@ import bench_gpu  # noqa: E402
     ],
 )
 def test_backend_nccl_only_with_a_gpu_per_worker(device, workers, gpus, backend):
-    assert prepare.backend_for(device, workers, gpus) == backend
+    assert placement.backend_for(device, workers, gpus) == backend
 
 
 def test_backend_counts_this_machines_gpus_by_default(monkeypatch):
-    monkeypatch.setattr(prepare, "gpu_count", lambda: 1)
-    assert prepare.backend_for("cuda", 2) == "gloo"
-    assert prepare.backend_for("cuda", 1) == "nccl"
-    monkeypatch.setattr(prepare, "gpu_count", lambda: 2)
-    assert prepare.backend_for("cuda", 2) == "nccl"
+    monkeypatch.setattr(placement, "gpu_count", lambda: 1)
+    assert placement.backend_for("cuda", 2) == "gloo"
+    assert placement.backend_for("cuda", 1) == "nccl"
+    monkeypatch.setattr(placement, "gpu_count", lambda: 2)
+    assert placement.backend_for("cuda", 2) == "nccl"
 
 
 @pytest.mark.parametrize(
@@ -57,29 +58,29 @@ def test_each_worker_gets_its_own_gpu_while_there_are_enough_then_shares(workers
 
 
 def test_the_launch_line_says_which_mode(monkeypatch):
-    assert prepare.placement_note("cuda", 2, 1) == "2 workers share 1 GPU: gloo through host memory"
-    assert prepare.placement_note("cuda", 8, 4) == "8 workers share 4 GPUs: gloo through host memory"
-    assert prepare.placement_note("cuda", 2, 2) == "nccl, one GPU per worker"
+    assert placement.placement_note("cuda", 2, 1) == "2 workers share 1 GPU: gloo through host memory"
+    assert placement.placement_note("cuda", 8, 4) == "8 workers share 4 GPUs: gloo through host memory"
+    assert placement.placement_note("cuda", 2, 2) == "nccl, one GPU per worker"
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
-    assert prepare.placement_note("cpu", 2, 0) == "gloo on cpu"
-    assert prepare.placement_note("cpu", 8, 0) == "gloo on cpu, 8 workers sharing 2 cores: each slower than alone"
+    assert placement.placement_note("cpu", 2, 0) == "gloo on cpu"
+    assert placement.placement_note("cpu", 8, 0) == "gloo on cpu, 8 workers sharing 2 cores: each slower than alone"
 
 
 def test_more_workers_than_gpus_is_allowed_on_cuda(monkeypatch):
     """The measured failure on a 1-GPU machine: K = 2 used to be refused ("more than allowed here (1: 1 GPU(s))")."""
-    monkeypatch.setattr(prepare, "gpu_count", lambda: 1)
+    monkeypatch.setattr(placement, "gpu_count", lambda: 1)
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
-    assert prepare.workers_per_node(Layout(1, 2), 1, "cuda") == 2
-    assert prepare.workers_per_node(Layout(2, 2), 1, "cuda") == 4
-    allowed, why = prepare.max_workers_per_node("cuda")
-    assert allowed == prepare.CPU_WORKERS_PER_CORE * 2 and "beyond the 1 GPU share them" in why
+    assert placement.workers_per_node(Layout(1, 2), 1, "cuda") == 2
+    assert placement.workers_per_node(Layout(2, 2), 1, "cuda") == 4
+    allowed, why = placement.max_workers_per_node("cuda")
+    assert allowed == placement.CPU_WORKERS_PER_CORE * 2 and "beyond the 1 GPU share them" in why
 
 
 def test_workers_beyond_the_cores_are_still_refused_in_one_line(monkeypatch):
-    monkeypatch.setattr(prepare, "gpu_count", lambda: 1)
+    monkeypatch.setattr(placement, "gpu_count", lambda: 1)
     monkeypatch.setattr(os, "cpu_count", lambda: 1)
     with pytest.raises(UserError) as e:
-        prepare.workers_per_node(Layout(2, 4), 1, "cuda")
+        placement.workers_per_node(Layout(2, 4), 1, "cuda")
     msg = str(e.value)
     assert "= 8 workers" in msg and "4 x 1 CPU cores" in msg and "\n" not in msg
 

@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, terapipe, write_plan_file
 
+from terapipe_cli.config.run import RunArguments
 from terapipe_cli.train import checkpoint
 from terapipe_cli.train.launch import interrupted_message
-from terapipe_cli.train.rundir import RunArguments, append_metrics, read_metrics, write_config
+from terapipe_cli.train.rundir import append_metrics, read_metrics, write_config
 
 STEPS = 40  # long enough that the run is still going when the signal comes (a step takes tens of ms)
 

@@ -14,7 +14,7 @@ from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.engine.stage import StageRunner
 from terapipe_cli.plan.costmodel import read_profile
 from terapipe_cli.plan.memory import EqualSlices, grouping_peaks, stage_memory, stage_sizes
-from terapipe_cli.plan.schedule import build_schedule, plan_tiles
+from terapipe_cli.plan.schedule import Schedule, plan_tiles
 from terapipe_cli.profile.measure import TileTimer
 
 PROFILE = read_profile(ROOT / "configs" / "profiles" / "tiny-cpu-measured.json")
@@ -33,9 +33,8 @@ def test_the_closed_form_for_equal_batch_slices_is_the_walk(order, stages):
             lengths = np.diff(np.concatenate([[0], cuts, [1024]])).tolist()
             slices = [(b, lengths)] * D
             eq = EqualSlices(sizes, b, D, 1024, order, limit=0.0)
-            schedule = build_schedule(slices, stages, order)
-            plain = stage_memory(slices, PROFILE, stages, schedule=schedule)
-            rerun = stage_memory(slices, PROFILE, stages, schedule=schedule, recompute=[True] * stages)
+            plain = stage_memory(Schedule.build(slices, stages, order), PROFILE)
+            rerun = stage_memory(Schedule.build(slices, stages, order, [True] * stages), PROFILE)
             tiles = plan_tiles(slices[:1])
             i = np.array([t.tokens for t in tiles])
             j = np.array([t.token_start for t in tiles])
@@ -62,9 +61,8 @@ def test_the_closed_form_for_any_grouping_is_the_walk(order, stages):
             # The tile the closed form needs: the largest (j + i)·kept + i·rerun, found here by the walk's sizes.
             j = np.concatenate([[0], np.cumsum(lengths)[:-1]])
             worst.append([(int(i), int(jj)) for i, jj in zip(lengths, j, strict=True)])
-        schedule = build_schedule(slices, stages, order)
         for on in (False, True):
-            walked = stage_memory(slices, PROFILE, stages, schedule=schedule, recompute=[on] * stages)
+            walked = stage_memory(Schedule.build(slices, stages, order, [on] * stages), PROFILE)
             for k in range(stages):
                 s = sizes[k]
                 tiles = [max(w, key=lambda t, s=s: (t[1] + t[0]) * s.kept + t[0] * s.rerun) for w in worst]
@@ -74,10 +72,10 @@ def test_the_closed_form_for_any_grouping_is_the_walk(order, stages):
 
 def test_order_and_recomputation_shrink_the_peak_and_slicing_alone_does_not():
     slices = [(1, [256] * 4)] * 4
-    gpipe = stage_memory(slices, PROFILE, 2)
-    whole = stage_memory([(1, [1024])] * 4, PROFILE, 2)
-    one_f = stage_memory(slices, PROFILE, 2, schedule=build_schedule(slices, 2, "1f1b"))
-    rerun = stage_memory(slices, PROFILE, 2, recompute=[True, True])
+    gpipe = stage_memory(Schedule.build(slices, 2), PROFILE)
+    whole = stage_memory(Schedule.build([(1, [1024])] * 4, 2), PROFILE)
+    one_f = stage_memory(Schedule.build(slices, 2, "1f1b"), PROFILE)
+    rerun = stage_memory(Schedule.build(slices, 2, recompute=[True, True]), PROFILE)
     for k in range(2):
         # Every token of the step is kept in GPipe order: the same whatever the token slicing.
         assert gpipe[k].activation_bytes == pytest.approx(whole[k].activation_bytes)
@@ -105,7 +103,7 @@ def _measured_peaks(cfg, slices, stages, order, recompute, precision):
     torch.manual_seed(0)
     L = cfg.seq_len
     data = torch.randint(0, cfg.vocab, (sum(b for b, _ in slices), L + 1))
-    schedule = build_schedule(slices, stages, order)
+    schedule = Schedule.build(slices, stages, order)
     peaks = []
     for k in range(stages):
         runner = StageRunner(cfg, k, stages, precision=precision, recompute=recompute[k])
@@ -141,7 +139,7 @@ CASES = [
 def test_the_estimate_is_within_ten_percent_of_the_bytes_kept(name, slices, stages, order, recompute, precision):
     cfg = ModelConfig(name="mem", layers=6, hidden=128, heads=4, vocab=384, seq_len=256)
     prof = _measured_profile(cfg, precision)
-    estimate = stage_memory(slices, prof, stages, schedule=build_schedule(slices, stages, order), recompute=recompute)
+    estimate = stage_memory(Schedule.build(slices, stages, order, recompute), prof)
     measured = _measured_peaks(cfg, slices, stages, order, recompute, precision)
     for k, (est, got) in enumerate(zip(estimate, measured, strict=True)):
         assert est.activation_bytes == pytest.approx(got, rel=0.10), f"stage {k}"

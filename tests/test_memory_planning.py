@@ -21,7 +21,7 @@ from terapipe_cli.plan.choice import plan_for_profile, plan_one
 from terapipe_cli.plan.costmodel import CostModel, read_profile
 from terapipe_cli.plan.memory import stage_memory
 from terapipe_cli.plan.request import plan_request
-from terapipe_cli.plan.schedule import ORDERS, build_schedule
+from terapipe_cli.plan.schedule import ORDERS, Schedule
 from terapipe_cli.plan.search import evaluate
 from terapipe_cli.units import format_bytes
 
@@ -29,8 +29,7 @@ MEASURED = read_profile(ROOT / "configs" / "profiles" / "tiny-cpu-measured.json"
 
 
 def _peak(slices, stages, order, recompute) -> float:
-    schedule = build_schedule(slices, stages, order)
-    return max(m.total_bytes for m in stage_memory(slices, MEASURED, stages, schedule=schedule, recompute=recompute))
+    return max(m.total_bytes for m in stage_memory(Schedule.build(slices, stages, order, recompute), MEASURED))
 
 
 def _schemes(batch, seq_len, step):
@@ -51,12 +50,10 @@ def _every_candidate(batch, seq_len, step, stages):
     for slices in _schemes(batch, seq_len, step):
         value = {False: evaluate(plain, slices, stages), True: evaluate(rerun, slices, stages)}
         for order in ORDERS:
-            schedule = build_schedule(slices, stages, order)
             # A stage's peak depends on its own recomputation only: walk every stage both ways once.
             per_stage = {
                 on: [
-                    m.total_bytes
-                    for m in stage_memory(slices, MEASURED, stages, schedule=schedule, recompute=[on] * stages)
+                    m.total_bytes for m in stage_memory(Schedule.build(slices, stages, order, [on] * stages), MEASURED)
                 ]
                 for on in (False, True)
             }
@@ -97,8 +94,8 @@ def test_memory_aware_plans_equal_brute_force(batch, seq_len, step, stages):
         # The published enumeration of t_max (at ε = 0) searches the same groupings to the same optimum.
         published = plan_for_profile(MEASURED, replace(request, method="enumerate"))
         assert (published.formula_optimal or published.terapipe).predicted_s == pytest.approx(expected, rel=1e-9)
-        schedule = build_schedule(planned.terapipe.slices, stages, planned.order)
-        memory = stage_memory(planned.terapipe.slices, MEASURED, stages, schedule=schedule, recompute=planned.recompute)
+        schedule = Schedule.build(planned.terapipe.slices, stages, planned.order, planned.recompute)
+        memory = stage_memory(schedule, MEASURED)
         assert max(m.total_bytes for m in memory) <= limit * (1 + 1e-12)
         assert memory == planned.memory.per_stage
     assert binding >= 3  # the limit decided the answer in most of them

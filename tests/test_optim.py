@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from terapipe_cli.engine.optim import LossScale, LRSchedule, clip_global_norm, make_optimizer, take_step
+from terapipe_cli.config.run import LRSchedule, RunArguments
+from terapipe_cli.engine.optim import LossScale, clip_global_norm, make_optimizer, take_step
 from terapipe_cli.errors import UserError
-from terapipe_cli.train.rundir import RunArguments
 
 
 def test_warmup_is_linear_up_to_the_peak():
@@ -32,14 +32,14 @@ def test_defaults_and_their_errors():
     assert LRSchedule.default(1e-3, 3).warmup_steps == 1  # at least one step
     assert LRSchedule.default(1e-3, 10).warmup_steps == 3  # at least three once the run has 9 steps
     assert LRSchedule.default(1e-3, 7).warmup_steps == 2  # a third of a shorter run
-    for kwargs, flag in [
-        ({"lr": 0.0, "total_steps": 10}, "--lr"),
-        ({"lr": 1e-3, "total_steps": 10, "warmup_steps": -1}, "--warmup-steps"),
-        ({"lr": 1e-3, "total_steps": 10, "min_lr": 2e-3}, "--min-lr"),
+    for kwargs, field in [  # the library names the setting; the command line maps it to its flag
+        ({"lr": 0.0, "total_steps": 10}, "lr"),
+        ({"lr": 1e-3, "total_steps": 10, "warmup_steps": -1}, "warmup_steps"),
+        ({"lr": 1e-3, "total_steps": 10, "min_lr": 2e-3}, "min_lr"),
     ]:
         with pytest.raises(UserError) as e:
             LRSchedule.default(**kwargs)
-        assert e.value.where == flag
+        assert e.value.where == field
 
 
 def test_schedule_of_a_run_and_of_a_run_from_before_the_schedule():

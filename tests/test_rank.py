@@ -13,7 +13,7 @@ from terapipe_cli.config.experiment import load_experiment
 from terapipe_cli.plan.choice import plan_for_profile
 from terapipe_cli.plan.costmodel import CostModel, profile_from_dict, read_profile
 from terapipe_cli.plan.request import plan_request
-from terapipe_cli.plan.schedule import build_schedule
+from terapipe_cli.plan.schedule import Schedule
 from terapipe_cli.plan.search import solve
 from terapipe_cli.plan.simulate import simulate
 from terapipe_cli.profile.analytic import experiment_profile
@@ -55,7 +55,7 @@ def test_alternatives_are_optima_of_their_own_thresholds():
     assert res.alternatives and values == sorted(values) and min(values) >= res.predicted_s
     for a in res.alternatives:
         assert sum(b for b, _ in a.slices) == 4 and all(sum(lengths) == 1024 for _, lengths in a.slices)
-        sim = simulate(a.slices, cost, 2, schedule=build_schedule(a.slices, 2)).latency_s
+        sim = simulate(Schedule.build(a.slices, 2), cost).latency_s
         assert sim > 0
 
 

@@ -17,17 +17,19 @@ import pytest
 from conftest import assert_one_line_error, terapipe, tiny_model
 
 from terapipe_cli.config.model import ModelConfig
+from terapipe_cli.config.run import RunArguments
 from terapipe_cli.engine.mesh import Layout
 from terapipe_cli.errors import UserError
 from terapipe_cli.plan.baseline import gpipe_plan_dict
 from terapipe_cli.plan.file import make_plan_dict
+from terapipe_cli.plan.schedule import Schedule
 from terapipe_cli.plan.simulate import simulate
 from terapipe_cli.plan.timeline import write_timeline
 from terapipe_cli.report.build import find_baseline, find_cost_model, write_report
 from terapipe_cli.report.compare import LOSS_RTOL, bubble_formula, compare, latency_stats
 from terapipe_cli.report.runs import baseline_dir, check_comparable, load_run
 from terapipe_cli.report.trace import TraceRun, chrome_trace
-from terapipe_cli.train.rundir import RunArguments, append_metrics, timeline_path, write_config, write_summary
+from terapipe_cli.train.rundir import append_metrics, timeline_path, write_config, write_summary
 
 SEQ = 32
 
@@ -96,7 +98,7 @@ def make_run(
         created="2026-01-01T00:00:00+00:00",
     )
     losses = losses if losses is not None else [5.0 - 0.1 * s for s in range(steps)]
-    sim = simulate(slices, per_token_parts(tile_s / SEQ), stages, step_s=0.002)
+    sim = simulate(Schedule.build(slices, stages), per_token_parts(tile_s / SEQ), step_s=0.002)
     iteration_s = (
         iteration_s if iteration_s is not None else [sim.latency_s * (1.0 + 0.01 * (s % 3)) for s in range(steps)]
     )

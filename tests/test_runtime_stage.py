@@ -8,7 +8,7 @@ from conftest import tiny_model
 
 from terapipe_cli.engine.model import GPT, token_loss_sum
 from terapipe_cli.engine.stage import StageRunner
-from terapipe_cli.plan.schedule import build_schedule
+from terapipe_cli.plan.schedule import Schedule
 
 
 def reference_grads(cfg, tokens, targets, seed, autocast_dtype=None):
@@ -35,7 +35,7 @@ def pipelined_grads(cfg, tokens, targets, slices, stages, seed, kv_handback=True
 
 
 def _walk(runners, tokens, targets, slices, stages):
-    schedule = build_schedule(slices, stages)
+    schedule = Schedule.build(slices, stages)
     acts = {}
     loss = 0.0
     for k, r in enumerate(runners):

@@ -1,4 +1,4 @@
-from terapipe_cli.plan.schedule import Action, Tile, build_schedule, plan_tiles
+from terapipe_cli.plan.schedule import Action, Schedule, Tile, plan_tiles
 from terapipe_cli.plan.timeline import Event, read_timeline, write_timeline
 
 
@@ -13,11 +13,11 @@ def test_plan_tiles_uneven_slices_and_batch_slices():
 
 def test_build_schedule_forward_in_order_then_backward_reversed():
     slices = [(1, [4, 4]), (1, [2, 6])]
-    schedule = build_schedule(slices, stages=3)
+    schedule = Schedule.build(slices, stages=3)
     assert len(schedule) == 3
     tiles = plan_tiles(slices)
-    for actions in schedule:
-        assert actions == [Action("F", t) for t in tiles] + [Action("B", t) for t in reversed(tiles)]
+    for k, actions in enumerate(schedule):
+        assert list(actions) == [Action("F", t, k) for t in tiles] + [Action("B", t, k) for t in reversed(tiles)]
 
 
 def test_timeline_round_trip(tmp_path):
@@ -56,7 +56,7 @@ def test_1f1b_runs_each_batch_slice_forward_then_backward_reversed_with_bounded_
 
     slices = [(1, [3, 5])] * 5
     stages = 3
-    schedule = build_schedule(slices, stages, "1f1b")
+    schedule = Schedule.build(slices, stages, "1f1b")
     for k, actions in enumerate(schedule):
         # Every tile once forward and once backward; a batch slice's tiles forward in order, backward reversed.
         assert len(actions) == 2 * len(plan_tiles(slices))
@@ -74,8 +74,8 @@ def test_1f1b_runs_each_batch_slice_forward_then_backward_reversed_with_bounded_
             most = max(most, len(open_))
         assert most == min(stages - k, len(slices))
     # The order can run: the simulator walks it without waiting forever (it raises when an order deadlocks).
-    sim = simulate(slices, uniform_parts(1.0, 2.0), stages, schedule=schedule, step_s=0.0)
-    gpipe = simulate(slices, uniform_parts(1.0, 2.0), stages, step_s=0.0)
+    sim = simulate(schedule, uniform_parts(1.0, 2.0), step_s=0.0)
+    gpipe = simulate(Schedule.build(slices, stages), uniform_parts(1.0, 2.0), step_s=0.0)
     assert sim.latency_s == pytest.approx(gpipe.latency_s, rel=0.5)
     with pytest.raises(ValueError):
-        build_schedule(slices, stages, "interleaved")
+        Schedule.build(slices, stages, "interleaved")

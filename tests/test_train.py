@@ -12,7 +12,7 @@ import time
 import pytest
 from conftest import terapipe, write_plan_file
 
-from terapipe_cli.engine.optim import DEFAULT_LR
+from terapipe_cli.config.run import DEFAULT_LR
 from terapipe_cli.plan.schedule import plan_tiles
 from terapipe_cli.plan.timeline import read_timeline
 from terapipe_cli.train import checkpoint

@@ -71,26 +71,11 @@ def test_resume_without_a_run(tmp_path, capsys):
 def test_resume_without_a_complete_checkpoint(tmp_path, capsys, plan):
     code, _ = run(capsys, "--plan", str(plan), "--out", str(tmp_path / "r"), "--dry-run")
     assert code == 0
+    from terapipe_cli.config.run import RunConfig
     from terapipe_cli.train.prepare import prepare_run
 
-    prepare_run(
-        plan_path=plan,
-        steps=3,
-        data=None,
-        out=tmp_path / "r",
-        seed=0,
-        lr=1e-3,
-        data_parallel=None,
-        verify=False,
-        resume=False,
-        nnodes=1,
-        node_rank=0,
-        rdzv_endpoint=None,
-        checkpoint_every=1,
-        threads=1,
-        timeout_s=10,
-        device="cpu",
-    )
+    settings = RunConfig(plan=str(plan), steps=3, out=str(tmp_path / "r"), checkpoint_every=1, device="cpu")
+    prepare_run(settings)
     code, err = run(capsys, "--resume", "--out", str(tmp_path / "r"))
     assert code == 2 and "no complete checkpoint to resume from" in err
     code, err = run(capsys, "--plan", str(plan), "--out", str(tmp_path / "r"))

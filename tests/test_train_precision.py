@@ -9,7 +9,7 @@ import pytest
 from conftest import assert_one_line_error, terapipe, write_plan_file
 
 from terapipe_cli.config.model import load_model_config
-from terapipe_cli.engine.optim import DEFAULT_LR
+from terapipe_cli.config.run import DEFAULT_LR
 from terapipe_cli.files import write_json_atomic
 from terapipe_cli.plan.file import make_plan_dict
 from terapipe_cli.train import checkpoint

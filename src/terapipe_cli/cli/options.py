@@ -1,10 +1,17 @@
-"""Options that mean the same in several commands, declared once so that their name and help cannot drift."""
+"""Options that mean the same in several commands, declared once so that their name and help cannot drift; and the
+typer options of a settings dataclass, derived from its fields (`settings_options`)."""
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
+from dataclasses import fields
+from pathlib import Path
 from typing import Annotated
 
 import typer
+
+from terapipe_cli.config.fields import doc_of, field_types, flag_of
 
 # The one device rule behind it: `terapipe_cli.config.device.resolve_device`.
 DeviceOption = Annotated[str, typer.Option("--device", help="auto (CUDA when present), cpu or cuda.")]
@@ -18,3 +25,39 @@ PrecisionOption = Annotated[
         show_default="auto: bf16 on CUDA, fp32 on CPU",
     ),
 ]
+
+
+def settings_options(cls) -> list[inspect.Parameter]:
+    """One typer option per field of a settings dataclass (`config.fields.setting`): its flag (``--warmup-steps``
+    for ``warmup_steps``, or the field's own), its one-line doc as help, its shown default and help panel. Every
+    option defaults to None (not given), so a value from a ``--config`` file is overridden only by a flag given;
+    booleans come as ``--verify/--no-verify`` for the same reason."""
+    kinds = field_types(cls)
+    params = []
+    for f in fields(cls):
+        doc, kind = doc_of(f), kinds[f.name]
+        names = [f"{flag_of(f)}/--no-{flag_of(f)[2:]}"] if kind is bool else [flag_of(f)]
+        names += [doc.short] if doc.short else []
+        option = typer.Option(*names, help=doc.help, show_default=doc.shown or False, rich_help_panel=doc.panel)
+        annotation = Annotated[(Path if doc.path else kind) | None, option]
+        params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=annotation))
+    return params
+
+
+def with_settings(command: Callable, cls, *leading: inspect.Parameter) -> Callable:
+    """``command`` as typer sees it: the ``leading`` parameters, then one option per field of ``cls``
+    (`settings_options`); it is called with all of them as keyword arguments."""
+
+    def wrapped(**kwargs):
+        return command(**kwargs)
+
+    params = [*leading, *settings_options(cls)]
+    wrapped.__signature__ = inspect.Signature(params)
+    wrapped.__annotations__ = {p.name: p.annotation for p in params}
+    wrapped.__name__, wrapped.__doc__ = command.__name__, command.__doc__
+    return wrapped
+
+
+def option(name: str, annotation, default) -> inspect.Parameter:
+    """A keyword parameter for `with_settings`' leading ones: ``annotation`` is ``Annotated[type, typer.Option]``."""
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)

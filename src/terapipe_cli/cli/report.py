@@ -117,15 +117,13 @@ def _baseline(console: Console, run, given: Path | None):
 def train_gpipe(console: Console, run, path: Path) -> None:
     """Train the run's GPipe baseline into ``path``; a failed worker is one line and exit code 1, as in train;
     Ctrl-C is one line saying how to finish the baseline and then the report."""
-    from terapipe_cli.plan.baseline import gpipe_plan_dict
     from terapipe_cli.plan.file import short_form
-    from terapipe_cli.train.baseline import train_baseline
+    from terapipe_cli.train.baseline import baseline_scheme, train_baseline
     from terapipe_cli.train.launch import WorkerFailed, interrupted_message
 
-    scheme = short_form(gpipe_plan_dict(run.plan)["slices"])
     console.print(
-        f"[bold]training the GPipe baseline[/] {scheme} ({run.args.steps} steps, same model, data, seed "
-        f"and layout) -> {path}"
+        f"[bold]training the GPipe baseline[/] {short_form(baseline_scheme(run.path))} ({run.args.steps} steps, "
+        f"same model, data, seed and layout) -> {path}"
     )
     try:
         train_baseline(run.path, path)

@@ -6,6 +6,7 @@ import os
 import sys
 import time
 from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -14,8 +15,10 @@ from rich.console import Console
 from rich.table import Table
 
 from terapipe_cli.cli.console import make_console
-from terapipe_cli.cli.options import DeviceOption, PrecisionOption
+from terapipe_cli.cli.options import option, with_settings
+from terapipe_cli.config.run import TABLE, RunConfig, flag, load_run_config, run_fields
 from terapipe_cli.engine import require_torch
+from terapipe_cli.errors import UserError
 
 CPP_LOG_LEVEL = "TORCH_CPP_LOG_LEVEL"
 
@@ -41,192 +44,82 @@ Examples:
 
     terapipe train --plan plan.json --tensor-parallel 2 --dry-run     # show the process mesh, run nothing
 
-Writes runs/NAME/: config.json, plan.json, metrics.jsonl, timelines/, checkpoints/, summary.json. gloo on CPU \
+    terapipe train --config runs/exp1/run.toml --out runs/exp1-again  # the same run again
+
+    terapipe train --plan plan.json --schedule my-order.csv --verify  # walk a hand-written schedule
+
+Every setting can also come from a TOML file (--config FILE, a \\[train] table whose keys are the options' names \
+with underscores: warmup_steps = 100); flags given override the file. Writes runs/NAME/: config.json, plan.json, \
+run.toml (the resolved settings), metrics.jsonl, timelines/, checkpoints/, summary.json. gloo on CPU \
 (one thread per worker unless --threads), NCCL on CUDA with a GPU per worker; with more workers than GPUs \
 (e.g. K stages on one GPU, for --verify) they share the GPUs over gloo through host memory.
 """
 
 
-# The optimizer step's options (docs/design.md §6a). None: the default of a new run, or a resumed run's own value.
-LrOption = Annotated[
-    float | None,
-    typer.Option(
-        "--lr",
-        help="Peak AdamW learning rate, e.g. --lr 6e-4. The default (the demo's too) lies between GPT-3's peaks for "
-        "its 125M-1.3B shapes and trains the tiny model without a spike; bigger models want less.",
-        show_default="3e-4",
-    ),
-]
-WarmupStepsOption = Annotated[
-    int | None,
-    typer.Option(
-        "--warmup-steps",
-        help="Steps of linear lr warm-up up to --lr, e.g. --warmup-steps 100.",
-        show_default="10% of --steps, at least 3 (a third of a shorter run)",
-    ),
-]
-MinLrOption = Annotated[
-    float | None,
-    typer.Option(
-        "--min-lr",
-        help="The lr the cosine decay reaches at the last step, e.g. --min-lr 6e-5.",
-        show_default="0.1 x --lr",
-    ),
-]
-GradClipOption = Annotated[
-    float | None,
-    typer.Option(
-        "--grad-clip",
-        help="Clip the gradients to this global norm over all stages, e.g. --grad-clip 0.5; 0 does not clip "
-        "(the norm is logged either way).",
-        show_default="1.0",
-    ),
-]
-AcceptPrecisionOption = Annotated[
-    bool,
-    typer.Option(
-        "--accept-precision",
-        help="Train at --precision even though the plan was profiled at another (its predicted times do not hold).",
-    ),
-]
-
-# Several machines (docs/design.md §6, "Several nodes").
-NnodesOption = Annotated[
-    int,
-    typer.Option(
-        "--nnodes", help="Machines; run the same command on each (--out: one shared folder, or one per node)."
-    ),
-]
-NodeRankOption = Annotated[int, typer.Option("--node-rank", help="This machine's rank among --nnodes.")]
-RdzvEndpointOption = Annotated[
-    str | None, typer.Option("--rdzv-endpoint", help="HOST:PORT of the rendezvous on node 0.")
-]
-RdzvTimeoutOption = Annotated[
-    float, typer.Option("--rdzv-timeout", help="Seconds the nodes wait for each other at the rendezvous, e.g. 60.")
-]
-
-
-def register(app: typer.Typer) -> None:
-    app.command("train", help=HELP)(train)
-
-
-def train(
-    plan: Annotated[
-        Path | None, typer.Option("--plan", help="Plan JSON from `terapipe plan` (optional with --resume).")
-    ] = None,
-    steps: Annotated[
-        int | None,
-        typer.Option(
-            "--steps",
-            help="Training steps (with --resume: the new total).",
-            show_default="20; with --resume, the run's",
-        ),
-    ] = None,
-    data: Annotated[
-        Path | None,
-        typer.Option("--data", help="Text file (bytes) or uint16 token file (.bin/.npy) (default: the embedded text)."),
-    ] = None,
-    out: Annotated[Path | None, typer.Option("--out", help="Run directory (default: runs/<timestamp>).")] = None,
-    seed: Annotated[
-        int | None, typer.Option("--seed", help="Seed of the weights and of the batches.", show_default="0")
-    ] = None,
-    val_fraction: Annotated[
-        float | None,
-        typer.Option(
-            "--val-fraction",
-            help="The data's last part held out for the validation loss; 0 trains on all of it.",
-            show_default="0.1",
-        ),
-    ] = None,
-    eval_every: Annotated[
-        int | None,
-        typer.Option(
-            "--eval-every",
-            help="Validation loss every N steps and after the last (forward only, same pipeline); 0: never.",
-            show_default="a tenth of --steps; a run under 10 steps: after the last",
-        ),
-    ] = None,
-    lr: LrOption = None,
-    warmup_steps: WarmupStepsOption = None,
-    min_lr: MinLrOption = None,
-    grad_clip: GradClipOption = None,
-    precision: PrecisionOption = None,
-    accept_precision: AcceptPrecisionOption = False,
-    data_parallel: Annotated[
-        int | None, typer.Option("--data-parallel", "-d", help="Data-parallel replicas D (default: the plan's).")
-    ] = None,
-    tensor_parallel: Annotated[
-        int | None,
-        typer.Option(
-            "--tensor-parallel",
-            "-t",
-            help="Tensor-parallel processes T per stage, splitting heads and MLP (default: the plan's).",
-        ),
-    ] = None,
-    verify: Annotated[
-        bool, typer.Option("--verify", help="Compare with a single-process reference; exit 1 on a mismatch.")
-    ] = False,
-    resume: Annotated[
-        bool, typer.Option("--resume", help="Continue the run in --out from its last complete checkpoint.")
-    ] = False,
-    dry_run: Annotated[
-        bool, typer.Option("--dry-run", help="Check everything, print the torchrun command, run nothing.")
-    ] = False,
-    nnodes: NnodesOption = 1,
-    node_rank: NodeRankOption = 0,
-    rdzv_endpoint: RdzvEndpointOption = None,
-    rdzv_timeout: RdzvTimeoutOption = 300.0,
-    checkpoint_every: Annotated[
-        int, typer.Option("--checkpoint-every", help="Checkpoint every N steps (and after the last).")
-    ] = 10,
-    threads: Annotated[int, typer.Option("--threads", help="CPU threads per worker.")] = 1,
-    timeout_s: Annotated[float, typer.Option("--timeout-s", help="Limit on every distributed wait (seconds).")] = 120.0,
-    device: DeviceOption = "auto",
-) -> None:
+def train(*, config: Path | None, resume: bool, dry_run: bool, **settings) -> None:
+    """``terapipe train``: the run's settings from ``--config`` with the flags given over them (`RunConfig`)."""
     _quiet_torch_logging()
     require_torch("terapipe train")
     from terapipe_cli.train.launch import command_line
-    from terapipe_cli.train.prepare import negative_controls, prepare_run
+    from terapipe_cli.train.prepare import NegativeControls, prepare_run
     from terapipe_cli.train.rundir import check_not_live
 
-    if node_rank == 0:  # other nodes join node 0's run, which holds the lock of a shared folder
-        check_not_live(out, "resume it" if resume else "use another --out, or --resume it")
-    prepared = prepare_run(
-        plan_path=plan,
-        steps=steps,
-        data=data,
-        out=out,
-        seed=seed,
-        lr=lr,
-        data_parallel=data_parallel,
-        tensor_parallel=tensor_parallel,
-        verify=verify,
-        resume=resume,
-        nnodes=nnodes,
-        node_rank=node_rank,
-        rdzv_endpoint=rdzv_endpoint,
-        checkpoint_every=checkpoint_every,
-        threads=threads,
-        timeout_s=timeout_s,
-        device=device,
-        **negative_controls(),
-        write=not dry_run,
-        precision=precision,
-        warmup_steps=warmup_steps,
-        min_lr=min_lr,
-        grad_clip=grad_clip,
-        accept_precision=accept_precision,
-        rdzv_timeout_s=rdzv_timeout,
-        val_fraction=val_fraction,
-        eval_every=eval_every,
-    )
+    from_file = load_run_config(config) if config is not None else RunConfig()
+    flags = {name: str(v) if isinstance(v, Path) else v for name, v in settings.items() if v is not None}
+    run_config = replace(from_file, **flags)
+    try:
+        if run_config.value("node_rank") == 0:  # other nodes join node 0's run, which holds the lock of a shared folder
+            out = None if run_config.out is None else Path(run_config.out)
+            check_not_live(out, "resume it" if resume else "use another --out, or --resume it")
+        controls = NegativeControls.from_environment()
+        prepared = prepare_run(run_config, resume=resume, write=not dry_run, controls=controls)
+    except UserError as e:
+        raise located(e, flags, from_file, config) from None
     if dry_run:
         console = make_console(highlight=False)
         console.print(f"process mesh (data, pipeline, tensor): {prepared.layout.shape_text()}")
         console.print(_mesh_table(prepared))
         print(command_line(prepared.launch))
         return
-    _launch(prepared, verify)
+    _launch(prepared, prepared.args.verify)
+
+
+def located(error: UserError, flags: dict, from_file: RunConfig, config: Path | None) -> UserError:
+    """An error about a `RunConfig` field (``where`` is its name), naming what the user wrote: the flag, or the
+    field of the ``--config`` file the value came from."""
+    name = error.where
+    if name not in run_fields():
+        return error
+    if config is not None and name not in flags and getattr(from_file, name) is not None:
+        return UserError(error.message, where=f"{config}: field '{TABLE}.{name}'")
+    return UserError(error.message, where=flag(name))
+
+
+def register(app: typer.Typer) -> None:
+    leading = (
+        option("config", ConfigOption, None),
+        option("resume", ResumeOption, False),
+        option("dry_run", DryRunOption, False),
+    )
+    app.command("train", help=HELP)(with_settings(train, RunConfig, *leading))
+
+
+ConfigOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--config",
+        "-c",
+        help="A TOML file with a \\[train] table of these settings (a run folder's run.toml trains that run again); "
+        "flags given override it.",
+        show_default=False,
+    ),
+]
+ResumeOption = Annotated[
+    bool, typer.Option("--resume", help="Continue the run in --out from its last complete checkpoint.")
+]
+DryRunOption = Annotated[
+    bool, typer.Option("--dry-run", help="Check everything, print the torchrun command, run nothing.")
+]
 
 
 def _launch(prepared: PreparedRun, verify: bool) -> None:
@@ -268,7 +161,7 @@ def _quiet_torch_logging() -> None:
 
 
 def _headline(prepared: PreparedRun) -> str:
-    from terapipe_cli.train.prepare import placement_note
+    from terapipe_cli.train.placement import placement_note
 
     p, spec, args = prepared.plan, prepared.launch, prepared.args
     tensor = f" T={args.tensor_parallel}" if args.tensor_parallel > 1 else ""

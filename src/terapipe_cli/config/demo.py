@@ -32,6 +32,7 @@ from pathlib import Path
 
 from terapipe_cli.config.bundled import load_toml
 from terapipe_cli.config.model import ModelConfig, load_model_config
+from terapipe_cli.config.run import DEFAULT_LR  # `terapipe train`'s default, the demo's too
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import Fields
 from terapipe_cli.units import folder_stamp
@@ -106,8 +107,6 @@ def load_demo_config(path: str | Path | None = None, *, quick: bool = False) -> 
         )
     if quick:
         settings.update(overrides)
-    from terapipe_cli.engine.optim import DEFAULT_LR  # `terapipe train`'s default, the demo's too
-
     f = Fields(settings, where, "demo.")
     model = _model(f, base, where)
     stages = f.int("stages", minimum=1)

@@ -5,13 +5,18 @@ Ranks fill the grid with the tensor dimension innermost, then the pipeline, then
 behind its fastest links), and a replica's K·T ranks are consecutive. Point-to-point messages go between the
 same tensor rank of neighbouring stages: ``rank ± T``.
 
-`Layout` is the arithmetic (no torch); `make_groups` builds the process groups through
-``torch.distributed.device_mesh.init_device_mesh`` with those three named dimensions.
+`Layout` is the arithmetic; `make_groups` builds the process groups through
+``torch.distributed.device_mesh.init_device_mesh`` with those three named dimensions, and `local_comms` the same
+groups over threads of one process (`engine.local.local_comms`). Only `make_groups` imports torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from terapipe_cli.engine.comm import DistGroup
 
 
 @dataclass(frozen=True)
@@ -63,15 +68,16 @@ def gpu_of(local_rank: int, n_gpus: int) -> int:
 
 @dataclass(frozen=True)
 class Groups:
-    """The process groups one rank needs (None where its dimension has one member, or the group is all ranks).
+    """The collectives one rank needs besides the world's (`comm.DistGroup`s).
 
-    ``replicas``: the rank's stage and tensor rank in every replica (the data-parallel gradient all-reduce);
-    ``tensor``: its stage's T ranks (the tensor-parallel all-reduces); ``model``: its replica's K·T ranks, which
-    together hold the whole model once (the global gradient norm; None with one replica: every rank)."""
+    ``replicas``: the rank's stage and tensor rank in every replica (the data-parallel gradient all-reduce; None
+    with one replica); ``tensor``: its stage's T ranks (the tensor-parallel all-reduces; None without tensor
+    parallelism); ``model``: its replica's K·T ranks, which together hold the whole model once (the global
+    gradient norm; every rank with one replica)."""
 
-    replicas: object | None
-    tensor: object | None
-    model: object | None
+    replicas: DistGroup | None
+    tensor: DistGroup | None
+    model: DistGroup
 
 
 def make_groups(layout: Layout, rank: int, device_type: str) -> Groups:
@@ -81,17 +87,19 @@ def make_groups(layout: Layout, rank: int, device_type: str) -> Groups:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    from terapipe_cli.engine.comm import DistGroup
+
     mesh = init_device_mesh(
         device_type, (layout.data, layout.stages, layout.tensor), mesh_dim_names=("data", "pipeline", "tensor")
     )
-    model = None
+    per_replica = layout.stages * layout.tensor
+    model = DistGroup(None, layout.world)
     if layout.data > 1:
         # The (pipeline, tensor) sub-mesh of every replica, as one group: new_group on every rank, in order.
-        per_replica = layout.stages * layout.tensor
         groups = [dist.new_group(list(range(d * per_replica, (d + 1) * per_replica))) for d in range(layout.data)]
-        model = groups[layout.replica(rank)]
+        model = DistGroup(groups[layout.replica(rank)], per_replica)
     return Groups(
-        replicas=mesh.get_group("data") if layout.data > 1 else None,
-        tensor=mesh.get_group("tensor") if layout.tensor > 1 else None,
+        replicas=DistGroup(mesh.get_group("data"), layout.data) if layout.data > 1 else None,
+        tensor=DistGroup(mesh.get_group("tensor"), layout.tensor) if layout.tensor > 1 else None,
         model=model,
     )

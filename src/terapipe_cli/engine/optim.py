@@ -1,6 +1,5 @@
 """The optimizer step's policies, shared by the workers and the single-process reference of ``--verify``.
 
-- ``LRSchedule``: linear warm-up, then cosine decay to a floor (nanoGPT's ``get_lr``).
 - ``clip_global_norm``: gradient clipping by the norm over ALL parameters of the model. Each stage holds only
   its own layers, so each sums its squares locally, the pipeline group sums those sums, and every stage scales
   by the same factor — the result equals clipping the whole model on one device (docs/design.md §6a).
@@ -13,78 +12,11 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-
-from terapipe_cli.errors import UserError
-
-# The peak learning rate of `terapipe train` and of the demo, one default for both. 3e-4 is between GPT-3's peaks
-# for its 125M-1.3B shapes (6e-4, 2e-4) and trains the tiny demo model smoothly (its loss falls without a jump in
-# 30 steps; 1e-3 spikes in the first steps after a 3-step warm-up). Bigger models want less, tiny ones bear more.
-DEFAULT_LR = 3e-4
-DEFAULT_GRAD_CLIP = 1.0
-WARMUP_FRACTION = 0.1  # the default warm-up: this share of the run's steps ...
-MIN_WARMUP_STEPS = 3  # ... but at least this many (a third of the run, at least one, when it is shorter than 9)
-MIN_LR_FRACTION = 0.1  # the default floor of the cosine decay: this share of the peak lr (as nanoGPT)
-
-
-@dataclass(frozen=True)
-class LRSchedule:
-    """Learning rate per step (1-based): ``warmup_steps`` linear steps up to ``lr``, cosine down to ``min_lr``
-    at ``total_steps``, and ``min_lr`` after that (a run extended by ``--resume`` keeps the floor)."""
-
-    lr: float
-    total_steps: int
-    warmup_steps: int
-    min_lr: float
-
-    @classmethod
-    def default(
-        cls, lr: float, total_steps: int, warmup_steps: int | None = None, min_lr: float | None = None
-    ) -> LRSchedule:
-        """The schedule with the defaults filled in and every value checked (one-line errors name the flag)."""
-        if not (lr > 0 and math.isfinite(lr)):
-            raise UserError(f"must be a positive number, got {lr}", where="--lr")
-        if warmup_steps is None:
-            # One warm-up step is too few for a short run: measured on a 6-layer model at lr 1e-3, 10 steps with
-            # 1 warm-up step bumped the loss from 4.51 to 5.80 at step 4 (gradient norm 37.6); with 3, 4.54 to 4.65.
-            floor = min(MIN_WARMUP_STEPS, max(1, total_steps // 3))
-            warmup_steps = max(floor, round(WARMUP_FRACTION * total_steps))
-        if warmup_steps < 0:
-            raise UserError(f"must be 0 or more, got {warmup_steps}", where="--warmup-steps")
-        if min_lr is None:
-            min_lr = MIN_LR_FRACTION * lr
-        if not (0 <= min_lr <= lr and math.isfinite(min_lr)):
-            raise UserError(f"must be between 0 and --lr ({lr:g}), got {min_lr:g}", where="--min-lr")
-        return cls(lr=float(lr), total_steps=int(total_steps), warmup_steps=int(warmup_steps), min_lr=float(min_lr))
-
-    @classmethod
-    def of_run(cls, args) -> LRSchedule:
-        """The schedule of a run's `RunArguments` (resolved when the run was created; a run from before the
-        schedule existed has a constant lr)."""
-        min_lr = args.lr if args.min_lr is None else args.min_lr
-        total = args.steps if args.decay_steps is None else args.decay_steps
-        return cls(lr=args.lr, total_steps=total, warmup_steps=args.warmup_steps, min_lr=min_lr)
-
-    def __call__(self, step: int) -> float:
-        if step <= self.warmup_steps:
-            return self.lr * step / self.warmup_steps
-        if step >= self.total_steps:
-            return self.min_lr
-        progress = (step - self.warmup_steps) / (self.total_steps - self.warmup_steps)
-        return self.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (self.lr - self.min_lr)
-
-    def to_dict(self) -> dict:
-        return {
-            "lr": self.lr,
-            "total_steps": self.total_steps,
-            "warmup_steps": self.warmup_steps,
-            "min_lr": self.min_lr,
-        }
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -12,10 +12,10 @@ receive of a gradient posted before the activation sends would block them; on gl
 Every wait has a timeout; a failed or timed-out wait raises `PeerLost`, naming the peer, so the launcher
 can tell a consequence (this rank lost its neighbour) from a root cause.
 
-Stages that share a GPU (more workers on a machine than GPUs, `prepare.backend_for`) talk over gloo, because
+Stages that share a GPU (more workers on a machine than GPUs, `train.placement.backend_for`) talk over gloo, because
 NCCL refuses two ranks on one device; gloo cannot send a CUDA tensor, so every message then goes through host
 memory: a send copies the tensor to the CPU first, a receive lands in a CPU buffer and is copied to the GPU
-after its wait. `host_all_reduce` does the same for the workers' collectives. With a GPU per worker (NCCL) or
+after its wait. `comm.host_all_reduce` does the same for the workers' collectives. With a GPU per worker (NCCL) or
 on the CPU nothing is copied.
 """
 
@@ -26,39 +26,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from terapipe_cli.engine.comm import PeerLost, host_staged, short_error
 from terapipe_cli.plan.schedule import Tile
 
 
-class PeerLost(RuntimeError):
-    """A distributed wait failed or timed out: most likely another rank died first."""
-
-
-def short_error(e: BaseException) -> str:
-    """gloo's messages start with a source path in brackets and end with advice; keep the middle."""
-    text = " ".join(str(e).split())
-    if text.startswith("[") and "] " in text:
-        text = text.split("] ", 1)[1]
-    return text.split(". ")[0][:300]
-
-
-def host_staged(device: torch.device, group: object | None = None) -> bool:
-    """True when tensors on ``device`` must go through host memory: CUDA tensors on a gloo process group
-    (False without a process group: nothing is sent then)."""
-    return device.type == "cuda" and dist.is_initialized() and dist.get_backend(group) == "gloo"
-
-
-def host_all_reduce(tensor: torch.Tensor, *, group: object | None = None, op=dist.ReduceOp.SUM) -> None:
-    """``dist.all_reduce`` in place; a CUDA tensor on a gloo group is reduced in a CPU copy and copied back."""
-    if not host_staged(tensor.device, group):
-        dist.all_reduce(tensor, op=op, group=group)
-        return
-    host = tensor.detach().cpu()
-    dist.all_reduce(host, op=op, group=group)
-    tensor.copy_(host)
-
-
 class Links:
-    """A stage's messages to and from its neighbours in one pipeline replica."""
+    """A stage's messages to and from its neighbours in one pipeline replica (a `comm.Link`)."""
 
     def __init__(
         self,

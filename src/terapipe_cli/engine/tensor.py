@@ -13,7 +13,7 @@ Why not ``torch.distributed.tensor.parallel`` (``ColwiseParallel``/``RowwisePara
 ``parallelize_module``): it turns the parameters into DTensors, and the rest of this runtime needs plain
 tensors — the data-parallel gradient all-reduce over one flat buffer, the global-norm clipping over the
 pipeline, the fused/foreach AdamW, checkpoints that hold the whole stage (`full_state`) and, on a shared GPU,
-collectives staged through host memory on gloo (`p2p.host_all_reduce`), which DTensor's own collectives do not
+collectives staged through host memory on gloo (`comm.host_all_reduce`), which DTensor's own collectives do not
 do. The split itself is two autograd functions and a weight slice per linear, written out below.
 
 Parameter names stay the single-device model's; a sharded parameter is a slice of the full one along one
@@ -27,11 +27,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from terapipe_cli.engine.p2p import host_all_reduce, host_staged
+from terapipe_cli.engine.comm import Group
 
 
 @dataclass(frozen=True)
@@ -43,21 +42,17 @@ class TensorGroup:
 
     rank: int
     size: int
-    group: object | None = None  # the process group of the stage's T ranks
+    group: Group | None = None  # the collectives of the stage's T ranks (`comm.DistGroup`, or threads in tests)
     skip_allreduce: bool = False
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The sum over the group's ranks, in place (`p2p.host_all_reduce`: through host memory for CUDA tensors
-        on gloo); returns ``tensor``."""
-        host_all_reduce(tensor, group=self.group)
+        """The sum over the group's ranks, in place; returns ``tensor``."""
+        self.group.all_reduce(tensor, what="a tensor-parallel all-reduce")
         return tensor
 
     def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         """Every rank's ``tensor`` concatenated along ``dim``, in rank order."""
-        on = tensor.cpu() if host_staged(tensor.device, self.group) else tensor
-        parts = [torch.empty_like(on) for _ in range(self.size)]
-        dist.all_gather(parts, on.contiguous(), group=self.group)
-        return torch.cat(parts, dim=dim).to(tensor.device)
+        return self.group.all_gather(tensor, dim)
 
 
 class _CopyToRanks(torch.autograd.Function):

@@ -22,7 +22,7 @@ from terapipe_cli.plan.file import make_plan_dict
 from terapipe_cli.plan.groupings import grouping_search
 from terapipe_cli.plan.memory import EqualSlices, StageMemory, grouping_peaks, stage_memory, stage_sizes
 from terapipe_cli.plan.request import PlanRequest
-from terapipe_cli.plan.schedule import ORDERS, build_schedule
+from terapipe_cli.plan.schedule import ORDERS, Schedule
 from terapipe_cli.plan.search import PlanResult, divisors, gpipe_baseline, solve, uniform_baseline
 from terapipe_cli.plan.simulate import simulate
 from terapipe_cli.units import format_bytes, format_seconds, format_stages, utc_timestamp
@@ -317,16 +317,13 @@ def plan_one(
     # The formula prices every tile's transfers inside the tile; the simulator replays the schedule with
     # asynchronous sends, as the runtime runs it. Both are reported.
     # All three in the same order and recomputation: they differ only in how the batch is sliced.
-    simulated = {
-        name: simulate(
-            res.slices, cost, r.stages, schedule=build_schedule(res.slices, r.stages, order), recompute=recompute
-        ).latency_s
+    schedules = {
+        name: Schedule.build(res.slices, r.stages, order, recompute)
         for name, res in (("terapipe", best), ("gpipe", gpipe), ("uniform", uniform))
     }
+    simulated = {name: simulate(schedule, cost).latency_s for name, schedule in schedules.items()}
     copies = r.data_parallel * r.tensor_parallel
-    schedule = build_schedule(best.slices, r.stages, order)
-    per_stage = stage_memory(best.slices, profile, r.stages, schedule=schedule, recompute=recompute)
-    memory = check_memory(per_stage, profile.device, r.memory_limit_gib, copies)
+    memory = check_memory(stage_memory(schedules["terapipe"], profile), profile.device, r.memory_limit_gib, copies)
     return Planned(
         profile, r, cost, best, gpipe, uniform, simulated, memory, recompute, order,
         formula_optimal=optimum if optimum is not best else None, formula_optimal_simulated_s=optimum_sim,
@@ -343,8 +340,7 @@ def _rerank(
     candidates = [optimum, *close[:RERANK_COUNT]]
 
     def fits(res: PlanResult) -> bool:
-        schedule = build_schedule(res.slices, r.stages, order)
-        per_stage = stage_memory(res.slices, profile, r.stages, schedule=schedule, recompute=recompute)
+        per_stage = stage_memory(Schedule.build(res.slices, r.stages, order, recompute), profile)
         check = check_memory(per_stage, profile.device, r.memory_limit_gib, r.data_parallel * r.tensor_parallel)
         return check is None or not (check.enforced and check.exceeded)
 
@@ -353,8 +349,8 @@ def _rerank(
     timed = []
     for res in candidates:
         if res is optimum or fits(res):
-            schedule = build_schedule(res.slices, r.stages, order)
-            timed.append((simulate(res.slices, cost, r.stages, schedule=schedule, recompute=recompute).latency_s, res))
+            schedule = Schedule.build(res.slices, r.stages, order, recompute)
+            timed.append((simulate(schedule, cost).latency_s, res))
     chosen = min(timed, key=lambda x: x[0])[1]
     return chosen, timed[0][0]
 
@@ -459,13 +455,11 @@ def _equal_slice_candidates(
 
 def _simulated(profile: Profile, r: PlanRequest, res: PlanResult, order: str, recompute: tuple[bool, ...]) -> float:
     cost = CostModel(profile, r.stages, r.data_parallel)
-    schedule = build_schedule(res.slices, r.stages, order)
-    return simulate(res.slices, cost, r.stages, schedule=schedule, recompute=recompute).latency_s
+    return simulate(Schedule.build(res.slices, r.stages, order, recompute), cost).latency_s
 
 
 def _fits(profile: Profile, slices, stages: int, order: str, recompute: tuple[bool, ...], limit: float) -> bool:
-    schedule = build_schedule(slices, stages, order)
-    per_stage = stage_memory(slices, profile, stages, schedule=schedule, recompute=recompute)
+    per_stage = stage_memory(Schedule.build(slices, stages, order, recompute), profile)
     return max(m.total_bytes for m in per_stage) <= limit
 
 

@@ -11,7 +11,7 @@ true, "seconds": s, "link": {...}}`` when the profile priced the replicas' gradi
 false, "seconds": null, "why": "unknown — not priced: ..."}`` when the profile has no ``data_parallel_link``
 (or no ``params_per_layer``) and the plan was made without it (docs/design.md §8).
 ``order`` is the schedule order every stage walks, ``"gpipe"`` (all forwards, then all backwards; the default) or
-``"1f1b"`` (one batch slice's backward as soon as the pipeline allows, `schedule.build_schedule`); ``recompute``
+``"1f1b"`` (one batch slice's backward as soon as the pipeline allows, `schedule.Schedule.build`); ``recompute``
 lists, per stage, whether its tiles re-run their forward inside their backward instead of keeping activations
 (absent: none).
 """

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from terapipe_cli.plan.schedule import Action, build_schedule
+from terapipe_cli.plan.schedule import Action, Schedule
 
 _INDEX_BYTES = 8  # an int64 token id or position, per token
 
@@ -136,26 +136,16 @@ def walk_peak(actions: Sequence[Action], sizes: StageSizes, seq_len: int, recomp
     return peak, peak_count
 
 
-def stage_memory(
-    slices: Sequence,
-    profile,
-    stages: int,
-    *,
-    schedule: list[list[Action]] | None = None,
-    recompute: Sequence[bool] | None = None,
-) -> list[StageMemory] | None:
-    """Peak memory per stage of a scheme in a schedule (default: GPipe order), walking each stage's actions
-    (`walk_peak`). Returns None when the profile lacks the sizes."""
-    sizes = stage_sizes(profile, stages)
+def stage_memory(schedule: Schedule, profile) -> list[StageMemory] | None:
+    """Peak memory per stage of a schedule, walking each stage's actions (`walk_peak`), recomputing where the
+    schedule says. None when the profile lacks the sizes."""
+    sizes = stage_sizes(profile, schedule.stages)
     if sizes is None:
         return None
-    if schedule is None:
-        schedule = build_schedule(slices, stages)
-    recompute = list(recompute) if recompute is not None else [False] * stages
-    seq_len = sum(slices[0][1])
+    seq_len = sum(schedule.slices[0][1])
     out = []
     for k, s in enumerate(sizes):
-        peak, count = walk_peak(schedule[k], s, seq_len, recompute[k])
+        peak, count = walk_peak(schedule[k], s, seq_len, schedule.recompute[k])
         out.append(StageMemory(k, s.state, peak, count))
     return out
 

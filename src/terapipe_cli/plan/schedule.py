@@ -1,27 +1,40 @@
-"""The one schedule form: a plan's slicing scheme -> per-stage ordered actions, and the timeline they produce.
+"""The schedule: for every stage, its ordered actions, built once from a plan — and the one object the workers
+walk (`engine.executor`), the simulator replays with a cost model (`plan.simulate`), the memory estimate walks
+(`plan.memory`) and the report draws.
 
-A schedule is data (as in torch.distributed.pipelining): for every stage, an ordered list of
-``Action("F" | "B", tile)``. The workers walk it (and record a measured timeline), the simulator walks it
-with a cost model (a predicted timeline), and the report draws both — so predicted and measured line up.
-`stage_times` is the one reading of a timeline into busy and idle time per stage and the bubble fraction.
+An action is written as torch.distributed.pipelining writes it, stage, phase and batch slice (``0F3``: stage 0
+runs the forward of batch slice 3), with the token slice after a dot: ``0F3.2`` is token slice 2 of it, ``1B0.0``
+the backward of the first token slice of batch slice 0 on stage 1. (Where every batch slice is one token slice,
+GPipe's case, the dot is left out.) `Schedule.to_csv` writes one row of actions per stage, and `read_schedule` reads
+such a file back — a hand-written schedule too — checking that it is legal (`Schedule.check`):
 
-Order (docs/design.md §6): forward over batch slices in order and, within one, token slices in order; a batch
-slice's backward in exactly the reverse token order, because a later token slice's backward produces the
-key/value gradients that the earlier slice's backward needs. Two orders of the batch slices (`ORDERS`):
-``gpipe``, every forward then every backward (last batch slice first), the same on every stage; and ``1f1b``,
-where stage k of K runs the forwards of at most K − k batch slices ahead of their backwards, then alternates a
-backward (the oldest open batch slice) with a forward — the activations of fewer batch slices are alive at once.
+* each stage's row holds every tile of the plan exactly once forward and once backward, and only its own stage's
+  actions;
+* within a batch slice, forwards in token order and backwards in reverse token order, the first backward after the
+  last forward: a later token slice's backward produces the key/value gradients the earlier one's needs
+  (docs/design.md §6);
+* no deadlock: a forward on stage k needs the tile's activation from stage k − 1, a backward its gradient from
+  stage k + 1, and walking every stage's row in order with those dependencies reaches the end.
 
-The timelines that walking a schedule produces are `plan.timeline`'s. Imports no torch.
+Two built-in orders of the batch slices (`ORDERS`, `Schedule.build`): ``gpipe``, every forward then every backward
+(last batch slice first), the same on every stage; and ``1f1b``, where stage k of K runs the forwards of at most
+K − k batch slices ahead of their backwards, then alternates a backward (the oldest open batch slice) with a
+forward, so the activations of fewer batch slices are alive at once. `Schedule.grid` prints a rank × time grid of
+the actions, each taking one time step. The timelines that walking a schedule produces are `plan.timeline`'s.
+Imports no torch.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from terapipe_cli.errors import UserError
 
 PHASES = ("F", "B")
 ORDERS = ("gpipe", "1f1b")
+CUSTOM = "custom"  # the order of a schedule read from a file
 
 
 @dataclass(frozen=True)
@@ -39,8 +52,19 @@ class Tile:
 
 @dataclass(frozen=True)
 class Action:
-    phase: str  # "F" (forward) or "B" (backward)
+    """Stage ``stage`` runs the forward ("F") or backward ("B") of ``tile``."""
+
+    phase: str
     tile: Tile
+    stage: int = 0
+
+    def label(self, token_slices: bool = True) -> str:
+        """``0F3.2`` (``0F3`` without ``token_slices``)."""
+        text = f"{self.stage}{self.phase}{self.tile.batch_slice}"
+        return f"{text}.{self.tile.token_slice}" if token_slices else text
+
+    def __str__(self) -> str:
+        return self.label()
 
 
 def plan_tiles(slices: Sequence) -> list[Tile]:
@@ -56,34 +80,244 @@ def plan_tiles(slices: Sequence) -> list[Tile]:
     return tiles
 
 
-def build_schedule(slices: Sequence, stages: int, order: str = "gpipe") -> list[list[Action]]:
-    """Per stage, its actions in order (see the module's docstring for the two orders).
+@dataclass(frozen=True)
+class Schedule:
+    """Per stage, its actions in order, for a scheme ``slices`` on ``stages`` stages; ``recompute[k]``: stage k
+    runs each tile's forward again inside its backward (docs/design.md §10)."""
 
-    ``gpipe``: every tile forward in pipeline order, then every tile backward in reverse order, on every stage.
-    ``1f1b``: stage k first runs the forwards of min(K − k, D) batch slices (D batch slices in all); then, while
-    forwards remain, the backward of the oldest open batch slice and the forward of the next; then the remaining
-    backwards. A batch slice's tiles always go forward in token order and backward in reverse. Either way the
-    gradients are the same sums (docs/design.md §6): only when, not what.
-    """
-    if stages < 1:
-        raise ValueError(f"stages must be at least 1, got {stages}")
-    if order not in ORDERS:
-        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
-    tiles = plan_tiles(slices)
-    if order == "gpipe":
-        actions = [Action("F", t) for t in tiles] + [Action("B", t) for t in reversed(tiles)]
-        return [list(actions) for _ in range(stages)]
-    by_slice = [[t for t in tiles if t.batch_slice == d] for d in range(len(slices))]
-    return [_one_f_one_b(by_slice, warmup=min(stages - k, len(by_slice))) for k in range(stages)]
+    slices: tuple[tuple[int, tuple[int, ...]], ...]
+    stages: int
+    order: str  # one of ORDERS, or CUSTOM
+    actions: tuple[tuple[Action, ...], ...]
+    recompute: tuple[bool, ...]
+    tiles: tuple[Tile, ...] = field(repr=False, compare=False, default=())
+
+    @classmethod
+    def build(
+        cls, slices: Sequence, stages: int, order: str = "gpipe", recompute: Sequence[bool] | None = None
+    ) -> Schedule:
+        """The schedule of a built-in order (module docstring).
+
+        ``gpipe``: every tile forward in pipeline order, then every tile backward in reverse order, on every stage.
+        ``1f1b``: stage k first runs the forwards of min(K − k, D) batch slices (D in all); then, while forwards
+        remain, the backward of the oldest open batch slice and the forward of the next; then the remaining
+        backwards. Either way the gradients are the same sums (docs/design.md §6): only when, not what.
+        """
+        if stages < 1:
+            raise ValueError(f"stages must be at least 1, got {stages}")
+        if order not in ORDERS:
+            raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+        tiles = plan_tiles(slices)
+        if order == "gpipe":
+            rows = [
+                [Action("F", t, k) for t in tiles] + [Action("B", t, k) for t in reversed(tiles)] for k in range(stages)
+            ]
+        else:
+            by_slice = [[t for t in tiles if t.batch_slice == d] for d in range(len(slices))]
+            rows = [_one_f_one_b(by_slice, k, warmup=min(stages - k, len(by_slice))) for k in range(stages)]
+        return cls.of_rows(slices, stages, order, rows, recompute)
+
+    @classmethod
+    def of_rows(
+        cls, slices: Sequence, stages: int, order: str, rows: Sequence[Sequence[Action]], recompute=None
+    ) -> Schedule:
+        recompute = tuple(bool(r) for r in recompute) if recompute is not None else (False,) * stages
+        if len(recompute) != stages:
+            raise ValueError(f"recompute has {len(recompute)} entries for {stages} stages")
+        frozen = tuple((int(b), tuple(int(n) for n in lengths)) for b, lengths in slices)
+        return cls(frozen, stages, order, tuple(tuple(r) for r in rows), recompute, tuple(plan_tiles(frozen)))
+
+    @classmethod
+    def of_plan(cls, plan) -> Schedule:
+        """The schedule a plan (`plan.file.Plan`) runs in: its slices, stages, order and recomputation."""
+        return cls.build(plan.slices, plan.stages, plan.order, plan.recompute)
+
+    def __getitem__(self, stage: int) -> tuple[Action, ...]:
+        return self.actions[stage]
+
+    def __len__(self) -> int:
+        return self.stages
+
+    def __iter__(self):
+        return iter(self.actions)
+
+    @property
+    def token_slices_shown(self) -> bool:
+        """Whether actions are written with their token slice (not when every batch slice is one token slice)."""
+        return any(len(lengths) > 1 for _, lengths in self.slices)
+
+    def label(self, action: Action) -> str:
+        return action.label(self.token_slices_shown)
+
+    def forward_tiles(self, stage: int) -> list[Tile]:
+        """The tiles stage ``stage`` runs forward, in its order (the order its activations arrive)."""
+        return [a.tile for a in self.actions[stage] if a.phase == "F"]
+
+    # ---------------------------------------------------------------------------------------- checking
+
+    def check(self, where: str = "schedule") -> None:
+        """Raise a one-line `UserError` naming the first action that makes the schedule illegal (module docstring)."""
+        if len(self.actions) != self.stages:
+            raise UserError(f"has {len(self.actions)} rows, one per stage is needed: {self.stages}", where=where)
+        every = {(p, t) for p in PHASES for t in self.tiles}
+        for k, row in enumerate(self.actions):
+            seen: set[tuple[str, Tile]] = set()
+            next_forward: dict[int, int] = {}  # batch slice -> the token slice whose forward comes next
+            next_backward: dict[int, int] = {}  # batch slice -> the token slice whose backward comes next
+            for n, a in enumerate(row):
+                t, at = a.tile, f"row {k + 1} (stage {k}), action {n + 1} {self.label(a)!r}"
+                count = len(self.slices[t.batch_slice][1])
+                if a.stage != k:
+                    raise UserError(f"{at}: an action of stage {a.stage} in the row of stage {k}", where=where)
+                if (a.phase, t) in seen:
+                    raise UserError(f"{at}: runs twice", where=where)
+                seen.add((a.phase, t))
+                if a.phase == "F":
+                    expected = next_forward.get(t.batch_slice, 0)
+                    if t.token_slice != expected:
+                        raise UserError(
+                            f"{at}: forward of token slice {t.token_slice} before token slice {expected}'s (a batch "
+                            "slice's forwards go in token order)",
+                            where=where,
+                        )
+                    next_forward[t.batch_slice] = expected + 1
+                    continue
+                if next_forward.get(t.batch_slice, 0) < count:
+                    raise UserError(
+                        f"{at}: backward before the last forward of batch slice {t.batch_slice} (its last token "
+                        "slice's backward starts the K/V gradients the earlier ones need)",
+                        where=where,
+                    )
+                expected = next_backward.get(t.batch_slice, count - 1)
+                if t.token_slice != expected:
+                    raise UserError(
+                        f"{at}: backward of token slice {t.token_slice} before token slice {expected}'s (a batch "
+                        "slice's backwards go in reverse token order)",
+                        where=where,
+                    )
+                next_backward[t.batch_slice] = expected - 1
+            missing = sorted(every - seen, key=lambda pt: (pt[1].batch_slice, pt[1].token_slice, pt[0]))
+            if missing:
+                phase, t = missing[0]
+                first = self.label(Action(phase, t, k))
+                raise UserError(
+                    f"row {k + 1} (stage {k}) lacks {first!r} ({len(missing)} actions missing)", where=where
+                )
+        self.walk(where=where)
+
+    def walk(self, where: str = "schedule") -> list[Action]:
+        """Every action in an order the dependencies allow (forwards wait for the previous stage's, backwards for
+        the next stage's and their own forward); a one-line `UserError` when the schedule deadlocks."""
+        pos = [0] * self.stages
+        done: set[tuple[int, str, Tile]] = set()
+        out: list[Action] = []
+        total = sum(len(r) for r in self.actions)
+        while len(out) < total:
+            progressed = False
+            for k, row in enumerate(self.actions):
+                while pos[k] < len(row) and self._ready(row[pos[k]], done):
+                    a = row[pos[k]]
+                    done.add((k, a.phase, a.tile))
+                    out.append(a)
+                    pos[k] += 1
+                    progressed = True
+            if not progressed:
+                stuck = [
+                    f"stage {k} at {self.label(row[pos[k]])!r}"
+                    for k, row in enumerate(self.actions)
+                    if pos[k] < len(row)
+                ]
+                raise UserError(f"deadlocks: {'; '.join(stuck)} each wait for another", where=where)
+        return out
+
+    def _ready(self, a: Action, done: set) -> bool:
+        k, t = a.stage, a.tile
+        if a.phase == "F":
+            return k == 0 or (k - 1, "F", t) in done
+        return (k, "F", t) in done and (k == self.stages - 1 or (k + 1, "B", t) in done)
+
+    # ---------------------------------------------------------------------------------------- showing
+
+    def grid(self, *, width: int | None = None) -> str:
+        """A rank × time grid: one row per stage, one column per time step, every action one step long and as
+        early as its dependencies allow (``width``: at most that many steps, then ``…``)."""
+        slot: dict[tuple[int, str, Tile], int] = {}
+        free = [0] * self.stages
+        cells: list[dict[int, str]] = [{} for _ in range(self.stages)]
+        for a in self.walk():
+            k, t = a.stage, a.tile
+            needs = [free[k]]
+            if a.phase == "F" and k > 0:
+                needs.append(slot[(k - 1, "F", t)] + 1)
+            if a.phase == "B" and k < self.stages - 1:
+                needs.append(slot[(k + 1, "B", t)] + 1)
+            start = max(needs)
+            slot[(k, a.phase, t)] = start
+            free[k] = start + 1
+            cells[k][start] = self.label(a)
+        steps = max(free)
+        shown = steps if width is None else min(steps, width)
+        cell = max((len(text) for row in cells for text in row.values()), default=3)
+        header = " " * 9 + " ".join(f"{s:>{cell}}" for s in range(shown))
+        lines = [header]
+        for k, row in enumerate(cells):
+            text = " ".join(f"{row.get(s, '·'):>{cell}}" for s in range(shown))
+            lines.append(f"stage {k:<3}" + text + (" …" if shown < steps else ""))
+        return "\n".join(lines)
+
+    def to_csv(self) -> str:
+        """One line of comma-separated actions per stage (``read_schedule`` reads it back)."""
+        return "".join(",".join(self.label(a) for a in row) + "\n" for row in self.actions)
 
 
-def _one_f_one_b(by_slice: list[list[Tile]], warmup: int) -> list[Action]:
+def _one_f_one_b(by_slice: list[list[Tile]], stage: int, warmup: int) -> list[Action]:
     """One stage's 1F1B order over batch slices, ``warmup`` forwards ahead."""
-    forward = [[Action("F", t) for t in ts] for ts in by_slice]
-    backward = [[Action("B", t) for t in reversed(ts)] for ts in by_slice]
+    forward = [[Action("F", t, stage) for t in ts] for ts in by_slice]
+    backward = [[Action("B", t, stage) for t in reversed(ts)] for ts in by_slice]
     out = [a for d in range(warmup) for a in forward[d]]
     for d in range(warmup, len(by_slice)):
         out += backward[d - warmup] + forward[d]
     for d in range(len(by_slice) - warmup, len(by_slice)):
         out += backward[d]
     return out
+
+
+_ACTION = re.compile(r"(\d+)([FB])(\d+)(?:\.(\d+))?")
+
+
+def parse_schedule(
+    text: str, slices: Sequence, stages: int, recompute: Sequence[bool] | None = None, *, where: str = "schedule"
+) -> Schedule:
+    """A schedule from CSV text (`Schedule.to_csv`; ``#`` starts a comment, empty cells are idle steps), for the
+    plan's ``slices`` and ``stages``, checked (`Schedule.check`); every mistake is one line naming the action."""
+    tiles = {(t.batch_slice, t.token_slice): t for t in plan_tiles(slices)}
+    rows: list[list[Action]] = []
+    for line in text.splitlines():
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        row: list[Action] = []
+        for n, cell in enumerate(c.strip() for c in line.split(",")):
+            if not cell:
+                continue
+            at = f"row {len(rows) + 1}, action {n + 1} {cell!r}"
+            m = _ACTION.fullmatch(cell)
+            if m is None:
+                raise UserError(
+                    f"{at}: not an action such as 0F3.2 (stage, F or B, batch slice, .token slice)", where=where
+                )
+            stage, phase, d = int(m.group(1)), m.group(2), int(m.group(3))
+            token = int(m.group(4) or 0)
+            if d >= len(slices):
+                raise UserError(f"{at}: no batch slice {d} (the plan has {len(slices)})", where=where)
+            if (d, token) not in tiles:
+                count = len(slices[d][1])
+                raise UserError(f"{at}: no token slice {token} in batch slice {d} (it has {count})", where=where)
+            if m.group(4) is None and len(slices[d][1]) > 1:
+                raise UserError(f"{at}: batch slice {d} has {len(slices[d][1])} token slices: name one (.0, .1, …)",
+                                where=where)  # fmt: skip
+            row.append(Action(phase, tiles[(d, token)], stage))
+        rows.append(row)
+    schedule = Schedule.of_rows(slices, stages, CUSTOM, rows, recompute)
+    schedule.check(where)
+    return schedule

@@ -3,7 +3,7 @@
 The planner's objective (docs/design.md §4) is a closed formula, ``Σ t + (K−1)·max t``. This module instead replays the
 step the way the runtime executes it (`terapipe_cli.train.worker`):
 
-* every stage runs its actions (`schedule.build_schedule`) strictly in order, one at a time;
+* every stage runs its actions (a `schedule.Schedule`) strictly in order, one at a time;
 * a forward on stage k waits for the activation of the same tile from stage k−1; a backward waits for the
   gradient of the same tile from stage k+1 (the last stage starts a tile's backward as soon as it reaches it
   in its order: its loss is computed in the forward);
@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from terapipe_cli.plan.costmodel import ContextFit, CostModel
-from terapipe_cli.plan.schedule import Action, Tile, build_schedule, plan_tiles
+from terapipe_cli.plan.schedule import Action, Schedule, Tile
 from terapipe_cli.plan.timeline import Event, StageTimes, stage_times
 
 # parts(b, i, j) -> (forward_s, backward_s, send_forward_s, send_backward_s), arrays over tiles: one stage's
@@ -84,34 +84,24 @@ def uniform_parts(forward_s: float, backward_s: float, send_s: float = 0.0) -> T
 
 
 def simulate(
-    slices: Sequence,
+    schedule: Schedule,
     cost_parts: CostModel | TileParts,
-    stages: int,
     *,
     step_s: float | None = None,
-    schedule: list[list[Action]] | None = None,
     replica: int = 0,
     step: int = 0,
-    recompute: Sequence[bool] | None = None,
 ) -> SimResult:
-    """Simulate one training step of a scheme on ``stages`` stages.
+    """Simulate one training step of ``schedule`` (any per-stage order the runtime could walk; one that can never
+    finish raises ValueError). Its stages recompute as ``schedule.recompute`` says.
 
     ``cost_parts``: a `CostModel` (its forward/backward split and its transfers are used; its ``step_s`` is the
-    per-step constant unless ``step_s`` is given) or a `TileParts` callable. ``schedule`` defaults to
-    `build_schedule(slices, stages)`; any per-stage order the runtime could walk is accepted, and an order that
-    can never finish raises ValueError. Ranks in the events are the stage numbers of this replica. ``recompute``:
-    the stages whose backward runs the tile's forward again first (default: every stage if ``cost_parts`` is a
-    `CostModel` with recomputation, else none).
+    per-step constant unless ``step_s`` is given) or a `TileParts` callable. Ranks in the events are the stage
+    numbers of this replica.
     """
+    stages = schedule.stages
     parts, step_s = _resolve_parts(cost_parts, stages, step_s)
-    if recompute is None:
-        recompute = [bool(getattr(cost_parts, "recompute", False))] * stages
-    if schedule is None:
-        schedule = build_schedule(slices, stages)
-    if len(schedule) != stages:
-        raise ValueError(f"the schedule has {len(schedule)} stages, expected {stages}")
-    pipeline = _Pipeline(plan_tiles(slices), parts, stages, recompute)
-    events = pipeline.walk(schedule, replica=replica, step=step)
+    pipeline = _Pipeline(list(schedule.tiles), parts, stages, schedule.recompute)
+    events = pipeline.walk(schedule.actions, replica=replica, step=step)
     compute_end = max(pipeline.stage_free) if stages else 0.0
     return SimResult(
         latency_s=compute_end + step_s, events=events, compute_end_s=compute_end, step_s=step_s, stages=stages
@@ -153,7 +143,7 @@ class _Pipeline:
         self.link_bwd_free = [0.0] * stages  # link k -> k-1
         self.stage_free = [0.0] * stages
 
-    def walk(self, schedule: list[list[Action]], *, replica: int, step: int) -> list[Event]:
+    def walk(self, schedule: Sequence[Sequence[Action]], *, replica: int, step: int) -> list[Event]:
         """Run every stage's actions in order, each as soon as its input is there; events sorted by start."""
         pos = [0] * self.stages
         tile_of = [[self.index[a.tile] for a in actions] for actions in schedule]

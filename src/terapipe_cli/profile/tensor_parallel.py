@@ -140,6 +140,7 @@ def _worker(args: argparse.Namespace) -> None:
 
     import torch.distributed as dist
 
+    from terapipe_cli.engine.comm import DistGroup
     from terapipe_cli.engine.tensor import TensorGroup
     from terapipe_cli.profile.measure import Settings, time_layer
 
@@ -147,7 +148,7 @@ def _worker(args: argparse.Namespace) -> None:
     model = ModelConfig.from_dict(request["model"], args.request)
     settings = Settings(**{k: tuple(v) if isinstance(v, list) else v for k, v in request["settings"].items()})
     device, rank = join_worker_group(args.backend, args.timeout)
-    tensor = TensorGroup(rank, dist.get_world_size(), dist.group.WORLD)
+    tensor = TensorGroup(rank, dist.get_world_size(), DistGroup(dist.group.WORLD))
     progress = _ProgressFile(args.progress) if rank == 0 else None
     timings, layer = time_layer(model, settings, settings.tiles(model.seq_len), device, progress, tensor=tensor)
     dist.barrier()

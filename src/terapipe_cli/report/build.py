@@ -170,15 +170,10 @@ def _held_out(run: Run) -> list[tuple[int, float]]:
 def simulate_runs(runs: dict[str, Run], cost) -> dict:
     """Predicted timelines of each run's scheme (``{"run": ..., "baseline": ...}``) under the same cost model
     (`terapipe_cli.plan.simulate`)."""
-    from terapipe_cli.plan.schedule import build_schedule
     from terapipe_cli.plan.simulate import simulate
 
-    def simulated(r: Run):
-        # The run's own order, and its recomputation on the stages that recompute.
-        schedule = build_schedule(r.plan.slices, r.stages, r.plan.order)
-        return simulate(r.plan.slices, cost, r.stages, schedule=schedule, recompute=r.plan.recompute)
-
-    return {key: simulated(r) for key, r in runs.items()}
+    # Each run's own schedule: its order, and its recomputation on the stages that recompute.
+    return {key: simulate(r.schedule, cost) for key, r in runs.items()}
 
 
 def write_report(

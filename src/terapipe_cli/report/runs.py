@@ -11,12 +11,13 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from terapipe_cli.config.run import RunArguments
 from terapipe_cli.engine.mesh import Layout
 from terapipe_cli.errors import UserError
 from terapipe_cli.plan.file import Plan, plan_from_dict
-from terapipe_cli.plan.schedule import plan_tiles
+from terapipe_cli.plan.schedule import Schedule, plan_tiles
 from terapipe_cli.plan.timeline import Event, read_timeline
-from terapipe_cli.train.rundir import RunArguments, read_config, read_metrics, read_summary, timeline_path
+from terapipe_cli.train.rundir import read_config, read_metrics, read_summary, run_schedule, timeline_path
 
 
 @dataclass
@@ -34,6 +35,11 @@ class Run:
     @property
     def stages(self) -> int:
         return self.plan.stages
+
+    @property
+    def schedule(self) -> Schedule:
+        """The schedule the run walked: its own (``--schedule``) or its plan's."""
+        return run_schedule(self.plan, self.args, where=str(self.path / "config.json"))
 
     @property
     def layout(self) -> Layout:

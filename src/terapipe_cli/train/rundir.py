@@ -4,19 +4,23 @@ runs/NAME/
   config.json        terapipe.run/1: {"plan": <the plan object>, "arguments": {steps, data, seed, lr,
                      data_parallel, checkpoint_every, threads, timeout_s, verify, kv_handback, precision,
                      warmup_steps, min_lr, decay_steps, grad_clip, accept_precision, tensor_parallel,
-                     tp_allreduce, val_fraction, eval_every},
+                     tp_allreduce, val_fraction, eval_every, schedule} (config.run.RunArguments, each key's doc
+                     there),
                      "world_size" (D × K × T), "stages", "device", "backend", "nnodes", "versions": {...}, "created",
                      "launch_id" (new at every launch by node 0; how another node tells node 0's folder from its own)}
   plan.json          the plan as given (terapipe.plan/1)
+  run.toml           the run's resolved settings as a [train] table: `terapipe train --config run.toml --out NEW`
+                     trains it again (config.run.RunConfig)
+  schedule.csv       the schedule the run was given with --schedule (only then; plan.schedule)
   metrics.jsonl      one JSON object per line and step (terapipe.metrics/1): {"schema", "step", "loss",
                      "lr" (this step's), "grad_norm" (global, before clipping; null on a skipped step),
                      "skipped" (fp16: the step was skipped for an inf/nan gradient), "loss_scale" (fp16 only:
                      the scale for the next step), "iteration_s", "tokens_per_s",
                      "memory_bytes" (peak, largest rank), "memory_bytes_per_rank": [...] (the process's peak:
                      CUDA max allocated, on CPU peak RSS), "saved_bytes_per_rank": [...] (the most each rank's
-                     stage kept for its backward during the step, counted by runtime.stage.SavedBytes),
+                     stage kept for its backward during the step, counted by engine.stage.SavedBytes),
                      "val_loss" (only on evaluated steps: the held-out loss after the step's update)}
-  timelines/rank_00000.json   terapipe.timeline/1 (see schedule.py): every tile of every step, F and B
+  timelines/rank_00000.json   terapipe.timeline/1 (see plan/timeline.py): every tile of every step, F and B
   checkpoints/step_000010/...  see checkpoint.py (the optimizer state carries the fp16 loss scale)
   errors/rank_00001.txt       the traceback of a worker that failed (only then)
   errors/torchrun.log         torchrun's own log of a launch that failed or was interrupted (only then); a launch
@@ -25,7 +29,7 @@ runs/NAME/
                      not skipped, by name (only with --verify)
   summary.json       terapipe.run-summary/1: {"status": "complete", "steps", "first_loss", "final_loss",
                      "final_val_loss", "median_iteration_s", "tokens_per_s", "wall_s", "skipped_steps", "verify": {...}
-                     (with --verify; see runtime/verify.py)}
+                     (with --verify; see train/verify.py)}
 """
 
 from __future__ import annotations
@@ -35,42 +39,19 @@ import hashlib
 import json
 import os
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
-from terapipe_cli.config.device import precision_field
+from terapipe_cli.config.run import SCHEDULE_FILE, RunArguments, run_toml
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import Fields, read_json, write_json_atomic, write_text_atomic
+from terapipe_cli.plan.file import Plan
+from terapipe_cli.plan.schedule import Schedule, parse_schedule
 
 RUN_SCHEMA = "terapipe.run/1"
+RUN_TOML = "run.toml"
 METRICS_SCHEMA = "terapipe.metrics/1"
 SUMMARY_SCHEMA = "terapipe.run-summary/1"
-
-
-@dataclass(frozen=True)
-class RunArguments:
-    steps: int
-    data: str | None
-    seed: int
-    lr: float
-    data_parallel: int
-    checkpoint_every: int
-    threads: int
-    timeout_s: float
-    verify: bool
-    kv_handback: bool = True  # False only for the test-only negative control
-    # The optimizer step (docs/design.md §6a). The defaults are what a run from before these existed did:
-    # fp32, a constant lr, no clipping.
-    precision: str = "fp32"  # fp32, bf16 or fp16
-    warmup_steps: int = 0  # linear warm-up steps
-    min_lr: float | None = None  # the floor of the cosine decay (None: lr, no decay)
-    decay_steps: int | None = None  # the step the decay reaches min_lr (None: steps); kept by --resume
-    grad_clip: float = 0.0  # the global-norm limit (0: measured, not clipped)
-    accept_precision: bool = False  # the run was allowed a precision other than its plan's
-    tensor_parallel: int = 1  # T processes per stage (docs/design.md §6b)
-    tp_allreduce: bool = True  # False only for the test-only negative control (one tensor all-reduce skipped)
-    val_fraction: float = 0.0  # the data's last part held out for validation (0: none, as before it existed)
-    eval_every: int = 0  # validation every N steps and after the last (0: never)
 
 
 def write_config(
@@ -85,8 +66,16 @@ def write_config(
     versions: dict,
     created: str,
     launch_id: str = "",
+    rendezvous: dict | None = None,
 ) -> None:
+    """A new run's files: plan.json, run.toml (its resolved settings, to train it again), the schedule it was given
+    (if any), and config.json last. ``rendezvous``: ``rdzv_endpoint`` and ``rdzv_timeout_s`` of a run on several
+    machines."""
+    rendezvous = rendezvous or {"rdzv_endpoint": None, "rdzv_timeout_s": 300.0}
     write_json_atomic(run_dir / "plan.json", plan)
+    if args.schedule is not None:
+        write_text_atomic(run_dir / SCHEDULE_FILE, args.schedule)
+    write_run_toml(run_dir, args, device=device, nnodes=nnodes, rendezvous=rendezvous)
     write_json_atomic(
         run_dir / "config.json",
         {
@@ -101,6 +90,7 @@ def write_config(
             "versions": versions,
             "created": created,
             "launch_id": launch_id,
+            "rendezvous": rendezvous,
         },
     )
 
@@ -136,39 +126,25 @@ def join_run_folder(run_dir: Path, config: dict, *, node_rank: int, resuming: bo
 
 def update_arguments(run_dir: Path, config: dict, launch_id: str, **changes) -> None:
     """Rewrite config.json with some arguments changed (a resumed run's new length and settings) and this
-    launch's id."""
+    launch's id, and run.toml to match."""
     updated = {**config, "arguments": {**config["arguments"], **changes}, "launch_id": launch_id}
+    args = RunArguments.from_dict(updated["arguments"], str(run_dir / "config.json"))
+    rendezvous = config.get("rendezvous") or {"rdzv_endpoint": None, "rdzv_timeout_s": 300.0}
+    write_run_toml(run_dir, args, device=config["device"], nnodes=config["nnodes"], rendezvous=rendezvous)
     write_json_atomic(run_dir / "config.json", updated)
+
+
+def write_run_toml(run_dir: Path, args: RunArguments, *, device: str, nnodes: int, rendezvous: dict) -> None:
+    text = run_toml(args, plan="plan.json", device=device, nnodes=nnodes, **rendezvous)
+    write_text_atomic(run_dir / RUN_TOML, text)
 
 
 def read_config(run_dir: Path) -> tuple[dict, RunArguments]:
     """The run's config: (raw object, arguments)."""
     path = run_dir / "config.json"
     obj = read_json(path, schema=RUN_SCHEMA, what="run config")
-    f = Fields(obj, str(path)).sub("arguments")
-    args = RunArguments(
-        steps=f.int("steps", minimum=1),
-        data=f.get("data"),
-        seed=f.int("seed"),
-        lr=f.number("lr", positive=True),
-        data_parallel=f.int("data_parallel", minimum=1),
-        checkpoint_every=f.int("checkpoint_every", minimum=1),
-        threads=f.int("threads", minimum=1),
-        timeout_s=f.number("timeout_s", positive=True),
-        verify=bool(f.get("verify")),
-        kv_handback=bool(f.get("kv_handback", True)),
-        precision=precision_field(f),
-        warmup_steps=f.int("warmup_steps", minimum=0, default=0),
-        min_lr=f.number("min_lr", minimum=0) if f.get("min_lr", None) is not None else None,
-        decay_steps=f.int("decay_steps", minimum=1) if f.get("decay_steps", None) is not None else None,
-        grad_clip=f.number("grad_clip", minimum=0, default=0.0),
-        accept_precision=bool(f.get("accept_precision", False)),
-        tensor_parallel=f.int("tensor_parallel", minimum=1, default=1),
-        tp_allreduce=bool(f.get("tp_allreduce", True)),
-        val_fraction=f.number("val_fraction", minimum=0, default=0.0),
-        eval_every=f.int("eval_every", minimum=0, default=0),
-    )
-    return obj, args
+    arguments = Fields(obj, str(path)).sub("arguments").obj
+    return obj, RunArguments.from_dict(arguments, str(path))
 
 
 def append_metrics(run_dir: Path, record: dict) -> None:
@@ -265,3 +241,11 @@ def run_lock(run_dir: Path):
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def run_schedule(plan: Plan, args: RunArguments, *, where: str) -> Schedule:
+    """The schedule a run walks: the one it was given (``arguments.schedule``, checked again) or its plan's."""
+    if args.schedule is None:
+        return Schedule.of_plan(plan)
+    where = f"{where}: field 'arguments.schedule'"
+    return parse_schedule(args.schedule, plan.slices, plan.stages, plan.recompute, where=where)

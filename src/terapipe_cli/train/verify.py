@@ -18,13 +18,17 @@ only in rounding — the *spread* — and each check's tolerance is ``max(floor,
 - fp32: the spread run is the reference in float64 (`model.double()`, no autocast): the reference's own rounding
   error. The pipelined run is another fp32 computation of the same numbers, so its difference from the fp32
   reference is of the same size.
-- bf16/fp16: the spread run has the same precision, its sequence cut into `SPREAD_SLICES` token slices through
-  the runtime's own `StageRunner` (one stage, the K/V context path): different tile shapes round differently in
-  exactly the ways the pipelined run does (per-tile weight gradients rounded to bf16 before they are summed in
-  fp32, attention over key blocks). An fp32 spread run would measure the precision's own error instead:
-  measured 1.2–10× larger (10× on the 6-layer model's weights after 10 steps), a looser tolerance for nothing.
-  A bug inside the K/V cache would be in both this spread run and the pipelined run; the fp32 verification,
-  whose spread run is the whole sequence, catches it.
+- bf16/fp16: the spread run has the same precision and runs the run's own tiles — the plan's token and batch
+  slices, every replica's — through the runtime's `StageRunner` as one stage of the whole model (the K/V context
+  path, on one process). The same tile shapes call the same low-precision kernels, which round differently from
+  one CPU to the next (an AVX512-bf16 CPU's dot products differ from another's) and differently from the whole
+  sequence's: the spread then measures exactly the rounding the pipelined run has, on the machine it ran on, and
+  the pipelined run differs from it only by where the stages are cut. (Measured on an AMD EPYC with avx512_bf16:
+  with 4 equal token slices instead, a correct 3-step bf16 run's layer-norm bias was 12x the spread's worst.) An
+  fp32 spread run would measure the precision's own error instead, 1.2–10× larger, a looser tolerance for
+  nothing. A bug inside the K/V cache would be in both this spread run and the pipelined run; the fp32
+  verification, whose spread run is the whole sequence, catches it. The negative controls (the K/V hand-back
+  dropped, a tensor-parallel all-reduce skipped) are faults of the pipelined run alone, so they still fail.
 
 `SPREAD_FACTOR`, measured on CPU as run difference / spread (docs/design.md §6a has the table): at most 1.9 in
 fp32 and 3.4 in bf16 (fp16: below 1) over the tiny model's scheme families (K = 2–3, D = 1–2) and the 6-layer,
@@ -42,10 +46,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from terapipe_cli.config.run import LRSchedule
 from terapipe_cli.engine.data import step_batch
 from terapipe_cli.engine.model import GPT, token_loss_sum
-from terapipe_cli.engine.optim import LossScale, LRSchedule, make_optimizer, set_lr, take_step
+from terapipe_cli.engine.optim import LossScale, make_optimizer, set_lr, take_step
 from terapipe_cli.engine.stage import AUTOCAST_DTYPES, StageRunner
+from terapipe_cli.plan.file import Plan
+from terapipe_cli.plan.schedule import plan_tiles
 from terapipe_cli.train import checkpoint
 from terapipe_cli.train.prepare import PreparedRun
 from terapipe_cli.train.rundir import read_metrics, read_summary, verify_grads_path, write_summary
@@ -54,7 +61,6 @@ from terapipe_cli.train.rundir import read_metrics, read_summary, verify_grads_p
 LOSS_FLOOR = 1e-5  # relative, every step's loss
 TENSOR_FLOOR = 1e-4  # norm-wise relative, every gradient and weight tensor
 SPREAD_FACTOR = 10.0
-SPREAD_SLICES = 4  # bf16/fp16: the spread run's token slices
 
 
 @dataclass
@@ -132,29 +138,33 @@ def whole_sequence_step(precision: str) -> StepFn:
     return step
 
 
-def sliced_step(runner: StageRunner, token_slices: int) -> StepFn:
-    """The whole model as one `StageRunner` stage, the sequence cut into ``token_slices`` near-equal slices
-    (forwards in order, backwards in reverse: the runtime's own K/V context path on one process)."""
+def tiled_step(runner: StageRunner, plan: Plan, replicas: int) -> StepFn:
+    """The whole model as one `StageRunner` stage walking the plan's own tiles — every batch slice and token slice
+    of each of the ``replicas`` replicas' B sequences — forwards in order, backwards in reverse (the runtime's own
+    K/V context path and tile shapes, on one process)."""
+    tiles = plan_tiles(plan.slices)
 
     def step(model: torch.nn.Module, batch: torch.Tensor, multiplier: float) -> float:
-        L = batch.shape[1] - 1
-        cuts = [round(L * k / token_slices) for k in range(token_slices + 1)]
-        cuts = sorted(set(cuts))
         runner.set_loss_scale(multiplier)
         total = 0.0
         with runner.step():
-            for k, (a, b) in enumerate(zip(cuts, cuts[1:], strict=False)):
-                total += runner.forward_tile(0, k, batch[:, a:b], batch[:, a + 1 : b + 1]).item()
-            for k in reversed(range(len(cuts) - 1)):
-                runner.backward_tile(0, k, None)
+            for replica in range(replicas):
+                rows = batch[replica * plan.batch_size : (replica + 1) * plan.batch_size]
+                for t in tiles:
+                    b, j = slice(t.batch_start, t.batch_start + t.batch_size), t.token_start
+                    x, y = rows[b, j : j + t.tokens], rows[b, j + 1 : j + t.tokens + 1]
+                    total += runner.forward_tile(t.batch_slice, t.token_slice, x, y).item()
+                for t in reversed(tiles):
+                    runner.backward_tile(t.batch_slice, t.token_slice, None)
         return total
 
     return step
 
 
-def single_process_run(prepared: PreparedRun, model: torch.nn.Module, step_fn: StepFn, precision: str) -> Trajectory:
-    """Train ``model`` (the whole model, on the run's device) as the run did, one process, the global batch."""
-    plan, args = prepared.plan, prepared.args
+def single_process_run(run, model: torch.nn.Module, step_fn: StepFn, precision: str) -> Trajectory:
+    """Train ``model`` (the whole model, on the run's device) as the run did, one process, the global batch.
+    ``run``: a `prepare.PreparedRun`, or anything with its plan, args, data and device."""
+    plan, args = run.plan, run.args
     optimizer = make_optimizer(model, args.lr)
     schedule = LRSchedule.of_run(args)
     loss_scale = LossScale() if precision == "fp16" else None
@@ -162,11 +172,11 @@ def single_process_run(prepared: PreparedRun, model: torch.nn.Module, step_fn: S
     sequences, L = plan.batch_size * args.data_parallel, plan.seq_len
     out = Trajectory()
     for step in range(1, args.steps + 1):
-        batch = step_batch(prepared.data, seed=args.seed, step=step, sequences=sequences, seq_len=L)
+        batch = step_batch(run.data, seed=args.seed, step=step, sequences=sequences, seq_len=L)
         set_lr(optimizer, schedule(step))
         optimizer.zero_grad(set_to_none=True)
         scale = loss_scale.scale if loss_scale is not None else 1.0
-        out.losses.append(step_fn(model, batch.to(prepared.device), scale / (sequences * L)) / (sequences * L))
+        out.losses.append(step_fn(model, batch.to(run.device), scale / (sequences * L)) / (sequences * L))
         update = take_step(optimizer, params, max_norm=args.grad_clip, loss_scale=loss_scale)
         if out.grads_step is None and not update.skipped:
             out.grads_step = step
@@ -175,23 +185,22 @@ def single_process_run(prepared: PreparedRun, model: torch.nn.Module, step_fn: S
     return out
 
 
-def reference_run(prepared: PreparedRun) -> Trajectory:
-    """The reference: the whole model at the run's precision."""
-    model = GPT(prepared.plan.model, seed=prepared.args.seed).to(prepared.device)
-    precision = prepared.args.precision
-    return single_process_run(prepared, model, whole_sequence_step(precision), precision)
+def reference_run(run) -> Trajectory:
+    """The reference: the whole model at the run's precision, the whole sequence at once."""
+    model = GPT(run.plan.model, seed=run.args.seed).to(run.device)
+    precision = run.args.precision
+    return single_process_run(run, model, whole_sequence_step(precision), precision)
 
 
-def spread_run(prepared: PreparedRun) -> tuple[Trajectory, str]:
+def spread_run(run) -> tuple[Trajectory, str]:
     """The run whose difference from the reference is the spread (the module docstring says why this one)."""
-    plan, args, precision = prepared.plan, prepared.args, prepared.args.precision
+    plan, args, precision = run.plan, run.args, run.args.precision
     if precision == "fp32":
-        model = GPT(plan.model, seed=args.seed).to(prepared.device).double()
-        return single_process_run(prepared, model, whole_sequence_step("fp32"), "fp32"), "float64, whole sequence"
-    slices = min(SPREAD_SLICES, plan.seq_len)
-    runner = StageRunner(plan.model, 0, 1, seed=args.seed, device=prepared.device, precision=precision)
-    run = single_process_run(prepared, runner.module, sliced_step(runner, slices), precision)
-    return run, f"{precision}, the sequence in {slices} token slices"
+        model = GPT(plan.model, seed=args.seed).to(run.device).double()
+        return single_process_run(run, model, whole_sequence_step("fp32"), "fp32"), "float64, whole sequence"
+    runner = StageRunner(plan.model, 0, 1, seed=args.seed, device=run.device, precision=precision)
+    trajectory = single_process_run(run, runner.module, tiled_step(runner, plan, args.data_parallel), precision)
+    return trajectory, f"{precision}, the run's own tiles on one process"
 
 
 def pipelined_run(prepared: PreparedRun) -> Trajectory:
@@ -212,16 +221,22 @@ def pipelined_run(prepared: PreparedRun) -> Trajectory:
 
 def verify_run(prepared: PreparedRun) -> Verification:
     """Compare the finished run with the reference, with tolerances from the spread run."""
-    run, ref = pipelined_run(prepared), reference_run(prepared)
-    alt, spread_what = spread_run(prepared)
-    steps = prepared.args.steps
+    return verify_trajectory(pipelined_run(prepared), prepared)
+
+
+def verify_trajectory(run: Trajectory, setup) -> Verification:
+    """Compare a pipelined run's ``run`` with the reference of ``setup`` (a `prepare.PreparedRun`, or anything with
+    its plan, args, data and device), with tolerances from the spread run."""
+    ref = reference_run(setup)
+    alt, spread_what = spread_run(setup)
+    steps = setup.args.steps
     loss, loss_spread = _compare_losses(run.losses, ref.losses), _compare_losses(alt.losses, ref.losses)
     grads, grads_spread = _compare(run.grads, ref.grads), _compare(alt.grads, ref.grads)
     if run.grads_step != ref.grads_step:
         grads = (float("inf"), float("inf"), f"step {run.grads_step} vs the reference's {ref.grads_step}")
     weights, weights_spread = _compare(run.weights, ref.weights), _compare(alt.weights, ref.weights)
     return Verification(
-        prepared.args.precision,
+        setup.args.precision,
         spread_what,
         [
             _check(f"loss, {steps} steps", loss, loss_spread, LOSS_FLOOR),

@@ -1,0 +1,106 @@
+"""What a rank says to the others, behind two small interfaces, so the engine runs the same code between
+torchrun processes and between threads of one process (`engine.local`, for tests):
+
+* `Group` — the collectives of a set of ranks: ``all_reduce`` (in place: sum, max or min) and ``all_gather``.
+  `DistGroup` is a ``torch.distributed`` process group (None: all ranks).
+* `Link` — one stage's point-to-point messages to its neighbours, pre-posted from the plan's shapes
+  (`engine.p2p.Links` between processes).
+
+A collective or message that fails or times out raises `PeerLost`, naming what was being waited for, so the
+launcher can tell a consequence (this rank lost its neighbour) from a root cause.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from terapipe_cli.plan.schedule import Tile
+
+OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+class PeerLost(RuntimeError):
+    """A distributed wait failed or timed out: most likely another rank died first."""
+
+
+def short_error(e: BaseException) -> str:
+    """gloo's messages start with a source path in brackets and end with advice; keep the middle."""
+    text = " ".join(str(e).split())
+    if text.startswith("[") and "] " in text:
+        text = text.split("] ", 1)[1]
+    return text.split(". ")[0][:300]
+
+
+class Group(Protocol):
+    """The collectives of a set of ranks; every member calls each one, in the same order."""
+
+    size: int
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", what: str = "an all-reduce") -> None:
+        """``tensor`` becomes the reduction (``op``: sum, max or min) over the members, in place."""
+
+    def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        """Every member's ``tensor`` concatenated along ``dim``, in member order."""
+
+
+# Posted receives of a step's tiles: per tile, whatever the link's ``wait`` takes.
+Posted = dict[Tile, object]
+
+
+class Link(Protocol):
+    """One stage's messages to and from its neighbours in one pipeline replica (None past either end)."""
+
+    prev_rank: int | None
+    next_rank: int | None
+
+    def post_forward_recvs(self, tiles: list[Tile]) -> Posted: ...
+
+    def post_backward_recvs(self, tiles: list[Tile]) -> Posted: ...
+
+    def wait(self, posted: object, what: str, peer: int | None) -> torch.Tensor: ...
+
+    def send_forward(self, out: torch.Tensor, index: int) -> None: ...
+
+    def send_backward(self, grad: torch.Tensor, index: int, tiles: int) -> None: ...
+
+    def finish_sends(self) -> None: ...
+
+
+class DistGroup:
+    """A ``torch.distributed`` process group (``group`` None: every rank). CUDA tensors on a gloo group (stages
+    sharing a GPU) go through host memory (`host_all_reduce`)."""
+
+    def __init__(self, group: object | None = None, size: int | None = None) -> None:
+        self.group = group
+        self.size = size if size is not None else dist.get_world_size(group)
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", what: str = "an all-reduce") -> None:
+        try:
+            host_all_reduce(tensor, group=self.group, op=OPS[op])
+        except Exception as e:
+            raise PeerLost(f"lost a peer during {what}: {short_error(e)}") from None
+
+    def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        on = tensor.cpu() if host_staged(tensor.device, self.group) else tensor
+        parts = [torch.empty_like(on) for _ in range(self.size)]
+        dist.all_gather(parts, on.contiguous(), group=self.group)
+        return torch.cat(parts, dim=dim).to(tensor.device)
+
+
+def host_staged(device: torch.device, group: object | None = None) -> bool:
+    """True when tensors on ``device`` must go through host memory: CUDA tensors on a gloo process group
+    (False without a process group: nothing is sent then)."""
+    return device.type == "cuda" and dist.is_initialized() and dist.get_backend(group) == "gloo"
+
+
+def host_all_reduce(tensor: torch.Tensor, *, group: object | None = None, op=dist.ReduceOp.SUM) -> None:
+    """``dist.all_reduce`` in place; a CUDA tensor on a gloo group is reduced in a CPU copy and copied back."""
+    if not host_staged(tensor.device, group):
+        dist.all_reduce(tensor, op=op, group=group)
+        return
+    host = tensor.detach().cpu()
+    dist.all_reduce(host, op=op, group=group)
+    tensor.copy_(host)

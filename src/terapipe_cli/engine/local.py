@@ -1,0 +1,245 @@
+"""Ranks as threads of one process: the in-process `comm.Group` and `comm.Link` (`LocalWorld`), and a whole run
+trained that way (`train_in_process`).
+
+The engine's trainer and executor run unchanged on them, so the tests walk a plan's schedule over K stages (and
+D replicas, T tensor ranks) in one process, through the workers' own code, in a fraction of a second instead of
+the seconds torchrun needs to start processes. Messages are copies of the tensors put in per-(sender, receiver,
+tag) queues; a collective waits until every member has brought its tensor, then each takes the reduction, summed
+in member order (so the result does not depend on which thread came first). When one thread fails, every wait of
+the others raises `comm.PeerLost` at once instead of hanging.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import torch
+
+from terapipe_cli.config.run import RunArguments
+from terapipe_cli.engine.comm import PeerLost, Posted
+from terapipe_cli.engine.data import TokenData
+from terapipe_cli.engine.mesh import Layout
+from terapipe_cli.engine.trainer import Comms, Trainer
+from terapipe_cli.plan.file import Plan
+from terapipe_cli.plan.schedule import Schedule, Tile
+
+T = TypeVar("T")
+_POLL_S = 0.05
+
+
+class LocalWorld:
+    """``size`` ranks, each a thread of this process (`run`), and what they share: mailboxes and collectives."""
+
+    def __init__(self, size: int, *, timeout_s: float = 120.0) -> None:
+        self.size, self.timeout_s = size, timeout_s
+        self._mail: dict[tuple[int, int, int], queue.Queue] = {}
+        self._cond = threading.Condition()
+        self._rounds: dict[tuple, dict] = {}
+        self.failed: BaseException | None = None
+
+    def group(self, ranks: Sequence[int], rank: int) -> LocalGroup:
+        """Rank ``rank``'s handle on the collectives of ``ranks``."""
+        return LocalGroup(self, tuple(ranks), rank)
+
+    def link(self, rank: int, prev_rank: int | None, next_rank: int | None) -> LocalLink:
+        return LocalLink(self, rank, prev_rank, next_rank)
+
+    def run(self, fn: Callable[[int], T]) -> list[T]:
+        """``fn(rank)`` for every rank, each in its own thread; their results by rank. The first exception of any
+        rank is raised here once all threads have ended (the others fail fast with `PeerLost`)."""
+        results: list = [None] * self.size
+        errors: list[tuple[int, BaseException]] = []
+
+        def body(rank: int) -> None:
+            torch.set_grad_enabled(True)
+            try:
+                results[rank] = fn(rank)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller below
+                errors.append((rank, e))
+                self.abort(e)
+
+        threads = [threading.Thread(target=body, args=(r,), name=f"rank-{r}", daemon=True) for r in range(self.size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            root = next((e for _, e in errors if not isinstance(e, PeerLost)), errors[0][1])
+            raise root
+        return results
+
+    def abort(self, error: BaseException) -> None:
+        with self._cond:
+            self.failed = self.failed or error
+            self._cond.notify_all()
+
+    def mailbox(self, src: int, dst: int, tag: int) -> queue.Queue:
+        with self._cond:
+            return self._mail.setdefault((src, dst, tag), queue.Queue())
+
+    def wait_until(self, ready: Callable[[], bool], what: str) -> None:
+        """Block (holding the condition) until ``ready()``; `PeerLost` if another rank failed or time runs out."""
+        waited = 0.0
+        while not ready():
+            if self.failed is not None:
+                raise PeerLost(f"lost a peer during {what}: another rank failed")
+            if waited > self.timeout_s:
+                raise PeerLost(f"timed out after {self.timeout_s:.0f} s during {what}")
+            self._cond.wait(_POLL_S)
+            waited += _POLL_S
+
+    def collective(self, key: tuple, rank: int, tensor: torch.Tensor, combine, what: str) -> torch.Tensor:
+        """Bring ``tensor`` to round ``key`` of a group and take back ``combine(tensors in member order)``."""
+        members = key[0]
+        with self._cond:
+            state = self._rounds.setdefault(key, {"in": {}, "out": None, "taken": 0})
+            state["in"][rank] = tensor.detach().clone()
+            if len(state["in"]) == len(members):
+                state["out"] = combine([state["in"][r] for r in members])
+                self._cond.notify_all()
+            self.wait_until(lambda: state["out"] is not None, what)
+            state["taken"] += 1
+            if state["taken"] == len(members):
+                del self._rounds[key]
+            return state["out"]
+
+
+_REDUCE = {
+    "sum": lambda ts: torch.stack(ts).sum(dim=0),
+    "max": lambda ts: torch.stack(ts).amax(dim=0),
+    "min": lambda ts: torch.stack(ts).amin(dim=0),
+}
+
+
+class LocalGroup:
+    """A `comm.Group` of threads: the members' n-th calls meet in the same round."""
+
+    def __init__(self, world: LocalWorld, ranks: tuple[int, ...], rank: int) -> None:
+        self.world, self.ranks, self.rank, self.size = world, ranks, rank, len(ranks)
+        self._calls = 0
+
+    def _round(self) -> tuple:
+        self._calls += 1
+        return (self.ranks, self._calls)
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", what: str = "an all-reduce") -> None:
+        out = self.world.collective(self._round(), self.rank, tensor, _REDUCE[op], what)
+        tensor.copy_(out)
+
+    def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        return self.world.collective(self._round(), self.rank, tensor, lambda ts: torch.cat(ts, dim=dim), "gather")
+
+
+class LocalLink:
+    """A `comm.Link` of threads: sends put copies in the receiver's queue; receives are taken when waited on."""
+
+    def __init__(self, world: LocalWorld, rank: int, prev_rank: int | None, next_rank: int | None) -> None:
+        self.world, self.rank, self.prev_rank, self.next_rank = world, rank, prev_rank, next_rank
+
+    def _post(self, tiles: list[Tile], src: int | None, tag_base: int) -> Posted:
+        if src is None:
+            return {}
+        return {t: self.world.mailbox(src, self.rank, tag_base + n) for n, t in enumerate(tiles)}
+
+    def post_forward_recvs(self, tiles: list[Tile]) -> Posted:
+        return self._post(tiles, self.prev_rank, 0)
+
+    def post_backward_recvs(self, tiles: list[Tile]) -> Posted:
+        return self._post(tiles, self.next_rank, len(tiles))
+
+    def wait(self, posted: object, what: str, peer: int | None) -> torch.Tensor:
+        box: queue.Queue = posted
+        waited = 0.0
+        while True:
+            try:
+                return box.get(timeout=_POLL_S)
+            except queue.Empty:
+                waited += _POLL_S
+                if self.world.failed is not None:
+                    raise PeerLost(f"lost rank {peer} while {what}: it failed") from None
+                if waited > self.world.timeout_s:
+                    raise PeerLost(f"timed out after {self.world.timeout_s:.0f} s while {what}") from None
+
+    def send_forward(self, out: torch.Tensor, index: int) -> None:
+        self.world.mailbox(self.rank, self.next_rank, index).put(out.detach().clone())
+
+    def send_backward(self, grad: torch.Tensor, index: int, tiles: int) -> None:
+        self.world.mailbox(self.rank, self.prev_rank, tiles + index).put(grad.detach().clone())
+
+    def finish_sends(self) -> None:
+        """Sends complete at once here."""
+
+
+def local_comms(world: LocalWorld, layout: Layout, rank: int) -> Comms:
+    """This rank's `trainer.Comms` over ``world`` (threads of one process): the groups `mesh.make_groups` makes
+    between processes."""
+    replica, stage, tensor_rank = layout.replica(rank), layout.stage(rank), layout.tensor_rank(rank)
+    per_replica = layout.stages * layout.tensor
+    model = world.group(range(replica * per_replica, (replica + 1) * per_replica), rank)
+    replicas = [layout.rank(d, stage, tensor_rank) for d in range(layout.data)]
+    tensors = [layout.rank(replica, stage, t) for t in range(layout.tensor)]
+    prev_rank, next_rank = layout.neighbours(rank)
+    return Comms(
+        world=world.group(range(layout.world), rank),
+        pipeline=model,
+        replicas=world.group(replicas, rank) if layout.data > 1 else None,
+        tensor=world.group(tensors, rank) if layout.tensor > 1 else None,
+        link=world.link(rank, prev_rank, next_rank),
+    )
+
+
+@dataclass
+class LocalRun:
+    """What `train_in_process` returns: the loss of every step (and the held-out loss where evaluated), each
+    stage's gradients at the first step not skipped, and the whole model's weights after the last step (both
+    gathered from the tensor ranks, by parameter name, on the CPU)."""
+
+    losses: list[float] = field(default_factory=list)
+    val_losses: list[float | None] = field(default_factory=list)
+    grads_step: int | None = None
+    grads: dict = field(default_factory=dict)
+    weights: dict = field(default_factory=dict)
+
+
+def train_in_process(
+    plan: Plan,
+    schedule: Schedule,
+    args: RunArguments,
+    *,
+    data: TokenData,
+    held_out: TokenData | None = None,
+    device: str = "cpu",
+    timeout_s: float = 120.0,
+) -> LocalRun:
+    """Train ``plan`` for ``args.steps`` steps with every rank of its D × K × T layout a thread of this process:
+    the workers' own `Trainer` (and so the executor, the collectives, the update) over `LocalWorld`."""
+    layout = Layout(args.data_parallel, plan.stages, args.tensor_parallel)
+    world = LocalWorld(layout.world, timeout_s=timeout_s)
+
+    def rank_run(rank: int) -> tuple[Trainer, LocalRun]:
+        comms = local_comms(world, layout, rank)
+        trainer = Trainer(
+            plan, schedule, args, layout=layout, rank=rank, device=torch.device(device), comms=comms, data=data,
+            held_out=held_out,
+        )  # fmt: skip
+        out = LocalRun()
+        for step in range(1, args.steps + 1):
+            result = trainer.step(step)
+            out.losses.append(result.loss)
+            out.val_losses.append(trainer.evaluate() if trainer.evaluation_due(step) else None)
+            if out.grads_step is None and not result.update.skipped:
+                out.grads_step, out.grads = step, trainer.gradients()  # a collective over the tensor ranks
+        out.weights = trainer.full_state()[0]  # the same
+        return trainer, out
+
+    ranks = world.run(rank_run)
+    run = ranks[0][1]
+    for trainer, out in ranks:
+        if trainer.replica == 0 and trainer.tensor.rank == 0:
+            run.grads.update(out.grads)
+            run.weights.update({n: w.cpu() for n, w in out.weights.items()})
+    return run
