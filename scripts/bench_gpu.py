@@ -95,7 +95,8 @@ def peak_flops(device_name: str, given_tflops: float | None) -> tuple[float | No
 def measure_profile_for(model, precision: str, batches: list[int], device, out_dir: Path) -> Path:
     """A quick profile of one layer at ``precision`` (terapipe's profile library, no link), written to a file."""
     from terapipe_cli.files import write_json_atomic
-    from terapipe_cli.profile.measure import Settings, measure_profile
+    from terapipe_cli.profile.measure import measure_profile
+    from terapipe_cli.profile.tiles import Settings
 
     sizes = sorted({1, *batches})
     settings = Settings.make(model, sizes, TOKEN_STEP, quick=True, check=False, precision=precision)
@@ -178,7 +179,7 @@ def tile_floor(model, precision: str, device, repeats: int) -> tuple[list[float]
     """Forward and backward seconds of one layer's smallest tile (b = 1, i = 8, no context), ``repeats`` times."""
     import torch
 
-    from terapipe_cli.profile.measure import TileTimer
+    from terapipe_cli.profile.timer import TileTimer
 
     timer = TileTimer(model, device, precision=precision)
     with timer.runner.step():  # as in a training step: one low-precision copy of the weights for all tiles

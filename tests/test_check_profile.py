@@ -16,10 +16,10 @@ from terapipe_cli.config.model import load_model_config
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import write_json_atomic
 from terapipe_cli.plan.costmodel import read_profile
-from terapipe_cli.profile import measure, options
+from terapipe_cli.profile import options, probe
 from terapipe_cli.profile.analytic import analytic_profile
 
-CPU_NAME = measure.device_info(torch.device("cpu"))["name"]
+CPU_NAME = probe.device_info(torch.device("cpu"))["name"]
 
 
 def write_analytic(path: Path, hardware: str = "h100", *, tensor_parallel: int = 1, **device) -> Path:
@@ -84,7 +84,7 @@ def test_on_a_gpu_the_hardware_files_name_matches_what_cuda_reports(tmp_path: Pa
     """No GPU here: the device this process would time is pretended (its name and whether it has bf16)."""
     gpu = torch.device("cuda", 0)
     pretend = {"name": ""}
-    monkeypatch.setattr(measure, "device_info", lambda dev: dict(pretend))
+    monkeypatch.setattr(probe, "device_info", lambda dev: dict(pretend))
     monkeypatch.setattr(device_mod, "_native_bf16", lambda: pretend["name"].startswith("NVIDIA H100"))
     h100 = read_profile(write_analytic(tmp_path / "h100.json"))
     pretend["name"] = "NVIDIA H100 80GB HBM3"

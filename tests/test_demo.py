@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from terapipe_cli.config.demo import DemoPaths, demo_stages, load_demo_config, model_toml
+from terapipe_cli.cli.run import DemoPaths, demo_stages
+from terapipe_cli.config.demo import load_demo_config, model_toml
 from terapipe_cli.config.model import load_model_config
 from terapipe_cli.errors import UserError
 

@@ -15,7 +15,7 @@ from terapipe_cli.engine.stage import StageRunner
 from terapipe_cli.plan.costmodel import read_profile
 from terapipe_cli.plan.memory import EqualSlices, grouping_peaks, stage_memory, stage_sizes
 from terapipe_cli.plan.schedule import Schedule, plan_tiles
-from terapipe_cli.profile.measure import TileTimer
+from terapipe_cli.profile.timer import TileTimer
 
 PROFILE = read_profile(ROOT / "configs" / "profiles" / "tiny-cpu-measured.json")
 

@@ -17,14 +17,9 @@ from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.errors import UserError
 from terapipe_cli.plan.costmodel import CostModel, profile_from_dict, read_profile
 from terapipe_cli.plan.file import read_plan
-from terapipe_cli.profile.measure import (
-    TileTimer,
-    check_points,
-    context_points,
-    resolve_device,
-    time_points,
-    token_grid,
-)
+from terapipe_cli.profile.probe import resolve_device
+from terapipe_cli.profile.tiles import check_points, context_points, token_grid
+from terapipe_cli.profile.timer import TileTimer, time_points
 
 ROOT = Path(__file__).resolve().parents[1]
 MICRO = ModelConfig(name="micro", layers=2, hidden=32, heads=2, vocab=16, seq_len=64)

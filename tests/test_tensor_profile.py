@@ -15,7 +15,7 @@ from terapipe_cli.errors import UserError
 from terapipe_cli.plan.costmodel import read_profile
 from terapipe_cli.plan.file import read_plan
 from terapipe_cli.profile import options
-from terapipe_cli.profile.measure import CLOCK_NAMES
+from terapipe_cli.profile.timer import CLOCK_NAMES
 
 MICRO = ModelConfig(name="micro", layers=2, hidden=32, heads=2, vocab=16, seq_len=64)
 

@@ -10,6 +10,7 @@ import sys
 
 import typer
 
+from terapipe_cli import __version__
 from terapipe_cli.errors import Interrupted, UserError
 
 app = typer.Typer(
@@ -25,8 +26,6 @@ app = typer.Typer(
 
 def _version(value: bool) -> None:
     if value:
-        from terapipe_cli import __version__
-
         print(f"terapipe {__version__}")
         raise typer.Exit()
 

@@ -6,6 +6,7 @@ import typer
 from rich.table import Table
 
 from terapipe_cli.cli.console import make_console
+from terapipe_cli.config.bundled import BUNDLED_KINDS, bundled_config_summaries
 
 HELP = """List the bundled models, hardware files and experiments: the names `--model`, `--hardware` and the \
 experiment loaders accept from any folder (a TOML path works everywhere too).
@@ -15,8 +16,6 @@ Example:  terapipe configs
 
 
 def configs() -> None:
-    from terapipe_cli.config.bundled import BUNDLED_KINDS, bundled_config_summaries
-
     table = Table(title="bundled configs", title_justify="left")
     table.add_column("kind")
     table.add_column("name", no_wrap=True)

@@ -8,6 +8,8 @@ from typing import Annotated
 import typer
 
 from terapipe_cli.cli.console import make_console
+from terapipe_cli.engine import require_torch
+from terapipe_cli.files import check_output_file
 
 HELP = """Join a run's per-stage checkpoint into one single-device model file, loadable without terapipe's runtime:
 
@@ -33,15 +35,12 @@ def export(
     ] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing --out file.")] = False,
 ) -> None:
-    from terapipe_cli.engine import require_torch
-    from terapipe_cli.files import check_output_file
-
     require_torch("terapipe export")
-    from terapipe_cli.train.export import export_state, write_export
+    from terapipe_cli.train import export as exporting  # PyTorch: loaded when the command runs
 
     check_output_file(out, kind="model export", schema=None, force=force, example="model.pt")
-    model, done, state = export_state(run, step)
-    write_export(out, run, model, done, state)
+    model, done, state = exporting.export_state(run, step)
+    exporting.write_export(out, run, model, done, state)
     params = sum(t.numel() for t in state.values())
     make_console(highlight=False).print(
         f"exported step {done} of {run} ({model.name}, {params:,} parameters) -> {out}", soft_wrap=True

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 from rich.table import Table
@@ -11,13 +11,13 @@ from rich.table import Table
 from terapipe_cli.cli.console import make_console
 from terapipe_cli.config.experiment import load_experiment
 from terapipe_cli.errors import UserError
+from terapipe_cli.files import check_output_file, write_text_atomic
+from terapipe_cli.plan.choice import Planned, plan_for_profile
 from terapipe_cli.plan.costmodel import profile_from_dict, read_profile
+from terapipe_cli.plan.file import PLAN_SCHEMA, write_plan
 from terapipe_cli.plan.request import PlanSetting, experiment_setting, experiment_shape, stored_path
 from terapipe_cli.profile.analytic import experiment_profile
 from terapipe_cli.units import format_seconds
-
-if TYPE_CHECKING:
-    from terapipe_cli.plan.choice import Planned
 
 HELP = """Choose token and batch slicing for a profile with the exact dynamic program (docs/design.md §5).
 
@@ -39,6 +39,8 @@ Examples:
     terapipe plan --experiment paper-08-gpt3-44b --out plan-44b.json
 
     terapipe plan --experiment paper-04 --data-parallel 4 --out plan-13b-d4.json
+
+    terapipe plan --profile p.json -k 4 -b 2 --show-schedule --schedule-out my-order.csv
 """
 
 
@@ -142,15 +144,32 @@ def plan(
             "the exact optimum of the objective. The plan records both.",
         ),
     ] = "simulated",
+    show_schedule: Annotated[
+        bool,
+        typer.Option(
+            "--show-schedule",
+            help="Print the plan's schedule as a stage x time grid: every action one step, as early as its inputs "
+            "allow (0F3.2: stage 0 runs the forward of batch slice 3, token slice 2; B: backward).",
+        ),
+    ] = False,
+    schedule_out: Annotated[
+        Path | None,
+        typer.Option(
+            "--schedule-out",
+            help="Also write the plan's schedule as CSV, one row of actions per stage: edit it and train it with "
+            "`terapipe train --schedule FILE` (checked for legality there).",
+            show_default=False,
+        ),
+    ] = None,
     out: Annotated[Path, typer.Option("--out", "-o", help="Where to write the plan JSON.")] = Path("plan.json"),
     force: Annotated[bool, typer.Option("--force", help="Overwrite --out even if it is not a plan.")] = False,
 ) -> None:
-    from terapipe_cli.files import check_output_file
-    from terapipe_cli.plan.choice import plan_for_profile
-    from terapipe_cli.plan.file import PLAN_SCHEMA, write_plan
-
     console = make_console()
     check_output_file(out, kind="plan", schema=PLAN_SCHEMA, force=force, example="plan.json")
+    if schedule_out is not None:
+        check_output_file(
+            schedule_out, kind="schedule", schema=None, force=force, example="schedule.csv", flag="--schedule-out"
+        )
     setting = setting_from_options(
         profile=profile, experiment=experiment, stages=stages, batch_size=batch, data_parallel=data_parallel,
         tensor_parallel=tensor_parallel, token_step=token_step,
@@ -165,8 +184,13 @@ def plan(
     ):
         planned = plan_for_profile(prof, request)
     write_plan(out, planned.to_plan_dict(setting.profile_path, setting.experiment))
+    schedule = planned.schedule()
+    if schedule_out is not None:
+        write_text_atomic(schedule_out, schedule.to_csv())
 
     console.print(_table(planned))
+    if show_schedule:
+        _print_schedule(console, schedule)
     best = planned.terapipe
     if setting.profile_path is None:
         source = f"estimated for {setting.experiment['name']} on {prof.device.get('hardware', '?')}"
@@ -188,7 +212,20 @@ def plan(
         warnings.append(planned.memory.warning())
     for warning in filter(None, warnings):
         make_console(stderr=True).print(f"[yellow]warning:[/yellow] {warning}", soft_wrap=True, highlight=False)
-    console.print(f"wrote [bold]{out}[/bold]")
+    console.print(f"wrote [bold]{out}[/bold]" + (f" and [bold]{schedule_out}[/bold]" if schedule_out else ""))
+
+
+SCHEDULE_STEPS_SHOWN = 48  # time steps of the grid printed; the CSV holds every action
+
+
+def _print_schedule(console, schedule) -> None:
+    """The schedule's grid, its first `SCHEDULE_STEPS_SHOWN` steps."""
+    console.print(
+        f"schedule ({schedule.order} order, {len(schedule.tiles)} tiles on {schedule.stages} stages; each action one "
+        "step, as early as its inputs allow):",
+        highlight=False,
+    )
+    console.print(schedule.grid(width=SCHEDULE_STEPS_SHOWN), markup=False, highlight=False, soft_wrap=True)
 
 
 _NAMES = {"terapipe": "TeraPipe (DP)", "gpipe": "GPipe", "uniform": "uniform (best)"}

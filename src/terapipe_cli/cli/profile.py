@@ -13,7 +13,10 @@ from rich.table import Table
 
 from terapipe_cli.cli.console import make_console
 from terapipe_cli.cli.options import DeviceOption, PrecisionOption
+from terapipe_cli.files import write_json_atomic, write_text_atomic
 from terapipe_cli.profile import options
+from terapipe_cli.profile.analytic import kernels_per_tile
+from terapipe_cli.profile.calibrate import calibrate, calibrated_toml
 from terapipe_cli.units import format_seconds
 
 HELP = """Measure the cost model t(b, i, j) of docs/design.md §3 on this machine and write a profile JSON for `terapipe plan`.
@@ -159,7 +162,7 @@ def profile(
 
 def _measure(console: Console, cfg, settings, dev, measure: dict, *, out: Path) -> None:
     """``measure``: the keyword arguments of `measure_profile` that say what to measure."""
-    from terapipe_cli.profile.measure import measure_profile
+    from terapipe_cli.profile.measure import measure_profile  # PyTorch: loaded by the commands that time
 
     T = measure["tensor_parallel"]
     console.print(
@@ -179,8 +182,6 @@ def _measure(console: Console, cfg, settings, dev, measure: dict, *, out: Path) 
 
 
 def _write(console: Console, out: Path, prof: dict, *, seconds: float | None = None) -> None:
-    from terapipe_cli.files import write_json_atomic
-
     write_json_atomic(out, prof)
     if prof["source"] == "analytic":
         _render_analytic(console, prof)
@@ -312,16 +313,16 @@ def _recheck(
     model,
     analytic: bool,
 ) -> None:
-    from terapipe_cli.profile.measure import device_info, recheck_profile
+    from terapipe_cli.profile import measure, probe  # PyTorch: loaded by the commands that time
 
     prof, dev = options.profile_to_check(path, device, precision=precision, model=model, analytic=analytic)
     estimated = prof.source == "analytic"
     console.print(
         f"Checking [bold]{path}[/bold] ({'an analytic estimate for ' if estimated else ''}{prof.device.get('name')}) "
-        f"against direct timings on {dev.type} ({device_info(dev)['name']}) in {prof.precision}"
+        f"against direct timings on {dev.type} ({probe.device_info(dev)['name']}) in {prof.precision}"
     )
     with _progress(console) as update:
-        result = recheck_profile(
+        result = measure.recheck_profile(
             prof.raw, dev, count=4 if quick else 8, repeats=3 if quick else 5, seed=seed, clock=clock, progress=update
         )
     _render_check(console, result, estimated=estimated)
@@ -339,9 +340,6 @@ def _render_analytic(console: Console, prof: dict) -> None:
 
 def _calibrate(console: Console, measured: Path, *, hardware, precision, out, force: bool, others: dict) -> None:
     """``--calibrate``: fit, write the calibrated hardware TOML, show the error per tile size."""
-    from terapipe_cli.files import write_text_atomic
-    from terapipe_cli.profile.calibrate import calibrate, calibrated_toml
-
     measurement, hw, text, out = options.calibration_request(
         measured, hardware=hardware, precision=precision, out=out, force=force, others=others
     )
@@ -377,8 +375,6 @@ def _render_calibration(console: Console, result, measured: Path) -> None:
         edges = ", ".join(result.at_bounds)
         console.print(f"at the edge of the range searched (not pinned down by these tiles): {edges}")
     if after.dispatch_s:
-        from terapipe_cli.profile.analytic import kernels_per_tile
-
         fwd, bwd = kernels_per_tile(result.hardware.training.dtype)
         console.print(
             f"dispatch floor: {fwd} kernels forward, {bwd} backward × {after.dispatch_s * 1e6:.1f} µs = "

@@ -13,6 +13,32 @@ from rich.table import Table
 
 from terapipe_cli.cli.console import make_console
 from terapipe_cli.errors import Interrupted, UserError
+from terapipe_cli.plan.file import short_form
+from terapipe_cli.report.build import (
+    check_report_dir,
+    check_warmup,
+    find_baseline,
+    find_cost_model,
+    load_baseline,
+    loss_mismatch,
+    report_dir,
+    write_report,
+)
+from terapipe_cli.report.runs import load_run
+from terapipe_cli.report.text import (
+    MEMORY_TITLE,
+    STAGE_HEADER,
+    bubble_line,
+    headline,
+    latency_header,
+    latency_rows,
+    loss_line,
+    memory_table,
+    stage_rows,
+    tile_speed_line,
+    title,
+)
+from terapipe_cli.train.rundir import check_not_live
 
 HELP = """Compare a training run with its GPipe baseline: latency, speed-up, predicted vs measured, idle time per \
 stage, memory, and the loss of every step (which must match: both are the same synchronous training).
@@ -58,17 +84,6 @@ def report(
         typer.Option("--profile", help="Profile for the simulator's predicted timelines (default: the plan's)."),
     ] = None,
 ) -> None:
-    from terapipe_cli.report.build import (
-        check_report_dir,
-        check_warmup,
-        find_cost_model,
-        loss_mismatch,
-        report_dir,
-        write_report,
-    )
-    from terapipe_cli.report.runs import load_run
-    from terapipe_cli.train.rundir import check_not_live
-
     console = make_console(highlight=False)
     if no_baseline and baseline is not None:
         raise UserError("a report has a baseline or not: pass --baseline RUN_DIR or --no-baseline", where="--baseline")
@@ -100,8 +115,7 @@ def report(
 
 def _baseline(console: Console, run, given: Path | None):
     """The baseline: the one given, the sibling an earlier report trained, or one trained now (checked first)."""
-    from terapipe_cli.report.build import find_baseline, load_baseline
-    from terapipe_cli.train.baseline import check_baseline
+    from terapipe_cli.train.baseline import check_baseline  # PyTorch: loaded only when a baseline is trained
 
     choice = find_baseline(run, given)
     if choice.exists:
@@ -117,23 +131,22 @@ def _baseline(console: Console, run, given: Path | None):
 def train_gpipe(console: Console, run, path: Path) -> None:
     """Train the run's GPipe baseline into ``path``; a failed worker is one line and exit code 1, as in train;
     Ctrl-C is one line saying how to finish the baseline and then the report."""
-    from terapipe_cli.plan.file import short_form
-    from terapipe_cli.train.baseline import baseline_scheme, train_baseline
-    from terapipe_cli.train.launch import WorkerFailed, interrupted_message
+    from terapipe_cli.train import baseline, launch  # PyTorch: loaded only when a baseline is trained
 
+    scheme = short_form(baseline.baseline_scheme(run.path))
     console.print(
-        f"[bold]training the GPipe baseline[/] {short_form(baseline_scheme(run.path))} ({run.args.steps} steps, "
-        f"same model, data, seed and layout) -> {path}"
+        f"[bold]training the GPipe baseline[/] {scheme} ({run.args.steps} steps, same model, data, seed and layout) "
+        f"-> {path}"
     )
     try:
-        train_baseline(run.path, path)
-    except WorkerFailed as e:
+        baseline.train_baseline(run.path, path)
+    except launch.WorkerFailed as e:
         sys.stdout.flush()
         sys.stderr.write(f"terapipe: error: the GPipe baseline failed: {e}\n")
-        raise SystemExit(WorkerFailed.exit_code) from None
+        raise SystemExit(launch.WorkerFailed.exit_code) from None
     except Interrupted:
         again = shlex.join(["terapipe", "report", str(run.path)])
-        line = interrupted_message(
+        line = launch.interrupted_message(
             path, restart=f"delete {shlex.quote(str(path))} and run {again}", then=f", then {again}"
         )
         raise Interrupted(f"the GPipe baseline was {line}") from None
@@ -141,19 +154,6 @@ def train_gpipe(console: Console, run, path: Path) -> None:
 
 def render(console: Console, result: dict) -> None:
     """The report's summary in the terminal (the same tables as report.md)."""
-    from terapipe_cli.report.text import (
-        MEMORY_TITLE,
-        STAGE_HEADER,
-        bubble_line,
-        headline,
-        latency_header,
-        latency_rows,
-        loss_line,
-        memory_table,
-        stage_rows,
-        tile_speed_line,
-        title,
-    )
 
     console.print(f"[bold]{title(result)}[/]", soft_wrap=True)  # whole, however narrow the table below
     t = Table()

@@ -8,12 +8,18 @@ from __future__ import annotations
 
 import shlex
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from terapipe_cli.cli.console import make_console
+from terapipe_cli.config.demo import DEMO_DEVICE, DemoConfig, load_demo_config, model_toml
+from terapipe_cli.config.device import resolve_device
+from terapipe_cli.files import write_text_atomic
+from terapipe_cli.report.build import FILES
+from terapipe_cli.units import folder_stamp
 
 HELP = """Run all four stages in order on the tiny model (K = 2 stages, B = 1), on the CPU whatever the machine \
 (--device cuda: on the GPU, the stages sharing it): measure a profile, plan the token slicing, train with the \
@@ -52,11 +58,6 @@ def run(
         ),
     ] = "cpu",
 ) -> None:
-    from terapipe_cli.config.demo import DemoPaths, demo_stages, load_demo_config, model_toml
-    from terapipe_cli.config.device import resolve_device
-    from terapipe_cli.files import write_text_atomic
-    from terapipe_cli.report.build import FILES
-
     console = make_console(highlight=False)
     cfg = load_demo_config(config, quick=quick)
     device = resolve_device(device)
@@ -90,6 +91,70 @@ def _run_command(argv: list[str]) -> None:
     code = typer.main.get_command(app).main(args=argv, prog_name="terapipe", standalone_mode=False)
     if isinstance(code, int) and code:  # a command that ended through typer.Exit(code): stop the demo there
         raise SystemExit(code)
+
+
+@dataclass(frozen=True)
+class DemoPaths:
+    """Where one demo writes: a fresh folder per invocation, so the demo can always be run again."""
+
+    root: Path
+    model: Path
+    profile: Path
+    plan: Path
+    run: Path
+    report: Path  # the report command's default, RUN_DIR/report
+
+    @classmethod
+    def at(cls, root: Path) -> DemoPaths:
+        run = root / "run"
+        return cls(root, root / "model.toml", root / "profile.json", root / "plan.json", run, run / "report")
+
+    @classmethod
+    def fresh(cls, out: Path) -> DemoPaths:
+        stamp = folder_stamp()
+        root, n = out / stamp, 1
+        while root.exists():
+            n += 1
+            root = out / f"{stamp}-{n}"
+        return cls.at(root)
+
+
+@dataclass(frozen=True)
+class DemoStage:
+    """One stage of the demo: the command line a user would type, ``terapipe`` + ``argv``."""
+
+    name: str
+    argv: list[str]
+
+
+def demo_stages(cfg: DemoConfig, paths: DemoPaths, device: str = DEMO_DEVICE) -> list[DemoStage]:
+    """The four commands of the demo, in order, each with every argument it runs with.
+
+    ``device`` is pinned on the profile and the train commands (the plan follows the profile; the report's
+    GPipe baseline trains on the run's device), so ``--device auto`` never moves the demo without being asked.
+    """
+    profile = ["--model", str(paths.model), "--batch-sizes", ",".join(map(str, _powers_of_two(cfg.batch_size)))]
+    profile += ["--token-step", str(cfg.token_step), "--seed", str(cfg.seed), "--device", device]
+    profile += ["--out", str(paths.profile)]
+    plan = ["--profile", str(paths.profile), "--stages", str(cfg.stages), "--batch", str(cfg.batch_size)]
+    plan += ["--token-step", str(cfg.token_step), "--out", str(paths.plan)]
+    train = ["--plan", str(paths.plan), "--steps", str(cfg.steps), "--seed", str(cfg.seed), "--lr", str(cfg.lr)]
+    train += ["--device", device, "--out", str(paths.run)]
+    return [
+        DemoStage("profile", ["profile", *profile, *(["--quick"] if cfg.profile_quick else [])]),
+        DemoStage("plan", ["plan", *plan]),
+        DemoStage("train", ["train", *train]),
+        DemoStage("report", ["report", str(paths.run), "--warmup", str(cfg.warmup)]),
+    ]
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    """Batch-slice sizes to profile for B > 1: 1, 2, 4, … up to B (the planner interpolates between them)."""
+    sizes, b = [], 1
+    while b < limit:
+        sizes.append(b)
+        b *= 2
+    return sizes + [limit]
 
 
 def register(app: typer.Typer) -> None:

@@ -19,6 +19,8 @@ from terapipe_cli.cli.options import option, with_settings
 from terapipe_cli.config.run import TABLE, RunConfig, flag, load_run_config, run_fields
 from terapipe_cli.engine import require_torch
 from terapipe_cli.errors import UserError
+from terapipe_cli.train.placement import placement_note
+from terapipe_cli.train.rundir import check_not_live, run_lock
 
 CPP_LOG_LEVEL = "TORCH_CPP_LOG_LEVEL"
 
@@ -60,9 +62,7 @@ def train(*, config: Path | None, resume: bool, dry_run: bool, **settings) -> No
     """``terapipe train``: the run's settings from ``--config`` with the flags given over them (`RunConfig`)."""
     _quiet_torch_logging()
     require_torch("terapipe train")
-    from terapipe_cli.train.launch import command_line
-    from terapipe_cli.train.prepare import NegativeControls, prepare_run
-    from terapipe_cli.train.rundir import check_not_live
+    from terapipe_cli.train import launch, prepare  # PyTorch: only the commands that train load it
 
     from_file = load_run_config(config) if config is not None else RunConfig()
     flags = {name: str(v) if isinstance(v, Path) else v for name, v in settings.items() if v is not None}
@@ -71,15 +71,15 @@ def train(*, config: Path | None, resume: bool, dry_run: bool, **settings) -> No
         if run_config.value("node_rank") == 0:  # other nodes join node 0's run, which holds the lock of a shared folder
             out = None if run_config.out is None else Path(run_config.out)
             check_not_live(out, "resume it" if resume else "use another --out, or --resume it")
-        controls = NegativeControls.from_environment()
-        prepared = prepare_run(run_config, resume=resume, write=not dry_run, controls=controls)
+        controls = prepare.NegativeControls.from_environment()
+        prepared = prepare.prepare_run(run_config, resume=resume, write=not dry_run, controls=controls)
     except UserError as e:
         raise located(e, flags, from_file, config) from None
     if dry_run:
         console = make_console(highlight=False)
         console.print(f"process mesh (data, pipeline, tensor): {prepared.layout.shape_text()}")
         console.print(_mesh_table(prepared))
-        print(command_line(prepared.launch))
+        print(launch.command_line(prepared.launch))
         return
     _launch(prepared, prepared.args.verify)
 
@@ -125,7 +125,6 @@ DryRunOption = Annotated[
 def _launch(prepared: PreparedRun, verify: bool) -> None:
     """Start the workers, wait for them, and verify when asked; a failure ends with one line."""
     from terapipe_cli.train.launch import WorkerFailed, launch
-    from terapipe_cli.train.rundir import run_lock
 
     console = make_console(stderr=False, highlight=False)
     console.print(_headline(prepared))
@@ -161,8 +160,6 @@ def _quiet_torch_logging() -> None:
 
 
 def _headline(prepared: PreparedRun) -> str:
-    from terapipe_cli.train.placement import placement_note
-
     p, spec, args = prepared.plan, prepared.launch, prepared.args
     tensor = f" T={args.tensor_parallel}" if args.tensor_parallel > 1 else ""
     return (

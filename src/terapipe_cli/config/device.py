@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 from terapipe_cli.errors import UserError
@@ -31,8 +32,6 @@ def resolve_device(name: str) -> str:
 
 def machine_memory_bytes() -> int | None:
     """This machine's physical memory (None where the system does not say): what CPU workers share."""
-    import os
-
     try:
         return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
     except (AttributeError, OSError, ValueError):

@@ -19,28 +19,33 @@ the field.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass
 from pathlib import Path
 
 from terapipe_cli.config.bundled import find_config, load_toml
+from terapipe_cli.config.fields import read_fields, setting
 from terapipe_cli.config.hardware import Hardware, load_hardware
 from terapipe_cli.config.model import ModelConfig, load_model_config
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import Fields
 
-KNOWN = (
-    "name",
-    "setting",
-    "description",
-    "model",
-    "hardware",
-    "gpus",
-    "batch_size",
-    "data_parallel",
-    "stages",
-    "tensor_parallel",
-    "token_step",
-)
+
+@dataclass(frozen=True)
+class ExperimentFile:
+    """The keys of an ``[experiment]`` table (paths relative to the file)."""
+
+    name: str = setting("The experiment's name.", MISSING)
+    model: str = setting("The model TOML.", MISSING, path=True)
+    hardware: str = setting("The hardware TOML its profile is estimated for.", MISSING, path=True)
+    gpus: int = setting("GPUs in all: data_parallel · stages · tensor_parallel.", MISSING, minimum=1)
+    batch_size: int = setting("The global batch B: sequences per step over all replicas.", MISSING, minimum=1)
+    data_parallel: int = setting("Data-parallel replicas D.", MISSING, minimum=1)
+    stages: int = setting("Pipeline stages K.", MISSING, minimum=1)
+    tensor_parallel: int = setting("Tensor-parallel degree T.", MISSING, minimum=1)
+    token_step: int = setting("Token slices are multiples of this.", 8, minimum=1)
+    description: str = setting("What it is, in words.", "")
+    # (last: the field's name shadows the function in the class body)
+    setting: str = setting("The row of docs/design.md §7 it reproduces (free text).", "")
 
 
 @dataclass(frozen=True)
@@ -70,11 +75,6 @@ class Experiment:
         return self.batch_size // self.data_parallel
 
 
-def _resolve(base: Path, value: str) -> Path:
-    p = Path(value).expanduser()
-    return p if p.is_absolute() else base / p
-
-
 def load_experiment(path: str | Path, flag: str = "experiment") -> Experiment:
     """Load and validate one experiment file, or a bundled one by name (``paper-01-gpt3-1b``) or by the start of
     exactly one bundled name (``paper-01``); paths inside it are relative to the file. ``flag`` names the option
@@ -88,31 +88,20 @@ def load_experiment(path: str | Path, flag: str = "experiment") -> Experiment:
     extra = sorted(set(data) - {"experiment"})
     if extra:
         raise UserError(f"unknown table [{extra[0]}] (only [experiment] is read)", where=where)
-    f = Fields(table, where, "experiment.")
-    unknown = sorted(set(table) - set(KNOWN))
-    if unknown:
-        raise f.fail(unknown[0], "is not an experiment setting (known: " + ", ".join(KNOWN) + ")")
-
+    if isinstance(table.get("setting"), int) and not isinstance(table.get("setting"), bool):
+        table = {**table, "setting": str(table["setting"])}  # a setting's number, written without quotes
     base = path.resolve().parent
-    model_path = _resolve(base, f.str("model"))
-    hardware_path = _resolve(base, f.str("hardware"))
+    v = read_fields(ExperimentFile, table, where, prefix="experiment.", what="experiment setting", base=base)
+    f = Fields(table, where, "experiment.")
+    model_path, hardware_path = Path(v["model"]), Path(v["hardware"])
     if not model_path.is_file():
         raise f.fail("model", f"names {model_path}, which is not a file")
     if not hardware_path.is_file():
         raise f.fail("hardware", f"names {hardware_path}, which is not a file")
     model = load_model_config(model_path)
     hardware = load_hardware(hardware_path)
-
-    gpus = f.int("gpus", minimum=1)
-    batch_size = f.int("batch_size", minimum=1)
-    dp = f.int("data_parallel", minimum=1)
-    stages = f.int("stages", minimum=1)
-    tp = f.int("tensor_parallel", minimum=1)
-    token_step = f.int("token_step", minimum=1, default=8)
-    setting = table.get("setting", "")
-    if not isinstance(setting, (str, int)) or isinstance(setting, bool):
-        raise f.fail("setting", f"must be a string, got {setting!r}")
-
+    gpus, batch_size, stages, token_step = v["gpus"], v["batch_size"], v["stages"], v.get("token_step", 8)
+    dp, tp = v["data_parallel"], v["tensor_parallel"]
     if dp * stages * tp != gpus:
         raise f.fail(
             "gpus", f"is {gpus}, but data_parallel·stages·tensor_parallel = {dp}·{stages}·{tp} = {dp * stages * tp}"
@@ -128,9 +117,9 @@ def load_experiment(path: str | Path, flag: str = "experiment") -> Experiment:
     if token_step > model.seq_len:
         raise f.fail("token_step", f"is {token_step}, longer than the sequence length {model.seq_len}")
     return Experiment(
-        name=f.str("name"),
-        setting=str(setting),
-        description=f.str("description", default=""),
+        name=v["name"],
+        setting=v.get("setting", ""),
+        description=v.get("description", ""),
         model=model,
         hardware=hardware,
         model_path=str(model_path),

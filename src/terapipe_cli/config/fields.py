@@ -71,12 +71,19 @@ def optional_fields(cls) -> set[str]:
 
 
 def read_fields(
-    cls, obj: dict, where: str, *, prefix: str = "", what: str = "setting", base: Path | None = None
+    cls,
+    obj: dict,
+    where: str,
+    *,
+    prefix: str = "",
+    what: str = "setting",
+    base: Path | None = None,
+    partial: bool = False,
 ) -> dict[str, Any]:
     """The values of ``obj`` (a TOML table or JSON object) for ``cls``'s fields, each checked against its type and
     bounds; a key that is no field, or a bad value, is one `UserError` naming ``where`` and ``prefix + key``. Keys
-    left out are left out (the dataclass's defaults fill them); a required field left out is an error. Path fields
-    are resolved against ``base``."""
+    left out are left out (the dataclass's defaults fill them); a required field left out is an error unless
+    ``partial`` (overrides of some fields). Path fields are resolved against ``base``."""
     f = Fields(obj, where, prefix)
     names = known_keys(cls)
     unknown = sorted(set(obj) - set(names))
@@ -87,7 +94,7 @@ def read_fields(
     for fd in fields(cls):
         name = fd.name
         if name not in obj:
-            if fd.default is MISSING and fd.default_factory is MISSING:
+            if not partial and fd.default is MISSING and fd.default_factory is MISSING:
                 raise f.fail(name, "is missing")
             continue
         value = obj[name]

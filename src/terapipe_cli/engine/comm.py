@@ -12,11 +12,14 @@ launcher can tell a consequence (this rank lost its neighbour) from a root cause
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
+from terapipe_cli.engine.mesh import Layout
 from terapipe_cli.plan.schedule import Tile
 
 OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -104,3 +107,37 @@ def host_all_reduce(tensor: torch.Tensor, *, group: object | None = None, op=dis
     host = tensor.detach().cpu()
     dist.all_reduce(host, op=op, group=group)
     tensor.copy_(host)
+
+
+@dataclass(frozen=True)
+class Groups:
+    """The collectives one rank needs besides the world's (`comm.DistGroup`s).
+
+    ``replicas``: the rank's stage and tensor rank in every replica (the data-parallel gradient all-reduce; None
+    with one replica); ``tensor``: its stage's T ranks (the tensor-parallel all-reduces; None without tensor
+    parallelism); ``model``: its replica's K·T ranks, which together hold the whole model once (the global
+    gradient norm; every rank with one replica)."""
+
+    replicas: DistGroup | None
+    tensor: DistGroup | None
+    model: DistGroup
+
+
+def make_groups(layout: Layout, rank: int, device_type: str) -> Groups:
+    """The process groups of ``layout`` for this rank; every rank must call it, in the same order.
+
+    ``device_type``: "cuda" on NCCL, else "cpu" (gloo, also when CUDA tensors go through host memory)."""
+    mesh = init_device_mesh(
+        device_type, (layout.data, layout.stages, layout.tensor), mesh_dim_names=("data", "pipeline", "tensor")
+    )
+    per_replica = layout.stages * layout.tensor
+    model = DistGroup(None, layout.world)
+    if layout.data > 1:
+        # The (pipeline, tensor) sub-mesh of every replica, as one group: new_group on every rank, in order.
+        groups = [dist.new_group(list(range(d * per_replica, (d + 1) * per_replica))) for d in range(layout.data)]
+        model = DistGroup(groups[layout.replica(rank)], per_replica)
+    return Groups(
+        replicas=DistGroup(mesh.get_group("data"), layout.data) if layout.data > 1 else None,
+        tensor=DistGroup(mesh.get_group("tensor"), layout.tensor) if layout.tensor > 1 else None,
+        model=model,
+    )

@@ -144,6 +144,10 @@ class Planned:
     # search there); empty when every grouping was searched.
     equal_slices_only: tuple[str, ...] = ()
 
+    def schedule(self) -> Schedule:
+        """The schedule the plan runs in: its scheme, order and recomputation."""
+        return Schedule.build(self.terapipe.slices, self.request.stages, self.order, self.recompute)
+
     def choice_text(self) -> str:
         """``GPipe order`` / ``1F1B order, recomputed on stages 0, 1``: how the plan's steps run."""
         return choice_text(self.order, self.recompute)

@@ -52,7 +52,7 @@ left out of the price (zero), and `CostModel.allreduce_unpriced` says why, for t
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -244,13 +244,7 @@ def read_profile(path: str | Path) -> Profile:
     """Read and validate a profile file (one clear error naming the file and field)."""
     prof = profile_from_dict(read_json_with_schema(path, PROFILE_SCHEMA, "profile"), str(path))
     digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
-    return _with(prof, path=str(path), sha256=digest)
-
-
-def _with(prof: Profile, **changes) -> Profile:
-    from dataclasses import replace
-
-    return replace(prof, **changes)
+    return replace(prof, path=str(path), sha256=digest)
 
 
 def _interp_linear(x: np.ndarray, xs: np.ndarray, ys: np.ndarray) -> np.ndarray:

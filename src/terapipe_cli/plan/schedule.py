@@ -223,11 +223,12 @@ class Schedule:
                     progressed = True
             if not progressed:
                 stuck = [
-                    f"stage {k} at {self.label(row[pos[k]])!r}"
-                    for k, row in enumerate(self.actions)
-                    if pos[k] < len(row)
+                    f"stage {k} at {self.label(r[pos[k]])!r}" for k, r in enumerate(self.actions) if pos[k] < len(r)
                 ]
-                raise UserError(f"deadlocks: {'; '.join(stuck)} each wait for another", where=where)
+                raise UserError(
+                    f"deadlocks: {' and '.join(stuck)} wait for actions that come later in each other's rows",
+                    where=where,
+                )
         return out
 
     def _ready(self, a: Action, done: set) -> bool:

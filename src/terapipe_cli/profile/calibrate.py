@@ -28,9 +28,11 @@ from pathlib import Path
 
 import numpy as np
 
+from terapipe_cli.config.device import same_device_name
 from terapipe_cli.config.hardware import Hardware
 from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.errors import UserError
+from terapipe_cli.files import read_user_text
 from terapipe_cli.plan.costmodel import Profile
 from terapipe_cli.profile.analytic import layer_seconds
 
@@ -114,8 +116,6 @@ class Calibration:
 
 def check_matches(measurement: Measurement, hardware: Hardware) -> None:
     """A calibration fits one device in one precision: the measurement's must be the hardware file's."""
-    from terapipe_cli.config.device import same_device_name
-
     where = measurement.source
     if measurement.precision != hardware.training.dtype:
         raise UserError(
@@ -169,8 +169,6 @@ def read_tile_table(path: str | Path, precision: str) -> Measurement:
     are ignored; lines starting with '#' are comments); one row per tile, forward + backward of one layer in
     milliseconds. It records neither the device nor the precision: ``precision`` is the caller's word for it, and
     the device is not checked."""
-    from terapipe_cli.files import read_user_text
-
     where = str(path)
     text = read_user_text(Path(path), name="tile table", expected="a CSV of tile times")
     # Lines starting with '#' are comments (where the times come from); keep the file's line numbers for errors.

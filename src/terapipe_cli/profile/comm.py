@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
+import torch.distributed as dist
 
 from terapipe_cli.engine.torchrun import rendezvous_args, run_torchrun
 from terapipe_cli.errors import UserError
@@ -122,8 +124,6 @@ def measure_link(
     timeout_s: float = 120.0,
 ) -> LinkMeasurement:
     """Measure and fit the stage-to-stage link for ``device`` ("cpu" or "cuda")."""
-    import torch
-
     if device == "cuda" and torch.cuda.device_count() < 2:
         return _measure_copy_one_gpu(sizes, rounds=rounds, iters=iters)
     backend = "nccl" if device == "cuda" else "gloo"
@@ -133,8 +133,6 @@ def measure_link(
 
 
 def _measure_copy_one_gpu(sizes: Sequence[int], *, rounds: int, iters: int) -> LinkMeasurement:
-    import torch
-
     dev = torch.device("cuda", 0)
     rng = np.random.default_rng(0)
     samples = np.zeros((rounds, len(sizes)))
@@ -189,8 +187,6 @@ def allreduce_processes(device: str) -> int | None:
     than two: nothing to reduce across), two on a CPU (the smallest ring, one core each; the ring formula
     carries the fitted link to other replica counts)."""
     if device == "cuda":
-        import torch
-
         count = torch.cuda.device_count()
         return count if count >= 2 else None
     return 2
@@ -252,9 +248,6 @@ def run_workers(args: Sequence[str], out: Path, *, limit_s: float, what: str) ->
 def join_worker_group(backend: str, timeout_s: float):
     """A profile worker's (device, rank): its own GPU on NCCL (chosen before NCCL starts, so its communicator
     binds to the right device), else the CPU; then the process group."""
-    import torch
-    import torch.distributed as dist
-
     if backend == "nccl":
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
@@ -267,9 +260,6 @@ def join_worker_group(backend: str, timeout_s: float):
 def _worker(args: argparse.Namespace) -> None:
     """One rank of the measurement. ``pingpong``: rank 0 sends, rank 1 echoes, the time kept is half the
     round trip. ``allreduce``: every rank reduces the buffer. Rank 0 writes the times."""
-
-    import torch
-    import torch.distributed as dist
 
     torch.set_num_threads(1)
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -307,8 +297,6 @@ def _worker(args: argparse.Namespace) -> None:
 
 def _pingpong(rank: int):
     """One round trip between ranks 0 and 1 (rank 0 sends first)."""
-    import torch.distributed as dist
-
     peer = 1 - rank
 
     def once(buf) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import lsq_linear
 
 from terapipe_cli.plan.costmodel import context_seconds, context_terms
 
@@ -93,7 +92,7 @@ def fit_context(b, i, j, t_nc, t_measured) -> ContextFitResult:
     scale = np.linalg.norm(A, axis=0)
     scale[scale == 0] = 1.0
     lower = np.array([-np.inf, -np.inf, 0.0, 0.0])
-    sol = lsq_linear(A / scale, y, bounds=(lower, np.full(4, np.inf)), method="bvls")
+    sol = _lsq_linear()(A / scale, y, bounds=(lower, np.full(4, np.inf)), method="bvls")
     coef = sol.x / scale
     res = ContextFitResult(tuple(float(c) for c in coef), RelErr(0.0, 0.0, 0))
     return ContextFitResult(res.coef, res.errors(b, i, j, t_nc, t))
@@ -123,8 +122,16 @@ def fit_link(nbytes, seconds) -> LinkFit:
     A = np.stack([w, x * w], axis=1)
     scale = np.linalg.norm(A, axis=0)
     scale[scale == 0] = 1.0
-    sol = lsq_linear(A / scale, np.ones_like(t), bounds=(0.0, np.inf), method="bvls")
+    sol = _lsq_linear()(A / scale, np.ones_like(t), bounds=(0.0, np.inf), method="bvls")
     latency, s_per_byte = sol.x / scale
     s_per_byte = max(float(s_per_byte), _MIN_S_PER_BYTE)
     fit = LinkFit(float(latency), 1.0 / s_per_byte, RelErr(0.0, 0.0, 0))
     return LinkFit(fit.latency_s, fit.bytes_per_s, RelErr.of(fit(x), t))
+
+
+def _lsq_linear():
+    """scipy's bounded least squares; imported when a fit runs (scipy.optimize takes a third of a second to load,
+    and every command's start-up would pay it)."""
+    from scipy.optimize import lsq_linear
+
+    return lsq_linear

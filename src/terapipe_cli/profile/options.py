@@ -7,22 +7,33 @@ no output file is written.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from terapipe_cli.config.model import ModelConfig
+from terapipe_cli.config.device import default_precision, resolve_precision, runs_natively, same_device_name
+from terapipe_cli.config.hardware import Hardware, load_hardware
+from terapipe_cli.config.model import ModelConfig, load_model_config
 from terapipe_cli.errors import UserError
+from terapipe_cli.files import check_output_file, read_user_text
+from terapipe_cli.plan.costmodel import PROFILE_SCHEMA, Profile, read_profile
+from terapipe_cli.profile.analytic import analytic_profile
+from terapipe_cli.profile.calibrate import Measurement, check_matches, from_profile, read_tile_table
+from terapipe_cli.profile.tiles import Settings
 
 if TYPE_CHECKING:
     import torch
 
-    from terapipe_cli.config.hardware import Hardware
-    from terapipe_cli.plan.costmodel import Profile
-    from terapipe_cli.profile.calibrate import Measurement
-    from terapipe_cli.profile.measure import Settings
-
 DEFAULT_BATCH_SIZES = "1,2,4"
+
+
+def _probe():
+    """The device probe (`profile.probe`) imports PyTorch: only the requests that time or check on a device load
+    it, so `terapipe profile --analytic` and ``--calibrate`` run without it."""
+    from terapipe_cli.profile import probe
+
+    return probe
 
 
 def parse_batch_sizes(text: str) -> tuple[int, ...]:
@@ -42,8 +53,6 @@ def parse_batch_sizes(text: str) -> tuple[int, ...]:
 def check_writable(out: Path, force: bool = False) -> None:
     """Fail before minutes of measuring, not after: ``out`` must be a profile file we may write
     (`files.check_output_file`)."""
-    from terapipe_cli.files import check_output_file
-    from terapipe_cli.plan.costmodel import PROFILE_SCHEMA
 
     check_output_file(out, kind="profile", schema=PROFILE_SCHEMA, force=force, example="profile.json")
 
@@ -52,7 +61,6 @@ def model_to_profile(
     model: Path | None, batch_sizes: str | None, out: Path, force: bool = False
 ) -> tuple[ModelConfig, tuple[int, ...]]:
     """The model to profile, the batch sizes asked for (empty: the default), and a writable ``out``."""
-    from terapipe_cli.config.model import load_model_config
 
     if model is None:
         raise UserError("is required (a model TOML such as configs/models/tiny.toml)", where="--model")
@@ -70,9 +78,6 @@ def profile_to_check(
     describes (`check_analytic_device`), since its prediction is for that GPU. An example profile (made-up
     numbers) predicts no device and is refused. The check times at the profile's precision; another
     ``--precision`` is refused, and so is T > 1 (the check times one process)."""
-    from terapipe_cli.config.device import resolve_precision
-    from terapipe_cli.plan.costmodel import read_profile
-    from terapipe_cli.profile.measure import check_fits_in_memory, resolve_device
 
     if model is not None or analytic:
         raise UserError(
@@ -84,7 +89,7 @@ def profile_to_check(
             f"is an {prof.source!r} profile; only a measured profile or an analytic one can be checked by timing",
             where=str(path),
         )
-    dev = resolve_device(device)
+    dev = _probe().resolve_device(device)
     measured = prof.source == "measured"
     if not measured:
         check_analytic_device(prof, dev, path)
@@ -115,7 +120,7 @@ def profile_to_check(
             where="--precision",
         )
     if not measured:  # a measured profile fitted here when it was made
-        check_fits_in_memory(
+        _probe().check_fits_in_memory(
             prof.model,
             max(prof.batch_sizes),
             dev,
@@ -129,11 +134,9 @@ def check_analytic_device(prof: Profile, dev: torch.device, path: Path) -> None:
     """An analytic profile is checked only where its prediction applies: the same kind of device, a device name
     that `device.same_device_name` matches (a hardware file's "NVIDIA H100-SXM5-80GB" and CUDA's
     "NVIDIA H100 80GB HBM3" both name an H100), and a precision this device computes natively."""
-    from terapipe_cli.config.device import default_precision, runs_natively, same_device_name
-    from terapipe_cli.profile.measure import device_info
 
     kind, described = prof.device.get("kind"), str(prof.device.get("name"))
-    local = device_info(dev)["name"]
+    local = _probe().device_info(dev)["name"]
     here = prof.precision if runs_natively(prof.precision, dev.type) else default_precision(dev.type)
     if kind == dev.type and same_device_name(described, local) and here == prof.precision:
         return
@@ -162,8 +165,6 @@ def analytic_request(
     """For ``--analytic``: the estimated profile (`terapipe_cli.profile.analytic`); the flags about measuring
     this machine do not apply. ``precision`` None or auto: the hardware file's; another one is refused, since
     the file's peak FLOPs are for its own precision."""
-    from terapipe_cli.config.hardware import load_hardware
-    from terapipe_cli.profile.analytic import analytic_profile
 
     if check or quick or no_comm or no_allreduce:
         flag = "--check" if check else "--quick" if quick else "--no-comm" if no_comm else "--no-allreduce"
@@ -203,12 +204,10 @@ def measurement_request(
     or auto is bf16 on CUDA, fp32 on CPU) and on which device, refused at once if the largest tile would not
     fit in its memory. ``--hardware`` belongs to --analytic; ``tensor_parallel`` > 1 is checked by
     `check_tensor_parallel` and times with wall time on a CPU."""
-    from terapipe_cli.config.device import resolve_precision
-    from terapipe_cli.profile.measure import Settings, check_fits_in_memory, resolve_device
 
     if hardware is not None:
         raise UserError("only applies with --analytic", where="--hardware")
-    dev = resolve_device(device)
+    dev = _probe().resolve_device(device)
     check_tensor_parallel(cfg, tensor_parallel, dev.type, clock)
     prec = resolve_precision(precision, dev.type)
     sizes = batch_sizes or parse_batch_sizes(DEFAULT_BATCH_SIZES)
@@ -216,7 +215,7 @@ def measurement_request(
     settings = Settings.make(
         cfg, sizes, token_step, quick=quick, check=check, seed=seed, clock=clock or default_clock, precision=prec
     )
-    check_fits_in_memory(cfg, max(settings.batch_sizes), dev)
+    _probe().check_fits_in_memory(cfg, max(settings.batch_sizes), dev)
     return settings, dev
 
 
@@ -224,15 +223,12 @@ def check_tensor_parallel(cfg: ModelConfig, tensor_parallel: int, device: str, c
     """T processes time the layer as the T tensor ranks of a stage (`profile.tensor_parallel`): T must split the
     model's heads, and each process needs its own GPU (CUDA) or core (CPU). On a CPU they are timed with wall
     time: process CPU time would not count the waits inside the tensor-parallel all-reduces."""
-    import os
 
     cfg.check_tensor_parallel(tensor_parallel, where="--tensor-parallel")
     if tensor_parallel == 1:
         return
     if device == "cuda":
-        import torch
-
-        gpus = torch.cuda.device_count()
+        gpus = _probe().gpu_count()
         if gpus < tensor_parallel:
             raise UserError(
                 f"{tensor_parallel} processes need one GPU each, and this machine has {gpus}; estimate it with "
@@ -267,10 +263,6 @@ def calibration_request(
     ``--precision`` names), the hardware file to fit, its text, and a writable ``out`` (default
     ``NAME-calibrated.toml`` here). ``others``: flag -> whether it was given, for the flags that do not apply.
     The measurement's device and precision must be the hardware file's."""
-    from terapipe_cli.config.hardware import load_hardware
-    from terapipe_cli.files import check_output_file, read_user_text
-    from terapipe_cli.plan.costmodel import read_profile
-    from terapipe_cli.profile.calibrate import check_matches, from_profile, read_tile_table
 
     given = [flag for flag, on in others.items() if on]
     if given:

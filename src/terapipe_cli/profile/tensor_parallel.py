@@ -30,17 +30,18 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
 
 from terapipe_cli.config.model import ModelConfig
+from terapipe_cli.engine.comm import DistGroup
+from terapipe_cli.engine.tensor import TensorGroup
 from terapipe_cli.engine.torchrun import rendezvous_args
 from terapipe_cli.files import read_json, write_json_atomic
 from terapipe_cli.profile.comm import join_worker_group, run_workers
-
-if TYPE_CHECKING:
-    import torch
-
-    from terapipe_cli.profile.measure import Progress, Settings, Tiles, Timings
+from terapipe_cli.profile.tiles import Point, Settings, Tiles
+from terapipe_cli.profile.timer import Progress, Timings, time_layer
 
 WORKER_MODULE = "terapipe_cli.profile.tensor_parallel"
 COLLECTIVE_TIMEOUT_S = 300  # a rank that hangs stops the others within this (their all-reduce times out)
@@ -56,7 +57,6 @@ def time_layer_tensor_parallel(
     progress: Progress | None = None,
 ) -> tuple[Timings, dict]:
     """`measure.time_layer`'s result, timed by rank 0 of ``tensor_parallel`` torchrun processes."""
-    from terapipe_cli.profile.measure import Point, Timings
 
     backend = "nccl" if device.type == "cuda" else "gloo"
     with tempfile.TemporaryDirectory(prefix="terapipe-tp-") as tmp:
@@ -137,12 +137,6 @@ class _ProgressFile:
 
 def _worker(args: argparse.Namespace) -> None:
     """One tensor rank: the same `time_layer` as every other rank; rank 0 writes the result."""
-
-    import torch.distributed as dist
-
-    from terapipe_cli.engine.comm import DistGroup
-    from terapipe_cli.engine.tensor import TensorGroup
-    from terapipe_cli.profile.measure import Settings, time_layer
 
     request = read_json(args.request, what="tensor-parallel timing request")
     model = ModelConfig.from_dict(request["model"], args.request)

@@ -2,8 +2,9 @@
 
 The command (`terapipe_cli.cli.report`) first checks everything that can fail: `load_run`, `check_warmup`,
 `report_dir` and `check_report_dir`, `find_cost_model`, `find_baseline`, and `load_baseline` for a baseline that
-exists or `baseline.check_baseline` for one to train. Only then does it train (`baseline.train_baseline`), load
-the baseline, and `write_report` into the report folder. With ``--no-baseline`` there is no baseline: the same
+exists or `train.baseline.check_baseline` for one to train. Only then does the command train it
+(`train.baseline.train_baseline`, never this library), load the baseline, and `write_report` into the report
+folder. With ``--no-baseline`` there is no baseline: the same
 files describe the run alone (loss curve, measured and predicted timeline, prediction error). The words and
 tables are `terapipe_cli.report.text`'s.
 """
@@ -16,7 +17,9 @@ from pathlib import Path
 
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import write_json_atomic, write_text_atomic
+from terapipe_cli.plan.costmodel import CostModel, read_profile
 from terapipe_cli.plan.schedule import plan_tiles
+from terapipe_cli.plan.simulate import simulate
 from terapipe_cli.plan.timeline import stage_times
 from terapipe_cli.report.compare import compare
 from terapipe_cli.report.figures import TimelinePanel, draw_losses, draw_timelines
@@ -111,7 +114,6 @@ def find_cost_model(run: Run, profile: Path | None):
     """The cost model the plan was made with, for the simulator's predicted timelines: ``profile`` if given,
     else the profile the plan names (when it is still there, unchanged, and for the run's T). Returns
     (CostModel | None, info)."""
-    from terapipe_cli.plan.costmodel import CostModel, read_profile
 
     if profile is None:
         prof, why = _plans_profile(run)
@@ -138,7 +140,6 @@ def find_cost_model(run: Run, profile: Path | None):
 
 def _plans_profile(run: Run):
     """The profile the plan names, if it is here, unchanged, and for the run's T: (Profile, None), or (None, why)."""
-    from terapipe_cli.plan.costmodel import read_profile
 
     named = run.plan.raw.get("profile") if isinstance(run.plan.raw.get("profile"), dict) else {}
     path = named.get("path")
@@ -170,7 +171,6 @@ def _held_out(run: Run) -> list[tuple[int, float]]:
 def simulate_runs(runs: dict[str, Run], cost) -> dict:
     """Predicted timelines of each run's scheme (``{"run": ..., "baseline": ...}``) under the same cost model
     (`terapipe_cli.plan.simulate`)."""
-    from terapipe_cli.plan.simulate import simulate
 
     # Each run's own schedule: its order, and its recomputation on the stages that recompute.
     return {key: simulate(r.schedule, cost) for key, r in runs.items()}

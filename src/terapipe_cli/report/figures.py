@@ -9,6 +9,7 @@ simulated, draws the same way.
 
 from __future__ import annotations
 
+import io
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,17 @@ IDLE_COLOR = "#ececec"
 IDLE_HATCH_COLOR = "#c4c4c4"
 
 
+def _matplotlib():
+    """pyplot and its patches, on the Agg backend (no display); loaded when a picture is drawn, since matplotlib
+    takes a moment to import and the report's other work does not need it."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # set before pyplot is first imported
+    from matplotlib import patches, pyplot
+
+    return pyplot, patches
+
+
 @dataclass
 class TimelinePanel:
     """One step of one pipeline to draw: its events (times from the step's start) and what to call it."""
@@ -33,18 +45,7 @@ class TimelinePanel:
     step_end_s: float | None = None  # the whole step's end (after optimizer and sync), marked with a line
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display; set before pyplot is first imported
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def _save(fig, path: Path) -> Path:
-    import io
-
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)
     return write_bytes_atomic(path, buf.getvalue())
@@ -52,8 +53,8 @@ def _save(fig, path: Path) -> Path:
 
 def draw_timelines(grid: Sequence[Sequence[TimelinePanel | None]], path: str | Path, *, title: str = "") -> Path:
     """Draw panels in a grid (rows × columns; None leaves a cell empty) on one shared time axis; write a PNG."""
-    plt = _pyplot()
-    from matplotlib.patches import Patch, Rectangle
+    plt, patches = _matplotlib()
+    Patch, Rectangle = patches.Patch, patches.Rectangle
 
     rows, cols = len(grid), max(len(r) for r in grid)
     panels = [p for r in grid for p in r if p is not None]
@@ -153,7 +154,7 @@ def draw_losses(
 ) -> Path:
     """Loss per step of each run (top; with ``held_out``, each run's validation loss at its evaluated steps as a
     second curve) and, with more than one run, the absolute difference of every run from the first (bottom)."""
-    plt = _pyplot()
+    plt, _ = _matplotlib()
     if len(series) > 1:
         fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
     else:

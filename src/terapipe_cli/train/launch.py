@@ -32,10 +32,17 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from torch.distributed import DistError
+from torch.distributed import run as torchrun
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
 from terapipe_cli.engine.mesh import Layout
 from terapipe_cli.engine.torchrun import package_env, rendezvous_args, torchrun_argv
 from terapipe_cli.errors import Interrupted, UserError
 from terapipe_cli.files import write_text_atomic
+from terapipe_cli.train import checkpoint
+from terapipe_cli.train.rundir import read_config, read_metrics
 
 WORKER_MODULE = "terapipe_cli.train.worker"
 
@@ -101,11 +108,6 @@ def command_line(spec: Launch) -> str:
 def launch(spec: Launch) -> None:
     """Run the workers to completion; raise WorkerFailed naming the failed rank and its cause, or Interrupted
     (Ctrl-C) saying how to continue."""
-    from torch.distributed import DistError
-    from torch.distributed import run as torchrun
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
     os.environ.update(worker_env(spec))
     args = torchrun.parse_args(torchrun_args(spec))
     args.signals_to_handle = AGENT_SIGNALS  # not SIGINT: Ctrl-C is `_CtrlC`'s (torchrun's --signals-to-handle)
@@ -141,7 +143,6 @@ class _CtrlC:
         if threading.current_thread() is not threading.main_thread():
             yield  # signal handlers belong to the main thread; torchrun says the same
             return
-        from torch.distributed.elastic.multiprocessing.api import SignalException
 
         def on_sigint(signum, frame) -> None:
             self.pressed = True
@@ -212,9 +213,6 @@ def interrupted_message(run_dir: Path, *, restart: str | None = None, then: str 
     """One line for a run stopped by Ctrl-C: the step it was in, its last complete checkpoint, and the command
     that continues from there (``then``: what to run after it); ``restart``: what to do when there is no
     checkpoint yet (default: start again elsewhere)."""
-    from terapipe_cli.train import checkpoint
-    from terapipe_cli.train.rundir import read_config, read_metrics
-
     run_dir = Path(run_dir)
     try:
         done = max((int(r["step"]) for r in read_metrics(run_dir)), default=0)

@@ -21,6 +21,10 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy
+import torch
+
+import terapipe_cli
 from terapipe_cli import units
 from terapipe_cli.config.device import resolve_device, resolve_precision
 from terapipe_cli.config.run import DEFAULT_STEPS, LRSchedule, RunArguments, RunConfig, flag, run_fields
@@ -85,11 +89,6 @@ class _Run:
 
 
 def versions() -> dict:
-    import numpy
-    import torch
-
-    import terapipe_cli
-
     return {
         "terapipe": terapipe_cli.__version__,
         "torch": torch.__version__,

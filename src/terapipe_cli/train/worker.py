@@ -33,11 +33,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
 from terapipe_cli.config.run import RunArguments
-from terapipe_cli.engine.comm import DistGroup, PeerLost, short_error
+from terapipe_cli.engine.comm import DistGroup, PeerLost, make_groups, short_error
 from terapipe_cli.engine.data import check_data, load_data, split_data
-from terapipe_cli.engine.mesh import Layout, gpu_of, make_groups
+from terapipe_cli.engine.mesh import Layout, gpu_of
 from terapipe_cli.engine.p2p import Links
 from terapipe_cli.engine.trainer import Comms, StepResult, Trainer
 from terapipe_cli.plan.file import plan_from_dict
@@ -367,8 +368,6 @@ def main(argv: list[str] | None = None) -> None:
         except OSError:
             pass
         # torchrun's error file carries the cause to the launcher.
-        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
-
         ErrorHandler().record_exception(e)
         sys.stderr.write(f"terapipe worker rank {rank}: {cause[:500]}\n")
         sys.stderr.flush()
