@@ -1,4 +1,9 @@
-"""Shared fixtures: tiny models that train in milliseconds on one CPU thread.
+"""Shared fixtures and helpers: tiny models, the command run as a user runs it (in a real process, or in-process
+through the same entry point), and runs trained in one process through the workers' own code.
+
+The folders mirror the package (plan/, engine/, train/, ...). Almost everything runs in one process; the torchrun
+tier (train/test_torchrun.py, train/test_interrupt.py, train/test_multinode.py, the profile's worker tests and the
+demo) starts real processes. Planning tests need no PyTorch: nothing here imports it unless a test asks for it.
 
 Tests run on the CPU, on a machine with a GPU as on one without: unless a test is marked ``gpu``, it sees no
 GPU — in this process (`torch.cuda.is_available` is False, so ``--device auto`` means the CPU) and in every
@@ -17,6 +22,7 @@ import pytest
 
 from terapipe_cli.config.model import ModelConfig
 
+ROOT = Path(__file__).resolve().parents[1]
 # This process's own setting, before `hide_gpus` changes it for the session (None: not set).
 CUDA_VISIBLE_DEVICES = os.environ.get("CUDA_VISIBLE_DEVICES")
 _REAL_CUDA: dict = {}  # torch.cuda's own is_available and device_count, while hidden
@@ -36,11 +42,13 @@ def gpu_test(fn):
 
 @pytest.fixture(scope="session", autouse=True)
 def one_thread():
-    """Torch in this process on one thread: two pytest workers share two cores (scripts/test.sh), and two threads
-    each would make them spin against each other (an in-process step measured 100x slower). Processes that tests
-    start set their own threads, as the runtime's stage processes do."""
-    import torch
-
+    """Torch in this process on one thread (when a test has loaded it): two pytest workers share two cores
+    (scripts/test.sh), and two threads each would make them spin against each other (an in-process step measured
+    100x slower). Processes that tests start set their own threads, as the runtime's stage processes do."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        yield
+        return
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -84,26 +92,24 @@ def tiny() -> ModelConfig:
     return tiny_model()
 
 
-def write_plan_file(path, slices, *, stages: int, layers: int = 6, seq_len: int = 32, data_parallel: int = 1):
-    """A hand-made plan for a tiny model (H = 32, 2 heads) over ``slices``; returns the path."""
-    from terapipe_cli.files import write_json_atomic
+def plan_dict(slices, *, stages: int, layers: int = 6, seq_len: int = 32, model=None, **fields) -> dict:
+    """A hand-made plan for a tiny model (H = 32, 2 heads; or ``model``) over ``slices``; ``fields``:
+    data_parallel, tensor_parallel, precision, order, recompute."""
     from terapipe_cli.plan.file import make_plan_dict
 
-    model = tiny_model(layers=layers, seq_len=seq_len)
-    plan = make_plan_dict(
-        model=model,
-        stages=stages,
-        batch_size=sum(b for b, _ in slices),
-        seq_len=seq_len,
-        token_step=1,
-        slices=slices,
-        data_parallel=data_parallel,
+    model = model or tiny_model(layers=layers, seq_len=seq_len)
+    batch = sum(b for b, _ in slices)
+    return make_plan_dict(
+        model=model, stages=stages, batch_size=batch, seq_len=seq_len, token_step=1, slices=slices, **fields
     )
-    write_json_atomic(path, plan)
+
+
+def write_plan_file(path, slices, *, stages: int, layers: int = 6, seq_len: int = 32, **fields):
+    """`plan_dict` written to ``path``; returns the path."""
+    from terapipe_cli.files import write_json_atomic
+
+    write_json_atomic(path, plan_dict(slices, stages=stages, layers=layers, seq_len=seq_len, **fields))
     return path
-
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def terapipe(
@@ -131,6 +137,29 @@ def terapipe(
     )
 
 
+def run_cli(capsys, *args, env: dict | None = None, cwd: str | Path | None = None) -> subprocess.CompletedProcess:
+    """``terapipe ARGS`` through the command's own entry point (`terapipe_cli.cli.main`) in this process (in folder
+    ``cwd``): its exit code and what it printed, as `terapipe` gives them for a real process, without a second's
+    start-up. For the commands that start no workers."""
+    from terapipe_cli.cli import main
+
+    capsys.readouterr()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("COLUMNS", "200")
+        mp.setenv("NO_COLOR", "1")
+        if cwd is not None:
+            mp.chdir(cwd)
+        for key, value in (env or {}).items():
+            mp.setenv(key, value)
+        try:
+            main([str(a) for a in args])
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(["terapipe", *map(str, args)], code, out.out, out.err)
+
+
 def assert_one_line_error(p: subprocess.CompletedProcess, *words: str) -> None:
     """Exit code 2, exactly one ``terapipe: error:`` line on stderr naming every word, no traceback."""
     assert p.returncode == 2, p.stdout + p.stderr
@@ -139,3 +168,70 @@ def assert_one_line_error(p: subprocess.CompletedProcess, *words: str) -> None:
     assert "Traceback" not in p.stderr
     for w in words:
         assert w in lines[0], lines[0]
+
+
+# ---------------------------------------------------------------------------------------------------- in process
+
+
+def run_arguments(**changes):
+    """`RunArguments` of a short run with the whole optimizer step active: warm-up, cosine decay, clipping below
+    the tiny model's gradient norm (about 1.5), a held-out part evaluated after the last step."""
+    from terapipe_cli.config.run import RunArguments
+
+    steps = changes.pop("steps", 3)
+    base = dict(
+        steps=steps, data=None, seed=0, lr=1e-3, data_parallel=1, checkpoint_every=10, threads=1, timeout_s=60.0,
+        verify=True, warmup_steps=1, min_lr=1e-4, decay_steps=steps, grad_clip=0.05, val_fraction=0.1,
+        eval_every=steps,
+    )  # fmt: skip
+    return RunArguments(**{**base, **changes})
+
+
+class LocalSetup:
+    """A plan and its resolved arguments, with the data a run draws from: what `train.verify` compares against
+    (its reference and spread runs), and what `train_locally` trains."""
+
+    def __init__(self, plan, args, device: str = "cpu") -> None:
+        import torch
+
+        from terapipe_cli.engine.data import load_data, split_data
+
+        self.plan, self.args, self.device = plan, args, torch.device(device)
+        self.data, self.held_out = split_data(load_data(args.data), args.val_fraction, plan.seq_len)
+
+
+def local_setup(
+    slices, *, stages: int, layers: int = 6, seq_len: int = 32, model=None, plan_fields=None, **args
+) -> LocalSetup:
+    """A tiny plan of ``slices`` on ``stages`` stages (or of ``model``; ``plan_fields``: order, recompute, ...) and
+    `run_arguments` with ``args`` (data_parallel, tensor_parallel, precision, steps, kv_handback, ...)."""
+    from terapipe_cli.plan.file import plan_from_dict
+
+    fields = dict(plan_fields or {})
+    for key in ("data_parallel", "tensor_parallel", "precision"):
+        if key in args:
+            fields.setdefault(key, args[key])
+    seq_len = model.seq_len if model is not None else seq_len
+    obj = plan_dict(slices, stages=stages, layers=layers, seq_len=seq_len, model=model, **fields)
+    plan = plan_from_dict(obj, "test plan")
+    return LocalSetup(plan, run_arguments(**args))
+
+
+def train_locally(setup: LocalSetup, schedule=None):
+    """Train ``setup`` with every rank a thread of this process (`engine.local.train_in_process`): the workers'
+    own trainer, executor and collectives. Returns the `engine.local.LocalRun`."""
+    from terapipe_cli.engine.local import train_in_process
+    from terapipe_cli.plan.schedule import Schedule
+
+    schedule = schedule if schedule is not None else Schedule.of_plan(setup.plan)
+    return train_in_process(
+        setup.plan, schedule, setup.args, data=setup.data, held_out=setup.held_out, device=str(setup.device)
+    )
+
+
+def verify_locally(setup: LocalSetup, schedule=None):
+    """`train_locally`, then ``--verify``'s comparison with the single-device reference (`train.verify`)."""
+    from terapipe_cli.train.verify import Trajectory, verify_trajectory
+
+    run = train_locally(setup, schedule)
+    return verify_trajectory(Trajectory(run.losses, run.grads_step, run.grads, run.weights), setup), run

@@ -41,9 +41,10 @@ class LocalWorld:
         self._rounds: dict[tuple, dict] = {}
         self.failed: BaseException | None = None
 
-    def group(self, ranks: Sequence[int], rank: int) -> LocalGroup:
-        """Rank ``rank``'s handle on the collectives of ``ranks``."""
-        return LocalGroup(self, tuple(ranks), rank)
+    def group(self, name: str, ranks: Sequence[int], rank: int) -> LocalGroup:
+        """Rank ``rank``'s handle on the collectives of the group ``name`` of ``ranks`` (groups of the same ranks
+        but another name, as the world and a single replica's pipeline, are separate, as process groups are)."""
+        return LocalGroup(self, name, tuple(ranks), rank)
 
     def link(self, rank: int, prev_rank: int | None, next_rank: int | None) -> LocalLink:
         return LocalLink(self, rank, prev_rank, next_rank)
@@ -94,7 +95,7 @@ class LocalWorld:
 
     def collective(self, key: tuple, rank: int, tensor: torch.Tensor, combine, what: str) -> torch.Tensor:
         """Bring ``tensor`` to round ``key`` of a group and take back ``combine(tensors in member order)``."""
-        members = key[0]
+        members = key[1]
         with self._cond:
             state = self._rounds.setdefault(key, {"in": {}, "out": None, "taken": 0})
             state["in"][rank] = tensor.detach().clone()
@@ -118,13 +119,13 @@ _REDUCE = {
 class LocalGroup:
     """A `comm.Group` of threads: the members' n-th calls meet in the same round."""
 
-    def __init__(self, world: LocalWorld, ranks: tuple[int, ...], rank: int) -> None:
-        self.world, self.ranks, self.rank, self.size = world, ranks, rank, len(ranks)
+    def __init__(self, world: LocalWorld, name: str, ranks: tuple[int, ...], rank: int) -> None:
+        self.world, self.name, self.ranks, self.rank, self.size = world, name, ranks, rank, len(ranks)
         self._calls = 0
 
     def _round(self) -> tuple:
         self._calls += 1
-        return (self.ranks, self._calls)
+        return (self.name, self.ranks, self._calls)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", what: str = "an all-reduce") -> None:
         out = self.world.collective(self._round(), self.rank, tensor, _REDUCE[op], what)
@@ -179,27 +180,28 @@ def local_comms(world: LocalWorld, layout: Layout, rank: int) -> Comms:
     between processes."""
     replica, stage, tensor_rank = layout.replica(rank), layout.stage(rank), layout.tensor_rank(rank)
     per_replica = layout.stages * layout.tensor
-    model = world.group(range(replica * per_replica, (replica + 1) * per_replica), rank)
+    model = world.group("pipeline", range(replica * per_replica, (replica + 1) * per_replica), rank)
     replicas = [layout.rank(d, stage, tensor_rank) for d in range(layout.data)]
     tensors = [layout.rank(replica, stage, t) for t in range(layout.tensor)]
     prev_rank, next_rank = layout.neighbours(rank)
     return Comms(
-        world=world.group(range(layout.world), rank),
+        world=world.group("world", range(layout.world), rank),
         pipeline=model,
-        replicas=world.group(replicas, rank) if layout.data > 1 else None,
-        tensor=world.group(tensors, rank) if layout.tensor > 1 else None,
+        replicas=world.group("replicas", replicas, rank) if layout.data > 1 else None,
+        tensor=world.group("tensor", tensors, rank) if layout.tensor > 1 else None,
         link=world.link(rank, prev_rank, next_rank),
     )
 
 
 @dataclass
 class LocalRun:
-    """What `train_in_process` returns: the loss of every step (and the held-out loss where evaluated), each
-    stage's gradients at the first step not skipped, and the whole model's weights after the last step (both
-    gathered from the tensor ranks, by parameter name, on the CPU)."""
+    """What `train_in_process` returns: the loss of every step (and the held-out loss where evaluated, and what each
+    rank's stage kept for its backward), each stage's gradients at the first step not skipped, and the whole
+    model's weights after the last step (both gathered from the tensor ranks, by parameter name, on the CPU)."""
 
     losses: list[float] = field(default_factory=list)
     val_losses: list[float | None] = field(default_factory=list)
+    saved: list[list[int]] = field(default_factory=list)  # per step, per rank: the most its stage kept for backward
     grads_step: int | None = None
     grads: dict = field(default_factory=dict)
     weights: dict = field(default_factory=dict)
@@ -230,6 +232,7 @@ def train_in_process(
         for step in range(1, args.steps + 1):
             result = trainer.step(step)
             out.losses.append(result.loss)
+            out.saved.append(result.saved)
             out.val_losses.append(trainer.evaluate() if trainer.evaluation_due(step) else None)
             if out.grads_step is None and not result.update.skipped:
                 out.grads_step, out.grads = step, trainer.gradients()  # a collective over the tensor ranks

@@ -127,7 +127,11 @@ def measure_link(
     if device == "cuda" and torch.cuda.device_count() < 2:
         return _measure_copy_one_gpu(sizes, rounds=rounds, iters=iters)
     backend = "nccl" if device == "cuda" else "gloo"
-    samples = _run_torchrun(backend, sizes, nproc=2, op="pingpong", rounds=rounds, iters=iters, timeout_s=timeout_s)
+    samples = _run_torchrun(backend, {"pingpong": sizes}, nproc=2, rounds=rounds, iters=iters, timeout_s=timeout_s)
+    return _link_of(backend, sizes, samples["pingpong"])
+
+
+def _link_of(backend: str, sizes: Sequence[int], samples: np.ndarray) -> LinkMeasurement:
     what = "two CUDA processes (NCCL)" if backend == "nccl" else "two CPU processes (gloo)"
     return _summarise(f"torchrun ping-pong between {what}, one-way = round trip / 2", sizes, samples)
 
@@ -206,28 +210,60 @@ def measure_allreduce(
         raise UserError(f"needs at least 2 processes, got {replicas}", where="all-reduce measurement")
     backend = "nccl" if device == "cuda" else "gloo"
     samples = _run_torchrun(
-        backend, sizes, nproc=replicas, op="allreduce", rounds=rounds, iters=iters, timeout_s=timeout_s
+        backend, {"allreduce": sizes}, nproc=replicas, rounds=rounds, iters=iters, timeout_s=timeout_s
     )
+    return _allreduce_of(backend, replicas, sizes, samples["allreduce"])
+
+
+def _allreduce_of(backend: str, replicas: int, sizes: Sequence[int], samples: np.ndarray) -> AllreduceMeasurement:
     what = f"{replicas} CUDA processes (NCCL)" if backend == "nccl" else f"{replicas} CPU processes (gloo)"
     method = f"torchrun all_reduce of one flat fp32 buffer over {what}, fitted then read as a ring link"
     return allreduce_from_samples(method, replicas, sizes, samples)
 
 
+def measure_both(
+    device: str,
+    link_sizes: Sequence[int],
+    allreduce_sizes: Sequence[int],
+    *,
+    rounds: int = 5,
+    iters: int = 10,
+    timeout_s: float = 120.0,
+) -> tuple[LinkMeasurement, AllreduceMeasurement | None]:
+    """The stage-to-stage link and the all-reduce, in one torchrun launch where both take the same two processes
+    (two CPU processes; a machine with two GPUs): a launch costs seconds of start-up. Elsewhere one each, or none
+    for the all-reduce of a single GPU (`allreduce_processes`)."""
+    replicas = allreduce_processes(device)
+    one_launch = replicas == 2 and (device != "cuda" or torch.cuda.device_count() == 2)
+    if not one_launch:
+        link = measure_link(device, link_sizes, rounds=rounds, iters=iters, timeout_s=timeout_s)
+        if replicas is None:
+            return link, None
+        return link, measure_allreduce(device, allreduce_sizes, replicas, rounds=rounds, iters=iters)
+    backend = "nccl" if device == "cuda" else "gloo"
+    ops = {"pingpong": link_sizes, "allreduce": allreduce_sizes}
+    samples = _run_torchrun(backend, ops, nproc=2, rounds=rounds, iters=iters, timeout_s=timeout_s)
+    return _link_of(backend, link_sizes, samples["pingpong"]), _allreduce_of(
+        backend, 2, allreduce_sizes, samples["allreduce"]
+    )
+
+
 def _run_torchrun(
-    backend: str, sizes: Sequence[int], *, nproc: int, op: str, rounds: int, iters: int, timeout_s: float
-) -> np.ndarray:
-    """Start ``nproc`` workers doing ``op`` under torchrun (standalone rendezvous on this machine) and
-    collect rank 0's times, (rounds, sizes) seconds."""
+    backend: str, ops: dict[str, Sequence[int]], *, nproc: int, rounds: int, iters: int, timeout_s: float
+) -> dict[str, np.ndarray]:
+    """Start ``nproc`` workers timing each op of ``ops`` (op -> message sizes) under torchrun (standalone rendezvous
+    on this machine), all in one launch, and collect rank 0's times: per op, (rounds, sizes) seconds."""
     with tempfile.TemporaryDirectory(prefix="terapipe-comm-") as tmp:
         out = Path(tmp) / "times.json"
+        spec = ";".join(f"{op}:{','.join(str(s) for s in sizes)}" for op, sizes in ops.items())
         args = [
             *rendezvous_args(nproc), "--module", "terapipe_cli.profile.comm", "--worker", "--backend", backend,
-            "--op", op, "--out", str(out), "--sizes", ",".join(str(s) for s in sizes), "--rounds", str(rounds),
-            "--iters", str(iters), "--timeout", str(int(timeout_s)),
+            "--ops", spec, "--out", str(out), "--rounds", str(rounds), "--iters", str(iters),
+            "--timeout", str(int(timeout_s)),
         ]  # fmt: skip
         # The workers' own distributed timeout goes first, with its clearer message.
         data = run_workers(args, out, limit_s=timeout_s + 30, what="communication measurement")
-    return np.asarray(data["seconds"], dtype=float)
+    return {op: np.asarray(data[op]["seconds"], dtype=float) for op in ops}
 
 
 def run_workers(args: Sequence[str], out: Path, *, limit_s: float, what: str) -> dict:
@@ -258,14 +294,26 @@ def join_worker_group(backend: str, timeout_s: float):
 
 
 def _worker(args: argparse.Namespace) -> None:
-    """One rank of the measurement. ``pingpong``: rank 0 sends, rank 1 echoes, the time kept is half the
-    round trip. ``allreduce``: every rank reduces the buffer. Rank 0 writes the times."""
-
+    """One rank of the measurements, each ``OP:SIZES`` of ``--ops`` in turn in one process group. ``pingpong``: rank
+    0 sends, rank 1 echoes, the time kept is half the round trip. ``allreduce``: every rank reduces the buffer.
+    Rank 0 writes the times of each, by op."""
     torch.set_num_threads(1)
-    sizes = [int(s) for s in args.sizes.split(",")]
     dev, rank = join_worker_group(args.backend, args.timeout)
-    once = _pingpong(rank) if args.op == "pingpong" else lambda buf: dist.all_reduce(buf)
-    share = 0.5 if args.op == "pingpong" else 1.0
+    out = {}
+    for spec in args.ops.split(";"):
+        op, sizes = spec.split(":")
+        sizes = [int(s) for s in sizes.split(",")]
+        out[op] = {"sizes_bytes": sizes, "seconds": _time_op(op, sizes, dev, rank, args.rounds, args.iters).tolist()}
+    dist.barrier()
+    if rank == 0:
+        write_json_atomic(args.out, out)
+    dist.destroy_process_group()
+
+
+def _time_op(op: str, sizes: list[int], dev: torch.device, rank: int, rounds: int, iters: int) -> np.ndarray:
+    """(rounds, sizes) seconds of ``op`` on every size, rank 0's (the others' are not kept)."""
+    once = _pingpong(rank) if op == "pingpong" else lambda buf: dist.all_reduce(buf)
+    share = 0.5 if op == "pingpong" else 1.0
 
     def sync() -> None:
         if dev.type == "cuda":
@@ -274,13 +322,13 @@ def _worker(args: argparse.Namespace) -> None:
     bufs = {n: torch.zeros(n // 4, dtype=torch.float32, device=dev) for n in sizes}
     # Every rank draws the same order from the same seed, so they always agree on the next message size.
     rng = np.random.default_rng(0)
-    seconds = np.zeros((args.rounds, len(sizes)))
-    for r in range(args.rounds + 1):  # round 0 warms up connections and buffers
+    seconds = np.zeros((rounds, len(sizes)))
+    for r in range(rounds + 1):  # round 0 warms up connections and buffers
         for k in rng.permutation(len(sizes)):
             buf = bufs[sizes[k]]
             dist.barrier()
             times = []
-            for _ in range(args.iters):
+            for _ in range(iters):
                 sync()
                 t0 = time.perf_counter()
                 once(buf)
@@ -289,10 +337,7 @@ def _worker(args: argparse.Namespace) -> None:
             if r and rank == 0:
                 # The median: robust to the odd transfer during which the OS ran something else.
                 seconds[r - 1, k] = float(np.median(times)) * share
-    dist.barrier()
-    if rank == 0:
-        write_json_atomic(args.out, {"op": args.op, "sizes_bytes": sizes, "seconds": seconds.tolist()})
-    dist.destroy_process_group()
+    return seconds
 
 
 def _pingpong(rank: int):
@@ -314,9 +359,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="terapipe communication-measurement worker (started by torchrun)")
     ap.add_argument("--worker", action="store_true", required=True)
     ap.add_argument("--backend", choices=("gloo", "nccl"), required=True)
-    ap.add_argument("--op", choices=("pingpong", "allreduce"), default="pingpong")
+    ap.add_argument("--ops", required=True, help="OP:SIZES;OP:SIZES with OP pingpong or allreduce, SIZES in bytes")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--sizes", required=True)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--timeout", type=int, default=120)

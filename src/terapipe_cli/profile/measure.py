@@ -13,7 +13,13 @@ import torch
 
 from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.plan.costmodel import PROFILE_SCHEMA, CostModel, profile_from_dict
-from terapipe_cli.profile.comm import allreduce_processes, measure_allreduce, measure_link, message_sizes
+from terapipe_cli.profile.comm import (
+    allreduce_processes,
+    measure_allreduce,
+    measure_both,
+    measure_link,
+    message_sizes,
+)
 from terapipe_cli.profile.fit import RelErr, fit_context
 from terapipe_cli.profile.probe import DTYPE_BYTES, check_fits_in_memory, device_info
 from terapipe_cli.profile.tensor_parallel import time_layer_tensor_parallel
@@ -55,13 +61,8 @@ def measure_profile(
         timings, layer = time_layer(model, settings, tiles, device, progress)
     tables = _grid_tables(timings, settings)
     context = {which: _context_fit(timings, tiles, which) for which in ("forward", "backward")}
-    comm = _link(model, settings, device, progress) if measure_comm else dict(_FREE_LINK)
     params = layer["params"]  # one tensor rank's share with T > 1: what each device all-reduces over replicas
-    dp_link = (
-        _allreduce(model, params, settings, device, progress)
-        if measure_allreduce
-        else {"data_parallel_link_skipped": "not measured (--no-allreduce)"}
-    )
+    comm, dp_link = _links(model, params, settings, device, progress, link=measure_comm, allreduce=measure_allreduce)
     rows = dict(zip(timings.points, timings.rows(), strict=True))
     profile = {
         "schema": PROFILE_SCHEMA,
@@ -157,42 +158,47 @@ def _fit_report(fit, pts: list[Point], t_nc: dict, t: np.ndarray) -> dict:
 _FREE_LINK = {"latency_s": 0.0, "bytes_per_s": 1e12, "method": "not measured (--no-comm): a free link"}
 
 
-def _link(model: ModelConfig, settings: Settings, device: torch.device, progress: Progress | None) -> dict:
-    """Measure the stage-to-stage link with messages from the smallest to the largest tile's activation."""
-
-    if progress:
-        progress("point-to-point link (torchrun)", 0, 1)
+def _links(
+    model: ModelConfig,
+    params_per_layer: int,
+    settings: Settings,
+    device: torch.device,
+    progress: Progress | None,
+    *,
+    link: bool,
+    allreduce: bool,
+) -> tuple[dict, dict]:
+    """The profile's ``comm`` (the stage-to-stage link, measured with messages from the smallest to the largest
+    tile's activation; free with ``link`` False) and its ``data_parallel_link`` (the all-reduce of fp32 gradient
+    buffers from a sixteenth of one layer's to the whole model's), or ``data_parallel_link_skipped`` with the
+    reason when not asked or when this machine has nothing to reduce across (one GPU). Both in one torchrun launch
+    where they can be (`comm.measure_both`)."""
     H = model.hidden
-    smallest = min(settings.batch_sizes) * settings.token_lengths[0] * H * DTYPE_BYTES
-    largest = max(settings.batch_sizes) * model.seq_len * H * DTYPE_BYTES
-    sizes = message_sizes(smallest, largest, settings.comm_sizes)
-    comm = measure_link(device.type, sizes, rounds=settings.comm_rounds, iters=settings.comm_iters).to_dict()
-    if progress:
-        progress("point-to-point link (torchrun)", 1, 1)
-    return comm
-
-
-def _allreduce(
-    model: ModelConfig, params_per_layer: int, settings: Settings, device: torch.device, progress: Progress | None
-) -> dict:
-    """The profile's ``data_parallel_link``, measured as the all-reduce of fp32 gradient buffers from a
-    sixteenth of one layer's to the whole model's; or ``data_parallel_link_skipped`` with the reason when this
-    machine has nothing to reduce across (one GPU)."""
-
-    replicas = allreduce_processes(device.type)
-    if replicas is None:
-        return {"data_parallel_link_skipped": "not measured: one GPU, no second device to reduce with"}
-    phase = f"gradient all-reduce over {replicas} processes (torchrun)"
-    if progress:
-        progress(phase, 0, 1)
+    link_sizes = message_sizes(
+        min(settings.batch_sizes) * settings.token_lengths[0] * H * DTYPE_BYTES,
+        max(settings.batch_sizes) * model.seq_len * H * DTYPE_BYTES,
+        settings.comm_sizes,
+    )
     layer_bytes = params_per_layer * DTYPE_BYTES
-    sizes = message_sizes(layer_bytes // 16, model.layers * layer_bytes, settings.comm_sizes)
-    link = measure_allreduce(
-        device.type, sizes, replicas, rounds=settings.comm_rounds, iters=settings.comm_iters
-    ).to_dict()
-    if progress:
+    ar_sizes = message_sizes(layer_bytes // 16, model.layers * layer_bytes, settings.comm_sizes)
+    replicas = allreduce_processes(device.type) if allreduce else None
+    rounds = {"rounds": settings.comm_rounds, "iters": settings.comm_iters}
+    what = [w for w, on in (("point-to-point link", link), (f"all-reduce over {replicas} processes", replicas)) if on]
+    phase = f"{' and '.join(what)} (torchrun)"
+    if what and progress:
+        progress(phase, 0, 1)
+    if link and replicas:
+        measured_link, measured_ar = measure_both(device.type, link_sizes, ar_sizes, **rounds)
+    else:
+        measured_link = measure_link(device.type, link_sizes, **rounds) if link else None
+        measured_ar = measure_allreduce(device.type, ar_sizes, replicas, **rounds) if replicas else None
+    if what and progress:
         progress(phase, 1, 1)
-    return {"data_parallel_link": link}
+    comm = measured_link.to_dict() if measured_link is not None else dict(_FREE_LINK)
+    if measured_ar is not None:
+        return comm, {"data_parallel_link": measured_ar.to_dict()}
+    why = "not measured (--no-allreduce)" if not allreduce else "not measured: one GPU, no second device to reduce with"
+    return comm, {"data_parallel_link_skipped": why}
 
 
 # ----------------------------------------------------------------------------------------------- check

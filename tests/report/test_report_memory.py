@@ -1,0 +1,84 @@
+"""`terapipe report`'s memory per stage: the plan's estimate next to what training measured.
+
+The issue's long-sequence check in small: a memory limit under which the fastest plan (GPipe order) does not fit,
+the plan made to fit it (another order, or recomputation), trained 2 steps in one process through the workers' own
+code, its stages' kept bytes counted as a run counts them, then reported from a run folder holding those counts.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from conftest import ROOT, LocalSetup, run_arguments, run_cli, train_locally
+from fake_runs import make_run
+
+from terapipe_cli.cli import main
+from terapipe_cli.plan.file import plan_from_dict
+
+PROFILE = ROOT / "configs" / "profiles" / "tiny-cpu-measured.json"
+STAGES = 2
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("memory")
+
+    def plan(*extra):  # `terapipe plan` through its entry point (a module fixture has no capsys for run_cli)
+        with pytest.raises(SystemExit) as e:
+            main(["plan", "--profile", str(PROFILE), "-k", str(STAGES), "-b", "2", "-g", "128", *extra])
+        assert e.value.code == 0
+
+    plan("--out", str(tmp / "free.json"))
+    needed = max(json.loads((tmp / "free.json").read_text())["memory"]["per_stage_bytes"])
+    plan("--memory-limit", f"{0.8 * needed / 2**30:.6f}", "--out", str(tmp / "plan.json"))
+    obj = json.loads((tmp / "plan.json").read_text())
+    assert (obj["order"], any(obj["recompute"])) != ("gpipe", False)
+    assert max(obj["memory"]["per_stage_bytes"]) <= 0.8 * needed
+    run = train_locally(LocalSetup(plan_from_dict(obj, "plan.json"), run_arguments(steps=2, val_fraction=0.0)))
+    records = [{"saved_bytes_per_rank": saved} for saved in run.saved]
+    return make_run(tmp / "run", obj["slices"], stages=STAGES, steps=2, plan=obj, records=records)
+
+
+def _report(capsys, run_dir) -> tuple[dict, str]:
+    p = run_cli(capsys, "report", run_dir, "--no-baseline", "--warmup", "1")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "memory per stage" in p.stdout  # the terminal shows the table too
+    out = run_dir / "report"
+    return json.loads((out / "report.json").read_text()), (out / "report.md").read_text()
+
+
+def test_estimated_and_measured_per_stage(run_dir, capsys):
+    report, md = _report(capsys, run_dir)
+    memory = report["run"]["memory_per_stage"]
+    estimate = json.loads((run_dir / "plan.json").read_text())["memory"]
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]  # after warm-up
+    assert [m["stage"] for m in memory] == list(range(STAGES))
+    for k, m in enumerate(memory):
+        assert m["estimated_activation_bytes"] == estimate["activation_bytes"][k] > 0
+        assert m["estimated_total_bytes"] == estimate["per_stage_bytes"][k] > 0
+        assert m["measured_saved_bytes"] == max(x["saved_bytes_per_rank"][k] for x in metrics) > 0
+        assert m["measured_peak_bytes"] == max(x["memory_bytes_per_rank"][k] for x in metrics) > 0
+        measured = m["measured_saved_bytes"]
+        assert m["rel_err"] == pytest.approx((m["estimated_activation_bytes"] - measured) / measured)
+        assert abs(m["rel_err"]) <= 0.10  # the estimate holds for what training kept (docs/design.md §10)
+    table = md.split("## Memory per stage")[1].split("## Loss")[0]
+    for header in ("estimated kept for backward", "measured kept (saved tensors)", "measured peak (process RSS)"):
+        assert header in table
+    assert table.count("| TeraPipe | ") == STAGES  # one row per stage
+
+
+def test_a_run_without_saved_bytes_still_reports(run_dir, tmp_path, capsys):
+    """A run from before the runtime counted saved tensors: no measured column, the rest as before."""
+    old = tmp_path / "old-run"
+    shutil.copytree(run_dir, old, ignore=shutil.ignore_patterns("report"))
+    lines = [json.loads(line) for line in (old / "metrics.jsonl").read_text().splitlines()]
+    for line in lines:
+        del line["saved_bytes_per_rank"]
+    (old / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    report, md = _report(capsys, old)
+    for m in report["run"]["memory_per_stage"]:
+        assert m["measured_saved_bytes"] is None and m["rel_err"] is None
+        assert m["estimated_activation_bytes"] > 0 and m["measured_peak_bytes"] > 0
+    assert "estimated kept for backward" in md and "measured kept" not in md

@@ -1,0 +1,103 @@
+"""Bad input to `terapipe train`: one line, exit 2, before any worker starts (in-process: no workers)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from conftest import assert_one_line_error, run_cli, write_plan_file
+
+from terapipe_cli.cli import main
+from terapipe_cli.config.run import RunConfig
+from terapipe_cli.train.prepare import prepare_run
+from terapipe_cli.train.rundir import run_lock
+
+
+def run(capsys, *args):
+    with pytest.raises(SystemExit) as e:
+        main(["train", *args])
+    err = capsys.readouterr().err
+    return e.value.code, err
+
+
+@pytest.fixture
+def plan(tmp_path):
+    return write_plan_file(tmp_path / "plan.json", [(1, [16, 16])], stages=2)
+
+
+def test_missing_data_file(tmp_path, capsys, plan):
+    code, err = run(capsys, "--plan", str(plan), "--data", str(tmp_path / "nope.txt"), "--out", str(tmp_path / "r"))
+    assert code == 2 and "nope.txt: data file not found" in err
+    assert err.count("\n") == 1
+    assert not (tmp_path / "r").exists()
+
+
+def test_sequence_longer_than_the_data(tmp_path, capsys, plan):
+    short = tmp_path / "short.txt"
+    short.write_text("tiny")
+    code, err = run(capsys, "--plan", str(plan), "--data", str(short), "--out", str(tmp_path / "r"))
+    assert code == 2 and "fewer than the sequence length + 1 (33)" in err
+
+
+def test_token_ids_outside_the_vocabulary(tmp_path, capsys, plan):
+    tokens = tmp_path / "t.npy"
+    np.save(tokens, np.arange(1000, dtype=np.uint16))
+    code, err = run(capsys, "--plan", str(plan), "--data", str(tokens), "--out", str(tmp_path / "r"))
+    assert code == 2 and "token id 999, outside the model's vocabulary of 256" in err
+
+
+def test_too_many_workers(tmp_path, capsys, plan):
+    code, err = run(capsys, "--plan", str(plan), "--data-parallel", "1000", "--out", str(tmp_path / "r"))
+    assert code == 2 and "D × K × T = 1000 × 2 × 1 = 2000 workers" in err and "more than allowed" in err
+
+
+def test_plan_that_does_not_fit_the_model(tmp_path, capsys):
+    plan = write_plan_file(tmp_path / "plan.json", [(1, [16, 16])], stages=2, layers=6)
+    import json
+
+    obj = json.loads(plan.read_text())
+    obj["stages"] = 4  # 6 layers do not split into 4 stages
+    plan.write_text(json.dumps(obj))
+    code, err = run(capsys, "--plan", str(plan), "--out", str(tmp_path / "r"))
+    assert code == 2 and "4 stages do not divide the 6 layers" in err
+
+
+def test_resume_without_a_run(tmp_path, capsys):
+    code, err = run(capsys, "--resume", "--out", str(tmp_path / "none"))
+    assert code == 2 and "no run to resume here" in err
+
+
+def test_resume_without_a_complete_checkpoint(tmp_path, capsys, plan):
+    code, _ = run(capsys, "--plan", str(plan), "--out", str(tmp_path / "r"), "--dry-run")
+    assert code == 0
+    settings = RunConfig(plan=str(plan), steps=3, out=str(tmp_path / "r"), checkpoint_every=1, device="cpu")
+    prepare_run(settings)
+    code, err = run(capsys, "--resume", "--out", str(tmp_path / "r"))
+    assert code == 2 and "no complete checkpoint to resume from" in err
+    code, err = run(capsys, "--plan", str(plan), "--out", str(tmp_path / "r"))
+    assert code == 2 and "already holds a run" in err
+
+
+def test_verify_cannot_follow_resume(tmp_path, capsys):
+    code, err = run(capsys, "--resume", "--verify", "--out", str(tmp_path / "r"))
+    assert code == 2 and "--verify" in err
+
+
+def test_a_live_run_folder_is_refused(tmp_path, capsys):
+    """While `terapipe train` runs in a folder it holds the folder's lock (an advisory flock, dropped when the holder
+    ends however it ends): a second train, --resume or report says so in one line, naming the holder. Here this
+    process holds it, as a live run's launcher does."""
+    plan = write_plan_file(tmp_path / "plan.json", [(1, [16, 16])], stages=2)
+    run = tmp_path / "run"
+    prepare_run(RunConfig(plan=str(plan), out=str(run), steps=2, device="cpu"))  # a run folder, not trained
+    with run_lock(run):
+        for cmd, what in [
+            (("train", "--plan", plan, "--out", run, "--device", "cpu"), "use another --out"),
+            (("train", "--resume", "--out", run, "--dry-run", "--device", "cpu"), "resume it once"),
+            (("report", run), "report on it once"),
+        ]:
+            p = run_cli(capsys, *cmd)
+            assert_one_line_error(p, f"a `terapipe train` is running in this folder (pid {os.getpid()}): {what}")
+    p = run_cli(capsys, "report", run)  # the lock is gone with its holder: the report finds an unfinished run
+    assert_one_line_error(p, "the run did not finish")
