@@ -21,6 +21,7 @@ onto the terminal; a launch that succeeds clears the error files an earlier atte
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -123,6 +124,8 @@ def launch(spec: Launch) -> None:
         raise WorkerFailed(f"the launcher received {e.sigval.name}; workers stopped") from None
     except DistError as e:  # the rendezvous: a node that never came, or node 0's that never answered
         raise WorkerFailed(describe_rendezvous_failure(e, spec)) from None
+    except json.JSONDecodeError:  # a worker error file torchrun cannot read (worker.record_for_torchrun)
+        raise WorkerFailed(describe_unreadable_failure(spec)) from None
     clear_errors(spec.run_dir)
 
 
@@ -250,6 +253,17 @@ def _message(failure) -> str:
     if isinstance(m, dict):
         m = m.get("message", "")
     return " ".join(str(m).split())
+
+
+def describe_unreadable_failure(spec: Launch) -> str:
+    """One line when torchrun could not read a worker's error file: the ranks whose tracebacks were written."""
+    errors = spec.run_dir / "errors"
+    logs = sorted(errors.glob("rank_*.txt"))
+    if not logs:
+        return f"a worker failed and its error file could not be read; torchrun's log is in {errors / TORCHRUN_LOG}"
+    rank = int(logs[0].stem.removeprefix("rank_"))
+    cause = " ".join((logs[0].read_text().strip().splitlines() or [""])[-1].split())[:400]
+    return f"worker rank {rank} ({spec.layout.describe(rank)}) failed: {cause} — traceback in {logs[0]}"
 
 
 def describe_failure(failures: dict, spec: Launch) -> str:

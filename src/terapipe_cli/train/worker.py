@@ -345,6 +345,27 @@ def _fault(rank: int, step: int) -> Callable[[], None] | None:
     return fail
 
 
+def record_for_torchrun(e: BaseException) -> None:
+    """Write torchrun's error file, which carries the cause to the launcher, whole or not at all: torchrun stops
+    the other ranks with SIGTERM after the first failure, and a rank stopped half-way through the file would leave
+    the launcher a JSONDecodeError instead of its cause. The JSON is torch's own (ErrorHandler), renamed into place."""
+    target = os.environ.get(ERROR_FILE_ENV)
+    if not target:
+        return
+    partial = f"{target}.partial"
+    os.environ[ERROR_FILE_ENV] = partial
+    try:
+        ErrorHandler().record_exception(e)
+        os.replace(partial, target)
+    except OSError:
+        pass  # the launcher then names the exit code, and the traceback is in errors/rank_N.txt
+    finally:
+        os.environ[ERROR_FILE_ENV] = target
+
+
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"  # set by torchrun for each worker
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="terapipe pipeline worker (started by `terapipe train`)")
     parser.add_argument("--run-dir", required=True, type=Path)
@@ -367,8 +388,7 @@ def main(argv: list[str] | None = None) -> None:
             (errors / f"rank_{rank:05d}.txt").write_text(traceback.format_exc())
         except OSError:
             pass
-        # torchrun's error file carries the cause to the launcher.
-        ErrorHandler().record_exception(e)
+        record_for_torchrun(e)
         sys.stderr.write(f"terapipe worker rank {rank}: {cause[:500]}\n")
         sys.stderr.flush()
         os._exit(1)
