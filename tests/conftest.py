@@ -140,10 +140,12 @@ def terapipe(
 def run_cli(capsys, *args, env: dict | None = None, cwd: str | Path | None = None) -> subprocess.CompletedProcess:
     """``terapipe ARGS`` through the command's own entry point (`terapipe_cli.cli.main`) in this process (in folder
     ``cwd``): its exit code and what it printed, as `terapipe` gives them for a real process, without a second's
-    start-up. For the commands that start no workers."""
+    start-up. A command that starts workers runs torchrun's agent in this process, as `terapipe run` does (pass
+    ``capfd`` for ``capsys`` to see what the workers print too); the environment it sets for them is undone."""
     from terapipe_cli.cli import main
 
     capsys.readouterr()
+    environ = dict(os.environ)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("COLUMNS", "200")
         mp.setenv("NO_COLOR", "1")
@@ -156,6 +158,9 @@ def run_cli(capsys, *args, env: dict | None = None, cwd: str | Path | None = Non
             code = 0
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        finally:
+            os.environ.clear()
+            os.environ.update(environ)
     out = capsys.readouterr()
     return subprocess.CompletedProcess(["terapipe", *map(str, args)], code, out.out, out.err)
 

@@ -5,7 +5,8 @@ must come with the package, not from the checkout.
 
 Checks the report against the run directories it came from: latencies recomputed from metrics.jsonl, the bubble
 from the timelines, the losses of both runs (which must match: the same synchronous training), the pictures and
-the Chrome trace; the profile's link and all-reduce measured through torchrun; then `configs` and `export`.
+the Chrome trace; the profile's link and all-reduce measured through torchrun; then `configs` from the installed
+package, and `export` and a second `report` of the demo's run (in this process).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, run_cli
 from fake_runs import assert_chrome_trace, assert_nontrivial_png
 
 
@@ -176,8 +177,8 @@ def test_the_profile_measured_the_link_and_the_allreduce_through_torchrun(demo):
     assert link["replicas"] == 2 and "gloo" in link["method"] and link["latency_s"] > 0 and link["bytes_per_s"] > 0
 
 
-def test_the_installed_package_lists_its_configs_and_exports_the_run(installed, demo):
-    root, _, tmp = demo
+def test_the_installed_package_lists_its_configs(installed, demo):
+    _, _, tmp = demo
     where = subprocess.run(
         [sys.executable, "-c", "import terapipe_cli; print(terapipe_cli.__file__)"],
         cwd=tmp, env={**os.environ, "PYTHONPATH": str(installed)}, capture_output=True, text=True,
@@ -185,15 +186,19 @@ def test_the_installed_package_lists_its_configs_and_exports_the_run(installed, 
     assert Path(where.stdout.strip()).is_relative_to(installed), where.stdout + where.stderr
     p = installed_terapipe(installed, tmp, "configs")
     assert p.returncode == 0 and "tiny" in p.stdout and "paper-01-gpt3-1b" in p.stdout, p.stderr
-    p = installed_terapipe(installed, tmp, "export", str(root / "run"), "--out", "model.pt")
+
+
+def test_the_run_exports_its_model(demo, tmp_path, capsys):
+    root, _, _ = demo
+    p = run_cli(capsys, "export", root / "run", "--out", tmp_path / "model.pt")
     assert p.returncode == 0, p.stdout + p.stderr
-    exported = torch.load(tmp / "model.pt", weights_only=True)
+    exported = torch.load(tmp_path / "model.pt", weights_only=True)
     assert exported["model_config"]["name"] == "tiny" and exported["step"] == 8
 
 
-def test_report_again_reuses_the_baseline(installed, demo):
-    root, _, tmp = demo
-    p = installed_terapipe(installed, tmp, "report", str(root / "run"), "--out", str(tmp / "again"), "--warmup", "1")
+def test_report_again_reuses_the_baseline(demo, tmp_path, capsys):
+    root, _, _ = demo
+    p = run_cli(capsys, "report", root / "run", "--out", tmp_path / "again", "--warmup", "1")
     assert p.returncode == 0, p.stdout + p.stderr
     assert "reusing the GPipe baseline" in p.stdout and "training the GPipe baseline" not in p.stdout
-    assert json.loads((tmp / "again" / "report.json").read_text())["warmup_steps"] == 1
+    assert json.loads((tmp_path / "again" / "report.json").read_text())["warmup_steps"] == 1

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import run_cli
 
-from terapipe_cli.cli import main
 from terapipe_cli.config.hardware import hardware_from_dict, load_hardware
 from terapipe_cli.config.model import load_model_config
 from terapipe_cli.errors import UserError
@@ -37,13 +37,6 @@ H100_FP32 = load_hardware(HARDWARE / "h100-fp32.toml")
 H100_BF16 = load_hardware(HARDWARE / "h100-bf16.toml")
 # What the synthetic measurements are made with, far from the files' own values the fit starts from.
 TRUE = {"dispatch_s": 45e-6, "matmul_efficiency": 0.6, "matmul_half_dim": 150.0}
-
-
-def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exc:
-        main(args)
-    out, err = capsys.readouterr()
-    return exc.value.code, out, err
 
 
 def synthetic_profile(hardware, device_name: str = "NVIDIA H100 80GB HBM3") -> dict:
@@ -159,17 +152,23 @@ def test_an_analytic_profile_is_not_a_measurement():
 def test_the_cli_writes_a_hardware_file_that_loads(tmp_path: Path, capsys):
     measured = write_profile(tmp_path / "measured.json", synthetic_profile(with_constants(H100_FP32, TRUE)))
     out = tmp_path / "calibrated.toml"
-    code, stdout, err = run_cli(
-        ["profile", "--calibrate", str(measured), "--hardware", str(HARDWARE / "h100-fp32.toml"), "--out", str(out)],
+    p = run_cli(
         capsys,
+        "profile",
+        "--calibrate",
+        str(measured),
+        "--hardware",
+        str(HARDWARE / "h100-fp32.toml"),
+        "--out",
+        str(out),
     )
-    assert code in (0, None), err
+    assert p.returncode == 0, p.stderr
     hw = load_hardware(out)
     assert hw.device.dispatch_s == pytest.approx(TRUE["dispatch_s"], rel=0.02)
     assert hw.device.peak_flops == H100_FP32.device.peak_flops and hw.training == H100_FP32.training
     text = out.read_text()
     assert text.startswith("# CALIBRATED on") and "FITTED to" in text
-    assert "error" in stdout and "dispatch_s" in stdout and "wrote" in stdout
+    assert "error" in p.stdout and "dispatch_s" in p.stdout and "wrote" in p.stdout
     # Every setting of the file it came from that was not fitted is still there, its source comment with it.
     base = (HARDWARE / "h100-fp32.toml").read_text().splitlines()
     kept = [ln for ln in base if re.match(r"\w+ *=|\[", ln) and not ln.startswith(("matmul_efficiency", "matmul_half"))]
@@ -213,21 +212,18 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path: Path, capsys,
         out.write_text((HARDWARE / "h100-fp32.toml").read_text())
         hardware, needle = str(out), "--out"
     before = out.read_text() if out.exists() else None
-    code, _, err = run_cli(
-        ["profile", "--calibrate", str(measured), "--hardware", hardware, "--out", str(out), *extra], capsys
-    )
-    assert code == 2, err
-    assert len(err.strip().splitlines()) == 1 and needle in err and "Traceback" not in err, err
+    p = run_cli(capsys, "profile", "--calibrate", str(measured), "--hardware", hardware, "--out", str(out), *extra)
+    assert p.returncode == 2, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and needle in p.stderr and "Traceback" not in p.stderr, p.stderr
     assert (out.read_text() if out.exists() else None) == before
 
 
 def test_options_that_do_not_apply_are_refused(tmp_path: Path, capsys):
     measured = write_profile(tmp_path / "m.json", synthetic_profile(H100_FP32))
-    code, _, err = run_cli(
-        ["profile", "--calibrate", str(measured), "--hardware", "h100-fp32", "--model", "tiny", "--out", "x.toml"],
-        capsys,
+    p = run_cli(
+        capsys, "profile", "--calibrate", str(measured), "--hardware", "h100-fp32", "--model", "tiny", "--out", "x.toml"
     )
-    assert code == 2 and "--model" in err and len(err.strip().splitlines()) == 1
+    assert p.returncode == 2 and "--model" in p.stderr and len(p.stderr.strip().splitlines()) == 1
 
 
 # ------------------------------------------------------------------------------------ the committed H100 files

@@ -9,9 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import assert_one_line_error, terapipe
+from conftest import assert_one_line_error, run_cli, terapipe
 
-from terapipe_cli.cli import main
 from terapipe_cli.config.device import default_precision, resolve_precision
 from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.errors import UserError
@@ -31,13 +30,6 @@ def write_model(path: Path, **fields) -> Path:
     body = "\n".join(f"{k} = {v!r}" if isinstance(v, str) else f"{k} = {v}" for k, v in cfg.items())
     path.write_text("[model]\n" + body.replace("'", '"') + "\n")
     return path
-
-
-def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exc:
-        main(args)
-    out, err = capsys.readouterr()
-    return exc.value.code, out, err
 
 
 # ------------------------------------------------------------------------------------------------ grids
@@ -175,27 +167,15 @@ def test_timings_interleave_points_and_sample_cheap_tiles_more():
 def test_quick_profile_of_a_micro_model_is_a_valid_profile_the_planner_reads(tmp_path, capsys):
     model = write_model(tmp_path / "micro.toml")
     out = tmp_path / "sub" / "profile.json"
-    code, stdout, err = run_cli(
-        [
-            "profile",
-            "--model",
-            str(model),
-            "--quick",
-            "--check",
-            "--no-comm",
-            "--no-allreduce",
-            "--batch-sizes",
-            "2,1",
-            "--out",
-            str(out),
-        ],
-        capsys,
-    )
-    assert code == 0, err
-    assert "held-out tile error" in stdout and "check: relative error" in stdout
+    p = run_cli(
+        capsys, "profile", "--model", model, "--quick", "--check", "--no-comm", "--no-allreduce",
+        "--batch-sizes", "2,1", "--out", out,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    assert "held-out tile error" in p.stdout and "check: relative error" in p.stdout
     prof = read_profile(out)
     precision = default_precision(prof.device["kind"])  # fp32 on a CPU, bf16 on a GPU
-    assert prof.precision == precision and f"in {precision}" in stdout
+    assert prof.precision == precision and f"in {precision}" in p.stdout
     assert prof.source == "measured" and prof.model.name == "micro" and prof.batch_sizes == (1, 2)
     assert prof.device["kind"] in ("cpu", "cuda") and prof.device["name"]
     raw = json.loads(out.read_text())
@@ -213,15 +193,13 @@ def test_quick_profile_of_a_micro_model_is_a_valid_profile_the_planner_reads(tmp
     assert np.all(np.isfinite(t)) and np.all(t > 0)
     # `terapipe plan` consumes it.
     plan_out = tmp_path / "plan.json"
-    code, _, err = run_cli(
-        ["plan", "--profile", str(out), "--stages", "2", "--batch", "2", "--out", str(plan_out)], capsys
-    )
-    assert code == 0, err
+    p = run_cli(capsys, "plan", "--profile", str(out), "--stages", "2", "--batch", "2", "--out", str(plan_out))
+    assert p.returncode == 0, p.stderr
     assert read_plan(plan_out).precision == precision
     # And the profile can be re-checked against fresh timings.
-    code, stdout, err = run_cli(["profile", "--check-profile", str(out), "--quick"], capsys)
-    assert code == 0, err
-    assert "check: relative error" in stdout and "machine speed now" in stdout
+    p = run_cli(capsys, "profile", "--check-profile", str(out), "--quick")
+    assert p.returncode == 0, p.stderr
+    assert "check: relative error" in p.stdout and "machine speed now" in p.stdout
 
 
 def test_a_bf16_profile_records_it_and_is_checked_at_it(tmp_path, capsys):
@@ -229,20 +207,20 @@ def test_a_bf16_profile_records_it_and_is_checked_at_it(tmp_path, capsys):
     out = tmp_path / "bf16.json"
     args = ["profile", "--model", str(model), "--quick", "--no-comm", "--no-allreduce", "--device", "cpu"]
     args += ["--precision", "bf16"]
-    code, stdout, err = run_cli([*args, "--out", str(out)], capsys)
-    assert code == 0, err
+    p = run_cli(capsys, *args, "--out", str(out))
+    assert p.returncode == 0, p.stderr
     raw = json.loads(out.read_text())
     assert raw["precision"] == read_profile(out).precision == "bf16"
-    assert "in bf16" in raw["note"] and "in bf16" in stdout
+    assert "in bf16" in raw["note"] and "in bf16" in p.stdout
     assert raw["dtype_bytes"] == 4  # what goes between stages stays fp32
     # --check-profile times at the profile's precision and refuses another one.
     for other in ("fp32", "fp16"):
-        code, _, err = run_cli(["profile", "--check-profile", str(out), "--precision", other], capsys)
-        assert code == 2 and len(err.strip().splitlines()) == 1, err
-        assert "--precision" in err and "measured in bf16" in err and "Traceback" not in err
-    code, stdout, err = run_cli(["profile", "--check-profile", str(out), "--quick", "--precision", "auto"], capsys)
-    assert code == 0, err
-    assert "in bf16" in stdout and "check: relative error" in stdout
+        p = run_cli(capsys, "profile", "--check-profile", str(out), "--precision", other)
+        assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+        assert "--precision" in p.stderr and "measured in bf16" in p.stderr and "Traceback" not in p.stderr
+    p = run_cli(capsys, "profile", "--check-profile", str(out), "--quick", "--precision", "auto")
+    assert p.returncode == 0, p.stderr
+    assert "in bf16" in p.stdout and "check: relative error" in p.stdout
 
 
 def test_a_profile_without_precision_reads_as_fp32_and_a_bad_one_is_refused():
@@ -317,13 +295,13 @@ def bad_inputs(tmp_path: Path) -> list[tuple[list[str], str]]:
 def test_bad_input_is_one_line_exit_2_and_no_output(tmp_path, capsys):
     out = tmp_path / "out.json"
     for args, needle in bad_inputs(tmp_path):
-        code, _, err = run_cli(["profile", *args, "--out", str(out)], capsys)
-        assert code == 2, (args, err)
-        assert len(err.strip().splitlines()) == 1 and needle in err, (args, err)
-        assert "Traceback" not in err
+        p = run_cli(capsys, "profile", *args, "--out", str(out))
+        assert p.returncode == 2, (args, p.stderr)
+        assert len(p.stderr.strip().splitlines()) == 1 and needle in p.stderr, (args, p.stderr)
+        assert "Traceback" not in p.stderr
         assert not out.exists(), args
-    code, _, err = run_cli(["profile", "--model", str(tmp_path / "ok.toml"), "--out", str(tmp_path)], capsys)
-    assert code == 2 and "folder" in err
+    p = run_cli(capsys, "profile", "--model", str(tmp_path / "ok.toml"), "--out", str(tmp_path))
+    assert p.returncode == 2 and "folder" in p.stderr
 
 
 def test_bad_input_from_the_real_command_line(tmp_path):
@@ -355,28 +333,28 @@ def test_analytic_flags_call_the_analytic_profile(tmp_path, capsys):
         "--out",
         str(out),
     ]
-    code, stdout, err = run_cli(args, capsys)
-    assert code == 0, err
+    p = run_cli(capsys, *args)
+    assert p.returncode == 0, p.stderr
     prof = read_profile(out)
     assert prof.source == "analytic" and prof.model.name == "gpt3-1b" and prof.device["tensor_parallel"] == 8
-    assert "held-out error" in stdout
+    assert "held-out error" in p.stdout
     # The hardware file's peak is its fp16 peak: the profile is fp16, asked for or not.
-    assert prof.precision == "fp16" and "fp16" in stdout
-    code, _, err = run_cli([*args[:-2], "--precision", "fp16", "--out", str(tmp_path / "again.json")], capsys)
-    assert code == 0, err
+    assert prof.precision == "fp16" and "fp16" in p.stdout
+    p = run_cli(capsys, *args[:-2], "--precision", "fp16", "--out", str(tmp_path / "again.json"))
+    assert p.returncode == 0, p.stderr
     assert read_profile(tmp_path / "again.json").precision == "fp16"
 
 
-def test_profile_out_is_checked_before_measuring(tmp_path):
+def test_profile_out_is_checked_before_measuring(tmp_path, capsys):
     (tmp_path / "notes.txt").write_text("mine")
-    p = terapipe("profile", "--model", "tiny", "--quick", "--out", "notes.txt", cwd=tmp_path)
+    p = run_cli(capsys, "profile", "--model", "tiny", "--quick", "--out", "notes.txt", cwd=tmp_path)
     assert_one_line_error(p, "notes.txt exists and is not a profile; pass --force")
-    p = terapipe("profile", "--model", "tiny", "--quick", "--out", str(tmp_path), cwd=tmp_path)
+    p = run_cli(capsys, "profile", "--model", "tiny", "--quick", "--out", str(tmp_path), cwd=tmp_path)
     assert_one_line_error(p, "names a folder")
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
-def test_a_token_step_that_does_not_divide_the_sequence_is_refused_before_timing(tmp_path):
-    p = terapipe("profile", "--model", "tiny", "--quick", "--token-step", "7", "--out", str(tmp_path / "p.json"))
+def test_a_token_step_that_does_not_divide_the_sequence_is_refused_before_timing(tmp_path, capsys):
+    p = run_cli(capsys, "profile", "--model", "tiny", "--quick", "--token-step", "7", "--out", str(tmp_path / "p.json"))
     assert_one_line_error(p, "--token-step", "1024", "multiple of 7")
     assert not (tmp_path / "p.json").exists()

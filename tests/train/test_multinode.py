@@ -99,8 +99,10 @@ def test_two_nodes_with_folders_of_their_own_train_like_one_and_resume(tmp_path,
         marker = json.loads((checkpoint.step_dir(out, 2) / checkpoint.MARKER).read_text())
         held = ["stage_000.pt", "stage_001.pt"] if mode == "shared" else [f"stage_{node:03d}.pt"]
         assert marker["files"] == held
+    assert (outs[0] / "errors" / "rank_00000.txt").is_file()  # rank 0's traceback: it lost rank 1
     resumed = run_nodes(outs, "--resume", *STEPS)
     assert [code for code, _, _ in resumed] == [0, 0], resumed
+    assert not (outs[0] / "errors").exists()  # a successful resume clears the failed attempt's tracebacks
     assert "step     4/4" in resumed[0][1] and " loss " not in resumed[1][1]  # node 0 prints the steps
     assert losses(outs[0]) == pytest.approx(expected, rel=1e-6, abs=0)
     assert read_summary(outs[0])["resumed_from"] == 2
@@ -115,14 +117,14 @@ def test_two_nodes_with_folders_of_their_own_train_like_one_and_resume(tmp_path,
 def test_a_node_that_never_joins_is_named_in_one_line(tmp_path, reference):
     """Node 0 alone: it names node 1 within --rdzv-timeout. Node 1 alone: it says node 0's rendezvous is absent."""
     plan, _ = reference
-    alone = ("--plan", plan, *STEPS, "--rdzv-timeout", "3")
+    alone = ("--plan", plan, *STEPS, "--rdzv-timeout", "1")
     procs = [start_node(node, free_port(), tmp_path / f"n{node}", *alone) for node in (0, 1)]
     results = [p.communicate(timeout=120) for p in procs]
     for p, (stdout, stderr) in zip(procs, results, strict=True):
         assert p.returncode == 1, stdout + stderr
         lines = stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("terapipe: error: "), stderr
-    assert "node 1 of 2 did not join within 3 s at 127.0.0.1:" in results[0][1]
+    assert "node 1 of 2 did not join within 1 s at 127.0.0.1:" in results[0][1]
     assert "node 1 of 2 found no rendezvous at 127.0.0.1:" in results[1][1]
 
 

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import CUDA_VISIBLE_DEVICES, ROOT, assert_one_line_error, gpu_test, terapipe, write_plan_file
+from conftest import CUDA_VISIBLE_DEVICES, ROOT, assert_one_line_error, gpu_test, run_cli, terapipe, write_plan_file
 
 from terapipe_cli.engine.comm import host_all_reduce, host_staged
 from terapipe_cli.engine.mesh import Layout, gpu_of
@@ -241,9 +241,9 @@ def test_the_demo_on_the_gpu_when_asked(tmp_path):
     assert "2 workers share 1 GPU" in p.stdout
 
 
-def test_asking_for_cuda_without_a_gpu_is_one_line(tmp_path):
+def test_asking_for_cuda_without_a_gpu_is_one_line(tmp_path, capsys):
     """Without a GPU (as every test but a GPU one sees it), --device cuda stops before any worker starts."""
     plan = write_plan_file(tmp_path / "plan.json", [(1, [16, 16])], stages=2)
-    p = terapipe("train", "--plan", plan, "--out", tmp_path / "run", "--device", "cuda")
+    p = run_cli(capsys, "train", "--plan", plan, "--out", tmp_path / "run", "--device", "cuda")
     assert_one_line_error(p, "--device", "no CUDA GPU")
     assert not (tmp_path / "run").exists()

@@ -2,15 +2,16 @@
 precision and parallelism is verified in one process through the same code (engine/test_trainer.py); here each
 kind of process layout runs once as a user runs it, with --verify: K = 3 stages walking a hand-written schedule,
 D = 2 replicas in bf16, T = 2 tensor ranks in fp16 (one stage each: stages' messages are the K = 3 test's); then
-the negative control through --verify, a failed worker and a hung one. Ctrl-C and resume are in test_interrupt.py,
-two nodes on loopback in test_multinode.py."""
+the negative control through --verify, a failed worker and a hung one. Ctrl-C is in test_interrupt.py, resume and
+two nodes on loopback in test_multinode.py. The command itself runs in this process, as `terapipe run` runs it
+(test_interrupt.py and test_multinode.py start `terapipe train` processes); its workers are real torchrun processes."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-from conftest import terapipe, write_plan_file
+from conftest import run_cli, write_plan_file
 
 from terapipe_cli.config.run import DEFAULT_LR
 from terapipe_cli.plan.schedule import plan_tiles
@@ -38,12 +39,13 @@ def _verified(p, out, precision: str) -> dict:
     return verify
 
 
-def test_three_stages_walk_a_hand_written_schedule_verified_and_the_run_trains_again_from_its_run_toml(tmp_path):
+def test_three_stages_walk_a_hand_written_schedule_verified_and_the_run_trains_again_from_its_run_toml(tmp_path, capfd):
     slices = [(1, [16, 16]), (1, [32])]
     plan = write_plan_file(tmp_path / "plan.json", slices, stages=3)
     (tmp_path / "order.csv").write_text(SCHEDULE)
     out = tmp_path / "run"
-    p = terapipe(
+    p = run_cli(
+        capfd,
         "train", "--plan", plan, "--schedule", tmp_path / "order.csv", "--steps", "3", "--out", out, "--verify",
         "--grad-clip", CLIP, "--seed", "3", "--device", "cpu",
     )  # fmt: skip
@@ -70,15 +72,16 @@ def test_three_stages_walk_a_hand_written_schedule_verified_and_the_run_trains_a
         assert first == [f"{rank}F1", f"{rank}F0" if rank < 2 else f"{rank}B1"]
 
     # run.toml holds the resolved settings: trained again from it, the run takes the same steps.
-    p = terapipe("train", "--config", out / "run.toml", "--out", tmp_path / "again", "--no-verify")
+    p = run_cli(capfd, "train", "--config", out / "run.toml", "--out", tmp_path / "again", "--no-verify")
     assert p.returncode == 0, p.stdout + p.stderr
     assert [r["loss"] for r in read_metrics(tmp_path / "again")] == [r["loss"] for r in records]
 
 
-def test_two_replicas_in_bf16_verify(tmp_path):
+def test_two_replicas_in_bf16_verify(tmp_path, capfd):
     plan = write_plan_file(tmp_path / "plan.json", [(1, [12, 20])], stages=1, data_parallel=2)
     out = tmp_path / "run"
-    p = terapipe(
+    p = run_cli(
+        capfd,
         "train", "--plan", plan, "--steps", "3", "--out", out, "--verify", "--precision", "bf16", "--accept-precision",
         "--device", "cpu",
     )  # fmt: skip
@@ -86,10 +89,11 @@ def test_two_replicas_in_bf16_verify(tmp_path):
     assert len(list((out / "timelines").iterdir())) == 2  # D x K ranks
 
 
-def test_two_tensor_ranks_in_fp16_verify_and_keep_one_loss_scale(tmp_path):
+def test_two_tensor_ranks_in_fp16_verify_and_keep_one_loss_scale(tmp_path, capfd):
     plan = write_plan_file(tmp_path / "plan.json", [(2, [8, 8, 16])], stages=1, tensor_parallel=2)
     out = tmp_path / "run"
-    p = terapipe(
+    p = run_cli(
+        capfd,
         "train", "--plan", plan, "--steps", "3", "--out", out, "--verify", "--precision", "fp16", "--accept-precision",
         "--device", "cpu",
     )  # fmt: skip
@@ -102,10 +106,11 @@ def test_two_tensor_ranks_in_fp16_verify_and_keep_one_loss_scale(tmp_path):
     assert state["model"]["blocks.3.attn.qkv.weight"].shape == (3 * 32, 32)  # whole, gathered from both ranks
 
 
-def test_the_negative_control_fails_verify(tmp_path):
+def test_the_negative_control_fails_verify(tmp_path, capfd):
     """The check can fail: drop the earlier slices' K/V gradients and --verify must say so (exit 1)."""
     plan = write_plan_file(tmp_path / "plan.json", [(2, [8, 8, 16])], stages=2)
-    p = terapipe(
+    p = run_cli(
+        capfd,
         "train", "--plan", plan, "--steps", "2", "--out", tmp_path / "run", "--verify", "--device", "cpu",
         env={"TERAPIPE_TEST_DROP_KV_GRADS": "1"},
     )  # fmt: skip
@@ -116,25 +121,34 @@ def test_the_negative_control_fails_verify(tmp_path):
     assert grads["ok"] is False and grads["max_rel"] > 10 * grads["tolerance"]
 
 
-def train_with_fault(tmp_path, fault: str, *options: str):
+def train_with_fault(tmp_path, capfd, fault: str, *options: str):
     """4 steps of a two-stage plan into tmp_path/run, with the test-only fault ``fault`` injected."""
     plan = write_plan_file(tmp_path / "plan.json", [(1, [16, 16])], stages=2)
-    return terapipe(
-        "train", "--plan", plan, "--steps", "4", "--out", tmp_path / "run", *options, env={"TERAPIPE_TEST_FAULT": fault}
+    return run_cli(
+        capfd,
+        "train",
+        "--plan",
+        plan,
+        "--steps",
+        "4",
+        "--out",
+        tmp_path / "run",
+        *options,
+        env={"TERAPIPE_TEST_FAULT": fault},
     )
 
 
-def test_a_failed_worker_is_named_in_one_line(tmp_path):
-    p = train_with_fault(tmp_path, "raise:0:2")
+def test_a_failed_worker_is_named_in_one_line(tmp_path, capfd):
+    p = train_with_fault(tmp_path, capfd, "raise:0:2")
     assert p.returncode == 1
     last = p.stderr.strip().splitlines()[-1]
     assert last.startswith("terapipe: error: worker rank 0 (stage 0, replica 0) failed: RuntimeError: injected failure")
     assert (tmp_path / "run" / "errors" / "rank_00000.txt").exists()
 
 
-def test_a_hung_worker_ends_the_job_by_its_neighbours_timeout(tmp_path):
+def test_a_hung_worker_ends_the_job_by_its_neighbours_timeout(tmp_path, capfd):
     """A rank that stops responding: its neighbour's wait times out (--timeout-s) and the job ends, naming both."""
-    p = train_with_fault(tmp_path, "hang:1:2", "--timeout-s", "3")
+    p = train_with_fault(tmp_path, capfd, "hang:1:1", "--timeout-s", "2")
     assert p.returncode == 1
     last = p.stderr.strip().splitlines()[-1]
     assert "worker rank 0 (stage 0, replica 0) failed: PeerLost: lost rank 1" in last and "Timed out" in last, last

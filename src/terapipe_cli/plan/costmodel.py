@@ -265,7 +265,7 @@ class CostModel:
     ``b``, ``i``, ``j`` are broadcastable integer arrays: sequences in the batch slice, new tokens, context
     tokens. ``step_s`` is the per-step constant (the optimizer update of a stage's layers plus any fixed
     overhead) that the objective adds once per step. With ``recompute`` every tile's forward runs twice (once
-    more inside its backward, runtime/stage.py), so its forward time, context term included, counts twice.
+    more inside its backward, engine/stage.py), so its forward time, context term included, counts twice.
     """
 
     def __init__(self, profile: Profile, stages: int, data_parallel: int = 1, *, recompute: bool = False) -> None:

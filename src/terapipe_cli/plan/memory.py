@@ -72,7 +72,7 @@ def stage_sizes(profile, stages: int) -> list[StageSizes] | None:
     — except on the last stage, which keeps its final norm's input and output and the logits instead (fp32
     log-probabilities for the loss; with a 16-bit compute type also the 16-bit logits and the head's 16-bit
     input), and its targets. Stage 0 also keeps the token ids and positions its embeddings index. Parameters
-    count whole where the runtime replicates them: embeddings and head on every tensor rank (runtime/tensor.py);
+    count whole where the runtime replicates them: embeddings and head on every tensor rank (engine/tensor.py);
     the layers' numbers are the profile's, already per tensor rank. With a 16-bit compute type the step also keeps
     one 16-bit copy of each weight matrix (the layers' and the head's; `StageRunner.step`) while tiles are in
     flight.

@@ -221,7 +221,7 @@ BACKWARD_KERNELS = (
 # each, and one backward each); each weight's 16-bit copy is made once per step (not per tile, StageRunner.step)
 # but its gradient is cast back to fp32 in every tile's backward (four kernels).
 AUTOCAST_KERNELS = (2, 2 + 4)
-# Tensor parallelism: two all-reduces forward and two backward, each a clone and the collective (runtime/tensor.py).
+# Tensor parallelism: two all-reduces forward and two backward, each a clone and the collective (engine/tensor.py).
 TENSOR_PARALLEL_KERNELS = (4, 4)
 
 
