@@ -2,7 +2,7 @@
 """Training-step time of one GPT3-1B stage on one CUDA GPU: the whole sequence vs token slices vs the plan.
 
     python scripts/bench_gpu.py                       # quick profiles, plans, then the timings (~10 min, H100)
-    python scripts/bench_gpu.py --markdown            # the same as Markdown tables, for the README
+    python scripts/bench_gpu.py --markdown            # the same as Markdown tables, for docs/results.md
     python scripts/bench_gpu.py --profile P.json      # plan from this profile (its precision) instead of measuring
 
 One process, no torchrun: K = 1 stage holding the whole model (configs/models/gpt3-1b.toml, L = 2048), run by
@@ -255,7 +255,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default 2)")
     parser.add_argument("--floor-repeats", type=int, default=30)
     parser.add_argument("--peak-tflops", type=float, help="the device's bf16 dense peak, TFLOP/s, for MFU")
-    parser.add_argument("--markdown", action="store_true", help="Markdown tables (for the README)")
+    parser.add_argument("--markdown", action="store_true", help="Markdown tables (for docs/results.md)")
     a = parser.parse_args(argv)
     a.batches = [int(x) for x in a.batch.split(",")]
     a.precisions = a.precision.split(",")

@@ -142,7 +142,7 @@ def main() -> None:
     ap.add_argument("--rows", default="", help="comma-separated row numbers (1-based); default all")
     ap.add_argument("--epsilon", type=float, default=1e-5, help="ε of the enumeration, seconds (default 1e-5)")
     ap.add_argument("--no-enumerate", action="store_true", help="time only the exact default method")
-    ap.add_argument("--markdown", action="store_true", help="also print the table as Markdown (for the README)")
+    ap.add_argument("--markdown", action="store_true", help="also print the table as Markdown (for docs/results.md)")
     ap.add_argument("--memory-only", action="store_true", help="only the long-context table with a memory limit")
     args = ap.parse_args()
     rows = [ROWS[int(k) - 1] for k in args.rows.split(",")] if args.rows else ROWS

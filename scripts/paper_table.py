@@ -9,7 +9,7 @@ all-reduce and optimizer step included):
 
     python scripts/paper_table.py                                   # V100 (p3.16xlarge), as published
     python scripts/paper_table.py --hardware configs/hardware/h100.toml   # the same settings on p5 nodes
-    python scripts/paper_table.py --markdown                        # a Markdown table for the README
+    python scripts/paper_table.py --markdown                        # a Markdown table for docs/results.md
     python scripts/paper_table.py --memory-limit 12                 # every setting within 12 GiB per device
 
 Every setting is planned within a memory limit per device, as `terapipe plan` plans: by default the device memory
@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("experiments", nargs="*", help="experiment TOML files (default: configs/experiments/paper-*.toml)")
     ap.add_argument("--hardware", help="plan every setting on this hardware file instead of the experiment's own")
-    ap.add_argument("--markdown", action="store_true", help="print a Markdown table (for the README)")
+    ap.add_argument("--markdown", action="store_true", help="print a Markdown table (for docs/results.md)")
     ap.add_argument("--full", action="store_true", help="show long schemes whole instead of shortened")
     ap.add_argument(
         "--calibrated",

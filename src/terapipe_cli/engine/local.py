@@ -176,7 +176,7 @@ class LocalLink:
 
 
 def local_comms(world: LocalWorld, layout: Layout, rank: int) -> Comms:
-    """This rank's `trainer.Comms` over ``world`` (threads of one process): the groups `mesh.make_groups` makes
+    """This rank's `trainer.Comms` over ``world`` (threads of one process): the groups `comm.make_groups` makes
     between processes."""
     replica, stage, tensor_rank = layout.replica(rank), layout.stage(rank), layout.tensor_rank(rank)
     per_replica = layout.stages * layout.tensor

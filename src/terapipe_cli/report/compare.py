@@ -5,7 +5,7 @@ Every number here is recomputable from the run directories (the tests do so):
 * latency: ``iteration_s`` of ``metrics.jsonl`` over the steps after the warm-up (median, mean ± std, min–max);
   speed-up = baseline median / run median; tokens/s = tokens per step / median latency;
 * busy and idle per stage and the bubble fraction over all compared steps and replicas, from the timelines, as
-  `schedule.stage_times` defines them (the simulator's predicted step is read by the same function), next to
+  `timeline.stage_times` defines them (the simulator's predicted step is read by the same function), next to
   the formula ``(K−1)/(M+K−1)`` (M tiles on K stages, equal tiles, free transfers);
 * predicted vs measured: the plan's ``predicted_s`` (the objective of docs/design.md §4) and, when a cost model
   is at hand, the schedule simulator's latency, each with ``(predicted − measured) / measured`` against the
@@ -13,6 +13,14 @@ Every number here is recomputable from the run directories (the tests do so):
 * memory per stage: the plan's estimate (`terapipe_cli.plan.memory`) next to the largest a stage's ranks
   measured over the compared steps: what it kept for the backward (``saved_bytes_per_rank``, counted by the
   runtime's saved-tensor hooks) and the process's peak (``memory_bytes_per_rank``).
+
+The report file (schema ``terapipe.report/1``, `compare` builds it, `report.build` adds ``files`` and ``created``):
+``warmup_steps``, ``model``, ``run`` and ``baseline`` (each: path, slices, tiles, latency statistics, tokens/s,
+predicted and simulated latency with their errors, busy and idle per stage, the bubble measured / simulated /
+formula, peak memory, losses), ``speedup.{median, mean, predicted, simulated}``, ``loss`` (the step-by-step
+difference and whether it is within the precision's tolerance: ``match``, ``max_rel_diff``), ``cost_model``
+(``used``, and the profile's path, source and device, or ``why`` not), ``files``, ``created``. Without a baseline, ``baseline``, ``speedup`` and ``loss``
+are null.
 """
 
 from __future__ import annotations
