@@ -26,6 +26,8 @@ import torch
 from conftest import ROOT, run_cli
 from fake_runs import assert_chrome_trace, assert_nontrivial_png
 
+from terapipe_cli.config.demo import load_demo_config
+
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> Path:
@@ -193,7 +195,8 @@ def test_the_run_exports_its_model(demo, tmp_path, capsys):
     p = run_cli(capsys, "export", root / "run", "--out", tmp_path / "model.pt")
     assert p.returncode == 0, p.stdout + p.stderr
     exported = torch.load(tmp_path / "model.pt", weights_only=True)
-    assert exported["model_config"]["name"] == "tiny" and exported["step"] == 8
+    quick = load_demo_config(quick=True)
+    assert exported["model_config"]["name"] == quick.model.name and exported["step"] == quick.steps
 
 
 def test_report_again_reuses_the_baseline(demo, tmp_path, capsys):

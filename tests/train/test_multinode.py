@@ -1,8 +1,9 @@
 """Two "nodes" on loopback: two real `terapipe train` processes with --nnodes 2, one stage each (docs/design.md §6).
 
 Each node is its own launcher and torchrun agent, exactly as on two machines; only the rendezvous address is
-127.0.0.1. Both folder modes are run: one --out that both nodes share, and one --out per node (with a killed node
-and the resume of both).
+127.0.0.1. One --out per node, with a killed node and the resume of both: node 1's folder gets node 0's config, and
+each folder its own stage's checkpoints. Who writes what in one folder both nodes share, and how a node tells a
+shared folder from its own, are `test_folder_roles` and `test_join_run_folder`, in this process.
 """
 
 from __future__ import annotations
@@ -72,22 +73,10 @@ def reference(tmp_path_factory):
     return plan, train_locally(LocalSetup(prepared.plan, prepared.args)).losses
 
 
-def test_two_nodes_sharing_a_folder_train_like_one(tmp_path, reference):
-    """Node 1 starts first and joins node 0's folder; the losses equal one node's."""
-    plan, expected = reference
-    outs = [tmp_path / "run"] * 2
-    results = run_nodes(outs, "--plan", plan, *STEPS, first=1)
-    assert [code for code, _, _ in results] == [0, 0], results
-    assert losses(outs[0]) == pytest.approx(expected, rel=1e-6, abs=0)
-    marker = json.loads((checkpoint.step_dir(outs[0], 4) / checkpoint.MARKER).read_text())
-    assert marker["files"] == ["stage_000.pt", "stage_001.pt"]
-
-
 def test_two_nodes_with_folders_of_their_own_train_like_one_and_resume(tmp_path, reference):
     """Node 1 is killed in step 3; both nodes then resume from step 2's checkpoint, each folder holding its node's
     stage (node 0's the metrics). The losses of all 4 steps equal one node's."""
     plan, expected = reference
-    mode = "node-local"
     outs = [tmp_path / "node0", tmp_path / "node1"]
     first = run_nodes(outs, "--plan", plan, *STEPS, env={FAULT_ENV: "kill:1:3"}, first=1)
     assert [code for code, _, _ in first] == [1, 1], first
@@ -97,8 +86,7 @@ def test_two_nodes_with_folders_of_their_own_train_like_one_and_resume(tmp_path,
     for node, out in enumerate(outs):
         assert checkpoint.latest_complete(out) == 2
         marker = json.loads((checkpoint.step_dir(out, 2) / checkpoint.MARKER).read_text())
-        held = ["stage_000.pt", "stage_001.pt"] if mode == "shared" else [f"stage_{node:03d}.pt"]
-        assert marker["files"] == held
+        assert marker["files"] == [f"stage_{node:03d}.pt"]  # each folder marks its own node's stage
     assert (outs[0] / "errors" / "rank_00000.txt").is_file()  # rank 0's traceback: it lost rank 1
     resumed = run_nodes(outs, "--resume", *STEPS)
     assert [code for code, _, _ in resumed] == [0, 0], resumed
@@ -108,10 +96,9 @@ def test_two_nodes_with_folders_of_their_own_train_like_one_and_resume(tmp_path,
     assert read_summary(outs[0])["resumed_from"] == 2
     assert all(checkpoint.latest_complete(out) == 4 for out in outs)
     assert timeline_path(outs[1], 1).is_file()
-    if mode == "node-local":
-        config = [json.loads((out / "config.json").read_text()) for out in outs]
-        assert config[0] == config[1]  # node 1 holds node 0's config
-        assert not (outs[1] / "metrics.jsonl").exists() and not timeline_path(outs[1], 0).exists()
+    config = [json.loads((out / "config.json").read_text()) for out in outs]
+    assert config[0] == config[1]  # node 1 holds node 0's config
+    assert not (outs[1] / "metrics.jsonl").exists() and not timeline_path(outs[1], 0).exists()
 
 
 def test_a_node_that_never_joins_is_named_in_one_line(tmp_path, reference):

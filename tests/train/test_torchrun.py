@@ -1,10 +1,11 @@
 """`terapipe train` through real torchrun workers (gloo on the CPU): the smoke tier. Each scheme family, order,
 precision and parallelism is verified in one process through the same code (engine/test_trainer.py); here each
 kind of process layout runs once as a user runs it, with --verify: K = 3 stages walking a hand-written schedule,
-D = 2 replicas in bf16, T = 2 tensor ranks in fp16 (one stage each: stages' messages are the K = 3 test's); then
-the negative control through --verify, a failed worker and a hung one. Ctrl-C is in test_interrupt.py, resume and
-two nodes on loopback in test_multinode.py. The command itself runs in this process, as `terapipe run` runs it
-(test_interrupt.py and test_multinode.py start `terapipe train` processes); its workers are real torchrun processes."""
+D = 2 replicas in bf16 (then trained again from the run's run.toml), T = 2 tensor ranks in fp16 (one stage each:
+stages' messages are the K = 3 test's); then the negative control through --verify, a worker that raises and one
+that hangs. Ctrl-C is in test_interrupt.py, resume and two nodes on loopback in test_multinode.py. The command
+itself runs in this process, as `terapipe run` runs it (test_interrupt.py and test_multinode.py start `terapipe
+train` processes); its workers are real torchrun processes."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def _verified(p, out, precision: str) -> dict:
     return verify
 
 
-def test_three_stages_walk_a_hand_written_schedule_verified_and_the_run_trains_again_from_its_run_toml(tmp_path, capfd):
+def test_three_stages_walk_a_hand_written_schedule_verified(tmp_path, capfd):
     slices = [(1, [16, 16]), (1, [32])]
     plan = write_plan_file(tmp_path / "plan.json", slices, stages=3)
     (tmp_path / "order.csv").write_text(SCHEDULE)
@@ -71,13 +72,8 @@ def test_three_stages_walk_a_hand_written_schedule_verified_and_the_run_trains_a
         first = [f"{e.stage}{e.phase}{e.batch_slice}" for e in events if e.step == 1][:2]
         assert first == [f"{rank}F1", f"{rank}F0" if rank < 2 else f"{rank}B1"]
 
-    # run.toml holds the resolved settings: trained again from it, the run takes the same steps.
-    p = run_cli(capfd, "train", "--config", out / "run.toml", "--out", tmp_path / "again", "--no-verify")
-    assert p.returncode == 0, p.stdout + p.stderr
-    assert [r["loss"] for r in read_metrics(tmp_path / "again")] == [r["loss"] for r in records]
 
-
-def test_two_replicas_in_bf16_verify(tmp_path, capfd):
+def test_two_replicas_in_bf16_verify_and_the_run_trains_again_from_its_run_toml(tmp_path, capfd):
     plan = write_plan_file(tmp_path / "plan.json", [(1, [12, 20])], stages=1, data_parallel=2)
     out = tmp_path / "run"
     p = run_cli(
@@ -87,6 +83,11 @@ def test_two_replicas_in_bf16_verify(tmp_path, capfd):
     )  # fmt: skip
     _verified(p, out, "bf16")
     assert len(list((out / "timelines").iterdir())) == 2  # D x K ranks
+
+    # run.toml holds the resolved settings: trained again from it, the run takes the same steps.
+    p = run_cli(capfd, "train", "--config", out / "run.toml", "--out", tmp_path / "again", "--no-verify")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert [r["loss"] for r in read_metrics(tmp_path / "again")] == [r["loss"] for r in read_metrics(out)]
 
 
 def test_two_tensor_ranks_in_fp16_verify_and_keep_one_loss_scale(tmp_path, capfd):
@@ -108,7 +109,7 @@ def test_two_tensor_ranks_in_fp16_verify_and_keep_one_loss_scale(tmp_path, capfd
 
 def test_the_negative_control_fails_verify(tmp_path, capfd):
     """The check can fail: drop the earlier slices' K/V gradients and --verify must say so (exit 1)."""
-    plan = write_plan_file(tmp_path / "plan.json", [(2, [8, 8, 16])], stages=2)
+    plan = write_plan_file(tmp_path / "plan.json", [(2, [8, 8, 16])], stages=1)
     p = run_cli(
         capfd,
         "train", "--plan", plan, "--steps", "2", "--out", tmp_path / "run", "--verify", "--device", "cpu",
@@ -121,9 +122,9 @@ def test_the_negative_control_fails_verify(tmp_path, capfd):
     assert grads["ok"] is False and grads["max_rel"] > 10 * grads["tolerance"]
 
 
-def train_with_fault(tmp_path, capfd, fault: str, *options: str):
-    """4 steps of a two-stage plan into tmp_path/run, with the test-only fault ``fault`` injected."""
-    plan = write_plan_file(tmp_path / "plan.json", [(1, [16, 16])], stages=2)
+def train_with_fault(tmp_path, capfd, fault: str, *options: str, stages: int = 2):
+    """4 steps of a plan of ``stages`` stages into tmp_path/run, with the test-only fault ``fault`` injected."""
+    plan = write_plan_file(tmp_path / "plan.json", [(1, [16, 16])], stages=stages)
     return run_cli(
         capfd,
         "train",
@@ -139,7 +140,7 @@ def train_with_fault(tmp_path, capfd, fault: str, *options: str):
 
 
 def test_a_failed_worker_is_named_in_one_line(tmp_path, capfd):
-    p = train_with_fault(tmp_path, capfd, "raise:0:2")
+    p = train_with_fault(tmp_path, capfd, "raise:0:2", stages=1)
     assert p.returncode == 1
     last = p.stderr.strip().splitlines()[-1]
     assert last.startswith("terapipe: error: worker rank 0 (stage 0, replica 0) failed: RuntimeError: injected failure")

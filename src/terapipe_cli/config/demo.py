@@ -19,7 +19,7 @@ share one (docs/design.md §6, Launch).
     profile_quick = false
 
     [demo.quick]                    # overrides for `terapipe run --quick` (CI)
-    steps = 8
+    steps = 5
     warmup = 2
     profile_quick = true
 """
@@ -59,7 +59,7 @@ vocab = 256
 seq_len = 1024
 
 [demo.quick]
-steps = 8
+steps = 5
 warmup = 2
 profile_quick = true
 """
