@@ -289,3 +289,22 @@ def test_the_plan_stores_its_profile_path_absolute(tmp_path, capsys):
     assert p.returncode == 0, p.stderr
     stored = json.loads((tmp_path / "plan.json").read_text())["profile"]["path"]
     assert Path(stored).is_absolute() and Path(stored) == tmp_path / "p.json"
+
+
+def test_show_schedule_prints_the_grid_and_schedule_out_writes_the_csv(tmp_path: Path, capsys) -> None:
+    """--show-schedule: the plan's schedule as a stage x time grid; --schedule-out: the same actions as CSV, which
+    reads back into the schedule the plan runs."""
+    from terapipe_cli.plan.schedule import Schedule, parse_schedule
+
+    out, csv = tmp_path / "p.json", tmp_path / "order.csv"
+    p = run_cli(
+        capsys, *plan_args("-g", "256", "--order", "1f1b", "--show-schedule", "--schedule-out", csv, "--out", out)
+    )
+    assert p.returncode == 0, p.stderr
+    plan = read_plan(out)
+    schedule = Schedule.of_plan(plan)
+    grid = p.stdout[p.stdout.index("schedule (1f1b order") :].splitlines()
+    rows = [line for line in grid if line.startswith("stage ")][: plan.stages]
+    for k, row in enumerate(rows):  # every action of the stage, once, in its order
+        assert [c for c in row.split()[2:] if c not in ("·", "…")] == [schedule.label(a) for a in schedule[k]]
+    assert parse_schedule(csv.read_text(), plan.slices, plan.stages, plan.recompute).actions == schedule.actions

@@ -122,3 +122,22 @@ def test_a_resumed_run_keeps_what_decides_its_numbers(tmp_path, capsys, plan):
     # Past those checks, this run (never trained) has no checkpoint to continue from.
     p = run_cli(capsys, "train", "--resume", "--out", out, "--seed", "0", "--eval-every", "1", "--dry-run")
     assert_one_line_error(p, "no complete checkpoint to resume from")
+
+
+@pytest.mark.parametrize(
+    ("rows", "words"),
+    [
+        ("0F0.1, 0F0.0, 0B0.1, 0B0.0\n1F0.0, 1F0.1, 1B0.1, 1B0.0\n", ["action 1 '0F0.1'", "before token slice 0"]),
+        ("0F0.0, 0F0.1, 0B0.1, 0B0.0\n1F0.0, 1B0.1, 1F0.1, 1B0.0\n", ["action 2 '1B0.1'", "before the last forward"]),
+        ("0F0.0, 0F0.1, 0B0.1, 0B0.0\n1F0.0, 1F0.1, 1B0.1\n", ["lacks '1B0.0'"]),
+        ("0F0.0, 0F0.1, 0B0.1, 0B0.0\n1F0.0, 1F0.1, 1B0.1, 1B0.0\n# a comment\n2F0.0\n", ["3 rows"]),
+        ("0F0.0, 0X0.1\n", ["action 2 '0X0.1'", "not an action such as 0F3.2"]),
+    ],
+)
+def test_an_illegal_schedule_file_is_refused_in_one_line_before_any_worker(tmp_path, capsys, plan, rows, words):
+    """`terapipe train --schedule FILE` checks the file against the plan first: one line naming the file and the
+    first bad action, nothing written."""
+    (tmp_path / "order.csv").write_text(rows)
+    p = run_cli(capsys, "train", "--plan", plan, "--schedule", tmp_path / "order.csv", "--out", tmp_path / "run")
+    assert_one_line_error(p, "order.csv", *words)
+    assert not (tmp_path / "run").exists()

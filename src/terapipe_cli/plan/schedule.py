@@ -5,7 +5,7 @@ walk (`engine.executor`), the simulator replays with a cost model (`plan.simulat
 An action is written as torch.distributed.pipelining writes it, stage, phase and batch slice (``0F3``: stage 0
 runs the forward of batch slice 3), with the token slice after a dot: ``0F3.2`` is token slice 2 of it, ``1B0.0``
 the backward of the first token slice of batch slice 0 on stage 1. (Where every batch slice is one token slice,
-GPipe's case, the dot is left out.) `Schedule.to_csv` writes one row of actions per stage, and `read_schedule` reads
+GPipe's case, the dot is left out.) `Schedule.to_csv` writes one row of actions per stage, and `parse_schedule` reads
 such a file back — a hand-written schedule too — checking that it is legal (`Schedule.check`):
 
 * each stage's row holds every tile of the plan exactly once forward and once backward, and only its own stage's
@@ -267,7 +267,7 @@ class Schedule:
         return "\n".join(lines)
 
     def to_csv(self) -> str:
-        """One line of comma-separated actions per stage (``read_schedule`` reads it back)."""
+        """One line of comma-separated actions per stage (`parse_schedule` reads it back)."""
         return "".join(",".join(self.label(a) for a in row) + "\n" for row in self.actions)
 
 

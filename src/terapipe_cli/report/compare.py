@@ -19,8 +19,8 @@ The report file (schema ``terapipe.report/1``, `compare` builds it, `report.buil
 predicted and simulated latency with their errors, busy and idle per stage, the bubble measured / simulated /
 formula, peak memory, losses), ``speedup.{median, mean, predicted, simulated}``, ``loss`` (the step-by-step
 difference and whether it is within the precision's tolerance: ``match``, ``max_rel_diff``), ``cost_model``
-(``used``, and the profile's path, source and device, or ``why`` not), ``files``, ``created``. Without a baseline, ``baseline``, ``speedup`` and ``loss``
-are null.
+(``used``, and the profile's path, source and device, or ``why`` not), ``files``, ``created``. Without a
+baseline, ``baseline``, ``speedup`` and ``loss`` are null.
 """
 
 from __future__ import annotations
