@@ -7,7 +7,7 @@ of the row's layers. The shapes are the reference ones of the planner's search (
 72, a long sequence (L = 8192) and a token step of one. The two methods run interleaved (A B A B …) on the same
 cost; each row prints the median seconds (min–max), the speed-up, and both objectives.
 
-A second table times whole plans (`planning.plan_for_profile`: search, baselines, simulation, memory) at long context
+A second table times whole plans (`plan.choice.plan_for_profile`: search, baselines, simulation, memory) at long context
 (L = 32768 and 131072, GPT3-13B on the H100 nodes of configs/hardware/h100.toml, T = 8), without a memory limit and
 with one that binds: between the smallest peak any scheme reaches and the peak of the fastest scheme (halfway for
 B = 1, a tenth of the way for B > 1), so the fastest does not fit and the memory-aware search (over every batch

@@ -1,4 +1,4 @@
-"""The optimizer step's policies (runtime/optim.py): lr schedule, global-norm clipping, fp16 loss scale."""
+"""The optimizer step's policies (engine/optim.py): lr schedule, global-norm clipping, fp16 loss scale."""
 
 from __future__ import annotations
 

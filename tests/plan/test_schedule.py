@@ -15,7 +15,7 @@ def test_plan_tiles_uneven_slices_and_batch_slices():
     ]
 
 
-def test_build_schedule_forward_in_order_then_backward_reversed():
+def test_the_gpipe_schedule_runs_forwards_in_order_then_backwards_reversed():
     slices = [(1, [4, 4]), (1, [2, 6])]
     schedule = Schedule.build(slices, stages=3)
     assert len(schedule) == 3

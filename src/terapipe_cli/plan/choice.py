@@ -375,12 +375,12 @@ def plan_within_memory(profile: Profile, request: PlanRequest, fastest: Planned)
     1. The fastest scheme overall without recomputation, in the other order (its price does not depend on the order).
     2. Otherwise, for each order: the fastest scheme without recomputation among the batch groupings that fit
        (the token slicing does not change a stage's peak then), and the fastest recomputed one, each batch slice's
-       tiles restricted by its place in the grouping (`memory.grouping_search`, `planner.solve(grouping=…)`). The
+       tiles restricted by its place in the grouping (`groupings.grouping_search`, `planner.solve(grouping=…)`). The
        formula prices recomputation alike whichever stages recompute, and recomputing never raises a stage's peak,
        so the recomputed search lets every stage recompute; the plan then recomputes only on the stages its scheme
        does not fit without. The fastest candidate by the formula wins, ties to the simulator.
 
-    Where every batch grouping is too large a search (`memory.MAX_GROUPING_STATES`, `MAX_GROUPING_CELLS`), the same
+    Where every batch grouping is too large a search (`groupings.MAX_GROUPING_STATES`, `MAX_GROUPING_CELLS`), the same
     search runs over equal batch slices (`_equal_slice_candidates`) and the plan says so. The order and the
     recomputation are searched only where the user left them free. Nothing fits: one line with the smallest peak
     any scheme could reach.

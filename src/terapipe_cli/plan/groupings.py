@@ -22,7 +22,7 @@ def grouping_search(
     recompute: bool,
 ) -> Sequencing | None:  # fmt: skip
     """Every batch grouping (batch slices of any sizes, in any order) whose peak fits ``limit`` on every stage, as a
-    `planner.Sequencing` for the exact search (docs/design.md §10). Without recomputation a grouping fits or not
+    `search.Sequencing` for the exact search (docs/design.md §10). Without recomputation a grouping fits or not
     whatever the token slicing; with it (on every stage) each batch slice's tiles are restricted by its place.
 
     GPipe order: states are the sequences placed so far (front to back), W_kd their number. 1F1B order: batch slices

@@ -1,7 +1,7 @@
 """The memory estimate (docs/design.md §10): what each stage keeps for its backward, walked along its schedule.
 
 No torch, no I/O. The sizes come from a profile (`stage_sizes`); `stage_memory` walks one stage's actions the way
-the runtime keeps and releases tensors (`runtime.stage.StageRunner`, whose `SavedBytes` counts the same things
+the runtime keeps and releases tensors (`engine.stage.StageRunner`, whose `SavedBytes` counts the same things
 on the measured side):
 
 * a batch slice's K/V caches (ℓ layers × keys and values of the whole sequence, this tensor rank's heads, in the

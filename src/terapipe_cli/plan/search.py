@@ -93,7 +93,7 @@ class PlanResult:
 @dataclass(frozen=True)
 class Sequencing:
     """Batch groupings as paths through a state machine, for searches where a batch slice's place in the batch
-    matters (the memory-aware search, docs/design.md §10; built by `memory.grouping_search`).
+    matters (the memory-aware search, docs/design.md §10; built by `groupings.grouping_search`).
 
     A *row* is a batch-slice size with the tiles allowed to it: ``row_sizes[r]`` sequences, and ``row_fits[r](i, j)``
     True for the tiles of i tokens after j that it may use (None: every tile). A *move* ``(a, c, r)`` goes from

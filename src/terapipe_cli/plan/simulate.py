@@ -13,7 +13,7 @@ step the way the runtime executes it (`terapipe_cli.train.worker`):
 
 Each action costs its own forward or backward time, so unequal tiles, the uneven fill and drain of the pipeline,
 and transfers that overlap with compute are all visible; on equal tiles with free transfers the result is
-exactly the formula. Events come out in the runtime's timeline form (`schedule.Event`), times from the step's
+exactly the formula. Events come out in the runtime's timeline form (`timeline.Event`), times from the step's
 start, so predicted and measured timelines can be drawn and compared side by side.
 """
 
@@ -44,7 +44,7 @@ class SimResult:
     stages: int
 
     def stage_times(self) -> StageTimes:
-        """Busy and idle per stage and the bubble fraction of the simulated step (`schedule.stage_times`)."""
+        """Busy and idle per stage and the bubble fraction of the simulated step (`timeline.stage_times`)."""
         return stage_times([self.events], self.stages)
 
 

@@ -183,7 +183,7 @@ def layer_seconds(
 
 
 # The kernels one tile of the runtime's decoder layer launches on CUDA (`model.Block` with a K/V cache, as
-# `runtime.stage.StageRunner` runs it), op by op. Views (split, view, transpose, slicing the cache) launch none.
+# `engine.stage.StageRunner` runs it), op by op. Views (split, view, transpose, slicing the cache) launch none.
 FORWARD_KERNELS = (
     ("ln_1", 1),
     ("qkv", 1),

@@ -41,7 +41,7 @@ def device_info(device: torch.device) -> dict:
     info = {"kind": "cpu", "name": _cpu_name(), "threads": 1, "cores": os.cpu_count(), "torch": torch.__version__}
     memory = machine_memory_bytes()
     if memory is not None:
-        info["memory_bytes"] = memory  # shared by every worker on the machine (planning.check_memory)
+        info["memory_bytes"] = memory  # shared by every worker on the machine (plan.choice.check_memory)
     return info
 
 

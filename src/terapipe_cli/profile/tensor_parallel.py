@@ -1,7 +1,7 @@
 """Timing a decoder layer as one of a stage's T tensor ranks (`terapipe profile --tensor-parallel T`).
 
 With T > 1 a stage is T processes, each holding its share of the heads and MLP columns, with two all-reduces
-forward and two backward per layer and tile (`runtime.tensor`). A tile's cost is then that of a rank *inside*
+forward and two backward per layer and tile (`engine.tensor`). A tile's cost is then that of a rank *inside*
 its group — its own share of the work plus the waits in those all-reduces — so it is timed that way: torchrun
 starts T processes (gloo on CPU, one thread each; NCCL on CUDA, one GPU each), each builds the `TileTimer` over a
 tensor-parallel `StageRunner` and runs `measure.time_layer` with the identical tile list, seed, warm-up and

@@ -167,7 +167,7 @@ class TileTimer:
         """Bytes a tile keeps alive from its forward to its backward, per token, on one layer.
 
         CUDA: the growth of allocated memory across the forward (measured). CPU: the growth of what the runner
-        keeps for its backward (`runtime.stage.SavedBytes`: the storages autograd saves, the tile's input and
+        keeps for its backward (`engine.stage.SavedBytes`: the storages autograd saves, the tile's input and
         output, the K/V cache), counted exactly. Another batch slice's forward runs first, as in a step; what
         both tiles share (the step's low-precision weight copies, when called inside `StageRunner.step`) is not
         counted. The batch slice's K/V cache holds the whole sequence's rows; only the tile's own i rows of it

@@ -10,5 +10,5 @@
     build.py     everything above into report.json, report.md, the pictures and the trace
 
 Measured timelines (from the workers) and predicted ones (from `terapipe_cli.plan.simulate`) are the same
-`schedule.Event` form, so every picture and number treats them alike.
+`timeline.Event` form, so every picture and number treats them alike.
 """

@@ -3,7 +3,7 @@
 ``timeline.png`` is the picture of the pipeline papers: one row per stage, a box per forward (F) and backward
 (B) action of each tile, idle time as the hatched grey between boxes. It is a grid of panels on ONE time axis:
 a row per run (TeraPipe above GPipe) and a column per source (measured; predicted by the simulator when a cost
-model is at hand), each panel one step of one pipeline — any list of `schedule.Event` of one step, measured or
+model is at hand), each panel one step of one pipeline — any list of `timeline.Event` of one step, measured or
 simulated, draws the same way.
 """
 
