@@ -8,6 +8,7 @@ import pytest
 from conftest import run_cli
 from file_errors import assert_file_error
 
+from terapipe_cli.config.experiment import load_experiment
 from terapipe_cli.config.model import ModelConfig, load_model_config
 from terapipe_cli.errors import UserError
 
@@ -49,6 +50,35 @@ def test_stage_layers() -> None:
         cfg.stage_layers(0)
 
 
+def test_a_stage_count_that_does_not_divide_the_layers_names_the_ones_that_do(tmp_path: Path, capsys) -> None:
+    cfg = load_model_config("gpt3-13b")
+    assert cfg.stage_counts() == [1, 2, 4, 5, 8, 10, 20, 40]
+    assert load_model_config("gpt3-1b").stage_counts() == [1, 2, 3, 4, 6, 8, 12, 24]
+    assert ModelConfig("prime", 7, 8, 2, 16, 8).stage_counts() == [1, 7]
+    assert ModelConfig("one", 1, 8, 2, 16, 8).stage_counts() == [1]
+    with pytest.raises(UserError) as err:
+        cfg.stage_layers(16)
+    assert str(err.value) == (
+        "stages: 16 stages do not divide the 40 layers of model 'gpt3-13b' "
+        "(stage counts that divide them: 1, 2, 4, 5, 8, 10, 20, 40)"
+    )
+    # The same line from `terapipe plan`, and from an experiment file whose stages do not divide the layers.
+    p = run_cli(capsys, "plan", "--experiment", "paper-04", "-k", "16", "--out", tmp_path / "plan.json")
+    assert p.returncode == 2 and "--stages" in p.stderr and "(stage counts that divide them: 1, 2, 4, 5, 8" in p.stderr
+    assert not (tmp_path / "plan.json").exists()
+    experiment = (ROOT / "configs" / "experiments" / "paper-04-gpt3-13b.toml").read_text()
+    for rel in ("../models/gpt3-13b.toml", "../hardware/v100.toml"):
+        experiment = experiment.replace(rel, str(ROOT / "configs" / "experiments" / rel))
+    bad = tmp_path / "bad.toml"
+    bad.write_text(experiment.replace("stages = 20", "stages = 3").replace("gpus = 320", "gpus = 48"))
+    with pytest.raises(UserError) as err:
+        load_experiment(bad)
+    assert str(err.value) == (
+        f"{bad}: field 'experiment.stages' 3 stages do not divide the 40 layers of model 'gpt3-13b' "
+        "(stage counts that divide them: 1, 2, 4, 5, 8, 10, 20, 40)"
+    )
+
+
 GOOD = '[model]\nname = "m"\nlayers = 4\nhidden = 64\nheads = 4\nvocab = 256\nseq_len = 128\n'
 
 BAD = [
@@ -88,7 +118,6 @@ def test_missing_and_folder(tmp_path: Path) -> None:
 def test_bundled_configs_by_name_from_any_folder(tmp_path, monkeypatch):
     """--model tiny, --hardware h100, an experiment by name: they ship with the package, found from any folder."""
     from terapipe_cli.config.bundled import bundled_names
-    from terapipe_cli.config.experiment import load_experiment
     from terapipe_cli.config.hardware import load_hardware
 
     monkeypatch.chdir(tmp_path)

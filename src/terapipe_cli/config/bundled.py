@@ -3,6 +3,7 @@ TOML reader: a config the user names is a file path or the name of a bundled one
 
 from __future__ import annotations
 
+import re
 import tomllib
 from importlib import resources
 from pathlib import Path
@@ -33,8 +34,10 @@ def find_config(name_or_path: str | Path, kind: str, flag: str, *, prefix: bool 
     """A config the user named: a file path as given, or the name of a bundled one (from any folder).
 
     A path that exists wins; a bare name (no folder, no suffix) is looked up among the package's configs of
-    ``kind``; with ``prefix``, a bare name may also be the start of exactly one bundled name (``paper-04`` for
-    ``paper-04-gpt3-13b``). Anything else is a one-line error that lists the bundled names (or the matches).
+    ``kind``; with ``prefix``, a bare name may also be the start of exactly one bundled name up to a word boundary
+    (``paper-04`` for ``paper-04-gpt3-13b``, not ``paper-1`` for ``paper-10-gpt3-175b``: `prefix_matches`).
+    Anything else is a one-line error that lists what the user may have meant (`near_names`), or else the bundled
+    names.
     """
     path = Path(name_or_path)
     if path.exists() or path.suffix or len(path.parts) != 1:
@@ -44,14 +47,80 @@ def find_config(name_or_path: str | Path, kind: str, flag: str, *, prefix: bool 
     if bundled.is_file():
         return Path(str(bundled))
     names = bundled_names(kind)
-    matches = [n for n in names if n.startswith(path.name)] if prefix else []
+    if not prefix:
+        raise UserError(_no_such_config(str(path), kind, names), where=flag)
+    matches = prefix_matches(path.name, names)
     if len(matches) == 1:
         return Path(str(folder / f"{matches[0]}.toml"))
-    if matches:
-        message = f"{str(path)!r} is the start of {len(matches)} bundled {kind} configs: {', '.join(matches)}"
+    starts = [n for n in names if n.startswith(path.name)]
+    by_number = [n for n in near_names(path.name, names) if n not in starts]
+    if matches:  # two or more
+        message = f"{str(path)!r} is the start of {len(starts)} bundled {kind} configs: {', '.join(starts)}"
+        if by_number:
+            message += f"; read by number it also begins {', '.join(by_number)}"
+    elif starts or by_number:
+        meant = [n for n in names if n in starts or n in by_number]
+        message = (
+            f"no bundled {kind} config is named {str(path)!r} or begins with it up to a '-', '_' or '.'; "
+            f"did you mean {_one_of(meant)}?"
+        )
     else:
-        message = f"no file {str(path)!r} here and no bundled {kind} config of that name (bundled: {', '.join(names)})"
+        message = _no_such_config(str(path), kind, names)
     raise UserError(message, where=flag)
+
+
+# A bare name is the start of a bundled name only up to one of these (or the name's end): `paper-1` must not
+# silently stand for `paper-10-gpt3-175b` when the user meant setting 1, `paper-01-gpt3-1b`.
+WORD_BOUNDARIES = "-_."
+
+
+def prefix_matches(prefix: str, names: list[str]) -> list[str]:
+    """The ``names`` that begin with ``prefix`` followed by a word boundary (`WORD_BOUNDARIES`) or nothing; a
+    ``prefix`` that itself ends with a boundary (``paper-04-``) cuts no word either."""
+    if not prefix:
+        return []
+    ends_word = prefix[-1] in WORD_BOUNDARIES
+    return [
+        n
+        for n in names
+        if n.startswith(prefix) and (ends_word or n[len(prefix) : len(prefix) + 1] in ("", *WORD_BOUNDARIES))
+    ]
+
+
+def near_names(prefix: str, names: list[str]) -> list[str]:
+    """The ``names`` that begin with ``prefix`` when runs of digits are compared as numbers (``paper-1`` begins
+    ``paper-01-gpt3-1b``, ``gpt3-013b`` begins ``gpt3-13b``): what a user who wrote a number without its leading
+    zeros, or with extra ones, may have meant. A trailing number must be the whole number there (``paper-1`` does
+    not begin ``paper-10-gpt3-175b`` by number)."""
+    want = _number_runs(prefix)
+    if not want:
+        return []
+    out = []
+    for name in names:
+        have = _number_runs(name)
+        if len(have) < len(want):
+            continue
+        head, last = have[: len(want) - 1], have[len(want) - 1]
+        if head != want[:-1]:
+            continue
+        if last == want[-1] or (isinstance(last, str) and isinstance(want[-1], str) and last.startswith(want[-1])):
+            out.append(name)
+    return out
+
+
+def _number_runs(text: str) -> list[str | int]:
+    """``text`` cut into runs of digits (as ints) and runs of anything else: ``paper-01-gpt3`` ->
+    ``['paper-', 1, '-gpt', 3]``."""
+    return [int(run) if run[0] in "0123456789" else run for run in re.findall(r"[0-9]+|[^0-9]+", text)]
+
+
+def _one_of(names: list[str]) -> str:
+    """``a``, ``a or b``, ``a, b or c``."""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+
+
+def _no_such_config(name: str, kind: str, names: list[str]) -> str:
+    return f"no file {name!r} here and no bundled {kind} config of that name (bundled: {', '.join(names)})"
 
 
 def load_toml(path: str | Path, what: str = "config") -> dict:

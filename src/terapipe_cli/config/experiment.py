@@ -108,8 +108,10 @@ def load_experiment(path: str | Path, flag: str = "experiment") -> Experiment:
         )
     if batch_size % dp:
         raise f.fail("batch_size", f"{batch_size} is not divisible by data_parallel {dp}")
-    if model.layers % stages:
-        raise f.fail("stages", f"{stages} stages do not divide the {model.layers} layers of model '{model.name}'")
+    try:
+        model.stage_layers(stages)
+    except UserError as e:
+        raise f.fail("stages", e.message) from None
     try:
         hardware.check_tensor_parallel(model, tp)
     except UserError as e:

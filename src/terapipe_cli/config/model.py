@@ -89,9 +89,16 @@ class ModelConfig:
             raise UserError(f"must be at least 1, got {stages}", where=where)
         if self.layers % stages:
             raise UserError(
-                f"{stages} stages do not divide the {self.layers} layers of model '{self.name}'", where=where
+                f"{stages} stages do not divide the {self.layers} layers of model '{self.name}' "
+                f"(stage counts that divide them: {', '.join(map(str, self.stage_counts()))})",
+                where=where,
             )
         return self.layers // stages
+
+    def stage_counts(self) -> list[int]:
+        """The stage counts K that divide the layers evenly, ascending (1, 2, 4, 5, 8, 10, 20, 40 for 40 layers)."""
+        small = [k for k in range(1, int(self.layers**0.5) + 1) if self.layers % k == 0]
+        return sorted({*small, *(self.layers // k for k in small)})
 
 
 def load_model_config(path: str | Path) -> ModelConfig:
