@@ -41,7 +41,7 @@ def _root(
 
 
 # Command modules, in the order a user runs them.
-COMMANDS: tuple[str, ...] = ("profile", "plan", "train", "report", "export", "run", "configs")
+COMMANDS: tuple[str, ...] = ("profile", "plan", "train", "launch_script", "report", "export", "run", "configs")
 
 
 def _register() -> None:

@@ -8,4 +8,5 @@ checkpoint.py  per-stage checkpoints, complete only when a marker says so
 verify.py      the single-process reference and the comparison behind ``--verify``
 baseline.py    a run's GPipe baseline, trained with the run's own settings
 export.py      a run's checkpoint as one single-device model file
+cluster.py     the per-node `terapipe train` commands and sbatch file of a plan (`terapipe launch-script`)
 """

@@ -1,0 +1,185 @@
+"""``terapipe launch-script``: write the per-node `terapipe train` commands of a plan (and an sbatch file)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from terapipe_cli.cli.console import make_console
+from terapipe_cli.config.run import RunConfig, flag, load_run_config, run_fields
+from terapipe_cli.engine.mesh import Layout
+from terapipe_cli.errors import UserError
+from terapipe_cli.plan.file import read_plan
+from terapipe_cli.train import cluster
+
+HELP = """Write the commands that train a plan on several machines: node-0.sh … node-{N-1}.sh, each the \
+`terapipe train` of one node with --nnodes, --node-rank and the rendezvous filled in, and with --slurm an sbatch \
+file that starts them all (one task per node, its rank from $SLURM_NODEID).
+
+--nodes × --gpus-per-node must be the plan's D × K × T workers, and T must divide --gpus-per-node: a stage's T \
+tensor-parallel processes all-reduce in every layer, so they stay inside one machine. Ranks fill the nodes in \
+order: node i runs ranks i·G … (i+1)·G − 1. All nodes train into one --run-out folder (on a shared file system; \
+a node-local path gives each node its own). Paths in the commands are absolute: the nodes start elsewhere.
+
+Examples:
+
+    terapipe launch-script plan.json --nodes 2 --gpus-per-node 8 --rdzv-endpoint node0:29500
+
+    terapipe launch-script plan.json --nodes 4 --gpus-per-node 8 --slurm --steps 2000   # then: sbatch ...
+
+    terapipe launch-script plan.json -n 2 -g 4 --rdzv-endpoint 10.0.0.1:29500 --config run.toml --run-out /shared/exp1
+
+Then run node-I.sh on machine I (any order; node 0 hosts the rendezvous), or submit launch.sbatch. --force \
+replaces a folder this command wrote before.
+"""
+
+_DOCS = run_fields()
+
+
+def _passed(name: str) -> str:
+    return f"Passed to `terapipe train`: {_DOCS[name].help}"
+
+
+def launch_script(
+    plan: Annotated[Path, typer.Argument(help="Plan JSON from `terapipe plan`.", show_default=False)],
+    nodes: Annotated[int, typer.Option("--nodes", "-n", help="Machines N.", show_default=False)],
+    gpus_per_node: Annotated[
+        int,
+        typer.Option(
+            "--gpus-per-node", "-g", help="Processes (GPUs) per machine G; N × G = D × K × T.", show_default=False
+        ),
+    ],
+    slurm: Annotated[bool, typer.Option("--slurm", help="Also write launch.sbatch, for `sbatch`.")] = False,
+    rdzv_endpoint: Annotated[
+        str | None,
+        typer.Option(
+            "--rdzv-endpoint",
+            help="HOST:PORT of the rendezvous on node 0, as the other nodes reach it (required without --slurm).",
+            show_default=f"with --slurm: the allocation's first host, port {cluster.DEFAULT_RDZV_PORT}",
+        ),
+    ] = None,
+    run_out: Annotated[
+        Path | None,
+        typer.Option(
+            "--run-out", help="The run folder the nodes train into (train's --out).", show_default="runs/PLAN"
+        ),
+    ] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option("--out", "-o", help="The folder the scripts are written to.", show_default="launch-PLAN"),
+    ] = None,
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            "--config",
+            "-c",
+            help="Passed to `terapipe train`: a TOML file of its settings (a \\[train] table); its data-parallel and "
+            "tensor-parallel degrees, when set, count in D × K × T.",
+            show_default=False,
+        ),
+    ] = None,
+    steps: Annotated[int | None, typer.Option("--steps", help=_passed("steps"), show_default=False)] = None,
+    device: Annotated[str | None, typer.Option("--device", help=_passed("device"), show_default=False)] = None,
+    rdzv_timeout_s: Annotated[
+        float | None, typer.Option("--rdzv-timeout", help=_passed("rdzv_timeout_s"), show_default=False)
+    ] = None,
+    cpus_per_task: Annotated[
+        int | None,
+        typer.Option(
+            "--cpus-per-task",
+            help="Slurm CPUs per node: each worker's compute threads and one for its communication.",
+            show_default="G × (threads + 1)",
+        ),
+    ] = None,
+    terapipe: Annotated[
+        str,
+        typer.Option("--terapipe", help="The command that runs terapipe on the nodes, e.g. 'python -m terapipe_cli'."),
+    ] = "terapipe",
+    force: Annotated[bool, typer.Option("--force", help="Replace the scripts in --out written earlier.")] = False,
+) -> None:
+    # Everything is checked before anything is written.
+    program = cluster.parse_program(terapipe)
+    endpoint = None if rdzv_endpoint is None else cluster.parse_endpoint(rdzv_endpoint)
+    if endpoint is None and not slurm:
+        raise UserError(
+            "required without --slurm: HOST:PORT of node 0, as the other nodes reach it", where="--rdzv-endpoint"
+        )
+    passed = RunConfig(steps=steps, device=device, rdzv_timeout_s=rdzv_timeout_s)
+    _check_settings(passed)
+    if cpus_per_task is not None and cpus_per_task < 1:
+        raise UserError(f"must be at least 1, got {cpus_per_task}", where="--cpus-per-task")
+    from_file = load_run_config(config) if config is not None else RunConfig()
+    layout = cluster.run_layout(read_plan(plan), from_file, nodes=nodes, where=str(config))
+    cluster.check_layout(layout, nodes, gpus_per_node)
+    out = out if out is not None else Path(f"launch-{plan.stem}")
+    cluster.check_out_folder(out, force=force)
+
+    settings = [("--config", str(config.resolve()))] if config is not None else []
+    settings += [(flag(name), str(value)) for name, value in passed.given().items()]
+    command = cluster.TrainCommand(
+        program=program,
+        plan=str(plan.resolve()),
+        nnodes=nodes,
+        rdzv_endpoint=endpoint,
+        out=str((run_out if run_out is not None else Path("runs") / plan.stem).absolute()),
+        settings=tuple(settings),
+    )
+    threads = from_file.value("threads")
+    files = cluster.launch_files(
+        command,
+        layout,
+        gpus_per_node=gpus_per_node,
+        slurm=slurm,
+        job_name=f"terapipe-{plan.stem}",
+        cpus_per_task=cpus_per_task or gpus_per_node * (threads + 1),
+    )
+    written = cluster.write_launch_folder(out, files)
+    _render(command, layout, gpus_per_node, out, written, slurm)
+
+
+def _check_settings(passed: RunConfig) -> None:
+    """The passed settings within their `RunConfig` fields' bounds (train would refuse them on every node)."""
+    for name, value in passed.given().items():
+        doc = _DOCS[name]
+        if doc.minimum is not None and value < doc.minimum:
+            raise UserError(f"must be at least {doc.minimum:g}, got {value}", where=flag(name))
+        if doc.positive and not value > 0:
+            raise UserError(f"must be positive, got {value}", where=flag(name))
+        if doc.choices is not None and value not in doc.choices:
+            raise UserError(f"must be one of {', '.join(doc.choices)}, got {value!r}", where=flag(name))
+
+
+def _render(command: cluster.TrainCommand, layout: Layout, gpus_per_node: int, out: Path, written, slurm) -> None:
+    console = make_console(highlight=False)
+    console.print(
+        f"[bold]terapipe launch-script[/] {layout.shape_text()} on {cluster.machines(command.nnodes, gpus_per_node)} "
+        f"-> {out}/"
+    )
+    table = Table()
+    for column in ("node", "ranks", "replica", "stage", "script"):
+        table.add_column(column, justify="left" if column == "script" else "right")
+    for place in cluster.node_places(layout, gpus_per_node):
+        script = cluster.node_script_name(place.node)
+        table.add_row(str(place.node), *(cluster.span(x) for x in (place.ranks, place.replicas, place.stages)), script)
+    console.print(table)
+    for node in range(command.nnodes):
+        # Whole and unwrapped, so that each pastes into a shell as it is.
+        console.print(f"node {node}: {command.line(node)}", markup=False, soft_wrap=True)
+    if command.rdzv_endpoint is None:
+        console.print(
+            f"${cluster.RDZV_VARIABLE}: port {cluster.DEFAULT_RDZV_PORT} of the allocation's first host, found when "
+            "the job runs",
+            markup=False,
+        )
+    console.print(f"wrote {', '.join(str(p) for p in written)}", markup=False, soft_wrap=True)
+    if slurm:
+        console.print(f"submit: sbatch {out / cluster.SBATCH_FILE}", markup=False, soft_wrap=True)
+    else:
+        console.print("start node-I.sh on machine I, in any order: node 0 hosts the rendezvous", markup=False)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("launch-script", help=HELP)(launch_script)

@@ -1,0 +1,358 @@
+"""Launch scripts for a plan on a cluster: the `terapipe train` command of every node, with the rendezvous filled in.
+
+A plan runs D × K × T workers (`engine.mesh.Layout`). On N machines with G processes each, ``terapipe train
+--nnodes N --node-rank i`` starts node i's G workers through torchrun, and ranks fill the nodes in order: node i
+holds ranks i·G … (i+1)·G − 1. Ranks put the tensor dimension innermost, so T dividing G keeps every stage's T
+tensor ranks on one machine: they all-reduce in every layer, and only a machine's own links are fast enough.
+
+Everything before the last section (the folder) is pure: numbers and strings in, the scripts' text out (no torch,
+no I/O), so the scripts can be written on a laptop. Every word put into a script is quoted with `shlex.quote`.
+`check_out_folder` and `write_launch_folder` then put the files in place: the folder appears whole or not at all.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import tempfile
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from terapipe_cli.config.run import TABLE, RunConfig
+from terapipe_cli.engine.mesh import Layout
+from terapipe_cli.errors import UserError
+from terapipe_cli.plan.file import Plan
+
+DEFAULT_RDZV_PORT = 29500  # torchrun's own default port
+COMMON_GPUS_PER_NODE = (1, 2, 4, 8)  # what machines usually have: the layouts an error suggests
+MARK = "# Written by `terapipe launch-script`"  # every file carries it: --force replaces only such folders
+SBATCH_FILE = "launch.sbatch"
+RDZV_VARIABLE = "RDZV_ENDPOINT"  # the shell variable of an endpoint found when the job runs
+_OWN_FILE = re.compile(r"node-\d+\.sh|" + re.escape(SBATCH_FILE))
+_EXECUTABLE, _READABLE = 0o777, 0o666  # before the umask
+
+
+def node_script_name(node: int) -> str:
+    return f"node-{node}.sh"
+
+
+def parse_endpoint(text: str, where: str = "--rdzv-endpoint") -> str:
+    """``HOST:PORT`` checked (a host, a port from 1 to 65535; an IPv6 host in brackets) and written plainly."""
+    example = f"e.g. node0:{DEFAULT_RDZV_PORT}"
+    if not text or any(c.isspace() for c in text):
+        raise UserError(f"expected HOST:PORT without spaces ({example}), got {text!r}", where=where)
+    host, colon, port = text.rpartition(":")
+    if not colon:
+        raise UserError(f"expected HOST:PORT ({example}), got {text!r}: no port", where=where)
+    if not host:
+        raise UserError(f"expected HOST:PORT ({example}), got {text!r}: no host", where=where)
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        raise UserError(f"an IPv6 host goes in brackets ([::1]:{DEFAULT_RDZV_PORT}), got {text!r}", where=where)
+    if not re.fullmatch(r"[0-9]+", port) or not 1 <= int(port) <= 65535:
+        raise UserError(f"the port must be an integer from 1 to 65535, got {port!r} in {text!r}", where=where)
+    return f"{host}:{int(port)}"
+
+
+def parse_program(text: str, where: str = "--terapipe") -> tuple[str, ...]:
+    """The words that start terapipe on the nodes (``terapipe``, or ``python -m terapipe_cli``)."""
+    try:
+        words = tuple(shlex.split(text))
+    except ValueError as e:
+        raise UserError(f"not a command line ({e}): {text!r}", where=where) from None
+    if not words:
+        raise UserError("must name the command that runs terapipe on the nodes, e.g. terapipe", where=where)
+    return words
+
+
+# ------------------------------------------------------------------------------------------------------ the layout
+
+
+def run_layout(plan: Plan, config: RunConfig, *, nodes: int, where: str) -> Layout:
+    """The D × K × T that ``terapipe train --plan PLAN --config FILE`` runs: the degrees of ``config`` (read from
+    the file ``where``) where it sets them, else the plan's; a setting that cannot run on ``nodes`` is refused."""
+    layout = Layout(
+        config.data_parallel or plan.data_parallel, plan.stages, config.tensor_parallel or plan.tensor_parallel
+    )
+    if config.tensor_parallel is not None:
+        plan.model.check_tensor_parallel(layout.tensor, where=f"{where}: field '{TABLE}.tensor_parallel'")
+    if config.value("verify") and nodes > 1:
+        raise UserError(
+            "--verify runs its reference on one machine; it cannot run on several",
+            where=f"{where}: field '{TABLE}.verify'",
+        )
+    return layout
+
+
+def fitting_layouts(layout: Layout) -> list[tuple[int, int]]:
+    """(nodes, processes per node) pairs that hold ``layout``, for the usual machine sizes (and T itself, which
+    always fits): the processes per node divide the world and are a multiple of T."""
+    sizes = sorted({*COMMON_GPUS_PER_NODE, layout.tensor})
+    return [(layout.world // g, g) for g in sizes if layout.world % g == 0 and g % layout.tensor == 0]
+
+
+def check_layout(layout: Layout, nodes: int, gpus_per_node: int) -> None:
+    """N × G = D × K × T, and T divides G (a stage's tensor ranks stay inside one node); one line naming the flag
+    and the layouts that would fit otherwise."""
+    for value, name in ((nodes, "--nodes"), (gpus_per_node, "--gpus-per-node")):
+        if value < 1:
+            raise UserError(f"must be at least 1, got {value}", where=name)
+    fits = "; ".join(f"--nodes {n} --gpus-per-node {g}" for n, g in fitting_layouts(layout))
+    if nodes * gpus_per_node != layout.world:
+        raise UserError(
+            f"{nodes} × {gpus_per_node} = {nodes * gpus_per_node} processes, but the plan runs "
+            f"{layout.shape_text()}; layouts that fit: {fits}",
+            where="--nodes × --gpus-per-node",
+        )
+    if gpus_per_node % layout.tensor:
+        raise UserError(
+            f"{gpus_per_node} is not a multiple of the plan's tensor-parallel T = {layout.tensor}: a stage's T "
+            f"processes all-reduce in every layer, so they stay inside one node; layouts that fit: {fits}",
+            where="--gpus-per-node",
+        )
+
+
+@dataclass(frozen=True)
+class NodePlace:
+    """What one node runs: its ranks, and the replicas and stages they belong to."""
+
+    node: int
+    ranks: range
+    replicas: tuple[int, ...]
+    stages: tuple[int, ...]
+
+
+def node_places(layout: Layout, gpus_per_node: int) -> list[NodePlace]:
+    places = []
+    for node in range(layout.world // gpus_per_node):
+        ranks = range(node * gpus_per_node, (node + 1) * gpus_per_node)
+        replicas = tuple(sorted({layout.replica(r) for r in ranks}))
+        stages = tuple(sorted({layout.stage(r) for r in ranks}))
+        places.append(NodePlace(node, ranks, replicas, stages))
+    return places
+
+
+def _places(place: NodePlace) -> str:
+    """``ranks 0–3: replica 0, stages 0–1``."""
+    parts = [(place.ranks, "rank"), (place.replicas, "replica"), (place.stages, "stage")]
+    words = [f"{name}{'s' if len(values) > 1 else ''} {span(values)}" for values, name in parts]
+    return f"{words[0]}: {words[1]}, {words[2]}"
+
+
+def machines(nodes: int, gpus_per_node: int) -> str:
+    """``2 nodes × 4 per node``."""
+    return f"{nodes} node{'s' if nodes > 1 else ''} × {gpus_per_node} per node"
+
+
+def span(values) -> str:
+    """``3``, ``0–3`` or ``0, 2``: consecutive integers as a range."""
+    values = list(values)
+    if len(values) > 1 and values == list(range(values[0], values[-1] + 1)):
+        return f"{values[0]}–{values[-1]}"
+    return ", ".join(map(str, values))
+
+
+# ------------------------------------------------------------------------------------------------------ the scripts
+
+
+@dataclass(frozen=True)
+class TrainCommand:
+    """``terapipe train`` as every node runs it, but for its ``--node-rank``."""
+
+    program: tuple[str, ...]  # the words that start terapipe (`parse_program`)
+    plan: str  # absolute: the nodes start from other folders
+    nnodes: int
+    rdzv_endpoint: str | None  # None: port 29500 of the Slurm allocation's first host, found when the job runs
+    out: str  # the run folder (absolute); one folder all nodes share, when the file system is shared
+    settings: tuple[tuple[str, str], ...] = ()  # (flag, value) passed to train as given
+
+    def groups(self, node_rank: str) -> list[list[str]]:
+        """The command's shell words (quoted; ``node_rank`` as it stands, e.g. a variable), in lines that read
+        well: the program, the plan, the rendezvous, the run folder, the settings."""
+        q = shlex.quote
+        endpoint = f'"${RDZV_VARIABLE}"' if self.rdzv_endpoint is None else q(self.rdzv_endpoint)
+        rendezvous = ["--nnodes", str(self.nnodes)]
+        rendezvous += ["--node-rank", node_rank] if node_rank else []
+        lines = [[*map(q, self.program), "train"], ["--plan", q(self.plan)]]
+        lines += [[*rendezvous, "--rdzv-endpoint", endpoint], ["--out", q(self.out)]]
+        if self.settings:
+            lines.append([word for pair in self.settings for word in map(q, pair)])
+        return lines
+
+    def line(self, node: int) -> str:
+        """Node ``node``'s whole command on one line."""
+        return " ".join(word for group in self.groups(str(node)) for word in group)
+
+
+def _continued(groups: list[list[str]], indent: str = "  ") -> str:
+    return f" \\\n{indent}".join(" ".join(g) for g in groups)
+
+
+def _comment(text: str) -> str:
+    """Text fit for a comment line: a path with a newline in it must not end the comment."""
+    return "".join(c if c.isprintable() else "?" for c in text)
+
+
+def endpoint_lines(command: TrainCommand) -> list[str]:
+    """The lines that set the endpoint when it is found at job time (none when it was given)."""
+    if command.rdzv_endpoint is not None:
+        return []
+    nodelist = '"${SLURM_JOB_NODELIST:?not in a Slurm job: write the scripts again with --rdzv-endpoint HOST:PORT}"'
+    # sed, not head: head stops reading at the first line, and under pipefail scontrol's SIGPIPE would end the job.
+    return [
+        f"# The rendezvous: port {DEFAULT_RDZV_PORT} on the first host of the allocation (node 0).",
+        f'{RDZV_VARIABLE}="$(scontrol show hostnames {nodelist} | sed -n 1p):{DEFAULT_RDZV_PORT}"',
+    ]
+
+
+def node_script(command: TrainCommand, layout: Layout, place: NodePlace) -> str:
+    """``node-I.sh``: node I's `terapipe train`, with its rank and the rendezvous filled in."""
+    n = command.nnodes
+    where = (
+        f"the rendezvous at {command.rdzv_endpoint}"
+        if command.rdzv_endpoint is not None
+        else f"the rendezvous at port {DEFAULT_RDZV_PORT} of the first host of the Slurm allocation"
+    )
+    header = [
+        "#!/usr/bin/env bash",
+        f"{MARK}: node {place.node} of {n} of a run of {_comment(command.plan)}",
+        f"# ({layout.shape_text()}): this node runs {_places(place)}.",
+        f"# Start {node_script_name(0)} … {node_script_name(n - 1)} one on each machine, in any order, e.g.",
+        f"#   bash {node_script_name(place.node)}",
+        f"# Node 0 hosts {where};",
+        "# the others wait for it up to --rdzv-timeout.",
+        "set -euo pipefail",
+    ]
+    body = ["exec " + _continued(command.groups(str(place.node)))]
+    return "\n".join([*header, *endpoint_lines(command), *body]) + "\n"
+
+
+def sbatch_script(
+    command: TrainCommand, layout: Layout, *, job_name: str, gpus_per_node: int, cpus_per_task: int
+) -> str:
+    """``launch.sbatch``: one Slurm task per node, each its node's `terapipe train` (``$SLURM_NODEID`` its rank)."""
+    n = command.nnodes
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", job_name)  # an #SBATCH line is not a shell line: nothing to quote
+    train = "\n".join("  " + " ".join(g) for g in command.groups(""))
+    srun = (
+        f"srun --nodes={n} --ntasks-per-node=1 --cpus-per-task={cpus_per_task} --kill-on-bad-exit=1 "
+        """bash -c 'exec "$@" --node-rank "$SLURM_NODEID"' terapipe-node "${train[@]}\""""
+    )
+    lines = [
+        "#!/usr/bin/env bash",
+        f"{MARK}: a run of {_comment(command.plan)}",
+        f"# ({layout.shape_text()}) on {machines(n, gpus_per_node)}. Submit it with",
+        f"#   sbatch {SBATCH_FILE}",
+        "# adding what your site asks for (--partition, --account, --time) as #SBATCH lines below. One task per",
+        "# node: each is a `terapipe train` that starts its node's workers through torchrun.",
+        f"#SBATCH --job-name={name}",
+        f"#SBATCH --nodes={n}",
+        "#SBATCH --ntasks-per-node=1",
+        f"#SBATCH --gpus-per-node={gpus_per_node}",
+        f"#SBATCH --cpus-per-task={cpus_per_task}",
+        "set -euo pipefail",
+        *endpoint_lines(command),
+        "train=(",
+        train,
+        ")",
+        "# Each task's own shell expands $SLURM_NODEID (0 … N-1, its node) into --node-rank: hence the single quotes.",
+        # srun is given --cpus-per-task again: since Slurm 22.05 a step no longer takes the job's from sbatch.
+        srun,
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def launch_files(
+    command: TrainCommand,
+    layout: Layout,
+    *,
+    gpus_per_node: int,
+    slurm: bool,
+    job_name: str,
+    cpus_per_task: int,
+) -> dict[str, str]:
+    """Every file of the launch folder: name -> text (the node scripts, and with ``slurm`` the sbatch file)."""
+    files = {node_script_name(p.node): node_script(command, layout, p) for p in node_places(layout, gpus_per_node)}
+    if slurm:
+        files[SBATCH_FILE] = sbatch_script(
+            command, layout, job_name=job_name, gpus_per_node=gpus_per_node, cpus_per_task=cpus_per_task
+        )
+    return files
+
+
+# ------------------------------------------------------------------------------------------------------ the folder
+
+
+def check_out_folder(out: Path, *, force: bool, flag: str = "--out") -> None:
+    """Before anything is written: ``out`` is a new folder (only it is created), an empty one, or, with
+    ``force``, one this command wrote before (its files only, each carrying `MARK`)."""
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise UserError(f"{out} exists and is not a folder; give the folder to write the scripts in", where=flag)
+    parent = out.absolute().parent
+    if not out.exists():
+        if not parent.is_dir():
+            raise UserError(f"folder {parent} does not exist (only {out.name}/ would be created)", where=flag)
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise UserError(f"cannot write {out} (folder {parent} is not writable)", where=flag)
+        return
+    entries = sorted(out.iterdir())
+    if not entries:
+        pass
+    elif not all(_written_here(e) for e in entries):
+        foreign = next(e for e in entries if not _written_here(e))
+        raise UserError(
+            f"{out} holds files not written by terapipe launch-script ({foreign.name}); give another folder",
+            where=flag,
+        )
+    elif not force:
+        raise UserError(f"{out} holds scripts written earlier; pass --force to replace them", where=flag)
+    if not os.access(parent, os.W_OK | os.X_OK):  # the folder is replaced whole, through its parent
+        raise UserError(f"cannot replace {out} (folder {parent} is not writable)", where=flag)
+
+
+def _written_here(path: Path) -> bool:
+    if not (path.is_file() and not path.is_symlink() and _OWN_FILE.fullmatch(path.name)):
+        return False
+    try:
+        with path.open(errors="replace") as f:
+            return any(line.startswith(MARK) for _, line in zip(range(2), f, strict=False))
+    except OSError:
+        return False
+
+
+def write_launch_folder(out: Path, files: dict[str, str]) -> list[Path]:
+    """Write ``files`` into a new folder next to ``out`` and rename it into place (an existing ``out``, checked by
+    `check_out_folder`, is swapped out and removed): a failure leaves ``out`` as it was. Scripts are executable."""
+    out = out.absolute()
+    umask = _umask()
+    try:
+        staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
+    except OSError as e:
+        raise UserError(f"cannot write here ({e.strerror})", where=str(out.parent)) from None
+    old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+    try:
+        for name, text in files.items():
+            path = staging / name
+            path.write_text(text)
+            os.chmod(path, (_EXECUTABLE if name.endswith(".sh") else _READABLE) & ~umask)
+        os.chmod(staging, _EXECUTABLE & ~umask)  # mkdtemp makes a private folder
+        if out.exists():
+            os.rename(out, old)
+        os.rename(staging, out)
+    except BaseException as e:
+        shutil.rmtree(staging, ignore_errors=True)
+        if old.exists() and not out.exists():
+            os.rename(old, out)
+        if isinstance(e, OSError):
+            raise UserError(f"cannot write ({e.strerror or e})", where=str(out)) from None
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+    return [out / name for name in files]
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
