@@ -12,6 +12,11 @@ def format_seconds(s: float | None, *, digits: int = 2) -> str:
     return f"{s * 1e3:.{digits}f} ms" if abs(s) < 1 else f"{s:.{max(digits, 3)}f} s"
 
 
+def format_link(latency_s: float, bytes_per_s: float) -> str:
+    """A link ``latency + bytes / bandwidth`` as the profile fits it: ``30.5 µs + bytes / 3.48 GB/s``."""
+    return f"{latency_s * 1e6:.1f} µs + bytes / {bytes_per_s / 1e9:.2f} GB/s"
+
+
 def format_duration(s: float) -> str:
     """A wait in whole units for a progress line: ``42s``, ``3m05s``, ``2h07m``."""
     s = max(0, round(s))

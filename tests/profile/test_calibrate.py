@@ -171,8 +171,11 @@ def test_the_cli_writes_a_hardware_file_that_loads(tmp_path: Path, capsys):
     assert "error" in p.stdout and "dispatch_s" in p.stdout and "wrote" in p.stdout
     # Every setting of the file it came from that was not fitted is still there, its source comment with it.
     base = (HARDWARE / "h100-fp32.toml").read_text().splitlines()
-    kept = [ln for ln in base if re.match(r"\w+ *=|\[", ln) and not ln.startswith(("matmul_efficiency", "matmul_half"))]
+    fitted = ("matmul_efficiency", "matmul_half", "constants")
+    kept = [ln for ln in base if re.match(r"\w+ *=|\[", ln) and not ln.startswith(fitted)]
     assert kept and all(ln in text.splitlines() for ln in kept)
+    # ... and it says its constants are calibrated now (the base file's are estimated).
+    assert load_hardware(HARDWARE / "h100-fp32.toml").constants == "estimated" and hw.constants == "calibrated"
 
 
 @pytest.mark.parametrize(

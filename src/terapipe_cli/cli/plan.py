@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
@@ -9,15 +10,19 @@ import typer
 from rich.table import Table
 
 from terapipe_cli.cli.console import make_console
+from terapipe_cli.config.device import available_memory_bytes
 from terapipe_cli.config.experiment import load_experiment
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import check_output_file, write_text_atomic
-from terapipe_cli.plan.choice import Planned, plan_for_profile
+from terapipe_cli.plan.choice import SCHEMES, Planned, plan_for_profile
 from terapipe_cli.plan.costmodel import profile_from_dict, read_profile
+from terapipe_cli.plan.domain import domain_of, provenance
 from terapipe_cli.plan.file import PLAN_SCHEMA, write_plan
-from terapipe_cli.plan.request import PlanSetting, experiment_setting, experiment_shape, stored_path
-from terapipe_cli.profile.analytic import experiment_profile
-from terapipe_cli.units import format_seconds
+from terapipe_cli.plan.fit_quality import fit_warnings
+from terapipe_cli.plan.request import PlanSetting, check_work, experiment_setting, experiment_shape, stored_path
+from terapipe_cli.profile.analytic import experiment_profile, extended_for_batch
+from terapipe_cli.report.preview import write_plan_picture
+from terapipe_cli.units import format_bytes, format_seconds
 
 HELP = """Choose token and batch slicing for a profile with the exact dynamic program (docs/design.md §5).
 
@@ -161,15 +166,36 @@ def plan(
             show_default=False,
         ),
     ] = None,
+    scheme: Annotated[
+        str,
+        typer.Option(
+            "--scheme",
+            help="The scheme the plan file runs: terapipe (the planner's), gpipe (whole sequences, the best "
+            "microbatch) or uniform (the best equal slicing) — a baseline to train and compare, priced alike.",
+        ),
+    ] = "terapipe",
+    show: Annotated[
+        bool,
+        typer.Option(
+            "--show",
+            help="Also draw the plan before training: the simulated timeline of one step next to its GPipe "
+            "baseline's, and every stage's estimated peak memory against the limit (PNG beside --out).",
+        ),
+    ] = False,
     out: Annotated[Path, typer.Option("--out", "-o", help="Where to write the plan JSON.")] = Path("plan.json"),
     force: Annotated[bool, typer.Option("--force", help="Overwrite --out even if it is not a plan.")] = False,
 ) -> None:
     console = make_console()
+    if scheme not in SCHEMES:
+        raise UserError(f"must be one of {', '.join(SCHEMES)}, got {scheme!r}", where="--scheme")
     check_output_file(out, kind="plan", schema=PLAN_SCHEMA, force=force, example="plan.json")
-    if schedule_out is not None:
-        check_output_file(
-            schedule_out, kind="schedule", schema=None, force=force, example="schedule.csv", flag="--schedule-out"
-        )
+    picture = out.with_suffix(".png") if show else None
+    for path, kind, example, flag in (
+        (schedule_out, "schedule", "schedule.csv", "--schedule-out"),
+        (picture, "picture", "plan.png", "--show"),
+    ):
+        if path is not None:
+            check_output_file(path, kind=kind, schema=None, force=force, example=example, flag=flag)
     setting = setting_from_options(
         profile=profile, experiment=experiment, stages=stages, batch_size=batch, data_parallel=data_parallel,
         tensor_parallel=tensor_parallel, token_step=token_step,
@@ -179,40 +205,53 @@ def plan(
         recompute=recompute, rank=rank,
     )  # fmt: skip
     prof, r = setting.profile, request
+    check_work(prof, r, available_memory_bytes())
     with console.status(
         f"Planning {prof.model.name}: L={r.seq_len}, B={r.batch_size}, K={r.stages}, token step {r.token_step} …"
     ):
-        planned = plan_for_profile(prof, request)
-    write_plan(out, planned.to_plan_dict(setting.profile_path, setting.experiment))
+        planned = replace(plan_for_profile(prof, request), scheme=scheme)
     schedule = planned.schedule()
+    if picture is not None:
+        with console.status("Drawing the plan's simulated timeline and memory …"):
+            write_plan_picture(planned, picture)
+    write_plan(out, planned.to_plan_dict(setting.profile_path, setting.experiment))
     if schedule_out is not None:
         write_text_atomic(schedule_out, schedule.to_csv())
 
     console.print(_table(planned))
     if show_schedule:
         _print_schedule(console, schedule)
-    best = planned.terapipe
-    if setting.profile_path is None:
-        source = f"estimated for {setting.experiment['name']} on {prof.device.get('hardware', '?')}"
-    else:
-        source = f"{setting.profile_path} ({prof.source})"
+    _print_lines(console, planned, setting)
+    written = [p for p in (out, schedule_out, picture) if p is not None]
+    what = "" if scheme == "terapipe" else f" ({_NAMES[scheme]} {planned.chosen.short_form(fold=True)})"
+    console.print("wrote " + " and ".join(f"[bold]{p}[/bold]" for p in written) + what, highlight=False)
+
+
+def _print_lines(console, planned: Planned, setting: PlanSetting) -> None:
+    """The lines under the table: the solver and where the profile's numbers come from, the workers, how the scheme
+    was chosen, its memory; warnings on stderr."""
+    r, prof, best = planned.request, planned.profile, planned.terapipe
+    where = setting.profile_path or f"estimated for {setting.experiment['name']}"
     console.print(
-        f"solver: {method}, ε = {epsilon:g} s, {best.candidates} t_max candidates in {best.seconds:.3f} s · "
-        f"profile: {source}"
+        f"solver: {r.method}, ε = {r.epsilon:g} s, {best.candidates} t_max candidates in {best.seconds:.3f} s · "
+        f"profile: {where} ({provenance(prof)})",
+        highlight=False,
     )
+    domain = domain_of(prof).line(r.batch_size)
+    if domain is not None:
+        console.print(domain, highlight=False)
     D, K, T = r.data_parallel, r.stages, r.tensor_parallel
     console.print(f"workers: D × K × T = {D} × {K} × {T} = {D * K * T} processes for `terapipe train`")
-    warnings = [planned.allreduce_warning()]
-    if planned.rank_line() is not None:
-        console.print(planned.rank_line())
-    if planned.memory_choice() is not None:
-        console.print(planned.memory_choice())
-    if planned.memory is not None:
-        console.print(planned.memory.summary())
-        warnings.append(planned.memory.warning())
+    warnings = [planned.allreduce_warning(), *fit_warnings(prof)]
+    for line in (planned.rank_line(), planned.memory_choice()):
+        if line is not None:
+            console.print(line)
+    memory = planned.scheme_memory.get(planned.scheme)
+    if memory is not None:
+        console.print(memory.summary())
+        warnings.append(memory.warning())
     for warning in filter(None, warnings):
         make_console(stderr=True).print(f"[yellow]warning:[/yellow] {warning}", soft_wrap=True, highlight=False)
-    console.print(f"wrote [bold]{out}[/bold]" + (f" and [bold]{schedule_out}[/bold]" if schedule_out else ""))
 
 
 SCHEDULE_STEPS_SHOWN = 48  # time steps of the grid printed; the CSV holds every action
@@ -243,19 +282,36 @@ def _table(planned: Planned) -> Table:
     table = Table(title=title)
     table.add_column("scheme")
     table.add_column("slicing (short form)", overflow="fold", max_width=70)
-    for column in ("predicted iteration", "simulated", "speed-up vs GPipe", "tiles", "largest tile"):
+    for column in ("predicted iteration", "simulated", "speed-up vs GPipe", "tiles", "largest tile", "peak memory"):
         table.add_column(column, justify="right")
     for key, res in planned.schemes():
         table.add_row(
-            _NAMES[key],
+            _NAMES[key] + (" *" if key == planned.scheme and key != "terapipe" else ""),
             res.short_form(fold=True),
             format_seconds(res.predicted_s),
             format_seconds(planned.simulated_s[key]),
             f"{planned.speedup_vs_gpipe(res):.2f}×",
             str(res.tiles),
             format_seconds(res.t_max_s),
+            _memory_cell(planned.scheme_memory.get(key)),
         )
+    memory = planned.scheme_memory.get("terapipe")
+    if memory is not None and memory.limit_bytes:
+        table.caption = (
+            f"peak memory: the fullest stage's estimate; (!) more than the {format_bytes(memory.limit_bytes)} "
+        )
+        table.caption += f"{memory.limit_source}" + (" (all workers of the machine together)" if memory.copies else "")
+    if planned.scheme != "terapipe":
+        table.caption = (table.caption + "\n" if table.caption else "") + "*: the scheme the plan file runs (--scheme)"
     return table
+
+
+def _memory_cell(check) -> str:
+    """The fullest stage's estimated peak, marked (!) when it (or, on shared memory, all workers) exceeds the limit."""
+    if check is None:
+        return "—"  # the profile has no sizes to estimate it from
+    text = format_bytes(check.peak_bytes)
+    return f"[bold red]{text} (!)[/bold red]" if check.exceeded else text
 
 
 def setting_from_options(
@@ -281,7 +337,7 @@ def setting_from_options(
                 raise UserError(f"is required ({what}), unless --experiment names a setting", where=flag)
         prof = read_profile(profile)
         T, g = tensor_parallel, token_step
-        return PlanSetting(prof, stored_path(profile), stages, batch_size, data_parallel or 1, T, g)
+        return _within_reach(PlanSetting(prof, stored_path(profile), stages, batch_size, data_parallel or 1, T, g))
     exp = load_experiment(experiment, flag="--experiment")
     shape = experiment_shape(
         exp, stages=stages, batch_size=batch_size, data_parallel=data_parallel, tensor_parallel=tensor_parallel,
@@ -294,7 +350,14 @@ def setting_from_options(
             exp, batch_size=max(shape.batch_size, 1), tensor_parallel=shape.tensor_parallel, token_step=shape.token_step
         )
         prof = profile_from_dict(obj, f"the analytic profile of {exp.path}")
-    return experiment_setting(exp, shape, prof, profile)
+    return _within_reach(experiment_setting(exp, shape, prof, profile))
+
+
+def _within_reach(setting: PlanSetting) -> PlanSetting:
+    """The setting with an analytic profile priced again at the batch slices its batch needs beyond the profile's
+    grid (`profile.analytic.extended_for_batch`); the planner prices no other profile beyond its grid."""
+    extended = extended_for_batch(setting.profile, setting.batch_size)
+    return setting if extended is None else replace(setting, profile=extended)
 
 
 def register(app: typer.Typer) -> None:

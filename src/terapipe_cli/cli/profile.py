@@ -14,10 +14,12 @@ from rich.table import Table
 from terapipe_cli.cli.console import make_console
 from terapipe_cli.cli.options import DeviceOption, PrecisionOption
 from terapipe_cli.files import write_json_atomic, write_text_atomic
+from terapipe_cli.plan.costmodel import profile_from_dict
+from terapipe_cli.plan.fit_quality import fit_warnings
 from terapipe_cli.profile import options
 from terapipe_cli.profile.analytic import kernels_per_tile
 from terapipe_cli.profile.calibrate import calibrate, calibrated_toml
-from terapipe_cli.units import format_seconds
+from terapipe_cli.units import format_link, format_seconds
 
 HELP = """Measure the cost model t(b, i, j) of docs/design.md §3 on this machine and write a profile JSON for `terapipe plan`.
 
@@ -187,6 +189,8 @@ def _write(console: Console, out: Path, prof: dict, *, seconds: float | None = N
         _render_analytic(console, prof)
     else:
         _render(console, prof, seconds)
+    for warning in fit_warnings(profile_from_dict(prof, str(out))):
+        make_console(stderr=True).print(f"[yellow]warning:[/yellow] {warning}", soft_wrap=True, highlight=False)
     console.print(f"wrote [bold]{out}[/bold]")
 
 
@@ -251,9 +255,7 @@ def _render(console: Console, prof: dict, seconds: float) -> None:
             f"({c['heldout_points']} tiles); context term alone: mean {c['heldout_context_only_rel_err_mean']:.0%}",
         )
     comm = prof["comm"]
-    t.add_row(
-        "link", f"{comm['latency_s'] * 1e6:.1f} µs + bytes / {comm['bytes_per_s'] / 1e9:.2f} GB/s ({comm['method']})"
-    )
+    t.add_row("link", f"{format_link(comm['latency_s'], comm['bytes_per_s'])} ({comm['method']})")
     t.add_row("data-parallel all-reduce", _allreduce_text(prof))
     t.add_row("optimizer step", f"{_ms(prof['optimizer_s_per_layer'])} per layer (AdamW)")
     t.add_row("activations", f"{prof['activation_bytes_per_token_per_layer'] / 1024:.1f} KiB per token per layer")
@@ -269,9 +271,8 @@ def _allreduce_text(prof: dict) -> str:
         return prof.get("data_parallel_link_skipped", "not measured")
     whole = link["allreduce_fit"]
     return (
-        f"{whole['latency_s'] * 1e6:.1f} µs + bytes / {whole['bytes_per_s'] / 1e9:.2f} GB/s over {link['replicas']} "
-        f"processes; ring step {link['latency_s'] * 1e6:.1f} µs + bytes / {link['bytes_per_s'] / 1e9:.2f} GB/s "
-        f"(fit error mean {link['fit_rel_err_mean']:.1%})"
+        f"{format_link(whole['latency_s'], whole['bytes_per_s'])} over {link['replicas']} processes; ring step "
+        f"{format_link(link['latency_s'], link['bytes_per_s'])} (fit error mean {link['fit_rel_err_mean']:.1%})"
     )
 
 

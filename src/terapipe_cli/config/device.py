@@ -38,6 +38,19 @@ def machine_memory_bytes() -> int | None:
         return None
 
 
+def available_memory_bytes() -> int | None:
+    """Memory this machine can give a process now (Linux: MemAvailable), else its physical memory; None where the
+    system says neither."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return machine_memory_bytes()
+
+
 def default_precision(device: str) -> str:
     """The precision used when none is asked for: bf16 on ``"cuda"``, fp32 on ``"cpu"``.
 

@@ -7,6 +7,9 @@ measurements; the file's comments give the source of each.
     [hardware]
     name = "aws-p3.16xlarge"
     gpus_per_node = 8
+    constants = "estimated"        # optional (default "estimated"): where the device's constants come from:
+                                   # "estimated" (datasheets and modelling assumptions, nothing measured) or
+                                   # "calibrated" (fitted to measured tiles by `terapipe profile --calibrate`)
 
     [device]                       # one accelerator
     name = "NVIDIA V100-SXM2-16GB"
@@ -37,13 +40,14 @@ measurements; the file's comments give the source of each.
     attention = "fused"            # optional: "dense" (the default; Megatron's scores, softmax and dropout
                                    # kernels) or "fused" (one scaled_dot_product_attention kernel, as the runtime)
 
-Files fitted to measurements by `terapipe profile --calibrate` (`profile.calibrate`) say so in their header and
-in the comment of every fitted constant.
+Files fitted to measurements by `terapipe profile --calibrate` (`profile.calibrate`) say so in ``constants``, in
+their header and in the comment of every fitted constant; an analytic profile and every plan priced by it carry
+that word (`plan.domain.provenance`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from terapipe_cli.config.bundled import find_config, load_toml
@@ -77,6 +81,8 @@ class Link:
 
 
 ATTENTION = ("dense", "fused")
+# Where a file's device constants come from: datasheets and assumptions, or a fit to measured tiles.
+CONSTANTS = ("estimated", "calibrated")
 
 
 @dataclass(frozen=True)
@@ -101,6 +107,7 @@ class Hardware:
     network: Link
     training: Training
     path: str | None = None
+    constants: str = "estimated"  # CONSTANTS
 
     def check_tensor_parallel(self, model: ModelConfig, tensor_parallel: int) -> None:
         """Tensor parallelism splits heads and the MLP across GPUs of one node (docs/design.md §7)."""
@@ -143,7 +150,10 @@ def hardware_from_dict(obj: dict, where: str) -> Hardware:
     _check_keys(top, obj, ("hardware", "device", "intra_node", "network", "training"))
 
     hw, hw_obj = _table(top, obj, "hardware")
-    _check_keys(hw, hw_obj, ("name", "gpus_per_node"))
+    _check_keys(hw, hw_obj, ("name", "gpus_per_node", "constants"))
+    constants = hw.str("constants", default="estimated")
+    if constants not in CONSTANTS:
+        raise hw.fail("constants", f"must be {' or '.join(map(repr, CONSTANTS))}, got {constants!r}")
 
     dev, dev_obj = _table(top, obj, "device")
     device_keys = (
@@ -190,7 +200,20 @@ def hardware_from_dict(obj: dict, where: str) -> Hardware:
         network=_link(top, obj, "network"),
         training=training,
         path=where,
+        constants=constants,
     )
+
+
+def hardware_to_dict(hardware: Hardware) -> dict:
+    """The tables of a hardware file, as `hardware_from_dict` reads them back: what an analytic profile keeps of the
+    file it was estimated from, so that `terapipe plan` can price it again at other batch sizes."""
+    return {
+        "hardware": {"name": hardware.name, "gpus_per_node": hardware.gpus_per_node, "constants": hardware.constants},
+        "device": asdict(hardware.device),
+        "intra_node": asdict(hardware.intra_node),
+        "network": asdict(hardware.network),
+        "training": asdict(hardware.training),
+    }
 
 
 def load_hardware(path: str | Path) -> Hardware:

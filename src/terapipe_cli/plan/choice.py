@@ -10,116 +10,38 @@ the memory estimate checked against a limit — within which the fastest scheme 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from terapipe_cli import __version__
-from terapipe_cli.config.device import machine_memory_bytes
 from terapipe_cli.errors import UserError
 from terapipe_cli.plan.costmodel import CostModel, Profile
+from terapipe_cli.plan.domain import domain_of, provenance_record
 from terapipe_cli.plan.file import make_plan_dict
 from terapipe_cli.plan.groupings import grouping_search
-from terapipe_cli.plan.memory import EqualSlices, StageMemory, grouping_peaks, stage_memory, stage_sizes
+from terapipe_cli.plan.memory import (
+    EqualSlices,
+    MemoryCheck,
+    check_memory,
+    grouping_peaks,
+    stage_memory,
+    stage_sizes,
+)
 from terapipe_cli.plan.request import PlanRequest
 from terapipe_cli.plan.schedule import ORDERS, Schedule
 from terapipe_cli.plan.search import PlanResult, divisors, gpipe_baseline, solve, uniform_baseline
 from terapipe_cli.plan.simulate import simulate
 from terapipe_cli.units import format_bytes, format_seconds, format_stages, utc_timestamp
 
+# The schemes a plan may run (`terapipe plan --scheme`): the TeraPipe plan, or one of its baselines.
+SCHEMES = ("terapipe", "gpipe", "uniform")
 # The schedule-aware choice (`request.RANKS`, "simulated"): the fastest in the simulator among the exact optimum
 # and the schemes the search ranks next to it (within RERANK_WITHIN of it by the objective, at most RERANK_COUNT),
 # so never slower in the simulator than the optimum.
 RERANK_NEIGHBOURS = 4  # thresholds on either side of the optimum's largest tile (`search.solve(neighbours=…)`)
 RERANK_WITHIN = 0.05
 RERANK_COUNT = 8
-
-
-@dataclass(frozen=True)
-class MemoryCheck:
-    """The estimated peak memory of every stage and the limit it is checked against (docs/design.md §10)."""
-
-    per_stage: list[StageMemory]
-    limit_bytes: float | None
-    limit_source: str | None  # completes "more than the 16.0 GiB ...": where the limit came from
-    # On a CPU every worker of the machine shares its memory: the limit is then for all of them together, the
-    # pipeline's stages times ``copies`` (D replicas x T tensor ranks); 0 for a limit per device.
-    copies: int = 0
-    # The limit constrains the plan: a limit per device (`--memory-limit`, or a GPU profile's device memory). A CPU's
-    # memory, shared by all the workers on the machine, only warns.
-    enforced: bool = False
-
-    @property
-    def peak_bytes(self) -> float:
-        return max(m.total_bytes for m in self.per_stage)
-
-    @property
-    def fullest_stage(self) -> int:
-        return [m.total_bytes for m in self.per_stage].index(self.peak_bytes)
-
-    @property
-    def needed_bytes(self) -> float:
-        """What must fit under the limit: the fullest stage's peak, or on shared memory every worker's."""
-        if self.copies:
-            return self.copies * sum(m.total_bytes for m in self.per_stage)
-        return self.peak_bytes
-
-    @property
-    def exceeded(self) -> bool:
-        return bool(self.limit_bytes) and self.needed_bytes > self.limit_bytes
-
-    def summary(self) -> str:
-        text = f"estimated peak memory per stage: {format_bytes(self.peak_bytes)} (largest)"
-        if self.copies:
-            workers = self.copies * len(self.per_stage)
-            text += f"; all {workers} workers on one machine: {format_bytes(self.needed_bytes)}"
-        return text + (f", limit {format_bytes(self.limit_bytes)}" if self.limit_bytes else "")
-
-    def warning(self) -> str | None:
-        """One line for a plan whose fullest stage does not fit, with what to change; None when it fits."""
-        if not self.exceeded:
-            return None
-        if self.copies:
-            workers = self.copies * len(self.per_stage)
-            return (
-                f"the {workers} workers need about {format_bytes(self.needed_bytes)} together (stage "
-                f"{self.fullest_stage}: {format_bytes(self.peak_bytes)}), more than the "
-                f"{format_bytes(self.limit_bytes)} {self.limit_source}; use a smaller batch or more machines"
-            )
-        return (
-            f"stage {self.fullest_stage} needs about {format_bytes(self.peak_bytes)}, more than the "
-            f"{format_bytes(self.limit_bytes)} {self.limit_source}; use more stages, a smaller batch, or tensor "
-            "parallelism"
-        )
-
-    def to_dict(self) -> dict:
-        out = {
-            "per_stage_bytes": [m.total_bytes for m in self.per_stage],
-            "state_bytes": [m.state_bytes for m in self.per_stage],
-            "activation_bytes": [m.activation_bytes for m in self.per_stage],
-        }
-        if self.limit_bytes is not None:
-            out.update(limit_bytes=self.limit_bytes, limit_source=self.limit_source)
-        return out
-
-
-def check_memory(
-    per_stage: list[StageMemory] | None, device: dict, limit_gib: float | None, copies: int = 1
-) -> MemoryCheck | None:
-    """The limit is ``--memory-limit`` (per device) when given, else the profile's device memory when it records
-    one, else, for a CPU profile, this machine's memory. A CPU's memory is shared by all the workers on it
-    (``copies`` x the stages: D x T x K, as on one machine), a GPU's is one worker's."""
-    if per_stage is None:
-        return None
-    if limit_gib is not None:
-        return MemoryCheck(per_stage, limit_gib * 2**30, "of --memory-limit", enforced=True)
-    shared = copies if device.get("kind") == "cpu" else 0
-    if isinstance(device.get("memory_bytes"), (int, float)):
-        source = f"of the profile's device ({device.get('name', '?')})"
-        return MemoryCheck(per_stage, float(device["memory_bytes"]), source, shared, enforced=not shared)
-    if device.get("kind") == "cpu" and machine_memory_bytes():
-        return MemoryCheck(per_stage, float(machine_memory_bytes()), "of this machine's memory", shared)
-    return MemoryCheck(per_stage, None, None)
 
 
 @dataclass(frozen=True)
@@ -143,10 +65,20 @@ class Planned:
     # The orders planned within the memory limit over equal batch slices only (every batch grouping was too large a
     # search there); empty when every grouping was searched.
     equal_slices_only: tuple[str, ...] = ()
+    # Every scheme's memory (by "terapipe", "gpipe", "uniform"), in the plan's order and recomputation; None values
+    # where the profile lacks the sizes.
+    scheme_memory: dict[str, MemoryCheck | None] = field(default_factory=dict)
+    # The scheme the plan file runs (`SCHEMES`): the TeraPipe plan, or a baseline (`terapipe plan --scheme`).
+    scheme: str = "terapipe"
+
+    @property
+    def chosen(self) -> PlanResult:
+        """The scheme the plan runs: `terapipe`, or the baseline named by ``scheme``."""
+        return getattr(self, self.scheme)
 
     def schedule(self) -> Schedule:
         """The schedule the plan runs in: its scheme, order and recomputation."""
-        return Schedule.build(self.terapipe.slices, self.request.stages, self.order, self.recompute)
+        return Schedule.build(self.chosen.slices, self.request.stages, self.order, self.recompute)
 
     def choice_text(self) -> str:
         """``GPipe order`` / ``1F1B order, recomputed on stages 0, 1``: how the plan's steps run."""
@@ -187,6 +119,13 @@ class Planned:
         out["formula_optimal"] = {"short_form": best.short_form(), "predicted_s": best.predicted_s, "simulated_s": sim}
         return out
 
+    def memory_record(self, name: str) -> dict:
+        """A baseline's ``peak_bytes`` (its fullest stage) and ``exceeds_limit`` in the plan file; {} unestimated."""
+        check = self.scheme_memory.get(name)
+        if check is None:
+            return {}
+        return {"peak_bytes": check.peak_bytes, "exceeds_limit": check.exceeded}
+
     def schemes(self) -> list[tuple[str, PlanResult]]:
         return [("terapipe", self.terapipe), ("gpipe", self.gpipe), ("uniform", self.uniform)]
 
@@ -218,11 +157,14 @@ class Planned:
     def to_plan_dict(self, profile_path: str | None, experiment: dict | None = None) -> dict:
         """The ``terapipe.plan/1`` object that `terapipe train` runs; ``profile_path`` None for a profile that is
         no file (estimated for ``experiment``, the plan's record of the experiment file it was made for)."""
-        r, best, prof = self.request, self.terapipe, self.profile
+        r, best, prof = self.request, self.chosen, self.profile
         allreduce = self.allreduce_record()
         extra = {} if allreduce is None else {"data_parallel_allreduce": allreduce}
         if experiment is not None:
             extra["experiment"] = experiment
+        if self.scheme != "terapipe":  # a baseline to train (`terapipe plan --scheme`), as plan.baseline marks one
+            extra.update(scheme=self.scheme, microbatch=best.extra["microbatch"])
+        memory = self.scheme_memory.get(self.scheme, self.memory)
         return make_plan_dict(
             model=prof.model,
             stages=r.stages,
@@ -236,7 +178,7 @@ class Planned:
             tensor_parallel=r.tensor_parallel,
             order=self.order,
             recompute=list(self.recompute),
-            simulated_s=self.simulated_s["terapipe"],
+            simulated_s=self.simulated_s[self.scheme],
             t_max_s=best.t_max_s,
             sum_s=best.sum_s,
             tiles=best.tiles,
@@ -247,10 +189,16 @@ class Planned:
                     **self.gpipe.to_dict(),
                     "microbatch": self.gpipe.extra["microbatch"],
                     "simulated_s": self.simulated_s["gpipe"],
+                    **self.memory_record("gpipe"),
                 },
-                "uniform": {**self.uniform.to_dict(), **self.uniform.extra, "simulated_s": self.simulated_s["uniform"]},
+                "uniform": {
+                    **self.uniform.to_dict(),
+                    **self.uniform.extra,
+                    "simulated_s": self.simulated_s["uniform"],
+                    **self.memory_record("uniform"),
+                },
             },
-            memory=None if self.memory is None else self.memory.to_dict(),
+            memory=None if memory is None else memory.to_dict(),
             rank=self.rank_record(),
             solver={"method": r.method, "epsilon": r.epsilon, "seconds": best.seconds, "candidates": best.candidates},
             profile={
@@ -258,6 +206,7 @@ class Planned:
                 "sha256": prof.sha256,
                 "source": prof.source,
                 "device": prof.device.get("name"),
+                **provenance_record(prof),
             },
             created=utc_timestamp(),
             terapipe_version=__version__,
@@ -306,11 +255,13 @@ def plan_one(
     # each rank sends to the same rank of the next stage; and the memory estimate is per device.
     # Recomputation on any stage prices every tile with one more forward: the formula's stages are alike, and the
     # slowest one sets the pace (the simulator below charges it on the recomputing stages only).
-    cost = CostModel(profile, r.stages, r.data_parallel, recompute=any(recompute))
+    cost = CostModel(profile, r.stages, r.data_parallel, recompute=any(recompute), within_profile=True)
     shape = {"seq_len": r.seq_len, "batch_size": r.batch_size, "stages": r.stages}
     if best is None:
         near = RERANK_NEIGHBOURS if r.rank == "simulated" else 0
         best = solve(cost, **shape, token_step=r.token_step, epsilon=r.epsilon, method=r.method, neighbours=near)
+    if best is None:
+        raise UserError(outside_profile(profile, r.batch_size, "no batch slicing"), where="--batch")
     optimum, optimum_sim = best, None
     if r.rank == "simulated" and best.alternatives:
         best, optimum_sim = _rerank(profile, r, best, cost, order, recompute)
@@ -318,6 +269,8 @@ def plan_one(
         best = replace(best, seconds=optimum.seconds, candidates=optimum.candidates)
     gpipe = gpipe_baseline(cost, **shape)
     uniform = uniform_baseline(cost, **shape, token_step=r.token_step)
+    if gpipe is None or uniform is None:  # the uniform schemes include GPipe's: both or neither
+        raise UserError(outside_profile(profile, r.batch_size, "no GPipe microbatch dividing it"), where="--batch")
     # The formula prices every tile's transfers inside the tile; the simulator replays the schedule with
     # asynchronous sends, as the runtime runs it. Both are reported.
     # All three in the same order and recomputation: they differ only in how the batch is sliced.
@@ -327,11 +280,25 @@ def plan_one(
     }
     simulated = {name: simulate(schedule, cost).latency_s for name, schedule in schedules.items()}
     copies = r.data_parallel * r.tensor_parallel
-    memory = check_memory(stage_memory(schedules["terapipe"], profile), profile.device, r.memory_limit_gib, copies)
+    memory = {
+        name: check_memory(stage_memory(schedule, profile), profile.device, r.memory_limit_gib, copies)
+        for name, schedule in schedules.items()
+    }
     return Planned(
-        profile, r, cost, best, gpipe, uniform, simulated, memory, recompute, order,
+        profile, r, cost, best, gpipe, uniform, simulated, memory["terapipe"], recompute, order,
         formula_optimal=optimum if optimum is not best else None, formula_optimal_simulated_s=optimum_sim,
+        scheme_memory=memory,
     )  # fmt: skip
+
+
+def outside_profile(profile: Profile, batch_size: int, what: str) -> str:
+    """The one line when the profile's batch sizes cannot make up the batch (`plan.domain`)."""
+    d = domain_of(profile)
+    return (
+        f"{what} of {batch_size} sequences uses only batch slices of {d.smallest}–{d.largest} sequences, the sizes "
+        f"{profile.path or 'the profile'} timed; profile smaller batch slices too (`terapipe profile --batch-sizes "
+        f"1,{','.join(str(b) for b in d.grid if b > 1)}`)"
+    )
 
 
 def _rerank(
@@ -363,7 +330,7 @@ class _Forbidding:
     """A cost model under which tiles that do not fit the memory limit cost +inf (`planner.solve` skips them)."""
 
     def __init__(self, cost: CostModel, fits) -> None:
-        self.cost, self.fits, self.step_s = cost, fits, cost.step_s
+        self.cost, self.fits, self.step_s, self.max_batch_slice = cost, fits, cost.step_s, cost.max_batch_slice
 
     def __call__(self, b, i, j):
         return np.where(self.fits(i, j), self.cost(b, i, j), np.inf)
@@ -397,7 +364,10 @@ def plan_within_memory(profile: Profile, request: PlanRequest, fastest: Planned)
             planned = [plan_one(profile, r, optimum, order=o, recompute=plain) for o in fit]
             return replace(min(planned, key=lambda p: p.simulated_s["terapipe"]), unfitted=fastest)
     sizes = stage_sizes(profile, r.stages)
-    costs = {rerun: CostModel(profile, r.stages, r.data_parallel, recompute=rerun) for rerun in (False, True)}
+    costs = {
+        rerun: CostModel(profile, r.stages, r.data_parallel, recompute=rerun, within_profile=True)
+        for rerun in (False, True)
+    }
     shape = {"seq_len": r.seq_len, "batch_size": r.batch_size, "stages": r.stages, "token_step": r.token_step}
     search = {"epsilon": r.epsilon, "method": r.method, "neighbours": RERANK_NEIGHBOURS if r.rank == "simulated" else 0}
     modes = [rerun for rerun, ok in ((False, plain_ok), (True, recompute_ok)) if ok]
@@ -458,7 +428,7 @@ def _equal_slice_candidates(
 
 
 def _simulated(profile: Profile, r: PlanRequest, res: PlanResult, order: str, recompute: tuple[bool, ...]) -> float:
-    cost = CostModel(profile, r.stages, r.data_parallel)
+    cost = CostModel(profile, r.stages, r.data_parallel, within_profile=True)
     return simulate(Schedule.build(res.slices, r.stages, order, recompute), cost).latency_s
 
 

@@ -41,7 +41,17 @@ The profile format (every field is checked by `read_profile`):
                                                        optional: one step of the ring all-reduce the
                                                        data-parallel replicas run (measured by `terapipe
                                                        profile`, or estimated from a hardware file)
+      "hardware_config": {...}                         analytic profiles: the hardware file's tables as estimated
+                                                       from (`config.hardware.hardware_to_dict`), so that `terapipe
+                                                       plan` can price it again at other batch sizes; device.
+                                                       ``hardware_file`` and ``constants`` ("estimated" or
+                                                       "calibrated") say where it came from (`plan.domain`)
+      "extended": {"from_batch_sizes": [...], "added": [...]}
+                                                       only in memory: a profile priced again beyond its file's
+                                                       grid (`profile.analytic.extended_for_batch`)
     }
+
+The grid is the profile's domain: the planner prices no batch slice outside ``batch_sizes`` (`plan.domain`).
 
 With ``data_parallel = D > 1`` the per-step constant also holds the ring all-reduce of a stage's gradients:
 ``2(D−1)·latency + 2(D−1)/D · bytes / bandwidth`` with ``bytes = ℓ · params_per_layer · dtype_bytes``. A
@@ -266,13 +276,29 @@ class CostModel:
     tokens. ``step_s`` is the per-step constant (the optimizer update of a stage's layers plus any fixed
     overhead) that the objective adds once per step. With ``recompute`` every tile's forward runs twice (once
     more inside its backward, engine/stage.py), so its forward time, context term included, counts twice.
+
+    With ``within_profile`` a tile of a batch slice outside the profile's batch sizes (fewer sequences than the
+    smallest, more than the largest) costs +inf instead of an extrapolated time: the planner's searches and
+    baselines then never use it (`plan.domain`), and ``max_batch_slice`` tells `search.solve` to lay out no DP rows
+    for larger batch slices. Without it (the default, for pricing a given scheme) such tiles are extrapolated.
     """
 
-    def __init__(self, profile: Profile, stages: int, data_parallel: int = 1, *, recompute: bool = False) -> None:
+    def __init__(
+        self,
+        profile: Profile,
+        stages: int,
+        data_parallel: int = 1,
+        *,
+        recompute: bool = False,
+        within_profile: bool = False,
+    ) -> None:
         self.profile = profile
         self.stages = stages
         self.data_parallel = data_parallel
         self.recompute = recompute
+        self.within_profile = within_profile
+        self.min_batch_slice = min(profile.batch_sizes) if within_profile else None
+        self.max_batch_slice = max(profile.batch_sizes) if within_profile else None
         self.layers_per_stage = profile.model.stage_layers(stages, where="stages")
         self._bs = np.asarray(profile.batch_sizes, dtype=float)
         self._ts = np.asarray(profile.token_lengths, dtype=float)
@@ -344,4 +370,8 @@ class CostModel:
         return self._comm_latency + self._comm_per_token * (np.asarray(b, dtype=float) * np.asarray(i, dtype=float))
 
     def __call__(self, b, i, j) -> np.ndarray:
-        return self.layers_per_stage * (self.no_context(b, i) + self.context(b, i, j)) + self.comm(b, i)
+        t = self.layers_per_stage * (self.no_context(b, i) + self.context(b, i, j)) + self.comm(b, i)
+        if not self.within_profile:
+            return t
+        b = np.asarray(b)
+        return np.where((b >= self.min_batch_slice) & (b <= self.max_batch_slice), t, np.inf)

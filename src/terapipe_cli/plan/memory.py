@@ -23,6 +23,9 @@ tile keeps, ``kept`` a recomputed tile's input, ``rerun`` what its re-run saves 
 (`in_flight`, `plain_bytes`, `recomputed_bytes`; plus the stage's state and weight copies). The planner searches
 batch groupings with it (`plan.groupings`); for D equal batch slices of b (`EqualSlices`) the largest W is
 D·b in GPipe order and min(K − k, D)·b in 1F1B. The tests check the closed form against the walk.
+
+`check_memory` holds the estimate against a limit (`MemoryCheck`): ``--memory-limit`` or a GPU's memory per device,
+a CPU's memory shared by the workers on it.
 """
 
 from __future__ import annotations
@@ -32,7 +35,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from terapipe_cli.config.device import machine_memory_bytes
 from terapipe_cli.plan.schedule import Action, Schedule
+from terapipe_cli.units import format_bytes
 
 _INDEX_BYTES = 8  # an int64 token id or position, per token
 
@@ -241,3 +246,99 @@ class EqualSlices:
         b = self.batch_slice
         opened = tuple(self.in_flight(k) * b for k in ks)
         return tile_fits([self.sizes[k] for k in ks], (b, opened), self.seq_len, self.limit)(i, j)
+
+
+@dataclass(frozen=True)
+class MemoryCheck:
+    """The estimated peak memory of every stage and the limit it is checked against (docs/design.md §10)."""
+
+    per_stage: list[StageMemory]
+    limit_bytes: float | None
+    limit_source: str | None  # completes "more than the 16.0 GiB ...": where the limit came from
+    # On a CPU every worker of the machine shares its memory: the limit is then for all of them together, the
+    # pipeline's stages times ``copies`` (D replicas x T tensor ranks); 0 for a limit per device.
+    copies: int = 0
+    # The limit constrains the plan: a limit per device (`--memory-limit`, or a GPU profile's device memory). A CPU's
+    # memory, shared by all the workers on the machine, only warns.
+    enforced: bool = False
+
+    @property
+    def peak_bytes(self) -> float:
+        return max(m.total_bytes for m in self.per_stage)
+
+    @property
+    def fullest_stage(self) -> int:
+        return [m.total_bytes for m in self.per_stage].index(self.peak_bytes)
+
+    @property
+    def needed_bytes(self) -> float:
+        """What must fit under the limit: the fullest stage's peak, or on shared memory every worker's."""
+        if self.copies:
+            return self.copies * sum(m.total_bytes for m in self.per_stage)
+        return self.peak_bytes
+
+    @property
+    def exceeded(self) -> bool:
+        return bool(self.limit_bytes) and self.needed_bytes > self.limit_bytes
+
+    def summary(self) -> str:
+        text = f"estimated peak memory per stage: {format_bytes(self.peak_bytes)} (largest)"
+        if self.copies:
+            workers = self.copies * len(self.per_stage)
+            text += f"; all {workers} workers on one machine: {format_bytes(self.needed_bytes)}"
+        return text + (f", limit {format_bytes(self.limit_bytes)}" if self.limit_bytes else "")
+
+    def warning(self) -> str | None:
+        """One line for a plan whose fullest stage does not fit, with what to change; None when it fits."""
+        if not self.exceeded:
+            return None
+        if self.copies:
+            workers = self.copies * len(self.per_stage)
+            return (
+                f"the {workers} workers need about {format_bytes(self.needed_bytes)} together (stage "
+                f"{self.fullest_stage}: {format_bytes(self.peak_bytes)}), more than the "
+                f"{format_bytes(self.limit_bytes)} {self.limit_source}; use a smaller batch or more machines"
+            )
+        return (
+            f"stage {self.fullest_stage} needs about {format_bytes(self.peak_bytes)}, more than the "
+            f"{format_bytes(self.limit_bytes)} {self.limit_source}; use more stages, a smaller batch, or tensor "
+            "parallelism"
+        )
+
+    def to_dict(self) -> dict:
+        out = {
+            "per_stage_bytes": [m.total_bytes for m in self.per_stage],
+            "state_bytes": [m.state_bytes for m in self.per_stage],
+            "activation_bytes": [m.activation_bytes for m in self.per_stage],
+        }
+        if self.limit_bytes is not None:
+            out.update(limit_bytes=self.limit_bytes, limit_source=self.limit_source)
+        return out
+
+
+def check_memory(
+    per_stage: list[StageMemory] | None, device: dict, limit_gib: float | None, copies: int = 1
+) -> MemoryCheck | None:
+    """The limit is ``--memory-limit`` (per device) when given, else the profile's device memory when it records
+    one, else, for a CPU profile, this machine's memory. A CPU's memory is shared by all the workers on it
+    (``copies`` x the stages: D x T x K, as on one machine), a GPU's is one worker's. Enforced (the plan must fit):
+    a limit per device, and a CPU's memory that one worker alone would exceed; a CPU's memory shared by all the
+    workers only warns."""
+    if per_stage is None:
+        return None
+    if limit_gib is not None:
+        return MemoryCheck(per_stage, limit_gib * 2**30, "of --memory-limit", enforced=True)
+    shared = copies if device.get("kind") == "cpu" else 0
+    if isinstance(device.get("memory_bytes"), (int, float)):
+        limit, source = float(device["memory_bytes"]), f"of the profile's device ({device.get('name', '?')})"
+    elif device.get("kind") == "cpu" and machine_memory_bytes():
+        limit, source = float(machine_memory_bytes()), "of this machine's memory"
+    else:
+        return MemoryCheck(per_stage, None, None)
+    if not shared:
+        return MemoryCheck(per_stage, limit, source, enforced=True)
+    # A CPU's memory is shared by the workers on it, who may also be spread over several machines: all of them
+    # together over it only warn; one worker alone over it binds (no machine of this kind could run that stage).
+    if max(m.total_bytes for m in per_stage) > limit:
+        return MemoryCheck(per_stage, limit, source + " (for one worker alone)", enforced=True)
+    return MemoryCheck(per_stage, limit, source, shared)

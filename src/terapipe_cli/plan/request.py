@@ -18,6 +18,7 @@ from terapipe_cli.errors import UserError
 from terapipe_cli.plan.costmodel import Profile
 from terapipe_cli.plan.schedule import ORDERS
 from terapipe_cli.plan.search import METHODS
+from terapipe_cli.units import format_bytes
 
 # How the plan's scheme is chosen: "formula", the exact optimum of the objective (docs/design.md §4); "simulated",
 # the fastest in the simulator (§11) among that optimum and the schemes the search ranks next to it (`plan.choice`).
@@ -229,3 +230,48 @@ def check_tensor_parallel(profile: Profile, tensor_parallel: int | None) -> int:
             where="--tensor-parallel",
         )
     return have
+
+
+# Bounds on the planner's work (docs/design.md §5), checked before anything is allocated. The DP tables hold about
+# DP_BYTES_PER_CELL bytes per (batch-slice row, prefix, slice length) cell: measured with tracemalloc on `search.solve`
+# (22.5–29 bytes over rows 4–64 and L/g 128–512: two float64 tables, a bool mask, the probes' rows). They may take at
+# most DP_MEMORY_FRACTION of the memory available. MAX_BATCH bounds the sequences per replica: the batch knapsack and
+# the schedules of the baselines grow with it (B = 32768 took 34 s in the knapsack alone), while the pipelines of the
+# published settings plan 2 to 128 sequences per replica.
+DP_BYTES_PER_CELL = 30
+DP_MEMORY_FRACTION = 0.5
+MAX_BATCH = 8192
+
+
+def dp_bytes(rows: int, units: int) -> float:
+    """The DP tables' bytes for ``rows`` batch-slice sizes and L/g = ``units`` token steps."""
+    return DP_BYTES_PER_CELL * rows * (units + 1) ** 2
+
+
+def check_work(profile: Profile, request: PlanRequest, available_bytes: int | None) -> None:
+    """Refuse, in one line with the limit and a way round, a plan whose search would exceed this machine: more than
+    `MAX_BATCH` sequences per replica, or DP tables larger than `DP_MEMORY_FRACTION` of ``available_bytes``."""
+    r = request
+    if r.batch_size > MAX_BATCH:
+        raise UserError(
+            f"{r.batch_size} sequences per replica is more than the planner takes ({MAX_BATCH}); plan the replicas' "
+            f"share with data parallelism (-d D plans B/D each), or a smaller batch",
+            where="--batch",
+        )
+    if not available_bytes:
+        return
+    rows = min(r.batch_size, max(profile.batch_sizes))  # batch slices beyond the profile's are not searched
+    units = r.seq_len // r.token_step
+    budget = DP_MEMORY_FRACTION * available_bytes
+    need = dp_bytes(rows, units)
+    if need <= budget:
+        return
+    steps = [g for g in range(r.token_step, r.seq_len + 1, r.token_step) if r.seq_len % g == 0]
+    fits = next((g for g in steps if dp_bytes(rows, r.seq_len // g) <= budget), None)
+    way = f"use --token-step {fits} or more" if fits else "plan a shorter sequence"
+    raise UserError(
+        f"the search over {rows} batch-slice sizes x {units} token steps (L/g = {r.seq_len}/{r.token_step}) needs "
+        f"about {format_bytes(need)}, more than the {format_bytes(budget)} it may take here (half of the memory "
+        f"available); {way}",
+        where="--token-step",
+    )

@@ -173,8 +173,9 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def gpipe_baseline(cost: Cost, *, seq_len: int, batch_size: int, stages: int) -> PlanResult:
-    """GPipe: whole sequences, microbatch size m among the divisors of B, the best m by the same objective."""
+def gpipe_baseline(cost: Cost, *, seq_len: int, batch_size: int, stages: int) -> PlanResult | None:
+    """GPipe: whole sequences, microbatch size m among the divisors of B, the best m by the same objective (None
+    when the cost forbids every m: +inf)."""
     _check_sizes(seq_len=seq_len, batch_size=batch_size, stages=stages, token_step=1)
     best = None
     for m in divisors(batch_size):
@@ -183,7 +184,7 @@ def gpipe_baseline(cost: Cost, *, seq_len: int, batch_size: int, stages: int) ->
             cost, slices, stages=stages, seq_len=seq_len, batch_size=batch_size, token_step=seq_len, method="gpipe"
         )
         res.extra["microbatch"] = m
-        if best is None or res.predicted_s < best.predicted_s:
+        if math.isfinite(res.predicted_s) and (best is None or res.predicted_s < best.predicted_s):
             best = res
     return best
 
@@ -202,8 +203,11 @@ def _uniform_schemes(seq_len: int, batch_size: int, token_step: int):
         n *= 2
 
 
-def uniform_baseline(cost: Cost, *, seq_len: int, batch_size: int, stages: int, token_step: int = 1) -> PlanResult:
-    """The best uniform slicing: n equal token slices (n a power of two dividing L/g), batch slices all of size m."""
+def uniform_baseline(
+    cost: Cost, *, seq_len: int, batch_size: int, stages: int, token_step: int = 1
+) -> PlanResult | None:
+    """The best uniform slicing: n equal token slices (n a power of two dividing L/g), batch slices all of size m
+    (None when the cost forbids every one: +inf)."""
     _check_sizes(seq_len=seq_len, batch_size=batch_size, stages=stages, token_step=token_step)
     best = None
     for slices, n, m in _uniform_schemes(seq_len, batch_size, token_step):
@@ -211,7 +215,7 @@ def uniform_baseline(cost: Cost, *, seq_len: int, batch_size: int, stages: int, 
             cost, slices, stages=stages, seq_len=seq_len, batch_size=batch_size, token_step=token_step, method="uniform"
         )
         res.extra.update(token_slices=n, microbatch=m)
-        if best is None or res.predicted_s < best.predicted_s:
+        if math.isfinite(res.predicted_s) and (best is None or res.predicted_s < best.predicted_s):
             best = res
     return best
 
@@ -234,7 +238,10 @@ class _Tables:
     ) -> None:
         n = seq_len // token_step
         self.units, self.batch_size, self.token_step = n, batch_size, token_step
-        sizes = np.arange(1, batch_size + 1) if grouping is None else np.asarray(grouping.row_sizes)
+        # A cost that prices no batch slice above its ``max_batch_slice`` (`CostModel(within_profile=True)`) needs no
+        # knapsack rows for them: rows b = 1 … min(B, max_batch_slice).
+        widest = min(batch_size, getattr(cost, "max_batch_slice", None) or batch_size)
+        sizes = np.arange(1, widest + 1) if grouping is None else np.asarray(grouping.row_sizes)
         self.row_sizes, self.rows = sizes, len(sizes)
         self.combine = _Knapsack(batch_size) if grouping is None else _Paths(grouping)
         # Only the valid (prefix, length) pairs are priced: half the cube, and the cost model's time.
@@ -478,7 +485,8 @@ def _seed_schemes(tables: _Tables) -> list[Slices]:
     if not isinstance(tables.combine, _Knapsack):
         return []
     L = tables.units * tables.token_step
-    return [slices for slices, _, _ in _uniform_schemes(L, tables.batch_size, tables.token_step)]
+    schemes = _uniform_schemes(L, tables.batch_size, tables.token_step)
+    return [slices for slices, _, m in schemes if m <= tables.rows]
 
 
 @dataclass
@@ -653,7 +661,8 @@ def solve(
     +inf forbids a tile; None when every scheme needs a forbidden tile. ``grouping`` (a `Sequencing`) restricts the
     batch groupings, in order, and the tiles each batch slice may use by its place. ``neighbours=n`` also returns, in
     ``alternatives``, the cheapest schemes under the n distinct tile costs on either side of the optimum's largest
-    tile (each the exact optimum for its threshold): the candidates a schedule-aware choice re-ranks.
+    tile (each the exact optimum for its threshold): the candidates a schedule-aware choice re-ranks. A cost with a
+    ``max_batch_slice`` attribute (`CostModel(within_profile=True)`) prices no larger batch slice: none is searched.
     """
     _check_sizes(seq_len=seq_len, batch_size=batch_size, stages=stages, token_step=token_step)
     if not (isinstance(epsilon, (int, float)) and epsilon >= 0 and math.isfinite(epsilon)):

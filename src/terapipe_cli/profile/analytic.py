@@ -28,15 +28,16 @@ measured profile (`terapipe_cli.profile.fit.fit_context`) and checked on held-ou
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 
 import numpy as np
 
 from terapipe_cli.config.device import PRECISIONS
 from terapipe_cli.config.experiment import Experiment
-from terapipe_cli.config.hardware import Device, Hardware
+from terapipe_cli.config.hardware import Device, Hardware, hardware_from_dict, hardware_to_dict
 from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.errors import UserError
-from terapipe_cli.plan.costmodel import PROFILE_SCHEMA, ring_allreduce_seconds
+from terapipe_cli.plan.costmodel import PROFILE_SCHEMA, Profile, profile_from_dict, ring_allreduce_seconds
 from terapipe_cli.profile.fit import fit_context
 from terapipe_cli.units import utc_timestamp
 
@@ -346,6 +347,9 @@ def analytic_profile(
         },
         "activation_bytes_per_token_per_layer": activation_bytes_per_token(model, e, t),
         "state_bytes_per_param": hardware.training.state_bytes_per_param,
+        # The hardware as estimated from, so that `terapipe plan` can price this profile again at batch sizes
+        # beyond its grid (`extended_for_batch`) and name where its constants come from (`plan.domain`).
+        "hardware_config": hardware_to_dict(hardware),
     }
 
 
@@ -402,6 +406,7 @@ def _device_entry(hardware: Hardware, tensor_parallel: int) -> dict:
         "name": dev.name,
         "hardware": hardware.name,
         "hardware_file": hardware.path,
+        "constants": hardware.constants,
         "memory_bytes": dev.memory_bytes,
         "gpus_per_node": hardware.gpus_per_node,
         "tensor_parallel": tensor_parallel,
@@ -423,3 +428,38 @@ def experiment_profile(exp: Experiment, *, batch_size: int, tensor_parallel: int
         batch_sizes=range(1, batch_size + 1),
         token_step=token_step,
     )
+
+
+def extended_batch_sizes(grid: Sequence[int], batch_size: int) -> list[int]:
+    """The grid's batch sizes, every power of two up to ``batch_size``, and ``batch_size`` itself."""
+    powers = {1 << k for k in range(batch_size.bit_length()) if 1 << k <= batch_size}
+    return sorted(set(grid) | powers | {batch_size})
+
+
+def extended_for_batch(profile: Profile, batch_size: int) -> Profile | None:
+    """An analytic profile priced again by its own model for a plan of ``batch_size`` sequences per replica, when
+    its grid stops short of that (docs/design.md §3a): on `extended_batch_sizes`, so that no batch slice the plan
+    may choose is extrapolated (between grid sizes the cost model interpolates, as on a grid made with
+    ``--batch-sizes`` so). The result keeps the file's path and checksum and records the sizes it added under
+    ``"extended"``. None when the grid already reaches ``batch_size``, or the profile is not analytic or keeps no
+    ``hardware_config`` (made before profiles kept it): the planner then stays within the grid."""
+    grid = profile.batch_sizes
+    config = profile.raw.get("hardware_config")
+    if profile.source != "analytic" or batch_size <= max(grid) or not isinstance(config, dict):
+        return None
+    where = f"{profile.path or 'the profile'}: field 'hardware_config'"
+    hardware = hardware_from_dict(config, where)
+    named = profile.device.get("hardware_file")
+    if isinstance(named, str):
+        hardware = replace(hardware, path=named)
+    sizes = extended_batch_sizes(grid, batch_size)
+    obj = analytic_profile(
+        profile.model,
+        hardware,
+        tensor_parallel=profile.tensor_parallel,
+        batch_sizes=sizes,
+        token_step=profile.token_step,
+    )
+    obj["extended"] = {"from_batch_sizes": list(grid), "added": sorted(set(sizes) - set(grid))}
+    extended = profile_from_dict(obj, where)
+    return replace(extended, path=profile.path, sha256=profile.sha256)

@@ -369,6 +369,7 @@ def calibrated_toml(text: str, calibration: Calibration, source: str) -> str:
     out: list[str] = []
     section = None
     pending = dict(c.fitted)
+    constants = [CALIBRATED_LINE]  # [hardware] says the constants are calibrated (`config.hardware.CONSTANTS`)
     skipping = False
     for line in lines:
         stripped = line.strip()
@@ -378,8 +379,14 @@ def calibrated_toml(text: str, calibration: Calibration, source: str) -> str:
         if stripped.startswith("["):
             if section == "device":
                 _insert_missing(out, pending, before, source)
+            if section == "hardware":
+                _insert_lines(out, constants)
             section = stripped.strip("[]").split("]")[0].strip()
         key = stripped.split("=", 1)[0].strip() if "=" in stripped and not stripped.startswith("#") else None
+        if section == "hardware" and key == "constants":
+            _insert_lines(out, constants, at_end=True)
+            skipping = True
+            continue
         if section == "device" and key in pending:
             out.append(_fitted_line(key, pending.pop(key), getattr(before, key), source))
             skipping = True
@@ -393,6 +400,20 @@ def calibrated_toml(text: str, calibration: Calibration, source: str) -> str:
 def _fitted_line(key: str, value: float, was: float | None, source: str) -> str:
     previously = "absent before" if was is None else f"was {was:.4g}"
     return f"{f'{key} = {value:.4g}':<33}# FITTED to {source} ({previously})"
+
+
+CALIBRATED_LINE = (
+    'constants = "calibrated"         # fitted to measured tiles: see the header and the FITTED lines below'
+)
+
+
+def _insert_lines(out: list[str], pending: list[str], *, at_end: bool = False) -> None:
+    """Move the ``pending`` lines into ``out``: at its end, or before the blank lines that close its last table."""
+    at = len(out)
+    while not at_end and at and not out[at - 1].strip():
+        at -= 1
+    out[at:at] = pending
+    pending.clear()
 
 
 def _insert_missing(out: list[str], pending: dict[str, float], before, source: str) -> None:

@@ -1,5 +1,6 @@
 """The report's pictures (matplotlib, Agg: no display needed).
 
+``draw_plan`` is `terapipe plan --show`'s picture: the same timelines, simulated, above each stage's memory.
 ``timeline.png`` is the picture of the pipeline papers: one row per stage, a box per forward (F) and backward
 (B) action of each tile, idle time as the hatched grey between boxes. It is a grid of panels on ONE time axis:
 a row per run (TeraPipe above GPipe) and a column per source (measured; predicted by the simulator when a cost
@@ -54,7 +55,7 @@ def _save(fig, path: Path) -> Path:
 def draw_timelines(grid: Sequence[Sequence[TimelinePanel | None]], path: str | Path, *, title: str = "") -> Path:
     """Draw panels in a grid (rows × columns; None leaves a cell empty) on one shared time axis; write a PNG."""
     plt, patches = _matplotlib()
-    Patch, Rectangle = patches.Patch, patches.Rectangle
+    Rectangle = patches.Rectangle
 
     rows, cols = len(grid), max(len(r) for r in grid)
     panels = [p for r in grid for p in r if p is not None]
@@ -81,10 +82,58 @@ def draw_timelines(grid: Sequence[Sequence[TimelinePanel | None]], path: str | P
             if r == rows - 1 or all(grid[rr][c] is None for rr in range(r + 1, rows) if c < len(grid[rr])):
                 ax.set_xlabel("time from the step's start (ms)")
                 ax.tick_params(axis="x", labelbottom=True)
+    return _finish_timelines(fig, path, title)
+
+
+def draw_plan(
+    panels: Sequence[TimelinePanel],
+    memory: Sequence[tuple[str, Sequence[float]]],
+    path: str | Path,
+    *,
+    limit_bytes: float | None = None,
+    limit_label: str = "",
+    title: str = "",
+) -> Path:
+    """A plan before training: the simulated step of each scheme (a row each, one time axis) above every stage's
+    estimated peak memory per scheme (``memory``: (label, bytes per stage)), with the limit as a line; write a PNG."""
+    plt, patches = _matplotlib()
+    K = max(p.stages for p in panels)
+    x_max = max(max([e.end_s for e in p.events] + [p.step_end_s or 0.0]) for p in panels) * 1e3 * 1.02
+    heights = [p.stages + 1.2 for p in panels] + ([max(4.5, K * 0.3 + 3)] if memory else [])
+    fig, axes = plt.subplots(
+        len(heights), 1, figsize=(15, 0.5 * sum(heights) + 1.2), squeeze=False, gridspec_kw={"height_ratios": heights}
+    )
+    for ax, panel in zip(axes[:, 0], panels, strict=False):
+        _draw_panel(ax, panel, x_max, patches.Rectangle, min_label_w=x_max * 0.22 / 13.4)
+        ax.set_xlabel("time from the step's start (ms), simulated")
+    if memory:
+        ax = axes[-1][0]
+        width = 0.8 / len(memory)
+        colors = ("#3b6fb6", "#d9722b", "#4a9a4a")
+        largest = max([max(per_stage) for _, per_stage in memory] + [limit_bytes or 0.0])
+        unit, scale = ("GiB", 2**30) if largest >= 2**30 else ("MiB", 2**20)
+        for n, (label, per_stage) in enumerate(memory):
+            xs = [k + (n - (len(memory) - 1) / 2) * width for k in range(len(per_stage))]
+            ax.bar(xs, [b / scale for b in per_stage], width, label=label, color=colors[n % len(colors)])
+        if limit_bytes:
+            ax.axhline(limit_bytes / scale, color="#b22222", linestyle="--", linewidth=1.2, label=limit_label)
+        ax.set_xticks(range(K))
+        ax.set_xticklabels([f"stage {k}" for k in range(K)], fontsize=9)
+        ax.set_ylabel(f"{unit}")
+        ax.set_title("estimated peak memory per stage", loc="left", fontsize=10)
+        ax.grid(axis="y", color="#dddddd", linewidth=0.6)
+        ax.set_axisbelow(True)
+        ax.legend(frameon=False, fontsize=9)
+    return _finish_timelines(fig, path, title)
+
+
+def _finish_timelines(fig, path: str | Path, title: str) -> Path:
+    """The timeline pictures' legend (forward, backward, idle) and title; write the PNG and close the figure."""
+    plt, patches = _matplotlib()
     handles = [
-        Patch(facecolor=FORWARD_COLORS[0], label="forward (F) of a tile"),
-        Patch(facecolor=BACKWARD_COLORS[0], label="backward (B) of a tile"),
-        Patch(facecolor=IDLE_COLOR, edgecolor=IDLE_HATCH_COLOR, hatch="///", label="idle (bubble)"),
+        patches.Patch(facecolor=FORWARD_COLORS[0], label="forward (F) of a tile"),
+        patches.Patch(facecolor=BACKWARD_COLORS[0], label="backward (B) of a tile"),
+        patches.Patch(facecolor=IDLE_COLOR, edgecolor=IDLE_HATCH_COLOR, hatch="///", label="idle (bubble)"),
     ]
     fig.legend(handles=handles, loc="upper right", ncol=3, frameon=False, fontsize=9)
     if title:
