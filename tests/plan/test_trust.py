@@ -293,3 +293,15 @@ def test_an_unknown_scheme_is_one_line(tmp_path, capsys):
     p = run_cli(capsys, "plan", "--profile", TINY, "-k", "2", "-b", "2", "--scheme", "zb", "--out", out)
     assert_one_line_error(p, "--scheme", "terapipe, gpipe, uniform")
     assert not out.exists()
+
+
+def test_plan_warns_about_a_poor_context_fit_and_names_the_nodes_of_a_gpu_profile(tmp_path, capsys):
+    obj = json.loads(TINY.read_text())
+    obj["context"]["backward"]["heldout_rel_err_mean"] = 0.3
+    path = tmp_path / "poor.json"
+    path.write_text(json.dumps(obj))
+    p = run_cli(capsys, "plan", "--profile", path, "-k", "2", "-b", "1", "--out", tmp_path / "plan.json")
+    assert p.returncode == 0 and "warning:" in p.stderr and "backward 30.0%" in p.stderr, p.stderr
+    p = run_cli(capsys, "plan", "--experiment", "paper-04-gpt3-13b", "--out", tmp_path / "p4.json")
+    text = " ".join(p.stdout.split())  # lines wrapped at the terminal's width
+    assert "on 40 nodes of 8 GPUs: `terapipe launch-script" in text and "--nodes 40 --gpus-per-node 8`" in text

@@ -221,15 +221,16 @@ def plan(
     console.print(_table(planned))
     if show_schedule:
         _print_schedule(console, schedule)
-    _print_lines(console, planned, setting)
+    _print_lines(console, planned, setting, out)
     written = [p for p in (out, schedule_out, picture) if p is not None]
     what = "" if scheme == "terapipe" else f" ({_NAMES[scheme]} {planned.chosen.short_form(fold=True)})"
     console.print("wrote " + " and ".join(f"[bold]{p}[/bold]" for p in written) + what, highlight=False)
 
 
-def _print_lines(console, planned: Planned, setting: PlanSetting) -> None:
-    """The lines under the table: the solver and where the profile's numbers come from, the workers, how the scheme
-    was chosen, its memory; warnings on stderr."""
+def _print_lines(console, planned: Planned, setting: PlanSetting, out: Path) -> None:
+    """The lines under the table: the solver and where the profile's numbers come from, the workers (and, for a
+    profile of GPU nodes, the launch-script that places them), how the scheme was chosen, its memory; warnings on
+    stderr."""
     r, prof, best = planned.request, planned.profile, planned.terapipe
     where = setting.profile_path or f"estimated for {setting.experiment['name']}"
     console.print(
@@ -241,7 +242,13 @@ def _print_lines(console, planned: Planned, setting: PlanSetting) -> None:
     if domain is not None:
         console.print(domain, highlight=False)
     D, K, T = r.data_parallel, r.stages, r.tensor_parallel
-    console.print(f"workers: D × K × T = {D} × {K} × {T} = {D * K * T} processes for `terapipe train`")
+    line = f"workers: D × K × T = {D} × {K} × {T} = {D * K * T} processes for `terapipe train`"
+    per_node = prof.device.get("gpus_per_node")  # an analytic profile's node
+    if isinstance(per_node, int) and D * K * T > per_node and (D * K * T) % per_node == 0:
+        nodes = D * K * T // per_node
+        script = f"terapipe launch-script {out} --nodes {nodes} --gpus-per-node {per_node}"
+        line += f"; on {nodes} nodes of {per_node} GPUs: `{script}`"
+    console.print(line, highlight=False)
     warnings = [planned.allreduce_warning(), *fit_warnings(prof)]
     for line in (planned.rank_line(), planned.memory_choice()):
         if line is not None:
