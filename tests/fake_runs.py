@@ -22,7 +22,7 @@ SEQ = 32
 def per_token_parts(forward_s_per_token: float):
     """Tiles cost in proportion to their tokens (backward twice the forward), transfers are free."""
 
-    def parts(b, i, j):
+    def parts(b, i, j, chunk: int = 0):
         f = np.asarray(b, dtype=float) * np.asarray(i, dtype=float) * forward_s_per_token
         return f, 2 * f, np.zeros_like(f), np.zeros_like(f)
 

@@ -65,7 +65,7 @@ def test_the_demo_profiles_and_trains_on_the_cpu_unless_asked(tmp_path):
     "text, words",
     [
         ("[demo]\nstages = 2\n", "demo.model"),
-        ('[demo]\nmodel = "../models/tiny.toml"\nstages = 3\nbatch_size = 1\nsteps = 4\n', "stages"),
+        ('[demo]\nmodel = "../models/tiny.toml"\nstages = 5\nbatch_size = 1\nsteps = 4\n', "stages"),
         ('[demo]\nmodel = "../models/tiny.toml"\nstages = 2\nbatch_size = 1\nsteps = 4\nwarmup = 4\n', "warmup"),
         ('[demo]\nmodel = "../models/tiny.toml"\nstages = 2\nbatch_size = 1\nsteps = 4\nspeed = 1\n', "demo.speed"),
         (

@@ -54,7 +54,7 @@ GOOD = (EXP / "paper-04-gpt3-13b.toml").read_text()
     [
         (lambda s: s.replace("gpus = 320", "gpus = 300"), "experiment.gpus"),
         (lambda s: s.replace("batch_size = 32", "batch_size = 33"), "experiment.batch_size"),
-        (lambda s: s.replace("stages = 20", "stages = 3").replace("gpus = 320", "gpus = 48"), "experiment.stages"),
+        (lambda s: s.replace("stages = 20", "stages = 41").replace("gpus = 320", "gpus = 656"), "experiment.stages"),
         (
             lambda s: s.replace("tensor_parallel = 8", "tensor_parallel = 16").replace("gpus = 320", "gpus = 640"),
             "experiment.tensor_parallel",

@@ -35,6 +35,40 @@ FAMILIES = {
         {},
         {"order": "1f1b", "recompute": [True, False]},
     ),
+    # Partitions and interleaved chunks (docs/design.md §11): 6 layers unless said otherwise.
+    "uneven partition, 6 layers on 4 stages": ([(1, [8, 24])] * 2, 4, {}, {"layers_per_stage": [1, 2, 2, 1]}),
+    "embedding and head alone on their stages": ([(1, [16, 16])], 3, {}, {"layers_per_stage": [0, 6, 0]}),
+    "2 virtual stages, GPipe order": (
+        [(2, [16, 8, 8]), (1, [8, 24])],
+        2,
+        {},
+        {"virtual_stages": 2, "layers_per_stage": [1, 2, 2, 1]},
+    ),
+    "2 virtual stages, 1F1B order, batch slices of different sizes": (
+        [(2, [16, 16]), (1, [8, 8, 16]), (1, [32])],
+        2,
+        {},
+        {"virtual_stages": 2, "layers_per_stage": [1, 2, 2, 1], "order": "1f1b"},
+    ),
+    "2 virtual stages on one device": ([(1, [16, 16])], 1, {}, {"virtual_stages": 2, "layers_per_stage": [3, 3]}),
+    "uneven partition and 2 virtual stages, 1F1B order": (
+        [(2, [8, 8, 16]), (1, [32])],
+        3,
+        {},
+        {"virtual_stages": 2, "layers_per_stage": [0, 2, 1, 1, 2, 0], "order": "1f1b"},
+    ),
+    "2 virtual stages, recomputed on some chunks": (
+        [(1, [8, 24])] * 2,
+        2,
+        {},
+        {"virtual_stages": 2, "layers_per_stage": [2, 1, 1, 2], "recompute": [True, False, False, True]},
+    ),
+    "2 virtual stages, T=2": (
+        [(1, [16, 16])],
+        2,
+        {"tensor_parallel": 2},
+        {"virtual_stages": 2, "layers_per_stage": [1, 2, 2, 1]},
+    ),
 }
 
 
@@ -50,7 +84,14 @@ def test_every_scheme_family_verifies(name):
 
 
 @pytest.mark.parametrize(
-    "name, precision", [("uneven token slices", "bf16"), ("D=2", "bf16"), ("T=2, K=2", "bf16"), ("K=2", "fp16")]
+    "name, precision",
+    [
+        ("uneven token slices", "bf16"),
+        ("D=2", "bf16"),
+        ("T=2, K=2", "bf16"),
+        ("K=2", "fp16"),
+        ("2 virtual stages, 1F1B order, batch slices of different sizes", "bf16"),
+    ],
 )
 def test_low_precision_verifies_within_the_measured_spread(name, precision):
     slices, stages, args, fields = FAMILIES[name]
@@ -82,11 +123,16 @@ def test_a_hand_written_schedule_trains_to_the_same_numbers():
     assert result.ok
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_dropping_the_kv_handback_fails_verification(precision):
+@pytest.mark.parametrize(
+    "precision, fields",
+    [("fp32", {}), ("bf16", {}), ("fp32", {"virtual_stages": 2, "layers_per_stage": [1, 2, 2, 1], "order": "1f1b"})],
+    ids=["fp32", "bf16", "2 virtual stages"],
+)
+def test_dropping_the_kv_handback_fails_verification(precision, fields):
     """Negative control: without the later slices' K/V gradients the run must fail the same check, under the
-    measured spread of each precision."""
-    result, _ = verify_locally(local_setup([(2, [8, 8, 16])], stages=2, precision=precision, kv_handback=False))
+    measured spread of each precision (with interleaved chunks too)."""
+    setup = local_setup([(2, [8, 8, 16])], stages=2, precision=precision, kv_handback=False, plan_fields=fields)
+    result, _ = verify_locally(setup)
     assert not result.ok
     grads = next(c for c in result.checks if c.what.startswith("gradients"))
     assert grads.max_rel > 10 * grads.tolerance
@@ -110,15 +156,23 @@ def test_the_validation_loss_is_the_single_device_loss_of_the_trained_weights():
     assert run.val_losses[-1] == pytest.approx(expected, rel=1e-5)
 
 
-@pytest.mark.parametrize("args", [{"precision": "fp16"}, {"tensor_parallel": 2}], ids=["fp16", "T=2"])
-def test_a_trainer_continued_from_its_state_takes_the_same_steps(args):
+INTERLEAVED = {"virtual_stages": 2, "layers_per_stage": [0, 3, 2, 1]}
+
+
+@pytest.mark.parametrize(
+    "args, fields",
+    [({"precision": "fp16"}, {}), ({"tensor_parallel": 2}, {}), ({}, INTERLEAVED)],
+    ids=["fp16", "T=2", "uneven, 2 virtual stages"],
+)
+def test_a_trainer_continued_from_its_state_takes_the_same_steps(args, fields):
     """What --resume relies on: a stage's whole state (`Trainer.full_state`, gathered from its tensor ranks, with
-    fp16's loss scale) loaded into new trainers continues the run to the same losses."""
+    fp16's loss scale; every chunk of an interleaved stage) loaded into new trainers continues the run to the same
+    losses."""
     from terapipe_cli.engine.local import LocalWorld, local_comms
     from terapipe_cli.engine.mesh import Layout
     from terapipe_cli.engine.trainer import Trainer
 
-    setup = local_setup([(1, [16, 16])], stages=2, steps=4, **args)
+    setup = local_setup([(1, [16, 16])], stages=2, steps=4, plan_fields=fields, **args)
     whole = train_locally(setup).losses
     layout = Layout(1, 2, setup.args.tensor_parallel)
     schedule = Schedule.of_plan(setup.plan)

@@ -39,8 +39,13 @@ PLAN_KEYS = {
 }
 
 
+# One chunk per stage, the even split (docs/design.md §11): these tests compare with the search of one configuration.
+PINNED = ("--virtual-stages", "1", "--partition", "balanced")
+
+
 def plan_args(*extra: str, profile: Path = EXAMPLE, stages: int = 2, batch: int = 2) -> list[str]:
-    return ["plan", "--profile", str(profile), "--stages", str(stages), "--batch", str(batch), *extra]
+    pinned = () if any(a in extra for a in ("--virtual-stages", "--layers-per-stage", "--partition")) else PINNED
+    return ["plan", "--profile", str(profile), "--stages", str(stages), "--batch", str(batch), *pinned, *extra]
 
 
 # --- a good run ---------------------------------------------------------------------------------------
@@ -208,7 +213,9 @@ BAD = [
     ("negative batch", lambda t: plan_args(batch=-1), "--batch"),
     ("zero batch", lambda t: plan_args(batch=0), "--batch"),
     ("L not a multiple of g", lambda t: plan_args("--seq-len", "100"), "multiple"),
-    ("layers not divisible", lambda t: plan_args(stages=3), "divide"),
+    ("more stages than layers", lambda t: plan_args(stages=5), "more than the 4 layers"),
+    ("layers of the stages not summing to N", lambda t: plan_args("--layers-per-stage", "1,1"), "--layers-per-stage"),
+    ("virtual stages beyond the layers", lambda t: plan_args("--virtual-stages", "4"), "--virtual-stages"),
     ("negative epsilon", lambda t: plan_args("--epsilon", "-0.5"), "--epsilon"),
     ("unknown method", lambda t: plan_args("--method", "greedy"), "--method"),
     ("L longer than the model", lambda t: plan_args("--seq-len", "2048"), "--seq-len"),

@@ -147,9 +147,12 @@ def test_step_s_and_data_parallel(tmp_path: Path) -> None:
         CostModel.from_profile(path, stages=2, data_parallel=0)
 
 
-def test_stages_must_divide_layers() -> None:
-    with pytest.raises(UserError, match="stages"):
-        CostModel.from_profile(EXAMPLE, stages=3)
+def test_stages_need_not_divide_the_layers_but_may_not_outnumber_them() -> None:
+    """3 stages of the 4-layer model: the most even split, the extra layer in the middle (docs/design.md §11)."""
+    cost = CostModel.from_profile(EXAMPLE, stages=3)
+    assert cost.partition.layers == (1, 2, 1) and cost.layers_per_stage == 2
+    with pytest.raises(UserError, match="more than the 4 layers"):
+        CostModel.from_profile(EXAMPLE, stages=5)
     with pytest.raises(UserError):
         CostModel.from_profile(EXAMPLE, stages=0)
 

@@ -102,7 +102,10 @@ def test_a_unique_start_of_a_bundled_name_finds_it():
         (["--experiment", QUICK, "-t", "5"], ["--tensor-parallel", "5 does not divide the 48 heads"]),
         (["--experiment", QUICK, "--profile", str(EXAMPLE)], ["example-tiny-cpu.json", "trains 'gpt3-44b'"]),
         (["--stages", "2", "--batch", "1"], ["--profile", "is required", "--experiment"]),
-        (["--experiment", "paper-10"], ["--memory-limit", "no scheme fits the 16.0 GiB", "smallest possible peak"]),
+        (
+            ["--experiment", "paper-10", "--partition", "balanced", "--virtual-stages", "1"],
+            ["--memory-limit", "no scheme fits the 16.0 GiB", "smallest possible peak"],
+        ),
     ],
 )
 def test_bad_requests_are_one_line_and_write_nothing(tmp_path: Path, args, words, capsys):

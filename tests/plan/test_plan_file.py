@@ -69,7 +69,7 @@ def test_make_write_read_round_trip(tmp_path: Path) -> None:
     assert plan.slices == [(2, [32, 16, 16]), (1, [40, 24])]
     assert plan.predicted_s == 0.5
     assert plan.data_parallel == 1
-    assert plan.layers_per_stage == 2
+    assert plan.partition.layers == (2, 2) and plan.virtual_stages == 1 and plan.chunks == 2
     assert plan.short_form() == obj["short_form"] == "[(2, [32, 16, 16])] + [(1, [40, 24])]"
     assert plan.raw["solver"] == {"method": "exact"}  # extra fields survive
     assert obj["schema"] == PLAN_SCHEMA

@@ -14,6 +14,7 @@ from terapipe_cli.errors import UserError
 from terapipe_cli.plan.costmodel import CostModel, profile_from_dict, ring_allreduce_seconds
 from terapipe_cli.profile.analytic import (
     analytic_profile,
+    ends_params,
     layer_flops,
     layer_seconds,
     token_grid,
@@ -121,7 +122,8 @@ def test_data_parallel_allreduce_uses_the_shared_network(profiles):
     hw, m = HW["v100"], MODELS["gpt3-13b"]
     prof = profile_from_dict(profiles[("v100", "gpt3-13b", 8)], "analytic")
     cost = CostModel(prof, stages=20, data_parallel=4)
-    grad_bytes = 2 * m.params_per_layer(8) * 2  # two layers per stage, fp16 gradients
+    # The fullest stage: two layers and the embedding (the ends are whole on every tensor rank), fp16 gradients.
+    grad_bytes = (2 * m.params_per_layer(8) + max(ends_params(m, 8))) * 2
     shared = {"latency_s": hw.network.latency_s, "bytes_per_s": hw.network.bytes_per_s / hw.gpus_per_node}
     assert cost.allreduce_s == pytest.approx(float(ring_allreduce_seconds(grad_bytes, 4, **shared)))
 

@@ -66,3 +66,24 @@ def test_export_refuses_bad_input(tmp_path, capsys):
     assert_one_line_error(p, "exists; pass --force")
     p = run_cli(capsys, "export", str(tmp_path), "--out", str(tmp_path))
     assert_one_line_error(p, "names a folder")
+
+
+def test_an_interleaved_uneven_run_exports_the_same_model(tmp_path, capsys):
+    """Two stages of two chunks each, the layers cut 1, 2 | 2, 1 (docs/design.md §11): each stage's checkpoint holds
+    its two chunks, and the export joins them into the whole model, equal to the run's weights."""
+    plan = write_plan_file(
+        tmp_path / "plan.json", [(1, [12, 12, 8])], stages=2, virtual_stages=2, layers_per_stage=[1, 2, 2, 1]
+    )
+    run = tmp_path / "run"
+    prepared = prepare_run(RunConfig(plan=str(plan), out=str(run), steps=2, device="cpu"))
+    weights = train_locally(LocalSetup(prepared.plan, prepared.args)).weights
+    part = prepared.plan.partition
+    for k in range(2):
+        names = GPT(prepared.plan.model, k, 2, partition=part, chunks=part.chunks_on(k)).state_dict()
+        checkpoint.save_stage(run, 2, k, 2, {n: weights[n] for n in names}, {})
+    checkpoint.mark_complete(run, 2, 2)
+    out = tmp_path / "model.pt"
+    assert run_cli(capsys, "export", str(run), "--out", str(out)).returncode == 0
+    model, _ = load_exported(out)
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(tensor, weights[name], rtol=0, atol=0)

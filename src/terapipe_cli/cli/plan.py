@@ -14,11 +14,13 @@ from terapipe_cli.config.device import available_memory_bytes
 from terapipe_cli.config.experiment import load_experiment
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import check_output_file, write_text_atomic
-from terapipe_cli.plan.choice import SCHEMES, Planned, plan_for_profile
+from terapipe_cli.plan.choice import SCHEMES, Planned
+from terapipe_cli.plan.configs import plan_configured
 from terapipe_cli.plan.costmodel import profile_from_dict, read_profile
 from terapipe_cli.plan.domain import domain_of, provenance
 from terapipe_cli.plan.file import PLAN_SCHEMA, write_plan
 from terapipe_cli.plan.fit_quality import fit_warnings
+from terapipe_cli.plan.partition import parse_layers
 from terapipe_cli.plan.request import PlanSetting, check_work, experiment_setting, experiment_shape, stored_path
 from terapipe_cli.profile.analytic import experiment_profile, extended_for_batch
 from terapipe_cli.report.preview import write_plan_picture
@@ -60,7 +62,7 @@ def plan(
     stages: Annotated[
         int | None,
         typer.Option(
-            "--stages", "-k", help="Pipeline stages K; must divide the model's layers [default: the experiment's]."
+            "--stages", "-k", help="Pipeline stages K, at most the model's layers [default: the experiment's]."
         ),
     ] = None,
     batch: Annotated[
@@ -122,14 +124,40 @@ def plan(
         ),
     ] = None,
     order: Annotated[
-        str | None,
+        str,
         typer.Option(
             "--order",
-            help="Schedule order: gpipe (every forward, then every backward) or 1f1b (a batch slice's backward as "
-            "soon as the pipeline allows: fewer batch slices' activations alive at once).",
-            show_default="gpipe, or what fits the memory limit",
+            help="Schedule order: gpipe (every forward, then every backward), 1f1b (a batch slice's backward as "
+            "soon as the pipeline allows: fewer batch slices' activations alive at once) or auto (gpipe unless the "
+            "memory limit needs 1f1b or the simulator finds it faster).",
+        ),
+    ] = "auto",
+    virtual_stages: Annotated[
+        str,
+        typer.Option(
+            "--virtual-stages",
+            help="Chunks of layers per device, v (Megatron's interleaving: device k runs chunks k, k+K, ...; the "
+            "bubble shrinks by v, the stage-to-stage traffic grows v-fold), or auto: the fastest simulated v "
+            "from 1 to 4.",
+        ),
+    ] = "auto",
+    layers_per_stage: Annotated[
+        str | None,
+        typer.Option(
+            "--layers-per-stage",
+            help="The decoder layers of every stage (of every chunk with v > 1), e.g. 5,6,6,7: K (K·v) counts "
+            "summing to the model's layers; the first and last may be 0 (they embed and run the head).",
+            show_default=False,
         ),
     ] = None,
+    partition: Annotated[
+        str,
+        typer.Option(
+            "--partition",
+            help="How the layers are cut when --layers-per-stage is not given: auto (the split the objective "
+            "prices fastest, the embedding and the LM head counted) or balanced (the most even by layers alone).",
+        ),
+    ] = "auto",
     recompute: Annotated[
         bool | None,
         typer.Option(
@@ -200,16 +228,18 @@ def plan(
         profile=profile, experiment=experiment, stages=stages, batch_size=batch, data_parallel=data_parallel,
         tensor_parallel=tensor_parallel, token_step=token_step,
     )  # fmt: skip
+    counts = None if layers_per_stage is None else parse_layers(layers_per_stage)
     request = setting.request(
         seq_len=seq_len, epsilon=epsilon, method=method, memory_limit_gib=memory_limit, order=order,
-        recompute=recompute, rank=rank,
+        recompute=recompute, rank=rank, virtual=virtual_stages, layers_per_stage=counts, partition=partition,
     )  # fmt: skip
     prof, r = setting.profile, request
     check_work(prof, r, available_memory_bytes())
     with console.status(
         f"Planning {prof.model.name}: L={r.seq_len}, B={r.batch_size}, K={r.stages}, token step {r.token_step} …"
     ):
-        planned = replace(plan_for_profile(prof, request), scheme=scheme)
+        configured = plan_configured(prof, request)
+        planned = replace(configured.planned, scheme=scheme)
     schedule = planned.schedule()
     if picture is not None:
         with console.status("Drawing the plan's simulated timeline and memory …"):
@@ -222,6 +252,8 @@ def plan(
     if show_schedule:
         _print_schedule(console, schedule)
     _print_lines(console, planned, setting, out)
+    if request.virtual is None or request.partition_mode == "auto" or configured.runner_up is not None:
+        console.print(configured.line(), highlight=False)
     written = [p for p in (out, schedule_out, picture) if p is not None]
     what = "" if scheme == "terapipe" else f" ({_NAMES[scheme]} {planned.chosen.short_form(fold=True)})"
     console.print("wrote " + " and ".join(f"[bold]{p}[/bold]" for p in written) + what, highlight=False)
@@ -266,9 +298,12 @@ SCHEDULE_STEPS_SHOWN = 48  # time steps of the grid printed; the CSV holds every
 
 def _print_schedule(console, schedule) -> None:
     """The schedule's grid, its first `SCHEDULE_STEPS_SHOWN` steps."""
+    chunks = (
+        f" of {schedule.virtual} chunks each (an action's first number is its chunk)" if schedule.virtual > 1 else ""
+    )
     console.print(
-        f"schedule ({schedule.order} order, {len(schedule.tiles)} tiles on {schedule.stages} stages; each action one "
-        "step, as early as its inputs allow):",
+        f"schedule ({schedule.order} order, {len(schedule.tiles)} tiles on {schedule.stages} stages{chunks}; each "
+        "action one step, as early as its inputs allow):",
         highlight=False,
     )
     console.print(schedule.grid(width=SCHEDULE_STEPS_SHOWN), markup=False, highlight=False, soft_wrap=True)

@@ -114,7 +114,7 @@ def load_demo_config(path: str | Path | None = None, *, quick: bool = False) -> 
     )
     if quick:
         values.update(changes)
-    model.stage_layers(values["stages"], where=f"{where}: field 'demo.stages'")
+    model.check_stages(values["stages"], where=f"{where}: field 'demo.stages'")
     cfg = DemoConfig(**values, name=f.str("name", default="demo"), model=model, source=where)
     if cfg.warmup >= cfg.steps:
         raise UserError(f"field 'demo.warmup' ({cfg.warmup}) leaves none of the {cfg.steps} steps to time", where=where)

@@ -109,7 +109,7 @@ def load_experiment(path: str | Path, flag: str = "experiment") -> Experiment:
     if batch_size % dp:
         raise f.fail("batch_size", f"{batch_size} is not divisible by data_parallel {dp}")
     try:
-        model.stage_layers(stages)
+        model.check_stages(stages)
     except UserError as e:
         raise f.fail("stages", e.message) from None
     try:

@@ -95,6 +95,16 @@ class ModelConfig:
             )
         return self.layers // stages
 
+    def check_stages(self, stages: int, where: str = "stages") -> None:
+        """A pipeline of ``stages`` stages needs at least one layer per stage: 1 ≤ K ≤ N (the layers need not divide
+        evenly: a plan may give stages different counts, docs/design.md §11)."""
+        if stages < 1:
+            raise UserError(f"must be at least 1, got {stages}", where=where)
+        if stages > self.layers:
+            raise UserError(
+                f"{stages} stages are more than the {self.layers} layers of model '{self.name}'", where=where
+            )
+
     def stage_counts(self) -> list[int]:
         """The stage counts K that divide the layers evenly, ascending (1, 2, 4, 5, 8, 10, 20, 40 for 40 layers)."""
         small = [k for k in range(1, int(self.layers**0.5) + 1) if self.layers % k == 0]

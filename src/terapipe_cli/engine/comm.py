@@ -12,6 +12,7 @@ launcher can tell a consequence (this rank lost its neighbour) from a root cause
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -49,25 +50,26 @@ class Group(Protocol):
         """Every member's ``tensor`` concatenated along ``dim``, in member order."""
 
 
-# Posted receives of a step's tiles: per tile, whatever the link's ``wait`` takes.
-Posted = dict[Tile, object]
+# Posted receives of a step: per message key, whatever the link's ``wait`` takes.
+Posted = dict[Hashable, object]
+# A message to receive: its key, the tile whose (b, i, H) shape it has, its tag.
+Message = tuple[Hashable, Tile, int]
 
 
 class Link(Protocol):
-    """One stage's messages to and from its neighbours in one pipeline replica (None past either end)."""
+    """One stage's messages to and from its neighbours in one pipeline replica: ``prev_rank`` and ``next_rank``
+    (None past either end) and, for interleaved chunks, ``ring_prev`` and ``ring_next`` (wrapping around)."""
 
     prev_rank: int | None
     next_rank: int | None
+    ring_prev: int | None
+    ring_next: int | None
 
-    def post_forward_recvs(self, tiles: list[Tile]) -> Posted: ...
-
-    def post_backward_recvs(self, tiles: list[Tile]) -> Posted: ...
+    def post_recvs(self, messages: list[Message], src: int) -> Posted: ...
 
     def wait(self, posted: object, what: str, peer: int | None) -> torch.Tensor: ...
 
-    def send_forward(self, out: torch.Tensor, index: int) -> None: ...
-
-    def send_backward(self, grad: torch.Tensor, index: int, tiles: int) -> None: ...
+    def send(self, tensor: torch.Tensor, dst: int, tag: int, what: str) -> None: ...
 
     def finish_sends(self) -> None: ...
 

@@ -20,12 +20,12 @@ from typing import TypeVar
 import torch
 
 from terapipe_cli.config.run import RunArguments
-from terapipe_cli.engine.comm import PeerLost, Posted
+from terapipe_cli.engine.comm import Message, PeerLost, Posted
 from terapipe_cli.engine.data import TokenData
 from terapipe_cli.engine.mesh import Layout
 from terapipe_cli.engine.trainer import Comms, Trainer
 from terapipe_cli.plan.file import Plan
-from terapipe_cli.plan.schedule import Schedule, Tile
+from terapipe_cli.plan.schedule import Schedule
 
 T = TypeVar("T")
 _POLL_S = 0.05
@@ -46,8 +46,8 @@ class LocalWorld:
         but another name, as the world and a single replica's pipeline, are separate, as process groups are)."""
         return LocalGroup(self, name, tuple(ranks), rank)
 
-    def link(self, rank: int, prev_rank: int | None, next_rank: int | None) -> LocalLink:
-        return LocalLink(self, rank, prev_rank, next_rank)
+    def link(self, rank: int, prev_rank: int | None, next_rank: int | None, ring: tuple[int, int]) -> LocalLink:
+        return LocalLink(self, rank, prev_rank, next_rank, ring)
 
     def run(self, fn: Callable[[int], T]) -> list[T]:
         """``fn(rank)`` for every rank, each in its own thread; their results by rank. The first exception of any
@@ -138,19 +138,14 @@ class LocalGroup:
 class LocalLink:
     """A `comm.Link` of threads: sends put copies in the receiver's queue; receives are taken when waited on."""
 
-    def __init__(self, world: LocalWorld, rank: int, prev_rank: int | None, next_rank: int | None) -> None:
+    def __init__(
+        self, world: LocalWorld, rank: int, prev_rank: int | None, next_rank: int | None, ring: tuple[int, int]
+    ) -> None:
         self.world, self.rank, self.prev_rank, self.next_rank = world, rank, prev_rank, next_rank
+        self.ring_prev, self.ring_next = ring
 
-    def _post(self, tiles: list[Tile], src: int | None, tag_base: int) -> Posted:
-        if src is None:
-            return {}
-        return {t: self.world.mailbox(src, self.rank, tag_base + n) for n, t in enumerate(tiles)}
-
-    def post_forward_recvs(self, tiles: list[Tile]) -> Posted:
-        return self._post(tiles, self.prev_rank, 0)
-
-    def post_backward_recvs(self, tiles: list[Tile]) -> Posted:
-        return self._post(tiles, self.next_rank, len(tiles))
+    def post_recvs(self, messages: list[Message], src: int) -> Posted:
+        return {key: self.world.mailbox(src, self.rank, tag) for key, _, tag in messages}
 
     def wait(self, posted: object, what: str, peer: int | None) -> torch.Tensor:
         box: queue.Queue = posted
@@ -165,11 +160,8 @@ class LocalLink:
                 if waited > self.world.timeout_s:
                     raise PeerLost(f"timed out after {self.world.timeout_s:.0f} s while {what}") from None
 
-    def send_forward(self, out: torch.Tensor, index: int) -> None:
-        self.world.mailbox(self.rank, self.next_rank, index).put(out.detach().clone())
-
-    def send_backward(self, grad: torch.Tensor, index: int, tiles: int) -> None:
-        self.world.mailbox(self.rank, self.prev_rank, tiles + index).put(grad.detach().clone())
+    def send(self, tensor: torch.Tensor, dst: int, tag: int, what: str) -> None:
+        self.world.mailbox(self.rank, dst, tag).put(tensor.detach().clone())
 
     def finish_sends(self) -> None:
         """Sends complete at once here."""
@@ -184,12 +176,13 @@ def local_comms(world: LocalWorld, layout: Layout, rank: int) -> Comms:
     replicas = [layout.rank(d, stage, tensor_rank) for d in range(layout.data)]
     tensors = [layout.rank(replica, stage, t) for t in range(layout.tensor)]
     prev_rank, next_rank = layout.neighbours(rank)
+    ring = layout.ring(rank)
     return Comms(
         world=world.group("world", range(layout.world), rank),
         pipeline=model,
         replicas=world.group("replicas", replicas, rank) if layout.data > 1 else None,
         tensor=world.group("tensor", tensors, rank) if layout.tensor > 1 else None,
-        link=world.link(rank, prev_rank, next_rank),
+        link=world.link(rank, prev_rank, next_rank, ring),
     )
 
 

@@ -46,6 +46,12 @@ class Layout:
             rank + self.tensor if stage < self.stages - 1 else None,
         )
 
+    def ring(self, rank: int) -> tuple[int, int]:
+        """(previous stage's, next stage's) rank of the same replica and tensor rank, wrapping around: interleaved
+        chunks pass a tile from the last stage back to the first (docs/design.md §11)."""
+        replica, stage, t = self.replica(rank), self.stage(rank), self.tensor_rank(rank)
+        return self.rank(replica, (stage - 1) % self.stages, t), self.rank(replica, (stage + 1) % self.stages, t)
+
     def describe(self, rank: int) -> str:
         """``stage 1, replica 0`` (and ``, tensor rank 1`` with T > 1): a rank's place, in words."""
         where = f"stage {self.stage(rank)}, replica {self.replica(rank)}"

@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
 from terapipe_cli.config.model import ModelConfig
+from terapipe_cli.plan.partition import Partition
 
 # Per-component seed offsets: the embedding, layer l (l + _LAYER), and the final norm + head.
 _EMBED, _HEAD, _LAYER = 1, 2, 16
@@ -177,8 +178,12 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-def stage_layer_range(cfg: ModelConfig, stage: int, stages: int) -> range:
-    """Stage k owns layers [k·N/K, (k+1)·N/K) (docs/design.md §6)."""
+def stage_layer_range(cfg: ModelConfig, stage: int, stages: int, partition: Partition | None = None) -> range:
+    """Stage (chunk) k owns layers [k·N/K, (k+1)·N/K), or the ones ``partition`` gives it (docs/design.md §6, §11)."""
+    if partition is not None:
+        if not 0 <= stage < partition.chunks:
+            raise ValueError(f"chunk {stage} out of range for {partition.chunks} chunks")
+        return partition.layer_ids(stage)
     per = cfg.stage_layers(stages)
     if not 0 <= stage < stages:
         raise ValueError(f"stage {stage} out of range for {stages} stages")
@@ -186,18 +191,33 @@ def stage_layer_range(cfg: ModelConfig, stage: int, stages: int) -> range:
 
 
 class GPT(nn.Module):
-    """The part of the model that pipeline stage ``stage`` of ``stages`` owns (the whole model by default).
+    """The part of the model that pipeline stage ``stage`` of ``stages`` owns (the whole model by default): with a
+    ``partition`` (`plan.partition`), chunk ``stage`` of its chunks, its own layers — or, with ``chunks``, several
+    chunks of it (one device's, interleaved), each run on its own by ``forward(..., chunk=c)``.
 
-    Stage 0 also holds the token and position embeddings; the last stage the final LayerNorm and LM head.
+    Chunk 0 also holds the token and position embeddings; the last chunk the final LayerNorm and LM head.
     Layers are kept under their global index (``blocks.5...``) so parameter names match the whole model's.
     """
 
-    def __init__(self, cfg: ModelConfig, stage: int = 0, stages: int = 1, *, seed: int = 0) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        stage: int = 0,
+        stages: int = 1,
+        *,
+        seed: int = 0,
+        partition: Partition | None = None,
+        chunks: tuple[int, ...] | None = None,
+    ) -> None:
         super().__init__()
         self.cfg = cfg
-        self.stage, self.stages = stage, stages
-        self.first, self.last = stage == 0, stage == stages - 1
-        self.layer_ids = list(stage_layer_range(cfg, stage, stages))
+        stages = stages if partition is None else partition.chunks
+        chunks = (stage,) if chunks is None else tuple(chunks)
+        self.stage, self.stages, self.chunks = stage, stages, chunks
+        self.first, self.last = 0 in chunks, stages - 1 in chunks
+        # Each chunk's layers, in model order; the module holds them all.
+        self.chunk_layers = {c: list(stage_layer_range(cfg, c, stages, partition)) for c in chunks}
+        self.layer_ids = [n for c in chunks for n in self.chunk_layers[c]]
         if self.first:
             self.wte = nn.Embedding(cfg.vocab, cfg.hidden)
             self.wpe = nn.Embedding(cfg.seq_len, cfg.hidden)
@@ -241,17 +261,23 @@ class GPT(nn.Module):
         pos = torch.arange(token_start, token_start + tokens.shape[1], device=tokens.device)
         return self.wte(tokens) + self.wpe(pos)
 
-    def forward(self, x: torch.Tensor, token_start: int = 0, caches: list[KVCache] | None = None) -> torch.Tensor:
-        """Run this stage's part on one slice: tokens [token_start, token_start + i) of its sequences.
+    def forward(
+        self, x: torch.Tensor, token_start: int = 0, caches: list[KVCache] | None = None, chunk: int | None = None
+    ) -> torch.Tensor:
+        """Run this stage's part (or chunk ``chunk`` of it) on one slice: tokens [token_start, token_start + i).
 
-        x: (b, i) token ids on stage 0, else the (b, i, H) activation from the previous stage.
-        caches: one `KVCache` per layer of this stage, holding the earlier slices' keys/values of the same
-        sequences (None: x is the whole sequence). Returns (b, i, H), or the logits (b, i, vocab) on the last stage.
+        x: (b, i) token ids on chunk 0, else the (b, i, H) activation from the previous chunk.
+        caches: one `KVCache` per layer of the chunk, holding the earlier slices' keys/values of the same
+        sequences (None: x is the whole sequence). Returns (b, i, H), or the logits (b, i, vocab) on the last chunk.
         """
-        h = self.embed(x, token_start) if self.first else x
-        for idx, n in enumerate(self.layer_ids):
+        chunk = self.chunks[0] if chunk is None else chunk
+        if len(self.chunks) > 1 and chunk not in self.chunk_layers:
+            raise ValueError(f"chunk {chunk} is not one of this module's {self.chunks}")
+        layers = self.layer_ids if len(self.chunks) == 1 else self.chunk_layers[chunk]
+        h = self.embed(x, token_start) if chunk == 0 else x
+        for idx, n in enumerate(layers):
             h = self.blocks[str(n)](h, caches[idx] if caches is not None else None, token_start)
-        if self.last:
+        if chunk == self.stages - 1:
             h = self.lm_head(self.ln_f(h))
         return h
 

@@ -21,13 +21,13 @@ on the CPU nothing is copied.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from terapipe_cli.engine.comm import PeerLost, host_staged, short_error
-from terapipe_cli.plan.schedule import Tile
+from terapipe_cli.engine.comm import Message, PeerLost, host_staged, short_error
 
 
 class Links:
@@ -42,41 +42,32 @@ class Links:
         dtype: torch.dtype,
         device: torch.device,
         timeout_s: float,
+        ring: tuple[int, int] | None = None,
     ) -> None:
         self.prev_rank, self.next_rank = prev_rank, next_rank
+        # The neighbours around the ring (interleaved chunks wrap from the last stage to the first).
+        self.ring_prev, self.ring_next = ring if ring is not None else (prev_rank, next_rank)
         self.hidden, self.dtype, self.device = hidden, dtype, device
         self.timeout = timedelta(seconds=timeout_s)
         self._sends: list[tuple[dist.Work, torch.Tensor, str]] = []
         self.staged = host_staged(device)  # messages go through host memory (stages sharing a GPU)
         self._buffers = torch.device("cpu") if self.staged else device
 
-    def _post(self, tiles: list[Tile], src: int, tag_base: int) -> dict[Tile, tuple[torch.Tensor, dist.Work]]:
+    def post_recvs(self, messages: list[Message], src: int) -> dict[Hashable, tuple[torch.Tensor, dist.Work]]:
+        """A receive from rank ``src`` for every message (key, tile, tag), into a buffer of the tile's shape."""
         posted = {}
-        for n, t in enumerate(tiles):
+        for key, t, tag in messages:
             buf = torch.empty(t.batch_size, t.tokens, self.hidden, dtype=self.dtype, device=self._buffers)
-            posted[t] = (buf, dist.irecv(buf, src=src, tag=tag_base + n))
+            posted[key] = (buf, dist.irecv(buf, src=src, tag=tag))
         return posted
-
-    def post_forward_recvs(self, tiles: list[Tile]) -> dict[Tile, tuple[torch.Tensor, dist.Work]]:
-        """Receives for every tile's activation from the previous stage (tags 0..T-1)."""
-        return self._post(tiles, self.prev_rank, 0) if self.prev_rank is not None else {}
-
-    def post_backward_recvs(self, tiles: list[Tile]) -> dict[Tile, tuple[torch.Tensor, dist.Work]]:
-        """Receives for every tile's output gradient from the next stage (tags T..2T-1)."""
-        return self._post(tiles, self.next_rank, len(tiles)) if self.next_rank is not None else {}
 
     def wait(self, posted: tuple[torch.Tensor, dist.Work], what: str, peer: int) -> torch.Tensor:
         buf, work = posted
         self._wait(work, what, peer)
         return buf.to(self.device) if self.staged else buf
 
-    def send_forward(self, out: torch.Tensor, index: int) -> None:
-        self._send(out, self.next_rank, index, "an activation")
-
-    def send_backward(self, grad: torch.Tensor, index: int, tiles: int) -> None:
-        self._send(grad, self.prev_rank, tiles + index, "a gradient")
-
-    def _send(self, tensor: torch.Tensor, dst: int, tag: int, what: str) -> None:
+    def send(self, tensor: torch.Tensor, dst: int, tag: int, what: str) -> None:
+        """Send ``tensor`` to rank ``dst`` (asynchronously: `finish_sends` waits for it)."""
         if self.staged:
             tensor = tensor.detach().to("cpu", memory_format=torch.contiguous_format)
         else:

@@ -25,6 +25,7 @@ forward's types); parameters, their gradients and the activations sent between s
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
@@ -33,6 +34,7 @@ import torch
 from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.engine.model import GPT, KVCache, token_loss_sum
 from terapipe_cli.engine.tensor import TensorGroup, shard_module
+from terapipe_cli.plan.partition import Partition
 
 AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -116,11 +118,14 @@ class _BatchSlice:
 
 
 class StageRunner:
-    """Holds stage ``stage`` of ``stages`` of the model and runs tiles through it.
+    """Holds stage ``stage`` of ``stages`` of the model and runs tiles through it — with a ``partition``
+    (`plan.partition`), chunk ``stage`` of its chunks, or the ``chunks`` one device runs (interleaved: every tile
+    method then takes the ``chunk`` it is for; each chunk keeps its own K/V caches and tiles).
 
     ``kv_handback=False`` drops the earlier slices' K/V gradients: a test-only negative control that must
     make verification fail. With ``tensor`` (T > 1), the stage keeps only its tensor rank's heads and MLP
     columns (`tensor.shard_module`); a tile's input and output are still the whole (b, i, H) activation.
+    ``recompute``: every chunk, or per chunk (a mapping).
     """
 
     def __init__(
@@ -134,25 +139,38 @@ class StageRunner:
         kv_handback: bool = True,
         precision: str = "fp32",
         tensor: TensorGroup | None = None,
-        recompute: bool = False,
+        recompute: bool | Mapping[int, bool] = False,
+        partition: Partition | None = None,
+        chunks: tuple[int, ...] | None = None,
     ) -> None:
         if precision not in AUTOCAST_DTYPES:
             raise ValueError(f"precision must be one of {sorted(AUTOCAST_DTYPES)}, got {precision!r}")
         self.device = torch.device(device)
-        self.module = GPT(model, stage, stages, seed=seed)
+        self.module = GPT(model, stage, stages, seed=seed, partition=partition, chunks=chunks)
         if tensor is not None:
             shard_module(self.module, tensor)
         self.module.to(self.device)
         self.tensor = tensor
-        self.recompute = recompute
+        self.chunks = self.module.chunks
+        self.last_chunk = self.module.stages - 1
+        self.recompute = {c: bool(recompute[c] if isinstance(recompute, Mapping) else recompute) for c in self.chunks}
         self.first, self.last = self.module.first, self.module.last
         self.seq_len = model.seq_len
         self.kv_handback = kv_handback
         self.precision = precision
         self.loss_scale = 1.0
-        self._tiles: dict[tuple[int, int], _TileState] = {}
-        self._slices: dict[int, _BatchSlice] = {}
+        self._tiles: dict[tuple[int, int, int], _TileState] = {}  # (chunk, batch slice, token slice)
+        self._slices: dict[tuple[int, int], _BatchSlice] = {}  # (chunk, batch slice)
         self.saved = SavedBytes(self.module)
+
+    def _chunk(self, chunk: int | None) -> int:
+        if chunk is None:
+            if len(self.chunks) > 1:
+                raise ValueError(f"this runner holds chunks {self.chunks}: name the chunk")
+            return self.chunks[0]
+        if chunk not in self.recompute:
+            raise ValueError(f"chunk {chunk} is not one of this runner's {self.chunks}")
+        return chunk
 
     def set_loss_scale(self, scale: float) -> None:
         """1 / (predicted tokens of the whole step, all replicas): makes the gradient the single-device one.
@@ -184,72 +202,77 @@ class StageRunner:
         targets: torch.Tensor | None = None,
         *,
         grad: bool = True,
+        chunk: int | None = None,
     ) -> torch.Tensor:
-        """Run one tile forward; tiles of a batch slice must come in token order.
+        """Run one tile forward; tiles of a batch slice must come in token order (per chunk).
 
-        x: (b, i) int64 token ids on stage 0, else the (b, i, H) activation from the previous stage.
-        Returns the detached (b, i, H) output to send on, or on the last stage the tile's summed token
+        x: (b, i) int64 token ids on chunk 0, else the (b, i, H) activation from the previous chunk.
+        Returns the detached (b, i, H) output to send on, or on the last chunk the tile's summed token
         loss (0-d, detached; needs ``targets`` (b, i)). ``grad=False``: an evaluation, no graph kept (no
         backward follows; `reset` afterwards).
         """
-        key = (batch_slice, token_slice)
+        c = self._chunk(chunk)
+        key = (c, batch_slice, token_slice)
         if key in self._tiles:
-            raise RuntimeError(f"tile {key} was already run forward")
-        state = self._slices.get(batch_slice)
+            raise RuntimeError(f"tile {key[1:]} was already run forward")
+        state = self._slices.get((c, batch_slice))
         if state is None:
-            caches = [KVCache(self.seq_len, handback=self.kv_handback) for _ in self.module.layer_ids]
-            state = self._slices[batch_slice] = _BatchSlice(caches)
+            caches = [KVCache(self.seq_len, handback=self.kv_handback) for _ in self.module.chunk_layers[c]]
+            state = self._slices[(c, batch_slice)] = _BatchSlice(caches)
         if token_slice != len(state.open_tiles):
-            raise RuntimeError(f"tile {key}: token slices of a batch slice must run in order (reset between steps)")
+            raise RuntimeError(f"tile {key[1:]}: token slices of a batch slice must run in order (reset between steps)")
         x = x.to(self.device, non_blocking=True)
-        if not self.first:
+        if c != 0:
             x = x.detach().requires_grad_(grad)
-        if self.last:
+        if c == self.last_chunk:
             if targets is None:
                 raise ValueError("the last stage needs targets")
             targets = targets.to(self.device, non_blocking=True)
-        if grad and not self.recompute:
+        if grad and not self.recompute[c]:
             with torch.enable_grad(), self.autocast(), self.saved.saving(key):
-                out = self._forward(x, state.next_token, state.caches, targets)
+                out = self._forward(c, x, state.next_token, state.caches, targets)
             self._tiles[key] = _TileState(x, out)
             self.saved.keep(key, out)
         else:  # an evaluation, or a recomputed tile: only the input is kept, the backward runs the forward again
             with torch.no_grad(), self.autocast():
-                out = self._forward(x, state.next_token, state.caches, targets)
+                out = self._forward(c, x, state.next_token, state.caches, targets)
             self._tiles[key] = _TileState(x, None, state.next_token, targets)
         if grad:  # an evaluation keeps nothing for a backward
             self.saved.keep(key, x)
             for cache in state.caches if token_slice == 0 else ():
-                self.saved.keep(("kv", batch_slice), cache.keys)
-                self.saved.keep(("kv", batch_slice), cache.values)
+                self.saved.keep(("kv", c, batch_slice), cache.keys)
+                self.saved.keep(("kv", c, batch_slice), cache.values)
         state.open_tiles.append(token_slice)
         state.next_token += x.shape[1]
         return out.detach()
 
     def _forward(
-        self, x: torch.Tensor, start: int, caches: list[KVCache], targets: torch.Tensor | None
+        self, chunk: int, x: torch.Tensor, start: int, caches: list[KVCache], targets: torch.Tensor | None
     ) -> torch.Tensor:
-        """The stage's layers on one tile, and on the last stage its summed token loss."""
-        out = self.module(x, start, caches)
-        return token_loss_sum(out, targets) if self.last else out
+        """The chunk's layers on one tile, and on the last chunk its summed token loss."""
+        out = self.module(x, start, caches, chunk)
+        return token_loss_sum(out, targets) if chunk == self.last_chunk else out
 
-    def backward_tile(self, batch_slice: int, token_slice: int, grad_out: torch.Tensor | None) -> torch.Tensor | None:
-        """Back-propagate one tile, once; tiles of a batch slice must come in reverse token order.
+    def backward_tile(
+        self, batch_slice: int, token_slice: int, grad_out: torch.Tensor | None, *, chunk: int | None = None
+    ) -> torch.Tensor | None:
+        """Back-propagate one tile, once; tiles of a batch slice must come in reverse token order (per chunk).
 
-        grad_out: gradient of this tile's output from the next stage (None on the last stage, where the
+        grad_out: gradient of this tile's output from the next chunk (None on the last chunk, where the
         tile's loss is scaled by the loss scale). Parameter gradients accumulate in ``.grad``. Returns the
-        gradient for the previous stage (None on stage 0).
+        gradient for the previous chunk (None on chunk 0).
         """
-        key = (batch_slice, token_slice)
-        state = self._slices.get(batch_slice)
+        c = self._chunk(chunk)
+        key = (c, batch_slice, token_slice)
+        state = self._slices.get((c, batch_slice))
         if key not in self._tiles or state is None or state.open_tiles[-1] != token_slice:
-            raise RuntimeError(f"tile {key}: backward must run once per tile, in reverse token order")
+            raise RuntimeError(f"tile {key[1:]}: backward must run once per tile, in reverse token order")
         tile = self._tiles.pop(key)
         out = tile.out
         if out is None:  # recomputed: the forward again, with autograd, then straight back through it
             with torch.enable_grad(), self.autocast(), self.saved.saving((key, "re-run")):
-                out = self._forward(tile.x, tile.start, state.caches, tile.targets)
-        if self.last:
+                out = self._forward(c, tile.x, tile.start, state.caches, tile.targets)
+        if c == self.last_chunk:
             torch.autograd.backward(out * self.loss_scale)
         else:
             if grad_out is None:
@@ -260,9 +283,9 @@ class StageRunner:
         state.open_tiles.pop()
         if not state.open_tiles:
             # Every slice of this batch slice is done: its keys/values are no longer needed.
-            del self._slices[batch_slice]
-            self.saved.release(("kv", batch_slice))
-        return None if self.first else tile.x.grad
+            del self._slices[(c, batch_slice)]
+            self.saved.release(("kv", c, batch_slice))
+        return None if c == 0 else tile.x.grad
 
     def reset(self) -> None:
         """Forget stored tiles and keys/values (between steps or measurements)."""

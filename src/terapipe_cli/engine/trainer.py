@@ -85,6 +85,9 @@ class Trainer:
         )
         # This stage's part of the model — this tensor rank's share of it (`tensor.shard_module`), computing at the
         # run's precision — and its optimizer, over exactly the parameters this rank holds.
+        # With interleaved chunks (docs/design.md §11) this stage holds chunks k, k + K, …: one module, one optimizer.
+        partition = schedule.partition or plan.partition
+        chunks = partition.chunks_on(self.stage)
         self.runner = StageRunner(
             plan.model,
             self.stage,
@@ -94,7 +97,9 @@ class Trainer:
             kv_handback=args.kv_handback,
             precision=args.precision,
             tensor=self.tensor,
-            recompute=schedule.recompute[self.stage],
+            recompute={c: schedule.recompute[c] for c in chunks},
+            partition=partition,
+            chunks=chunks,
         )
         self.optimizer = make_optimizer(self.runner.module, args.lr)
         self.executor = StageExecutor(self.runner, schedule, self.stage, comms.link)

@@ -4,6 +4,8 @@ beyond the files it reads and writes.
 costmodel.py  the profile file (its reader) and the cost model t(b, i, j) built from it
 domain.py     where a profile's times hold (the batch slices it prices) and where they come from (provenance)
 fit_quality.py how far to trust a profile's fits: a warning line for each that is off
+partition.py  the layers of each chunk (stage, or virtual stage when a device runs several) and its device
+configs.py    the choice among partitions, virtual stages and orders (`plan_configured`, what `terapipe plan` calls)
 search.py     the exact slicing search: token DP per batch-slice size, batch knapsack, t_max branch and bound
 memory.py     the memory estimate: what each stage keeps, walked along its schedule, its closed forms, the limit
 groupings.py  batch groupings under a memory limit, as a state machine for the search

@@ -40,7 +40,8 @@ def gpipe_plan_dict(plan: Plan) -> dict:
         data_parallel=plan.data_parallel,
         precision=plan.precision,
         tensor_parallel=plan.tensor_parallel,
-        order=plan.order,  # the same order and recomputation: the two runs differ only in slicing
+        order=plan.order,  # the same order, recomputation and chunks: the two runs differ only in slicing
         recompute=plan.recompute,
+        partition=plan.partition,
         **extra,
     )

@@ -78,7 +78,12 @@ class Planned:
 
     def schedule(self) -> Schedule:
         """The schedule the plan runs in: its scheme, order and recomputation."""
-        return Schedule.build(self.chosen.slices, self.request.stages, self.order, self.recompute)
+        return Schedule.build(self.chosen.slices, self.request.stages, self.order, self.recompute, self.partition)
+
+    @property
+    def partition(self):
+        """The layers of every chunk the plan runs (`plan.partition`)."""
+        return self.cost.partition
 
     def choice_text(self) -> str:
         """``GPipe order`` / ``1F1B order, recomputed on stages 0, 1``: how the plan's steps run."""
@@ -178,6 +183,7 @@ class Planned:
             tensor_parallel=r.tensor_parallel,
             order=self.order,
             recompute=list(self.recompute),
+            partition=self.partition,
             simulated_s=self.simulated_s[self.scheme],
             t_max_s=best.t_max_s,
             sum_s=best.sum_s,
@@ -247,7 +253,8 @@ def plan_one(
     ``recompute`` (per stage) default to the request's."""
     r = request
     order = order or r.order
-    recompute = tuple(recompute) if recompute is not None else (r.recompute,) * r.stages
+    partition = r.fixed_partition(profile.model.layers)
+    recompute = tuple(recompute) if recompute is not None else (r.recompute,) * partition.chunks
     # Tensor parallelism needs nothing more here: a profile at T holds the numbers of one device of a stage's T
     # (tile times with the tensor-parallel all-reduces inside them, params_per_layer and activation bytes of one
     # rank's shard). So the data-parallel all-reduce priced from params_per_layer is each rank's shard over the D
@@ -255,7 +262,9 @@ def plan_one(
     # each rank sends to the same rank of the next stage; and the memory estimate is per device.
     # Recomputation on any stage prices every tile with one more forward: the formula's stages are alike, and the
     # slowest one sets the pace (the simulator below charges it on the recomputing stages only).
-    cost = CostModel(profile, r.stages, r.data_parallel, recompute=any(recompute), within_profile=True)
+    cost = CostModel(
+        profile, r.stages, r.data_parallel, recompute=any(recompute), within_profile=True, partition=partition
+    )
     shape = {"seq_len": r.seq_len, "batch_size": r.batch_size, "stages": r.stages}
     if best is None:
         near = RERANK_NEIGHBOURS if r.rank == "simulated" else 0
@@ -275,7 +284,7 @@ def plan_one(
     # asynchronous sends, as the runtime runs it. Both are reported.
     # All three in the same order and recomputation: they differ only in how the batch is sliced.
     schedules = {
-        name: Schedule.build(res.slices, r.stages, order, recompute)
+        name: Schedule.build(res.slices, r.stages, order, recompute, partition)
         for name, res in (("terapipe", best), ("gpipe", gpipe), ("uniform", uniform))
     }
     simulated = {name: simulate(schedule, cost).latency_s for name, schedule in schedules.items()}
@@ -311,7 +320,7 @@ def _rerank(
     candidates = [optimum, *close[:RERANK_COUNT]]
 
     def fits(res: PlanResult) -> bool:
-        per_stage = stage_memory(Schedule.build(res.slices, r.stages, order, recompute), profile)
+        per_stage = stage_memory(Schedule.build(res.slices, r.stages, order, recompute, cost.partition), profile)
         check = check_memory(per_stage, profile.device, r.memory_limit_gib, r.data_parallel * r.tensor_parallel)
         return check is None or not (check.enforced and check.exceeded)
 
@@ -320,7 +329,7 @@ def _rerank(
     timed = []
     for res in candidates:
         if res is optimum or fits(res):
-            schedule = Schedule.build(res.slices, r.stages, order, recompute)
+            schedule = Schedule.build(res.slices, r.stages, order, recompute, cost.partition)
             timed.append((simulate(schedule, cost).latency_s, res))
     chosen = min(timed, key=lambda x: x[0])[1]
     return chosen, timed[0][0]
@@ -331,6 +340,9 @@ class _Forbidding:
 
     def __init__(self, cost: CostModel, fits) -> None:
         self.cost, self.fits, self.step_s, self.max_batch_slice = cost, fits, cost.step_s, cost.max_batch_slice
+        self.virtual = cost.virtual
+        inner = cost.bubble
+        self.bubble = None if inner is None else (lambda b, i, j: np.where(fits(i, j), inner(b, i, j), np.inf))
 
     def __call__(self, b, i, j):
         return np.where(self.fits(i, j), self.cost(b, i, j), np.inf)
@@ -353,19 +365,22 @@ def plan_within_memory(profile: Profile, request: PlanRequest, fastest: Planned)
     any scheme could reach.
     """
     r, limit = request, fastest.memory.limit_bytes
+    partition = r.fixed_partition(profile.model.layers)
+    if partition.virtual > 1:
+        raise ValueError("the memory-aware search is for one chunk per device (`plan.configs` checks v > 1 alone)")
     orders = ORDERS if r.order_free else (r.order,)
     plain_ok = r.recompute_free or not r.recompute  # schemes without recomputation are allowed
     recompute_ok = r.recompute_free or r.recompute
     plain = (False,) * r.stages
     optimum = fastest.formula_optimal or fastest.terapipe
     if plain_ok:
-        fit = [o for o in orders if _fits(profile, optimum.slices, r.stages, o, plain, limit)]
+        fit = [o for o in orders if _fits(profile, optimum.slices, partition, o, plain, limit)]
         if fit:
             planned = [plan_one(profile, r, optimum, order=o, recompute=plain) for o in fit]
             return replace(min(planned, key=lambda p: p.simulated_s["terapipe"]), unfitted=fastest)
-    sizes = stage_sizes(profile, r.stages)
+    sizes = stage_sizes(profile, r.stages, partition)
     costs = {
-        rerun: CostModel(profile, r.stages, r.data_parallel, recompute=rerun, within_profile=True)
+        rerun: CostModel(profile, r.stages, r.data_parallel, recompute=rerun, within_profile=True, partition=partition)
         for rerun in (False, True)
     }
     shape = {"seq_len": r.seq_len, "batch_size": r.batch_size, "stages": r.stages, "token_step": r.token_step}
@@ -428,12 +443,13 @@ def _equal_slice_candidates(
 
 
 def _simulated(profile: Profile, r: PlanRequest, res: PlanResult, order: str, recompute: tuple[bool, ...]) -> float:
-    cost = CostModel(profile, r.stages, r.data_parallel, within_profile=True)
-    return simulate(Schedule.build(res.slices, r.stages, order, recompute), cost).latency_s
+    partition = r.fixed_partition(profile.model.layers)
+    cost = CostModel(profile, r.stages, r.data_parallel, within_profile=True, partition=partition)
+    return simulate(Schedule.build(res.slices, r.stages, order, recompute, partition), cost).latency_s
 
 
-def _fits(profile: Profile, slices, stages: int, order: str, recompute: tuple[bool, ...], limit: float) -> bool:
-    per_stage = stage_memory(Schedule.build(slices, stages, order, recompute), profile)
+def _fits(profile: Profile, slices, partition, order: str, recompute: tuple[bool, ...], limit: float) -> bool:
+    per_stage = stage_memory(Schedule.build(slices, partition.devices, order, recompute, partition), profile)
     return max(m.total_bytes for m in per_stage) <= limit
 
 
@@ -447,7 +463,7 @@ def smallest_peak(
     each open batch slice holds at least one sequence (W only grows with coarser groupings) and a recomputed
     tile's re-run grows with its batch slice (docs/design.md §10; the tests check it against every scheme)."""
     r = request
-    sizes = stage_sizes(profile, r.stages)
+    sizes = stage_sizes(profile, r.stages, r.fixed_partition(profile.model.layers))
     least, how = math.inf, ""
     for b in divisors(r.batch_size):
         for order in ORDERS if r.order_free else (r.order,):

@@ -71,6 +71,7 @@ from terapipe_cli.config.device import precision_field
 from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import Fields, read_json_with_schema
+from terapipe_cli.plan.partition import Partition
 
 PROFILE_SCHEMA = "terapipe.profile/1"
 PROFILE_SOURCES = ("measured", "analytic", "example")
@@ -153,9 +154,36 @@ class Profile:
     dp_bytes_per_s: float | None = None
     precision: str = "fp32"  # the compute precision the times are for (docs/design.md §6a)
     tensor_parallel: int = 1  # device.tensor_parallel: the T the times are for, per device of a stage's T
+    ends: Ends | None = None  # the embedding and the head (None: a profile from before they were timed)
     raw: dict = field(default_factory=dict, repr=False, compare=False)
     path: str | None = None
     sha256: str | None = None
+
+
+@dataclass(frozen=True)
+class Ends:
+    """The work of the pipeline's ends, per (b, i) on the profile's grid (seconds; no context term: neither
+    attends): the first chunk's token and position embedding, and the last chunk's final norm, LM head and
+    cross-entropy. ``embed_params`` and ``head_params`` are their parameters on one device (split under T where the
+    runtime splits them)."""
+
+    embed_forward_s: np.ndarray
+    embed_backward_s: np.ndarray
+    head_forward_s: np.ndarray
+    head_backward_s: np.ndarray
+    embed_params: float
+    head_params: float
+
+
+ENDS_KEYS = ("embed_forward_s", "embed_backward_s", "head_forward_s", "head_backward_s")
+
+
+def _ends(f: Fields, rows: int, cols: int) -> Ends | None:
+    if "ends" not in f.obj:
+        return None
+    sub = f.sub("ends")
+    grids = [_grid(sub, key, rows, cols) for key in ENDS_KEYS]
+    return Ends(*grids, sub.number("embed_params", minimum=0), sub.number("head_params", minimum=0))
 
 
 def _context_fit(f: Fields, key: str) -> ContextFit:
@@ -246,6 +274,7 @@ def profile_from_dict(obj: dict, where: str) -> Profile:
         dp_bytes_per_s=dp_bandwidth,
         precision=precision_field(f),
         tensor_parallel=tensor_parallel,
+        ends=_ends(f, len(batch_sizes), len(token_lengths)),
         raw=obj,
     )
 
@@ -270,12 +299,23 @@ def _interp_linear(x: np.ndarray, xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
 
 
 class CostModel:
-    """``cost(b, i, j)``: seconds for one stage's forward + backward of a tile (docs/design.md §3), vectorised.
+    """``cost(b, i, j)``: seconds for one tile (docs/design.md §3), vectorised, as the objective adds it up.
 
     ``b``, ``i``, ``j`` are broadcastable integer arrays: sequences in the batch slice, new tokens, context
-    tokens. ``step_s`` is the per-step constant (the optimizer update of a stage's layers plus any fixed
-    overhead) that the objective adds once per step. With ``recompute`` every tile's forward runs twice (once
-    more inside its backward, engine/stage.py), so its forward time, context term included, counts twice.
+    tokens. The pipeline is ``partition`` (`plan.partition`: K devices, K·v chunks, the layers of each; default the
+    most even split of the layers over ``stages``): chunk c's time for a tile is
+
+        t_c(b, i, j) = ℓ_c · [ t_nc(b, i) + t_ctx(b, i, j) ] + ends_c(b, i) + comm(b, i)
+
+    with ``ends_c`` the embedding on chunk 0 and the final norm, head and loss on the last chunk (a profile that
+    timed them, `Ends`; zero for one that did not), and ``comm`` the activation sent on and its gradient back when
+    there are several devices. A device runs the tile once per chunk it holds: u_k = Σ over its chunks of t_c.
+    ``cost(b, i, j)`` is the slowest device's u_k (what the objective sums: the pipeline runs at its slowest stage's
+    pace) and ``bubble(b, i, j)`` the slowest chunk's t_c (what it multiplies by K − 1: the fill and drain pass one
+    chunk per device); with v = 1 they are the same and ``bubble`` is None. ``step_s`` is the per-step constant
+    (the optimizer update of the fullest device's parameters, any fixed overhead, the data-parallel all-reduce). With
+    ``recompute`` every tile's forward runs twice (once more inside its backward, engine/stage.py), so its forward
+    time, context term included, counts twice.
 
     With ``within_profile`` a tile of a batch slice outside the profile's batch sizes (fewer sequences than the
     smallest, more than the largest) costs +inf instead of an extrapolated time: the planner's searches and
@@ -291,27 +331,82 @@ class CostModel:
         *,
         recompute: bool = False,
         within_profile: bool = False,
+        partition: Partition | None = None,
     ) -> None:
+        if stages < 1:
+            raise UserError(f"must be at least 1, got {stages}", where="stages")
+        model = profile.model
+        if partition is None:
+            if stages > model.layers:
+                raise UserError(
+                    f"{stages} stages are more than the {model.layers} layers of {model.name}", where="stages"
+                )
+            partition = Partition.balanced(model.layers, stages)
+        if partition.devices != stages or partition.total_layers != model.layers:
+            raise ValueError(f"the partition {partition.layers} is not one of {model.layers} layers on {stages} stages")
         self.profile = profile
         self.stages = stages
+        self.partition = partition
         self.data_parallel = data_parallel
         self.recompute = recompute
         self.within_profile = within_profile
         self.min_batch_slice = min(profile.batch_sizes) if within_profile else None
         self.max_batch_slice = max(profile.batch_sizes) if within_profile else None
-        self.layers_per_stage = profile.model.stage_layers(stages, where="stages")
         self._bs = np.asarray(profile.batch_sizes, dtype=float)
         self._ts = np.asarray(profile.token_lengths, dtype=float)
         self._forwards = 2.0 if recompute else 1.0
         self._nc = self._forwards * profile.forward_s + profile.backward_s
-        bytes_per_token = profile.model.hidden * profile.dtype_bytes
+        ends = profile.ends
+        self._embed = None if ends is None else self._forwards * ends.embed_forward_s + ends.embed_backward_s
+        self._head = None if ends is None else self._forwards * ends.head_forward_s + ends.head_backward_s
+        bytes_per_token = model.hidden * profile.dtype_bytes
         self._comm_latency = 2.0 * profile.latency_s if stages > 1 else 0.0
         self._comm_per_token = 2.0 * bytes_per_token / profile.bytes_per_s if stages > 1 else 0.0
-        self.step_s = self.layers_per_stage * profile.optimizer_s_per_layer + profile.step_overhead_s
+        # What sets a tile's price: per device (layers, runs the embedding, runs the head, chunks), per chunk the same
+        # with one chunk each; only the distinct ones are evaluated.
+        last = partition.chunks - 1
+        self._devices = sorted(
+            {
+                (partition.device_layers(k), 0 in chunks, last in chunks, len(chunks))
+                for k in range(stages)
+                for chunks in [partition.chunks_on(k)]
+            }
+        )
+        self._chunks = sorted({(n, c == 0, c == last, 1) for c, n in enumerate(partition.layers)})
+        self.virtual = partition.virtual
+        self.bubble = None if partition.virtual == 1 else self._bubble
+        # The per-step constant: the fullest device's update (and its replicas' all-reduce), plus fixed overhead.
+        self.device_params = [self._device_params(k) for k in range(stages)]
+        self.step_s = max(self._update_s(k) for k in range(stages)) + profile.step_overhead_s
         # Why the gradient all-reduce of D > 1 replicas is not in the price (None when it is, or D = 1).
         self.allreduce_unpriced = self._unpriced(data_parallel)
         self.allreduce_s = self._allreduce_s(data_parallel) if self.allreduce_unpriced is None else 0.0
         self.step_s += self.allreduce_s
+
+    @property
+    def layers_per_stage(self) -> int:
+        """The most layers any device holds (all of them with an even split, v = 1)."""
+        return max(self.partition.device_layers(k) for k in range(self.stages))
+
+    def _device_params(self, k: int) -> float | None:
+        """Parameters device k holds (per tensor rank): its layers', and the ends' where the profile timed them (a
+        profile without `Ends` prices the layers alone, as before)."""
+        p, part = self.profile, self.partition
+        if p.params_per_layer is None:
+            return None
+        params = part.device_layers(k) * p.params_per_layer
+        if p.ends is not None:
+            chunks = part.chunks_on(k)
+            params += p.ends.embed_params * (0 in chunks) + p.ends.head_params * (part.chunks - 1 in chunks)
+        return params
+
+    def _update_s(self, k: int) -> float:
+        """Device k's optimizer update: per layer as profiled, the ends' parameters at the same rate per parameter."""
+        p = self.profile
+        layers = self.partition.device_layers(k)
+        if p.ends is None or not p.params_per_layer:
+            return layers * p.optimizer_s_per_layer
+        return self.device_params[k] / p.params_per_layer * p.optimizer_s_per_layer
 
     def _unpriced(self, replicas: int) -> str | None:
         if replicas < 1:
@@ -327,10 +422,11 @@ class CostModel:
         return f"{p.path or 'the profile'} has no {' or '.join(repr(k) for k in missing)}"
 
     def _allreduce_s(self, replicas: int) -> float:
+        """The replicas' gradient all-reduce of the fullest device (every device reduces at once)."""
         if replicas == 1:
             return 0.0
         p = self.profile
-        grad_bytes = self.layers_per_stage * p.params_per_layer * p.dtype_bytes
+        grad_bytes = max(self.device_params) * p.dtype_bytes
         return float(
             ring_allreduce_seconds(grad_bytes, replicas, latency_s=p.dp_latency_s, bytes_per_s=p.dp_bytes_per_s)
         )
@@ -343,17 +439,21 @@ class CostModel:
 
     def no_context(self, b: np.ndarray, i: np.ndarray) -> np.ndarray:
         """Per-layer forward + backward seconds of b × i tokens with no context."""
+        return self._gather(self._nc, b, i)
+
+    def _gather(self, grid: np.ndarray | None, b, i) -> np.ndarray:
+        """A profile ``grid`` at every (b, i) (zero for no grid). The planner asks for every pair of a large broadcast
+        grid, but the inputs hold few distinct values: interpolate once per distinct pair, then gather."""
         b, i = np.asarray(b, dtype=float), np.asarray(i, dtype=float)
-        # The planner asks for every (b, i) pair of a large broadcast grid, but the inputs hold few distinct
-        # values: interpolate once per distinct pair, then gather.
+        if grid is None:
+            return np.zeros(np.broadcast(b, i).shape)
         ub, b_idx = np.unique(b, return_inverse=True)
         ui, i_idx = np.unique(i, return_inverse=True)
-        table = self._no_context_table(ub, ui)
-        return table[b_idx.reshape(b.shape), i_idx.reshape(i.shape)]
+        return self._interpolate(grid, ub, ui)[b_idx.reshape(b.shape), i_idx.reshape(i.shape)]
 
-    def _no_context_table(self, b: np.ndarray, i: np.ndarray) -> np.ndarray:
-        """``t_nc`` for every b (rows) and i (columns): first along tokens, then along the batch size."""
-        rows = np.stack([_interp_linear(i, self._ts, row) for row in self._nc])  # (grid batch sizes, len(i))
+    def _interpolate(self, grid: np.ndarray, b: np.ndarray, i: np.ndarray) -> np.ndarray:
+        """A profile ``grid`` for every b (rows) and i (columns): first along tokens, then along the batch size."""
+        rows = np.stack([_interp_linear(i, self._ts, row) for row in grid])  # (grid batch sizes, len(i))
         if len(self._bs) == 1:
             return rows[0][None, :] * np.maximum(b / self._bs[0], 1.0)[:, None]
         k = np.clip(np.searchsorted(self._bs, b, side="right") - 1, 0, len(self._bs) - 2)
@@ -367,11 +467,46 @@ class CostModel:
         return self._forwards * self.profile.context_forward(b, i, j) + self.profile.context_backward(b, i, j)
 
     def comm(self, b: np.ndarray, i: np.ndarray) -> np.ndarray:
+        """One chunk's transfers of a tile: its activation on and its gradient back (zero on one device)."""
         return self._comm_latency + self._comm_per_token * (np.asarray(b, dtype=float) * np.asarray(i, dtype=float))
 
-    def __call__(self, b, i, j) -> np.ndarray:
-        t = self.layers_per_stage * (self.no_context(b, i) + self.context(b, i, j)) + self.comm(b, i)
+    def embedding(self, b, i) -> np.ndarray:
+        """The first chunk's embedding of a tile, forward + backward (zero without `Ends`)."""
+        return self._gather(self._embed, b, i)
+
+    def head(self, b, i) -> np.ndarray:
+        """The last chunk's final norm, LM head and loss of a tile, forward + backward (zero without `Ends`)."""
+        return self._gather(self._head, b, i)
+
+    def chunk_time(self, chunk: int, b, i, j) -> np.ndarray:
+        """t_c: chunk ``chunk``'s forward + backward of a tile, its transfers included (the class docstring)."""
+        last = self.partition.chunks - 1
+        return self._time((self.partition.layers[chunk], chunk == 0, chunk == last, 1), b, i, j)
+
+    def device_time(self, device: int, b, i, j) -> np.ndarray:
+        """u_k: every chunk of device ``device`` on a tile."""
+        return sum(self.chunk_time(c, b, i, j) for c in self.partition.chunks_on(device))
+
+    def _time(self, kind: tuple[int, bool, bool, int], b, i, j, layer=None) -> np.ndarray:
+        layers, embeds, heads, hops = kind
+        layer = self.no_context(b, i) + self.context(b, i, j) if layer is None else layer
+        t = layers * layer + hops * self.comm(b, i)
+        if embeds:
+            t = t + self.embedding(b, i)
+        if heads:
+            t = t + self.head(b, i)
+        return t
+
+    def _slowest(self, kinds, b, i, j) -> np.ndarray:
+        layer = self.no_context(b, i) + self.context(b, i, j)
+        t = np.max(np.stack(np.broadcast_arrays(*(self._time(kind, b, i, j, layer) for kind in kinds))), axis=0)
         if not self.within_profile:
             return t
         b = np.asarray(b)
         return np.where((b >= self.min_batch_slice) & (b <= self.max_batch_slice), t, np.inf)
+
+    def __call__(self, b, i, j) -> np.ndarray:
+        return self._slowest(self._devices, b, i, j)
+
+    def _bubble(self, b, i, j) -> np.ndarray:
+        return self._slowest(self._chunks, b, i, j)

@@ -17,6 +17,9 @@ profile's), ``provenance`` (where its numbers come from, in words, `plan.domain.
 ``peak_bytes`` (its fullest stage's estimated peak in the plan's order and recomputation) and ``exceeds_limit``. A
 plan that runs a baseline (`terapipe plan --scheme`, or the report's GPipe run) says ``scheme`` ("gpipe" or
 "uniform") and its ``microbatch``.
+``layers_per_stage`` lists the decoder layers of every chunk (K·v of them, in model order) and ``virtual_stages`` is v,
+the chunks per device (`plan.partition`); a plan without them has v = 1 and N/K layers per stage. ``recompute`` then
+has one entry per chunk.
 ``order`` is the schedule order every stage walks, ``"gpipe"`` (all forwards, then all backwards; the default) or
 ``"1f1b"`` (one batch slice's backward as soon as the pipeline allows, `schedule.Schedule.build`); ``recompute``
 lists, per stage, whether its tiles re-run their forward inside their backward instead of keeping activations
@@ -33,6 +36,7 @@ from terapipe_cli.config.device import precision_field
 from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import Fields, read_json_with_schema, write_json_atomic
+from terapipe_cli.plan.partition import Partition, check_partition
 from terapipe_cli.plan.schedule import ORDERS
 
 PLAN_SCHEMA = "terapipe.plan/1"
@@ -134,13 +138,23 @@ class Plan:
     precision: str = "fp32"  # the profile's: the precision `terapipe train` must run at
     tensor_parallel: int = 1  # T: processes per stage, splitting heads and the MLP (the profile's)
     order: str = "gpipe"  # the schedule order: "gpipe" or "1f1b" (schedule.ORDERS)
-    recompute: tuple[bool, ...] = ()  # per stage: recompute its tiles' forward in the backward (empty: none)
+    recompute: tuple[bool, ...] = ()  # per chunk: recompute its tiles' forward in the backward (empty: none)
     raw: dict = field(default_factory=dict, repr=False, compare=False)
     path: str | None = None
+    partition: Partition | None = None  # the layers of each chunk (None: N/K each, v = 1)
+
+    def __post_init__(self) -> None:
+        if self.partition is None:
+            object.__setattr__(self, "partition", Partition.even_split(self.model.layers, self.stages))
 
     @property
-    def layers_per_stage(self) -> int:
-        return self.model.layers // self.stages
+    def virtual_stages(self) -> int:
+        return self.partition.virtual
+
+    @property
+    def chunks(self) -> int:
+        """K·v: the pipeline's chunks (virtual stages)."""
+        return self.partition.chunks
 
     def short_form(self) -> str:
         return short_form(self.slices)
@@ -155,7 +169,7 @@ def plan_from_dict(obj: dict, where: str) -> Plan:
         raise f.fail("model", "must be an object")
     model = ModelConfig.from_dict(model_obj, where)
     stages = f.int("stages", minimum=1)
-    model.stage_layers(stages, where=f"{where}: field 'stages'")
+    partition = _partition(f, model, stages, where)
     batch_size = f.int("batch_size", minimum=1)
     seq_len = f.int("seq_len", minimum=1)
     token_step = f.int("token_step", minimum=1, default=1)
@@ -178,9 +192,23 @@ def plan_from_dict(obj: dict, where: str) -> Plan:
         precision=precision_field(f),
         tensor_parallel=_tensor_parallel(f, model, where),
         order=_order(f),
-        recompute=_recompute(f, stages),
+        recompute=_recompute(f, partition.chunks),
         raw=obj,
         path=where,
+        partition=partition,
+    )
+
+
+def _partition(f: Fields, model: ModelConfig, stages: int, where: str) -> Partition:
+    """``layers_per_stage`` (one count per chunk) over ``virtual_stages`` (absent: 1), or the even split."""
+    virtual = f.int("virtual_stages", minimum=1, default=1)
+    counts = f.get("layers_per_stage", None)
+    if counts is None:
+        if virtual == 1:
+            return Partition.even_split(model.layers, stages, where=f"{where}: field 'stages'", name=model.name)
+        counts = Partition.balanced(model.layers, stages, virtual).to_list()
+    return check_partition(
+        counts, layers=model.layers, devices=stages, virtual=virtual, where=f"{where}: field 'layers_per_stage'"
     )
 
 
@@ -197,13 +225,13 @@ def _order(f: Fields) -> str:
     return order
 
 
-def _recompute(f: Fields, stages: int) -> tuple[bool, ...]:
-    """One bool per stage (absent: none recompute)."""
+def _recompute(f: Fields, chunks: int) -> tuple[bool, ...]:
+    """One bool per chunk: per stage with v = 1 (absent: none recompute)."""
     value = f.get("recompute", None)
     if value is None:
-        return (False,) * stages
-    if not isinstance(value, list) or len(value) != stages or not all(isinstance(v, bool) for v in value):
-        raise f.fail("recompute", f"must be a list of {stages} booleans (one per stage), got {value!r}")
+        return (False,) * chunks
+    if not isinstance(value, list) or len(value) != chunks or not all(isinstance(v, bool) for v in value):
+        raise f.fail("recompute", f"must be a list of {chunks} booleans (one per stage), got {value!r}")
     return tuple(value)
 
 
@@ -232,6 +260,7 @@ def make_plan_dict(
     tensor_parallel: int = 1,
     order: str = "gpipe",
     recompute: Sequence[bool] | None = None,
+    partition: Partition | None = None,
     **extra,
 ) -> dict:
     """The plan object, for `terapipe plan` and for hand-made schemes (tests, baselines, the report's GPipe
@@ -251,7 +280,11 @@ def make_plan_dict(
         "precision": precision,
         "tensor_parallel": tensor_parallel,
         "order": order,
-        "recompute": [bool(r) for r in recompute] if recompute is not None else [False] * stages,
     }
+    chunks = len(extra.get("layers_per_stage", ())) or stages if partition is None else partition.chunks
+    obj["recompute"] = [bool(r) for r in recompute] if recompute is not None else [False] * chunks
+    if partition is not None:
+        obj["layers_per_stage"] = partition.to_list()
+        obj["virtual_stages"] = partition.virtual
     obj.update(extra)
     return obj

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from terapipe_cli.config.device import machine_memory_bytes
+from terapipe_cli.plan.partition import Partition
 from terapipe_cli.plan.schedule import Action, Schedule
 from terapipe_cli.units import format_bytes
 
@@ -68,8 +69,9 @@ class StageMemory:
         return self.state_bytes + self.activation_bytes
 
 
-def stage_sizes(profile, stages: int) -> list[StageSizes] | None:
-    """Per stage, the sizes the estimate walks with; None when the profile lacks them.
+def stage_sizes(profile, stages: int, partition: Partition | None = None) -> list[StageSizes] | None:
+    """Per chunk (per stage when v = 1), the sizes the estimate walks with; None when the profile lacks them.
+    ``partition`` gives each chunk's layers (default: the most even split over ``stages``).
 
     ``activation_bytes_per_token_per_layer`` (a) is what `terapipe profile` measured for one layer: the tensors it
     saves (its input among them) and its own rows of the K/V cache. Over ℓ layers each layer's input is the output
@@ -89,13 +91,13 @@ def stage_sizes(profile, stages: int) -> list[StageSizes] | None:
         return None
     model = profile.model
     H, V, T = model.hidden, model.vocab, profile.tensor_parallel
-    layers = model.stage_layers(stages)
+    partition = partition or Partition.balanced(model.layers, stages)
     compute = 4 if profile.precision == "fp32" else 2
     kv = 2.0 * (H / T) * compute
     state_per_param = float(raw.get("state_bytes_per_param", 16.0))
     out = []
-    for k in range(stages):
-        first, last = k == 0, k == stages - 1
+    for k, layers in enumerate(partition.layers):
+        first, last = k == 0, k == partition.chunks - 1
         stage_params = layers * params
         tile = layers * (per_layer - kv) + (0.0 if last else 4.0 * H)
         if first:
@@ -112,46 +114,53 @@ def stage_sizes(profile, stages: int) -> list[StageSizes] | None:
     return out
 
 
-def walk_peak(actions: Sequence[Action], sizes: StageSizes, seq_len: int, recompute: bool) -> tuple[float, int]:
-    """The most one stage keeps at once along its actions, and how many tiles are in flight then."""
+def walk_peak(
+    actions: Sequence[Action], sizes: Sequence[StageSizes], seq_len: int, recompute: Sequence[bool]
+) -> tuple[float, int]:
+    """The most one device keeps at once along its actions, and how many tiles are in flight then; ``sizes`` and
+    ``recompute`` are per chunk (an action's ``stage``), each chunk keeping its own K/V caches."""
     alive = peak = 0.0
     count = peak_count = 0
-    open_tiles: dict[int, int] = {}  # batch slice -> its tiles run forward, not yet backward
+    open_tiles: dict[tuple[int, int], int] = {}  # (chunk, batch slice) -> its tiles run forward, not yet backward
     if actions:
-        alive = peak = sizes.copies
+        alive = peak = sum(sizes[c].copies for c in {a.stage for a in actions})
     for a in actions:
-        t = a.tile
+        t, s, rerun = a.tile, sizes[a.stage], recompute[a.stage]
+        key = (a.stage, t.batch_slice)
         tokens = t.batch_size * t.tokens
         if a.phase == "F":
-            if not open_tiles.get(t.batch_slice):
-                alive += t.batch_size * seq_len * sizes.cache
-            open_tiles[t.batch_slice] = open_tiles.get(t.batch_slice, 0) + 1
-            alive += tokens * (sizes.kept if recompute else sizes.tile)
+            if not open_tiles.get(key):
+                alive += t.batch_size * seq_len * s.cache
+            open_tiles[key] = open_tiles.get(key, 0) + 1
+            alive += tokens * (s.kept if rerun else s.tile)
             count += 1
             if alive > peak:
                 peak, peak_count = alive, count
             continue
-        if recompute and alive + tokens * sizes.rerun > peak:
-            peak, peak_count = alive + tokens * sizes.rerun, count
-        alive -= tokens * (sizes.kept if recompute else sizes.tile)
+        if rerun and alive + tokens * s.rerun > peak:
+            peak, peak_count = alive + tokens * s.rerun, count
+        alive -= tokens * (s.kept if rerun else s.tile)
         count -= 1
-        open_tiles[t.batch_slice] -= 1
-        if not open_tiles[t.batch_slice]:
-            alive -= t.batch_size * seq_len * sizes.cache
+        open_tiles[key] -= 1
+        if not open_tiles[key]:
+            alive -= t.batch_size * seq_len * s.cache
     return peak, peak_count
 
 
 def stage_memory(schedule: Schedule, profile) -> list[StageMemory] | None:
-    """Peak memory per stage of a schedule, walking each stage's actions (`walk_peak`), recomputing where the
-    schedule says. None when the profile lacks the sizes."""
-    sizes = stage_sizes(profile, schedule.stages)
+    """Peak memory per device of a schedule, walking each device's actions (`walk_peak`) over the chunks it holds,
+    recomputing where the schedule says. None when the profile lacks the sizes."""
+    sizes = stage_sizes(profile, schedule.stages, schedule.partition)
     if sizes is None:
         return None
+    if len(sizes) != schedule.chunks:
+        raise ValueError(f"sizes for {len(sizes)} chunks, the schedule has {schedule.chunks}")
     seq_len = sum(schedule.slices[0][1])
     out = []
-    for k, s in enumerate(sizes):
-        peak, count = walk_peak(schedule[k], s, seq_len, schedule.recompute[k])
-        out.append(StageMemory(k, s.state, peak, count))
+    for k in range(schedule.stages):
+        peak, count = walk_peak(schedule[k], sizes, seq_len, schedule.recompute)
+        state = sum(sizes[c].state for c in range(k, schedule.chunks, schedule.stages))
+        out.append(StageMemory(k, state, peak, count))
     return out
 
 

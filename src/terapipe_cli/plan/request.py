@@ -10,12 +10,14 @@ name the user typed.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from terapipe_cli.config.experiment import Experiment
 from terapipe_cli.errors import UserError
 from terapipe_cli.plan.costmodel import Profile
+from terapipe_cli.plan.partition import Partition, check_partition
 from terapipe_cli.plan.schedule import ORDERS
 from terapipe_cli.plan.search import METHODS
 from terapipe_cli.units import format_bytes
@@ -23,6 +25,10 @@ from terapipe_cli.units import format_bytes
 # How the plan's scheme is chosen: "formula", the exact optimum of the objective (docs/design.md §4); "simulated",
 # the fastest in the simulator (§11) among that optimum and the schemes the search ranks next to it (`plan.choice`).
 RANKS = ("simulated", "formula")
+# How the layers are cut into chunks (`plan.partition`): "balanced", the most even split by layers alone; "auto", the
+# split the objective prices fastest, the embedding and the head counted (`plan.configs`).
+PARTITIONS = ("auto", "balanced")
+AUTO = "auto"
 
 
 @dataclass(frozen=True)
@@ -140,6 +146,22 @@ class PlanRequest:
     order_free: bool = True
     recompute_free: bool = True
     rank: str = "simulated"  # RANKS: how the plan's scheme is chosen among the exact search's best
+    virtual: int | None = 1  # chunks per device v; None: the planner chooses (--virtual-stages auto)
+    partition: Partition | None = None  # the layers of every chunk, fixed (--layers-per-stage)
+    partition_mode: str = "balanced"  # PARTITIONS: how the layers are cut when ``partition`` is not fixed
+
+    def with_config(self, partition: Partition, order: str | None = None) -> PlanRequest:
+        """This request for one configuration: ``partition`` (and its v) fixed, and ``order`` if given."""
+        changes = {"partition": partition, "virtual": partition.virtual, "partition_mode": "balanced"}
+        if order is not None:
+            changes.update(order=order, order_free=False)
+        return replace(self, **changes)
+
+    def fixed_partition(self, layers: int) -> Partition:
+        """The partition of a request whose configuration is fixed: the given one, or the most even split."""
+        if self.partition is not None:
+            return self.partition
+        return Partition.balanced(layers, self.stages, self.virtual or 1)
 
 
 def plan_request(
@@ -157,14 +179,19 @@ def plan_request(
     order: str | None = None,
     recompute: bool | None = None,
     rank: str = "simulated",
+    virtual: int | str | None = 1,
+    layers_per_stage: Sequence[int] | None = None,
+    partition: str = "balanced",
 ) -> PlanRequest:
     """Check the options against each other and the profile; L, g and T default to the model's and the profile's.
-    ``order`` and ``recompute`` None: GPipe order without recomputation unless the memory limit asks for more
-    (`plan_for_profile`)."""
+    ``order`` and ``recompute`` None (or order "auto"): GPipe order without recomputation unless the memory limit or
+    the simulator asks for more (`plan_for_profile`). ``virtual``: chunks per device, or "auto"/None for the planner
+    to choose; ``layers_per_stage`` fixes every chunk's layers, else ``partition`` says how they are cut."""
+    order = None if order == AUTO else order
     order_free, recompute_free = order is None, recompute is None
     order, recompute = order or "gpipe", bool(recompute)
     if order not in ORDERS:
-        raise UserError(f"must be one of {', '.join(ORDERS)}, got {order!r}", where="--order")
+        raise UserError(f"must be one of {', '.join(ORDERS + (AUTO,))}, got {order!r}", where="--order")
     model = profile.model
     if stages < 1:
         raise UserError(f"must be at least 1, got {stages}", where="--stages")
@@ -181,7 +208,12 @@ def plan_request(
     if rank not in RANKS:
         raise UserError(f"must be one of {', '.join(RANKS)}, got {rank!r}", where="--rank")
     source = profile.path or "the profile"
-    model.stage_layers(stages, where=f"--stages (model {model.name} in {source})")
+    if stages > model.layers:
+        raise UserError(
+            f"{stages} stages are more than the {model.layers} layers of model {model.name} (in {source})",
+            where="--stages",
+        )
+    virtual, fixed = _virtual_and_partition(model.layers, stages, virtual, layers_per_stage, partition)
     L = model.seq_len if seq_len is None else seq_len
     g = profile.token_step if token_step is None else token_step
     if L < 1:
@@ -208,7 +240,41 @@ def plan_request(
         order_free,
         recompute_free,
         rank,
+        virtual,
+        fixed,
+        partition,
     )
+
+
+def _virtual_and_partition(
+    layers: int, stages: int, virtual, layers_per_stage, partition: str
+) -> tuple[int | None, Partition | None]:
+    """``--virtual-stages`` (a whole number, or "auto": None) and ``--layers-per-stage`` checked against each other:
+    v and the fixed partition (None: chosen as ``partition`` says)."""
+    if partition not in PARTITIONS:
+        raise UserError(f"must be one of {', '.join(PARTITIONS)}, got {partition!r}", where="--partition")
+    if virtual in (None, AUTO):
+        virtual = None
+    elif isinstance(virtual, str):
+        try:
+            virtual = int(virtual)
+        except ValueError:
+            raise UserError(f"must be a whole number or auto, got {virtual!r}", where="--virtual-stages") from None
+    if virtual is not None and virtual < 1:
+        raise UserError(f"must be at least 1, got {virtual}", where="--virtual-stages")
+    if virtual is not None and stages * virtual - 2 > layers:
+        raise UserError(
+            f"{stages} x {virtual} chunks need at least {stages * virtual - 2} layers (every chunk but the first and "
+            f"the last holds one), the model has {layers}",
+            where="--virtual-stages",
+        )
+    if layers_per_stage is None:
+        return virtual, None
+    counts = list(layers_per_stage)
+    if virtual is None:
+        virtual = max(len(counts) // stages, 1)
+    fixed = check_partition(counts, layers=layers, devices=stages, virtual=virtual, where="--layers-per-stage")
+    return virtual, fixed
 
 
 def check_tensor_parallel(profile: Profile, tensor_parallel: int | None) -> int:

@@ -21,16 +21,26 @@ Two built-in orders of the batch slices (`ORDERS`, `Schedule.build`): ``gpipe``,
 K − k batch slices ahead of their backwards, then alternates a backward (the oldest open batch slice) with a
 forward, so the activations of fewer batch slices are alive at once. `Schedule.grid` prints a rank × time grid of
 the actions, each taking one time step. The timelines that walking a schedule produces are `plan.timeline`'s.
-Imports no torch.
+
+Interleaved chunks (``partition`` with v > 1, `plan.partition`): an action's number is its chunk c (a virtual
+stage, as torch.distributed.pipelining numbers them), run by device c mod K; a schedule has one row per device, and
+a forward of chunk c waits for chunk c − 1's (on the device before, or device K − 1 for the first chunk of a round),
+a backward for chunk c + 1's. ``gpipe`` order then runs the tiles in groups of K (Megatron-LM's interleaving: the
+group's tiles through the device's first chunk, then its second, …; a tile comes back round after K chunk-times,
+just when the group is done), every forward before every backward, the backwards in the exact reverse; ``1f1b``
+runs a batch slice's backwards on a device as soon as the ring allows, after as few batch slices ahead as keep it
+free of deadlock (at least K − k, as with v = 1). Within a batch slice every chunk runs its forwards in token order
+and its backwards in reverse token order (docs/design.md §6). Imports no torch.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from terapipe_cli.errors import UserError
+from terapipe_cli.plan.partition import Partition
 
 PHASES = ("F", "B")
 ORDERS = ("gpipe", "1f1b")
@@ -82,8 +92,9 @@ def plan_tiles(slices: Sequence) -> list[Tile]:
 
 @dataclass(frozen=True)
 class Schedule:
-    """Per stage, its actions in order, for a scheme ``slices`` on ``stages`` stages; ``recompute[k]``: stage k
-    runs each tile's forward again inside its backward (docs/design.md §10)."""
+    """Per device, its actions in order, for a scheme ``slices`` on ``stages`` devices (K); with a ``partition`` of
+    v > 1 chunks per device (`plan.partition`) an action names its chunk. ``recompute[c]``: chunk c runs each tile's
+    forward again inside its backward (docs/design.md §10); one entry per chunk, per stage when v = 1."""
 
     slices: tuple[tuple[int, tuple[int, ...]], ...]
     stages: int
@@ -91,46 +102,79 @@ class Schedule:
     actions: tuple[tuple[Action, ...], ...]
     recompute: tuple[bool, ...]
     tiles: tuple[Tile, ...] = field(repr=False, compare=False, default=())
+    partition: Partition | None = field(default=None, compare=False)  # None: one chunk per device, layers unknown
 
     @classmethod
     def build(
-        cls, slices: Sequence, stages: int, order: str = "gpipe", recompute: Sequence[bool] | None = None
+        cls,
+        slices: Sequence,
+        stages: int,
+        order: str = "gpipe",
+        recompute: Sequence[bool] | None = None,
+        partition: Partition | None = None,
     ) -> Schedule:
         """The schedule of a built-in order (module docstring).
 
         ``gpipe``: every tile forward in pipeline order, then every tile backward in reverse order, on every stage.
         ``1f1b``: stage k first runs the forwards of min(K − k, D) batch slices (D in all); then, while forwards
         remain, the backward of the oldest open batch slice and the forward of the next; then the remaining
-        backwards. Either way the gradients are the same sums (docs/design.md §6): only when, not what.
+        backwards. Either way the gradients are the same sums (docs/design.md §6): only when, not what. With
+        interleaved chunks (v > 1) see the module docstring.
         """
         if stages < 1:
             raise ValueError(f"stages must be at least 1, got {stages}")
         if order not in ORDERS:
             raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+        if partition is not None and partition.devices != stages:
+            raise ValueError(f"the partition is for {partition.devices} devices, not {stages}")
         tiles = plan_tiles(slices)
-        if order == "gpipe":
+        virtual = 1 if partition is None else partition.virtual
+        if virtual > 1:
+            rows = _interleaved_rows(tiles, len(slices), stages, virtual, order)
+        elif order == "gpipe":
             rows = [
                 [Action("F", t, k) for t in tiles] + [Action("B", t, k) for t in reversed(tiles)] for k in range(stages)
             ]
         else:
             by_slice = [[t for t in tiles if t.batch_slice == d] for d in range(len(slices))]
             rows = [_one_f_one_b(by_slice, k, warmup=min(stages - k, len(by_slice))) for k in range(stages)]
-        return cls.of_rows(slices, stages, order, rows, recompute)
+        return cls.of_rows(slices, stages, order, rows, recompute, partition)
 
     @classmethod
     def of_rows(
-        cls, slices: Sequence, stages: int, order: str, rows: Sequence[Sequence[Action]], recompute=None
+        cls,
+        slices: Sequence,
+        stages: int,
+        order: str,
+        rows: Sequence[Sequence[Action]],
+        recompute=None,
+        partition: Partition | None = None,
     ) -> Schedule:
-        recompute = tuple(bool(r) for r in recompute) if recompute is not None else (False,) * stages
-        if len(recompute) != stages:
-            raise ValueError(f"recompute has {len(recompute)} entries for {stages} stages")
+        chunks = stages if partition is None else partition.chunks
+        recompute = tuple(bool(r) for r in recompute) if recompute is not None else (False,) * chunks
+        if len(recompute) != chunks:
+            raise ValueError(f"recompute has {len(recompute)} entries for {chunks} stages")
         frozen = tuple((int(b), tuple(int(n) for n in lengths)) for b, lengths in slices)
-        return cls(frozen, stages, order, tuple(tuple(r) for r in rows), recompute, tuple(plan_tiles(frozen)))
+        actions = tuple(tuple(r) for r in rows)
+        return cls(frozen, stages, order, actions, recompute, tuple(plan_tiles(frozen)), partition)
 
     @classmethod
     def of_plan(cls, plan) -> Schedule:
-        """The schedule a plan (`plan.file.Plan`) runs in: its slices, stages, order and recomputation."""
-        return cls.build(plan.slices, plan.stages, plan.order, plan.recompute)
+        """The schedule a plan (`plan.file.Plan`) runs in: its slices, stages, order, recomputation and chunks."""
+        return cls.build(plan.slices, plan.stages, plan.order, plan.recompute, plan.partition)
+
+    @property
+    def chunks(self) -> int:
+        """Chunks (virtual stages) of the pipeline: K·v."""
+        return self.stages if self.partition is None else self.partition.chunks
+
+    @property
+    def virtual(self) -> int:
+        return self.chunks // self.stages
+
+    def device(self, chunk: int) -> int:
+        """The device that runs chunk ``chunk`` (c mod K)."""
+        return chunk % self.stages
 
     def __getitem__(self, stage: int) -> tuple[Action, ...]:
         return self.actions[stage]
@@ -153,89 +197,80 @@ class Schedule:
         """The tiles stage ``stage`` runs forward, in its order (the order its activations arrive)."""
         return [a.tile for a in self.actions[stage] if a.phase == "F"]
 
+    def with_partition(self, partition: Partition | None) -> Schedule:
+        """The same actions, with the layers of each chunk known (for the memory estimate and the simulator)."""
+        if partition is not None and partition.chunks != self.chunks:
+            raise ValueError(f"a partition of {partition.chunks} chunks for a schedule of {self.chunks}")
+        return replace(self, partition=partition)
+
     # ---------------------------------------------------------------------------------------- checking
 
     def check(self, where: str = "schedule") -> None:
         """Raise a one-line `UserError` naming the first action that makes the schedule illegal (module docstring)."""
         if len(self.actions) != self.stages:
             raise UserError(f"has {len(self.actions)} rows, one per stage is needed: {self.stages}", where=where)
-        every = {(p, t) for p in PHASES for t in self.tiles}
         for k, row in enumerate(self.actions):
-            seen: set[tuple[str, Tile]] = set()
-            next_forward: dict[int, int] = {}  # batch slice -> the token slice whose forward comes next
-            next_backward: dict[int, int] = {}  # batch slice -> the token slice whose backward comes next
+            chunks = [c for c in range(self.chunks) if self.device(c) == k]
+            every = {(p, c, t) for p in PHASES for c in chunks for t in self.tiles}
+            seen: set[tuple[str, int, Tile]] = set()
+            next_forward: dict[
+                tuple[int, int], int
+            ] = {}  # (chunk, batch slice) -> the token slice whose forward is next
+            next_backward: dict[tuple[int, int], int] = {}  # (chunk, batch slice) -> the next backward's token slice
             for n, a in enumerate(row):
                 t, at = a.tile, f"row {k + 1} (stage {k}), action {n + 1} {self.label(a)!r}"
                 count = len(self.slices[t.batch_slice][1])
-                if a.stage != k:
-                    raise UserError(f"{at}: an action of stage {a.stage} in the row of stage {k}", where=where)
-                if (a.phase, t) in seen:
+                if a.stage >= self.chunks or self.device(a.stage) != k:
+                    what = "stage" if self.virtual == 1 else "chunk"
+                    raise UserError(f"{at}: an action of {what} {a.stage} in the row of stage {k}", where=where)
+                if (a.phase, a.stage, t) in seen:
                     raise UserError(f"{at}: runs twice", where=where)
-                seen.add((a.phase, t))
+                seen.add((a.phase, a.stage, t))
+                key = (a.stage, t.batch_slice)
                 if a.phase == "F":
-                    expected = next_forward.get(t.batch_slice, 0)
+                    expected = next_forward.get(key, 0)
                     if t.token_slice != expected:
                         raise UserError(
                             f"{at}: forward of token slice {t.token_slice} before token slice {expected}'s (a batch "
                             "slice's forwards go in token order)",
                             where=where,
                         )
-                    next_forward[t.batch_slice] = expected + 1
+                    next_forward[key] = expected + 1
                     continue
-                if next_forward.get(t.batch_slice, 0) < count:
+                if next_forward.get(key, 0) < count:
                     raise UserError(
                         f"{at}: backward before the last forward of batch slice {t.batch_slice} (its last token "
                         "slice's backward starts the K/V gradients the earlier ones need)",
                         where=where,
                     )
-                expected = next_backward.get(t.batch_slice, count - 1)
+                expected = next_backward.get(key, count - 1)
                 if t.token_slice != expected:
                     raise UserError(
                         f"{at}: backward of token slice {t.token_slice} before token slice {expected}'s (a batch "
                         "slice's backwards go in reverse token order)",
                         where=where,
                     )
-                next_backward[t.batch_slice] = expected - 1
-            missing = sorted(every - seen, key=lambda pt: (pt[1].batch_slice, pt[1].token_slice, pt[0]))
+                next_backward[key] = expected - 1
+            missing = sorted(every - seen, key=lambda pct: (pct[2].batch_slice, pct[2].token_slice, pct[1], pct[0]))
             if missing:
-                phase, t = missing[0]
-                first = self.label(Action(phase, t, k))
+                phase, c, t = missing[0]
+                first = self.label(Action(phase, t, c))
                 raise UserError(
                     f"row {k + 1} (stage {k}) lacks {first!r} ({len(missing)} actions missing)", where=where
                 )
         self.walk(where=where)
 
     def walk(self, where: str = "schedule") -> list[Action]:
-        """Every action in an order the dependencies allow (forwards wait for the previous stage's, backwards for
-        the next stage's and their own forward); a one-line `UserError` when the schedule deadlocks."""
-        pos = [0] * self.stages
-        done: set[tuple[int, str, Tile]] = set()
-        out: list[Action] = []
-        total = sum(len(r) for r in self.actions)
-        while len(out) < total:
-            progressed = False
-            for k, row in enumerate(self.actions):
-                while pos[k] < len(row) and self._ready(row[pos[k]], done):
-                    a = row[pos[k]]
-                    done.add((k, a.phase, a.tile))
-                    out.append(a)
-                    pos[k] += 1
-                    progressed = True
-            if not progressed:
-                stuck = [
-                    f"stage {k} at {self.label(r[pos[k]])!r}" for k, r in enumerate(self.actions) if pos[k] < len(r)
-                ]
-                raise UserError(
-                    f"deadlocks: {' and '.join(stuck)} wait for actions that come later in each other's rows",
-                    where=where,
-                )
+        """Every action in an order the dependencies allow (forwards wait for the previous chunk's, backwards for
+        the next chunk's and their own forward); a one-line `UserError` when the schedule deadlocks."""
+        out, stuck = _walk(self.actions, self.chunks)
+        if stuck:
+            where_stuck = [f"stage {k} at {self.label(self.actions[k][n])!r}" for k, n in stuck]
+            raise UserError(
+                f"deadlocks: {' and '.join(where_stuck)} wait for actions that come later in each other's rows",
+                where=where,
+            )
         return out
-
-    def _ready(self, a: Action, done: set) -> bool:
-        k, t = a.stage, a.tile
-        if a.phase == "F":
-            return k == 0 or (k - 1, "F", t) in done
-        return (k, "F", t) in done and (k == self.stages - 1 or (k + 1, "B", t) in done)
 
     # ---------------------------------------------------------------------------------------- showing
 
@@ -246,14 +281,15 @@ class Schedule:
         free = [0] * self.stages
         cells: list[dict[int, str]] = [{} for _ in range(self.stages)]
         for a in self.walk():
-            k, t = a.stage, a.tile
+            c, t = a.stage, a.tile
+            k = self.device(c)
             needs = [free[k]]
-            if a.phase == "F" and k > 0:
-                needs.append(slot[(k - 1, "F", t)] + 1)
-            if a.phase == "B" and k < self.stages - 1:
-                needs.append(slot[(k + 1, "B", t)] + 1)
+            if a.phase == "F" and c > 0:
+                needs.append(slot[(c - 1, "F", t)] + 1)
+            if a.phase == "B" and c < self.chunks - 1:
+                needs.append(slot[(c + 1, "B", t)] + 1)
             start = max(needs)
-            slot[(k, a.phase, t)] = start
+            slot[(c, a.phase, t)] = start
             free[k] = start + 1
             cells[k][start] = self.label(a)
         steps = max(free)
@@ -269,6 +305,118 @@ class Schedule:
     def to_csv(self) -> str:
         """One line of comma-separated actions per stage (`parse_schedule` reads it back)."""
         return "".join(",".join(self.label(a) for a in row) + "\n" for row in self.actions)
+
+
+def _walk(rows: Sequence[Sequence[Action]], chunks: int) -> tuple[list[Action], list[tuple[int, int]]]:
+    """Walk the rows as far as the dependencies allow: the actions in an order they can run, and where each row is
+    stuck (device, position; empty when every action ran)."""
+    pos = [0] * len(rows)
+    done: set[tuple[int, str, Tile]] = set()
+    out: list[Action] = []
+    total = sum(len(r) for r in rows)
+    while len(out) < total:
+        progressed = False
+        for k, row in enumerate(rows):
+            while pos[k] < len(row) and _ready(row[pos[k]], done, chunks):
+                a = row[pos[k]]
+                done.add((a.stage, a.phase, a.tile))
+                out.append(a)
+                pos[k] += 1
+                progressed = True
+        if not progressed:
+            return out, [(k, pos[k]) for k, r in enumerate(rows) if pos[k] < len(r)]
+    return out, []
+
+
+def _ready(a: Action, done: set, chunks: int) -> bool:
+    c, t = a.stage, a.tile
+    if a.phase == "F":
+        return c == 0 or (c - 1, "F", t) in done
+    return (c, "F", t) in done and (c == chunks - 1 or (c + 1, "B", t) in done)
+
+
+def _interleaved_rows(tiles: list[Tile], slices: int, devices: int, virtual: int, order: str) -> list[list[Action]]:
+    """Each device's row with v chunks per device (module docstring): forwards in groups of K tiles, each group
+    through the device's chunks in turn; ``gpipe`` then every backward in the exact reverse; ``1f1b`` the order of
+    `_greedy_1f1b`."""
+    chunks = devices * virtual
+
+    def forwards(k: int, ts: list[Tile]) -> list[Action]:
+        out = []
+        for g in range(0, len(ts), devices):
+            group = ts[g : g + devices]
+            out += [Action("F", t, c) for c in range(k, chunks, devices) for t in group]
+        return out
+
+    if order == "gpipe":
+        return [(f := forwards(k, tiles)) + [Action("B", a.tile, a.stage) for a in reversed(f)] for k in range(devices)]
+    by_slice = [[t for t in tiles if t.batch_slice == d] for d in range(slices)]
+    backward = [
+        [Action("B", a.tile, a.stage) for d in range(slices) for a in reversed(forwards(k, by_slice[d]))]
+        for k in range(devices)
+    ]
+    return _greedy_1f1b([forwards(k, tiles) for k in range(devices)], backward, chunks)
+
+
+def _greedy_1f1b(forward: list[list[Action]], backward: list[list[Action]], chunks: int) -> list[list[Action]]:
+    """1F1B over batch slices with chunks: replay one step with unit times (a forward 1, a backward 2), each device
+    taking its next backward as soon as its input is there, and otherwise its next forward — but a forward of a new
+    batch slice only while fewer than K − k batch slices are open on device k (as with one chunk per device) or while
+    no backward is ready. A device never waits while it has a ready action, so the replay always finishes, and its
+    order, written down per device, is a schedule without deadlock."""
+    devices = len(forward)
+    rows: list[list[Action]] = [[] for _ in range(devices)]
+    done_at: dict[tuple[int, str, Tile], int] = {}
+    pos_f, pos_b = [0] * devices, [0] * devices
+    free = [0] * devices
+    open_slices: list[set[int]] = [set() for _ in range(devices)]
+    remaining = sum(len(f) + len(b) for f, b in zip(forward, backward, strict=True))
+    now = 0
+    while remaining:
+        for k in range(devices):
+            if free[k] > now:
+                continue
+            b_next = backward[k][pos_b[k]] if pos_b[k] < len(backward[k]) else None
+            f_next = forward[k][pos_f[k]] if pos_f[k] < len(forward[k]) else None
+            b_ready = b_next is not None and _ready_by(b_next, done_at, chunks, now)
+            f_ready = f_next is not None and _ready_by(f_next, done_at, chunks, now)
+            f_new = f_next is not None and f_next.tile.batch_slice not in open_slices[k]
+            f_allowed = f_ready and (not f_new or len(open_slices[k]) < devices - k or not b_ready)
+            if b_ready and (not f_allowed or f_new):
+                a, pos_b[k], cost = b_next, pos_b[k] + 1, 2
+            elif f_allowed:
+                a, pos_f[k], cost = f_next, pos_f[k] + 1, 1
+                open_slices[k].add(a.tile.batch_slice)
+            elif b_ready:
+                a, pos_b[k], cost = b_next, pos_b[k] + 1, 2
+            else:
+                continue
+            rows[k].append(a)
+            done_at[(a.stage, a.phase, a.tile)] = now + cost
+            free[k] = now + cost
+            remaining -= 1
+            if a.phase == "B" and all(
+                (c, "B", t) in done_at for c in range(k, chunks, devices) for t in _slice_tiles(forward[k], a.tile)
+            ):
+                open_slices[k].discard(a.tile.batch_slice)
+        now += 1
+    return rows
+
+
+def _slice_tiles(forward: list[Action], tile: Tile) -> list[Tile]:
+    return [a.tile for a in forward if a.tile.batch_slice == tile.batch_slice and a.stage == forward[0].stage]
+
+
+def _ready_by(a: Action, done_at: dict, chunks: int, now: int) -> bool:
+    """Whether action ``a``'s inputs are done by time ``now`` (`_ready` with times)."""
+    c, t = a.stage, a.tile
+
+    def done(key) -> bool:
+        return key in done_at and done_at[key] <= now
+
+    if a.phase == "F":
+        return c == 0 or done((c - 1, "F", t))
+    return done((c, "F", t)) and (c == chunks - 1 or done((c + 1, "B", t)))
 
 
 def _one_f_one_b(by_slice: list[list[Tile]], stage: int, warmup: int) -> list[Action]:
@@ -287,10 +435,17 @@ _ACTION = re.compile(r"(\d+)([FB])(\d+)(?:\.(\d+))?")
 
 
 def parse_schedule(
-    text: str, slices: Sequence, stages: int, recompute: Sequence[bool] | None = None, *, where: str = "schedule"
+    text: str,
+    slices: Sequence,
+    stages: int,
+    recompute: Sequence[bool] | None = None,
+    *,
+    where: str = "schedule",
+    partition: Partition | None = None,
 ) -> Schedule:
     """A schedule from CSV text (`Schedule.to_csv`; ``#`` starts a comment, empty cells are idle steps), for the
-    plan's ``slices`` and ``stages``, checked (`Schedule.check`); every mistake is one line naming the action."""
+    plan's ``slices``, ``stages`` and chunks (``partition``), checked (`Schedule.check`); every mistake is one line
+    naming the action."""
     tiles = {(t.batch_slice, t.token_slice): t for t in plan_tiles(slices)}
     rows: list[list[Action]] = []
     for line in text.splitlines():
@@ -319,6 +474,6 @@ def parse_schedule(
                                 where=where)  # fmt: skip
             row.append(Action(phase, tiles[(d, token)], stage))
         rows.append(row)
-    schedule = Schedule.of_rows(slices, stages, CUSTOM, rows, recompute)
+    schedule = Schedule.of_rows(slices, stages, CUSTOM, rows, recompute, partition)
     schedule.check(where)
     return schedule

@@ -132,30 +132,47 @@ def tile_costs(cost: Cost, slices: Sequence) -> np.ndarray:
     return np.broadcast_to(np.asarray(cost(b, i, j), dtype=float), b.shape)
 
 
-def objective(sum_s: float, t_max_s: float, stages: int, step_s: float = 0.0) -> float:
+def bubble_costs(cost: Cost, slices: Sequence) -> np.ndarray:
+    """What the objective's bubble term takes the largest of, per tile: ``cost.bubble`` where the cost has one
+    (interleaved chunks: one chunk's time, `CostModel`), else the tile's cost itself."""
+    bubble = getattr(cost, "bubble", None)
+    if bubble is None:
+        return tile_costs(cost, slices)
+    b, i, j = _tile_arrays(slices)
+    return np.broadcast_to(np.asarray(bubble(b, i, j), dtype=float), b.shape)
+
+
+def objective(sum_s: float, t_max_s: float, stages: int, step_s: float = 0.0, virtual: int = 1) -> float:
     """The objective of docs/design.md §4: Σ t + (K−1)·max t, plus a per-step constant.
 
-    Given the sum and the largest of a scheme's tile times; every search and every report prices through here.
+    Given the sum and the largest of a scheme's tile times; every search and every report prices through here. With
+    v > 1 interleaved chunks per device (§11, ``sum_s`` the devices' tile times, ``t_max_s`` the largest chunk's)
+    a tile comes back to its first device after K chunk-times: each of the v − 1 returns leaves the device idle for
+    max(0, K·t_max − Σ/v) — the stall when the tiles of one round are fewer than the devices. The objective stays
+    non-decreasing in both Σ and t_max (its slope in Σ is at least 1/v), so the search stays exact under it.
     """
-    return sum_s + (stages - 1) * t_max_s + step_s
+    stall = (virtual - 1) * max(0.0, stages * t_max_s - sum_s / virtual) if virtual > 1 else 0.0
+    return sum_s + (stages - 1) * t_max_s + stall + step_s
 
 
 def evaluate(cost: Cost, slices: Sequence, stages: int) -> float:
     """The objective of any scheme, with the cost's per-step constant."""
     if stages < 1:
         raise UserError(f"must be at least 1, got {stages}", where="stages")
-    t = tile_costs(cost, slices)
-    return float(objective(t.sum(), t.max(), stages, getattr(cost, "step_s", 0.0)))
+    t, m = tile_costs(cost, slices), bubble_costs(cost, slices)
+    return float(objective(t.sum(), m.max(), stages, getattr(cost, "step_s", 0.0), getattr(cost, "virtual", 1)))
 
 
 def _result(
     cost: Cost, slices: Slices, *, stages: int, seq_len: int, batch_size: int, token_step: int, **kw
 ) -> PlanResult:
-    t = tile_costs(cost, slices)
+    t, m = tile_costs(cost, slices), bubble_costs(cost, slices)
     return PlanResult(
         slices=slices,
-        predicted_s=float(objective(t.sum(), t.max(), stages, getattr(cost, "step_s", 0.0))),
-        t_max_s=float(t.max()),
+        predicted_s=float(
+            objective(t.sum(), m.max(), stages, getattr(cost, "step_s", 0.0), getattr(cost, "virtual", 1))
+        ),
+        t_max_s=float(m.max()),
         sum_s=float(t.sum()),
         stages=stages,
         seq_len=seq_len,
@@ -238,6 +255,7 @@ class _Tables:
     ) -> None:
         n = seq_len // token_step
         self.units, self.batch_size, self.token_step = n, batch_size, token_step
+        self.virtual = getattr(cost, "virtual", 1)  # interleaved chunks per device: the objective's stall term
         # A cost that prices no batch slice above its ``max_batch_slice`` (`CostModel(within_profile=True)`) needs no
         # knapsack rows for them: rows b = 1 … min(B, max_batch_slice).
         widest = min(batch_size, getattr(cost, "max_batch_slice", None) or batch_size)
@@ -249,28 +267,41 @@ class _Tables:
         i = (lengths * token_step)[None, :]
         j = ((ends - lengths) * token_step)[None, :]
         distinct, at = np.unique(sizes, return_inverse=True)
-        raw = np.broadcast_to(np.asarray(cost(distinct[:, None], i, j), dtype=float), (len(distinct), len(ends)))
-        # +inf marks a tile no scheme may use (the memory-aware search forbids tiles that do not fit).
+        # What the objective sums, and what its bubble takes the largest of (`bubble_costs`): the same array but
+        # for interleaved chunks, where the threshold t_max is on the bubble's cost and the DP sums the other.
+        bubble = getattr(cost, "bubble", None)
+        raws = [cost] if bubble is None else [cost, bubble]
+        raws = [self._priced(f, distinct, at, i, j, len(ends), grouping) for f in raws]
+        tables = []
+        for raw in raws:
+            by_end = np.full((self.rows, n + 1, n + 1), np.inf)
+            offset = 0
+            for p in range(1, n + 1):  # np.nonzero is row-major: prefix p's lengths 1..p are contiguous in `raw`
+                by_end[:, p, 1 : p + 1] = raw[:, offset : offset + p]
+                offset += p
+            tables.append(by_end)
+        self.by_end, self.by_end_max = tables[0], tables[-1]
+        self._valid = raws[-1]
+        # Reversed suffix minimum: _longer_min[b, p, k] = the cheapest slice of length ≥ n − k ending at p. Under a
+        # threshold t the entries ≤ t count the lengths 0..w up to the longest slice that fits, so the DP can skip
+        # longer ones. (Stored reversed and contiguous because the accumulation is then 4× faster.)
+        self._longer_min = np.ascontiguousarray(self.by_end_max[:, :, ::-1])
+        np.minimum.accumulate(self._longer_min, axis=2, out=self._longer_min)
+        self.bottleneck = self._bottleneck()
+
+    def _priced(self, cost: Cost, distinct, at, i, j, count: int, grouping: Sequencing | None) -> np.ndarray:
+        """``cost`` of every valid (prefix, length) pair per row; +inf marks a tile no scheme may use (the
+        memory-aware search forbids tiles that do not fit)."""
+        raw = np.broadcast_to(np.asarray(cost(distinct[:, None], i, j), dtype=float), (len(distinct), count))
         if np.any(np.isnan(raw)) or np.any(raw == -np.inf):
             raise UserError("the cost function returned a non-finite time", where="cost")
         if grouping is not None:  # one row per Sequencing row, its forbidden tiles at +inf
             raw = raw[at.reshape(-1)]
             allowed = [
-                np.ones(len(ends), dtype=bool) if f is None else np.asarray(f(i[0], j[0])) for f in grouping.row_fits
+                np.ones(count, dtype=bool) if f is None else np.asarray(f(i[0], j[0])) for f in grouping.row_fits
             ]
             raw = np.where(np.stack(allowed), raw, np.inf)
-        self.by_end = np.full((self.rows, n + 1, n + 1), np.inf)
-        offset = 0
-        for p in range(1, n + 1):  # np.nonzero is row-major: prefix p's lengths 1..p are contiguous in `raw`
-            self.by_end[:, p, 1 : p + 1] = raw[:, offset : offset + p]
-            offset += p
-        self._valid = raw
-        # Reversed suffix minimum: _longer_min[b, p, k] = the cheapest slice of length ≥ n − k ending at p. Under a
-        # threshold t the entries ≤ t count the lengths 0..w up to the longest slice that fits, so the DP can skip
-        # longer ones. (Stored reversed and contiguous because the accumulation is then 4× faster.)
-        self._longer_min = np.ascontiguousarray(self.by_end[:, :, ::-1])
-        np.minimum.accumulate(self._longer_min, axis=2, out=self._longer_min)
-        self.bottleneck = self._bottleneck()
+        return raw
 
     def _bottleneck(self) -> np.ndarray:
         """For each row: the smallest possible largest tile over all token slicings of its batch slice."""
@@ -278,7 +309,7 @@ class _Tables:
         worst = np.full((self.rows, n + 1), np.inf)
         worst[:, 0] = -np.inf
         for p in range(1, n + 1):
-            worst[:, p] = np.maximum(worst[:, p - 1 :: -1][:, :p], self.by_end[:, p, 1 : p + 1]).min(axis=1)
+            worst[:, p] = np.maximum(worst[:, p - 1 :: -1][:, :p], self.by_end_max[:, p, 1 : p + 1]).min(axis=1)
         return worst[:, n]
 
     def smallest_feasible_t_max(self) -> float:
@@ -328,7 +359,8 @@ def _batched_dp(tables: _Tables, t_max: np.ndarray) -> tuple[np.ndarray, np.ndar
     for group in _width_groups(alive, widths.max(axis=1)):
         contiguous = group[-1] - group[0] + 1 == len(group)
         rows = slice(int(group[0]), int(group[-1]) + 1) if contiguous else group
-        by_end = tables.by_end[rows]
+        by_end, by_end_max = tables.by_end[rows], tables.by_end_max[rows]
+        separate = tables.by_end_max is not tables.by_end
         sub = best[:, rows]
         sub_choice = choice[:, rows]
         group_widths = widths[rows].max(axis=0)
@@ -337,8 +369,9 @@ def _batched_dp(tables: _Tables, t_max: np.ndarray) -> tuple[np.ndarray, np.ndar
             if w == 0:
                 continue
             c = by_end[:, p, 1 : w + 1]  # (G, w): slice lengths 1..w ending at p
+            c_max = by_end_max[:, p, 1 : w + 1] if separate else c
             prev = sub[:, :, p - 1 :: -1][:, :, :w] if p - 1 - w < 0 else sub[:, :, p - 1 : p - 1 - w : -1]
-            vals = np.where(c <= limit, prev + c, np.inf)  # (M, G, w)
+            vals = np.where(c_max <= limit, prev + c, np.inf)  # (M, G, w)
             sub[:, :, p] = vals.min(axis=2)
             sub_choice[:, :, p] = vals.argmin(axis=2) + 1
         if not contiguous:  # fancy indexing copied the rows: write them back
@@ -457,7 +490,7 @@ def _scheme(tables: _Tables, choice: np.ndarray, rows: Sequence[int], m: int) ->
             units.append(int(choice[m, r, p]))
             p -= units[-1]
         units = units[::-1]
-        worst = float(tables.by_end[r, np.cumsum(units), units].max())
+        worst = float(tables.by_end_max[r, np.cumsum(units), units].max())
         paths[r] = ([i * g for i in units], worst)
     slices = [(int(tables.row_sizes[r]), list(paths[r][0])) for r in rows]
     return slices, max(paths[r][1] for r in rows)
@@ -473,9 +506,9 @@ def _scheme_sum_max(tables: _Tables, slices: Slices) -> tuple[float, float]:
         counts[key] = counts.get(key, 0) + 1
     for (b, lengths), count in counts.items():
         units = np.asarray(lengths) // g
-        t = tables.by_end[b - 1, np.cumsum(units), units]
-        total += count * float(t.sum())
-        worst = max(worst, float(t.max()))
+        ends = np.cumsum(units)
+        total += count * float(tables.by_end[b - 1, ends, units].sum())
+        worst = max(worst, float(tables.by_end_max[b - 1, ends, units].max()))
     return total, worst
 
 
@@ -527,21 +560,34 @@ def _check_sizes(*, seq_len: int, batch_size: int, stages: int, token_step: int)
 
 
 def _improve(
-    results: list[_Probe], stages: int, best_T: float, best_slices: Slices | None, best_max: float, copies: int = 1
+    results: list[_Probe],
+    stages: int,
+    best_T: float,
+    best_slices: Slices | None,
+    best_max: float,
+    copies: int = 1,
+    virtual: int = 1,
 ) -> tuple[float, Slices | None, float]:
     """The best objective among the probes' schemes and the incumbent (each scheme priced by its realised max), its
     scheme and its largest tile."""
     for pr in results:
         if pr.slices is not None:
-            T = objective(copies * pr.total, pr.realised, stages)
+            T = objective(copies * pr.total, pr.realised, stages, virtual=virtual)
             if T < best_T:
                 best_T, best_slices, best_max = T, pr.slices, pr.realised
     return best_T, best_slices, best_max
 
 
-def _scaled_batch(cost: Cost, b: int) -> Cost:
+class _ScaledBatch:
     """The cost of a batch slice of b sequences, as the cost of "one" sequence (for equal batch slices)."""
-    return lambda bb, i, j: cost(np.asarray(bb) * b, i, j)
+
+    def __init__(self, cost: Cost, b: int) -> None:
+        self.cost, self.b, self.virtual = cost, b, getattr(cost, "virtual", 1)
+        inner = getattr(cost, "bubble", None)
+        self.bubble = None if inner is None else (lambda bb, i, j: inner(np.asarray(bb) * b, i, j))
+
+    def __call__(self, bb, i, j):
+        return self.cost(np.asarray(bb) * self.b, i, j)
 
 
 def _search_exact(tables: _Tables, stages: int, epsilon: float, copies: int = 1) -> tuple[Slices | None, float, int]:
@@ -551,13 +597,14 @@ def _search_exact(tables: _Tables, stages: int, epsilon: float, copies: int = 1)
     probes = 1
     if top.slices is None:
         return None, math.inf, probes
-    best_T = objective(copies * top.total, top.realised, stages)
+    v = tables.virtual
+    best_T = objective(copies * top.total, top.realised, stages, virtual=v)
     best_slices, best_max = top.slices, top.realised
     if stages == 1:
         return best_slices, best_max, probes
     for seed in _seed_schemes(tables):
         sum_s, max_s = _scheme_sum_max(tables, seed)
-        T = objective(copies * sum_s, max_s, stages)
+        T = objective(copies * sum_s, max_s, stages, virtual=v)
         if T < best_T:
             best_T, best_slices, best_max = T, seed, max_s
     slack = stages * epsilon
@@ -590,7 +637,7 @@ def _search_exact(tables: _Tables, stages: int, epsilon: float, copies: int = 1)
         results = _probe(tables, c[[x for _, x in picks]])
         probes += len(picks)
         # Update the best, then split each interval at its probes.
-        best_T, best_slices, best_max = _improve(results, stages, best_T, best_slices, best_max, copies)
+        best_T, best_slices, best_max = _improve(results, stages, best_T, best_slices, best_max, copies, v)
         new_open = []
         for k, (lo, hi, s_up) in enumerate(live):
             mine = sorted((x, results[n]) for n, (kk, x) in enumerate(picks) if kk == k)
@@ -636,7 +683,7 @@ def _search_enumerate(
             break
         results = _probe(tables, tops[window][alive])
         probes += len(results)
-        best_T, best_slices, best_max = _improve(results, stages, best_T, best_slices, best_max, copies)
+        best_T, best_slices, best_max = _improve(results, stages, best_T, best_slices, best_max, copies, tables.virtual)
     return best_slices, best_max, probes
 
 
@@ -680,7 +727,7 @@ def solve(
     else:
         if batch_size % batch_slice:
             raise UserError(f"{batch_slice} does not divide the batch of {batch_size}", where="batch_slice")
-        one = _scaled_batch(cost, batch_slice)
+        one = _ScaledBatch(cost, batch_slice)
         tables = _Tables(one, seq_len=seq_len, batch_size=1, token_step=token_step)
         slices, t_max, probes = search(tables, stages, float(epsilon), batch_size // batch_slice)
         whole = lambda sl: [(batch_slice, sl[0][1])] * (batch_size // batch_slice)  # noqa: E731
@@ -696,6 +743,20 @@ def solve(
         )
     res.seconds = time.perf_counter() - started
     return res
+
+
+def lower_bound(cost: Cost, *, seq_len: int, batch_size: int, stages: int, token_step: int = 1) -> float:
+    """A bound no scheme's objective falls below: the least total tile time of any scheme, S*(∞), plus K − 1 times
+    the least largest tile any scheme can have (one DP pass; `solve` takes many). +inf when the cost forbids every
+    scheme. Used to search several cost models (one per partition of the layers, `plan.configs`) exactly: a model
+    whose bound reaches the best objective found need not be solved."""
+    _check_sizes(seq_len=seq_len, batch_size=batch_size, stages=stages, token_step=token_step)
+    tables = _Tables(cost, seq_len=seq_len, batch_size=batch_size, token_step=token_step)
+    top = _probe(tables, np.array([np.inf]))[0]
+    if top.slices is None:
+        return math.inf
+    least = tables.smallest_feasible_t_max()  # the stall term is left out: it only adds (a bound stays a bound)
+    return objective(top.total, least, stages, getattr(cost, "step_s", 0.0))
 
 
 def _neighbour_schemes(tables: _Tables, t_max: float, count: int) -> list[Slices]:

@@ -19,6 +19,7 @@ start, so predicted and measured timelines can be drawn and compared side by sid
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -28,9 +29,9 @@ from terapipe_cli.plan.costmodel import ContextFit, CostModel
 from terapipe_cli.plan.schedule import Action, Schedule, Tile
 from terapipe_cli.plan.timeline import Event, StageTimes, stage_times
 
-# parts(b, i, j) -> (forward_s, backward_s, send_forward_s, send_backward_s), arrays over tiles: one stage's
+# parts(b, i, j, chunk) -> (forward_s, backward_s, send_forward_s, send_backward_s), arrays over tiles: one chunk's
 # compute of the tile's forward and backward, and the transfer of its activation / gradient to the neighbour.
-TileParts = Callable[[np.ndarray, np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]
+TileParts = Callable[..., tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]
 
 
 @dataclass
@@ -49,34 +50,54 @@ class SimResult:
 
 
 def cost_model_parts(cost: CostModel) -> TileParts:
-    """Split a `CostModel` into forward, backward and one-way transfer times per tile.
+    """Split a `CostModel` into forward, backward and one-way transfer times per tile, for any of its chunks
+    (``chunk``, default 0; its layers and, on the first and last chunks, the embedding and the head).
 
     Built from two copies of the cost model that keep only the forward (resp. backward) measurements, so the
-    interpolation is the cost model's own; their sum plus the two transfers is exactly ``cost(b, i, j)`` of a cost
-    model without recomputation. A recomputing stage's backward holds the forward a second time (`simulate`).
+    interpolation is the cost model's own; their sum plus the two transfers is exactly the chunk's time
+    (`CostModel.chunk_time`) of a cost model without recomputation. A recomputing chunk's backward holds the forward
+    a second time (`simulate`).
     """
     p = cost.profile
     zero_fit = ContextFit((0.0, 0.0, 0.0, 0.0))
     zeros = np.zeros_like(p.forward_s)
-    fwd_only = CostModel(replace(p, backward_s=zeros, context_backward=zero_fit), cost.stages)
-    bwd_only = CostModel(replace(p, forward_s=zeros, context_forward=zero_fit), cost.stages)
-    layers = cost.layers_per_stage
+    ends = p.ends
+    fwd_ends = bwd_ends = None
+    if ends is not None:
+        fwd_ends = replace(ends, embed_backward_s=zeros, head_backward_s=zeros)
+        bwd_ends = replace(ends, embed_forward_s=zeros, head_forward_s=zeros)
+    keep = {"partition": cost.partition}
+    fwd_only = CostModel(replace(p, backward_s=zeros, context_backward=zero_fit, ends=fwd_ends), cost.stages, **keep)
+    bwd_only = CostModel(replace(p, forward_s=zeros, context_forward=zero_fit, ends=bwd_ends), cost.stages, **keep)
+    part, last = cost.partition, cost.partition.chunks - 1
 
-    def parts(b, i, j):
+    def kind(chunk: int) -> tuple[int, bool, bool]:
+        """Chunks of one kind cost alike: the same layers, and the same ends."""
+        return part.layers[chunk], chunk == 0, chunk == last
+
+    def parts(b, i, j, chunk: int = 0):
         b, i, j = np.broadcast_arrays(*(np.asarray(x, dtype=float) for x in (b, i, j)))
-        fwd = layers * (fwd_only.no_context(b, i) + fwd_only.context(b, i, j))
-        bwd = layers * (bwd_only.no_context(b, i) + bwd_only.context(b, i, j))
+        layers = part.layers[chunk]
+        out = []
+        for only in (fwd_only, bwd_only):
+            t = layers * (only.no_context(b, i) + only.context(b, i, j))
+            if chunk == 0:
+                t = t + only.embedding(b, i)
+            if chunk == last:
+                t = t + only.head(b, i)
+            out.append(np.broadcast_to(t, b.shape))
         # comm() is the round trip (activation forward + gradient back), each one latency + bytes/bandwidth.
         one_way = np.broadcast_to(cost.comm(b, i) / 2.0, b.shape)
-        return fwd, bwd, one_way, one_way
+        return out[0], out[1], one_way, one_way
 
+    parts.kind = kind
     return parts
 
 
 def uniform_parts(forward_s: float, backward_s: float, send_s: float = 0.0) -> TileParts:
     """Every tile costs the same on every stage (for checks against the closed formula)."""
 
-    def parts(b, i, j):
+    def parts(b, i, j, chunk: int = 0):
         shape = np.broadcast(np.asarray(b), np.asarray(i), np.asarray(j)).shape
         return (np.full(shape, forward_s), np.full(shape, backward_s), np.full(shape, send_s), np.full(shape, send_s))
 
@@ -100,7 +121,9 @@ def simulate(
     """
     stages = schedule.stages
     parts, step_s = _resolve_parts(cost_parts, stages, step_s)
-    pipeline = _Pipeline(list(schedule.tiles), parts, stages, schedule.recompute)
+    if isinstance(cost_parts, CostModel) and cost_parts.partition.chunks != schedule.chunks:
+        raise ValueError(f"the cost model has {cost_parts.partition.chunks} chunks, the schedule {schedule.chunks}")
+    pipeline = _Pipeline(list(schedule.tiles), parts, stages, schedule.chunks, schedule.recompute)
     events = pipeline.walk(schedule.actions, replica=replica, step=step)
     compute_end = max(pipeline.stage_free) if stages else 0.0
     return SimResult(
@@ -116,51 +139,72 @@ def _resolve_parts(cost_parts: CostModel | TileParts, stages: int, step_s: float
         raise ValueError(f"the cost model is for {cost_parts.stages} stages, simulating {stages}")
     if step_s is None:
         step_s = cost_parts.step_s
-    return cost_model_parts(cost_parts), float(step_s or 0.0)
+    parts = _PARTS.get(cost_parts)
+    if parts is None:
+        parts = _PARTS[cost_parts] = cost_model_parts(cost_parts)
+    return parts, float(step_s or 0.0)
+
+
+# Each cost model's split into parts, made once: the planner simulates one cost model many times.
+_PARTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class _Pipeline:
-    """The state of the stages and links while a schedule is walked: what has arrived where, and when.
+    """The state of the devices and links while a schedule is walked: what has arrived where, and when.
+
+    Chunk c runs on device c mod K (one chunk per device unless interleaved); a tile's activation goes from chunk c
+    to c + 1 over the link between their devices (free within one device), its gradient back.
 
     Plain Python lists and floats: the walk touches one element at a time, where numpy's scalar access costs more
     than the arithmetic."""
 
-    def __init__(self, tiles: list[Tile], parts: TileParts, stages: int, recompute: Sequence[bool]) -> None:
+    def __init__(
+        self, tiles: list[Tile], parts: TileParts, stages: int, chunks: int, recompute: Sequence[bool]
+    ) -> None:
         self.index = {t: n for n, t in enumerate(tiles)}
         b = np.array([t.batch_size for t in tiles], dtype=float)
         i = np.array([t.tokens for t in tiles], dtype=float)
         j = np.array([t.token_start for t in tiles], dtype=float)
-        self.fwd, self.bwd, self.send_f, self.send_b = (
-            np.broadcast_to(np.asarray(x, dtype=float), b.shape).tolist() for x in parts(b, i, j)
-        )
-        self.stages = stages
+        self.fwd, self.bwd, self.send_f, self.send_b = [], [], [], []
+        kind = getattr(parts, "kind", lambda c: c)  # chunks of one kind cost alike: priced once
+        priced: dict = {}
+        for c in range(chunks):
+            if kind(c) not in priced:
+                priced[kind(c)] = [
+                    np.broadcast_to(np.asarray(x, dtype=float), b.shape).tolist() for x in parts(b, i, j, chunk=c)
+                ]
+            for store, x in zip((self.fwd, self.bwd, self.send_f, self.send_b), priced[kind(c)], strict=True):
+                store.append(x)
+        self.stages, self.chunks = stages, chunks
         self.recompute = list(recompute)
-        # Arrival time at stage k of tile n's activation (forward) or gradient (backward); None until sent.
-        self.act_in: list[list[float | None]] = [[None] * len(tiles) for _ in range(stages)]
-        self.grad_in: list[list[float | None]] = [[None] * len(tiles) for _ in range(stages)]
-        self.forward_done = [[False] * len(tiles) for _ in range(stages)]
-        self.link_fwd_free = [0.0] * stages  # link k -> k+1, free from this time
-        self.link_bwd_free = [0.0] * stages  # link k -> k-1
+        # Arrival time at chunk c of tile n's activation (forward) or gradient (backward); None until sent.
+        self.act_in: list[list[float | None]] = [[None] * len(tiles) for _ in range(chunks)]
+        self.grad_in: list[list[float | None]] = [[None] * len(tiles) for _ in range(chunks)]
+        self.forward_done = [[False] * len(tiles) for _ in range(chunks)]
+        self.link_fwd_free = [0.0] * stages  # link k -> k+1 (mod K), free from this time
+        self.link_bwd_free = [0.0] * stages  # link k -> k-1 (mod K)
         self.stage_free = [0.0] * stages
 
     def walk(self, schedule: Sequence[Sequence[Action]], *, replica: int, step: int) -> list[Event]:
-        """Run every stage's actions in order, each as soon as its input is there; events sorted by start."""
+        """Run every device's actions in order, each as soon as its input is there; events sorted by start."""
         pos = [0] * self.stages
         tile_of = [[self.index[a.tile] for a in actions] for actions in schedule]
         events: list[Event] = []
         remaining = sum(len(s) for s in schedule)
+        interleaved = self.chunks > self.stages
         while remaining:
             progressed = False
             for k in range(self.stages):
                 while pos[k] < len(schedule[k]):
                     action, n = schedule[k][pos[k]], tile_of[k][pos[k]]
-                    t_ready = self.ready(k, action.phase, n)
+                    t_ready = self.ready(action.stage, action.phase, n)
                     if t_ready is None:
                         break
-                    start, end = self.run(k, action.phase, n, t_ready)
+                    start, end = self.run(k, action.stage, action.phase, n, t_ready)
                     tile = action.tile
+                    chunk = action.stage if interleaved else None
                     events.append(
-                        Event(k, action.phase, tile.batch_slice, tile.token_slice, start, end, k, replica, step)
+                        Event(k, action.phase, tile.batch_slice, tile.token_slice, start, end, k, replica, step, chunk)
                     )
                     pos[k] += 1
                     remaining -= 1
@@ -171,28 +215,35 @@ class _Pipeline:
         events.sort(key=lambda e: (e.start_s, e.stage))
         return events
 
-    def ready(self, k: int, phase: str, n: int) -> float | None:
-        """When the input of tile n's ``phase`` on stage k is there, or None while it has not been sent."""
+    def ready(self, c: int, phase: str, n: int) -> float | None:
+        """When the input of tile n's ``phase`` on chunk c is there, or None while it has not been sent."""
         if phase == "F":
-            return 0.0 if k == 0 else self.act_in[k][n]
-        if not self.forward_done[k][n]:
+            return 0.0 if c == 0 else self.act_in[c][n]
+        if not self.forward_done[c][n]:
             return None
-        return 0.0 if k == self.stages - 1 else self.grad_in[k][n]
+        return 0.0 if c == self.chunks - 1 else self.grad_in[c][n]
 
-    def run(self, k: int, phase: str, n: int, t_ready: float) -> tuple[float, float]:
-        """Compute tile n's ``phase`` on stage k and send its output down the link; returns its (start, end)."""
+    def run(self, k: int, c: int, phase: str, n: int, t_ready: float) -> tuple[float, float]:
+        """Compute tile n's ``phase`` of chunk c on device k and send its output on; returns its (start, end)."""
         start = max(self.stage_free[k], t_ready)
+        local = self.stages == 1  # every chunk on one device: nothing travels
         if phase == "F":
-            end = start + self.fwd[n]
-            self.forward_done[k][n] = True
-            if k + 1 < self.stages:
-                depart = max(end, self.link_fwd_free[k])
-                self.link_fwd_free[k] = self.act_in[k + 1][n] = depart + self.send_f[n]
+            end = start + self.fwd[c][n]
+            self.forward_done[c][n] = True
+            if c + 1 < self.chunks:
+                if local:
+                    self.act_in[c + 1][n] = end
+                else:
+                    depart = max(end, self.link_fwd_free[k])
+                    self.link_fwd_free[k] = self.act_in[c + 1][n] = depart + self.send_f[c][n]
         else:
-            end = start + self.bwd[n] + (self.fwd[n] if self.recompute[k] else 0.0)
-            if k > 0:
-                depart = max(end, self.link_bwd_free[k])
-                self.link_bwd_free[k] = self.grad_in[k - 1][n] = depart + self.send_b[n]
+            end = start + self.bwd[c][n] + (self.fwd[c][n] if self.recompute[c] else 0.0)
+            if c > 0:
+                if local:
+                    self.grad_in[c - 1][n] = end
+                else:
+                    depart = max(end, self.link_bwd_free[k])
+                    self.link_bwd_free[k] = self.grad_in[c - 1][n] = depart + self.send_b[c][n]
         self.stage_free[k] = end
         return start, end
 

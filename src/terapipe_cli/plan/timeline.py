@@ -7,7 +7,10 @@ Timeline file (schema ``terapipe.timeline/1``), one per rank or one per simulati
     {"schema": "terapipe.timeline/1",
      "meta": {...free-form: rank, stage, replica, source ("measured" | "simulated"), device, ...},
      "events": [{"stage": 0, "phase": "F", "batch_slice": 0, "token_slice": 2,
-                 "start_s": 0.0123, "end_s": 0.0190, "rank": 0, "replica": 0, "step": 3}, ...]}
+                 "start_s": 0.0123, "end_s": 0.0190, "rank": 0, "replica": 0, "step": 3, "chunk": null}, ...]}
+
+``stage`` is the device (its row in a picture); ``chunk`` the chunk it ran when a device runs several (interleaved
+virtual stages, `plan.partition`), else null (absent in files written before it existed).
 
 ``start_s``/``end_s`` are seconds from the start of that step (all ranks start a step together, after a
 collective), so events of different ranks can be laid on one time axis. Imports no torch.
@@ -38,6 +41,7 @@ class Event:
     rank: int = 0
     replica: int = 0
     step: int = 0
+    chunk: int | None = None  # the chunk (virtual stage) it ran, when a device runs several (None: the stage's one)
 
 
 @dataclass(frozen=True)
@@ -127,6 +131,7 @@ def read_timeline(path: str | Path) -> tuple[dict, list[Event]]:
                 rank=ef.int("rank", minimum=0, default=0),
                 replica=ef.int("replica", minimum=0, default=0),
                 step=ef.int("step", minimum=0, default=0),
+                chunk=ef.int("chunk", minimum=0) if e.get("chunk") is not None else None,
             )
         )
     return meta, events

@@ -183,6 +183,60 @@ def layer_seconds(
     return forward, backward
 
 
+def ends_seconds(
+    model: ModelConfig, hardware: Hardware, b, i, tensor_parallel: int = 1, *, vocab_parallel: bool = False
+) -> dict[str, np.ndarray]:
+    """Forward and backward seconds of the pipeline's ends on one device for tiles (b, i) (docs/design.md §3):
+    ``embed_forward``/``embed_backward`` (the first chunk: token and position embedding) and ``head_forward``/
+    ``head_backward`` (the last chunk: final layer norm, LM head, cross-entropy). With ``vocab_parallel`` each of
+    the T tensor ranks holds V/T rows of the embedding and of the head (Megatron's split, engine/tensor.py): its
+    products and its logits' kernels shrink by T, and the embedding's output and the loss's max and sum are
+    all-reduced over the ranks; otherwise every rank runs the whole of both.
+
+    Embedding: a gather of b·i rows of H (memory-bound: read and write b·i·H) plus the position rows and their sum;
+    its backward scatters the gradient into the table (read b·i·H, read and write the rows touched). Head: the norm
+    (2·b·i·H), the product (b·i) × H × V forward and its two products backward, and the cross-entropy's
+    log-softmax over b·i × V (the logits read and written twice forward, three times backward, fp32).
+    """
+    dev, e = hardware.device, hardware.training.dtype_bytes
+    b, i = np.broadcast_arrays(*(np.asarray(x, dtype=float) for x in (b, i)))
+    H, t = float(model.hidden), (tensor_parallel if vocab_parallel else 1)
+    V = model.vocab / t
+    rows = b * i
+    act = rows * H * e
+    one = np.ones_like(rows)
+    embed_fwd = _stream_seconds(dev, 2 * act) + _stream_seconds(dev, 3 * act)  # gather; + positions
+    embed_bwd = _stream_seconds(dev, 3 * act) + _stream_seconds(dev, act)  # scatter-add; position rows
+    head = ("head", one, rows, one * V, one * H)
+    logits = rows * V * 4.0  # the loss works in fp32
+    head_fwd = _stream_seconds(dev, 2 * act) + _gemm_seconds(dev, e, head) + 2 * _stream_seconds(dev, 2 * logits)
+    head_bwd = _stream_seconds(dev, 3 * act) + sum(_gemm_seconds(dev, e, g) for g in backward_gemms([head]))
+    head_bwd = head_bwd + 3 * _stream_seconds(dev, 2 * logits)
+    if t > 1:  # the embedding's partial rows summed, the loss's per-token max and sum of exponentials
+        link = hardware.intra_node
+        embed_fwd = embed_fwd + ring_allreduce_seconds(act, t, latency_s=link.latency_s, bytes_per_s=link.bytes_per_s)
+        small = ring_allreduce_seconds(rows * 4.0, t, latency_s=link.latency_s, bytes_per_s=link.bytes_per_s)
+        head_fwd = head_fwd + 2 * small
+        head_bwd = head_bwd + ring_allreduce_seconds(act, t, latency_s=link.latency_s, bytes_per_s=link.bytes_per_s)
+    if dev.dispatch_s:  # a handful of kernels each way (gather/add; norm, product, loss): no tile is shorter
+        embed_fwd, embed_bwd = np.maximum(embed_fwd, 3 * dev.dispatch_s), np.maximum(embed_bwd, 4 * dev.dispatch_s)
+        head_fwd, head_bwd = np.maximum(head_fwd, 6 * dev.dispatch_s), np.maximum(head_bwd, 10 * dev.dispatch_s)
+    return {
+        "embed_forward": embed_fwd,
+        "embed_backward": embed_bwd,
+        "head_forward": head_fwd,
+        "head_backward": head_bwd,
+    }
+
+
+def ends_params(model: ModelConfig, tensor_parallel: int = 1, *, vocab_parallel: bool = False) -> tuple[int, int]:
+    """Parameters of the embedding (token and position tables) and of the head (final norm and LM head) on one
+    device: the vocabulary rows split over T with ``vocab_parallel``, whole otherwise."""
+    t = tensor_parallel if vocab_parallel else 1
+    V, H = model.vocab, model.hidden
+    return (V // t) * H + model.seq_len * H, (V // t) * H + 2 * H
+
+
 # The kernels one tile of the runtime's decoder layer launches on CUDA (`model.Block` with a K/V cache, as
 # `engine.stage.StageRunner` runs it), op by op. Views (split, view, transpose, slicing the cache) launch none.
 FORWARD_KERNELS = (
@@ -315,6 +369,8 @@ def analytic_profile(
     lengths = token_grid(model.seq_len, token_step)
     bb, ii = np.meshgrid(np.array(sizes, dtype=float), np.array(lengths, dtype=float), indexing="ij")
     fwd, bwd = layer_seconds(model, hardware, bb, ii, 0.0, t)
+    ends = ends_seconds(model, hardware, bb, ii, t)
+    embed_params, head_params = ends_params(model, t)
     params = model.params_per_layer(t)
     net = hardware.network
     return {
@@ -338,6 +394,11 @@ def analytic_profile(
         "forward_s": fwd.tolist(),
         "backward_s": bwd.tolist(),
         "context": _fit_context_term(model, hardware, t, sizes, token_step),
+        "ends": {
+            **{f"{name}_s": value.tolist() for name, value in ends.items()},
+            "embed_params": embed_params,
+            "head_params": head_params,
+        },
         "comm": {"latency_s": net.latency_s, "bytes_per_s": net.bytes_per_s},
         "optimizer_s_per_layer": _optimizer_seconds(hardware, params),
         "params_per_layer": params,

@@ -20,6 +20,7 @@ from terapipe_cli.profile.comm import (
     measure_link,
     message_sizes,
 )
+from terapipe_cli.profile.ends import held_out_errors, time_ends
 from terapipe_cli.profile.fit import RelErr, fit_context
 from terapipe_cli.profile.probe import DTYPE_BYTES, check_fits_in_memory, device_info
 from terapipe_cli.profile.tensor_parallel import time_layer_tensor_parallel
@@ -61,6 +62,8 @@ def measure_profile(
         timings, layer = time_layer(model, settings, tiles, device, progress)
     tables = _grid_tables(timings, settings)
     context = {which: _context_fit(timings, tiles, which) for which in ("forward", "backward")}
+    # The ends are replicated on every tensor rank today: what one process times is what each rank runs.
+    ends = time_ends(model, settings, device, progress)
     params = layer["params"]  # one tensor rank's share with T > 1: what each device all-reduces over replicas
     comm, dp_link = _links(model, params, settings, device, progress, link=measure_comm, allreduce=measure_allreduce)
     rows = dict(zip(timings.points, timings.rows(), strict=True))
@@ -84,6 +87,7 @@ def measure_profile(
         "forward_s": tables["forward_s"],
         "backward_s": tables["backward_s"],
         "context": context,
+        "ends": {k: v for k, v in ends.items() if k != "heldout"},
         "comm": comm,
         "optimizer_s_per_layer": layer["optimizer_s"],
         "activation_bytes_per_token_per_layer": layer["activation_bytes"],
@@ -99,7 +103,8 @@ def measure_profile(
         "activation_method": layer["activation_method"],
         "seconds_to_measure": round(time.perf_counter() - started, 1),
     }
-    profile_from_dict(profile, "measured profile")  # the one validating reader accepts what we write
+    checked = profile_from_dict(profile, "measured profile")  # the one validating reader accepts what we write
+    profile["ends"]["heldout"] = {"points": ends["heldout"], **held_out_errors(checked, ends["heldout"])}
     if tiles.check:
         profile["check"] = check_against(profile, [rows[p] for p in tiles.check])
     return profile

@@ -130,7 +130,7 @@ def find_cost_model(run: Run, profile: Path | None):
                 f"was measured at T={prof.tensor_parallel}, the run used T={run.args.tensor_parallel}",
                 where=str(profile),
             )
-    cost = CostModel(prof, run.stages, run.args.data_parallel)
+    cost = CostModel(prof, run.stages, run.args.data_parallel, partition=run.plan.partition)
     info = {"used": True, "profile": prof.path, "source": prof.source, "sha256": prof.sha256}
     info["device"] = prof.device.get("name")
     if cost.allreduce_unpriced:

@@ -178,7 +178,7 @@ def _draw_panel(ax, panel: TimelinePanel, x_max: float, Rectangle, *, min_label_
             ax.text(
                 x + w / 2,
                 e.stage,
-                f"{e.phase}{n}",
+                f"{e.phase}{n}" if e.chunk is None else f"{e.phase}{n}·{e.chunk}",
                 ha="center",
                 va="center",
                 fontsize=6.5,

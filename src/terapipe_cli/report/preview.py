@@ -23,7 +23,7 @@ def write_plan_picture(planned: Planned, path: str | Path) -> Path:
     panels, memory = [], []
     for name in names:
         result = getattr(planned, name)
-        schedule = Schedule.build(result.slices, r.stages, planned.order, planned.recompute)
+        schedule = Schedule.build(result.slices, r.stages, planned.order, planned.recompute, planned.partition)
         sim = simulate(schedule, planned.cost)
         order = {(t.batch_slice, t.token_slice): n for n, t in enumerate(plan_tiles(result.slices))}
         bubble = stage_times([sim.events], r.stages).bubble_fraction

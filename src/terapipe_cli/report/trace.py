@@ -71,13 +71,16 @@ def chrome_trace(runs: Sequence[TraceRun]) -> dict:
                 args = {"step": e.step, "batch_slice": e.batch_slice, "token_slice": e.token_slice}
                 if tile is not None:
                     args.update(tile=n, sequences=tile.batch_size, tokens=tile.tokens, context=tile.token_start)
+                chunk = "" if e.chunk is None else f" (chunk {e.chunk})"
+                if e.chunk is not None:
+                    args["chunk"] = e.chunk
                 out.append(
                     {
                         "ph": "X",
                         "pid": pid,
                         "tid": 0,
                         "cat": "forward" if e.phase == "F" else "backward",
-                        "name": f"{e.phase} tile {n if n is not None else '?'}",
+                        "name": f"{e.phase} tile {n if n is not None else '?'}{chunk}",
                         "ts": (step_start[e.step - 1] + e.start_s) * 1e6,
                         "dur": (e.end_s - e.start_s) * 1e6,
                         "args": args,

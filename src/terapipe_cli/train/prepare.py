@@ -214,7 +214,9 @@ def _schedule_text(config: RunConfig, plan: Plan) -> str | None:
         return None
     path = Path(config.schedule)
     text = read_user_text(path, name="schedule file", expected="a schedule (CSV file)")
-    return parse_schedule(text, plan.slices, plan.stages, plan.recompute, where=str(path)).to_csv()
+    return parse_schedule(
+        text, plan.slices, plan.stages, plan.recompute, where=str(path), partition=plan.partition
+    ).to_csv()
 
 
 def _eval_every(given: int | None, steps: int, val_fraction: float) -> int:

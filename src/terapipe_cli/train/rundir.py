@@ -248,4 +248,6 @@ def run_schedule(plan: Plan, args: RunArguments, *, where: str) -> Schedule:
     if args.schedule is None:
         return Schedule.of_plan(plan)
     where = f"{where}: field 'arguments.schedule'"
-    return parse_schedule(args.schedule, plan.slices, plan.stages, plan.recompute, where=where)
+    return parse_schedule(
+        args.schedule, plan.slices, plan.stages, plan.recompute, where=where, partition=plan.partition
+    )

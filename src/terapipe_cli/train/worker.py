@@ -13,11 +13,15 @@ timelines — and the summary.
 
 A failure writes the traceback to ``DIR/errors/rank_N.txt`` and torchrun's error file, prints one line,
 and exits 1; torchrun then stops the other workers and the launcher names the rank and the cause.
+
+With ``TERAPIPE_PROFILE_DIR`` set (`PROFILE_ENV`; scripts/bench_peer_train.py --profile), each rank runs under
+cProfile and writes its statistics to ``rank_N.prof`` there.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
 import platform
@@ -26,7 +30,8 @@ import statistics
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -62,6 +67,10 @@ from terapipe_cli.units import format_duration
 # failure handling and --resume: "kill:RANK:STEP" (SIGKILL itself), "raise:RANK:STEP" (an exception) or
 # "hang:RANK:STEP" (stop responding, so the neighbours' waits time out).
 FAULT_ENV = "TERAPIPE_TEST_FAULT"
+
+# A folder: each rank's whole run goes through cProfile and its statistics are written there as rank_N.prof (where
+# a step's time goes, measured inside `terapipe train` itself; scripts/bench_peer_train.py --profile).
+PROFILE_ENV = "TERAPIPE_PROFILE_DIR"
 
 
 @dataclass(frozen=True)
@@ -143,6 +152,7 @@ def start_worker(run_dir: Path, request: NodeRequest, *, resuming: bool) -> Work
     link = Links(
         prev_rank=prev_rank,
         next_rank=next_rank,
+        ring=layout.ring(rank),
         hidden=plan.model.hidden,
         dtype=torch.float32,
         device=device,
@@ -366,6 +376,22 @@ def record_for_torchrun(e: BaseException) -> None:
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"  # set by torchrun for each worker
 
 
+@contextmanager
+def profiled(rank: int) -> Iterator[None]:
+    """Within: this rank under cProfile when `PROFILE_ENV` names a folder (its statistics go to rank_N.prof)."""
+    folder = os.environ.get(PROFILE_ENV)
+    if not folder:
+        yield
+        return
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        yield
+    finally:
+        profiler.disable()
+        profiler.dump_stats(Path(folder) / f"rank_{rank:05d}.prof")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="terapipe pipeline worker (started by `terapipe train`)")
     parser.add_argument("--run-dir", required=True, type=Path)
@@ -377,7 +403,8 @@ def main(argv: list[str] | None = None) -> None:
     a = parser.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     try:
-        train(a.run_dir, a.resume_step, NodeRequest(a.device, a.backend, a.timeout_s, a.settings))
+        with profiled(rank):
+            train(a.run_dir, a.resume_step, NodeRequest(a.device, a.backend, a.timeout_s, a.settings))
     except BaseException as e:
         if isinstance(e, SystemExit) and not e.code:
             raise

@@ -1,0 +1,259 @@
+"""The choice among pipeline configurations (docs/design.md §11): how the layers are cut into chunks (the
+partition), how many chunks each device runs (v, interleaving) and the schedule order. Imports no torch.
+
+`plan_configured` is what `terapipe plan` calls. For every v it may use (the one asked for, or with
+``--virtual-stages auto`` each v = 1, 2, … up to `MAX_VIRTUAL` while the K·v chunks leave every middle chunk a layer;
+v > 1 only with K > 1), and every partition it may use (the one given, the most even by layers, or with
+``--partition auto`` the candidates of `partition_candidates`), it plans the configuration with `plan_for_profile`:
+the exact slicing under the objective, the memory limit, the schedule-aware re-ranking.
+
+* Across partitions of one v the objective decides, exactly: the partitions are taken in the order of their lower
+  bound (`search.lower_bound`, one DP pass each) and the search stops once a bound reaches the best objective found,
+  so the result is the exact optimum over partitions and slicings (brute force agrees: tests/plan/test_configs.py).
+* Across v, and between GPipe and 1F1B order, the simulator decides: the objective prices both orders alike and
+  leaves out the wrap-around stall of interleaving (a tile comes back to device 0 after K chunk-times; with fewer
+  tiles than K the device waits), which the simulator replays. The fastest simulated configuration is the plan; the
+  runner-up is recorded beside it. With v > 1 the memory-aware search (§10, whose closed forms are for one chunk per
+  device) does not run: a configuration whose estimate exceeds an enforced limit is dropped.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from terapipe_cli.errors import UserError
+from terapipe_cli.plan.choice import Planned, outside_profile, plan_for_profile, plan_one
+from terapipe_cli.plan.costmodel import CostModel, Profile
+from terapipe_cli.plan.memory import check_memory, stage_memory
+from terapipe_cli.plan.partition import Partition
+from terapipe_cli.plan.request import PlanRequest
+from terapipe_cli.plan.schedule import Schedule
+from terapipe_cli.plan.search import lower_bound, solve
+
+MAX_VIRTUAL = 4  # --virtual-stages auto tries v = 1 … 4 (Megatron-LM's runs use 2–4 chunks per device)
+# With --partition auto and at most this many partitions, every one is a candidate (small cases: exact by brute
+# force); beyond it, those within `_window` layers of the even split.
+ALL_PARTITIONS = 64
+
+
+@dataclass(frozen=True)
+class Configured:
+    """The plan of the chosen configuration, and the runner-up's (another v, order or partition), if any."""
+
+    planned: Planned
+    runner_up: Planned | None
+    tried: int  # configurations planned (partitions whose bound ruled them out are not counted)
+
+    def line(self) -> str:
+        """What was chosen, and what the runner-up would cost (simulated)."""
+        p = self.planned
+        text = f"configuration: {describe(p)}, simulated {_ms(p.simulated_s[p.scheme])}"
+        if self.runner_up is not None:
+            r = self.runner_up
+            text += f"; runner-up: {describe(r)}, simulated {_ms(r.simulated_s[r.scheme])}"
+        return text + f" ({self.tried} planned)"
+
+
+def describe(planned: Planned) -> str:
+    """``1F1B order, 2 virtual stages, layers 1 2 | 2 1``."""
+    part = planned.partition
+    text = planned.choice_text()
+    if part.virtual > 1:
+        text += f", {part.virtual} virtual stages"
+    return text + f", layers {part.text()}"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f} ms" if seconds < 1 else f"{seconds:.3f} s"
+
+
+def virtual_candidates(request: PlanRequest, layers: int) -> list[int]:
+    if request.partition is not None:
+        return [request.partition.virtual]
+    if request.virtual is not None:
+        return [request.virtual]
+    K = request.stages
+    return [v for v in range(1, MAX_VIRTUAL + 1) if v == 1 or (K > 1 and K * v - 2 <= layers)]
+
+
+def partition_candidates(profile: Profile, request: PlanRequest, virtual: int) -> list[Partition]:
+    """The partitions to plan for one v: the fixed one, the most even by layers, or (``--partition auto``) every
+    valid partition when there are at most `ALL_PARTITIONS` (small cases: exact), else those whose middle chunks are
+    as even as can be and whose first and last chunks are within `_window` layers of the even split (the ends weigh
+    that many layers at the most; only the slowest middle chunk counts with v = 1)."""
+    N, K = profile.model.layers, request.stages
+    if request.partition is not None:
+        return [request.partition]
+    balanced = Partition.balanced(N, K, virtual)
+    S = K * virtual
+    if request.partition_mode != "auto" or S == 1:
+        return [balanced]
+    if count_partitions(N, S) <= ALL_PARTITIONS:
+        return [Partition(c, K) for c in _compositions(N, S)]
+    lo, hi = _window(profile, N, S)
+    out = {balanced}
+    for a in range(lo, hi + 1):
+        for c in range(lo, hi + 1) if S > 2 else [N - a]:
+            rest = N - a - c
+            if S == 2 and 0 <= c <= N:
+                out.add(Partition((a, c), K))
+            elif S > 2 and rest >= S - 2:
+                out.add(Partition((a, *Partition.balanced(rest, S - 2).layers, c), K))
+    return sorted(out, key=lambda p: p.layers)
+
+
+def count_partitions(layers: int, chunks: int) -> int:
+    """Partitions of ``layers`` into ``chunks`` chunks, each middle chunk holding at least one layer."""
+    if chunks == 1:
+        return 1
+    free = layers - (chunks - 2)
+    return math.comb(free + chunks - 1, chunks - 1) if free >= 0 else 0
+
+
+def _compositions(layers: int, chunks: int):
+    """Every partition counted by `count_partitions`, as tuples of layer counts."""
+    if chunks == 1:
+        yield (layers,)
+        return
+    free = layers - (chunks - 2)
+    for cuts in itertools.combinations(range(free + chunks - 1), chunks - 1):
+        counts = [b - a - 1 for a, b in zip((-1, *cuts), (*cuts, free + chunks - 1), strict=True)]
+        yield tuple(n + (1 if 0 < k < chunks - 1 else 0) for k, n in enumerate(counts))
+
+
+def _window(profile: Profile, layers: int, chunks: int) -> tuple[int, int]:
+    """The first (and last) chunk's layers worth trying: from the even share less the most the ends cost in layers
+    (their time over one layer's, at the largest ratio on the profile's grid), to one more than the even share."""
+    even = layers / chunks
+    ends = profile.ends
+    weight = 0.0
+    if ends is not None:
+        layer = profile.forward_s + profile.backward_s
+        for grid in (ends.embed_forward_s + ends.embed_backward_s, ends.head_forward_s + ends.head_backward_s):
+            weight = max(weight, float(np.max(grid / np.maximum(layer, 1e-30))))
+    if chunks == 2:
+        spread = math.ceil(weight / 2) + 1
+        return max(0, math.floor(even) - spread), min(layers, math.ceil(even) + spread)
+    return max(0, math.floor(even) - math.ceil(weight) - 1), math.ceil(even) + 1
+
+
+def plan_configured(profile: Profile, request: PlanRequest) -> Configured:
+    """The plan of the fastest configuration (module docstring)."""
+    N = profile.model.layers
+    best: list[Planned] = []  # per v, its best configuration
+    seconds: list[Planned] = []  # per v, the next best partition planned
+    refused: list[UserError] = []  # why a configuration fit nowhere (the memory limit)
+    tried = 0
+    for v in virtual_candidates(request, N):
+        first, second, count = _best_partition(profile, request, v, refused)
+        tried += count
+        best += [first] if first is not None else []
+        seconds += [second] if second is not None else []
+    if not best:
+        if refused:
+            raise refused[0]
+        raise UserError(
+            "no configuration with more than one virtual stage fits the memory limit; use --virtual-stages 1",
+            where="--virtual-stages",
+        )
+    simulated = lambda p: p.simulated_s[p.scheme]  # noqa: E731
+    ranked = sorted(best, key=simulated)
+    others = ranked[1:] or sorted(seconds, key=simulated)
+    return Configured(ranked[0], others[0] if others else None, tried)
+
+
+def _best_partition(
+    profile: Profile, request: PlanRequest, virtual: int, refused: list[UserError]
+) -> tuple[Planned | None, Planned | None, int]:
+    """The best plan over the partitions for one v by the objective (exact: bound order, module docstring), then in
+    the order the simulator prefers when the order is free, and the next best partition planned; (None, None, n)
+    when none fits. ``refused`` collects the one-line reasons of partitions that fit nowhere."""
+    r = request
+    candidates = partition_candidates(profile, r, virtual)
+    shape = {"seq_len": r.seq_len, "batch_size": r.batch_size, "stages": r.stages, "token_step": r.token_step}
+    if len(candidates) > 1:
+        bounds = []
+        for part in candidates:
+            cost = CostModel(profile, r.stages, r.data_parallel, within_profile=True, partition=part)
+            bounds.append((lower_bound(cost, **shape), part.layers, part))
+        bounds.sort(key=lambda x: (x[0], x[1]))
+        candidates = [part for _, _, part in bounds]
+        limits = [bound for bound, _, _ in bounds]
+    else:
+        limits = [-math.inf]
+    scored: list[tuple[float, Partition]] = []  # the objective's optimum of each partition searched
+    for part, bound in zip(candidates, limits, strict=True):
+        if scored and bound >= min(t for t, _ in scored) * (1 - 1e-12):
+            break
+        optimum = _formula_optimum(profile, r.with_config(part, None if r.order_free else r.order), refused)
+        scored += [(optimum, part)] if optimum is not None else []
+    if not scored:
+        return None, None, 0
+    scored.sort(key=lambda x: x[0])  # stable: among equals, the bound's order (then the layers)
+    order = None if r.order_free else r.order
+    best = _plan_partition(profile, r.with_config(scored[0][1], order))
+    # The runner-up only for its line: the objective's optimum, simulated (no re-ranking).
+    second = None
+    if len(scored) > 1:
+        second = _plan_partition(profile, replace(r, rank="formula").with_config(scored[1][1], order))
+    return _order_by_simulation(profile, best), second, len(scored)
+
+
+def _formula_optimum(profile: Profile, request: PlanRequest, refused: list[UserError]) -> float | None:
+    """The objective's optimum of one configuration within the memory limit (cheaply: the search alone, unless the
+    limit binds); None when nothing fits (``refused`` gets the one-line reason; with v > 1, when the optimum does
+    not fit: the memory-aware search is for one chunk per device)."""
+    r, part = request, request.partition
+    cost = CostModel(profile, r.stages, r.data_parallel, recompute=r.recompute, within_profile=True, partition=part)
+    shape = {"seq_len": r.seq_len, "batch_size": r.batch_size, "stages": r.stages, "token_step": r.token_step}
+    res = solve(cost, **shape, epsilon=r.epsilon, method=r.method)
+    if res is None:  # the same for every configuration: the profile's batch sizes cannot make up the batch
+        raise UserError(outside_profile(profile, r.batch_size, "no batch slicing"), where="--batch")
+    recompute = (r.recompute,) * part.chunks
+    schedule = Schedule.build(res.slices, r.stages, r.order, recompute, part)
+    memory = check_memory(
+        stage_memory(schedule, profile), profile.device, r.memory_limit_gib, r.data_parallel * r.tensor_parallel
+    )
+    if memory is None or not (memory.enforced and memory.exceeded):
+        return res.predicted_s
+    if part.virtual > 1:
+        return None
+    try:
+        return _objective(plan_for_profile(profile, replace(r, rank="formula")))
+    except UserError as e:
+        if e.where != "--memory-limit":
+            raise
+        refused.append(e)
+        return None
+
+
+def _plan_partition(profile: Profile, request: PlanRequest) -> Planned:
+    """One configuration planned in full (`plan_for_profile`; `plan_one` alone with v > 1)."""
+    if request.partition.virtual == 1:
+        return plan_for_profile(profile, request)
+    return plan_one(profile, request)
+
+
+def _objective(planned: Planned) -> float:
+    """The objective's optimum of a planned configuration (the formula; the schedule-aware choice may run another
+    scheme of it)."""
+    return (planned.formula_optimal or planned.terapipe).predicted_s
+
+
+def _order_by_simulation(profile: Profile, planned: Planned) -> Planned:
+    """With the order left free and no memory limit binding: the same scheme in 1F1B order when the simulator finds
+    it faster (the objective prices both orders alike)."""
+    r = planned.request
+    if not r.order_free or planned.order == "1f1b" or planned.unfitted is not None or r.batch_size == 1:
+        return planned
+    other = plan_one(profile, r, planned.terapipe, order="1f1b", recompute=planned.recompute)
+    memory = other.memory
+    if memory is not None and memory.enforced and memory.exceeded:
+        return planned
+    if other.simulated_s["terapipe"] < planned.simulated_s["terapipe"] * (1 - 1e-9):
+        return replace(other, formula_optimal=planned.formula_optimal)
+    return planned

@@ -1,0 +1,149 @@
+"""The pipeline's ends, timed through the runtime's own code (docs/design.md §3): the first chunk's token and position
+embedding, and the last chunk's final norm, LM head and cross-entropy, per (b, i) — the ``ends`` of a profile
+(`plan.costmodel.Ends`). Neither attends, so neither has a context term.
+
+Each end runs in a `StageRunner` holding that end alone: the first and the last chunk of a one-layer model cut
+``(0, 1, 0)`` (`plan.partition`), at the profile's precision, inside one ``StageRunner.step()`` as in training. A
+tile is timed as a forward of another batch slice (untimed, as in a pipeline step), then the tile's forward and
+backward; rounds visit every (b, i) in a fresh random order, medians kept, with the clock of the layer's tiles
+(`profile.timer`). The grid is the profile's batch sizes × token lengths; a few (b, i) off the grid are timed in
+the same rounds and held out, to check the interpolation the cost model uses on them (`held_out_errors`).
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from terapipe_cli.config.model import ModelConfig
+from terapipe_cli.engine.stage import StageRunner
+from terapipe_cli.plan.costmodel import CostModel, Profile
+from terapipe_cli.plan.partition import Partition
+from terapipe_cli.profile.tiles import Settings
+from terapipe_cli.profile.timer import Progress
+
+ENDS = ("embed", "head")
+HELD_OUT = 8  # (b, i) points off the grid timed to check the interpolation
+
+
+class EndsTimer:
+    """Times the embedding (chunk 0) and the head (chunk 2) of a one-layer model cut (0, 1, 0)."""
+
+    def __init__(self, model: ModelConfig, device: torch.device, *, seed: int, clock: str, precision: str) -> None:
+        one = replace(model, layers=1)
+        part = Partition((0, 1, 0), 3)
+        common = {"seed": seed, "device": device, "precision": precision, "partition": part}
+        self.runners = {"embed": StageRunner(one, 0, 3, **common), "head": StageRunner(one, 2, 3, **common)}
+        self.device, self.hidden, self.vocab = device, model.hidden, model.vocab
+        self._now = time.process_time if clock == "cpu" and device.type == "cpu" else time.perf_counter
+        self._gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def params(self, end: str) -> int:
+        return sum(p.numel() for p in self.runners[end].module.parameters())
+
+    def time_tile(self, end: str, b: int, i: int) -> tuple[float, float]:
+        """Seconds of the forward and of the backward of one (b, i) tile of ``end``."""
+        runner = self.runners[end]
+        runner.reset()
+        tokens = torch.randint(0, self.vocab, (b, i), generator=self._gen).to(self.device)
+        if end == "embed":
+            x, targets = tokens, None
+            grad = torch.randn(b, i, self.hidden, generator=self._gen).mul_(1e-2).to(self.device)
+        else:
+            x, targets, grad = torch.randn(b, i, self.hidden, generator=self._gen).to(self.device), tokens, None
+        runner.set_loss_scale(1.0 / (b * i))
+        runner.forward_tile(1, 0, x, targets)  # a forward of another batch slice first, as in a pipeline step
+        self._sync()
+        t0 = self._now()
+        runner.forward_tile(0, 0, x, targets)
+        self._sync()
+        t1 = self._now()
+        runner.backward_tile(0, 0, grad)
+        self._sync()
+        t2 = self._now()
+        runner.reset()
+        return t1 - t0, t2 - t1
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def held_out_points(settings: Settings, seq_len: int, count: int = HELD_OUT) -> list[tuple[int, int]]:
+    """``count`` (b, i) off the grid — i a multiple of the token step between the grid's lengths, b any size from
+    the smallest batch size to the largest — drawn from the profile's seed."""
+    lengths = [
+        n for n in range(settings.token_step, seq_len + 1, settings.token_step) if n not in settings.token_lengths
+    ]
+    sizes = range(min(settings.batch_sizes), max(settings.batch_sizes) + 1)
+    candidates = [(b, n) for b in sizes for n in lengths]
+    if not candidates:
+        return []
+    rng = np.random.default_rng(settings.seed + 7)
+    picks = rng.choice(len(candidates), min(count, len(candidates)), replace=False)
+    return sorted(candidates[k] for k in picks)
+
+
+def time_ends(model: ModelConfig, settings: Settings, device: torch.device, progress: Progress | None = None) -> dict:
+    """The profile's ``ends`` entry: per end, forward and backward medians on the grid [batch size][token length],
+    the parameters of each end, and the held-out points' timings (``heldout``: b, i, and each end's total)."""
+    timer = EndsTimer(model, device, seed=settings.seed, clock=settings.clock, precision=settings.precision)
+    grid = [(b, n) for b in settings.batch_sizes for n in settings.token_lengths]
+    held = held_out_points(settings, model.seq_len)
+    points = grid + held
+    samples = {(end, p): ([], []) for end in ENDS for p in points}
+    rng = np.random.default_rng(settings.seed + 11)
+    visits = [(end, p) for end in ENDS for p in points]
+    total, done = (settings.repeats + 1) * len(visits), 0
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    gc.collect()
+    gc.disable()
+    try:
+        for r in range(settings.repeats + 1):  # round 0 warms every shape up
+            for k in rng.permutation(len(visits)):
+                end, (b, n) = visits[k]
+                with timer.runners[end].step():
+                    fwd, bwd = timer.time_tile(end, b, n)
+                if r:
+                    samples[(end, (b, n))][0].append(fwd)
+                    samples[(end, (b, n))][1].append(bwd)
+                done += 1
+                if progress:
+                    progress("embedding and head", done, total)
+            gc.collect()
+    finally:
+        gc.enable()
+        torch.set_num_threads(threads)
+    med = {key: (float(np.median(f)), float(np.median(b))) for key, (f, b) in samples.items()}
+    out: dict = {}
+    for end in ENDS:
+        for phase, which in (("forward", 0), ("backward", 1)):
+            out[f"{end}_{phase}_s"] = [
+                [med[(end, (b, n))][which] for n in settings.token_lengths] for b in settings.batch_sizes
+            ]
+    out["embed_params"] = timer.params("embed")
+    out["head_params"] = timer.params("head")
+    out["heldout"] = [{"b": b, "i": n, **{f"{end}_s": sum(med[(end, (b, n))]) for end in ENDS}} for b, n in held]
+    return out
+
+
+def held_out_errors(profile: Profile, heldout: list[dict]) -> dict:
+    """Relative error of the cost model's embedding and head (interpolated from the grid, `CostModel`) on the
+    held-out timings: mean and max per end."""
+    if not heldout:
+        return {}
+    cost = CostModel(profile, 1)
+    b = np.array([p["b"] for p in heldout], dtype=float)
+    i = np.array([p["i"] for p in heldout], dtype=float)
+    out = {}
+    for end, priced in (("embed", cost.embedding(b, i)), ("head", cost.head(b, i))):
+        measured = np.array([p[f"{end}_s"] for p in heldout])
+        err = np.abs(priced - measured) / measured
+        out[end] = {"rel_err_mean": float(err.mean()), "rel_err_max": float(err.max()), "points": len(heldout)}
+    return out
