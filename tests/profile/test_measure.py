@@ -164,6 +164,12 @@ def test_timings_interleave_points_and_sample_cheap_tiles_more():
 # ------------------------------------------------------------------------------------------------ the command
 
 
+def cost_ends_positive(prof) -> np.ndarray:
+    cost = CostModel(prof, 2)
+    b, i = np.array([1, 2]), np.array([8, 40])
+    return np.concatenate([cost.embedding(b, i), cost.head(b, i)]) > 0
+
+
 def test_quick_profile_of_a_micro_model_is_a_valid_profile_the_planner_reads(tmp_path, capsys):
     model = write_model(tmp_path / "micro.toml")
     out = tmp_path / "sub" / "profile.json"
@@ -185,6 +191,14 @@ def test_quick_profile_of_a_micro_model_is_a_valid_profile_the_planner_reads(tmp
         assert np.isfinite(ctx["heldout_rel_err_mean"]) and ctx["heldout_rel_err_max"] >= ctx["heldout_rel_err_mean"]
         assert ctx["heldout_points"] == 8
     assert raw["optimizer_s_per_layer"] > 0 and raw["activation_bytes_per_token_per_layer"] > 0
+    # The embedding and the head, timed on the grid through the runtime's own chunks, and held out off it.
+    ends = raw["ends"]
+    for key in ("embed_forward_s", "embed_backward_s", "head_forward_s", "head_backward_s"):
+        assert np.asarray(ends[key]).shape == (2, len(raw["token_lengths"])) and np.all(np.asarray(ends[key]) > 0)
+    assert ends["embed_params"] == 16 * 32 + 64 * 32 and ends["head_params"] == 16 * 32 + 2 * 32
+    assert len(ends["heldout"]["points"]) == 8
+    assert all(np.isfinite(ends["heldout"][end]["rel_err_mean"]) for end in ("embed", "head"))
+    assert prof.ends is not None and np.all(cost_ends_positive(prof))
     assert "not measured" in raw["comm"]["method"]
     assert "data_parallel_link" not in raw and "--no-allreduce" in raw["data_parallel_link_skipped"]
     assert len(raw["check"]["points"]) == 4

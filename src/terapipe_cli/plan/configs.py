@@ -174,27 +174,43 @@ def _best_partition(
     when none fits. ``refused`` collects the one-line reasons of partitions that fit nowhere."""
     r = request
     candidates = partition_candidates(profile, r, virtual)
+    order = None if r.order_free else r.order
     shape = {"seq_len": r.seq_len, "batch_size": r.batch_size, "stages": r.stages, "token_step": r.token_step}
-    if len(candidates) > 1:
-        bounds = []
-        for part in candidates:
-            cost = CostModel(profile, r.stages, r.data_parallel, within_profile=True, partition=part)
-            bounds.append((lower_bound(cost, **shape), part.layers, part))
-        bounds.sort(key=lambda x: (x[0], x[1]))
-        candidates = [part for _, _, part in bounds]
-        limits = [bound for bound, _, _ in bounds]
-    else:
-        limits = [-math.inf]
-    scored: list[tuple[float, Partition]] = []  # the objective's optimum of each partition searched
-    for part, bound in zip(candidates, limits, strict=True):
-        if scored and bound >= min(t for t, _ in scored) * (1 - 1e-12):
+    costs = {p: CostModel(profile, r.stages, r.data_parallel, within_profile=True, partition=p) for p in candidates}
+    kept, dominated = _undominated(costs, r) if len(candidates) > 1 else (candidates, {})
+    bounds = {p: lower_bound(costs[p], **shape) for p in kept} if len(kept) > 1 else {kept[0]: -math.inf}
+    free_of: dict[Partition, float] = {}  # each partition's optimum without the memory limit, where searched
+    scored: list[tuple[float, Partition]] = []  # the objective's optimum of each partition searched, within memory
+    deferred: list[tuple[float, Partition]] = []  # (a bound, partition) for the pass within the memory limit
+
+    def best_so_far() -> float:
+        return min((t for t, _ in scored), default=math.inf) * (1 - 1e-12)
+
+    def unconstrained(part: Partition) -> bool:
+        free, fits = _unconstrained(profile, r.with_config(part, order))
+        free_of[part] = free
+        if fits:
+            scored.append((free, part))
+        return fits
+
+    for part in sorted(kept, key=lambda p: (bounds[p], p.layers)):
+        if bounds[part] >= best_so_far():
             break
-        optimum = _formula_optimum(profile, r.with_config(part, None if r.order_free else r.order), refused)
+        if not unconstrained(part) and part.virtual == 1:  # its optimum within the limit is no less than ``free``
+            deferred.append((free_of[part], part))
+    if deferred:  # the limit binds: a partition no faster anywhere may still fit where the faster ones do not
+        for part, by in dominated.items():
+            deferred.append((free_of.get(by, bounds.get(by, -math.inf)), part))
+    for bound, part in sorted(deferred, key=lambda x: (x[0], x[1].layers)):
+        if bound >= best_so_far():
+            break
+        if part not in free_of and unconstrained(part):
+            continue
+        optimum = _within_memory(profile, r.with_config(part, order), refused)
         scored += [(optimum, part)] if optimum is not None else []
     if not scored:
         return None, None, 0
     scored.sort(key=lambda x: x[0])  # stable: among equals, the bound's order (then the layers)
-    order = None if r.order_free else r.order
     best = _plan_partition(profile, r.with_config(scored[0][1], order))
     # The runner-up only for its line: the objective's optimum, simulated (no re-ranking).
     second = None
@@ -203,27 +219,54 @@ def _best_partition(
     return _order_by_simulation(profile, best), second, len(scored)
 
 
-def _formula_optimum(profile: Profile, request: PlanRequest, refused: list[UserError]) -> float | None:
-    """The objective's optimum of one configuration within the memory limit (cheaply: the search alone, unless the
-    limit binds); None when nothing fits (``refused`` gets the one-line reason; with v > 1, when the optimum does
-    not fit: the memory-aware search is for one chunk per device)."""
+def _undominated(costs: dict[Partition, CostModel], request: PlanRequest) -> tuple[list[Partition], dict]:
+    """The partitions no other prices lower or equal on every tile a scheme may use (what the objective sums, and
+    what its bubble takes the largest of), and each dominated one with a partition that dominates it: the
+    objective is non-decreasing in every tile's cost, so a dominated partition's optimum is no better (§11a)."""
+    r = request
+    n, g = r.seq_len // r.token_step, r.token_step
+    ends, lengths = np.nonzero(np.tri(n + 1, dtype=bool) & (np.arange(n + 1) >= 1)[None, :])
+    i, j = (lengths * g)[None, :], ((ends - lengths) * g)[None, :]
+    some = next(iter(costs.values()))
+    rows = min(r.batch_size, some.max_batch_slice or r.batch_size)
+    b = np.arange(1, rows + 1)[:, None]
+    parts = some.parts(b, i, j)  # one layer's time, the ends, the transfers: the same for every partition
+    shape = (rows, i.shape[1])
+    priced = {part: tuple(np.broadcast_to(x, shape) for x in cost.prices(parts)) for part, cost in costs.items()}
+    kept: list[Partition] = []
+    dominated: dict[Partition, Partition] = {}
+    for part in sorted(
+        costs, key=lambda p: (float(np.sum(np.where(np.isfinite(priced[p][0]), priced[p][0], 0))), p.layers)
+    ):
+        total, bubble = priced[part]
+        by = next((k for k in kept if np.all(priced[k][0] <= total) and np.all(priced[k][1] <= bubble)), None)
+        if by is None:
+            kept.append(part)
+        else:
+            dominated[part] = by
+    return kept, dominated
+
+
+def _unconstrained(profile: Profile, request: PlanRequest) -> tuple[float, bool]:
+    """The objective's optimum of one configuration without the memory limit, and whether it fits the limit (a
+    search alone: the cheap first pass over the partitions)."""
     r, part = request, request.partition
     cost = CostModel(profile, r.stages, r.data_parallel, recompute=r.recompute, within_profile=True, partition=part)
     shape = {"seq_len": r.seq_len, "batch_size": r.batch_size, "stages": r.stages, "token_step": r.token_step}
     res = solve(cost, **shape, epsilon=r.epsilon, method=r.method)
     if res is None:  # the same for every configuration: the profile's batch sizes cannot make up the batch
         raise UserError(outside_profile(profile, r.batch_size, "no batch slicing"), where="--batch")
-    recompute = (r.recompute,) * part.chunks
-    schedule = Schedule.build(res.slices, r.stages, r.order, recompute, part)
-    memory = check_memory(
-        stage_memory(schedule, profile), profile.device, r.memory_limit_gib, r.data_parallel * r.tensor_parallel
-    )
-    if memory is None or not (memory.enforced and memory.exceeded):
-        return res.predicted_s
-    if part.virtual > 1:
-        return None
+    schedule = Schedule.build(res.slices, r.stages, r.order, (r.recompute,) * part.chunks, part)
+    copies = r.data_parallel * r.tensor_parallel
+    memory = check_memory(stage_memory(schedule, profile), profile.device, r.memory_limit_gib, copies)
+    return res.predicted_s, memory is None or not (memory.enforced and memory.exceeded)
+
+
+def _within_memory(profile: Profile, request: PlanRequest, refused: list[UserError]) -> float | None:
+    """The objective's optimum of one configuration (v = 1) within the memory limit (`plan_for_profile`'s search);
+    None when nothing fits, ``refused`` getting the one-line reason."""
     try:
-        return _objective(plan_for_profile(profile, replace(r, rank="formula")))
+        return _objective(plan_for_profile(profile, replace(request, rank="formula")))
     except UserError as e:
         if e.where != "--memory-limit":
             raise

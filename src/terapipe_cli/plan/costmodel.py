@@ -37,6 +37,13 @@ The profile format (every field is checked by `read_profile`):
       "step_overhead_s": s,                            optional: any other fixed time per training step
       "params_per_layer": n,                           optional: parameters of one decoder layer (per device:
                                                        one tensor rank's share)
+      "vocab_parallel": true,                          optional (absent: false): the token embedding and the LM
+                                                       head are split over the T tensor ranks by vocabulary rows
+                                                       (Megatron's split, engine/tensor.py), as the runtime runs
+                                                       them; the memory estimate then counts each device's share
+                                                       of their parameters and of the logits (`plan.memory`).
+                                                       Absent in profiles made before the runtime split them,
+                                                       which keep the whole-vocabulary estimate
       "data_parallel_link": {"latency_s": s, "bytes_per_s": x}
                                                        optional: one step of the ring all-reduce the
                                                        data-parallel replicas run (measured by `terapipe
@@ -154,6 +161,7 @@ class Profile:
     dp_bytes_per_s: float | None = None
     precision: str = "fp32"  # the compute precision the times are for (docs/design.md §6a)
     tensor_parallel: int = 1  # device.tensor_parallel: the T the times are for, per device of a stage's T
+    vocab_parallel: bool = False  # the embedding and the head split over the T ranks by vocabulary rows
     ends: Ends | None = None  # the embedding and the head (None: a profile from before they were timed)
     raw: dict = field(default_factory=dict, repr=False, compare=False)
     path: str | None = None
@@ -247,6 +255,9 @@ def profile_from_dict(obj: dict, where: str) -> Profile:
     params = f.get("params_per_layer", None)
     if params is not None:
         params = f.number("params_per_layer", minimum=0)
+    vocab_parallel = f.get("vocab_parallel", False)
+    if not isinstance(vocab_parallel, bool):
+        raise f.fail("vocab_parallel", f"must be true or false, got {vocab_parallel!r}")
     dp_latency = dp_bandwidth = None
     if "data_parallel_link" in obj:
         link = f.sub("data_parallel_link")
@@ -274,6 +285,7 @@ def profile_from_dict(obj: dict, where: str) -> Profile:
         dp_bytes_per_s=dp_bandwidth,
         precision=precision_field(f),
         tensor_parallel=tensor_parallel,
+        vocab_parallel=vocab_parallel,
         ends=_ends(f, len(batch_sizes), len(token_lengths)),
         raw=obj,
     )
@@ -488,25 +500,42 @@ class CostModel:
         return sum(self.chunk_time(c, b, i, j) for c in self.partition.chunks_on(device))
 
     def _time(self, kind: tuple[int, bool, bool, int], b, i, j, layer=None) -> np.ndarray:
+        parts = self.parts(b, i, j) if layer is None else {"layer": layer, "b": b, "i": i}
+        return self._combine(kind, parts)
+
+    def parts(self, b, i, j) -> dict:
+        """What every tile price here is made of, for tiles (b, i, j): one layer's time, and ``b``, ``i`` (the ends
+        and transfers are read from them lazily). `prices` combines them for this cost model's partition: the
+        planner prices many partitions of one profile from one set of parts (`plan.configs`)."""
+        return {"layer": self.no_context(b, i) + self.context(b, i, j), "b": b, "i": i}
+
+    def _combine(self, kind: tuple[int, bool, bool, int], parts: dict) -> np.ndarray:
         layers, embeds, heads, hops = kind
-        layer = self.no_context(b, i) + self.context(b, i, j) if layer is None else layer
-        t = layers * layer + hops * self.comm(b, i)
-        if embeds:
-            t = t + self.embedding(b, i)
-        if heads:
-            t = t + self.head(b, i)
+        b, i = parts["b"], parts["i"]
+        if "comm" not in parts:
+            parts["comm"] = self.comm(b, i)
+        t = layers * parts["layer"] + hops * parts["comm"]
+        for flag, name, price in ((embeds, "embedding", self.embedding), (heads, "head", self.head)):
+            if flag:
+                if name not in parts:
+                    parts[name] = price(b, i)
+                t = t + parts[name]
         return t
 
-    def _slowest(self, kinds, b, i, j) -> np.ndarray:
-        layer = self.no_context(b, i) + self.context(b, i, j)
-        t = np.max(np.stack(np.broadcast_arrays(*(self._time(kind, b, i, j, layer) for kind in kinds))), axis=0)
+    def prices(self, parts: dict) -> tuple[np.ndarray, np.ndarray]:
+        """(``cost``, ``bubble`` — or ``cost`` again with one chunk per device) of the tiles of ``parts``."""
+        total = self._slowest_of(self._devices, parts)
+        return total, (total if self.bubble is None else self._slowest_of(self._chunks, parts))
+
+    def _slowest_of(self, kinds, parts: dict) -> np.ndarray:
+        t = np.max(np.stack(np.broadcast_arrays(*(self._combine(kind, parts) for kind in kinds))), axis=0)
         if not self.within_profile:
             return t
-        b = np.asarray(b)
+        b = np.asarray(parts["b"])
         return np.where((b >= self.min_batch_slice) & (b <= self.max_batch_slice), t, np.inf)
 
     def __call__(self, b, i, j) -> np.ndarray:
-        return self._slowest(self._devices, b, i, j)
+        return self._slowest_of(self._devices, self.parts(b, i, j))
 
     def _bubble(self, b, i, j) -> np.ndarray:
-        return self._slowest(self._chunks, b, i, j)
+        return self._slowest_of(self._chunks, self.parts(b, i, j))

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from terapipe_cli.config.device import machine_memory_bytes
+from terapipe_cli.config.model import vocab_share
 from terapipe_cli.plan.partition import Partition
 from terapipe_cli.plan.schedule import Action, Schedule
 from terapipe_cli.units import format_bytes
@@ -78,11 +79,15 @@ def stage_sizes(profile, stages: int, partition: Partition | None = None) -> lis
     of the one before, so a tile keeps ℓ·(a − kv) per token besides the caches, plus the stage's output (4H, fp32)
     — except on the last stage, which keeps its final norm's input and output and the logits instead (fp32
     log-probabilities for the loss; with a 16-bit compute type also the 16-bit logits and the head's 16-bit
-    input), and its targets. Stage 0 also keeps the token ids and positions its embeddings index. Parameters
-    count whole where the runtime replicates them: embeddings and head on every tensor rank (engine/tensor.py);
-    the layers' numbers are the profile's, already per tensor rank. With a 16-bit compute type the step also keeps
-    one 16-bit copy of each weight matrix (the layers' and the head's; `StageRunner.step`) while tiles are in
-    flight.
+    input), and its targets. Stage 0 also keeps the token ids and positions its embeddings index. The layers'
+    numbers are the profile's, already per tensor rank. With a 16-bit compute type the step also keeps one 16-bit
+    copy of each weight matrix (the layers' and the head's; `StageRunner.step`) while tiles are in flight.
+
+    The token embedding and the head: a profile that says ``vocab_parallel`` (the runtime's Megatron split,
+    engine/tensor.py) counts the fullest tensor rank's share of their rows, ⌈V/T⌉ (`config.model.vocab_share`),
+    in their parameters, their 16-bit copy and the logits, plus what the split keeps besides: the local token ids
+    and the mask of the tokens another rank holds (stage 0), the mask of the targets another rank holds (last
+    stage). A profile without it (made before the split) counts them whole on every tensor rank, as before.
     """
     raw = getattr(profile, "raw", {}) or {}
     per_layer = profile.activation_bytes_per_token_per_layer
@@ -90,7 +95,10 @@ def stage_sizes(profile, stages: int, partition: Partition | None = None) -> lis
     if per_layer is None or params is None:
         return None
     model = profile.model
-    H, V, T = model.hidden, model.vocab, profile.tensor_parallel
+    H, T = model.hidden, profile.tensor_parallel
+    split = bool(getattr(profile, "vocab_parallel", False)) and T > 1
+    V = vocab_share(model.vocab, T) if split else model.vocab  # the fullest rank's rows of the embedding and head
+    mask = 1.0 if split else 0.0  # a bool per token: which tokens (targets) another rank holds
     partition = partition or Partition.balanced(model.layers, stages)
     compute = 4 if profile.precision == "fp32" else 2
     kv = 2.0 * (H / T) * compute
@@ -101,15 +109,15 @@ def stage_sizes(profile, stages: int, partition: Partition | None = None) -> lis
         stage_params = layers * params
         tile = layers * (per_layer - kv) + (0.0 if last else 4.0 * H)
         if first:
-            stage_params += model.vocab * model.hidden + model.seq_len * model.hidden
-            tile += 2 * _INDEX_BYTES
+            stage_params += V * H + model.seq_len * H
+            tile += 2 * _INDEX_BYTES + (_INDEX_BYTES + mask if split else 0.0)  # + the split's local ids and mask
         if last:
-            stage_params += model.vocab * model.hidden
-            tile += 4.0 * H + compute * H + 4.0 * V + (2.0 * V if compute == 2 else 0.0) + _INDEX_BYTES
+            stage_params += V * H
+            tile += 4.0 * H + compute * H + 4.0 * V + (2.0 * V if compute == 2 else 0.0) + _INDEX_BYTES + mask
         kept = _INDEX_BYTES if first else 4.0 * H
         # The re-run keeps nothing of its own output (the backward starts from it at once).
         rerun = max(tile - kept - (0.0 if last else 4.0 * H), 0.0)
-        copies = 0.0 if compute == 4 else compute * (layers * params + (model.vocab * H if last else 0.0))
+        copies = 0.0 if compute == 4 else compute * (layers * params + (V * H if last else 0.0))
         out.append(StageSizes(stage_params * state_per_param, layers * kv, tile, kept, rerun, copies))
     return out
 

@@ -8,6 +8,10 @@ tile is timed as a forward of another batch slice (untimed, as in a pipeline ste
 backward; rounds visit every (b, i) in a fresh random order, medians kept, with the clock of the layer's tiles
 (`profile.timer`). The grid is the profile's batch sizes × token lengths; a few (b, i) off the grid are timed in
 the same rounds and held out, to check the interpolation the cost model uses on them (`held_out_errors`).
+
+With tensor parallelism (``tensor``) both ends are split by vocabulary rows over the stage's T ranks, as the runtime
+runs them (engine/tensor.py), with their all-reduces: every rank of the group times the same tiles in the same
+order (the T torchrun processes of `profile.tensor_parallel`), and each end's numbers are one rank's.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 
 from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.engine.stage import StageRunner
+from terapipe_cli.engine.tensor import TensorGroup
 from terapipe_cli.plan.costmodel import CostModel, Profile
 from terapipe_cli.plan.partition import Partition
 from terapipe_cli.profile.tiles import Settings
@@ -28,15 +33,28 @@ from terapipe_cli.profile.timer import Progress
 
 ENDS = ("embed", "head")
 HELD_OUT = 8  # (b, i) points off the grid timed to check the interpolation
+# Rounds at least: an end's tile is cheap next to a layer's, and its large fresh buffers (b·i·H embeddings, b·i·V
+# logits) make single timings jumpy on a CPU (page faults): medians of fewer rounds kept outliers of 3–10×.
+MIN_ROUNDS = 7
 
 
 class EndsTimer:
-    """Times the embedding (chunk 0) and the head (chunk 2) of a one-layer model cut (0, 1, 0)."""
+    """Times the embedding (chunk 0) and the head (chunk 2) of a one-layer model cut (0, 1, 0); with ``tensor``, this
+    rank's share of them (every rank of the group must time the same tiles in the same order)."""
 
-    def __init__(self, model: ModelConfig, device: torch.device, *, seed: int, clock: str, precision: str) -> None:
+    def __init__(
+        self,
+        model: ModelConfig,
+        device: torch.device,
+        *,
+        seed: int,
+        clock: str,
+        precision: str,
+        tensor: TensorGroup | None = None,
+    ) -> None:
         one = replace(model, layers=1)
         part = Partition((0, 1, 0), 3)
-        common = {"seed": seed, "device": device, "precision": precision, "partition": part}
+        common = {"seed": seed, "device": device, "precision": precision, "partition": part, "tensor": tensor}
         self.runners = {"embed": StageRunner(one, 0, 3, **common), "head": StageRunner(one, 2, 3, **common)}
         self.device, self.hidden, self.vocab = device, model.hidden, model.vocab
         self._now = time.process_time if clock == "cpu" and device.type == "cpu" else time.perf_counter
@@ -88,24 +106,34 @@ def held_out_points(settings: Settings, seq_len: int, count: int = HELD_OUT) -> 
     return sorted(candidates[k] for k in picks)
 
 
-def time_ends(model: ModelConfig, settings: Settings, device: torch.device, progress: Progress | None = None) -> dict:
+def time_ends(
+    model: ModelConfig,
+    settings: Settings,
+    device: torch.device,
+    progress: Progress | None = None,
+    tensor: TensorGroup | None = None,
+) -> dict:
     """The profile's ``ends`` entry: per end, forward and backward medians on the grid [batch size][token length],
-    the parameters of each end, and the held-out points' timings (``heldout``: b, i, and each end's total)."""
-    timer = EndsTimer(model, device, seed=settings.seed, clock=settings.clock, precision=settings.precision)
+    the parameters of each end (this rank's share with ``tensor``), and the held-out points' timings (``heldout``:
+    b, i, and each end's total). With ``tensor`` every rank of the group must call this alike."""
+    timer = EndsTimer(
+        model, device, seed=settings.seed, clock=settings.clock, precision=settings.precision, tensor=tensor
+    )
     grid = [(b, n) for b in settings.batch_sizes for n in settings.token_lengths]
     held = held_out_points(settings, model.seq_len)
     points = grid + held
     samples = {(end, p): ([], []) for end in ENDS for p in points}
     rng = np.random.default_rng(settings.seed + 11)
     visits = [(end, p) for end in ENDS for p in points]
-    total, done = (settings.repeats + 1) * len(visits), 0
+    rounds = max(settings.repeats, MIN_ROUNDS)
+    total, done = (rounds + 1) * len(visits), 0
     threads = torch.get_num_threads()
     if device.type == "cpu":
         torch.set_num_threads(1)
     gc.collect()
     gc.disable()
     try:
-        for r in range(settings.repeats + 1):  # round 0 warms every shape up
+        for r in range(rounds + 1):  # round 0 warms every shape up
             for k in rng.permutation(len(visits)):
                 end, (b, n) = visits[k]
                 with timer.runners[end].step():
