@@ -111,6 +111,22 @@ class ModelConfig:
         return sorted({*small, *(self.layers // k for k in small)})
 
 
+def vocab_rows(vocab: int, tensor_parallel: int, rank: int) -> range:
+    """The rows of the token embedding and of the LM head that tensor rank ``rank`` of T holds under Megatron's
+    vocabulary split (docs/design.md §6b): [r·V//T, (r+1)·V//T). V need not divide by T (GPT-3's 50257 does not):
+    the shares then differ by one row. The runtime, its checkpoints, the memory estimate and the analytic profile
+    all cut by this one rule."""
+    t = tensor_parallel
+    if not 0 <= rank < t:
+        raise ValueError(f"tensor rank {rank} out of range for {t} ranks")
+    return range(rank * vocab // t, (rank + 1) * vocab // t)
+
+
+def vocab_share(vocab: int, tensor_parallel: int) -> int:
+    """The most rows of `vocab_rows` one tensor rank holds: ⌈V / T⌉, the fullest device's share."""
+    return -(-vocab // tensor_parallel)
+
+
 def load_model_config(path: str | Path) -> ModelConfig:
     """Load ``[model]`` from a TOML file, or a bundled model by name (``tiny``, ``gpt3-13b``; `find_config`)."""
     path = find_config(path, "models", "--model")
