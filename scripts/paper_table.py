@@ -16,9 +16,8 @@ Every setting is planned within a memory limit per device, as `terapipe plan` pl
 of the experiment's hardware file (16 GiB on the V100), or --memory-limit GIB for all. The planner returns the
 fastest scheme that fits, choosing the token slicing, the batch grouping, the schedule order (GPipe or 1F1B) and
 which stages recompute; the GPipe baseline runs in the same order and recomputation. A setting that no scheme fits
-(GPT3-175B at 16 GiB: this runtime keeps the embeddings whole on every tensor rank) is planned without the limit,
-so its times still compare TeraPipe with GPipe, and its peak is flagged "(!)" with the smallest peak any scheme
-could reach ("min").
+(with a --memory-limit below what a setting needs) is planned without the limit, so its times still compare TeraPipe
+with GPipe, and its peak is flagged "(!)" with the smallest peak any scheme could reach ("min").
 
 Columns: GPipe scheme and predicted latency per step, TeraPipe scheme (the DP's exact optimum of the objective) and
 predicted latency, the predicted speed-up, the DP's gain over the best uniform slicing (uniform / DP latency), and

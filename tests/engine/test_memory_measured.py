@@ -11,7 +11,9 @@ import torch
 from conftest import ROOT
 
 from terapipe_cli.config.model import ModelConfig
+from terapipe_cli.engine.local import LocalWorld
 from terapipe_cli.engine.stage import StageRunner
+from terapipe_cli.engine.tensor import TensorGroup
 from terapipe_cli.plan.costmodel import read_profile
 from terapipe_cli.plan.memory import stage_memory
 from terapipe_cli.plan.schedule import Schedule
@@ -20,44 +22,60 @@ from terapipe_cli.profile.timer import TileTimer
 PROFILE = read_profile(ROOT / "configs" / "profiles" / "tiny-cpu-measured.json")
 
 
-def _measured_profile(cfg: ModelConfig, precision: str):
+def _on_tensor_ranks(tensor_parallel: int, fn):
+    """``fn(tp)`` on each of T tensor ranks (threads, `engine.local`), or ``fn(None)`` with T = 1; the results."""
+    if tensor_parallel == 1:
+        return [fn(None)]
+    world = LocalWorld(tensor_parallel)
+    group = lambda r: TensorGroup(r, tensor_parallel, world.group("tensor", range(tensor_parallel), r))  # noqa: E731
+    return world.run(lambda r: fn(group(r)))
+
+
+def _measured_profile(cfg: ModelConfig, precision: str, tensor_parallel: int = 1):
     """The bundled profile with this model, precision and an activation size measured here, as `terapipe profile`
-    measures it."""
-    timer = TileTimer(cfg, torch.device("cpu"), precision=precision)
-    with timer.runner.step():
-        act, _ = timer.activation_bytes_per_token(1, 64)
-    params = sum(p.numel() for p in timer.runner.module.parameters())
+    measures it (with T > 1 by the T ranks of one layer, each keeping its share; the vocabulary split)."""
+
+    def measure(tp):
+        timer = TileTimer(cfg, torch.device("cpu"), precision=precision, tensor=tp)
+        with timer.runner.step():
+            act, _ = timer.activation_bytes_per_token(1, 64)
+        return act, sum(p.numel() for p in timer.runner.module.parameters())
+
+    act, params = _on_tensor_ranks(tensor_parallel, measure)[0]
     raw = dict(PROFILE.raw, state_bytes_per_param=16.0)
     return replace(
         PROFILE, model=cfg, precision=precision, activation_bytes_per_token_per_layer=act, params_per_layer=params,
-        raw=raw,
+        tensor_parallel=tensor_parallel, vocab_parallel=True, raw=raw,
     )  # fmt: skip
 
 
-def _measured_peaks(cfg, slices, stages, order, recompute, precision):
-    """Each stage's peak of kept bytes over one step, walked by the runtime's StageRunner in one process."""
+def _measured_peaks(cfg, slices, stages, order, recompute, precision, tensor_parallel: int = 1):
+    """Each stage's peak of kept bytes over one step, walked by the runtime's StageRunner in one process (with T > 1
+    the fullest of the stage's T ranks, run as threads)."""
     torch.manual_seed(0)
     L = cfg.seq_len
     data = torch.randint(0, cfg.vocab, (sum(b for b, _ in slices), L + 1))
     schedule = Schedule.build(slices, stages, order)
-    peaks = []
-    for k in range(stages):
-        runner = StageRunner(cfg, k, stages, precision=precision, recompute=recompute[k])
+
+    def walk(k, tp):
+        runner = StageRunner(cfg, k, stages, precision=precision, recompute=recompute[k], tensor=tp)
+        gen = torch.Generator().manual_seed(k)
         with runner.step():
             for a in schedule[k]:
                 t = a.tile
                 rows = slice(t.batch_start, t.batch_start + t.batch_size)
                 cols = slice(t.token_start, t.token_start + t.tokens)
+                activation = torch.randn(t.batch_size, t.tokens, cfg.hidden, generator=gen)
                 if a.phase == "F":
-                    x = data[rows, cols] if k == 0 else torch.randn(t.batch_size, t.tokens, cfg.hidden)
+                    x = data[rows, cols] if k == 0 else activation
                     targets = data[rows, t.token_start + 1 : t.token_start + t.tokens + 1]
                     runner.forward_tile(t.batch_slice, t.token_slice, x, targets)
                 else:
-                    grad = None if k == stages - 1 else torch.randn(t.batch_size, t.tokens, cfg.hidden)
-                    runner.backward_tile(t.batch_slice, t.token_slice, grad)
+                    runner.backward_tile(t.batch_slice, t.token_slice, None if k == stages - 1 else activation)
         assert runner.saved.alive == 0  # everything kept was released by the backwards
-        peaks.append(runner.saved.peak)
-    return peaks
+        return runner.saved.peak
+
+    return [max(_on_tensor_ranks(tensor_parallel, lambda tp, k=k: walk(k, tp))) for k in range(stages)]
 
 
 CASES = [
@@ -77,6 +95,22 @@ def test_the_estimate_is_within_ten_percent_of_the_bytes_kept(name, slices, stag
     prof = _measured_profile(cfg, precision)
     estimate = stage_memory(Schedule.build(slices, stages, order, recompute), prof)
     measured = _measured_peaks(cfg, slices, stages, order, recompute, precision)
+    for k, (est, got) in enumerate(zip(estimate, measured, strict=True)):
+        assert est.activation_bytes == pytest.approx(got, rel=0.10), f"stage {k}"
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("name, slices, stages, order, recompute", CASES[:3], ids=[c[0] for c in CASES[:3]])
+def test_the_estimate_holds_with_the_vocabulary_split_over_two_tensor_ranks(
+    name, slices, stages, order, recompute, precision
+):
+    """At T = 2 (each stage two ranks, threads), the embedding and the head split by vocabulary rows (V = 1025: the
+    ranks hold 512 and 513 rows, and the logits dominate the last stage's bytes): the estimate of a vocab-parallel
+    profile against the fullest rank's count."""
+    cfg = ModelConfig(name="mem", layers=6, hidden=128, heads=4, vocab=1025, seq_len=256)
+    prof = _measured_profile(cfg, precision, tensor_parallel=2)
+    estimate = stage_memory(Schedule.build(slices, stages, order, recompute), prof)
+    measured = _measured_peaks(cfg, slices, stages, order, recompute, precision, tensor_parallel=2)
     for k, (est, got) in enumerate(zip(estimate, measured, strict=True)):
         assert est.activation_bytes == pytest.approx(got, rel=0.10), f"stage {k}"
 

@@ -143,6 +143,36 @@ def test_skipping_one_tensor_parallel_allreduce_fails_verification():
     assert not result.ok
 
 
+# A vocabulary T = 2 does not divide: rank 0 holds rows 0–99, rank 1 rows 100–200, and the text's bytes fall on both
+# (spaces, digits, capitals and "a"–"c" on rank 0, "d"–"y" on rank 1).
+ODD_VOCAB = tiny_model(layers=6, seq_len=32, vocab=201)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "slices, stages", [([(2, [8, 8, 16])], 1), ([(1, [8, 24])] * 2, 2)], ids=["K=1", "K=2, the head on stage 1"]
+)
+def test_the_vocabulary_split_over_the_tensor_ranks_verifies(slices, stages, precision):
+    """The embedding and the head split by vocabulary rows over T = 2 ranks (V = 201, uneven shares), the loss the
+    exact cross-entropy over the whole vocabulary: the single-device losses, gradients and weights, which come back
+    whole from the ranks' rows."""
+    setup = local_setup(slices, stages=stages, model=ODD_VOCAB, tensor_parallel=2, precision=precision)
+    result, run = verify_locally(setup)
+    assert result.ok, [(c.what, c.max_rel, c.tolerance) for c in result.checks]
+    for name in ("wte.weight", "lm_head.weight"):
+        assert run.grads[name].shape == run.weights[name].shape == (201, 32)
+
+
+def test_the_vocab_parallel_loss_without_its_allreduces_fails_verification():
+    """Negative control: each rank's loss over its own rows of the vocabulary only (its max and sums not
+    all-reduced) fails the same check, the losses by far more than their tolerance."""
+    setup = local_setup([(2, [8, 8, 16])], stages=2, model=ODD_VOCAB, tensor_parallel=2, vocab_allreduce=False)
+    result, _ = verify_locally(setup)
+    assert not result.ok
+    losses = next(c for c in result.checks if c.what.startswith("loss"))
+    assert losses.max_rel > 10 * losses.tolerance
+
+
 def test_the_validation_loss_is_the_single_device_loss_of_the_trained_weights():
     """The held-out loss through the pipeline (K = 2, token slices, forward only) equals the whole model's loss on
     the same windows with the trained weights."""
@@ -161,13 +191,18 @@ INTERLEAVED = {"virtual_stages": 2, "layers_per_stage": [0, 3, 2, 1]}
 
 @pytest.mark.parametrize(
     "args, fields",
-    [({"precision": "fp16"}, {}), ({"tensor_parallel": 2}, {}), ({}, INTERLEAVED)],
-    ids=["fp16", "T=2", "uneven, 2 virtual stages"],
+    [
+        ({"precision": "fp16"}, {}),
+        ({"tensor_parallel": 2}, {}),
+        ({"tensor_parallel": 2, "model": ODD_VOCAB}, {}),
+        ({}, INTERLEAVED),
+    ],
+    ids=["fp16", "T=2", "T=2, a vocabulary T does not divide", "uneven, 2 virtual stages"],
 )
 def test_a_trainer_continued_from_its_state_takes_the_same_steps(args, fields):
-    """What --resume relies on: a stage's whole state (`Trainer.full_state`, gathered from its tensor ranks, with
-    fp16's loss scale; every chunk of an interleaved stage) loaded into new trainers continues the run to the same
-    losses."""
+    """What --resume relies on: a stage's whole state (`Trainer.full_state`, gathered from its tensor ranks — the
+    embedding's and the head's rows of the vocabulary too, with their Adam moments —, with fp16's loss scale; every
+    chunk of an interleaved stage) loaded into new trainers continues the run to the same losses."""
     from terapipe_cli.engine.local import LocalWorld, local_comms
     from terapipe_cli.engine.mesh import Layout
     from terapipe_cli.engine.trainer import Trainer
@@ -200,5 +235,11 @@ def test_a_trainer_continued_from_its_state_takes_the_same_steps(args, fields):
 
     rest = second.run(two_more)
     assert states[0][0] + rest[0][0] == pytest.approx(whole, rel=1e-6)
+    cfg = setup.plan.model
+    first, last = states[0][1], states[layout.rank(0, 1, 0)][1]  # tensor rank 0 of stage 0 and of stage 1
+    for (model, optimizer), name in ((first, "wte.weight"), (last, "lm_head.weight")):
+        assert model[name].shape == (cfg.vocab, cfg.hidden)
+        moments = [m for per in optimizer["state"].values() for m in per.values() if torch.is_tensor(m) and m.dim()]
+        assert sum(m.shape == (cfg.vocab, cfg.hidden) for m in moments) == 2  # Adam's m and v, whole
     if args.get("precision") == "fp16":
         assert rest[0][1].clean_steps == 4  # the loss scale's count went on from the state

@@ -164,6 +164,8 @@ def test_read_profile_records_path_and_hash() -> None:
     assert prof.path == str(EXAMPLE)
     assert prof.sha256 == hashlib.sha256(EXAMPLE.read_bytes()).hexdigest()
     assert prof.token_step == RAW["token_step"] and prof.model.seq_len == RAW["model"]["seq_len"]
+    # Made before the runtime split the vocabulary over tensor ranks: read as whole embeddings and head.
+    assert "vocab_parallel" not in RAW and prof.vocab_parallel is False
 
 
 # --- bad profiles -------------------------------------------------------------------------------------
@@ -210,6 +212,7 @@ BAD = [
     ("unknown source", _with(("source",), "guessed"), "source"),
     ("heads not dividing hidden", _with(("model", "heads"), 3), "heads"),
     ("dtype_bytes not an integer", _with(("dtype_bytes",), "4"), "dtype_bytes"),
+    ("vocab_parallel not a boolean", _with(("vocab_parallel",), "yes"), "vocab_parallel"),
 ]
 
 

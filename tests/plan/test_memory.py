@@ -3,10 +3,13 @@ against the bytes a stage really keeps: engine/test_memory_measured.py.)"""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from conftest import ROOT
 
+from terapipe_cli.config.model import vocab_share
 from terapipe_cli.plan.costmodel import read_profile
 from terapipe_cli.plan.memory import EqualSlices, grouping_peaks, stage_memory, stage_sizes
 from terapipe_cli.plan.schedule import Schedule, plan_tiles
@@ -76,3 +79,31 @@ def test_order_and_recomputation_shrink_the_peak_and_slicing_alone_does_not():
         assert rerun[k].activation_bytes < one_f[k].activation_bytes < gpipe[k].activation_bytes
     assert one_f[0].activation_bytes == pytest.approx(gpipe[0].activation_bytes / 2)  # K − 0 = 2 of 4 in flight
     assert gpipe[0].state_bytes > gpipe[1].state_bytes  # the position embeddings (the head is tied in size)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_vocab_parallel_profile_splits_the_embedding_and_the_head(precision):
+    """With ``vocab_parallel`` the first and the last stage count the fullest tensor rank's ⌈V/T⌉ rows of the token
+    embedding and of the LM head — their parameters' state, the head's 16-bit copy, the logits — plus the masks of
+    the split; a profile without it (made before the runtime split them) counts them whole, as before. The middle
+    stages are the same either way, and with T = 1 nothing changes."""
+    V, T = 1001, 4  # 251 rows on the fullest rank
+    base = replace(PROFILE, model=replace(PROFILE.model, vocab=V), tensor_parallel=T, precision=precision)
+    old, new = stage_sizes(base, 4), stage_sizes(replace(base, vocab_parallel=True), 4)
+    H, gone = base.model.hidden, V - vocab_share(V, T)
+    state_per_param = float(PROFILE.raw.get("state_bytes_per_param", 16.0))
+    assert vocab_share(V, T) == 251
+    for k in (0, 3):
+        assert old[k].state - new[k].state == gone * H * state_per_param
+    assert old[1:3] == new[1:3]
+    logits = 4 + (2 if precision == "bf16" else 0)  # fp32 log-probabilities (+ 16-bit logits), per row and token
+    assert old[3].tile - new[3].tile == pytest.approx(logits * gone - 1)  # + the mask of the targets held elsewhere
+    assert new[0].tile - old[0].tile == 9  # the local token ids and the mask of those held elsewhere
+    assert old[3].copies - new[3].copies == (2 * gone * H if precision == "bf16" else 0)
+    schedule = Schedule.build([(1, [256] * 4)] * 2, 4, "gpipe")
+    whole, split = (
+        [m.total_bytes for m in stage_memory(schedule, p)] for p in (base, replace(base, vocab_parallel=True))
+    )
+    assert split[0] < whole[0] and split[3] < whole[3] and split[1:3] == whole[1:3]
+    one = replace(base, tensor_parallel=1)
+    assert stage_sizes(one, 4) == stage_sizes(replace(one, vocab_parallel=True), 4)

@@ -103,8 +103,8 @@ def test_a_unique_start_of_a_bundled_name_finds_it():
         (["--experiment", QUICK, "--profile", str(EXAMPLE)], ["example-tiny-cpu.json", "trains 'gpt3-44b'"]),
         (["--stages", "2", "--batch", "1"], ["--profile", "is required", "--experiment"]),
         (
-            ["--experiment", "paper-10", "--partition", "balanced", "--virtual-stages", "1"],
-            ["--memory-limit", "no scheme fits the 16.0 GiB", "smallest possible peak"],
+            ["--experiment", "paper-10", "--partition", "balanced", "--virtual-stages", "1", "--memory-limit", "8"],
+            ["--memory-limit", "no scheme fits the 8.0 GiB", "smallest possible peak"],
         ),
     ],
 )

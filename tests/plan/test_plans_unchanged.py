@@ -5,7 +5,8 @@ now through the same command; their schemes, predicted and simulated times, orde
 Since then the planner also chooses the partition of the layers and the virtual stages, and prices the embedding and
 the head (issue 25): the plans are made with those pinned to what the recording had (`--virtual-stages 1 --partition
 balanced`, and GPipe order where the memory limit did not choose the order), and the published settings are priced
-by their analytic profile as it was then, without its ``ends`` (a profile without them is priced as before)."""
+by their analytic profile as it was then, without its ``ends`` (a profile without them is priced as before) and
+without ``vocab_parallel`` (the embedding and the head counted whole on every tensor rank, as before)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ def _args(record: dict, tmp_path) -> list[str]:
         batch = int(overrides.get("-b", exp.batch_size // exp.data_parallel))
         obj = experiment_profile(exp, batch_size=batch, tensor_parallel=exp.tensor_parallel, token_step=exp.token_step)
         obj.pop("ends")
+        obj.pop("vocab_parallel")
         args += ["--profile", str(write_json_atomic(tmp_path / "analytic-without-ends.json", obj))]
     chosen_by_memory = record["order"] == "1f1b" and "--order" not in args
     return args + PINNED + ([] if chosen_by_memory or "--order" in args else ["--order", "gpipe"])

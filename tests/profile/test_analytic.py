@@ -15,6 +15,8 @@ from terapipe_cli.plan.costmodel import CostModel, profile_from_dict, ring_allre
 from terapipe_cli.profile.analytic import (
     analytic_profile,
     ends_params,
+    ends_seconds,
+    extended_for_batch,
     layer_flops,
     layer_seconds,
     token_grid,
@@ -122,8 +124,8 @@ def test_data_parallel_allreduce_uses_the_shared_network(profiles):
     hw, m = HW["v100"], MODELS["gpt3-13b"]
     prof = profile_from_dict(profiles[("v100", "gpt3-13b", 8)], "analytic")
     cost = CostModel(prof, stages=20, data_parallel=4)
-    # The fullest stage: two layers and the embedding (the ends are whole on every tensor rank), fp16 gradients.
-    grad_bytes = (2 * m.params_per_layer(8) + max(ends_params(m, 8))) * 2
+    # The fullest stage: two layers and the embedding (its rows split over the tensor ranks), fp16 gradients.
+    grad_bytes = (2 * m.params_per_layer(8) + max(ends_params(m, 8, vocab_parallel=True))) * 2
     shared = {"latency_s": hw.network.latency_s, "bytes_per_s": hw.network.bytes_per_s / hw.gpus_per_node}
     assert cost.allreduce_s == pytest.approx(float(ring_allreduce_seconds(grad_bytes, 4, **shared)))
 
@@ -174,3 +176,37 @@ def test_the_profile_is_at_the_precision_of_the_hardware_files_peak(name):
     unknown = replace(hw, training=replace(hw.training, dtype="int8"))
     with pytest.raises(UserError, match=r"\[training\] dtype must be fp32, bf16 or fp16.*'int8'"):
         analytic_profile(MODELS["gpt3-1b"], unknown, batch_sizes=(1,), token_step=256)
+
+
+def test_gpt3_175b_at_t8_splits_the_vocabulary_over_the_tensor_ranks():
+    """As the runtime runs them, the analytic profile prices the embedding and the head split by vocabulary rows:
+    it records ``vocab_parallel``, each device holds the fullest rank's ⌈50257/8⌉ = 6283 rows of both, and the
+    head's work shrinks accordingly; the memory estimate then splits them (plan/memory.py)."""
+    m, hw = MODELS["gpt3-175b"], HW["v100"]
+    obj = analytic_profile(m, hw, tensor_parallel=8, batch_sizes=(1,), token_step=256)
+    prof = profile_from_dict(obj, "analytic")
+    assert obj["vocab_parallel"] is True and prof.vocab_parallel
+    H = m.hidden
+    assert ends_params(m, 8, vocab_parallel=True) == (6283 * H + m.seq_len * H, 6283 * H + 2 * H)
+    assert (obj["ends"]["embed_params"], obj["ends"]["head_params"]) == ends_params(m, 8, vocab_parallel=True)
+    whole = ends_params(m, 8)
+    assert obj["ends"]["head_params"] < whole[1] / 7.9
+    split, unsplit = (ends_seconds(m, hw, 1, 2048, 8, vocab_parallel=v) for v in (True, False))
+    assert split["head_forward"] < unsplit["head_forward"] / 4 and split["head_backward"] < unsplit["head_backward"] / 4
+
+
+def test_an_old_profile_priced_again_keeps_its_whole_vocabulary():
+    """A profile made before the split (no ``vocab_parallel``), extended to a larger batch, is priced as it was."""
+    obj = analytic_profile(MODELS["gpt3-1b"], HW["v100"], tensor_parallel=8, batch_sizes=(1,), token_step=256)
+    del obj["vocab_parallel"]
+    old = profile_from_dict(obj, "old")
+    extended = extended_for_batch(old, 4)
+    assert not extended.vocab_parallel and not old.vocab_parallel
+    assert extended.ends.head_params == ends_params(MODELS["gpt3-1b"], 8)[1]
+    new = extended_for_batch(
+        profile_from_dict(
+            analytic_profile(MODELS["gpt3-1b"], HW["v100"], tensor_parallel=8, batch_sizes=(1,), token_step=256), "new"
+        ),
+        4,
+    )
+    assert new.vocab_parallel and new.ends.head_params == ends_params(MODELS["gpt3-1b"], 8, vocab_parallel=True)[1]

@@ -196,6 +196,7 @@ def test_quick_profile_of_a_micro_model_is_a_valid_profile_the_planner_reads(tmp
     for key in ("embed_forward_s", "embed_backward_s", "head_forward_s", "head_backward_s"):
         assert np.asarray(ends[key]).shape == (2, len(raw["token_lengths"])) and np.all(np.asarray(ends[key]) > 0)
     assert ends["embed_params"] == 16 * 32 + 64 * 32 and ends["head_params"] == 16 * 32 + 2 * 32
+    assert raw["vocab_parallel"] is True  # the runtime splits them under T (whole at T = 1)
     assert len(ends["heldout"]["points"]) == 8
     assert all(np.isfinite(ends["heldout"][end]["rel_err_mean"]) for end in ("embed", "head"))
     assert prof.ends is not None and np.all(cost_ends_positive(prof))

@@ -44,6 +44,11 @@ def test_a_t2_profile_is_timed_by_two_ranks_and_plans_at_t2(tmp_path: Path, caps
     for table in (prof.forward_s, prof.backward_s):
         assert all(math.isfinite(t) and t > 0 for row in table for t in row)
     assert raw["optimizer_s_per_layer"] > 0 and raw["activation_bytes_per_token_per_layer"] > 0
+    # The embedding and the head timed by the same two ranks, split by vocabulary rows as the runtime runs them:
+    # rank 0's 8 of the 16 rows of each.
+    assert raw["vocab_parallel"] is True and prof.vocab_parallel
+    assert raw["ends"]["embed_params"] == 8 * 32 + 64 * 32 and raw["ends"]["head_params"] == 8 * 32 + 2 * 32
+    assert all(t > 0 for key in ("embed_forward_s", "head_backward_s") for row in raw["ends"][key] for t in row)
     assert all(math.isfinite(raw["context"][w]["heldout_rel_err_mean"]) for w in ("forward", "backward"))
 
     plan = tmp_path / "plan.json"

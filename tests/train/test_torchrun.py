@@ -105,6 +105,7 @@ def test_two_tensor_ranks_in_fp16_verify_and_keep_one_loss_scale(tmp_path, capfd
     state = checkpoint.load_stage(out, 3, 0)
     assert state["optimizer"]["loss_scale"] == {"scale": 2.0**16, "clean_steps": 3}
     assert state["model"]["blocks.3.attn.qkv.weight"].shape == (3 * 32, 32)  # whole, gathered from both ranks
+    assert state["model"]["wte.weight"].shape == state["model"]["lm_head.weight"].shape == (256, 32)  # their rows too
 
 
 def test_the_negative_control_fails_verify(tmp_path, capfd):

@@ -255,6 +255,9 @@ class RunArguments:
     accept_precision: bool = setting("Allowed a precision other than the plan's.", False)
     tensor_parallel: int = setting("Tensor-parallel processes T per stage.", 1, minimum=1)
     tp_allreduce: bool = setting("False only in the test-only negative control (one tensor all-reduce skipped).", True)
+    vocab_allreduce: bool = setting(
+        "False only in the test-only negative control (the vocab-parallel loss's all-reduces skipped).", True
+    )
     val_fraction: float = setting("The data's last part held out (0: none).", 0.0, minimum=0)
     eval_every: int = setting("Validation every N steps and after the last (0: never).", 0, minimum=0)
     schedule: str | None = setting("The schedule walked instead of the plan's order (`plan.schedule`, CSV text).")

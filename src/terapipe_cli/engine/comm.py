@@ -12,7 +12,7 @@ launcher can tell a consequence (this rank lost its neighbour) from a root cause
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -46,8 +46,9 @@ class Group(Protocol):
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", what: str = "an all-reduce") -> None:
         """``tensor`` becomes the reduction (``op``: sum, max or min) over the members, in place."""
 
-    def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
-        """Every member's ``tensor`` concatenated along ``dim``, in member order."""
+    def all_gather(self, tensor: torch.Tensor, dim: int, sizes: Sequence[int] | None = None) -> torch.Tensor:
+        """Every member's ``tensor`` concatenated along ``dim``, in member order. ``sizes``: each member's length
+        along ``dim`` when they differ (the other dimensions alike; None: every member's is ``tensor``'s)."""
 
 
 # Posted receives of a step: per message key, whatever the link's ``wait`` takes.
@@ -88,8 +89,17 @@ class DistGroup:
         except Exception as e:
             raise PeerLost(f"lost a peer during {what}: {short_error(e)}") from None
 
-    def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+    def all_gather(self, tensor: torch.Tensor, dim: int, sizes: Sequence[int] | None = None) -> torch.Tensor:
         on = tensor.cpu() if host_staged(tensor.device, self.group) else tensor
+        if sizes is not None and len(set(sizes)) > 1:
+            # ``dist.all_gather`` takes equal shapes: pad every part to the longest, gather, cut each back.
+            padded = [*on.shape[:dim], max(sizes), *on.shape[dim + 1 :]]
+            parts = [on.new_empty(padded) for _ in range(self.size)]
+            mine = on.new_zeros(padded)
+            mine.narrow(dim, 0, on.shape[dim]).copy_(on)
+            dist.all_gather(parts, mine, group=self.group)
+            whole = torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes, strict=True)], dim=dim)
+            return whole.to(tensor.device)
         parts = [torch.empty_like(on) for _ in range(self.size)]
         dist.all_gather(parts, on.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim).to(tensor.device)

@@ -131,7 +131,9 @@ class LocalGroup:
         out = self.world.collective(self._round(), self.rank, tensor, _REDUCE[op], what)
         tensor.copy_(out)
 
-    def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+    def all_gather(self, tensor: torch.Tensor, dim: int, sizes: Sequence[int] | None = None) -> torch.Tensor:
+        if sizes is not None and tensor.shape[dim] != sizes[self.ranks.index(self.rank)]:
+            raise ValueError(f"a part of {tensor.shape[dim]} along dim {dim}, {sizes} were announced")
         return self.world.collective(self._round(), self.rank, tensor, lambda ts: torch.cat(ts, dim=dim), "gather")
 
 

@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 import torch
 
 from terapipe_cli.config.model import ModelConfig
-from terapipe_cli.engine.model import GPT, KVCache, token_loss_sum
-from terapipe_cli.engine.tensor import TensorGroup, shard_module
+from terapipe_cli.engine.model import GPT, KVCache
+from terapipe_cli.engine.tensor import TensorGroup, head_loss_sum, shard_module
 from terapipe_cli.plan.partition import Partition
 
 AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -251,7 +251,7 @@ class StageRunner:
     ) -> torch.Tensor:
         """The chunk's layers on one tile, and on the last chunk its summed token loss."""
         out = self.module(x, start, caches, chunk)
-        return token_loss_sum(out, targets) if chunk == self.last_chunk else out
+        return head_loss_sum(self.module, out, targets) if chunk == self.last_chunk else out
 
     def backward_tile(
         self, batch_slice: int, token_slice: int, grad_out: torch.Tensor | None, *, chunk: int | None = None

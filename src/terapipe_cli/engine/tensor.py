@@ -5,9 +5,17 @@ columns of the MLP's first linear (column-parallel), and the matching input colu
 projection and of the MLP's second linear (row-parallel). A row-parallel linear gives a partial sum: it is
 all-reduced over the T ranks in the forward (`_SumOverRanks`). A column-parallel linear's input is the same on
 every rank, so its gradient is the sum of every rank's part: all-reduced in the backward (`_CopyToRanks`).
-Two all-reduces forward and two backward per layer and tile; nothing else is exchanged. The layer norms,
-embeddings and LM head are replicated: every rank computes them on the same inputs, so their gradients agree
-on every rank without a collective. Each rank's K/V cache holds only its own heads' keys and values.
+Two all-reduces forward and two backward per layer and tile. Each rank's K/V cache holds only its own heads' keys
+and values.
+
+The vocabulary is split too (Megatron's vocab-parallel embedding and cross-entropy): each rank holds the rows
+[r·V//T, (r+1)·V//T) of the token embedding and of the LM head (`config.model.vocab_rows`; V need not divide by
+T). The embedding looks up the tokens it holds, zeros the others' rows and sums over the ranks
+(`VocabParallelEmbedding`); the head is column-parallel over the vocabulary (`VocabParallelHead`), and the loss is
+the exact cross-entropy over the whole vocabulary from each rank's share of the logits
+(`vocab_parallel_loss_sum`: the max and the sums all-reduced in the forward, nothing in the backward). The layer
+norms and the position embedding are replicated: every rank computes them on the same inputs, so their gradients
+agree on every rank without a collective.
 
 Why not ``torch.distributed.tensor.parallel`` (``ColwiseParallel``/``RowwiseParallel`` via
 ``parallelize_module``): it turns the parameters into DTensors, and the rest of this runtime needs plain
@@ -25,34 +33,40 @@ export`` see whole tensors whatever T was.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from terapipe_cli.config.model import vocab_rows
 from terapipe_cli.engine.comm import Group
+from terapipe_cli.engine.model import token_loss_sum
 
 
 @dataclass(frozen=True)
 class TensorGroup:
     """This process's place in its stage's tensor-parallel group.
 
-    ``skip_allreduce`` drops the backward all-reduce of the column-parallel inputs: a test-only negative
-    control that must make verification fail."""
+    ``skip_allreduce`` drops the backward all-reduce of the column-parallel inputs, ``skip_vocab_allreduce`` the
+    all-reduces of the vocab-parallel loss (each rank's loss then covers its own rows only): test-only negative
+    controls that must make verification fail."""
 
     rank: int
     size: int
     group: Group | None = None  # the collectives of the stage's T ranks (`comm.DistGroup`, or threads in tests)
     skip_allreduce: bool = False
+    skip_vocab_allreduce: bool = False
 
-    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The sum over the group's ranks, in place; returns ``tensor``."""
-        self.group.all_reduce(tensor, what="a tensor-parallel all-reduce")
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """The reduction (``op``: sum or max) over the group's ranks, in place; returns ``tensor``."""
+        self.group.all_reduce(tensor, op=op, what="a tensor-parallel all-reduce")
         return tensor
 
-    def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
-        """Every rank's ``tensor`` concatenated along ``dim``, in rank order."""
-        return self.group.all_gather(tensor, dim)
+    def all_gather(self, tensor: torch.Tensor, dim: int, sizes: list[int] | None = None) -> torch.Tensor:
+        """Every rank's ``tensor`` concatenated along ``dim``, in rank order (``sizes``: each rank's length along
+        ``dim`` when they differ)."""
+        return self.group.all_gather(tensor, dim, sizes)
 
 
 class _CopyToRanks(torch.autograd.Function):
@@ -105,18 +119,113 @@ class RowParallelLinear(_ShardedLinear):
         return _SumOverRanks.apply(F.linear(x, self.weight), self.tp)
 
 
-# How each sharded parameter is cut, by the end of its name: (dimension, parts). The fused q/k/v weight is three
-# matrices stacked along dim 0 (parts = 3): each rank keeps its heads' rows of each of them.
-SPLITS: dict[str, tuple[int, int]] = {
-    "attn.qkv.weight": (0, 3),
-    "attn.proj.weight": (1, 1),
-    "mlp.fc.weight": (0, 1),
-    "mlp.proj.weight": (1, 1),
+class VocabParallelEmbedding(nn.Module):
+    """The token embedding's rows ``rows`` of the vocabulary, under the whole table's name (``wte.weight``).
+
+    A token this rank does not hold looks up a valid row (its first) whose output is then zeroed; the ranks'
+    outputs summed (`_SumOverRanks`) are the whole embedding, exactly (one rank adds the row, the others zeros).
+    The sum's backward is the identity, so every rank receives the whole output gradient and its rows' gradient
+    is the whole table's gradient at those rows."""
+
+    def __init__(self, weight: torch.Tensor, tp: TensorGroup, rows: range) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight.detach().clone())
+        self.tp, self.lo, self.hi = tp, rows.start, rows.stop
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        elsewhere = (tokens < self.lo) | (tokens >= self.hi)
+        rows = F.embedding((tokens - self.lo).masked_fill(elsewhere, 0), self.weight)
+        return _SumOverRanks.apply(rows.masked_fill(elsewhere.unsqueeze(-1), 0.0), self.tp)
+
+
+class VocabParallelHead(ColumnParallelLinear):
+    """The LM head's rows ``rows`` of the vocabulary (column-parallel over it): this rank's logits (b, i, V_r).
+    The input's gradient is summed over the ranks (`_CopyToRanks`); the loss is `vocab_parallel_loss_sum`."""
+
+    def __init__(self, weight: torch.Tensor, tp: TensorGroup, rows: range) -> None:
+        super().__init__(weight, tp)
+        self.lo, self.hi = rows.start, rows.stop
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """The summed cross-entropy over the whole vocabulary from each rank's share of the logits (Megatron's).
+
+    Forward, in fp32 as ``F.cross_entropy`` works under autocast: the per-token max over all ranks (all-reduced,
+    a shift that keeps the exponentials finite), then one all-reduce of the per-token sum of exponentials and of
+    the target's shifted logit (only the rank holding the target adds it, the others zero): loss = Σ log(sum) −
+    target. Backward needs no collective: the gradient of a rank's logits is softmax − onehot over its own rows,
+    with the softmax kept from the forward (fp32, b·i·V_r, as ``F.cross_entropy`` keeps its log-probabilities)."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, tp: TensorGroup, lo: int, hi: int):
+        with torch.autocast(logits.device.type, enabled=False):
+            shifted = logits.to(torch.promote_types(logits.dtype, torch.float32))  # 16-bit logits: fp32
+            top = shifted.amax(dim=-1)
+            if not tp.skip_vocab_allreduce:
+                tp.all_reduce(top, op="max")
+            shifted = shifted - top.unsqueeze(-1)
+            held = (targets >= lo) & (targets < hi)
+            local = (targets - lo).masked_fill(~held, 0)
+            target = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~held, 0.0)
+            sums = torch.stack([target, shifted.exp_().sum(-1)])
+            if not tp.skip_vocab_allreduce:
+                tp.all_reduce(sums)  # the target's logit from the rank holding it; the exponentials of every rank
+            target, total = sums
+            softmax = shifted.div_(total.unsqueeze(-1))  # the exponentials, normalised in place
+        ctx.save_for_backward(softmax, local, held)
+        ctx.dtype = logits.dtype
+        return (total.log() - target).sum()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        softmax, local, held = ctx.saved_tensors
+        # In place: the saved softmax is needed once (a tile's graph is walked once, engine/stage.py).
+        softmax.scatter_add_(-1, local.unsqueeze(-1), -held.unsqueeze(-1).to(softmax.dtype))
+        return softmax.mul_(grad).to(ctx.dtype), None, None, None, None
+
+
+def vocab_parallel_loss_sum(
+    logits_local: torch.Tensor, targets: torch.Tensor, tp: TensorGroup, lo: int, hi: int
+) -> torch.Tensor:
+    """The summed (not averaged) cross-entropy over the whole vocabulary, from this rank's logits (b, i, hi − lo) of
+    the vocabulary's rows [lo, hi): the same on every rank of the group (a collective: all ranks call it), equal to
+    ``model.token_loss_sum`` of the whole logits."""
+    return _VocabParallelCrossEntropy.apply(logits_local, targets, tp, lo, hi)
+
+
+def head_loss_sum(module: nn.Module, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The last chunk's summed token loss of ``module`` (a `model.GPT`): over the whole vocabulary from this rank's
+    logits when its head is vocab-parallel (`shard_module`), else ``model.token_loss_sum``."""
+    head = module.lm_head
+    if isinstance(head, VocabParallelHead):
+        return vocab_parallel_loss_sum(logits, targets, head.tp, head.lo, head.hi)
+    return token_loss_sum(logits, targets)
+
+
+class Split(NamedTuple):
+    """How a sharded parameter is cut along ``dim``: ``parts`` equal blocks stacked there (the fused q, k, v),
+    each cut evenly T ways; or, with ``vocab``, the vocabulary's rows cut by `config.model.vocab_rows` (unevenly
+    when T does not divide V)."""
+
+    dim: int
+    parts: int = 1
+    vocab: bool = False
+
+
+# How each sharded parameter is cut, by the end of its name. The fused q/k/v weight is three matrices stacked along
+# dim 0 (parts = 3): each rank keeps its heads' rows of each of them.
+SPLITS: dict[str, Split] = {
+    "attn.qkv.weight": Split(0, 3),
+    "attn.proj.weight": Split(1),
+    "mlp.fc.weight": Split(0),
+    "mlp.proj.weight": Split(1),
+    "wte.weight": Split(0, vocab=True),
+    "lm_head.weight": Split(0, vocab=True),
 }
 
 
-def split_of(name: str) -> tuple[int, int] | None:
-    """(dimension, parts) of a sharded parameter; None for a replicated one."""
+def split_of(name: str) -> Split | None:
+    """How a sharded parameter is cut; None for a replicated one."""
     return next((split for suffix, split in SPLITS.items() if name.endswith(suffix)), None)
 
 
@@ -125,7 +234,10 @@ def shard_tensor(name: str, full: torch.Tensor, tp: TensorGroup) -> torch.Tensor
     split = split_of(name)
     if split is None or tp.size == 1:
         return full
-    dim, parts = split
+    dim, parts, vocab = split
+    if vocab:
+        rows = vocab_rows(full.shape[dim], tp.size, tp.rank)
+        return full.narrow(dim, rows.start, len(rows)).contiguous()
     blocks = full.unflatten(dim, (parts, -1))
     return blocks.chunk(tp.size, dim=dim + 1)[tp.rank].flatten(dim, dim + 1).contiguous()
 
@@ -135,15 +247,27 @@ def gather_tensor(name: str, local: torch.Tensor, tp: TensorGroup) -> torch.Tens
     split = split_of(name)
     if split is None or tp.size == 1:
         return local
-    dim, parts = split
+    dim, parts, vocab = split
+    if vocab:
+        # The ranks' shares of the vocabulary may differ by a row: each one's length first (a one-number gather).
+        sizes = tp.all_gather(local.new_tensor([local.shape[dim]], dtype=torch.long), 0).tolist()
+        return tp.all_gather(local, dim, sizes)
     return tp.all_gather(local.unflatten(dim, (parts, -1)), dim + 1).flatten(dim, dim + 1)
 
 
 def shard_module(module: nn.Module, tp: TensorGroup) -> None:
-    """Keep only this rank's part of every decoder layer of ``module`` (a `model.GPT`), in place."""
+    """Keep only this rank's part of every decoder layer of ``module`` (a `model.GPT`), and of the vocabulary's rows
+    of its token embedding (chunk 0) and LM head (the last chunk), in place."""
     if tp.size == 1:
         return
     module.cfg.check_tensor_parallel(tp.size)  # T splits the heads and the MLP's width
+    rows = vocab_rows(module.cfg.vocab, tp.size, tp.rank)
+    if module.first:
+        weight = module.wte.weight
+        module.wte = VocabParallelEmbedding(shard_tensor("wte.weight", weight, tp), tp, rows).to(weight.device)
+    if module.last:
+        weight = module.lm_head.weight
+        module.lm_head = VocabParallelHead(shard_tensor("lm_head.weight", weight, tp), tp, rows).to(weight.device)
     for n, block in module.blocks.items():
         for path, kind in (
             ("attn.qkv", ColumnParallelLinear),

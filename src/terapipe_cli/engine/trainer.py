@@ -81,7 +81,11 @@ class Trainer:
         self.device, self.comms, self.data, self.held_out = device, comms, data, held_out
         self.stage, self.replica = layout.stage(rank), layout.replica(rank)
         self.tensor = TensorGroup(
-            layout.tensor_rank(rank), layout.tensor, comms.tensor, skip_allreduce=not args.tp_allreduce
+            layout.tensor_rank(rank),
+            layout.tensor,
+            comms.tensor,
+            skip_allreduce=not args.tp_allreduce,
+            skip_vocab_allreduce=not args.vocab_allreduce,
         )
         # This stage's part of the model — this tensor rank's share of it (`tensor.shard_module`), computing at the
         # run's precision — and its optimizer, over exactly the parameters this rank holds.
@@ -188,8 +192,8 @@ class Trainer:
             self.comms.world.all_reduce(flag, op="max", what="the fp16 overflow all-reduce")
             return bool(flag.item())
 
-        # With tensor parallelism a parameter every tensor rank holds whole (norms, embeddings, head) has the same
-        # gradient on all of them: tensor rank 0 alone adds its squares.
+        # With tensor parallelism a parameter every tensor rank holds whole (the norms, the position embedding) has
+        # the same gradient on all of them: tensor rank 0 alone adds its squares; each rank adds its own slices'.
         named = list(self.runner.module.named_parameters())
         counted = [p for n, p in named if self.tensor.rank == 0 or split_of(n) is not None]
         return take_step(

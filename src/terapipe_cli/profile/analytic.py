@@ -35,7 +35,7 @@ import numpy as np
 from terapipe_cli.config.device import PRECISIONS
 from terapipe_cli.config.experiment import Experiment
 from terapipe_cli.config.hardware import Device, Hardware, hardware_from_dict, hardware_to_dict
-from terapipe_cli.config.model import ModelConfig
+from terapipe_cli.config.model import ModelConfig, vocab_share
 from terapipe_cli.errors import UserError
 from terapipe_cli.plan.costmodel import PROFILE_SCHEMA, Profile, profile_from_dict, ring_allreduce_seconds
 from terapipe_cli.profile.fit import fit_context
@@ -189,9 +189,11 @@ def ends_seconds(
     """Forward and backward seconds of the pipeline's ends on one device for tiles (b, i) (docs/design.md §3):
     ``embed_forward``/``embed_backward`` (the first chunk: token and position embedding) and ``head_forward``/
     ``head_backward`` (the last chunk: final layer norm, LM head, cross-entropy). With ``vocab_parallel`` each of
-    the T tensor ranks holds V/T rows of the embedding and of the head (Megatron's split, engine/tensor.py): its
-    products and its logits' kernels shrink by T, and the embedding's output and the loss's max and sum are
-    all-reduced over the ranks; otherwise every rank runs the whole of both.
+    the T tensor ranks holds its rows of the embedding and of the head (Megatron's split, engine/tensor.py; priced
+    for the fullest rank, ⌈V/T⌉ rows, `config.model.vocab_share`): its products and its logits' kernels shrink by
+    T, the embedding's output is all-reduced over the ranks, the loss's per-token max and then its sum of
+    exponentials with the target's logit (one all-reduce of both), and the head input's gradient in the backward;
+    otherwise every rank runs the whole of both.
 
     Embedding: a gather of b·i rows of H (memory-bound: read and write b·i·H) plus the position rows and their sum;
     its backward scatters the gradient into the table (read b·i·H, read and write the rows touched). Head: the norm
@@ -201,7 +203,7 @@ def ends_seconds(
     dev, e = hardware.device, hardware.training.dtype_bytes
     b, i = np.broadcast_arrays(*(np.asarray(x, dtype=float) for x in (b, i)))
     H, t = float(model.hidden), (tensor_parallel if vocab_parallel else 1)
-    V = model.vocab / t
+    V = float(vocab_share(model.vocab, t))
     rows = b * i
     act = rows * H * e
     one = np.ones_like(rows)
@@ -215,8 +217,10 @@ def ends_seconds(
     if t > 1:  # the embedding's partial rows summed, the loss's per-token max and sum of exponentials
         link = hardware.intra_node
         embed_fwd = embed_fwd + ring_allreduce_seconds(act, t, latency_s=link.latency_s, bytes_per_s=link.bytes_per_s)
-        small = ring_allreduce_seconds(rows * 4.0, t, latency_s=link.latency_s, bytes_per_s=link.bytes_per_s)
-        head_fwd = head_fwd + 2 * small
+        top, sums = (
+            ring_allreduce_seconds(rows * n, t, latency_s=link.latency_s, bytes_per_s=link.bytes_per_s) for n in (4, 8)
+        )
+        head_fwd = head_fwd + top + sums
         head_bwd = head_bwd + ring_allreduce_seconds(act, t, latency_s=link.latency_s, bytes_per_s=link.bytes_per_s)
     if dev.dispatch_s:  # a handful of kernels each way (gather/add; norm, product, loss): no tile is shorter
         embed_fwd, embed_bwd = np.maximum(embed_fwd, 3 * dev.dispatch_s), np.maximum(embed_bwd, 4 * dev.dispatch_s)
@@ -231,10 +235,10 @@ def ends_seconds(
 
 def ends_params(model: ModelConfig, tensor_parallel: int = 1, *, vocab_parallel: bool = False) -> tuple[int, int]:
     """Parameters of the embedding (token and position tables) and of the head (final norm and LM head) on one
-    device: the vocabulary rows split over T with ``vocab_parallel``, whole otherwise."""
-    t = tensor_parallel if vocab_parallel else 1
-    V, H = model.vocab, model.hidden
-    return (V // t) * H + model.seq_len * H, (V // t) * H + 2 * H
+    device: the fullest tensor rank's share of the vocabulary rows with ``vocab_parallel`` (`config.model.vocab_share`),
+    the whole vocabulary otherwise."""
+    V, H = vocab_share(model.vocab, tensor_parallel if vocab_parallel else 1), model.hidden
+    return V * H + model.seq_len * H, V * H + 2 * H
 
 
 # The kernels one tile of the runtime's decoder layer launches on CUDA (`model.Block` with a K/V cache, as
@@ -351,12 +355,15 @@ def analytic_profile(
     tensor_parallel: int = 1,
     batch_sizes: Sequence[int] = (1, 2, 4, 8),
     token_step: int = 8,
+    vocab_parallel: bool = True,
 ) -> dict:
     """A ``terapipe.profile/1`` object (``"source": "analytic"``) for ``model`` on ``hardware``.
 
     Times are per layer on one device of a tensor-parallel group of ``tensor_parallel`` GPUs, on the grid
     (``batch_sizes``) × (every multiple of ``token_step`` up to the model's seq_len). The profile's precision is
-    the hardware file's ``[training] dtype``, the precision its ``peak_flops`` is for.
+    the hardware file's ``[training] dtype``, the precision its ``peak_flops`` is for. The embedding and the head
+    are priced split over the tensor ranks by vocabulary rows, as the runtime runs them (``vocab_parallel``;
+    False only to price a profile again as it was made before the split, `extended_for_batch`).
     """
     sizes = _check_grid(model, hardware, tensor_parallel, batch_sizes, token_step)
     if hardware.training.dtype not in PRECISIONS:
@@ -369,8 +376,8 @@ def analytic_profile(
     lengths = token_grid(model.seq_len, token_step)
     bb, ii = np.meshgrid(np.array(sizes, dtype=float), np.array(lengths, dtype=float), indexing="ij")
     fwd, bwd = layer_seconds(model, hardware, bb, ii, 0.0, t)
-    ends = ends_seconds(model, hardware, bb, ii, t)
-    embed_params, head_params = ends_params(model, t)
+    ends = ends_seconds(model, hardware, bb, ii, t, vocab_parallel=vocab_parallel)
+    embed_params, head_params = ends_params(model, t, vocab_parallel=vocab_parallel)
     params = model.params_per_layer(t)
     net = hardware.network
     return {
@@ -379,8 +386,9 @@ def analytic_profile(
         "note": (
             f"ESTIMATED, not measured: roofline model of one decoder layer on {hardware.device.name} "
             f"({hardware.name}, hardware file {hardware.path}), {hardware.training.dtype} training "
-            f"({e}-byte activations), tensor parallelism {t} inside a node; stage-to-stage transfers over the "
-            "inter-node network. Made by terapipe_cli.profile.analytic."
+            f"({e}-byte activations), tensor parallelism {t} inside a node"
+            f"{' (the embedding and the head split by vocabulary rows)' if vocab_parallel and t > 1 else ''}; "
+            "stage-to-stage transfers over the inter-node network. Made by terapipe_cli.profile.analytic."
         ),
         "created": utc_timestamp(),
         "device": _device_entry(hardware, t),
@@ -402,6 +410,7 @@ def analytic_profile(
         "comm": {"latency_s": net.latency_s, "bytes_per_s": net.bytes_per_s},
         "optimizer_s_per_layer": _optimizer_seconds(hardware, params),
         "params_per_layer": params,
+        "vocab_parallel": vocab_parallel,
         "data_parallel_link": {
             "latency_s": net.latency_s,
             "bytes_per_s": net.bytes_per_s / hardware.gpus_per_node,
@@ -520,6 +529,7 @@ def extended_for_batch(profile: Profile, batch_size: int) -> Profile | None:
         tensor_parallel=profile.tensor_parallel,
         batch_sizes=sizes,
         token_step=profile.token_step,
+        vocab_parallel=profile.vocab_parallel,
     )
     obj["extended"] = {"from_batch_sizes": list(grid), "added": sorted(set(sizes) - set(grid))}
     extended = profile_from_dict(obj, where)

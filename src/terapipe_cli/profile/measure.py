@@ -56,14 +56,14 @@ def measure_profile(
     check_fits_in_memory(model, max(settings.batch_sizes), device)
     started = time.perf_counter()
     tiles = settings.tiles(model.seq_len)
+    # With T > 1 the ends too are timed by the T ranks: the runtime splits them by vocabulary rows (engine/tensor.py).
     if tensor_parallel > 1:
-        timings, layer = time_layer_tensor_parallel(model, settings, tiles, device, tensor_parallel, progress)
+        timings, layer, ends = time_layer_tensor_parallel(model, settings, tiles, device, tensor_parallel, progress)
     else:
         timings, layer = time_layer(model, settings, tiles, device, progress)
+        ends = time_ends(model, settings, device, progress)
     tables = _grid_tables(timings, settings)
     context = {which: _context_fit(timings, tiles, which) for which in ("forward", "backward")}
-    # The ends are replicated on every tensor rank today: what one process times is what each rank runs.
-    ends = time_ends(model, settings, device, progress)
     params = layer["params"]  # one tensor rank's share with T > 1: what each device all-reduces over replicas
     comm, dp_link = _links(model, params, settings, device, progress, link=measure_comm, allreduce=measure_allreduce)
     rows = dict(zip(timings.points, timings.rows(), strict=True))
@@ -92,6 +92,7 @@ def measure_profile(
         "optimizer_s_per_layer": layer["optimizer_s"],
         "activation_bytes_per_token_per_layer": layer["activation_bytes"],
         "params_per_layer": params,
+        "vocab_parallel": True,  # the runtime splits the embedding and the head by vocabulary rows under T
         **dp_link,
         "grid": {
             "kind": "quick" if settings.quick else "default",
@@ -113,7 +114,10 @@ def measure_profile(
 def _tensor_note(tensor_parallel: int) -> str:
     if tensor_parallel == 1:
         return ""
-    return f" as one of {tensor_parallel} tensor ranks: rank 0's times of {tensor_parallel} torchrun processes"
+    return (
+        f" as one of {tensor_parallel} tensor ranks: rank 0's times of {tensor_parallel} torchrun processes; the "
+        "embedding and the head likewise, split by vocabulary rows"
+    )
 
 
 def _grid_tables(timings: Timings, settings: Settings) -> dict[str, list[list[float]]]:

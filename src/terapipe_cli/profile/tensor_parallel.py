@@ -8,8 +8,9 @@ tensor-parallel `StageRunner` and runs `measure.time_layer` with the identical t
 visit order, so the ranks stay in lockstep through every all-reduce. An untimed forward (the tile's context, or
 another batch slice's tile) runs before every timed one, as in a pipeline step, and its all-reduces line the
 ranks up again before the clock starts. The clock is wall time on CPU: process CPU time would not see the
-waits inside the all-reduces. Rank 0 writes its samples and its layer's numbers (parameters of its shard,
-optimizer step, activation bytes) to a JSON file; the parent assembles the profile as for T = 1
+waits inside the all-reduces. Then the pipeline's ends, split by vocabulary rows as the runtime runs them
+(`ends.time_ends` with the same group). Rank 0 writes its samples, its layer's numbers (parameters of its shard,
+optimizer step, activation bytes) and its ends to a JSON file; the parent assembles the profile as for T = 1
 (`measure.measure_profile`).
 
 Progress: rank 0 appends ``{"phase", "done", "total"}`` lines to a file, which a thread of the parent passes on to
@@ -40,6 +41,7 @@ from terapipe_cli.engine.tensor import TensorGroup
 from terapipe_cli.engine.torchrun import rendezvous_args
 from terapipe_cli.files import read_json, write_json_atomic
 from terapipe_cli.profile.comm import join_worker_group, run_workers
+from terapipe_cli.profile.ends import time_ends
 from terapipe_cli.profile.tiles import Point, Settings, Tiles
 from terapipe_cli.profile.timer import Progress, Timings, time_layer
 
@@ -55,8 +57,9 @@ def time_layer_tensor_parallel(
     device: torch.device,
     tensor_parallel: int,
     progress: Progress | None = None,
-) -> tuple[Timings, dict]:
-    """`measure.time_layer`'s result, timed by rank 0 of ``tensor_parallel`` torchrun processes."""
+) -> tuple[Timings, dict, dict]:
+    """`measure.time_layer`'s result and `ends.time_ends`', timed by rank 0 of ``tensor_parallel`` torchrun
+    processes."""
 
     backend = "nccl" if device.type == "cuda" else "gloo"
     with tempfile.TemporaryDirectory(prefix="terapipe-tp-") as tmp:
@@ -72,7 +75,7 @@ def time_layer_tensor_parallel(
     points = [Point(**p) for p in data["points"]]
     if points != tiles.all:
         raise RuntimeError("the tensor-parallel workers timed other tiles than the ones asked for")
-    return Timings(points, data["forward"], data["backward"]), data["layer"]
+    return Timings(points, data["forward"], data["backward"]), data["layer"], data["ends"]
 
 
 @contextmanager
@@ -136,7 +139,7 @@ class _ProgressFile:
 
 
 def _worker(args: argparse.Namespace) -> None:
-    """One tensor rank: the same `time_layer` as every other rank; rank 0 writes the result."""
+    """One tensor rank: the same `time_layer` and `time_ends` as every other rank; rank 0 writes the result."""
 
     request = read_json(args.request, what="tensor-parallel timing request")
     model = ModelConfig.from_dict(request["model"], args.request)
@@ -145,10 +148,11 @@ def _worker(args: argparse.Namespace) -> None:
     tensor = TensorGroup(rank, dist.get_world_size(), DistGroup(dist.group.WORLD))
     progress = _ProgressFile(args.progress) if rank == 0 else None
     timings, layer = time_layer(model, settings, settings.tiles(model.seq_len), device, progress, tensor=tensor)
+    ends = time_ends(model, settings, device, progress, tensor=tensor)
     dist.barrier()
     if rank == 0:
         result = {"points": [asdict(p) for p in timings.points], "forward": timings.forward}
-        write_json_atomic(args.out, dict(result, backward=timings.backward, layer=layer))
+        write_json_atomic(args.out, dict(result, backward=timings.backward, layer=layer, ends=ends))
     dist.destroy_process_group()
 
 
