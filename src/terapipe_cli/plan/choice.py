@@ -407,7 +407,7 @@ def plan_within_memory(profile: Profile, request: PlanRequest, fastest: Planned)
                     continue
             candidates.append((res, order, on if rerun else plain))
     if not candidates:
-        raise UserError(_nothing_fits(profile, r, fastest.memory, plain_ok, recompute_ok), where="--memory-limit")
+        raise _nothing_fits(profile, r, fastest.memory, plain_ok, recompute_ok)
     # The fastest by the formula; among equals (the same scheme in either order, say), the simulator decides.
     least = min(res.predicted_s for res, _, _ in candidates)
     tied = [c for c in candidates if c[0].predicted_s <= least * (1 + 1e-12)]
@@ -482,10 +482,23 @@ def smallest_peak(
     return least, how
 
 
-def _nothing_fits(profile: Profile, r: PlanRequest, memory: MemoryCheck, plain_ok: bool, recompute_ok: bool) -> str:
+class NothingFits(UserError):
+    """No scheme fits the memory limit (one line with the smallest peak any could reach, ``least_bytes``)."""
+
+    def __init__(self, message: str, least_bytes: float) -> None:
+        super().__init__(message, where="--memory-limit")
+        self.least_bytes = least_bytes
+
+
+def _nothing_fits(
+    profile: Profile, r: PlanRequest, memory: MemoryCheck, plain_ok: bool, recompute_ok: bool
+) -> NothingFits:
     """The one line when no scheme fits: the smallest peak any could reach, and how."""
     least, how = smallest_peak(profile, r, memory.limit_bytes, plain=plain_ok, recomputed=recompute_ok)
-    return (
+    layers = r.fixed_partition(profile.model.layers)
+    cut = "" if layers.even else f", layers {layers.text()}"
+    return NothingFits(
         f"no scheme fits the {format_bytes(memory.limit_bytes)} {memory.limit_source}: the smallest possible peak is "
-        f"{format_bytes(least)} ({how}); use more stages, a smaller batch, or tensor parallelism"
+        f"{format_bytes(least)} ({how}{cut}); use more stages, a smaller batch, or tensor parallelism",
+        least,
     )

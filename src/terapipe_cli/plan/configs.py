@@ -154,8 +154,8 @@ def plan_configured(profile: Profile, request: PlanRequest) -> Configured:
         best += [first] if first is not None else []
         seconds += [second] if second is not None else []
     if not best:
-        if refused:
-            raise refused[0]
+        if refused:  # every partition fits nowhere: the one whose smallest peak is the least
+            raise min(refused, key=lambda e: getattr(e, "least_bytes", math.inf))
         raise UserError(
             "no configuration with more than one virtual stage fits the memory limit; use --virtual-stages 1",
             where="--virtual-stages",
