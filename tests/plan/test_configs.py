@@ -201,3 +201,15 @@ def test_the_head_counted_moves_layers_off_the_last_stage():
     assert a.partition.layers[-1] < a.partition.layers[0]
     assert b.partition.layers == (2, 2)
     assert a.terapipe.predicted_s < b.terapipe.predicted_s
+
+
+def test_interleaved_1f1b_of_whole_sequences_keeps_the_ring_busy():
+    """One tile per batch slice, as Megatron-LM's microbatches: the backwards go in groups of K batch slices through
+    the device's chunks (not one batch slice around the ring at a time), so 1F1B with 2 chunks per device beats one
+    chunk per device and stays within 5% of the interleaved objective."""
+    K, n = 4, 8
+    slices = [(1, [64])] * n
+    one = simulate(Schedule.build(slices, K, "1f1b", partition=Partition.balanced(8, K)), uniform_parts(1.0, 2.0))
+    two = simulate(Schedule.build(slices, K, "1f1b", partition=Partition.balanced(8, K, 2)), uniform_parts(0.5, 1.0))
+    assert two.latency_s < one.latency_s
+    assert two.latency_s <= 1.05 * objective(n * 3.0, 1.5, K, virtual=2)

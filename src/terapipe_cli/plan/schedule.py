@@ -350,20 +350,41 @@ def _interleaved_rows(tiles: list[Tile], slices: int, devices: int, virtual: int
 
     if order == "gpipe":
         return [(f := forwards(k, tiles)) + [Action("B", a.tile, a.stage) for a in reversed(f)] for k in range(devices)]
+    # Backwards by groups of batch slices of at least K tiles (Megatron's groups of K microbatches when every batch
+    # slice is one tile), oldest group first; within a group the device's chunks from the last, each running the
+    # group's batch slices oldest first, every batch slice in reverse token order.
     by_slice = [[t for t in tiles if t.batch_slice == d] for d in range(slices)]
+    groups: list[list[list[Tile]]] = []
+    for ts in by_slice:
+        if not groups or sum(len(x) for x in groups[-1]) >= devices:
+            groups.append([])
+        groups[-1].append(ts)
     backward = [
-        [Action("B", a.tile, a.stage) for d in range(slices) for a in reversed(forwards(k, by_slice[d]))]
+        [
+            Action("B", t, c)
+            for group in groups
+            for c in reversed(range(k, chunks, devices))
+            for ts in group
+            for t in ts[::-1]
+        ]
         for k in range(devices)
     ]
-    return _greedy_1f1b([forwards(k, tiles) for k in range(devices)], backward, chunks)
+    per_group = max(len(g) for g in groups)
+    limits = [
+        max(per_group, -(-((devices - k - 1) * 2 + (virtual - 1) * devices) // virtual) + 1) for k in range(devices)
+    ]
+    return _greedy_1f1b([forwards(k, tiles) for k in range(devices)], backward, chunks, limits)
 
 
-def _greedy_1f1b(forward: list[list[Action]], backward: list[list[Action]], chunks: int) -> list[list[Action]]:
+def _greedy_1f1b(
+    forward: list[list[Action]], backward: list[list[Action]], chunks: int, limits: list[int]
+) -> list[list[Action]]:
     """1F1B over batch slices with chunks: replay one step with unit times (a forward 1, a backward 2), each device
     taking its next backward as soon as its input is there, and otherwise its next forward — but a forward of a new
-    batch slice only while fewer than K − k batch slices are open on device k (as with one chunk per device) or while
-    no backward is ready. A device never waits while it has a ready action, so the replay always finishes, and its
-    order, written down per device, is a schedule without deadlock."""
+    batch slice only while fewer than ``limits[k]`` batch slices are open on device k, or while no backward is ready.
+    The limit is Megatron-LM's warm-up of its interleaved 1F1B, (K − k − 1)·2 + (v − 1)·K chunk-tiles, in batch
+    slices (and at least one group of backwards). A device never waits while it has a ready action, so the replay
+    always finishes, and its order, written down per device, is a schedule without deadlock."""
     devices = len(forward)
     rows: list[list[Action]] = [[] for _ in range(devices)]
     done_at: dict[tuple[int, str, Tile], int] = {}
@@ -381,7 +402,7 @@ def _greedy_1f1b(forward: list[list[Action]], backward: list[list[Action]], chun
             b_ready = b_next is not None and _ready_by(b_next, done_at, chunks, now)
             f_ready = f_next is not None and _ready_by(f_next, done_at, chunks, now)
             f_new = f_next is not None and f_next.tile.batch_slice not in open_slices[k]
-            f_allowed = f_ready and (not f_new or len(open_slices[k]) < devices - k or not b_ready)
+            f_allowed = f_ready and (not f_new or len(open_slices[k]) < limits[k] or not b_ready)
             if b_ready and (not f_allowed or f_new):
                 a, pos_b[k], cost = b_next, pos_b[k] + 1, 2
             elif f_allowed:

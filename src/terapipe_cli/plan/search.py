@@ -151,6 +151,8 @@ def objective(sum_s: float, t_max_s: float, stages: int, step_s: float = 0.0, vi
     max(0, K·t_max − Σ/v) — the stall when the tiles of one round are fewer than the devices. The objective stays
     non-decreasing in both Σ and t_max (its slope in Σ is at least 1/v), so the search stays exact under it.
     """
+    if stages == 1:  # no pipeline: nothing waits (and an unpriceable tile's +inf stays +inf, not 0·inf)
+        return sum_s + step_s
     stall = (virtual - 1) * max(0.0, stages * t_max_s - sum_s / virtual) if virtual > 1 else 0.0
     return sum_s + (stages - 1) * t_max_s + stall + step_s
 
