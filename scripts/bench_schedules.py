@@ -93,11 +93,24 @@ def _terapipe_step(c: dict, model, rank: int, stages: int, B: int, batch):
 
 
 def _peer_steps(model, rank: int, stages: int, B: int, batch) -> dict:
-    """One training step of ``torch.distributed.pipelining``'s GPipe and 1F1B schedules, B microbatches, on this
-    rank's stage of the same model (the same modules terapipe's stages hold, run on whole sequences)."""
+    """One training step of ``torch.distributed.pipelining``'s GPipe and 1F1B schedules on ``batch``."""
+    out = {}
+    for name, kind in zip(PEERS, ("ScheduleGPipe", "Schedule1F1B"), strict=True):
+        step, _ = peer_trainer(kind, model, rank, stages, B, lr=1e-4)
+        out[name] = lambda step=step: step(batch)
+    return out
+
+
+def peer_trainer(kind: str, model, rank: int, stages: int, B: int, *, lr: float):
+    """``torch.distributed.pipelining``'s ``kind`` schedule (``"ScheduleGPipe"`` or ``"Schedule1F1B"``) with B
+    microbatches on this rank's stage of the same model (the same modules terapipe's stages hold, run on whole
+    sequences), and its AdamW (`engine.optim.make_optimizer`).
+
+    Returns ``(step, optimizer)``: ``step(batch)`` is one training step (forward, backward, AdamW) on a (B, L + 1)
+    token batch and returns the step's mean token loss on the last stage (None on the others)."""
     import torch
+    import torch.distributed.pipelining as pipelining
     import torch.nn.functional as F
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     from terapipe_cli.engine.model import GPT
     from terapipe_cli.engine.optim import make_optimizer
@@ -115,28 +128,27 @@ def _peer_steps(model, rank: int, stages: int, B: int, batch) -> dict:
     def loss_fn(logits, targets):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
-    inputs, targets = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()  # the stage checks strides
-    out = {}
-    for name, kind in zip(PEERS, (ScheduleGPipe, Schedule1F1B), strict=True):
-        module = Whole()
-        optimizer = make_optimizer(module, 1e-4)
-        shape = (1, model.seq_len) if rank == 0 else (1, model.seq_len, model.hidden)
-        example = torch.zeros(shape, dtype=torch.long) if rank == 0 else torch.zeros(shape)
-        stage = PipelineStage(module, rank, stages, torch.device("cpu"), input_args=(example,))
-        schedule = kind(stage, n_microbatches=B, loss_fn=loss_fn)
+    module = Whole()
+    optimizer = make_optimizer(module, lr)
+    shape = (1, model.seq_len) if rank == 0 else (1, model.seq_len, model.hidden)
+    example = torch.zeros(shape, dtype=torch.long) if rank == 0 else torch.zeros(shape)
+    stage = pipelining.PipelineStage(module, rank, stages, torch.device("cpu"), input_args=(example,))
+    schedule = getattr(pipelining, kind)(stage, n_microbatches=B, loss_fn=loss_fn)
 
-        def step(schedule=schedule, optimizer=optimizer) -> None:
-            optimizer.zero_grad(set_to_none=True)
-            if rank == 0:
-                schedule.step(inputs)
-            elif rank == stages - 1:
-                schedule.step(target=targets, losses=[])
-            else:
-                schedule.step()
-            optimizer.step()
+    def step(batch: torch.Tensor) -> torch.Tensor | None:
+        inputs, targets = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()  # the stage checks strides
+        optimizer.zero_grad(set_to_none=True)
+        losses: list[torch.Tensor] = []
+        if rank == 0:
+            schedule.step(inputs)
+        elif rank == stages - 1:
+            schedule.step(target=targets, losses=losses)
+        else:
+            schedule.step()
+        optimizer.step()
+        return torch.stack(losses).mean().detach() if losses else None
 
-        out[name] = step
-    return out
+    return step, optimizer
 
 
 # ----------------------------------------------------------------------------------------------- the driver
