@@ -36,6 +36,7 @@ and its backwards in reverse token order (docs/design.md §6). Imports no torch.
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
@@ -391,6 +392,8 @@ def _greedy_1f1b(
     pos_f, pos_b = [0] * devices, [0] * devices
     free = [0] * devices
     open_slices: list[set[int]] = [set() for _ in range(devices)]
+    # Per device and batch slice, the backwards still to run: at zero the batch slice is no longer open there.
+    backwards_left = [Counter(a.tile.batch_slice for a in row) for row in backward]
     remaining = sum(len(f) + len(b) for f, b in zip(forward, backward, strict=True))
     now = 0
     while remaining:
@@ -416,16 +419,12 @@ def _greedy_1f1b(
             done_at[(a.stage, a.phase, a.tile)] = now + cost
             free[k] = now + cost
             remaining -= 1
-            if a.phase == "B" and all(
-                (c, "B", t) in done_at for c in range(k, chunks, devices) for t in _slice_tiles(forward[k], a.tile)
-            ):
-                open_slices[k].discard(a.tile.batch_slice)
+            if a.phase == "B":
+                backwards_left[k][a.tile.batch_slice] -= 1
+                if not backwards_left[k][a.tile.batch_slice]:
+                    open_slices[k].discard(a.tile.batch_slice)
         now += 1
     return rows
-
-
-def _slice_tiles(forward: list[Action], tile: Tile) -> list[Tile]:
-    return [a.tile for a in forward if a.tile.batch_slice == tile.batch_slice and a.stage == forward[0].stage]
 
 
 def _ready_by(a: Action, done_at: dict, chunks: int, now: int) -> bool:
