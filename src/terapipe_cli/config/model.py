@@ -7,6 +7,16 @@ hidden = 256      # H
 heads = 4
 vocab = 256
 seq_len = 1024    # L
+
+arch = "gpt" (the default) is a GPT-2-style decoder: LayerNorm, learned positions, a GELU MLP of mlp_ratio·H. arch =
+"llama" is a Llama-family decoder (RMSNorm, rotary positions, a SwiGLU MLP of ffn_hidden, grouped-query attention):
+
+arch = "llama"
+kv_heads = 2          # key/value heads, dividing heads (default: heads)
+ffn_hidden = 768      # the SwiGLU width
+rope_theta = 10000.0  # the rotary base (default 10000, RoFormer's)
+norm_eps = 1e-5       # RMSNorm's epsilon (default 1e-5)
+tie_embeddings = false
 """
 
 from __future__ import annotations
@@ -28,19 +38,38 @@ class ModelConfig:
     vocab: int
     seq_len: int
     mlp_ratio: int = 4
+    arch: str = "gpt"
+    kv_heads: int | None = None  # None: heads (multi-head attention)
+    ffn_hidden: int | None = None  # the MLP's inner width; None: mlp_ratio · hidden
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kv_heads is None:
+            object.__setattr__(self, "kv_heads", self.heads)
+        if self.ffn_hidden is None:
+            object.__setattr__(self, "ffn_hidden", self.mlp_ratio * self.hidden)
 
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
+
+    @property
+    def llama(self) -> bool:
+        return self.arch == "llama"
 
     def params_per_layer(self, tensor_parallel: int = 1, *, bias: bool = True) -> int:
         """Parameters of one decoder layer held by one device, with ``tensor_parallel`` ranks sharing the layer.
 
         Sharded: the Q/K/V and output projections and both MLP matrices (with their biases when ``bias``, as
         in GPT-3; the runtime's own model has none, as in nanoGPT). Replicated: the two layer norms (weight and
-        bias) and the biases of the two row-parallel outputs.
+        bias) and the biases of the two row-parallel outputs. A llama layer has no biases (``bias`` is ignored):
+        K and V have kv_heads · head_dim rows each, the SwiGLU MLP three H × ffn_hidden matrices.
         """
-        H, t, inner = self.hidden, tensor_parallel, self.mlp_ratio * self.hidden
+        H, t, inner = self.hidden, tensor_parallel, self.ffn_hidden
+        if self.llama:  # q and o of H·H, k and v of kv_heads·head_dim rows, SwiGLU's three matrices; two RMSNorms
+            return (2 * H * H + 2 * H * self.kv_heads * self.head_dim + 3 * H * inner) // t + 2 * H
         sharded = 3 * H * H + H * H + H * inner + inner * H
         replicated = 4 * H
         if bias:
@@ -55,12 +84,23 @@ class ModelConfig:
             raise UserError(f"must be a positive integer, got {t!r}", where=where)
         if self.heads % t:
             raise UserError(f"{t} does not divide the {self.heads} heads of model '{self.name}'", where=where)
-        inner = self.mlp_ratio * self.hidden
+        if self.kv_heads % t:  # each rank keeps whole key/value heads, those its own query heads read
+            raise UserError(f"{t} does not divide the {self.kv_heads} kv_heads of model '{self.name}'", where=where)
+        if self.llama and self.tie_embeddings and t > 1:
+            raise UserError(
+                f"model '{self.name}' ties its embeddings: tensor parallelism needs tie_embeddings = false", where=where
+            )
+        inner = self.ffn_hidden
         if inner % t:
             raise UserError(f"{t} does not divide the MLP's {inner} inner features of model '{self.name}'", where=where)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The fields a TOML or JSON file gives: a GPT model's as before the llama fields existed (its plans and
+        profiles are unchanged); a llama model's all but mlp_ratio."""
+        out = asdict(self)
+        for key in ("arch", *_LLAMA_FIELDS) if not self.llama else ("mlp_ratio",):
+            out.pop(key)
+        return out
 
     @classmethod
     def from_dict(cls, obj: dict, where: str, prefix: str = "model.") -> ModelConfig:
@@ -74,13 +114,19 @@ class ModelConfig:
             vocab=f.int("vocab", minimum=2),
             seq_len=f.int("seq_len", minimum=1),
             mlp_ratio=f.int("mlp_ratio", minimum=1, default=4),
+            **_llama_fields(f),
         )
         if cfg.hidden % cfg.heads:
             raise f.fail("heads", f"must divide hidden ({cfg.hidden}), got {cfg.heads}")
-        known = {"name", "layers", "hidden", "heads", "vocab", "seq_len", "mlp_ratio"}
+        if cfg.heads % cfg.kv_heads:
+            raise f.fail("kv_heads", f"must divide heads ({cfg.heads}), got {cfg.kv_heads}")
+        if cfg.llama and cfg.head_dim % 2:
+            raise f.fail("heads", f"must leave an even head_dim for the rotary positions, got {cfg.head_dim}")
+        known = {"name", "layers", "hidden", "heads", "vocab", "seq_len", "arch"}
+        known |= set(_LLAMA_FIELDS) if cfg.llama else {"mlp_ratio"}
         unknown = sorted(set(obj) - known)
         if unknown:
-            raise f.fail(unknown[0], "is not a model setting (known: " + ", ".join(sorted(known)) + ")")
+            raise f.fail(unknown[0], f"is not a setting of arch = {cfg.arch!r} (known: {', '.join(sorted(known))})")
         return cfg
 
     def stage_layers(self, stages: int, where: str = "stages") -> int:
@@ -109,6 +155,30 @@ class ModelConfig:
         """The stage counts K that divide the layers evenly, ascending (1, 2, 4, 5, 8, 10, 20, 40 for 40 layers)."""
         small = [k for k in range(1, int(self.layers**0.5) + 1) if self.layers % k == 0]
         return sorted({*small, *(self.layers // k for k in small)})
+
+
+ARCHS = ("gpt", "llama")
+_LLAMA_FIELDS = ("kv_heads", "ffn_hidden", "rope_theta", "norm_eps", "tie_embeddings")
+
+
+def _llama_fields(f: Fields) -> dict:
+    """``arch`` and, for a llama model, its fields (ffn_hidden required; the rest with defaults)."""
+    arch = f.str("arch", default="gpt")
+    if arch not in ARCHS:
+        raise f.fail("arch", f"must be one of {', '.join(ARCHS)}, got {arch!r}")
+    if arch != "llama":
+        return {"arch": arch}
+    tie = f.get("tie_embeddings", False)
+    if not isinstance(tie, bool):
+        raise f.fail("tie_embeddings", f"must be true or false, got {tie!r}")
+    return {
+        "arch": arch,
+        "kv_heads": f.int("kv_heads", minimum=1, default=f.int("heads", minimum=1)),
+        "ffn_hidden": f.int("ffn_hidden", minimum=1),
+        "rope_theta": f.number("rope_theta", positive=True, default=10000.0),
+        "norm_eps": f.number("norm_eps", positive=True, default=1e-5),
+        "tie_embeddings": tie,
+    }
 
 
 def vocab_rows(vocab: int, tensor_parallel: int, rank: int) -> range:

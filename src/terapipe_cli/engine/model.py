@@ -131,26 +131,41 @@ class CausalSelfAttention(nn.Module):
         b, i, _ = x.shape
         q, k, v = self.qkv(x).split(self.hidden, dim=2)
         q, k, v = (t.view(b, i, self.heads, -1).transpose(1, 2) for t in (q, k, v))
-        if cache is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            # q on its own storage (a copy), so the projection's output (q, k, v together) is not kept for the
-            # backward: attention saves q and the cache's rows, no more than the whole-sequence path keeps.
-            keys, values = cache.window(k, v, start)
-            if not start:
-                y = F.scaled_dot_product_attention(q.contiguous(), keys, values, is_causal=True)
-            elif q.device.type == "cpu":
-                # Queries reversed, output back in order: the same forward; the key and value gradients sum the
-                # queries' shares in another order (rounding-level differences).
-                mask = reversed_causal_mask(i, start, q.dtype)
-                y = F.scaled_dot_product_attention(q.flip(2), keys, values, attn_mask=mask).flip(2)
-            else:
-                # Causal aligned to the bottom-right corner: the slice's first query sees all `start` earlier keys;
-                # the fused kernels apply it without building a mask.
-                mask = causal_lower_right(i, start + i)
-                y = F.scaled_dot_product_attention(q.contiguous(), keys, values, attn_mask=mask)
+        y = attend(q, k, v, cache, start)
         y = y.transpose(1, 2).reshape(b, i, self.hidden)
         return self.proj(y)
+
+    def split_heads(self, tensor_parallel: int) -> None:
+        """Keep 1/T of the heads (tensor parallelism, `tensor.shard_module`)."""
+        self.heads //= tensor_parallel
+        self.hidden //= tensor_parallel
+
+
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None, start: int, *, gqa: bool = False
+) -> torch.Tensor:
+    """Causal attention of a slice's queries q (b, heads, i, d) over the keys/values of [0, start + i): its own
+    k, v (b, kv_heads, i, d) and, in ``cache``, the earlier slices' (None: the whole sequence, no cache).
+
+    ``gqa``: fewer key/value heads than query heads (grouped-query attention); the kernels read each key/value head
+    for its group of query heads (``enable_gqa``) without expanding the cache, and sum the group's gradients."""
+    if cache is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    i = q.shape[2]
+    # q on its own storage (a copy), so the projection's output (q, k, v together) is not kept for the
+    # backward: attention saves q and the cache's rows, no more than the whole-sequence path keeps.
+    keys, values = cache.window(k, v, start)
+    if not start:
+        return F.scaled_dot_product_attention(q.contiguous(), keys, values, is_causal=True, enable_gqa=gqa)
+    if q.device.type == "cpu":
+        # Queries reversed, output back in order: the same forward; the key and value gradients sum the
+        # queries' shares in another order (rounding-level differences).
+        mask = reversed_causal_mask(i, start, q.dtype)
+        return F.scaled_dot_product_attention(q.flip(2), keys, values, attn_mask=mask, enable_gqa=gqa).flip(2)
+    # Causal aligned to the bottom-right corner: the slice's first query sees all `start` earlier keys;
+    # the fused kernels apply it without building a mask.
+    mask = causal_lower_right(i, start + i)
+    return F.scaled_dot_product_attention(q.contiguous(), keys, values, attn_mask=mask, enable_gqa=gqa)
 
 
 class MLP(nn.Module):
@@ -218,6 +233,11 @@ class GPT(nn.Module):
         # Each chunk's layers, in model order; the module holds them all.
         self.chunk_layers = {c: list(stage_layer_range(cfg, c, stages, partition)) for c in chunks}
         self.layer_ids = [n for c in chunks for n in self.chunk_layers[c]]
+        self.make_parts(cfg)
+        self.init_weights(seed)
+
+    def make_parts(self, cfg: ModelConfig) -> None:
+        """Chunk 0's embeddings, the layers (``self.blocks``), the last chunk's final norm and LM head."""
         if self.first:
             self.wte = nn.Embedding(cfg.vocab, cfg.hidden)
             self.wpe = nn.Embedding(cfg.seq_len, cfg.hidden)
@@ -225,25 +245,17 @@ class GPT(nn.Module):
         if self.last:
             self.ln_f = nn.LayerNorm(cfg.hidden)
             self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
-        self.init_weights(seed)
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """nanoGPT's init (normal 0.02, residual projections scaled by 1/sqrt(2N)), seeded per component."""
-
-        def gen(offset: int) -> torch.Generator:
-            return torch.Generator().manual_seed(seed * 1_000_003 + offset)
-
-        def normal_(t: torch.Tensor, g: torch.Generator, std: float = 0.02) -> None:
-            t.copy_(torch.randn(t.shape, generator=g) * std)
-
         if self.first:
-            g = gen(_EMBED)
+            g = seeded(seed, _EMBED)
             normal_(self.wte.weight, g)
             normal_(self.wpe.weight, g)
         residual_std = 0.02 / math.sqrt(2 * self.cfg.layers)
         for n in self.layer_ids:
-            g = gen(_LAYER + n)
+            g = seeded(seed, _LAYER + n)
             for name, p in self.blocks[str(n)].named_parameters():
                 if name.startswith("ln_"):
                     p.fill_(1.0 if name.endswith("weight") else 0.0)
@@ -254,7 +266,11 @@ class GPT(nn.Module):
         if self.last:
             self.ln_f.weight.fill_(1.0)
             self.ln_f.bias.zero_()
-            normal_(self.lm_head.weight, gen(_HEAD))
+            normal_(self.lm_head.weight, seeded(seed, _HEAD))
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """The last chunk's final norm and LM head: the logits."""
+        return self.lm_head(self.ln_f(h))
 
     def embed(self, tokens: torch.Tensor, token_start: int = 0) -> torch.Tensor:
         """Token + position embedding; a slice's positions are absolute (token_start + arange(i))."""
@@ -278,8 +294,26 @@ class GPT(nn.Module):
         for idx, n in enumerate(layers):
             h = self.blocks[str(n)](h, caches[idx] if caches is not None else None, token_start)
         if chunk == self.stages - 1:
-            h = self.lm_head(self.ln_f(h))
+            h = self.head(h)
         return h
+
+
+def seeded(seed: int, offset: int) -> torch.Generator:
+    """The generator of one component (embedding, layer, head) of the model with ``seed``."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + offset)
+
+
+def normal_(t: torch.Tensor, g: torch.Generator, std: float = 0.02) -> None:
+    t.copy_(torch.randn(t.shape, generator=g) * std)
+
+
+def build_model(cfg: ModelConfig, stage: int = 0, stages: int = 1, **kwargs) -> GPT:
+    """The architecture ``cfg.arch`` names: `GPT` or `llama.Llama` (same arguments, same stage layout)."""
+    if cfg.llama:
+        from terapipe_cli.engine.llama import Llama  # llama.py builds on this module
+
+        return Llama(cfg, stage, stages, **kwargs)
+    return GPT(cfg, stage, stages, **kwargs)
 
 
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

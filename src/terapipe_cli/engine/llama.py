@@ -1,0 +1,173 @@
+"""A Llama-family decoder (``arch = "llama"``): RMSNorm, rotary positions, a SwiGLU MLP, grouped-query attention.
+
+It is `model.GPT` with other layers: the same stage layout (`Llama(cfg, stage, stages)` builds one stage's part),
+the same K/V cache per batch slice and layer (`model.KVCache`, its gradient hand-back), the same fused attention
+(`model.attend`). Two things are new for token slices (docs/design.md §6c):
+
+- Rotary positions. A slice of ``i`` tokens after ``start`` earlier ones rotates its queries and keys by the
+  angles of its absolute positions start … start + i − 1, so the keys in the cache carry the rotation of their own
+  positions and every score is that of the whole sequence. The convention is ``transformers``' Llama (rotate-half:
+  the first and second halves of each head's features are the pairs), so the q/k weights export unpermuted.
+- Grouped-query attention. ``kv_heads`` key/value heads, each read by ``heads / kv_heads`` query heads (query
+  head h reads key/value head h // (heads / kv_heads), as ``transformers``' ``repeat_kv``). The cache holds only
+  the kv_heads heads: kv_heads / heads of a multi-head model's bytes.
+
+State dict of the single-device model (`Llama(cfg)`), H = hidden, d = head_dim = H / heads, F = ffn_hidden,
+V = vocab, n = 0 … layers − 1. A stage's part holds the same keys for its own layers (layers keep their global
+index), chunk 0 the embedding, the last chunk the final norm and head, so stages' state dicts join into this one:
+
+    wte.weight                        (V, H)              token embedding
+    blocks.{n}.attn_norm.weight       (H,)                RMSNorm before attention
+    blocks.{n}.attn.q_proj.weight     (heads · d, H)      query heads, in order
+    blocks.{n}.attn.k_proj.weight     (kv_heads · d, H)   key heads
+    blocks.{n}.attn.v_proj.weight     (kv_heads · d, H)   value heads
+    blocks.{n}.attn.o_proj.weight     (H, heads · d)
+    blocks.{n}.mlp_norm.weight        (H,)                RMSNorm before the MLP
+    blocks.{n}.mlp.gate_proj.weight   (F, H)
+    blocks.{n}.mlp.up_proj.weight     (F, H)
+    blocks.{n}.mlp.down_proj.weight   (H, F)              MLP: down(silu(gate(x)) · up(x))
+    norm.weight                       (H,)                final RMSNorm
+    lm_head.weight                    (V, H)              the same tensor as wte.weight when tie_embeddings
+
+No biases anywhere. RMSNorm: x / sqrt(mean(x²) + norm_eps) · weight.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from terapipe_cli.config.model import ModelConfig
+from terapipe_cli.engine.model import _EMBED, _HEAD, _LAYER, GPT, KVCache, attend, normal_, seeded
+from terapipe_cli.errors import UserError
+
+
+def rope_angles(
+    start: int, i: int, head_dim: int, theta: float, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (i, head_dim) of positions start … start + i − 1, in fp32 (``transformers``' Llama: frequency
+    θ^(−2k/d) for the pair (k, k + d/2), the angle position · frequency)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.int64).float() / head_dim)
+    angles = torch.arange(start, start + i, device=device, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (b, heads, i, d) rotated: x · cos + rotate_half(x) · sin, rotate_half(x) = (−x₂, x₁) of its two halves."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos.to(x.dtype) + torch.cat((-x2, x1), dim=-1) * sin.to(x.dtype)
+
+
+class LlamaAttention(nn.Module):
+    """Grouped-query attention with rotary positions over the slice's context.
+
+    ``rope_local=True`` rotates by the slice-local positions 0 … i − 1 instead: a test-only negative control
+    (the scores then differ from the whole sequence's wherever start > 0)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim, self.theta = cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.rope_theta
+        self.rope_local = False
+        d = cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden, cfg.heads * d, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden, cfg.kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden, cfg.kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(cfg.heads * d, cfg.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, start: int = 0) -> torch.Tensor:
+        """x: (b, i, H), the tokens [start, start + i); ``cache`` as in `model.CausalSelfAttention`."""
+        b, i, _ = x.shape
+        q = self.q_proj(x).view(b, i, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, i, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, i, self.kv_heads, self.head_dim).transpose(1, 2)
+        # The slice's absolute positions: the keys it writes into the cache carry the rotation of their own place.
+        cos, sin = rope_angles(0 if self.rope_local else start, i, self.head_dim, self.theta, x.device)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        y = attend(q, k, v, cache, start, gqa=self.kv_heads != self.heads)
+        return self.o_proj(y.transpose(1, 2).reshape(b, i, self.heads * self.head_dim))
+
+    def split_heads(self, tensor_parallel: int) -> None:
+        """Keep 1/T of the query heads and of the key/value heads (tensor parallelism, `tensor.shard_module`):
+        rank r's query heads read exactly rank r's key/value heads, so the groups stay whole."""
+        self.heads //= tensor_parallel
+        self.kv_heads //= tensor_parallel
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden, cfg.ffn_hidden, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden, cfg.ffn_hidden, bias=False)
+        self.down_proj = nn.Linear(cfg.ffn_hidden, cfg.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaBlock(nn.Module):
+    """Pre-norm decoder layer with RMSNorm."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
+        self.attn = LlamaAttention(cfg)
+        self.mlp_norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
+        self.mlp = SwiGLU(cfg)
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, start: int = 0) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cache, start)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Llama(GPT):
+    """The part of a Llama-family model that stage ``stage`` of ``stages`` owns (arguments as `model.GPT`)."""
+
+    def make_parts(self, cfg: ModelConfig) -> None:
+        if cfg.tie_embeddings and self.first != self.last:
+            raise UserError(
+                f"model '{cfg.name}' ties its embeddings: the embedding and the head must be on one stage "
+                f"(tie_embeddings = false to pipeline it)",
+                where="tie_embeddings",
+            )
+        if self.first:
+            self.wte = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.blocks = nn.ModuleDict({str(n): LlamaBlock(cfg) for n in self.layer_ids})
+        if self.last:
+            self.norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
+            self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+            if cfg.tie_embeddings:
+                self.lm_head.weight = self.wte.weight
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """As `model.GPT`'s: normal 0.02, the residual outputs (o_proj, down_proj) by 1/sqrt(2N), norms 1."""
+        if self.first:
+            normal_(self.wte.weight, seeded(seed, _EMBED))
+        residual_std = 0.02 / math.sqrt(2 * self.cfg.layers)
+        for n in self.layer_ids:
+            g = seeded(seed, _LAYER + n)
+            for name, p in self.blocks[str(n)].named_parameters():
+                if "norm" in name:
+                    p.fill_(1.0)
+                else:
+                    normal_(p, g, residual_std if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02)
+        if self.last:
+            self.norm.weight.fill_(1.0)
+            if not self.cfg.tie_embeddings:
+                normal_(self.lm_head.weight, seeded(seed, _HEAD))
+
+    def embed(self, tokens: torch.Tensor, token_start: int = 0) -> torch.Tensor:
+        """Token embedding only: positions enter as rotations inside attention."""
+        return self.wte(tokens)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(h))
+
+    def set_rope_local(self, local: bool) -> None:
+        """Test-only negative control: rotate by slice-local positions (`LlamaAttention`)."""
+        for block in self.blocks.values():
+            block.attn.rope_local = local

@@ -1,0 +1,151 @@
+"""The llama architecture (engine/llama.py): its config fields, its state dict as documented, token slices with RoPE at
+their absolute positions equal to the whole sequence, and the slice-local negative control that must differ."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from terapipe_cli.config.model import ModelConfig, load_model_config
+from terapipe_cli.engine import llama
+from terapipe_cli.engine.model import GPT, KVCache, build_model
+from terapipe_cli.errors import UserError
+
+BASE = {"name": "m", "layers": 2, "hidden": 64, "heads": 4, "vocab": 50, "seq_len": 64}
+LLAMA = {**BASE, "arch": "llama", "kv_heads": 2, "ffn_hidden": 96}
+
+
+def small(**fields) -> ModelConfig:
+    return ModelConfig.from_dict({**LLAMA, **fields}, "test", prefix="")
+
+
+def test_a_gpt_config_is_unchanged_by_the_llama_fields():
+    cfg = ModelConfig.from_dict(BASE, "test", prefix="")
+    assert cfg.to_dict() == {**BASE, "mlp_ratio": 4}  # what plans and profiles record, as before
+    assert (cfg.arch, cfg.kv_heads, cfg.ffn_hidden) == ("gpt", 4, 256)
+    assert type(build_model(cfg)) is GPT
+
+
+def test_llama_fields_round_trip_and_default():
+    cfg = small()
+    assert ModelConfig.from_dict(cfg.to_dict(), "round trip", prefix="") == cfg
+    default = ModelConfig.from_dict({**BASE, "arch": "llama", "ffn_hidden": 96}, "test", prefix="")
+    assert (default.kv_heads, default.rope_theta, default.norm_eps, default.tie_embeddings) == (4, 10000.0, 1e-5, False)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"kv_heads": 3}, "field 'kv_heads' must divide heads (4), got 3"),
+        ({"kv_heads": 0}, "field 'kv_heads' must be at least 1"),
+        ({"arch": "mamba"}, "field 'arch' must be one of gpt, llama"),
+        ({"ffn_hidden": None}, "field 'ffn_hidden' must be an integer"),
+        ({"rope_theta": 0}, "field 'rope_theta' must be positive"),
+        ({"tie_embeddings": "no"}, "field 'tie_embeddings' must be true or false"),
+        ({"mlp_ratio": 4}, "field 'mlp_ratio' is not a setting of arch = 'llama'"),
+        ({"heads": 64, "kv_heads": 64}, "field 'heads' must leave an even head_dim"),
+    ],
+)
+def test_bad_llama_fields_fail_in_one_line_naming_the_field(fields, message):
+    with pytest.raises(UserError) as err:
+        small(**fields)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_llama_fields_are_refused_on_a_gpt_model():
+    with pytest.raises(UserError, match="field 'kv_heads' is not a setting of arch = 'gpt'"):
+        ModelConfig.from_dict({**BASE, "kv_heads": 2}, "test", prefix="")
+
+
+def test_tensor_parallel_must_divide_the_kv_heads():
+    cfg = small(heads=8, kv_heads=2, hidden=128)
+    cfg.check_tensor_parallel(2)
+    with pytest.raises(UserError, match="4 does not divide the 2 kv_heads"):
+        cfg.check_tensor_parallel(4)
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "llama3-8b", "llama3-70b", "llama3-8b-L128k"])
+def test_bundled_llama_models(name):
+    cfg = load_model_config(name)
+    assert cfg.arch == "llama" and cfg.heads % cfg.kv_heads == 0
+    shapes = {"llama3-8b": (32, 4096, 32, 8, 14336, 8192), "llama3-70b": (80, 8192, 64, 8, 28672, 8192)}
+    shapes["llama3-8b-L128k"] = shapes["llama3-8b"][:5] + (131072,)
+    if name in shapes:
+        assert (cfg.layers, cfg.hidden, cfg.heads, cfg.kv_heads, cfg.ffn_hidden, cfg.seq_len) == shapes[name]
+        assert (cfg.vocab, cfg.rope_theta) == (128256, 500000.0)
+
+
+def test_the_state_dict_is_the_one_the_docstring_lists():
+    """The module docstring is the contract the Hugging Face export maps from: every key, with its shape."""
+    cfg = small(tie_embeddings=True)
+    H, d, F, V = cfg.hidden, cfg.head_dim, cfg.ffn_hidden, cfg.vocab
+    sizes = {"H": H, "d": d, "F": F, "V": V, "heads": cfg.heads, "kv_heads": cfg.kv_heads}
+    listed = {}
+    for key, shape in re.findall(r"^\s{4}(\S+\.weight)\s+\(([^)]*)\)", llama.__doc__, re.M):
+        dims = [eval(dim.replace("·", "*"), {}, sizes) for dim in shape.split(",") if dim.strip()]
+        for n in range(cfg.layers) if "{n}" in key else [None]:
+            listed[key.replace("{n}", str(n))] = tuple(dims)
+    model = build_model(cfg)
+    assert {k: tuple(v.shape) for k, v in model.state_dict().items()} == listed
+    assert model.lm_head.weight is model.wte.weight  # tied: one tensor under both names
+    assert "lm_head.weight" not in dict(model.named_parameters())  # trained once
+
+
+def test_stages_hold_the_whole_models_weights_under_its_names():
+    cfg = small(layers=4)
+    whole = build_model(cfg, seed=5).state_dict()
+    joined = {}
+    for stage in range(2):
+        joined.update(build_model(cfg, stage, 2, seed=5).state_dict())
+    assert joined.keys() == whole.keys() and all(torch.equal(joined[k], whole[k]) for k in whole)
+    with pytest.raises(UserError, match="ties its embeddings"):
+        build_model(small(layers=4, tie_embeddings=True), 0, 2)
+
+
+def sliced(model, tokens, sizes):
+    caches = [KVCache(tokens.shape[1]) for _ in model.layer_ids]
+    outs, start = [], 0
+    for i in sizes:
+        outs.append(model(tokens[:, start : start + i], start, caches))
+        start += i
+    return torch.cat(outs, dim=1)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+def test_token_slices_with_rope_at_their_positions_equal_the_whole_sequence(kv_heads):
+    model = build_model(small(kv_heads=kv_heads), seed=1).double()
+    tokens = torch.randint(0, 50, (2, 40), generator=torch.Generator().manual_seed(0))
+    whole = model(tokens)
+    assert torch.allclose(sliced(model, tokens, [13, 1, 26]), whole, rtol=0, atol=1e-12)
+    model.set_rope_local(True)  # the negative control: positions restart at every slice
+    assert not torch.allclose(sliced(model, tokens, [13, 1, 26]), whole, rtol=0, atol=1e-3)
+
+
+def test_the_cache_holds_kv_heads_heads():
+    model = build_model(small(kv_heads=1), seed=1)
+    caches = [KVCache(16) for _ in model.layer_ids]
+    model(torch.zeros(3, 16, dtype=torch.long), 0, caches)
+    assert caches[0].keys.shape == (3, 1, 16, 16)
+
+
+def test_rope_is_the_rotate_half_convention():
+    """Position p rotates the pair (x_k, x_{k+d/2}) by p·θ^(−2k/d) (transformers' Llama), so q·k depends only on the
+    positions' difference."""
+    cos, sin = llama.rope_angles(3, 1, 4, 100.0, torch.device("cpu"))
+    x = torch.tensor([[[[1.0, 2.0, 3.0, 4.0]]]])
+    angle = torch.tensor([3.0, 3.0 / 10.0])  # θ^0 and θ^(−2/4) = 1/10
+    expected = torch.cat(
+        [x[..., :2] * angle.cos() - x[..., 2:] * angle.sin(), x[..., 2:] * angle.cos() + x[..., :2] * angle.sin()], -1
+    )
+    assert torch.allclose(llama.rotate(x, cos, sin), expected)
+    q, k = torch.randn(1, 1, 1, 8, dtype=torch.float64), torch.randn(1, 1, 1, 8, dtype=torch.float64)
+
+    def score(p, s):
+        return (
+            llama.rotate(q, *llama.rope_angles(p, 1, 8, 10000.0, q.device))
+            * llama.rotate(k, *llama.rope_angles(s, 1, 8, 10000.0, q.device))
+        ).sum()
+
+    assert torch.allclose(score(7, 2), score(105, 100))
