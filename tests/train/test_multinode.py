@@ -139,7 +139,7 @@ def test_folder_roles():
 
 def test_join_run_folder(tmp_path):
     """Node 0's launch id in the folder: shared. None: node-local, node 0's config copied in. Another run's:
-    refused for a new run, replaced by node 0's on --resume."""
+    replaced when it never trained there, else refused for a new run and replaced by node 0's on --resume."""
     from terapipe_cli.errors import UserError
     from terapipe_cli.files import read_json, write_json_atomic
     from terapipe_cli.train.rundir import RUN_SCHEMA, join_run_folder
@@ -151,6 +151,9 @@ def test_join_run_folder(tmp_path):
     assert join_run_folder(local, config, node_rank=1, resuming=False) is False
     assert read_json(local / "config.json") == config and read_json(local / "plan.json") == {"stages": 2}
     write_json_atomic(local / "config.json", {**config, "launch_id": "old"})
+    assert join_run_folder(local, config, node_rank=1, resuming=False) is False  # the old one never trained here
+    write_json_atomic(local / "config.json", {**config, "launch_id": "old"})
+    (local / "checkpoints" / "step_000002").mkdir(parents=True)  # ... this one did
     with pytest.raises(UserError, match="already holds another run"):
         join_run_folder(local, config, node_rank=1, resuming=False)
     assert join_run_folder(local, config, node_rank=1, resuming=True) is False

@@ -11,7 +11,7 @@ from conftest import assert_one_line_error, run_cli, write_plan_file
 from terapipe_cli.cli import main
 from terapipe_cli.config.run import RunConfig
 from terapipe_cli.train.prepare import prepare_run
-from terapipe_cli.train.rundir import run_lock
+from terapipe_cli.train.rundir import append_metrics, run_lock
 
 
 def run(capsys, *args):
@@ -71,8 +71,9 @@ def test_resume_without_a_run(tmp_path, capsys):
 def test_resume_without_a_complete_checkpoint(tmp_path, capsys, plan):
     code, _ = run(capsys, "--plan", str(plan), "--out", str(tmp_path / "r"), "--dry-run")
     assert code == 0
-    settings = RunConfig(plan=str(plan), steps=3, out=str(tmp_path / "r"), checkpoint_every=1, device="cpu")
+    settings = RunConfig(plan=str(plan), steps=3, out=str(tmp_path / "r"), checkpoint_every=10, device="cpu")
     prepare_run(settings)
+    append_metrics(tmp_path / "r", {"step": 1, "loss": 5.0})  # a step done, killed before its first checkpoint
     code, err = run(capsys, "--resume", "--out", str(tmp_path / "r"))
     assert code == 2 and "no complete checkpoint to resume from" in err
     code, err = run(capsys, "--plan", str(plan), "--out", str(tmp_path / "r"))

@@ -119,9 +119,9 @@ def test_a_resumed_run_keeps_what_decides_its_numbers(tmp_path, capsys, plan):
     ):
         p = run_cli(capsys, "train", "--resume", "--steps", "3", "--out", out, flag, value, "--dry-run")
         assert_one_line_error(p, flag, kept)
-    # Past those checks, this run (never trained) has no checkpoint to continue from.
+    # Past those checks: this run never trained, so there is nothing to continue.
     p = run_cli(capsys, "train", "--resume", "--out", out, "--seed", "0", "--eval-every", "1", "--dry-run")
-    assert_one_line_error(p, "no complete checkpoint to resume from")
+    assert_one_line_error(p, "never completed a step", "without --resume")
 
 
 @pytest.mark.parametrize(

@@ -37,7 +37,7 @@ from terapipe_cli.plan.schedule import parse_schedule
 from terapipe_cli.train import checkpoint
 from terapipe_cli.train.launch import Launch
 from terapipe_cli.train.placement import backend_for, workers_per_node
-from terapipe_cli.train.rundir import read_config, settings_digest, update_arguments, write_config
+from terapipe_cli.train.rundir import has_trained, read_config, settings_digest, update_arguments, write_config
 
 DROP_KV_GRADS_ENV = "TERAPIPE_TEST_DROP_KV_GRADS"  # test-only negative control: "1" drops the K/V hand-back
 SKIP_TP_ALLREDUCE_ENV = "TERAPIPE_TEST_SKIP_TP_ALLREDUCE"  # test-only negative control: "1" skips one all-reduce
@@ -161,6 +161,8 @@ def check_settings(config: RunConfig, *, resume: bool) -> None:
         )
     if nnodes > 1 and not config.rdzv_endpoint:
         raise UserError("a run on several machines needs --rdzv-endpoint HOST:PORT", where="nnodes")
+    if config.rdzv_endpoint is not None:
+        check_endpoint(config.rdzv_endpoint)
     if config.value("verify") and resume:
         raise UserError("--verify compares a whole run from step 1; it cannot follow --resume", where="verify")
     if config.value("verify") and nnodes > 1:
@@ -169,6 +171,25 @@ def check_settings(config: RunConfig, *, resume: bool) -> None:
         raise UserError(f"must be 0 (never) or a number of steps, got {config.eval_every}", where="eval_every")
     if config.grad_clip is not None and not (config.grad_clip >= 0 and math.isfinite(config.grad_clip)):
         raise UserError(f"must be 0 (no clipping) or a positive number, got {config.grad_clip}", where="grad_clip")
+
+
+def check_endpoint(endpoint: str) -> None:
+    """``--rdzv-endpoint`` as torchrun reads it (its own parser), with the port node 0 listens on: checked before
+    anything is written, since torchrun would refuse it only after the run folder exists."""
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    try:
+        port = parse_rendezvous_endpoint(endpoint, default_port=-1)[1]
+    except ValueError as e:
+        if "port" not in str(e):
+            raise UserError(f"must be HOST:PORT: {e}", where="rdzv_endpoint") from None
+        port = -1
+    if not 0 < port < 2**16:
+        host = endpoint.rsplit(":", 1)[0] if ":" in endpoint else endpoint
+        raise UserError(
+            f"must be HOST:PORT with the port node 0 listens on (1-65535), e.g. {host}:29500; got {endpoint!r}",
+            where="rdzv_endpoint",
+        )
 
 
 def _new_arguments(config: RunConfig, device: str, plan: Plan, controls: NegativeControls) -> RunArguments:
@@ -246,7 +267,7 @@ def _new_run(config: RunConfig, device: str, controls: NegativeControls, *, join
         raise UserError("missing option '--plan' (a plan JSON from `terapipe plan`)", where="terapipe train")
     plan = read_plan(config.plan)
     out = Path(config.out) if config.out is not None else Path("runs") / units.folder_stamp()
-    if (out / "config.json").exists() and not joins_node_0:
+    if (out / "config.json").exists() and not joins_node_0 and has_trained(out):
         raise UserError("already holds a run: use --resume to continue it, or another --out", where=str(out))
     run = _Run(plan, dict(plan.raw), _new_arguments(config, device, plan, controls), out)
     _check_plan_precision(run)
@@ -275,6 +296,8 @@ def _resumed_run(config: RunConfig, device: str) -> _Run:
                 )
     _check_kept(config, saved, plan, device)
     resume_step = checkpoint.latest_complete(out)
+    if resume_step is None and not has_trained(out):
+        raise UserError("never completed a step: start it with the same command without --resume", where=str(out))
     if resume_step is None:
         raise UserError("no complete checkpoint to resume from", where=str(out / "checkpoints"))
     steps = saved.steps if config.steps is None else config.steps

@@ -75,6 +75,8 @@ def write_config(
     write_json_atomic(run_dir / "plan.json", plan)
     if args.schedule is not None:
         write_text_atomic(run_dir / SCHEDULE_FILE, args.schedule)
+    else:
+        (run_dir / SCHEDULE_FILE).unlink(missing_ok=True)  # left by an earlier launch that never trained here
     write_run_toml(run_dir, args, device=device, nnodes=nnodes, rendezvous=rendezvous)
     write_json_atomic(
         run_dir / "config.json",
@@ -93,6 +95,18 @@ def write_config(
             "rendezvous": rendezvous,
         },
     )
+
+
+def has_trained(run_dir: Path) -> bool:
+    """Whether a step of the run in ``run_dir`` completed: a record in metrics.jsonl (node 0's folder) or any
+    checkpoint (every folder; one is written only after a completed step). A folder that a launch left before its
+    first step (the other nodes never joined, a worker failed at start-up) holds settings but no run: the same
+    command starts it again there."""
+    checkpoints = run_dir / "checkpoints"
+    if checkpoints.is_dir() and any(checkpoints.iterdir()):
+        return True
+    metrics = run_dir / "metrics.jsonl"
+    return metrics.is_file() and metrics.stat().st_size > 0
 
 
 def settings_digest(plan: dict, arguments: dict) -> str:
@@ -117,7 +131,7 @@ def join_run_folder(run_dir: Path, config: dict, *, node_rank: int, resuming: bo
     here = read_json(path, schema=RUN_SCHEMA, what="run config") if path.exists() else None
     if here is not None and here.get("launch_id") == config["launch_id"]:
         return True
-    if here is not None and not resuming:
+    if here is not None and not resuming and has_trained(run_dir):
         raise UserError("already holds another run: give this node another --out, or an empty one", where=str(path))
     write_json_atomic(run_dir / "plan.json", config["plan"])
     write_json_atomic(path, config)

@@ -1,0 +1,58 @@
+"""What a new user meets first (issue 27): a mistyped rendezvous, a launch that never trained, a run that diverges,
+settings a resumed run keeps, a schedule that will not do what its numbers suggest. Each is one line, and nothing
+is left behind that blocks the same command from running again. In process: no workers start."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import assert_one_line_error, run_cli, write_plan_file
+
+from terapipe_cli.config.run import RunConfig
+from terapipe_cli.train.launch import clear_errors
+from terapipe_cli.train.prepare import prepare_run
+from terapipe_cli.train.rundir import LOCK_FILE, append_metrics, has_trained, run_lock
+
+
+@pytest.fixture
+def plan(tmp_path):
+    return write_plan_file(tmp_path / "plan.json", [(1, [16, 16])], stages=2)
+
+
+@pytest.mark.parametrize("endpoint", ["localhost", "localhost:notaport", "localhost:", "localhost:70000"])
+def test_a_rendezvous_endpoint_without_a_port_is_refused_before_anything_is_written(tmp_path, capsys, plan, endpoint):
+    """torchrun would refuse it with a 42-line traceback after the run folder was written, leaving the folder that
+    then blocked the same command ("already holds a run")."""
+    out = tmp_path / "run"
+    node0 = ("--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", endpoint, "--device", "cpu")
+    p = run_cli(capsys, "train", "--plan", plan, "--out", out, *node0)
+    assert_one_line_error(p, "--rdzv-endpoint", "HOST:PORT", "localhost:29500", repr(endpoint))
+    assert not out.exists()
+
+
+def test_a_launch_that_never_trained_leaves_a_folder_the_same_command_uses_again(tmp_path, capsys, plan):
+    """Node 0 alone, its partner never joined: the launch ends in the rendezvous and leaves the run's settings, the
+    lock and torchrun's log, but no step. That folder is no run: the same command starts in it, --resume says why
+    it cannot; once a step is done it is a run again."""
+    out = tmp_path / "run"
+    settings = RunConfig(plan=str(plan), out=str(out), steps=3, device="cpu")
+    with run_lock(out):  # as the failed launch held it
+        prepare_run(settings)
+    (out / "errors").mkdir()
+    (out / "errors" / "torchrun.log").write_text("... 1/2 clients joined\n")
+    first = json.loads((out / "config.json").read_text())["launch_id"]
+    assert (out / LOCK_FILE).is_file() and not has_trained(out)
+    p = run_cli(capsys, "train", "--plan", plan, "--out", out, "--steps", "3", "--device", "cpu", "--dry-run")
+    assert p.returncode == 0, p.stderr
+    p = run_cli(capsys, "train", "--resume", "--out", out, "--dry-run")
+    assert_one_line_error(p, "never completed a step", "without --resume")
+    again = prepare_run(settings)  # what the same command does before it launches
+    assert json.loads((out / "config.json").read_text())["launch_id"] != first
+    assert again.launch.resume_step is None
+    clear_errors(out)  # a launch that succeeds clears the failed attempt's log
+    assert not (out / "errors").exists()
+    append_metrics(out, {"step": 1, "loss": 5.5})
+    assert has_trained(out)
+    p = run_cli(capsys, "train", "--plan", plan, "--out", out, "--device", "cpu", "--dry-run")
+    assert_one_line_error(p, "already holds a run")
