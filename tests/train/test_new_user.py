@@ -5,9 +5,12 @@ is left behind that blocks the same command from running again. In process: no w
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
-from conftest import assert_one_line_error, run_cli, write_plan_file
+from conftest import ROOT, assert_one_line_error, run_cli, write_plan_file
 
 from terapipe_cli.config.run import RunConfig
 from terapipe_cli.train.launch import clear_errors
@@ -56,3 +59,24 @@ def test_a_launch_that_never_trained_leaves_a_folder_the_same_command_uses_again
     assert has_trained(out)
     p = run_cli(capsys, "train", "--plan", plan, "--out", out, "--device", "cpu", "--dry-run")
     assert_one_line_error(p, "already holds a run")
+
+
+def test_a_worker_reports_its_own_peak_memory_not_its_launchers():
+    """torchrun starts each worker by fork and exec; Linux carries ``ru_maxrss`` over the exec, so a worker that
+    reported it showed its launcher's peak. A launcher that has touched 256 MiB starts a worker: the worker's
+    `peak_rss_bytes` is its own (a bare Python: about 10 MB), while ``ru_maxrss`` there says 256 MiB."""
+    worker = (
+        "import resource; from terapipe_cli.engine import peak_rss_bytes; "
+        "print(peak_rss_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)"
+    )
+    launcher = (
+        "import subprocess, sys\n"
+        "held = bytearray(1 << 28)\n"
+        "held[::4096] = b'1' * (len(held) // 4096)\n"  # every page touched: resident
+        f"subprocess.run([sys.executable, '-c', {worker!r}], check=True)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    out = subprocess.run([sys.executable, "-c", launcher], env=env, capture_output=True, text=True, check=True)
+    own, inherited = map(int, out.stdout.split())
+    assert inherited >= 2**28  # what the step line and the report showed before
+    assert 2**20 < own < 2**26, own

@@ -14,7 +14,6 @@ tests run. The worker adds everything around it: start-up, checkpoints, records.
 
 from __future__ import annotations
 
-import resource
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from terapipe_cli.config.run import LRSchedule, RunArguments
+from terapipe_cli.engine import peak_rss_bytes
 from terapipe_cli.engine.comm import Group, Link
 from terapipe_cli.engine.data import TokenData, step_batch, validation_batch
 from terapipe_cli.engine.executor import StageExecutor
@@ -56,7 +56,7 @@ class StepResult:
     lr: float
     update: StepOutcome
     events: list[Event]  # this rank's actions, times from the step's start
-    memory: list[int]  # per rank: the process's peak memory (CUDA max allocated; CPU peak RSS)
+    memory: list[int]  # per rank: its own peak memory (CUDA max allocated; CPU VmHWM, `peak_rss_bytes`)
     saved: list[int]  # per rank: the most its stage kept for the backward (`stage.SavedBytes`)
     seconds: float
 
@@ -264,6 +264,7 @@ LOSS_SCALE_KEY = "loss_scale"
 
 
 def peak_memory_bytes(device: torch.device) -> int:
+    """This process's own peak: CUDA's max allocated, or on the CPU the peak resident set (`peak_rss_bytes`)."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+    return peak_rss_bytes()

@@ -16,9 +16,9 @@ runs/NAME/
                      "lr" (this step's), "grad_norm" (global, before clipping; null on a skipped step),
                      "skipped" (fp16: the step was skipped for an inf/nan gradient), "loss_scale" (fp16 only:
                      the scale for the next step), "iteration_s", "tokens_per_s",
-                     "memory_bytes" (peak, largest rank), "memory_bytes_per_rank": [...] (the process's peak:
-                     CUDA max allocated, on CPU peak RSS), "saved_bytes_per_rank": [...] (the most each rank's
-                     stage kept for its backward during the step, counted by engine.stage.SavedBytes),
+                     "memory_bytes" (peak, largest rank), "memory_bytes_per_rank": [...] (each worker's own peak:
+                     CUDA max allocated, on CPU its peak resident set, VmHWM), "saved_bytes_per_rank": [...] (the
+                     most each rank's stage kept for its backward during the step, counted by engine.stage.SavedBytes),
                      "val_loss" (only on evaluated steps: the held-out loss after the step's update)}
   timelines/rank_00000.json   terapipe.timeline/1 (see plan/timeline.py): every tile of every step, F and B
   checkpoints/step_000010/...  see checkpoint.py (the optimizer state carries the fp16 loss scale)
