@@ -154,3 +154,27 @@ def test_a_hung_worker_ends_the_job_by_its_neighbours_timeout(tmp_path, capfd):
     assert p.returncode == 1
     last = p.stderr.strip().splitlines()[-1]
     assert "worker rank 0 (stage 0, replica 0) failed: PeerLost: lost rank 1" in last and "Timed out" in last, last
+
+
+def test_a_diverging_run_stops_at_its_first_non_finite_step_and_keeps_the_last_finite_checkpoint(tmp_path, capfd):
+    """--lr 1e6: step 1's update blows the weights up and step 2's loss is nan. Both stages stop at step 2 together
+    (none waits for the other), before its checkpoint: one line naming the step, exit 3, step 1's finite checkpoint
+    the last."""
+    import torch
+
+    plan = write_plan_file(tmp_path / "plan.json", [(1, [16, 16])], stages=2)
+    out = tmp_path / "run"
+    p = run_cli(
+        capfd, "train", "--plan", plan, "--steps", "4", "--out", out, "--lr", "1e6", "--warmup-steps", "1",
+        "--checkpoint-every", "1", "--device", "cpu",
+    )  # fmt: skip
+    assert p.returncode == 3, p.stdout + p.stderr
+    errors = [line for line in p.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1 and "Traceback" not in p.stderr, p.stderr
+    assert errors[0].startswith("terapipe: error: training diverged at step 2 (loss nan"), errors[0]
+    assert "the last checkpoint (step 1) is kept" in errors[0] and "--lr" in errors[0]
+    assert checkpoint.latest_complete(out) == 1 and not checkpoint.step_dir(out, 2).exists()
+    for stage in (0, 1):
+        weights = checkpoint.load_stage(out, 1, stage)["model"]
+        assert all(torch.isfinite(w).all() for w in weights.values())
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]

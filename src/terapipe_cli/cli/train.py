@@ -134,7 +134,7 @@ def _launch(prepared: PreparedRun, verify: bool) -> None:
         try:
             launch(prepared.launch)
         except WorkerFailed as e:
-            _fail(str(e), WorkerFailed.exit_code)
+            _fail(str(e), e.exit_code)
         console.print(f"done in {time.perf_counter() - start:.1f} s: {prepared.launch.run_dir}")
         if verify:
             _verify(console, prepared)

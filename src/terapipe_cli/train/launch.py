@@ -54,6 +54,12 @@ class WorkerFailed(Exception):
     exit_code = 1
 
 
+class RunDiverged(WorkerFailed):
+    """The workers stopped on a non-finite loss (`worker.Diverged`); the message says at which step and what is kept."""
+
+    exit_code = 3  # `worker.Diverged.exit_code`
+
+
 @dataclass(frozen=True)
 class Launch:
     run_dir: Path
@@ -70,6 +76,8 @@ class Launch:
     rdzv_timeout_s: float = 300.0  # how long the nodes wait for each other at the rendezvous (--rdzv-timeout)
     settings_digest: str = ""  # `rundir.settings_digest` of this node's request: every node's must be node 0's
     tensor_parallel: int = 1  # T processes per stage
+    max_restarts: int = 0  # torchrun restarts all workers after a failure, at most this many times (--max-restarts)
+    grace_s: float = 60.0  # the time to save after a stop signal (--grace-s)
 
     @property
     def layout(self) -> Layout:
@@ -117,6 +125,9 @@ def launch(spec: Launch) -> None:
         with _torchrun_log(spec.run_dir), ctrl_c.stops_workers():
             torchrun.run(args)
     except ChildFailedError as e:
+        diverged = diverged_message(e.failures, spec)
+        if diverged is not None:
+            raise RunDiverged(diverged) from None
         raise WorkerFailed(describe_failure(e.failures, spec)) from None
     except SignalException as e:
         if ctrl_c.pressed or e.sigval == signal.SIGINT:
@@ -264,6 +275,20 @@ def describe_unreadable_failure(spec: Launch) -> str:
     rank = int(logs[0].stem.removeprefix("rank_"))
     cause = " ".join((logs[0].read_text().strip().splitlines() or [""])[-1].split())[:400]
     return f"worker rank {rank} ({spec.layout.describe(rank)}) failed: {cause} — traceback in {logs[0]}"
+
+
+def diverged_message(failures: dict, spec: Launch) -> str | None:
+    """One line for workers that stopped on a non-finite loss (`worker.Diverged`, all at the same step): the step,
+    the checkpoint kept and what to change; None for any other failure."""
+    cause = next((m for m in map(_message, failures.values()) if m.startswith("Diverged: ")), None)
+    if cause is None:
+        return None
+    saved = checkpoint.latest_complete(spec.run_dir)
+    kept = "no checkpoint was written" if saved is None else f"the last checkpoint (step {saved}) is kept"
+    return (
+        f"training diverged at {cause.removeprefix('Diverged: ')}: stopped before saving that step; {kept}; "
+        "train again with another --out and a lower --lr, more --warmup-steps or a --grad-clip"
+    )
 
 
 def describe_failure(failures: dict, spec: Launch) -> str:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
+import math
 import os
 import platform
 import signal
@@ -125,12 +126,31 @@ def train(run_dir: Path, resume_step: int | None, request: NodeRequest) -> None:
         val_loss = t.evaluate() if t.evaluation_due(step) else None
         if w.rank == 0:
             log_step(w, result, iteration_s, val_loss)
+        stop_if_diverged(result)
         if step % w.args.checkpoint_every == 0 or step == w.args.steps:
             save_checkpoint(w, step, events)
     save_timeline(w, events)
     if w.rank == 0:
         write_run_summary(w, resume_step, iteration_s, wall_s=time.perf_counter() - run_start)
     dist.destroy_process_group()
+
+
+class Diverged(Exception):
+    """The run diverged: a step's loss is not finite, or its gradient norm where no loss scale skips the step."""
+
+    exit_code = 3  # the launcher's too (`launch.RunDiverged`): not 1 (a worker failed), not 2 (bad input)
+
+
+def stop_if_diverged(result: StepResult) -> None:
+    """Stop on a non-finite loss or gradient norm, before the step's checkpoint: the weights its update made are never
+    saved. Both numbers are all-reduced (the same on every rank), so every rank stops at the same step and none waits
+    for another. fp16 first skips a step with an inf/nan gradient and halves its loss scale (`optim.LossScale`): such
+    a step (no norm) is the loss scale at work, not a divergence; a non-finite loss is."""
+    norm = result.update.grad_norm
+    if math.isfinite(result.loss) and (norm is None or math.isfinite(norm)):
+        return
+    shown = "skipped" if norm is None else f"{norm:g}"
+    raise Diverged(f"step {result.step} (loss {result.loss:g}, gradient norm {shown}, lr {result.lr:.3g})")
 
 
 def start_worker(run_dir: Path, request: NodeRequest, *, resuming: bool) -> Worker:
@@ -405,6 +425,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         with profiled(rank):
             train(a.run_dir, a.resume_step, NodeRequest(a.device, a.backend, a.timeout_s, a.settings))
+    except Diverged as e:  # every rank stops so: the launcher says it once (`launch.diverged_message`)
+        record_for_torchrun(e)
+        os._exit(Diverged.exit_code)
     except BaseException as e:
         if isinstance(e, SystemExit) and not e.code:
             raise
