@@ -114,12 +114,12 @@ def sliced(model, tokens, sizes):
 
 
 @pytest.mark.parametrize("kv_heads", [1, 2, 4])
-def test_token_slices_with_rope_at_their_positions_equal_the_whole_sequence(kv_heads):
+def test_token_slices_with_rope_at_their_positions_equal_the_whole_sequence(kv_heads, monkeypatch):
     model = build_model(small(kv_heads=kv_heads), seed=1).double()
     tokens = torch.randint(0, 50, (2, 40), generator=torch.Generator().manual_seed(0))
     whole = model(tokens)
     assert torch.allclose(sliced(model, tokens, [13, 1, 26]), whole, rtol=0, atol=1e-12)
-    model.set_rope_local(True)  # the negative control: positions restart at every slice
+    monkeypatch.setattr(llama.LlamaAttention, "rope_local", True)  # the negative control: positions restart
     assert not torch.allclose(sliced(model, tokens, [13, 1, 26]), whole, rtol=0, atol=1e-3)
 
 
@@ -149,3 +149,30 @@ def test_rope_is_the_rotate_half_convention():
         ).sum()
 
     assert torch.allclose(score(7, 2), score(105, 100))
+
+
+@pytest.mark.parametrize("T", [2])
+def test_llama_shards_gather_into_the_whole_tensors(T):
+    """Rank r keeps query heads and key/value heads [r·n/T, (r+1)·n/T): its query heads read exactly its key/value
+    heads; the shards gathered are the whole tensors; SPLITS names the cut parameters of the two architectures."""
+    from terapipe_cli.engine.local import LocalWorld
+    from terapipe_cli.engine.tensor import SPLITS, TensorGroup, gather_tensor, shard_tensor, split_of
+
+    cfg = small(layers=1)
+    state = build_model(cfg).state_dict()
+    world = LocalWorld(T)
+
+    def rank(r):
+        tp = TensorGroup(r, T, world.group("tensor", range(T), r))
+        shards = {name: shard_tensor(name, full, tp) for name, full in state.items()}
+        return shards, {name: gather_tensor(name, part, tp) for name, part in shards.items()}
+
+    ranks = world.run(rank)
+    for name, full in state.items():
+        assert all(torch.equal(whole[name], full) for _, whole in ranks), name
+    d = cfg.head_dim
+    assert torch.equal(ranks[1][0]["blocks.0.attn.k_proj.weight"], state["blocks.0.attn.k_proj.weight"][d : 2 * d])
+    assert ranks[1][0]["blocks.0.attn.q_proj.weight"].shape == (2 * d, cfg.hidden)  # query heads 2, 3 read kv head 1
+    gpt = build_model(ModelConfig.from_dict({**BASE, "layers": 1}, "test", prefix="")).state_dict()
+    cut = {n.removeprefix("blocks.0.") for names in (state, gpt) for n in names if split_of(n)}
+    assert cut == set(SPLITS)

@@ -66,7 +66,8 @@ def test_gathered_shards_are_the_whole_tensor(T):
         assert rows == [len(vocab_rows(253, T, r)) for r in range(T)] and sum(rows) == 253 and len(set(rows)) == 2
         assert torch.equal(ranks[1][0][name], state[name][vocab_rows(253, T, 1).start : vocab_rows(253, T, 1).stop])
     assert {n for n in state if split_of(n)} == {n for n in state for suffix in SPLITS if n.endswith(suffix)}
-    assert {n.removeprefix("blocks.0.") for n in state if split_of(n)} == set(SPLITS)
+    # Every cut GPT parameter is named in SPLITS; the rest of SPLITS is the llama layer's (tests/engine/test_llama.py).
+    assert {n.removeprefix("blocks.0.") for n in state if split_of(n)} <= set(SPLITS)
 
 
 def _uneven_gather(rank: int, init: str, out: str) -> None:

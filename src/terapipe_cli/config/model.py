@@ -150,6 +150,12 @@ class ModelConfig:
             raise UserError(
                 f"{stages} stages are more than the {self.layers} layers of model '{self.name}'", where=where
             )
+        if self.llama and self.tie_embeddings and stages > 1:
+            raise UserError(
+                f"model '{self.name}' ties its embeddings: its embedding and head share one tensor, which a pipeline "
+                f"of {stages} stages would split (tie_embeddings = false to pipeline it)",
+                where=where,
+            )
 
     def stage_counts(self) -> list[int]:
         """The stage counts K that divide the layers evenly, ascending (1, 2, 4, 5, 8, 10, 20, 40 for 40 layers)."""

@@ -65,13 +65,14 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 class LlamaAttention(nn.Module):
     """Grouped-query attention with rotary positions over the slice's context.
 
-    ``rope_local=True`` rotates by the slice-local positions 0 … i − 1 instead: a test-only negative control
-    (the scores then differ from the whole sequence's wherever start > 0)."""
+    ``rope_local = True`` (the class's, set by a test) rotates by the slice-local positions 0 … i − 1 instead: a
+    test-only negative control (the scores then differ from the whole sequence's wherever start > 0)."""
+
+    rope_local = False
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.heads, self.kv_heads, self.head_dim, self.theta = cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.rope_theta
-        self.rope_local = False
         d = cfg.head_dim
         self.q_proj = nn.Linear(cfg.hidden, cfg.heads * d, bias=False)
         self.k_proj = nn.Linear(cfg.hidden, cfg.kv_heads * d, bias=False)
@@ -166,8 +167,3 @@ class Llama(GPT):
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(h))
-
-    def set_rope_local(self, local: bool) -> None:
-        """Test-only negative control: rotate by slice-local positions (`LlamaAttention`)."""
-        for block in self.blocks.values():
-            block.attn.rope_local = local

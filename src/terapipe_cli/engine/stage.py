@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from terapipe_cli.config.model import ModelConfig
-from terapipe_cli.engine.model import GPT, KVCache
+from terapipe_cli.engine.model import KVCache, build_model
 from terapipe_cli.engine.tensor import TensorGroup, head_loss_sum, shard_module
 from terapipe_cli.plan.partition import Partition
 
@@ -146,7 +146,7 @@ class StageRunner:
         if precision not in AUTOCAST_DTYPES:
             raise ValueError(f"precision must be one of {sorted(AUTOCAST_DTYPES)}, got {precision!r}")
         self.device = torch.device(device)
-        self.module = GPT(model, stage, stages, seed=seed, partition=partition, chunks=chunks)
+        self.module = build_model(model, stage, stages, seed=seed, partition=partition, chunks=chunks)
         if tensor is not None:
             shard_module(self.module, tensor)
         self.module.to(self.device)

@@ -219,6 +219,15 @@ SPLITS: dict[str, Split] = {
     "attn.proj.weight": Split(1),
     "mlp.fc.weight": Split(0),
     "mlp.proj.weight": Split(1),
+    # The llama layer (engine/llama.py): rank r keeps query heads [r·heads/T, (r+1)·heads/T) and key/value heads
+    # [r·kv_heads/T, (r+1)·kv_heads/T) — exactly the ones its query heads read — and 1/T of the SwiGLU's width.
+    "attn.q_proj.weight": Split(0),
+    "attn.k_proj.weight": Split(0),
+    "attn.v_proj.weight": Split(0),
+    "attn.o_proj.weight": Split(1),
+    "mlp.gate_proj.weight": Split(0),
+    "mlp.up_proj.weight": Split(0),
+    "mlp.down_proj.weight": Split(1),
     "wte.weight": Split(0, vocab=True),
     "lm_head.weight": Split(0, vocab=True),
 }
@@ -269,18 +278,16 @@ def shard_module(module: nn.Module, tp: TensorGroup) -> None:
         weight = module.lm_head.weight
         module.lm_head = VocabParallelHead(shard_tensor("lm_head.weight", weight, tp), tp, rows).to(weight.device)
     for n, block in module.blocks.items():
-        for path, kind in (
-            ("attn.qkv", ColumnParallelLinear),
-            ("attn.proj", RowParallelLinear),
-            ("mlp.fc", ColumnParallelLinear),
-            ("mlp.proj", RowParallelLinear),
-        ):
-            owner, attr = path.split(".")
-            weight = getattr(getattr(block, owner), attr).weight
-            sharded = kind(shard_tensor(f"blocks.{n}.{path}.weight", weight, tp), tp).to(weight.device)
-            setattr(getattr(block, owner), attr, sharded)
-        block.attn.heads //= tp.size
-        block.attn.hidden //= tp.size
+        for path, linear in list(block.named_modules()):
+            split = split_of(f"{path}.weight") if isinstance(linear, nn.Linear) else None
+            if split is None:
+                continue
+            # Cut along the output features: column-parallel; along the input features: row-parallel.
+            kind = ColumnParallelLinear if split.dim == 0 else RowParallelLinear
+            sharded = kind(shard_tensor(f"blocks.{n}.{path}.weight", linear.weight, tp), tp).to(linear.weight.device)
+            owner, attr = path.rsplit(".", 1)
+            setattr(block.get_submodule(owner), attr, sharded)
+        block.attn.split_heads(tp.size)
 
 
 def parameter_names(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:

@@ -48,7 +48,7 @@ import torch
 
 from terapipe_cli.config.run import LRSchedule
 from terapipe_cli.engine.data import step_batch
-from terapipe_cli.engine.model import GPT, token_loss_sum
+from terapipe_cli.engine.model import build_model, token_loss_sum
 from terapipe_cli.engine.optim import LossScale, make_optimizer, set_lr, take_step
 from terapipe_cli.engine.stage import AUTOCAST_DTYPES, StageRunner
 from terapipe_cli.plan.file import Plan
@@ -187,7 +187,7 @@ def single_process_run(run, model: torch.nn.Module, step_fn: StepFn, precision: 
 
 def reference_run(run) -> Trajectory:
     """The reference: the whole model at the run's precision, the whole sequence at once."""
-    model = GPT(run.plan.model, seed=run.args.seed).to(run.device)
+    model = build_model(run.plan.model, seed=run.args.seed).to(run.device)
     precision = run.args.precision
     return single_process_run(run, model, whole_sequence_step(precision), precision)
 
@@ -196,7 +196,7 @@ def spread_run(run) -> tuple[Trajectory, str]:
     """The run whose difference from the reference is the spread (the module docstring says why this one)."""
     plan, args, precision = run.plan, run.args, run.args.precision
     if precision == "fp32":
-        model = GPT(plan.model, seed=args.seed).to(run.device).double()
+        model = build_model(plan.model, seed=args.seed).to(run.device).double()
         return single_process_run(run, model, whole_sequence_step("fp32"), "fp32"), "float64, whole sequence"
     runner = StageRunner(plan.model, 0, 1, seed=args.seed, device=run.device, precision=precision)
     trajectory = single_process_run(run, runner.module, tiled_step(runner, plan, args.data_parallel), precision)
