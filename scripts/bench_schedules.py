@@ -252,21 +252,29 @@ def _plan_entry(path: str | None, model) -> dict:
 
 
 def _print(times: dict, *, markdown: bool) -> None:
+    """Median (min–max) of each, its speed against ScheduleGPipe's median, and against the best peer round by round:
+    the peer with the lowest median's time over the candidate's in the same round, median (min–max) over the rounds
+    (pairs within a round share the machine's load of the moment)."""
     med = {n: statistics.median(v) for n, v in times.items()}
     ref = med[PEERS[0]]
-    rows = [
-        (n, f"{med[n] * 1e3:.1f}", f"{min(v) * 1e3:.1f}–{max(v) * 1e3:.1f}", f"{ref / med[n]:.2f}×")
-        for n, v in times.items()
-    ]
-    head = ("candidate", "median ms", "min–max ms", "speed vs ScheduleGPipe")
+    best = min((n for n in times if n.startswith("torch ")), key=med.get)
+    rows = []
+    for n, v in times.items():
+        paired = [b / t for b, t in zip(times[best], v, strict=True)]
+        rows.append(
+            (n, f"{med[n] * 1e3:.1f}", f"{min(v) * 1e3:.1f}–{max(v) * 1e3:.1f}", f"{ref / med[n]:.2f}×",
+             f"{statistics.median(paired):.2f}× ({min(paired):.2f}–{max(paired):.2f})")
+        )  # fmt: skip
+    head = ("candidate", "median ms", "min–max ms", "vs ScheduleGPipe", "vs best peer per round")
+    print(f"\nbest peer (lowest median): {best}")
     if markdown:
-        print("| " + " | ".join(head) + " |\n|---|---|---|---|")
+        print("| " + " | ".join(head) + " |\n|---|---|---|---|---|")
         for r in rows:
             print("| " + " | ".join(r) + " |")
         return
-    print(f"\n{head[0]:<45} {head[1]:>10} {head[2]:>16} {head[3]:>23}")
+    print(f"\n{head[0]:<52} {head[1]:>10} {head[2]:>16} {head[3]:>17} {head[4]:>24}")
     for r in rows:
-        print(f"{r[0]:<45} {r[1]:>10} {r[2]:>16} {r[3]:>23}")
+        print(f"{r[0]:<52} {r[1]:>10} {r[2]:>16} {r[3]:>17} {r[4]:>24}")
 
 
 def _parse_args() -> argparse.Namespace:

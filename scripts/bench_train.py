@@ -60,15 +60,16 @@ def join_bench_job(config_path: str):
 
 
 def time_rounds(steps: dict, cfg: dict, rank: int) -> None:
-    """Every step function in turn, round after round, all ranks starting each together; rank 0 writes the seconds
-    of each (from the common start to the slowest rank's end) after the warm-up rounds to ``cfg["out"]``."""
+    """Every step function in turn, round after round (alternately forwards and backwards), all ranks starting each
+    together; rank 0 writes the seconds of each (from the common start to the slowest rank's end) after the warm-up
+    rounds to ``cfg["out"]``."""
     import torch
     import torch.distributed as dist
 
     flag = torch.zeros(1)
     times: dict[str, list[float]] = {n: [] for n in steps}
     for round_ in range(cfg["warmup"] + cfg["rounds"]):
-        for name, step in steps.items():
+        for name, step in list(steps.items())[:: 1 if round_ % 2 == 0 else -1]:  # A B C …, then … C B A
             dist.all_reduce(flag)  # start together
             start = time.perf_counter()
             step()
