@@ -161,12 +161,13 @@ def test_a_diverging_run_stops_at_its_first_non_finite_step_and_keeps_the_last_f
     (none waits for the other), before its checkpoint: one line naming the step, exit 3, step 1's finite checkpoint
     the last."""
     import torch
+    from test_metrics_log import same_as_jsonl
 
     plan = write_plan_file(tmp_path / "plan.json", [(1, [16, 16])], stages=2)
     out = tmp_path / "run"
     p = run_cli(
         capfd, "train", "--plan", plan, "--steps", "4", "--out", out, "--lr", "1e6", "--warmup-steps", "1",
-        "--checkpoint-every", "1", "--device", "cpu",
+        "--checkpoint-every", "1", "--device", "cpu", "--log", "csv,tensorboard",
     )  # fmt: skip
     assert p.returncode == 3, p.stdout + p.stderr
     errors = [line for line in p.stderr.splitlines() if line.strip()]
@@ -178,3 +179,4 @@ def test_a_diverging_run_stops_at_its_first_non_finite_step_and_keeps_the_last_f
         weights = checkpoint.load_stage(out, 1, stage)["model"]
         assert all(torch.isfinite(w).all() for w in weights.values())
     assert [r["step"] for r in read_metrics(out)] == [1, 2]
+    same_as_jsonl(out)  # --log: the workers wrote the CSV and TensorBoard's events of both steps

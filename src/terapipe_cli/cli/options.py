@@ -4,6 +4,7 @@ typer options of a settings dataclass, derived from its fields (`settings_option
 from __future__ import annotations
 
 import inspect
+import typing
 from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
@@ -38,7 +39,10 @@ def settings_options(cls) -> list[inspect.Parameter]:
         doc, kind = doc_of(f), kinds[f.name]
         names = [f"{flag_of(f)}/--no-{flag_of(f)[2:]}"] if kind is bool else [flag_of(f)]
         names += [doc.short] if doc.short else []
-        option = typer.Option(*names, help=doc.help, show_default=doc.shown or False, rich_help_panel=doc.panel)
+        metavar = "NAME" if typing.get_origin(kind) is list else None  # a repeatable option: one name each time
+        option = typer.Option(
+            *names, help=doc.help, show_default=doc.shown or False, rich_help_panel=doc.panel, metavar=metavar
+        )
         annotation = Annotated[(Path if doc.path else kind) | None, option]
         params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=annotation))
     return params

@@ -2,8 +2,9 @@
 
 A settings dataclass declares each field with `setting`: its doc (one line), and optionally its command-line flag,
 bounds and how it is shown. Everything else derives from the fields — the known keys of a file, the validation of
-every value by its annotated type (``int``, ``float``, ``bool``, ``str``, ``X | None``), the typer options of a
-command (cli/options.py) — so no list of field names is written twice (torchtitan's job config does the same).
+every value by its annotated type (``int``, ``float``, ``bool``, ``str``, ``list[str]``, ``X | None``), the typer
+options of a command (cli/options.py) — so no list of field names is written twice (torchtitan's job config does the
+same).
 """
 
 from __future__ import annotations
@@ -107,6 +108,10 @@ def read_fields(
 
 def check_value(f: Fields, name: str, value: Any, kind: type, doc: Doc, base: Path | None = None) -> Any:
     """One value checked against its field's type and `Doc` bounds (a one-line error naming the field)."""
+    if typing.get_origin(kind) is list:  # a list of strings (a repeatable option)
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise f.fail(name, f"must be a list of strings, got {value!r}")
+        return list(value)
     if kind is bool:
         if not isinstance(value, bool):
             raise f.fail(name, f"must be true or false, got {value!r}")
@@ -146,5 +151,7 @@ def _toml_value(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, (int, float)):
         return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     text = str(value).replace("\\", "\\\\").replace('"', '\\"')
     return f'"{text}"'

@@ -43,6 +43,9 @@ WARMUP_FRACTION = 0.1  # the default warm-up: this share of the run's steps ...
 MIN_WARMUP_STEPS = 3  # ... but at least this many (a third of the run, at least one, when it is shorter than 9)
 MIN_LR_FRACTION = 0.1  # the default floor of the cosine decay: this share of the peak lr (as nanoGPT)
 
+# Where each step's metrics go (`--log`, train/metrics.py): metrics.jsonl always, the others when asked.
+LOGS = ("jsonl", "csv", "tensorboard")
+
 REQUIRED = MISSING  # a `setting` without a default
 RUN, OPTIMIZER, LAYOUT, NODES = "Run", "Optimizer step", "Processes", "Several machines"
 
@@ -87,6 +90,13 @@ class RunConfig:
     eval_every: int | None = setting(
         "Validation loss every N steps and after the last (forward only, same pipeline); 0: never.",
         shown="a tenth of --steps; a run under 10 steps: after the last",
+        panel=RUN,
+        resume="change",
+    )
+    log: list[str] | None = setting(
+        "Also write each step's metrics for TensorBoard (RUN/tensorboard/) or as CSV (RUN/metrics.csv): "
+        "--log tensorboard,csv (or --log repeated); metrics.jsonl is always written.",
+        shown="jsonl",
         panel=RUN,
         resume="change",
     )
@@ -260,6 +270,7 @@ class RunArguments:
     )
     val_fraction: float = setting("The data's last part held out (0: none).", 0.0, minimum=0)
     eval_every: int = setting("Validation every N steps and after the last (0: never).", 0, minimum=0)
+    log: list[str] | None = setting("Where each step's metrics go (`LOGS`; None: metrics.jsonl alone).")
     schedule: str | None = setting("The schedule walked instead of the plan's order (`plan.schedule`, CSV text).")
 
     @classmethod
@@ -284,6 +295,23 @@ def run_toml(args: RunArguments, *, plan: str, device: str, nnodes: int, rdzv_en
     )
     comments = {"data": "the embedded text", "rdzv_endpoint": "one machine"}
     return header + to_toml(TABLE, values, comments)
+
+
+def resolve_logs(given: list[str] | None) -> list[str]:
+    """``--log`` as a run keeps it: every value given (repeated, or comma lists) known, each once, in `LOGS` order,
+    jsonl always; tensorboard only where its package is installed (an optional extra)."""
+    names = {name.strip() for value in given or [] for name in value.split(",") if name.strip()}
+    unknown = sorted(names - set(LOGS))
+    if unknown:
+        raise UserError(f"must be {', '.join(LOGS)} (repeat it, or a comma list), got {unknown[0]!r}", where="log")
+    if "tensorboard" in names:
+        try:
+            import tensorboard  # noqa: F401 - the optional extra
+        except ImportError:
+            raise UserError(
+                "needs the optional package 'tensorboard': pip install 'terapipe-cli[tensorboard]'", where="log"
+            ) from None
+    return [name for name in LOGS if name in names or name == "jsonl"]
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,15 @@ import torch
 import terapipe_cli
 from terapipe_cli import units
 from terapipe_cli.config.device import resolve_device, resolve_precision
-from terapipe_cli.config.run import DEFAULT_STEPS, LRSchedule, RunArguments, RunConfig, flag, run_fields
+from terapipe_cli.config.run import (
+    DEFAULT_STEPS,
+    LRSchedule,
+    RunArguments,
+    RunConfig,
+    flag,
+    resolve_logs,
+    run_fields,
+)
 from terapipe_cli.engine.data import TokenData, check_data, load_data, split_data
 from terapipe_cli.engine.mesh import Layout
 from terapipe_cli.errors import UserError
@@ -222,6 +230,7 @@ def _new_arguments(config: RunConfig, device: str, plan: Plan, controls: Negativ
         val_fraction=val_fraction,
         eval_every=_eval_every(config.eval_every, steps, val_fraction),
         schedule=_schedule_text(config, plan),
+        log=resolve_logs(config.log),
     )
 
 
@@ -312,6 +321,7 @@ def _resumed_run(config: RunConfig, device: str) -> _Run:
             changes[name] = getattr(config, name)
     if config.eval_every is not None:  # how often to evaluate may change; what is held out may not
         changes["eval_every"] = _eval_every(config.eval_every, steps, saved.val_fraction)
+    changes["log"] = resolve_logs(config.log if config.log is not None else saved.log)
     args = dataclasses.replace(saved, **changes)
     return _Run(plan, saved_config["plan"], args, out, resume_step, saved_config)
 

@@ -50,8 +50,8 @@ from terapipe_cli.engine.trainer import Comms, StepResult, Trainer
 from terapipe_cli.plan.file import plan_from_dict
 from terapipe_cli.plan.timeline import Event, read_timeline, write_timeline
 from terapipe_cli.train import checkpoint
+from terapipe_cli.train.metrics import MetricsLog
 from terapipe_cli.train.rundir import (
-    append_metrics,
     join_run_folder,
     keep_metrics_until,
     read_config,
@@ -95,6 +95,7 @@ class Worker:
     # one rank per folder that marks checkpoints complete there, the stages whose files the folder holds.
     writes_shard: bool = True
     marks_stages: list[int] | None = None
+    metrics: MetricsLog | None = None  # rank 0's: where each step's record goes (--log)
 
     @property
     def args(self) -> RunArguments:
@@ -110,6 +111,7 @@ def train(run_dir: Path, resume_step: int | None, request: NodeRequest) -> None:
     w = start_worker(run_dir, request, resuming=resume_step is not None)
     t = w.trainer
     start_step, events = restore(w, resume_step)
+    w.metrics = MetricsLog(run_dir, w.args.log, first_step=start_step + 1) if w.rank == 0 else None
     iteration_s: list[float] = []
     t.comms.world.all_reduce(torch.zeros(1, device=t.device), what="start-up")
     run_start = time.perf_counter()
@@ -132,6 +134,7 @@ def train(run_dir: Path, resume_step: int | None, request: NodeRequest) -> None:
     save_timeline(w, events)
     if w.rank == 0:
         write_run_summary(w, resume_step, iteration_s, wall_s=time.perf_counter() - run_start)
+        w.metrics.close()
     dist.destroy_process_group()
 
 
@@ -283,7 +286,7 @@ def log_step(w: Worker, result: StepResult, iteration_s: list[float], val_loss: 
     record["saved_bytes_per_rank"] = result.saved
     if val_loss is not None:
         record["val_loss"] = val_loss
-    append_metrics(w.run_dir, record)
+    w.metrics.write(record)
     norm = "skipped" if update.grad_norm is None else f"{update.grad_norm:7.3f}"
     scale = f"  scale {update.loss_scale:g}" if update.loss_scale is not None else ""
     val = f"  val {val_loss:8.4f}" if val_loss is not None else ""
