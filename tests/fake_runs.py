@@ -152,3 +152,25 @@ def assert_chrome_trace(trace: dict, ranks_per_run: dict[str, int]) -> None:
 
 TERAPIPE = [(1, [8, 8, 8, 8])]  # a run's scheme
 GPIPE = [(1, [SEQ])]  # its baseline's
+
+
+def checkpointed_run(path: Path, model=None, *, stages: int = 2, step: int = 3, seed: int = 1, data: str | None = None):
+    """`make_run`'s folder with a complete checkpoint of ``step``: the stages of ``build_model(model, seed=seed)``
+    (random weights, not trained) saved as the workers save them; ``data``: the data file its arguments name."""
+    import json
+
+    from terapipe_cli.engine.model import build_model
+    from terapipe_cli.train import checkpoint
+
+    model = model or tiny_model(seq_len=SEQ)
+    make_run(path, TERAPIPE, stages=stages, steps=step, model=model)
+    if data is not None:
+        config = json.loads((path / "config.json").read_text())
+        config["arguments"]["data"] = data
+        (path / "config.json").write_text(json.dumps(config))
+    whole = build_model(model, seed=seed).state_dict()
+    for k in range(stages):
+        names = build_model(model, k, stages).state_dict()
+        checkpoint.save_stage(path, step, k, stages, {n: whole[n] for n in names}, {})
+    checkpoint.mark_complete(path, step, stages)
+    return path

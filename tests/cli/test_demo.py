@@ -47,10 +47,12 @@ def test_the_stages_are_the_four_commands_on_the_demos_files(tmp_path):
     cfg = load_demo_config(None, quick=True)
     paths = DemoPaths.at(tmp_path)
     stages = demo_stages(cfg, paths)
-    assert [s.name for s in stages] == [s.argv[0] for s in stages] == ["profile", "plan", "train", "report"]
+    names = ["profile", "plan", "train", "report", "sample"]
+    assert [s.name for s in stages] == [s.argv[0] for s in stages] == names
     assert "--quick" in stages[0].argv and stages[1].argv[stages[1].argv.index("--profile") + 1] == str(paths.profile)
     assert stages[2].argv[stages[2].argv.index("--plan") + 1] == str(paths.plan)
     assert stages[3].argv[1] == str(paths.run) and paths.report == paths.run / "report"
+    assert stages[4].argv[1] == str(paths.run)
 
 
 def test_the_demo_profiles_and_trains_on_the_cpu_unless_asked(tmp_path):

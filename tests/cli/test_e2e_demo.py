@@ -80,12 +80,14 @@ def _bubble_from_timelines(run_dir: Path, steps: list[int], stages: int) -> floa
 def test_the_demo_ends_with_the_summary_and_the_pictures(demo):
     root, p, _ = demo
     out = p.stdout
-    for stage in ("1/4 profile", "2/4 plan", "3/4 train", "4/4 report"):
-        assert stage in out
-    assert out.index("1/4 profile") < out.index("2/4 plan") < out.index("3/4 train") < out.index("4/4 report")
+    stages = ("1/5 profile", "2/5 plan", "3/5 train", "4/5 report", "5/5 sample")
+    assert [out.index(stage) for stage in stages] == sorted(out.index(stage) for stage in stages)
     assert "training the GPipe baseline" in out
-    tail = out[out.index("4/4 report") :]
+    tail = out[out.index("4/5 report") : out.index("5/5 sample")]
     assert "TeraPipe is" in tail and "Losses match" in tail
+    # The trained run's sample: the rule, the command, then the prompt and the 48 bytes drawn after it.
+    sample = out[out.index("5/5 sample") : out.rindex("done in")].splitlines()
+    assert sample[2].startswith("Ada sees") and len("\n".join(sample[2:]).strip()) > len("Ada sees"), sample
     for name in ("timeline.png", "loss.png"):
         assert str(root / "run" / "report" / name) in out.replace("\n", "")
     for name in ("model.toml", "profile.json", "plan.json", "run/summary.json", "run-gpipe/summary.json"):
@@ -96,15 +98,15 @@ def test_each_stage_prints_its_whole_command(demo):
     """The printed command lines are complete (nothing cut short) and name the files the demo wrote."""
     root, p, _ = demo
     out = p.stdout.splitlines()
-    rules = [n for n, x in enumerate(out) if re.match(r"\d/4 (profile|plan|train|report) ", x)]
+    rules = [n for n, x in enumerate(out) if re.match(r"\d/5 (profile|plan|train|report|sample) ", x)]
     lines = [out[n + 1] for n in rules]  # each stage's rule, then its command line
     commands = [shlex.split(x) for x in lines]
     assert all(c[0] == "terapipe" for c in commands)
-    assert [c[1] for c in commands] == ["profile", "plan", "train", "report"]
+    assert [c[1] for c in commands] == ["profile", "plan", "train", "report", "sample"]
     assert "…" not in "".join(lines)
     outs = [c[c.index("--out") + 1] for c in commands[:3]]
     assert outs == [str(root / "profile.json"), str(root / "plan.json"), str(root / "run")]
-    assert commands[3][2] == str(root / "run")
+    assert commands[3][2] == commands[4][2] == str(root / "run")
     # The demo says where it runs: on the CPU, whatever --device auto would pick here.
     for c in (commands[0], commands[2]):
         assert c[c.index("--device") + 1] == "cpu"

@@ -41,7 +41,17 @@ def _root(
 
 
 # Command modules, in the order a user runs them.
-COMMANDS: tuple[str, ...] = ("profile", "plan", "train", "launch_script", "report", "export", "run", "configs")
+COMMANDS: tuple[str, ...] = (
+    "profile",
+    "plan",
+    "train",
+    "launch_script",
+    "report",
+    "export",
+    "sample",
+    "run",
+    "configs",
+)
 
 
 def _register() -> None:
@@ -73,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     except Interrupted as e:
         sys.stdout.flush()
         sys.stderr.write(f"terapipe: {e}\n")
-        raise SystemExit(Interrupted.exit_code) from None
+        raise SystemExit(e.exit_code) from None
     except getattr(_exceptions, "NoArgsIsHelpError", ()) as e:
         print(e.ctx.get_help())
         raise SystemExit(0) from None

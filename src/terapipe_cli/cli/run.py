@@ -1,7 +1,7 @@
-"""``terapipe run``: the whole flow in one command — profile -> plan -> train -> report — on the demo settings.
+"""``terapipe run``: the whole flow in one command — profile -> plan -> train -> report -> sample — on the demo.
 
 Each stage is the very command a user would type (`demo_stages` builds its argument list once):
-the command line is printed whole, then run through the same parser, so the demo also teaches the four commands.
+the command line is printed whole, then run through the same parser, so the demo also teaches the commands.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from terapipe_cli.units import folder_stamp
 
 HELP = """Run all four stages in order on the tiny model (K = 2 stages, B = 1), on the CPU whatever the machine \
 (--device cuda: on the GPU, the stages sharing it): measure a profile, plan the token slicing, train with the \
-plan, then report against the GPipe baseline (trained by the report). Ends with the report's summary and the \
-paths of the pictures. Each stage prints the command that does it alone.
+plan, then report against the GPipe baseline (trained by the report), and sample a line of text from the trained \
+run. Ends with the paths of the pictures. Each stage prints the command that does it alone.
 
 Everything goes into a fresh folder OUT/TIMESTAMP/: model.toml, profile.json, plan.json, run/ (with \
 run/report/) and run-gpipe/. About a minute on a 2-core machine; --quick (for CI) about 40 s.
@@ -128,7 +128,7 @@ class DemoStage:
 
 
 def demo_stages(cfg: DemoConfig, paths: DemoPaths, device: str = DEMO_DEVICE) -> list[DemoStage]:
-    """The four commands of the demo, in order, each with every argument it runs with.
+    """The five commands of the demo, in order, each with every argument it runs with.
 
     ``device`` is pinned on the profile and the train commands (the plan follows the profile; the report's
     GPipe baseline trains on the run's device), so ``--device auto`` never moves the demo without being asked.
@@ -145,7 +145,12 @@ def demo_stages(cfg: DemoConfig, paths: DemoPaths, device: str = DEMO_DEVICE) ->
         DemoStage("plan", ["plan", *plan]),
         DemoStage("train", ["train", *train]),
         DemoStage("report", ["report", str(paths.run), "--warmup", str(cfg.warmup)]),
+        DemoStage("sample", ["sample", str(paths.run), *SAMPLE, "--seed", str(cfg.seed)]),
     ]
+
+
+# The demo's last word: a few dozen bytes the trained run writes after a name from the embedded text's grammar.
+SAMPLE = ["--prompt", "Ada sees", "--tokens", "48"]
 
 
 def _powers_of_two(limit: int) -> list[int]:

@@ -1,21 +1,22 @@
 """``terapipe export``: a run's per-stage checkpoint as ONE single-device model file.
 
 Every stage keeps its layers under their global names (``blocks.5...``, docs/design.md §6), so the stages' state
-dicts join without renaming into the state dict of the whole model, `terapipe_cli.engine.model.GPT(cfg)`.
+dicts join without renaming into the state dict of the whole model, `terapipe_cli.engine.model.build_model(cfg)` (a
+`GPT`, or a `Llama` for ``arch = "llama"``).
 
 The file (``torch.save``, ``weights_only``-loadable) holds ``{"schema": "terapipe.export/1", "model_config": {...},
-"step", "run", "state_dict"}``; `load_exported` rebuilds the model from it with ``strict=True``.
+"step", "run", "state_dict"}``; `load_exported` (also ``terapipe_cli.load_exported``) rebuilds the model from it with
+``strict=True``. ``--format hf`` writes a Hugging Face folder instead (`train.hf`).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from terapipe_cli.config.model import ModelConfig
-from terapipe_cli.engine.model import GPT
+from terapipe_cli.engine.model import GPT, build_model
 from terapipe_cli.errors import UserError
 from terapipe_cli.plan.file import plan_from_dict
 from terapipe_cli.train import checkpoint
@@ -45,7 +46,7 @@ def export_state(run_dir: Path, step: int | None = None) -> tuple[ModelConfig, i
     state: dict[str, torch.Tensor] = {}
     for k in range(plan.stages):
         state.update(checkpoint.load_stage(run_dir, step, k)["model"])
-    expected = set(GPT(plan.model).state_dict())
+    expected = set(single_device_model(plan.model).state_dict())
     if set(state) != expected:
         missing = sorted(expected ^ set(state))[:3]
         raise UserError(
@@ -54,10 +55,24 @@ def export_state(run_dir: Path, step: int | None = None) -> tuple[ModelConfig, i
     return plan.model, step, state
 
 
+def single_device_model(cfg: ModelConfig) -> GPT:
+    """The whole model of ``cfg`` on one device, of its architecture (its weights as initialised: a state dict is
+    loaded into it)."""
+    return build_model(cfg)
+
+
+def run_model(run_dir: Path, step: int | None = None) -> tuple[GPT, int]:
+    """The single-device model of a run's complete checkpoint of ``step`` (default: the latest), in eval mode."""
+    cfg, step, state = export_state(run_dir, step)
+    model = single_device_model(cfg)
+    model.load_state_dict(state, strict=True)
+    return model.eval(), step
+
+
 def write_export(path: Path, run_dir: Path, model: ModelConfig, step: int, state: dict[str, torch.Tensor]) -> None:
     record = {
         "schema": EXPORT_SCHEMA,
-        "model_config": asdict(model),
+        "model_config": model.to_dict(),  # as a model TOML gives it: a GPT model's as before arch existed
         "step": step,
         "run": str(run_dir.resolve()),
         "state_dict": state,
@@ -66,10 +81,17 @@ def write_export(path: Path, run_dir: Path, model: ModelConfig, step: int, state
 
 
 def load_exported(path: str | Path, map_location: str | torch.device = "cpu") -> tuple[GPT, dict]:
-    """The single-device model of an export file (``strict=True``), and the file's record without the weights."""
-    record = torch.load(path, map_location=map_location, weights_only=True)
+    """The single-device model of an export file (``strict=True``, eval mode), and the file's record without the
+    weights: ``{"schema", "model_config" (a dict: `ModelConfig`'s fields), "step", "run"}``."""
+    where = str(path)
+    if not Path(path).is_file():
+        raise UserError("no such export file (`terapipe export RUN --out FILE` writes one)", where=where)
+    try:
+        record = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:  # not a torch file, or one holding more than tensors and plain data
+        raise UserError(f"not a terapipe export ({type(e).__name__})", where=where) from None
     if not isinstance(record, dict) or record.get("schema") != EXPORT_SCHEMA:
-        raise UserError(f"not a terapipe export (schema {EXPORT_SCHEMA})", where=str(path))
-    model = GPT(ModelConfig(**record["model_config"]))
+        raise UserError(f"not a terapipe export (schema {EXPORT_SCHEMA})", where=where)
+    model = single_device_model(ModelConfig.from_dict(record["model_config"], where, prefix="model_config."))
     model.load_state_dict(record.pop("state_dict"), strict=True)
-    return model, record
+    return model.eval(), record

@@ -1,0 +1,74 @@
+"""``terapipe sample``: text from a run's checkpoint (train/sample.py), on one device with a K/V cache."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from terapipe_cli.engine import require_torch
+
+HELP = """Generate text from a run's checkpoint on one device: the run's stages joined into the single-device model, \
+the prompt read with the run's own tokenizer (UTF-8 bytes for a text data file or the embedded default; GPT-2 BPE \
+for a .bin/.npy token file, which needs pip install tiktoken), then one token at a time over a K/V cache.
+
+Prints the prompt and its continuation on stdout (the run, step and speed on stderr). --temperature 0 is greedy.
+
+Examples:
+
+    terapipe sample runs/demo/TIMESTAMP/run --prompt "The cat" --tokens 60
+
+    terapipe sample run --prompt "Ada sees" --temperature 0
+
+    terapipe sample run --step 20 --tokens 200 --temperature 1.0 --top-k 10 --seed 3
+"""
+
+# nanoGPT's sample.py defaults for temperature and top-k; 100 new tokens: a few lines of text.
+DEFAULT_TOKENS, DEFAULT_TEMPERATURE, DEFAULT_TOP_K = 100, 0.8, 200
+
+
+def sample(
+    run: Annotated[Path, typer.Argument(help="The run folder (`terapipe train --out`).", show_default=False)],
+    prompt: Annotated[
+        str | None,
+        typer.Option("--prompt", "-p", help="Text to continue (default: a line break, or GPT-2's <|endoftext|>)."),
+    ] = None,
+    tokens: Annotated[int, typer.Option("--tokens", "-n", help="New tokens to generate.")] = DEFAULT_TOKENS,
+    temperature: Annotated[
+        float, typer.Option("--temperature", "-t", help="Softmax temperature; 0: greedy (the most likely token).")
+    ] = DEFAULT_TEMPERATURE,
+    top_k: Annotated[int, typer.Option("--top-k", help="Sample among the k most likely tokens.")] = DEFAULT_TOP_K,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the draws.")] = 0,
+    step: Annotated[
+        int | None, typer.Option("--step", help="A complete checkpoint's step (default: the latest).")
+    ] = None,
+    device: Annotated[str, typer.Option("--device", help="cpu, cuda or auto (one device).")] = "cpu",
+) -> None:
+    require_torch("terapipe sample")
+    from terapipe_cli.config.device import resolve_device
+    from terapipe_cli.train import sample as sampling  # PyTorch: loaded when the command runs
+    from terapipe_cli.train.export import run_model
+    from terapipe_cli.train.rundir import read_config
+
+    settings = sampling.Sampling(tokens=tokens, temperature=temperature, top_k=top_k, seed=seed)
+    settings.check()  # bad arguments before the checkpoint is read
+    device = resolve_device(device)
+    model, done = run_model(run, step)
+    config, _ = read_config(run)
+    tokenizer = sampling.run_tokenizer(config["arguments"].get("data"), model.cfg.vocab)
+    ids = tokenizer.default_prompt if prompt is None else tokenizer.encode(prompt)
+    started = time.perf_counter()
+    new = sampling.generate(model.to(device), ids, settings, vocab=tokenizer.vocab)
+    took = time.perf_counter() - started
+    sys.stderr.write(
+        f"{run}: step {done}, model {model.cfg.name}, {tokenizer.name}; {len(new)} tokens in {took:.2f} s "
+        f"({len(new) / took:.0f} tokens/s)\n"
+    )
+    print(tokenizer.decode(ids + new))
+
+
+def register(app: typer.Typer) -> None:
+    app.command("sample", help=HELP)(sample)

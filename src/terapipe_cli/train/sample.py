@@ -1,0 +1,146 @@
+"""``terapipe sample``: text from a run's checkpoint, generated on one device with a K/V cache.
+
+The model is the run's single-device model (`train.export.export_state`: the stages joined). Generation uses the
+same `KVCache` the pipeline's token slices use: the prompt is one slice at position 0, then every new token is a
+slice of one token at its absolute position, attending over the cached keys/values of all earlier ones — so a step
+costs one token's forward, and the logits equal a forward of the whole sequence (tested).
+
+The tokenizer is the run's own, read from its data file's kind (`engine.data.load_data`'s rule, by suffix):
+a text file (or the embedded default) is read as bytes, so its tokenizer is UTF-8 bytes (ids 0..255); a token
+file (``.bin``/``.npy``) is taken to hold GPT-2 BPE ids (tiktoken's ``gpt2`` encoding, as nanoGPT's preparation
+writes them; 50257 ids), which needs the ``tiktoken`` package. Ids the model has beyond the tokenizer's (a padded
+vocabulary) are never sampled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from terapipe_cli.engine.model import KVCache
+from terapipe_cli.errors import UserError
+from terapipe_cli.extras import require
+
+TOKEN_FILE_SUFFIXES = (".bin", ".npy")  # engine.data.load_data: anything else is text, read as bytes
+GPT2_VOCAB = 50257  # tiktoken's "gpt2" encoding: 50000 merges + 256 bytes + <|endoftext|>
+
+
+@dataclass(frozen=True)
+class Tokenizer:
+    name: str
+    vocab: int  # ids 0 .. vocab - 1 decode to text
+    encode: Callable[[str], list[int]]
+    decode: Callable[[list[int]], str]
+    default_prompt: list[int]  # what a sample starts from without --prompt
+
+
+def run_tokenizer(data: str | None, model_vocab: int) -> Tokenizer:
+    """The tokenizer of a run whose data file is ``data`` (None: the embedded text) and whose model has
+    ``model_vocab`` ids; one-line `UserError` when this model cannot be decoded with it."""
+    if data is None or Path(data).suffix not in TOKEN_FILE_SUFFIXES:
+        vocab = min(256, model_vocab)
+        return Tokenizer(
+            "UTF-8 bytes",
+            vocab,
+            lambda text: _encode_bytes(text, vocab),
+            lambda ids: bytes(ids).decode("utf-8", errors="replace"),
+            default_prompt=[ord("\n")] if vocab > ord("\n") else [0],  # a text's line break: a story starts after it
+        )
+    if model_vocab < GPT2_VOCAB:
+        raise UserError(
+            f"the run's data is a token file, read as GPT-2 BPE ids ({GPT2_VOCAB}), but the model has only "
+            f"{model_vocab}: this run's tokenizer is not known",
+            where=data,
+        )
+    tiktoken = require("tiktoken", where="the GPT-2 BPE of a token-file run")
+    try:
+        encoding = tiktoken.get_encoding("gpt2")
+    except Exception as e:  # tiktoken fetches its BPE files on first use and caches them (TIKTOKEN_CACHE_DIR)
+        raise UserError(
+            f"tiktoken cannot load the 'gpt2' encoding ({type(e).__name__}: {e})", where="tiktoken"
+        ) from None
+    return Tokenizer(
+        "GPT-2 BPE (tiktoken)",
+        GPT2_VOCAB,
+        lambda text: encoding.encode(text, allowed_special={"<|endoftext|>"}),
+        encoding.decode,
+        default_prompt=[encoding.eot_token],
+    )
+
+
+def _encode_bytes(text: str, vocab: int) -> list[int]:
+    try:
+        ids = list(text.encode("utf-8"))
+    except UnicodeEncodeError as e:
+        raise UserError(
+            f"character {text[e.start]!r} at {e.start} is not UTF-8 text, which the run's byte tokenizer reads",
+            where="--prompt",
+        ) from None
+    outside = next((n for n, t in enumerate(ids) if t >= vocab), None)
+    if outside is not None:
+        char = text.encode("utf-8")[outside:].decode("utf-8", errors="replace")[:1]
+        raise UserError(
+            f"{char!r} is byte {ids[outside]}, outside the model's vocabulary of {vocab} bytes", where="--prompt"
+        )
+    return ids
+
+
+@dataclass(frozen=True)
+class Sampling:
+    tokens: int  # new tokens to generate
+    temperature: float = 1.0  # 0: greedy (the most likely token)
+    top_k: int | None = None  # sample among the k most likely (None: all)
+    seed: int = 0
+
+    def check(self) -> None:
+        if self.tokens < 1:
+            raise UserError(f"must be at least 1, got {self.tokens}", where="--tokens")
+        if not self.temperature >= 0:  # also refuses nan
+            raise UserError(f"must be 0 (greedy) or positive, got {self.temperature}", where="--temperature")
+        if self.top_k is not None and self.top_k < 1:
+            raise UserError(f"must be at least 1 (or left out: all tokens), got {self.top_k}", where="--top-k")
+
+
+@torch.no_grad()
+def generate(model: torch.nn.Module, prompt: list[int], sampling: Sampling, *, vocab: int) -> list[int]:
+    """``sampling.tokens`` new ids after ``prompt`` from ``model`` (a single-device model, eval mode), drawn only
+    among ids < ``vocab``: one forward of the prompt, then one token at a time at its absolute position over the
+    K/V cache of every earlier one."""
+    sampling.check()
+    if not prompt:
+        raise UserError("holds no token: give at least one character", where="--prompt")
+    device = next(model.parameters()).device
+    total = len(prompt) + sampling.tokens
+    if total - 1 > model.cfg.seq_len:
+        raise UserError(
+            f"{len(prompt)} prompt tokens + {sampling.tokens} new ones exceed the model's seq_len "
+            f"{model.cfg.seq_len} (+1: the last token is not fed back)",
+            where="--tokens",
+        )
+    caches = [KVCache(total - 1) for _ in model.layer_ids]
+    generator = torch.Generator(device=device).manual_seed(sampling.seed)
+    x = torch.tensor([prompt], device=device)
+    start, out = 0, []
+    while True:
+        logits = model(x, start, caches)[0, -1, :vocab].float()
+        out.append(pick(logits, sampling, generator))
+        if len(out) == sampling.tokens:
+            return out
+        start += x.shape[1]
+        x = torch.tensor([[out[-1]]], device=device)
+
+
+def pick(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> int:
+    """One id from the next-token ``logits`` (vocab,): the argmax at temperature 0, else drawn from
+    softmax(logits / temperature) over the ``top_k`` largest."""
+    if sampling.temperature == 0:
+        return int(torch.argmax(logits))
+    logits = logits / sampling.temperature
+    if sampling.top_k is not None and sampling.top_k < logits.numel():
+        kth = torch.topk(logits, sampling.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))

@@ -1,0 +1,141 @@
+"""`terapipe export --format hf`: `transformers` loads the folder with no missing or unexpected keys and computes the
+single-device model's logits; the folder is written whole or not at all; `terapipe_cli.load_exported` for both
+architectures; the optional packages named in one line when they are missing."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from conftest import assert_one_line_error, run_cli, tiny_model
+from fake_runs import checkpointed_run
+
+import terapipe_cli
+from terapipe_cli.config.model import ModelConfig
+from terapipe_cli.engine.model import build_model
+
+transformers = pytest.importorskip("transformers")  # installed by the test set-up (pip install -e '.[test]')
+
+
+def llama(**changes) -> ModelConfig:
+    """A tiny Llama-family model with grouped-query attention (4 query heads, 2 key/value heads) and a base other
+    than the default (so the exported rope_theta is checked)."""
+    base = dict(name="test-llama", layers=2, hidden=32, heads=4, vocab=256, seq_len=32, arch="llama", kv_heads=2,
+                ffn_hidden=48, rope_theta=500000.0, norm_eps=1e-5)  # fmt: skip
+    return ModelConfig(**{**base, **changes})
+
+
+def exported(tmp_path, capsys, cfg: ModelConfig, *, stages: int = 2):
+    run = checkpointed_run(tmp_path / "run", cfg, stages=stages)
+    out = tmp_path / "hf"
+    p = run_cli(capsys, "export", str(run), "--format", "hf", "--out", str(out))
+    assert p.returncode == 0, p.stderr
+    assert sorted(f.name for f in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert [f.name for f in tmp_path.iterdir() if f.name.startswith(".")] == []  # no temporary folder left
+    return out
+
+
+def loaded(cls, folder):
+    model, info = cls.from_pretrained(folder, output_loading_info=True)
+    for key in ("missing_keys", "unexpected_keys", "mismatched_keys"):
+        assert not info[key], (key, info[key])
+    return model.eval()
+
+
+def assert_same_logits(theirs, cfg: ModelConfig) -> torch.Tensor:
+    """Logits of every position of two sequences of the whole length L (RoPE at positions up to L − 1)."""
+    tokens = torch.randint(0, cfg.vocab, (2, cfg.seq_len), generator=torch.Generator().manual_seed(0))
+    ours = build_model(cfg, seed=1).eval()
+    with torch.no_grad():
+        expected, got = ours(tokens), theirs(tokens).logits
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    return tokens
+
+
+@pytest.mark.parametrize("cfg", [llama(), llama(kv_heads=4, tie_embeddings=True)], ids=["gqa", "tied"])
+def test_llama_for_causal_lm_loads_the_folder_and_computes_the_same_logits(tmp_path, capsys, cfg):
+    folder = exported(tmp_path, capsys, cfg, stages=1 if cfg.tie_embeddings else 2)
+    theirs = loaded(transformers.LlamaForCausalLM, folder)
+    assert theirs.config.num_key_value_heads == cfg.kv_heads and theirs.config.tie_word_embeddings == cfg.tie_embeddings
+    tokens = assert_same_logits(theirs, cfg)
+    assert type(transformers.AutoModelForCausalLM.from_pretrained(folder)).__name__ == "LlamaForCausalLM"
+
+    # Negative control: the interleaved RoPE pairing (features 2k, 2k + 1; Meta's original checkpoints) instead of
+    # rotate-half (k, k + d/2) — the q/k permutation a converter needs between the two — changes the logits beyond
+    # the test's tolerance.
+    d = cfg.head_dim
+    perm = torch.cat([torch.arange(0, d, 2), torch.arange(1, d, 2)])
+    with torch.no_grad():
+        for layer in theirs.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj):
+                w = proj.weight.view(-1, d, cfg.hidden)
+                proj.weight.copy_(w[:, perm].reshape(-1, cfg.hidden))
+        with pytest.raises(AssertionError, match="Tensor-likes are not close"):
+            torch.testing.assert_close(theirs(tokens).logits, build_model(cfg, seed=1)(tokens), rtol=1e-4, atol=1e-5)
+
+
+def test_gpt2_lm_head_model_loads_a_gpt_run_and_computes_the_same_logits(tmp_path, capsys):
+    cfg = tiny_model(layers=2, seq_len=32)
+    folder = exported(tmp_path, capsys, cfg)
+    theirs = loaded(transformers.GPT2LMHeadModel, folder)
+    assert theirs.config.activation_function == "gelu" and not theirs.config.tie_word_embeddings
+    assert_same_logits(theirs, cfg)
+
+
+@pytest.mark.parametrize("cfg", [tiny_model(layers=2, seq_len=32), llama()], ids=["gpt", "llama"])
+def test_load_exported_from_the_package_top_level(tmp_path, capsys, cfg):
+    run = checkpointed_run(tmp_path / "run", cfg)
+    assert run_cli(capsys, "export", str(run), "--out", str(tmp_path / "m.pt")).returncode == 0
+    model, info = terapipe_cli.load_exported(tmp_path / "m.pt")
+    assert (info["step"], model.cfg, type(model), model.training) == (3, cfg, type(build_model(cfg)), False)
+    tokens = torch.randint(0, cfg.vocab, (1, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), build_model(cfg, seed=1)(tokens), rtol=0, atol=0)
+    (tmp_path / "junk.pt").write_bytes(b"not torch")
+    for path, words in ((tmp_path / "none.pt", "no such export file"), (tmp_path / "junk.pt", "not a terapipe export")):
+        with pytest.raises(ValueError, match=words):
+            terapipe_cli.load_exported(path)
+
+
+def test_the_folder_is_new_and_written_whole(tmp_path, capsys, monkeypatch):
+    run = checkpointed_run(tmp_path / "run", llama())
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "mine.txt").write_text("keep")
+    assert_one_line_error(run_cli(capsys, "export", str(run), "--format", "hf", "--out", str(full)), "not empty")
+    assert [f.name for f in full.iterdir()] == ["mine.txt"]
+    assert_one_line_error(
+        run_cli(capsys, "export", str(run), "--format", "hf", "--out", str(full / "mine.txt")), "is a file"
+    )
+    assert_one_line_error(run_cli(capsys, "export", str(run), "--format", "onnx"), "--format", "pt or hf")
+    assert_one_line_error(run_cli(capsys, "export", str(run), "--format", "hf", "--force", "--out", "x"), "--force")
+
+    # A failure while writing (here: the disk fills at the weights) leaves no folder and no temporary one.
+    import safetensors.torch
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    out = tmp_path / "out" / "hf"
+    (tmp_path / "out").mkdir()
+    p = run_cli(capsys, "export", str(run), "--format", "hf", "--out", str(out))
+    assert_one_line_error(p, "--out", "No space left on device", "nothing was written")
+    assert list((tmp_path / "out").iterdir()) == []
+    # An empty folder is accepted, and filled.
+    monkeypatch.undo()
+    out.mkdir()
+    assert run_cli(capsys, "export", str(run), "--format", "hf", "--out", str(out)).returncode == 0
+    assert (out / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("missing", ["transformers", "safetensors"])
+def test_a_missing_extra_is_one_line_and_nothing_is_written(tmp_path, capsys, monkeypatch, missing):
+    run = checkpointed_run(tmp_path / "run")
+    monkeypatch.setitem(sys.modules, missing, None)  # as in a Python without it
+    out = tmp_path / "hf"
+    p = run_cli(capsys, "export", str(run), "--format", "hf", "--out", str(out))
+    assert_one_line_error(p, "--format hf", repr(missing), "pip install 'terapipe-cli[hf]'")
+    assert not out.exists()
+    assert run_cli(capsys, "export", str(run), "--out", str(tmp_path / "m.pt")).returncode == 0  # pt needs neither
