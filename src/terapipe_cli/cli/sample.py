@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 
 from terapipe_cli.engine import require_torch
+from terapipe_cli.errors import UserError
 
 HELP = """Generate text from a run's checkpoint on one device: the run's stages joined into the single-device model, \
 the prompt read with the run's own tokenizer (UTF-8 bytes for a text data file or the embedded default; GPT-2 BPE \
@@ -46,8 +47,15 @@ def sample(
         int | None, typer.Option("--step", help="A complete checkpoint's step (default: the latest).")
     ] = None,
     device: Annotated[str, typer.Option("--device", help="cpu, cuda or auto (one device).")] = "cpu",
+    threads: Annotated[
+        int, typer.Option("--threads", help="CPU threads (1, as train's workers: one token's forward is small).")
+    ] = 1,
 ) -> None:
     require_torch("terapipe sample")
+    if threads < 1:
+        raise UserError(f"must be at least 1, got {threads}", where="--threads")
+    import torch
+
     from terapipe_cli.config.device import resolve_device
     from terapipe_cli.train import sample as sampling  # PyTorch: loaded when the command runs
     from terapipe_cli.train.export import run_model
@@ -56,6 +64,7 @@ def sample(
     settings = sampling.Sampling(tokens=tokens, temperature=temperature, top_k=top_k, seed=seed)
     settings.check()  # bad arguments before the checkpoint is read
     device = resolve_device(device)
+    torch.set_num_threads(threads)  # on a busy 2-core machine, 2 threads made a tiny model's tokens 10x slower
     model, done = run_model(run, step)
     config, _ = read_config(run)
     tokenizer = sampling.run_tokenizer(config["arguments"].get("data"), model.cfg.vocab)
