@@ -15,9 +15,9 @@ from terapipe_cli.files import check_output_file
 HELP = """Join a run's per-stage checkpoint into one single-device model file, loadable without terapipe's runtime:
 
     from terapipe_cli import load_exported
-    model, info = load_exported("model.pt")     # terapipe_cli.engine.model.GPT, strict=True, eval mode
+    model, info = load_exported("model.pt")     # GPT or Llama (engine.model.build_model), strict=True, eval mode
 
-or by hand: GPT(ModelConfig(**obj["model_config"])).load_state_dict(obj["state_dict"]) with
+or by hand: build_model(ModelConfig(**obj["model_config"])).load_state_dict(obj["state_dict"]) with
 obj = torch.load("model.pt", weights_only=True).
 
 --format hf writes a Hugging Face folder instead (config.json, model.safetensors) that
