@@ -12,7 +12,7 @@ import sys
 import pytest
 from conftest import ROOT, assert_one_line_error, run_cli, write_plan_file
 
-from terapipe_cli.config.run import RunConfig
+from terapipe_cli.config.run import LRSchedule, RunConfig
 from terapipe_cli.train.launch import clear_errors
 from terapipe_cli.train.prepare import prepare_run
 from terapipe_cli.train.rundir import LOCK_FILE, append_metrics, has_trained, run_lock
@@ -80,3 +80,41 @@ def test_a_worker_reports_its_own_peak_memory_not_its_launchers():
     own, inherited = map(int, out.stdout.split())
     assert inherited >= 2**28  # what the step line and the report showed before
     assert 2**20 < own < 2**26, own
+
+
+def test_every_setting_a_resumed_run_cannot_take_is_named_at_once(tmp_path, capsys, plan, monkeypatch):
+    """--lr and --seed given again differently, and --steps no more than the run reached: one line names all three
+    (before, the first alone, then the next on the next try). One alone keeps its own line."""
+    from terapipe_cli.train import prepare
+
+    out = tmp_path / "run"
+    prepare_run(RunConfig(plan=str(plan), out=str(out), steps=20, device="cpu"))
+    monkeypatch.setattr(prepare.checkpoint, "latest_complete", lambda run_dir: 20)  # the run finished its 20 steps
+    p = run_cli(capsys, "train", "--resume", "--out", out, "--lr", "1e-3", "--seed", "7", "--steps", "20", "--dry-run")
+    assert_one_line_error(
+        p, "3 settings conflict", "--lr 0.001 (the run was trained with --lr 0.0003)", "--seed 7", "--steps 20 (the run"
+    )
+    p = run_cli(capsys, "train", "--resume", "--out", out, "--lr", "1e-3", "--dry-run")  # --steps: the run's own 20
+    assert_one_line_error(p, "2 settings conflict", "--lr 0.001", "no --steps (the run's own 20)", "reached step 20")
+    p = run_cli(capsys, "train", "--resume", "--out", out, "--dry-run")
+    assert_one_line_error(p, "--steps: the run already reached step 20; ask for more steps")
+
+
+def test_a_schedule_that_does_not_fit_the_run_is_said_in_one_line(tmp_path, capsys, plan):
+    """A warm-up longer than the run; a resumed run's cosine that ends after (or before) its new last step."""
+    p = run_cli(capsys, "train", "--plan", plan, "--steps", "3", "--warmup-steps", "1000", "--dry-run")
+    assert p.returncode == 0, p.stderr
+    notes = [line for line in p.stdout.splitlines() if line.startswith("note: ")]
+    assert notes == [
+        "note: the warm-up (1000 steps) is as long as the run (3 steps) or longer: the lr climbs to 9e-07 (0.3% of "
+        "--lr 0.0003) and never decays"
+    ]
+    p = run_cli(capsys, "train", "--plan", plan, "--steps", "30", "--dry-run")
+    assert "note: " not in p.stdout  # the defaults fit any run
+    cosine = LRSchedule.default(3e-4, 300)  # a 300-step run resumed to stop at step 80, or to go on to 400
+    assert cosine.note(80) == (
+        "the cosine decay reaches --min-lr 3e-05 at step 300 (--decay-steps, which a resumed run keeps), after the "
+        f"run's last step 80: the lr ends at {cosine(80):.3g}"
+    )
+    assert "the last 100 of the run's 400 steps stay at it" in cosine.note(400)
+    assert cosine.note(300) is None and LRSchedule.default(3e-4, 300, min_lr=3e-4).note(80) is None

@@ -16,7 +16,7 @@ from rich.table import Table
 
 from terapipe_cli.cli.console import make_console
 from terapipe_cli.cli.options import option, with_settings
-from terapipe_cli.config.run import TABLE, RunConfig, flag, load_run_config, run_fields
+from terapipe_cli.config.run import TABLE, LRSchedule, RunConfig, flag, load_run_config, run_fields
 from terapipe_cli.engine import require_torch
 from terapipe_cli.errors import UserError
 from terapipe_cli.train.placement import placement_note
@@ -75,6 +75,9 @@ def train(*, config: Path | None, resume: bool, dry_run: bool, **settings) -> No
         prepared = prepare.prepare_run(run_config, resume=resume, write=not dry_run, controls=controls)
     except UserError as e:
         raise located(e, flags, from_file, config) from None
+    note = LRSchedule.of_run(prepared.args).note(prepared.args.steps)
+    if note is not None:
+        make_console(highlight=False).print(f"note: {note}", soft_wrap=True)
     if dry_run:
         console = make_console(highlight=False)
         console.print(f"process mesh (data, pipeline, tensor): {prepared.layout.shape_text()}")

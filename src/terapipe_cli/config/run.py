@@ -359,6 +359,28 @@ class LRSchedule:
         progress = (step - self.warmup_steps) / (self.total_steps - self.warmup_steps)
         return self.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (self.lr - self.min_lr)
 
+    def note(self, steps: int) -> str | None:
+        """One line on what the lr does over a run of ``steps`` when that is not a warm-up and then a decay that ends
+        at the last step: a warm-up as long as the run or longer, a decay that ends after the run (a resumed run keeps
+        its --decay-steps) or before it. None when the schedule fits the run."""
+        if self.warmup_steps >= steps:
+            top = self(steps)
+            return (
+                f"the warm-up ({self.warmup_steps} steps) is as long as the run ({steps} steps) or longer: the lr "
+                f"climbs to {top:.3g} ({top / self.lr:.1%} of --lr {self.lr:g}) and never decays"
+            )
+        if self.min_lr == self.lr or self.total_steps == steps:
+            return None
+        if self.total_steps > steps:
+            return (
+                f"the cosine decay reaches --min-lr {self.min_lr:g} at step {self.total_steps} (--decay-steps, which a "
+                f"resumed run keeps), after the run's last step {steps}: the lr ends at {self(steps):.3g}"
+            )
+        return (
+            f"the cosine decay reaches --min-lr {self.min_lr:g} at step {self.total_steps} (--decay-steps, which a "
+            f"resumed run keeps): the last {steps - self.total_steps} of the run's {steps} steps stay at it"
+        )
+
     def to_dict(self) -> dict:
         return {
             "lr": self.lr,

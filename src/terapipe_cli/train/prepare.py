@@ -296,25 +296,20 @@ def _resumed_run(config: RunConfig, device: str) -> _Run:
         raise UserError("no run to resume here (config.json is missing)", where=str(out))
     saved_config, saved = read_config(out)
     plan = plan_from_dict(saved_config["plan"], f"{out / 'config.json'}: field 'plan'")
-    if config.plan is not None:
-        given = read_plan(config.plan)
-        for key in PLAN_FIELDS_OF_A_RUN:
-            if getattr(given, key) != getattr(plan, key):
-                raise UserError(
-                    f"field '{key}' differs from the plan of the run being resumed ({out})", where=str(config.plan)
-                )
-    _check_kept(config, saved, plan, device)
+    conflicts = _plan_conflicts(config, plan, out) + _kept_conflicts(config, saved, plan, device)
+    steps = saved.steps if config.steps is None else config.steps
+    reached = checkpoint.latest_complete(out)
+    if reached is not None and steps <= reached:
+        option = f"--steps {steps}" if config.steps is not None else f"no --steps (the run's own {steps})"
+        more = f"ask for more steps (--steps N, N > {reached})"
+        error = UserError(f"the run already reached step {reached}; {more}", where="steps")
+        conflicts.append(_Conflict(option, f"the run already reached step {reached}: ask for more", error))
+    _refuse(conflicts, out)
     resume_step = checkpoint.latest_complete(out)
     if resume_step is None and not has_trained(out):
         raise UserError("never completed a step: start it with the same command without --resume", where=str(out))
     if resume_step is None:
         raise UserError("no complete checkpoint to resume from", where=str(out / "checkpoints"))
-    steps = saved.steps if config.steps is None else config.steps
-    if steps <= resume_step:
-        raise UserError(
-            f"the run already reached step {resume_step}; ask for more steps (--steps N, N > {resume_step})",
-            where="steps",
-        )
     changes = {"steps": steps, "verify": False}
     for name in ("checkpoint_every", "threads", "timeout_s"):
         if getattr(config, name) is not None:
@@ -326,9 +321,45 @@ def _resumed_run(config: RunConfig, device: str) -> _Run:
     return _Run(plan, saved_config["plan"], args, out, resume_step, saved_config)
 
 
-def _check_kept(config: RunConfig, saved: RunArguments, plan: Plan, device: str) -> None:
+@dataclass(frozen=True)
+class _Conflict:
+    """A setting given to ``--resume`` that the run cannot take: the option as given, why not (a few words, for a
+    list of several), and its own one-line error when it is the only one."""
+
+    option: str
+    why: str
+    error: UserError
+
+
+def _refuse(conflicts: list[_Conflict], out: Path) -> None:
+    """Every conflicting setting at once: one alone is its own error; several are one line that names them all."""
+    if len(conflicts) == 1:
+        raise conflicts[0].error
+    if conflicts:
+        listed = "; ".join(f"{c.option} ({c.why})" for c in conflicts)
+        raise UserError(
+            f"{len(conflicts)} settings conflict with the run being resumed: {listed}; leave out what a resumed run "
+            "keeps (or start a new run with --out)",
+            where=str(out),
+        )
+
+
+def _plan_conflicts(config: RunConfig, plan: Plan, out: Path) -> list[_Conflict]:
+    """A --plan given again must be the run's in everything that decides its numbers."""
+    if config.plan is None:
+        return []
+    given = read_plan(config.plan)
+    key = next((k for k in PLAN_FIELDS_OF_A_RUN if getattr(given, k) != getattr(plan, k)), None)
+    if key is None:
+        return []
+    error = UserError(f"field '{key}' differs from the plan of the run being resumed ({out})", where=str(config.plan))
+    return [_Conflict(f"--plan {config.plan}", f"its field '{key}' differs from the run's plan", error)]
+
+
+def _kept_conflicts(config: RunConfig, saved: RunArguments, plan: Plan, device: str) -> list[_Conflict]:
     """A resumed run keeps its data, seed, held-out part, precision, lr schedule, clipping and schedule, and its
-    replicas: a different value given again is refused, naming it."""
+    replicas: each different value given again is a conflict, naming it and the run's own."""
+    conflicts = []
     for name, doc in run_fields().items():
         given = getattr(config, name)
         if doc.resume not in ("keep", "agree") or given is None or name == "plan":
@@ -344,8 +375,11 @@ def _check_kept(config: RunConfig, saved: RunArguments, plan: Plan, device: str)
             kept = saved.steps
         if given == kept:
             continue
+        option = f"{flag(name)} {'(another schedule)' if name == 'schedule' else getattr(config, name)}"
         if doc.resume == "agree":
-            raise UserError(f"the run used {flag(name)} {kept}; resume with the same (or leave it out)", where=name)
+            error = UserError(f"the run used {flag(name)} {kept}; resume with the same (or leave it out)", where=name)
+            conflicts.append(_Conflict(option, f"the run used {flag(name)} {kept}", error))
+            continue
         unset = {
             "data": "the embedded default data (no --data)",
             "min_lr": "no --min-lr (a constant lr)",
@@ -353,11 +387,13 @@ def _check_kept(config: RunConfig, saved: RunArguments, plan: Plan, device: str)
         }
         shown = "its own schedule" if name == "schedule" else kept
         was = f"{flag(name)} {shown}" if kept is not None else unset.get(name, f"no {flag(name)}")
-        raise UserError(
+        error = UserError(
             f"the run being resumed was trained with {was}; a resumed run keeps it "
             f"(leave the option out, or start a new run with --out)",
             where=name,
         )
+        conflicts.append(_Conflict(option, f"the run was trained with {was}", error))
+    return conflicts
 
 
 def _config_fields(run: _Run) -> tuple[dict, dict]:
