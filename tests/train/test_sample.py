@@ -81,8 +81,10 @@ def test_byte_tokenizer():
 def test_sample_prints_the_greedy_continuation(tmp_path, capsys, arch):
     cfg = replace(MODELS[arch], seq_len=32)
     run = checkpointed_run(tmp_path / "run", cfg)
+    threads = torch.get_num_threads()
     p = run_cli(capsys, "sample", str(run), "--prompt", "The cat", "--tokens", "20", "--temperature", "0")
     assert p.returncode == 0, p.stderr
+    assert torch.get_num_threads() == threads  # --threads 1 while it ran, then as before (the demo runs in-process)
     model = build_model(cfg, seed=1).eval()
     expected = generate(model, list(b"The cat"), Sampling(tokens=20, temperature=0), vocab=256)
     assert p.stdout == bytes(list(b"The cat") + expected).decode("utf-8", errors="replace") + "\n"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 from typing import Annotated
 
@@ -52,31 +51,19 @@ def sample(
     ] = 1,
 ) -> None:
     require_torch("terapipe sample")
-    if threads < 1:
-        raise UserError(f"must be at least 1, got {threads}", where="--threads")
-    import torch
-
     from terapipe_cli.config.device import resolve_device
     from terapipe_cli.train import sample as sampling  # PyTorch: loaded when the command runs
-    from terapipe_cli.train.export import run_model
-    from terapipe_cli.train.rundir import read_config
 
     settings = sampling.Sampling(tokens=tokens, temperature=temperature, top_k=top_k, seed=seed)
     settings.check()  # bad arguments before the checkpoint is read
-    device = resolve_device(device)
-    torch.set_num_threads(threads)  # on a busy 2-core machine, 2 threads made a tiny model's tokens 10x slower
-    model, done = run_model(run, step)
-    config, _ = read_config(run)
-    tokenizer = sampling.run_tokenizer(config["arguments"].get("data"), model.cfg.vocab)
-    ids = tokenizer.default_prompt if prompt is None else tokenizer.encode(prompt)
-    started = time.perf_counter()
-    new = sampling.generate(model.to(device), ids, settings, vocab=tokenizer.vocab)
-    took = time.perf_counter() - started
+    if threads < 1:
+        raise UserError(f"must be at least 1, got {threads}", where="--threads")
+    done = sampling.sample_run(run, prompt, settings, step=step, device=resolve_device(device), threads=threads)
     sys.stderr.write(
-        f"{run}: step {done}, model {model.cfg.name}, {tokenizer.name}; {len(new)} tokens in {took:.2f} s "
-        f"({len(new) / took:.0f} tokens/s)\n"
+        f"{run}: step {done.step}, model {done.model}, {done.tokenizer}; {done.tokens} tokens in {done.seconds:.2f} s "
+        f"({done.tokens / done.seconds:.0f} tokens/s)\n"
     )
-    print(tokenizer.decode(ids + new))
+    print(done.text)
 
 
 def register(app: typer.Typer) -> None:

@@ -14,6 +14,7 @@ vocabulary) are never sampled.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,8 @@ import torch
 from terapipe_cli.engine.model import KVCache
 from terapipe_cli.errors import UserError
 from terapipe_cli.extras import require
+from terapipe_cli.train.export import run_model
+from terapipe_cli.train.rundir import read_config
 
 TOKEN_FILE_SUFFIXES = (".bin", ".npy")  # engine.data.load_data: anything else is text, read as bytes
 GPT2_VOCAB = 50257  # tiktoken's "gpt2" encoding: 50000 merges + 256 bytes + <|endoftext|>
@@ -144,3 +147,35 @@ def pick(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+@dataclass(frozen=True)
+class Sample:
+    text: str  # the prompt and its continuation, decoded
+    step: int  # the checkpoint's
+    model: str  # the model's name
+    tokenizer: str
+    tokens: int  # new tokens
+    seconds: float  # the generation's wall time (the prompt's forward included, loading not)
+
+
+def sample_run(
+    run_dir: Path, prompt: str | None, sampling: Sampling, *, step: int | None, device: str, threads: int
+) -> Sample:
+    """Generate from the run's checkpoint of ``step`` (default: the latest) with the run's tokenizer; ``prompt``
+    None: the tokenizer's default. ``threads``: torch's CPU threads while it runs (restored after)."""
+    sampling.check()
+    previous = torch.get_num_threads()
+    # One token's forward is small: on a busy 2-core machine, 2 threads made a tiny model's tokens 10x slower.
+    torch.set_num_threads(threads)
+    try:
+        model, done = run_model(run_dir, step)
+        config, _ = read_config(run_dir)
+        tokenizer = run_tokenizer(config["arguments"].get("data"), model.cfg.vocab)
+        ids = tokenizer.default_prompt if prompt is None else tokenizer.encode(prompt)
+        started = time.perf_counter()
+        new = generate(model.to(device), ids, sampling, vocab=tokenizer.vocab)
+        seconds = time.perf_counter() - started
+    finally:
+        torch.set_num_threads(previous)
+    return Sample(tokenizer.decode(ids + new), done, model.cfg.name, tokenizer.name, len(new), seconds)
