@@ -8,14 +8,13 @@ import sys
 
 import pytest
 import torch
+import transformers  # an optional extra that the test set-up installs (pip install -e '.[test]')
 from conftest import assert_one_line_error, run_cli, tiny_model
 from fake_runs import checkpointed_run
 
 import terapipe_cli
 from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.engine.model import build_model
-
-transformers = pytest.importorskip("transformers")  # installed by the test set-up (pip install -e '.[test]')
 
 
 def llama(**changes) -> ModelConfig:
