@@ -129,10 +129,8 @@ def _metrics(run_dir: Path, steps: int) -> list[dict]:
         raise UserError("metrics file not found", where=where)
     records = read_metrics(run_dir)  # a corrupt line is a one-line UserError naming it
     by_step: dict[int, dict] = {}
-    for n, rec in enumerate(records):
-        step = rec.get("step")
-        if isinstance(step, bool) or not isinstance(step, int) or step < 1:
-            raise UserError(f"record {n + 1}: field 'step' must be a positive integer, got {step!r}", where=where)
+    for rec in records:
+        step = rec["step"]  # a positive integer (`read_metrics` checks it)
         for key in ("loss", "iteration_s", "memory_bytes"):
             v = rec.get(key)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):

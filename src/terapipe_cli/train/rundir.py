@@ -44,7 +44,7 @@ from pathlib import Path
 
 from terapipe_cli.config.run import SCHEDULE_FILE, RunArguments, run_toml
 from terapipe_cli.errors import UserError
-from terapipe_cli.files import Fields, read_json, write_json_atomic, write_text_atomic
+from terapipe_cli.files import Fields, read_json, read_user_text, write_json_atomic, write_text_atomic
 from terapipe_cli.plan.file import Plan
 from terapipe_cli.plan.schedule import Schedule, parse_schedule
 
@@ -171,7 +171,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
     if not path.exists():
         return []
     out = []
-    lines = path.read_text().splitlines()
+    lines = read_user_text(path, name="metrics file", expected="metrics (a JSON-lines file)").splitlines()
     for n, line in enumerate(lines):
         if not line.strip():
             continue
@@ -183,6 +183,9 @@ def read_metrics(run_dir: Path) -> list[dict]:
             raise UserError(f"corrupt line {n + 1}: {e.msg}", where=str(path)) from None
         if not isinstance(rec, dict):
             raise UserError(f"corrupt line {n + 1}: not a JSON object", where=str(path))
+        step = rec.get("step")
+        if rec.get("schema") == METRICS_SCHEMA and (isinstance(step, bool) or not isinstance(step, int) or step < 1):
+            raise UserError(f"line {n + 1}: field 'step' must be a positive integer, got {step!r}", where=str(path))
         if rec.get("schema") == METRICS_SCHEMA:
             out.append(rec)
     return out

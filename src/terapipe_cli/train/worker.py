@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import json
 import math
 import os
 import platform
@@ -201,7 +200,7 @@ def join_node_0(run_dir: Path, request: NodeRequest, device: torch.device, *, re
     rank, world = dist.get_rank(), dist.get_world_size()
     local_rank, per_node = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", world))
     node = rank // per_node
-    config = _from_rank_0(json.loads((run_dir / "config.json").read_text()) if rank == 0 else None, device)
+    config = _from_rank_0(read_config(run_dir)[0] if rank == 0 else None, device)
     if settings_digest(config["plan"], config["arguments"]) != request.settings:
         raise RuntimeError(
             f"node {node} was started with another plan or other settings than node 0: the same command must run "
