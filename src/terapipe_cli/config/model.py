@@ -59,6 +59,20 @@ class ModelConfig:
     def llama(self) -> bool:
         return self.arch == "llama"
 
+    @property
+    def kv_width(self) -> int:
+        """Features of one token's keys (and of its values): kv_heads · head_dim; H with one K/V head per query head.
+        The K/V cache of a grouped-query model is kv_heads / heads of the multi-head one's."""
+        return self.kv_heads * self.head_dim
+
+    def end_params(self, vocab_rows: int) -> tuple[int, int]:
+        """Parameters of the embedding (chunk 0) and of the head (the last chunk, its final norm with it) holding
+        ``vocab_rows`` rows of the vocabulary: GPT's position table and LayerNorm bias, llama's RMSNorm weight."""
+        H = self.hidden
+        if self.llama:  # tied: the head's matrix is the embedding's, trained once
+            return vocab_rows * H, (0 if self.tie_embeddings else vocab_rows * H) + H
+        return vocab_rows * H + self.seq_len * H, vocab_rows * H + 2 * H
+
     def params_per_layer(self, tensor_parallel: int = 1, *, bias: bool = True) -> int:
         """Parameters of one decoder layer held by one device, with ``tensor_parallel`` ranks sharing the layer.
 
@@ -69,7 +83,7 @@ class ModelConfig:
         """
         H, t, inner = self.hidden, tensor_parallel, self.ffn_hidden
         if self.llama:  # q and o of H·H, k and v of kv_heads·head_dim rows, SwiGLU's three matrices; two RMSNorms
-            return (2 * H * H + 2 * H * self.kv_heads * self.head_dim + 3 * H * inner) // t + 2 * H
+            return (2 * H * H + 2 * H * self.kv_width + 3 * H * inner) // t + 2 * H
         sharded = 3 * H * H + H * H + H * inner + inner * H
         replicated = 4 * H
         if bias:

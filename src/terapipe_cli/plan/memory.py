@@ -49,7 +49,7 @@ class StageSizes:
     """Bytes per token that stage k keeps, from the profile (docs/design.md §10)."""
 
     state: float  # weights, gradients and optimizer state of the stage's parameters (not per token)
-    cache: float  # K/V caches, per token of a batch slice's sequence: ℓ · 2 · H/T · compute bytes
+    cache: float  # K/V caches, per token of a batch slice's sequence: ℓ · 2 · kv_heads·d/T · compute bytes
     tile: float  # what a tile keeps without recomputation, per token of the tile (its caches' rows apart)
     kept: float  # what a recomputed tile keeps: its input (token ids on stage 0, the fp32 activation elsewhere)
     rerun: float  # what the re-run of a recomputed tile saves on top of ``kept``
@@ -101,7 +101,10 @@ def stage_sizes(profile, stages: int, partition: Partition | None = None) -> lis
     mask = 1.0 if split else 0.0  # a bool per token: which tokens (targets) another rank holds
     partition = partition or Partition.balanced(model.layers, stages)
     compute = 4 if profile.precision == "fp32" else 2
-    kv = 2.0 * (H / T) * compute
+    # Keys and values of this rank's kv_heads·d/T features per token (H/T with one K/V head per query head): a
+    # grouped-query model's caches are kv_heads/heads of the multi-head model's.
+    kv = 2.0 * (model.kv_width / T) * compute
+    embed_params = model.end_params(V)[0]
     state_per_param = float(raw.get("state_bytes_per_param", 16.0))
     out = []
     for k, layers in enumerate(partition.layers):
@@ -109,10 +112,10 @@ def stage_sizes(profile, stages: int, partition: Partition | None = None) -> lis
         stage_params = layers * params
         tile = layers * (per_layer - kv) + (0.0 if last else 4.0 * H)
         if first:
-            stage_params += V * H + model.seq_len * H
+            stage_params += embed_params
             tile += 2 * _INDEX_BYTES + (_INDEX_BYTES + mask if split else 0.0)  # + the split's local ids and mask
         if last:
-            stage_params += V * H
+            stage_params += 0 if model.llama and model.tie_embeddings else V * H  # tied: the embedding's table
             tile += 4.0 * H + compute * H + 4.0 * V + (2.0 * V if compute == 2 else 0.0) + _INDEX_BYTES + mask
         kept = _INDEX_BYTES if first else 4.0 * H
         # The re-run keeps nothing of its own output (the backward starts from it at once).

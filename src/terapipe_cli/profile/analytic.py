@@ -54,16 +54,29 @@ def forward_gemms(model: ModelConfig, b, i, j, tensor_parallel: int = 1) -> list
     b, i, j = (np.asarray(x, dtype=float) for x in (b, i, j))
     H, t = float(model.hidden), tensor_parallel
     d, heads = float(model.head_dim), model.heads / t
-    inner = model.mlp_ratio * H / t
+    inner = model.ffn_hidden / t
     rows = b * i  # tokens of the tile: the m of every weight product
     one = np.ones_like(rows)
     ctx = i + j  # every new token attends over the context and its own slice's tokens
+    # Scores Q·Kᵀ and the weighted sum P·V run over i × (i + j) per query head: causal masking does not shrink
+    # the dense products that attention kernels of the time ran, so the full rectangle is counted. Grouped-query
+    # attention changes neither: each query head still meets every key, its group's key/value head's.
+    attention = [("scores", b * heads, i * one, ctx * one, one * d), ("values", b * heads, i * one, one * d, ctx * one)]
+    if model.llama:  # q, k, v apart (k and v of kv_heads·d features); SwiGLU's gate, up and down
+        kv = model.kv_width / t
+        return [
+            ("q", one, rows, one * H / t, one * H),
+            ("k", one, rows, one * kv, one * H),
+            ("v", one, rows, one * kv, one * H),
+            *attention,
+            ("proj", one, rows, one * H, one * H / t),
+            ("gate", one, rows, one * inner, one * H),
+            ("up", one, rows, one * inner, one * H),
+            ("down", one, rows, one * H, one * inner),
+        ]
     return [
         ("qkv", one, rows, one * 3 * H / t, one * H),
-        # Scores Q·Kᵀ and the weighted sum P·V run over i × (i + j) per head: causal masking does not shrink
-        # the dense products that attention kernels of the time ran, so the full rectangle is counted.
-        ("scores", b * heads, i * one, ctx * one, one * d),
-        ("values", b * heads, i * one, one * d, ctx * one),
+        *attention,
         ("proj", one, rows, one * H, one * H / t),
         ("fc1", one, rows, one * inner, one * H),
         ("fc2", one, rows, one * H, one * inner),
@@ -116,10 +129,11 @@ def _fused_attention_seconds(
     keys = j + i / 2
     flops = 4.0 * b * heads * i * keys * d
     efficiency = dev.matmul_efficiency * (i / (i + h)) * (keys / (keys + h)) * (d / (d + h))
-    rows = dtype_bytes * b * heads * d  # bytes of one row (a query, key or value) across the heads
+    rows = dtype_bytes * b * heads * d  # bytes of one query (or output) row across the heads
+    kv_rows = rows * model.kv_heads / model.heads  # of one key or value row: kv_heads heads (grouped-query)
     bw = dev.memory_bytes_per_s * dev.memory_efficiency
-    forward = np.maximum(flops / (dev.peak_flops * efficiency), rows * (2 * i + 2 * (i + j)) / bw)
-    backward = np.maximum(2.5 * flops / (dev.peak_flops * efficiency), rows * (4 * i + 4 * (i + j)) / bw)
+    forward = np.maximum(flops / (dev.peak_flops * efficiency), (rows * 2 * i + kv_rows * 2 * (i + j)) / bw)
+    backward = np.maximum(2.5 * flops / (dev.peak_flops * efficiency), (rows * 4 * i + kv_rows * 4 * (i + j)) / bw)
     return np.maximum(forward, dev.kernel_launch_s), np.maximum(backward, dev.kernel_launch_s)
 
 
@@ -136,7 +150,7 @@ def layer_seconds(
     t = tensor_parallel
     H = float(model.hidden)
     act = b * i * H * e  # bytes of one b × i × H activation
-    inner = act * model.mlp_ratio / t
+    inner = act * model.ffn_hidden / H / t
     scores = b * (model.heads / t) * i * (i + j) * e  # bytes of one attention score matrix
 
     fwd_gemms = forward_gemms(model, b, i, j, t)
@@ -152,24 +166,10 @@ def layer_seconds(
 
     # Element-wise kernels, bytes moved (read + write; a dropout mask is one byte per element).
     mask = 1.0 / e
-    fwd_stream = [
-        2 * act,  # layer norm 1
-        2 * scores,  # scale + causal mask + softmax (fused; dense attention only)
-        (2 + mask) * scores,  # attention dropout (dense attention only)
-        (3 + mask) * act,  # bias + dropout + residual after the projection (fused)
-        2 * act,  # layer norm 2
-        2 * inner,  # bias + GeLU
-        (3 + mask) * act,  # bias + dropout + residual after the MLP (fused)
-    ]
-    bwd_stream = [
-        3 * act,  # layer norm 1: read dy and x, write dx
-        3 * scores,  # softmax: read dy and y, write dx (dense attention only)
-        (2 + mask) * scores,  # attention dropout (dense attention only)
-        (2 + mask) * act,  # residual + dropout
-        3 * act,  # layer norm 2
-        3 * inner,  # GeLU: read dy and x, write dx
-        (2 + mask) * act,  # residual + dropout
-    ]
+    if model.llama:
+        fwd_stream, bwd_stream = _llama_streams(model, act, inner, scores, t)
+    else:
+        fwd_stream, bwd_stream = _gpt_streams(act, inner, scores, mask)
     forward = forward + sum(_stream_seconds(dev, x) for x in fwd_stream)
     backward = backward + sum(_stream_seconds(dev, x) for x in bwd_stream)
 
@@ -178,8 +178,41 @@ def layer_seconds(
     allreduce = ring_allreduce_seconds(act, t, latency_s=link.latency_s, bytes_per_s=link.bytes_per_s)
     forward, backward = forward + 2 * allreduce, backward + 2 * allreduce
     if dev.dispatch_s:
-        floor_fwd, floor_bwd = dispatch_floor_seconds(hardware, t)
+        floor_fwd, floor_bwd = dispatch_floor_seconds(hardware, t, llama=model.llama)
         forward, backward = np.maximum(forward, floor_fwd), np.maximum(backward, floor_bwd)
+    return forward, backward
+
+
+def _gpt_streams(act, inner, scores, mask: float) -> tuple[list, list]:
+    """The GPT layer's element-wise kernels (Megatron's layer: biases and dropout), bytes moved."""
+    return [
+        2 * act,  # layer norm 1
+        2 * scores,  # scale + causal mask + softmax (fused; dense attention only)
+        (2 + mask) * scores,  # attention dropout (dense attention only)
+        (3 + mask) * act,  # bias + dropout + residual after the projection (fused)
+        2 * act,  # layer norm 2
+        2 * inner,  # bias + GeLU
+        (3 + mask) * act,  # bias + dropout + residual after the MLP (fused)
+    ], [
+        3 * act,  # layer norm 1: read dy and x, write dx
+        3 * scores,  # softmax: read dy and y, write dx (dense attention only)
+        (2 + mask) * scores,  # attention dropout (dense attention only)
+        (2 + mask) * act,  # residual + dropout
+        3 * act,  # layer norm 2
+        3 * inner,  # GeLU: read dy and x, write dx
+        (2 + mask) * act,  # residual + dropout
+    ]
+
+
+def _llama_streams(model: ModelConfig, act, inner, scores, t: int) -> tuple[list, list]:
+    """The llama layer's element-wise kernels (engine/llama.py), bytes moved forward and backward: RMSNorm, the
+    rotation of q and k (x·cos, the rotated half: a negation and a concatenation, ·sin, the sum: 9 passes over
+    each), softmax (dense attention only), SwiGLU's silu and product, the residual adds. No biases, no dropout."""
+    rotated = act / t * (model.heads + model.kv_heads) / model.heads  # bytes of q and k together
+    forward = [2 * act, 9 * rotated, 2 * scores, 3 * act, 2 * act, 2 * inner, 3 * inner, 3 * act]
+    # Backward: a norm reads dy and x and writes dx; the rotation runs its passes again on the gradients; softmax
+    # reads dy and y and writes dx; silu reads dy and x, the product reads dy and both factors and writes two.
+    backward = [3 * act, 9 * rotated, 3 * scores, 2 * act, 3 * act, 3 * inner, 5 * inner, 2 * act]
     return forward, backward
 
 
@@ -207,8 +240,9 @@ def ends_seconds(
     rows = b * i
     act = rows * H * e
     one = np.ones_like(rows)
-    embed_fwd = _stream_seconds(dev, 2 * act) + _stream_seconds(dev, 3 * act)  # gather; + positions
-    embed_bwd = _stream_seconds(dev, 3 * act) + _stream_seconds(dev, act)  # scatter-add; position rows
+    embed_fwd, embed_bwd = _stream_seconds(dev, 2 * act), _stream_seconds(dev, 3 * act)  # gather; scatter-add
+    if not model.llama:  # + positions (llama's rotate inside attention); their rows' gradient
+        embed_fwd, embed_bwd = embed_fwd + _stream_seconds(dev, 3 * act), embed_bwd + _stream_seconds(dev, act)
     head = ("head", one, rows, one * V, one * H)
     logits = rows * V * 4.0  # the loss works in fp32
     head_fwd = _stream_seconds(dev, 2 * act) + _gemm_seconds(dev, e, head) + 2 * _stream_seconds(dev, 2 * logits)
@@ -236,9 +270,8 @@ def ends_seconds(
 def ends_params(model: ModelConfig, tensor_parallel: int = 1, *, vocab_parallel: bool = False) -> tuple[int, int]:
     """Parameters of the embedding (token and position tables) and of the head (final norm and LM head) on one
     device: the fullest tensor rank's share of the vocabulary rows with ``vocab_parallel`` (`config.model.vocab_share`),
-    the whole vocabulary otherwise."""
-    V, H = vocab_share(model.vocab, tensor_parallel if vocab_parallel else 1), model.hidden
-    return V * H + model.seq_len * H, V * H + 2 * H
+    the whole vocabulary otherwise (`config.model.ModelConfig.end_params`)."""
+    return model.end_params(vocab_share(model.vocab, tensor_parallel if vocab_parallel else 1))
 
 
 # The kernels one tile of the runtime's decoder layer launches on CUDA (`model.Block` with a K/V cache, as
@@ -280,26 +313,66 @@ BACKWARD_KERNELS = (
 # each, and one backward each); each weight's 16-bit copy is made once per step (not per tile, StageRunner.step)
 # but its gradient is cast back to fp32 in every tile's backward (four kernels).
 AUTOCAST_KERNELS = (2, 2 + 4)
+
+# The llama layer (engine/llama.py), counted the same way from its ops (not yet timed on a GPU: the calibrated
+# dispatch_s of a hardware file was fitted to the GPT counts).
+LLAMA_FORWARD_KERNELS = (
+    ("attn_norm (RMSNorm)", 1),
+    ("q, k, v", 3),
+    ("rotary angles: two aranges, the frequencies (pow, reciprocal), their product, cat, cos, sin", 8),
+    ("rotate q and k: negation, cat, two products, sum", 10),
+    ("k, v into the K/V cache (two copies)", 2),
+    ("q.contiguous()", 1),
+    ("scaled_dot_product_attention", 1),
+    ("heads back to (b, i, H): reshape copy", 1),
+    ("o_proj", 1),
+    ("residual add", 1),
+    ("mlp_norm (RMSNorm)", 1),
+    ("gate, up", 2),
+    ("silu, product", 2),
+    ("down", 1),
+    ("residual add", 1),
+)
+LLAMA_BACKWARD_KERNELS = (
+    ("residual: x's two gradients summed (twice)", 2),
+    ("down: dgrad, wgrad, .grad +=", 3),
+    ("product and silu backward", 3),
+    ("gate, up: dgrad, wgrad, .grad += each; their input gradients summed", 7),
+    ("mlp_norm: dx, dweight, .grad +=", 3),
+    ("o_proj: dgrad, wgrad, .grad +=", 3),
+    ("reshape copy backward", 1),
+    ("scaled_dot_product_attention backward", 3),
+    ("K/V hand-back: own rows + later slices' share, earlier rows into the cache's gradient", 4),
+    ("rotation backward of q and k: two products, the half's negation and placement, the sum", 8),
+    ("q, k, v: dgrad, wgrad, .grad += each; their input gradients summed", 11),
+    ("attn_norm: dx, dweight, .grad +=", 3),
+)
+# Under autocast: the norms' fp32 outputs cast for q, k, v, gate, up (five; five backward), cos and sin cast for q
+# and k (four), and seven weight gradients cast back to fp32.
+LLAMA_AUTOCAST_KERNELS = (5 + 4, 5 + 7)
 # Tensor parallelism: two all-reduces forward and two backward, each a clone and the collective (engine/tensor.py).
 TENSOR_PARALLEL_KERNELS = (4, 4)
 
 
-def kernels_per_tile(dtype: str, tensor_parallel: int = 1) -> tuple[int, int]:
-    """The kernels one tile of one layer launches, forward and backward, in ``dtype`` on T tensor ranks.
+def kernels_per_tile(dtype: str, tensor_parallel: int = 1, *, llama: bool = False) -> tuple[int, int]:
+    """The kernels one tile of one layer launches, forward and backward, in ``dtype`` on T tensor ranks (of the
+    llama layer with ``llama``).
 
     Counted from the runtime's layer (tables above) for the PyTorch 2.x CUDA kernels; a version that fuses or
     splits a kernel differently moves the count by one or two of about 15 forward and 35 backward, which the
     calibrated ``dispatch_s`` absorbs (it is fitted against these counts).
     """
-    fwd, bwd = (sum(n for _, n in kernels) for kernels in (FORWARD_KERNELS, BACKWARD_KERNELS))
+    tables = (LLAMA_FORWARD_KERNELS, LLAMA_BACKWARD_KERNELS) if llama else (FORWARD_KERNELS, BACKWARD_KERNELS)
+    fwd, bwd = (sum(n for _, n in kernels) for kernels in tables)
     if dtype in ("bf16", "fp16"):
-        fwd, bwd = fwd + AUTOCAST_KERNELS[0], bwd + AUTOCAST_KERNELS[1]
+        extra = LLAMA_AUTOCAST_KERNELS if llama else AUTOCAST_KERNELS
+        fwd, bwd = fwd + extra[0], bwd + extra[1]
     if tensor_parallel > 1:
         fwd, bwd = fwd + TENSOR_PARALLEL_KERNELS[0], bwd + TENSOR_PARALLEL_KERNELS[1]
     return fwd, bwd
 
 
-def dispatch_floor_seconds(hardware: Hardware, tensor_parallel: int = 1) -> tuple[float, float]:
+def dispatch_floor_seconds(hardware: Hardware, tensor_parallel: int = 1, *, llama: bool = False) -> tuple[float, float]:
     """The least time the host needs to issue one tile's forward and backward kernels.
 
     Eager PyTorch launches kernels asynchronously: the host walks the layer op by op (Python, the dispatcher,
@@ -310,7 +383,7 @@ def dispatch_floor_seconds(hardware: Hardware, tensor_parallel: int = 1) -> tupl
     it is low by at most half (a GPU that idles on a few short kernels while long ones queue up); the measured
     tile times showed a flat floor and then a straight GPU line, with no wide bend to model.
     """
-    fwd, bwd = kernels_per_tile(hardware.training.dtype, tensor_parallel)
+    fwd, bwd = kernels_per_tile(hardware.training.dtype, tensor_parallel, llama=llama)
     return fwd * hardware.device.dispatch_s, bwd * hardware.device.dispatch_s
 
 
@@ -322,8 +395,25 @@ def activation_bytes_per_token(model: ModelConfig, dtype_bytes: int, tensor_para
     softmax and dropout that a plain attention stores. The runtime's attention is PyTorch's fused kernel
     (`scaled_dot_product_attention`), which keeps the output and a log-sum-exp per query instead of any
     (query, key) matrix, so only the first term applies; its log-sum-exp (4·a/t bytes per token) is left out.
+
+    The llama layer (engine/llama.py) is counted from what its ops save, per token, as the runtime runs it: each
+    RMSNorm keeps its fp32 input and normalised input (16H bytes for the two, replicated over the tensor ranks);
+    the norms' outputs are saved by the projections that read them — once in fp32, or under autocast one 16-bit
+    copy per projection (q, k, v, gate, up: 5·e·H); the rotation keeps cos and sin (2·d, fp32 shared by q and k,
+    or one 16-bit copy each); attention keeps q, its output and the output projection's input (3H/t), and k and v
+    (2·kv_heads·d/t: grouped-query attention keeps kv_heads/heads of a multi-head layer's); SwiGLU keeps the gate
+    and up outputs, the silu and the product (4·ffn_hidden/t). No dropout masks. It equals what `terapipe
+    profile` counts on a CPU (tests/profile/test_analytic.py); a CUDA build whose RMSNorm is one fused kernel
+    keeps less (the normalised input: 8H), so the estimate is then high by that.
     """
-    return model.hidden * (10 + 24 / tensor_parallel) * dtype_bytes / 2
+    t = tensor_parallel
+    if model.llama:
+        H, e, d = model.hidden, dtype_bytes, model.head_dim
+        low = e < 4  # a 16-bit compute type under autocast; the residual stream and the norms stay fp32
+        norms = 16 * H + (5 * e * H if low else 8 * H)
+        rope = 2 * d * (2 * e if low else 4)
+        return norms + rope + (3 * H + 2 * model.kv_width + 4 * model.ffn_hidden) / t * e
+    return model.hidden * (10 + 24 / t) * dtype_bytes / 2
 
 
 def _context_points(

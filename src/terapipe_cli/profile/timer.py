@@ -191,12 +191,12 @@ class TileTimer:
 
     def _later_kv_rows_bytes(self, b: int, i: int) -> int:
         """Bytes of the K/V cache rows past a first tile of i tokens: its first tile allocates keys and values
-        of shape (b, heads, L, head_dim) in the compute type (docs/design.md §6) — this tensor rank's heads only."""
+        of shape (b, kv_heads, L, head_dim) in the compute type (docs/design.md §6) — this tensor rank's heads only."""
 
         low = AUTOCAST_DTYPES[self.precision]
         element = torch.empty(0, dtype=low or torch.float32).element_size()
         ranks = self.runner.tensor.size if self.runner.tensor is not None else 1
-        return 2 * b * (self.layer_model.seq_len - i) * (self.hidden // ranks) * element
+        return 2 * b * (self.layer_model.seq_len - i) * (self.layer_model.kv_width // ranks) * element
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
