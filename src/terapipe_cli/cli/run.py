@@ -149,8 +149,10 @@ def demo_stages(cfg: DemoConfig, paths: DemoPaths, device: str = DEMO_DEVICE) ->
     ]
 
 
-# The demo's last word: a few dozen bytes the trained run writes after a name from the embedded text's grammar.
-SAMPLE = ["--prompt", "Ada sees", "--tokens", "48"]
+# The demo's last word: a few dozen bytes the trained run writes after a name from the embedded text's grammar,
+# drawn among the 10 most likely (with `sample`'s default top-k of 200, the demo's run, trained 30 steps, printed 6
+# replacement characters in its 48 bytes: bytes that make no UTF-8 character).
+SAMPLE = ["--prompt", "Ada sees", "--tokens", "48", "--top-k", "10"]
 
 
 def _powers_of_two(limit: int) -> list[int]:
