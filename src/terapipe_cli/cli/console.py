@@ -6,6 +6,7 @@ import os
 import sys
 
 from rich.console import Console
+from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 # Piped output has no terminal to measure, and rich would then fit every table into 80 columns, wrapping a
 # plan's slicing one word per line. A file or a pager can take long lines; the widest table (the plan's) fits.
@@ -36,3 +37,34 @@ def _is_terminal(stream) -> bool:
         return stream.isatty()
     except (AttributeError, ValueError):  # replaced by an object without isatty, or closed
         return False
+
+
+class ProgressBar:
+    """A rich progress bar with an ETA, one task per phase (`profile`'s measurements, ``--verify``'s reference runs,
+    the report's baseline); ``with ProgressBar(console) as update``: ``update(phase, done, total)``."""
+
+    def __init__(self, console: Console) -> None:
+        self.bar = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TaskProgressColumn(),
+            TimeElapsedColumn(),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+            console=console,
+            transient=False,
+        )
+        self.tasks: dict[str, int] = {}
+
+    def update(self, phase: str, done: float, total: float) -> None:
+        key = phase.split(" (")[0]
+        if key not in self.tasks:
+            self.tasks[key] = self.bar.add_task(phase, total=total)
+        self.bar.update(self.tasks[key], completed=done, total=total, description=phase)
+
+    def __enter__(self):
+        self.bar.__enter__()
+        return self.update
+
+    def __exit__(self, *exc) -> None:
+        self.bar.__exit__(*exc)

@@ -8,10 +8,9 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from terapipe_cli.cli.console import make_console
+from terapipe_cli.cli.console import ProgressBar, make_console
 from terapipe_cli.cli.options import DeviceOption, PrecisionOption
 from terapipe_cli.files import write_json_atomic, write_text_atomic
 from terapipe_cli.plan.costmodel import profile_from_dict
@@ -178,7 +177,7 @@ def _measure(console: Console, cfg, settings, dev, measure: dict, *, out: Path) 
         + (", quick" if settings.quick else "")
     )
     started = time.perf_counter()
-    with _progress(console) as update:
+    with ProgressBar(console) as update:
         prof = measure_profile(cfg, settings, dev, progress=update, **measure)
     _write(console, out, prof, seconds=time.perf_counter() - started)
 
@@ -192,36 +191,6 @@ def _write(console: Console, out: Path, prof: dict, *, seconds: float | None = N
     for warning in fit_warnings(profile_from_dict(prof, str(out))):
         make_console(stderr=True).print(f"[yellow]warning:[/yellow] {warning}", soft_wrap=True, highlight=False)
     console.print(f"wrote [bold]{out}[/bold]")
-
-
-class _progress:
-    """A rich progress bar with an ETA, one task per measurement phase; yields the update callback."""
-
-    def __init__(self, console: Console) -> None:
-        self.bar = Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            TaskProgressColumn(),
-            TimeElapsedColumn(),
-            TextColumn("ETA"),
-            TimeRemainingColumn(),
-            console=console,
-            transient=False,
-        )
-        self.tasks: dict[str, int] = {}
-
-    def update(self, phase: str, done: float, total: float) -> None:
-        key = phase.split(" (")[0]
-        if key not in self.tasks:
-            self.tasks[key] = self.bar.add_task(phase, total=total)
-        self.bar.update(self.tasks[key], completed=done, total=total, description=phase)
-
-    def __enter__(self):
-        self.bar.__enter__()
-        return self.update
-
-    def __exit__(self, *exc) -> None:
-        self.bar.__exit__(*exc)
 
 
 def _ms(s: float) -> str:
@@ -322,7 +291,7 @@ def _recheck(
         f"Checking [bold]{path}[/bold] ({'an analytic estimate for ' if estimated else ''}{prof.device.get('name')}) "
         f"against direct timings on {dev.type} ({probe.device_info(dev)['name']}) in {prof.precision}"
     )
-    with _progress(console) as update:
+    with ProgressBar(console) as update:
         result = measure.recheck_profile(
             prof.raw, dev, count=4 if quick else 8, repeats=3 if quick else 5, seed=seed, clock=clock, progress=update
         )

@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from terapipe_cli.cli.console import make_console
+from terapipe_cli.cli.console import ProgressBar, make_console
 from terapipe_cli.errors import Interrupted, UserError
 from terapipe_cli.plan.file import short_form
 from terapipe_cli.report.build import (
@@ -139,7 +139,8 @@ def train_gpipe(console: Console, run, path: Path) -> None:
         f"-> {path}"
     )
     try:
-        baseline.train_baseline(run.path, path)
+        with ProgressBar(console) as progress:
+            baseline.train_baseline(run.path, path, progress)
     except launch.WorkerFailed as e:
         sys.stdout.flush()
         sys.stderr.write(f"terapipe: error: the GPipe baseline failed: {e}\n")

@@ -14,7 +14,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from terapipe_cli.cli.console import make_console
+from terapipe_cli.cli.console import ProgressBar, make_console
 from terapipe_cli.cli.options import option, with_settings
 from terapipe_cli.config.run import TABLE, LRSchedule, RunConfig, flag, load_run_config, run_fields
 from terapipe_cli.engine import require_torch
@@ -201,7 +201,8 @@ def _verify(console: Console, prepared: PreparedRun) -> None:
     from terapipe_cli.train.verify import SPREAD_FACTOR, verify_and_record
 
     console.print("verifying against a single-process reference (same seed, same batches) ...")
-    result = verify_and_record(prepared)
+    with ProgressBar(console) as progress:
+        result = verify_and_record(prepared, progress)
     table = Table(
         title=f"--verify: pipelined run vs single process ({result.precision})",
         caption="rel: |Δ|/|ref| per step's loss; ‖Δ‖₂/‖ref‖₂ per gradient or weight tensor. spread: a second "

@@ -7,7 +7,11 @@ so any difference in time is the slicing's, and the losses must be equal up to f
 
 from __future__ import annotations
 
+import os
 import tempfile
+import threading
+from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 
 from terapipe_cli.config.run import RunConfig
@@ -17,7 +21,8 @@ from terapipe_cli.plan.baseline import gpipe_plan_dict
 from terapipe_cli.plan.file import plan_from_dict
 from terapipe_cli.train.launch import launch
 from terapipe_cli.train.prepare import NegativeControls, PreparedRun, prepare_run
-from terapipe_cli.train.rundir import read_config
+from terapipe_cli.train.rundir import read_config, read_metrics
+from terapipe_cli.train.worker import STEP_LINES_ENV
 
 
 def check_baseline(run_dir: Path, out: Path) -> None:
@@ -27,17 +32,61 @@ def check_baseline(run_dir: Path, out: Path) -> None:
         _prepare(Path(run_dir), Path(tmp) / "plan.json", Path(out), write=False)
 
 
-def train_baseline(run_dir: Path, out: Path) -> Path:
+def train_baseline(run_dir: Path, out: Path, progress: Progress | None = None) -> Path:
     """Train the GPipe baseline of the run in ``run_dir`` into ``out`` through `terapipe train`'s own preparation
-    and launch.
+    and launch; with ``progress``, the workers print no step lines and ``progress(phase, steps done, steps)`` follows
+    the training instead (`following`).
 
     Raises UserError for what the user must change (a multi-machine run, an occupied folder) and
     `terapipe_cli.train.launch.WorkerFailed` when a worker fails.
     """
     out = Path(out)
     # The run directory's own plan.json (train rewrites it with the same content), so nothing lands outside.
-    launch(_prepare(Path(run_dir), out / "plan.json", out, write=True).launch)
+    prepared = _prepare(Path(run_dir), out / "plan.json", out, write=True)
+    with following(out, prepared.args.steps, progress):
+        launch(prepared.launch)
     return out
+
+
+Progress = Callable[[str, float, float], None]  # (phase, done, total), as `profile.timer.Progress`
+FOLLOW_S = 0.2  # how often the steps done are read: a bar redrawn five times a second reads as live
+
+
+@contextmanager
+def following(run_dir: Path, steps: int, progress: Progress | None, phase: str = "GPipe baseline (steps)"):
+    """While the body trains into ``run_dir``: the workers print no step lines (`worker.STEP_LINES_ENV`), and a
+    thread tells ``progress`` the steps done so far (the records in metrics.jsonl), last once the body has ended."""
+    if progress is None:
+        yield
+        return
+
+    def done() -> int:
+        try:
+            return len(read_metrics(run_dir))
+        except UserError:
+            return 0  # replaced while it was read: the next look counts
+
+    stop = threading.Event()
+
+    def follow() -> None:
+        while not stop.wait(FOLLOW_S):
+            progress(phase, done(), steps)
+
+    progress(phase, 0, steps)
+    before = os.environ.get(STEP_LINES_ENV)
+    os.environ[STEP_LINES_ENV] = "0"
+    thread = threading.Thread(target=follow, name="baseline-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        progress(phase, done(), steps)
+        if before is None:
+            os.environ.pop(STEP_LINES_ENV, None)
+        else:
+            os.environ[STEP_LINES_ENV] = before
 
 
 def baseline_scheme(run_dir: Path) -> list:

@@ -119,6 +119,9 @@ class Verification:
         }
 
 
+StepsDone = Callable[[int], None]  # told the steps a single-process run has done
+Progress = Callable[[str, float, float], None]  # (phase, done, total), as `profile.timer.Progress`
+
 # One step's forward and backward on a single process: (model, batch (n, L + 1), loss multiplier) -> the summed
 # token loss (a float). The backward leaves the gradient of multiplier x that sum in .grad.
 StepFn = Callable[[torch.nn.Module, torch.Tensor, float], float]
@@ -161,9 +164,12 @@ def tiled_step(runner: StageRunner, plan: Plan, replicas: int) -> StepFn:
     return step
 
 
-def single_process_run(run, model: torch.nn.Module, step_fn: StepFn, precision: str) -> Trajectory:
+def single_process_run(
+    run, model: torch.nn.Module, step_fn: StepFn, precision: str, progress: StepsDone | None = None
+) -> Trajectory:
     """Train ``model`` (the whole model, on the run's device) as the run did, one process, the global batch.
-    ``run``: a `prepare.PreparedRun`, or anything with its plan, args, data and device."""
+    ``run``: a `prepare.PreparedRun`, or anything with its plan, args, data and device; ``progress``: told the steps
+    done after each."""
     plan, args = run.plan, run.args
     optimizer = make_optimizer(model, args.lr)
     schedule = LRSchedule.of_run(args)
@@ -181,25 +187,28 @@ def single_process_run(run, model: torch.nn.Module, step_fn: StepFn, precision: 
         if out.grads_step is None and not update.skipped:
             out.grads_step = step
             out.grads = {n: p.grad.detach().cpu().clone() for n, p in model.named_parameters()}
+        if progress is not None:
+            progress(step)
     out.weights = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
     return out
 
 
-def reference_run(run) -> Trajectory:
+def reference_run(run, progress: StepsDone | None = None) -> Trajectory:
     """The reference: the whole model at the run's precision, the whole sequence at once."""
     model = build_model(run.plan.model, seed=run.args.seed).to(run.device)
     precision = run.args.precision
-    return single_process_run(run, model, whole_sequence_step(precision), precision)
+    return single_process_run(run, model, whole_sequence_step(precision), precision, progress)
 
 
-def spread_run(run) -> tuple[Trajectory, str]:
+def spread_run(run, progress: StepsDone | None = None) -> tuple[Trajectory, str]:
     """The run whose difference from the reference is the spread (the module docstring says why this one)."""
     plan, args, precision = run.plan, run.args, run.args.precision
     if precision == "fp32":
         model = build_model(plan.model, seed=args.seed).to(run.device).double()
-        return single_process_run(run, model, whole_sequence_step("fp32"), "fp32"), "float64, whole sequence"
+        return single_process_run(run, model, whole_sequence_step("fp32"), "fp32", progress), "float64, whole sequence"
     runner = StageRunner(plan.model, 0, 1, seed=args.seed, device=run.device, precision=precision)
-    trajectory = single_process_run(run, runner.module, tiled_step(runner, plan, args.data_parallel), precision)
+    step_fn = tiled_step(runner, plan, args.data_parallel)
+    trajectory = single_process_run(run, runner.module, step_fn, precision, progress)
     return trajectory, f"{precision}, the run's own tiles on one process"
 
 
@@ -219,17 +228,22 @@ def pipelined_run(prepared: PreparedRun) -> Trajectory:
     return out
 
 
-def verify_run(prepared: PreparedRun) -> Verification:
+def verify_run(prepared: PreparedRun, progress: Progress | None = None) -> Verification:
     """Compare the finished run with the reference, with tolerances from the spread run."""
-    return verify_trajectory(pipelined_run(prepared), prepared)
+    return verify_trajectory(pipelined_run(prepared), prepared, progress)
 
 
-def verify_trajectory(run: Trajectory, setup) -> Verification:
+def verify_trajectory(run: Trajectory, setup, progress: Progress | None = None) -> Verification:
     """Compare a pipelined run's ``run`` with the reference of ``setup`` (a `prepare.PreparedRun`, or anything with
-    its plan, args, data and device), with tolerances from the spread run."""
-    ref = reference_run(setup)
-    alt, spread_what = spread_run(setup)
+    its plan, args, data and device), with tolerances from the spread run; ``progress(phase, steps done, steps)``
+    follows the two single-process runs."""
     steps = setup.args.steps
+
+    def phase(name: str) -> StepsDone | None:
+        return None if progress is None else lambda done: progress(name, done, steps)
+
+    ref = reference_run(setup, phase("reference (one process)"))
+    alt, spread_what = spread_run(setup, phase("spread run (one process)"))
     loss, loss_spread = _compare_losses(run.losses, ref.losses), _compare_losses(alt.losses, ref.losses)
     grads, grads_spread = _compare(run.grads, ref.grads), _compare(alt.grads, ref.grads)
     if run.grads_step != ref.grads_step:
@@ -246,9 +260,9 @@ def verify_trajectory(run: Trajectory, setup) -> Verification:
     )
 
 
-def verify_and_record(prepared: PreparedRun) -> Verification:
+def verify_and_record(prepared: PreparedRun, progress: Progress | None = None) -> Verification:
     """`verify_run`, its result added to the run's summary.json under "verify"."""
-    result = verify_run(prepared)
+    result = verify_run(prepared, progress)
     run_dir = prepared.launch.run_dir
     summary = read_summary(run_dir)
     summary.pop("schema", None)

@@ -72,6 +72,10 @@ FAULT_ENV = "TERAPIPE_TEST_FAULT"
 # a step's time goes, measured inside `terapipe train` itself; scripts/bench_peer_train.py --profile).
 PROFILE_ENV = "TERAPIPE_PROFILE_DIR"
 
+# "0": rank 0 records every step but prints no step line; the report draws a progress bar over its baseline's
+# training instead (train/baseline.py).
+STEP_LINES_ENV = "TERAPIPE_STEP_LINES"
+
 
 @dataclass(frozen=True)
 class NodeRequest:
@@ -289,6 +293,8 @@ def log_step(w: Worker, result: StepResult, iteration_s: list[float], val_loss: 
     norm = "skipped" if update.grad_norm is None else f"{update.grad_norm:7.3f}"
     scale = f"  scale {update.loss_scale:g}" if update.loss_scale is not None else ""
     val = f"  val {val_loss:8.4f}" if val_loss is not None else ""
+    if os.environ.get(STEP_LINES_ENV) == "0":
+        return
     print(
         f"step {step:>5}/{w.args.steps}  loss {loss:8.4f}{val}  lr {lr:.2e}  |g| {norm}{scale}  "
         f"iter {dt * 1e3:9.1f} ms  {tokens / dt:10,.0f} tok/s  mem {max(peaks) / 2**20:7.1f} MiB  eta {eta}",
