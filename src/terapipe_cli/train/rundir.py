@@ -4,8 +4,8 @@ runs/NAME/
   config.json        terapipe.run/1: {"plan": <the plan object>, "arguments": {steps, data, seed, lr,
                      data_parallel, checkpoint_every, threads, timeout_s, verify, kv_handback, precision,
                      warmup_steps, min_lr, decay_steps, grad_clip, accept_precision, tensor_parallel,
-                     tp_allreduce, vocab_allreduce, val_fraction, eval_every, schedule} (config.run.RunArguments,
-                     each key's doc there),
+                     tp_allreduce, vocab_allreduce, val_fraction, eval_every, log, schedule, ...}
+                     (config.run.RunArguments, each key's doc there),
                      "world_size" (D × K × T), "stages", "device", "backend", "nnodes", "versions": {...}, "created",
                      "launch_id" (new at every launch by node 0; how another node tells node 0's folder from its own)}
   plan.json          the plan as given (terapipe.plan/1)
@@ -20,6 +20,8 @@ runs/NAME/
                      CUDA max allocated, on CPU its peak resident set, VmHWM), "saved_bytes_per_rank": [...] (the
                      most each rank's stage kept for its backward during the step, counted by engine.stage.SavedBytes),
                      "val_loss" (only on evaluated steps: the held-out loss after the step's update)}
+  metrics.csv        the same numbers, a row per step (only with --log csv; train/metrics.py names the columns)
+  tensorboard/       the same numbers as TensorBoard event files (only with --log tensorboard)
   timelines/rank_00000.json   terapipe.timeline/1 (see plan/timeline.py): every tile of every step, F and B
   checkpoints/step_000010/...  see checkpoint.py (the optimizer state carries the fp16 loss scale)
   errors/rank_00001.txt       the traceback of a worker that failed (only then)
