@@ -9,7 +9,9 @@ import math
 import os
 import subprocess
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import terapipe_cli
@@ -57,3 +59,26 @@ def run_torchrun(args: Sequence[str], *, threads: int, timeout_s: float) -> subp
     return subprocess.run(
         torchrun_argv(args), env=env, capture_output=True, text=True, timeout=timeout_s, start_new_session=True
     )
+
+
+POLL_S = 0.2  # how often a progress bar follows the workers: redrawn five times a second, it reads as live
+
+
+@contextmanager
+def polling(look: Callable[[], None], every_s: float = POLL_S) -> Iterator[None]:
+    """While the body runs (workers that train or measure), a thread calls ``look`` every ``every_s`` seconds to
+    follow what rank 0 writes (a progress bar's), and the body's end calls it once more."""
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.wait(every_s):
+            look()
+
+    thread = threading.Thread(target=loop, name="terapipe-polling", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        look()

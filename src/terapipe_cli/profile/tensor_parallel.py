@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -38,7 +37,7 @@ import torch.distributed as dist
 from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.engine.comm import DistGroup
 from terapipe_cli.engine.tensor import TensorGroup
-from terapipe_cli.engine.torchrun import rendezvous_args
+from terapipe_cli.engine.torchrun import polling, rendezvous_args
 from terapipe_cli.files import read_json, write_json_atomic
 from terapipe_cli.profile.comm import join_worker_group, run_workers
 from terapipe_cli.profile.ends import time_ends
@@ -86,7 +85,6 @@ def _relay_progress(path: Path, progress: Progress | None, start: str) -> Iterat
         yield
         return
     progress(start, 0, 1)
-    stop = threading.Event()
     offset = [0]
 
     def pass_on() -> None:
@@ -94,18 +92,8 @@ def _relay_progress(path: Path, progress: Progress | None, start: str) -> Iterat
         if before == 0 and offset[0] > 0:
             progress(start, 1, 1)
 
-    def relay() -> None:
-        while not stop.wait(0.2):
-            pass_on()
-
-    thread = threading.Thread(target=relay, name="terapipe-progress", daemon=True)
-    thread.start()
-    try:
+    with polling(pass_on):
         yield
-    finally:
-        stop.set()
-        thread.join()
-        pass_on()
 
 
 def _pass_on(path: Path, offset: int, progress: Progress) -> int:

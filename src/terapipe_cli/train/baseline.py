@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import os
 import tempfile
-import threading
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
 from terapipe_cli.config.run import RunConfig
+from terapipe_cli.engine.torchrun import polling
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import write_json_atomic
 from terapipe_cli.plan.baseline import gpipe_plan_dict
@@ -49,13 +49,12 @@ def train_baseline(run_dir: Path, out: Path, progress: Progress | None = None) -
 
 
 Progress = Callable[[str, float, float], None]  # (phase, done, total), as `profile.timer.Progress`
-FOLLOW_S = 0.2  # how often the steps done are read: a bar redrawn five times a second reads as live
 
 
 @contextmanager
 def following(run_dir: Path, steps: int, progress: Progress | None, phase: str = "GPipe baseline (steps)"):
-    """While the body trains into ``run_dir``: the workers print no step lines (`worker.STEP_LINES_ENV`), and a
-    thread tells ``progress`` the steps done so far (the records in metrics.jsonl), last once the body has ended."""
+    """While the body trains into ``run_dir``: the workers print no step lines (`worker.STEP_LINES_ENV`), and
+    ``progress`` hears the steps done so far (the records in metrics.jsonl, `torchrun.polling`)."""
     if progress is None:
         yield
         return
@@ -66,23 +65,13 @@ def following(run_dir: Path, steps: int, progress: Progress | None, phase: str =
         except UserError:
             return 0  # replaced while it was read: the next look counts
 
-    stop = threading.Event()
-
-    def follow() -> None:
-        while not stop.wait(FOLLOW_S):
-            progress(phase, done(), steps)
-
     progress(phase, 0, steps)
     before = os.environ.get(STEP_LINES_ENV)
     os.environ[STEP_LINES_ENV] = "0"
-    thread = threading.Thread(target=follow, name="baseline-progress", daemon=True)
-    thread.start()
     try:
-        yield
+        with polling(lambda: progress(phase, done(), steps)):
+            yield
     finally:
-        stop.set()
-        thread.join()
-        progress(phase, done(), steps)
         if before is None:
             os.environ.pop(STEP_LINES_ENV, None)
         else:
