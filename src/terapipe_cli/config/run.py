@@ -31,6 +31,7 @@ from terapipe_cli.config.bundled import load_toml
 from terapipe_cli.config.device import DEVICES, PRECISIONS
 from terapipe_cli.config.fields import Doc, doc_of, flag_of, read_fields, setting, to_toml
 from terapipe_cli.errors import UserError
+from terapipe_cli.extras import require
 
 # The peak learning rate of `terapipe train` and of the demo, one default for both. 3e-4 is between GPT-3's peaks
 # for its 125M-1.3B shapes (6e-4, 2e-4) and trains the tiny demo model smoothly (its loss falls without a jump in
@@ -305,12 +306,7 @@ def resolve_logs(given: list[str] | None) -> list[str]:
     if unknown:
         raise UserError(f"must be {', '.join(LOGS)} (repeat it, or a comma list), got {unknown[0]!r}", where="log")
     if "tensorboard" in names:
-        try:
-            import tensorboard  # noqa: F401 - the optional extra
-        except ImportError:
-            raise UserError(
-                "needs the optional package 'tensorboard': pip install 'terapipe-cli[tensorboard]'", where="log"
-            ) from None
+        require("tensorboard", where="log")
     return [name for name in LOGS if name in names or name == "jsonl"]
 
 
