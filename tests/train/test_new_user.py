@@ -44,6 +44,7 @@ def test_a_launch_that_never_trained_leaves_a_folder_the_same_command_uses_again
         prepare_run(settings)
     (out / "errors").mkdir()
     (out / "errors" / "torchrun.log").write_text("... 1/2 clients joined\n")
+    (out / "metrics.jsonl").write_text('{"schema": "terapipe.run-event/1", "event": "restart"}\n')  # no step
     first = json.loads((out / "config.json").read_text())["launch_id"]
     assert (out / LOCK_FILE).is_file() and not has_trained(out)
     p = run_cli(capsys, "train", "--plan", plan, "--out", out, "--steps", "3", "--device", "cpu", "--dry-run")

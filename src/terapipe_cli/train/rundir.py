@@ -105,10 +105,7 @@ def has_trained(run_dir: Path) -> bool:
     first step (the other nodes never joined, a worker failed at start-up) holds settings but no run: the same
     command starts it again there."""
     checkpoints = run_dir / "checkpoints"
-    if checkpoints.is_dir() and any(checkpoints.iterdir()):
-        return True
-    metrics = run_dir / "metrics.jsonl"
-    return metrics.is_file() and metrics.stat().st_size > 0
+    return (checkpoints.is_dir() and any(checkpoints.iterdir())) or bool(read_metrics(run_dir))
 
 
 def settings_digest(plan: dict, arguments: dict) -> str:
