@@ -55,3 +55,14 @@ def test_the_interrupted_line_survives_a_damaged_run_folder(run):
     damage(run / "config.json", None)
     line = interrupted_message(run)
     assert line.startswith("interrupted at step 1; no complete checkpoint yet"), line
+
+
+def test_a_worker_traceback_cut_mid_character_still_names_the_rank(tmp_path):
+    """The launcher's line when torchrun cannot read a worker's error file comes from errors/rank_N.txt, which a
+    rank stopped mid-write can leave with half a UTF-8 character."""
+    from terapipe_cli.train.launch import Launch, describe_unreadable_failure
+
+    (tmp_path / "errors").mkdir()
+    (tmp_path / "errors" / "rank_00001.txt").write_bytes("Traceback ...\nRuntimeError: a tile of 2 µ".encode()[:-1])
+    line = describe_unreadable_failure(Launch(run_dir=tmp_path, nproc_per_node=2, stages=2))
+    assert line.startswith("worker rank 1 (stage 1, replica 0) failed: RuntimeError: a tile of 2"), line

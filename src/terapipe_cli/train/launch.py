@@ -273,7 +273,7 @@ def describe_unreadable_failure(spec: Launch) -> str:
     if not logs:
         return f"a worker failed and its error file could not be read; torchrun's log is in {errors / TORCHRUN_LOG}"
     rank = int(logs[0].stem.removeprefix("rank_"))
-    cause = " ".join((logs[0].read_text().strip().splitlines() or [""])[-1].split())[:400]
+    cause = " ".join((logs[0].read_text(errors="replace").strip().splitlines() or [""])[-1].split())[:400]
     return f"worker rank {rank} ({spec.layout.describe(rank)}) failed: {cause} — traceback in {logs[0]}"
 
 
