@@ -176,3 +176,17 @@ def test_llama_shards_gather_into_the_whole_tensors(T):
     gpt = build_model(ModelConfig.from_dict({**BASE, "layers": 1}, "test", prefix="")).state_dict()
     cut = {n.removeprefix("blocks.0.") for names in (state, gpt) for n in names if split_of(n)}
     assert cut == set(SPLITS)
+
+
+def test_repeated_key_value_heads_equal_grouped_query_attention():
+    """What `model.expand_for_kernel` does on CUDA in fp32 (each key/value head repeated for its group) gives the same
+    output and gradients as the kernels' grouped-query mode."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 12, 8, generator=g, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
+    y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    grads = torch.autograd.grad(y.square().sum(), (q, k, v))
+    k2, v2 = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    y2 = torch.nn.functional.scaled_dot_product_attention(q, k2, v2, is_causal=True)
+    assert torch.allclose(y, y2) and all(
+        torch.allclose(a, b) for a, b in zip(grads, torch.autograd.grad(y2.square().sum(), (q, k, v)), strict=True)
+    )

@@ -164,6 +164,10 @@ class ModelConfig:
             raise UserError(
                 f"{stages} stages are more than the {self.layers} layers of model '{self.name}'", where=where
             )
+        self.check_tied(stages, where)
+
+    def check_tied(self, stages: int, where: str = "stages") -> None:
+        """Tied embeddings need the embedding and the head on one device: one stage (and T = 1)."""
         if self.llama and self.tie_embeddings and stages > 1:
             raise UserError(
                 f"model '{self.name}' ties its embeddings: its embedding and head share one tensor, which a pipeline "

@@ -150,11 +150,14 @@ def attend(
     ``gqa``: fewer key/value heads than query heads (grouped-query attention); the kernels read each key/value head
     for its group of query heads (``enable_gqa``) without expanding the cache, and sum the group's gradients."""
     if cache is None:
+        k, v, gqa = expand_for_kernel(q, k, v, gqa)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     i = q.shape[2]
     # q on its own storage (a copy), so the projection's output (q, k, v together) is not kept for the
     # backward: attention saves q and the cache's rows, no more than the whole-sequence path keeps.
     keys, values = cache.window(k, v, start)
+    if q.device.type != "cpu":
+        keys, values, gqa = expand_for_kernel(q, keys, values, gqa)
     if not start:
         return F.scaled_dot_product_attention(q.contiguous(), keys, values, is_causal=True, enable_gqa=gqa)
     if q.device.type == "cpu":
@@ -166,6 +169,20 @@ def attend(
     # the fused kernels apply it without building a mask.
     mask = causal_lower_right(i, start + i)
     return F.scaled_dot_product_attention(q.contiguous(), keys, values, attn_mask=mask, enable_gqa=gqa)
+
+
+def expand_for_kernel(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, gqa: bool
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """Grouped-query keys/values as the fused kernels can take them: as they are, except on CUDA in fp32, where
+    the flash kernel does not run and the memory-efficient one has no grouped-query mode (PyTorch would fall back
+    to the unfused kernel, which builds every score matrix). There each key/value head is repeated for its group of
+    query heads (``repeat_interleave``, as ``transformers``' ``repeat_kv``; its backward sums the group's gradients):
+    a copy of the slice's window per tile, still far smaller than the scores."""
+    if gqa and q.device.type == "cuda" and q.dtype == torch.float32:
+        group = q.shape[1] // keys.shape[1]
+        return keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1), False
+    return keys, values, gqa
 
 
 class MLP(nn.Module):

@@ -169,6 +169,7 @@ def plan_from_dict(obj: dict, where: str) -> Plan:
         raise f.fail("model", "must be an object")
     model = ModelConfig.from_dict(model_obj, where)
     stages = f.int("stages", minimum=1)
+    model.check_tied(stages, where=f"{where}: field 'stages'")
     partition = _partition(f, model, stages, where)
     batch_size = f.int("batch_size", minimum=1)
     seq_len = f.int("seq_len", minimum=1)

@@ -189,7 +189,8 @@ def single_process_run(
             out.grads = {n: p.grad.detach().cpu().clone() for n, p in model.named_parameters()}
         if progress is not None:
             progress(step)
-    out.weights = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+    # The state dict's names, as the run's checkpoints hold them (a tied head's matrix under both of its names).
+    out.weights = {n: p.detach().cpu().clone() for n, p in model.state_dict().items()}
     return out
 
 
