@@ -33,3 +33,12 @@ class Interrupted(Exception):
     """
 
     exit_code = 130
+
+
+class Stopped(Interrupted):
+    """A signal (SIGTERM, SIGUSR1: a scheduler ending the job) stopped the command, which saved what it could
+    first: one line, and exit 128 + the signal's number (143 for SIGTERM), what a process ended by it reports."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.exit_code = 128 + signum

@@ -86,7 +86,7 @@ def test_two_nodes_with_folders_of_their_own_train_like_one_and_resume(tmp_path,
     for node, out in enumerate(outs):
         assert checkpoint.latest_complete(out) == 2
         marker = json.loads((checkpoint.step_dir(out, 2) / checkpoint.MARKER).read_text())
-        assert marker["files"] == [f"stage_{node:03d}.pt"]  # each folder marks its own node's stage
+        assert [f["name"] for f in marker["files"]] == [f"stage_{node:03d}.pt"]  # each folder marks its node's stage
     assert (outs[0] / "errors" / "rank_00000.txt").is_file()  # rank 0's traceback: it lost rank 1
     resumed = run_nodes(outs, "--resume", *STEPS)
     assert [code for code, _, _ in resumed] == [0, 0], resumed

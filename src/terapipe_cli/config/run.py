@@ -43,6 +43,11 @@ DEFAULT_VAL_FRACTION = 0.1  # the data's last tenth held out for the validation 
 WARMUP_FRACTION = 0.1  # the default warm-up: this share of the run's steps ...
 MIN_WARMUP_STEPS = 3  # ... but at least this many (a third of the run, at least one, when it is shorter than 9)
 MIN_LR_FRACTION = 0.1  # the default floor of the cosine decay: this share of the peak lr (as nanoGPT)
+# Stopping on a signal: the default time to save (issue 27; Slurm's KillWait and Kubernetes' grace period default
+# to 30 s, so a job that must save large stages sets its scheduler's grace and --grace-s together), and the complete
+# checkpoints kept (2: the previous one survives while the newest is written and checked; torchtitan's keep_latest_k).
+DEFAULT_GRACE_S = 60.0
+DEFAULT_KEEP_CHECKPOINTS = 2
 
 # Where each step's metrics go (`--log`, train/metrics.py): metrics.jsonl always, the others when asked.
 LOGS = ("jsonl", "csv", "tensorboard")
@@ -103,6 +108,28 @@ class RunConfig:
     )
     checkpoint_every: int | None = setting(
         "Checkpoint every N steps (and after the last).", minimum=1, shown="10", panel=RUN, resume="change"
+    )
+    keep_checkpoints: int | None = setting(
+        "Complete checkpoints kept; older ones are removed once a newer one is complete.",
+        minimum=1,
+        shown=str(DEFAULT_KEEP_CHECKPOINTS),
+        panel=RUN,
+        resume="change",
+    )
+    grace_s: float | None = setting(
+        "On SIGTERM, SIGUSR1 or Ctrl-C: seconds to save a checkpoint of the step done before stopping (past that, "
+        "the previous checkpoint is kept).",
+        positive=True,
+        shown=f"{DEFAULT_GRACE_S:g}",
+        panel=RUN,
+        resume="change",
+    )
+    max_restarts: int | None = setting(
+        "When a worker dies, restart all workers from the last complete checkpoint, at most N times.",
+        minimum=0,
+        shown="0",
+        panel=RUN,
+        resume="change",
     )
     verify: bool | None = setting(
         "Compare with a single-process reference; exit 1 on a mismatch.", shown="off", panel=RUN
@@ -213,7 +240,8 @@ class RunConfig:
 DEFAULTS = {
     "seed": 0, "val_fraction": DEFAULT_VAL_FRACTION, "checkpoint_every": 10, "verify": False, "lr": DEFAULT_LR,
     "grad_clip": DEFAULT_GRAD_CLIP, "accept_precision": False, "device": "auto", "threads": 1, "timeout_s": 120.0,
-    "nnodes": 1, "node_rank": 0, "rdzv_timeout_s": 300.0,
+    "nnodes": 1, "node_rank": 0, "rdzv_timeout_s": 300.0, "keep_checkpoints": DEFAULT_KEEP_CHECKPOINTS,
+    "grace_s": DEFAULT_GRACE_S, "max_restarts": 0,
 }  # fmt: skip
 TABLE = "train"
 SCHEDULE_FILE = "schedule.csv"  # a run's own schedule, when it has one, in its folder
@@ -273,6 +301,9 @@ class RunArguments:
     eval_every: int = setting("Validation every N steps and after the last (0: never).", 0, minimum=0)
     log: list[str] | None = setting("Where each step's metrics go (`LOGS`; None: metrics.jsonl alone).")
     schedule: str | None = setting("The schedule walked instead of the plan's order (`plan.schedule`, CSV text).")
+    keep_checkpoints: int = setting("Complete checkpoints kept.", DEFAULT_KEEP_CHECKPOINTS, minimum=1)
+    grace_s: float = setting("Seconds to save a checkpoint after a stop signal.", DEFAULT_GRACE_S, positive=True)
+    max_restarts: int = setting("Restarts of all workers from the last checkpoint when one dies.", 0, minimum=0)
 
     @classmethod
     def from_dict(cls, obj: dict, where: str) -> RunArguments:

@@ -24,12 +24,13 @@ def rendezvous_args(
     node_rank: int = 0,
     rdzv_endpoint: str | None = None,
     rdzv_timeout_s: float | None = None,
+    max_restarts: int = 0,
 ) -> list[str]:
     """torchrun's process arguments: standalone on one machine, or the given static rendezvous across nodes
     (node 0 hosts it at the endpoint; node ``R``'s ranks are R x nproc_per_node onwards), waiting at most
-    ``rdzv_timeout_s`` for the other nodes. No restarts: a failed worker fails the job, and the agent looks at
-    its workers every 0.1 s."""
-    args = ["--nproc-per-node", str(nproc_per_node), "--max-restarts", "0", "--monitor-interval", "0.1"]
+    ``rdzv_timeout_s`` for the other nodes. After a failed worker the agent restarts all of them at most
+    ``max_restarts`` times (then the job fails), and it looks at its workers every 0.1 s."""
+    args = ["--nproc-per-node", str(nproc_per_node), "--max-restarts", str(max_restarts), "--monitor-interval", "0.1"]
     if nnodes == 1 and rdzv_endpoint is None:
         return ["--standalone", "--nnodes", "1", *args]
     endpoint = rdzv_endpoint or "localhost:29500"

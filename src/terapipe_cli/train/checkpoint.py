@@ -1,32 +1,49 @@
-"""Checkpoints: one file per stage, complete only when a marker says every stage wrote its file.
+"""Checkpoints: one file per stage, complete only when a manifest lists every file with its size and checksum.
 
     checkpoints/step_000010/stage_000.pt      {"schema": "terapipe.checkpoint/1", "step", "stage", "stages",
     checkpoints/step_000010/stage_001.pt       "model": state_dict, "optimizer": state_dict}
-    checkpoints/step_000010/complete.json     {"schema": "terapipe.checkpoint-marker/1", "step", "stages", "files"}
+    checkpoints/step_000010/complete.json     {"schema": "terapipe.checkpoint-marker/2", "step", "stages",
+                                               "files": [{"name", "bytes", "sha256"}, ...]}
 
-Each stage file is written atomically (`terapipe_cli.files`). Completeness is decided through the process
-group: every rank reaches the checkpoint's all-reduce only after writing its file, so once that all-reduce
-returns, every stage of the step is on disk somewhere. Then one worker per run folder writes that folder's
-marker (also atomically), listing the stage files the folder holds: all of them in a folder every node
-shares, the node's own stages in a node-local one (docs/design.md §6). A run killed at any moment therefore
-leaves the last *marked* checkpoint intact, and `latest_complete` ignores a half-written one. Replicas hold
-identical weights, so one rank per stage and folder writes. The two newest complete checkpoints are kept.
+Each stage file is written atomically (`terapipe_cli.files`), by a background thread from a copy in host memory
+(`StageWriter`, torchtitan's async mode: the next step runs while the file is written). Its size and SHA-256 are
+taken from the bytes written, not read back. Completeness is decided through the process group: the ranks
+exchange their files' sizes and checksums in one all-reduce once every write has finished (train/worker.py), so
+when it returns every stage of the step is on disk somewhere, or every rank knows a write failed. Then one worker
+per run folder writes that folder's manifest, ``complete.json``, last and atomically, listing the stage files the
+folder holds: all of them in a folder every node shares, the node's own stages in a node-local one
+(docs/design.md §6). A run killed at any moment, or whose disk fills, therefore leaves the last *marked*
+checkpoint intact, and `complete_steps` ignores a half-written one. Replicas hold identical weights, so one rank
+per stage and folder writes. The newest ``keep`` complete checkpoints are kept (``--keep-checkpoints``); older
+ones are removed only once a newer one is complete.
+
+`complete_steps` checks what is cheap (the manifest, each file there with its size); resuming checks the
+checksums too (`latest_verified`), and falls back to the newest checkpoint that passes. A marker of schema
+``terapipe.checkpoint-marker/1`` (runs from before the manifest) lists file names only: such a checkpoint counts
+when its files are there, which is all that can be checked.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import shutil
+import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from terapipe_cli.config.run import DEFAULT_KEEP_CHECKPOINTS
+from terapipe_cli.errors import UserError
 from terapipe_cli.files import read_json, write_bytes_atomic, write_json_atomic
 
 CHECKPOINT_SCHEMA = "terapipe.checkpoint/1"
-MARKER_SCHEMA = "terapipe.checkpoint-marker/1"
+MARKER_SCHEMA = "terapipe.checkpoint-marker/2"
+OLD_MARKER_SCHEMA = "terapipe.checkpoint-marker/1"  # names only: runs from before the manifest
 MARKER = "complete.json"
-KEEP = 2
+KEEP = DEFAULT_KEEP_CHECKPOINTS  # --keep-checkpoints' default (config/run.py)
+WORDS = 5  # a `FileEntry` as int64 words for an all-reduce: its size, then the 32 bytes of its SHA-256
 
 
 def step_dir(run_dir: str | Path, step: int) -> Path:
@@ -37,7 +54,35 @@ def stage_file(run_dir: str | Path, step: int, stage: int) -> Path:
     return step_dir(run_dir, step) / f"stage_{stage:03d}.pt"
 
 
-def save_stage(run_dir: str | Path, step: int, stage: int, stages: int, model: dict, optimizer: dict) -> Path:
+@dataclass(frozen=True)
+class FileEntry:
+    """One file of a checkpoint as its manifest lists it."""
+
+    name: str
+    bytes: int
+    sha256: str
+
+    @classmethod
+    def of(cls, name: str, data: bytes) -> FileEntry:
+        return cls(name, len(data), hashlib.sha256(data).hexdigest())
+
+    def to_words(self) -> list[int]:
+        """`WORDS` int64 values (an all-reduce of one row per rank carries every rank's entry)."""
+        digest = bytes.fromhex(self.sha256)
+        return [self.bytes] + [int.from_bytes(digest[i : i + 8], "little", signed=True) for i in range(0, 32, 8)]
+
+    @classmethod
+    def from_words(cls, name: str, words: list[int]) -> FileEntry:
+        digest = b"".join(int(w).to_bytes(8, "little", signed=True) for w in words[1:WORDS])
+        return cls(name, int(words[0]), digest.hex())
+
+
+class WriteFailed(Exception):
+    """A checkpoint file could not be written (a full disk, a quota, a folder gone): one line naming it."""
+
+
+def encode_stage(step: int, stage: int, stages: int, model: dict, optimizer: dict) -> bytes:
+    """A stage file's bytes."""
     record = {
         "schema": CHECKPOINT_SCHEMA,
         "step": step,
@@ -46,7 +91,22 @@ def save_stage(run_dir: str | Path, step: int, stage: int, stages: int, model: d
         "model": model,
         "optimizer": optimizer,
     }
-    return save_torch_atomic(stage_file(run_dir, step, stage), record)
+    buffer = io.BytesIO()
+    torch.save(record, buffer)
+    return buffer.getvalue()
+
+
+def save_stage(
+    run_dir: str | Path, step: int, stage: int, stages: int, model: dict, optimizer: dict, *, write=None
+) -> FileEntry:
+    """Write one stage's file (atomically, or with ``write(path, data)``); its manifest entry. Raises `WriteFailed`."""
+    path = stage_file(run_dir, step, stage)
+    data = encode_stage(step, stage, stages, model, optimizer)
+    try:
+        (write or write_bytes_atomic)(path, data)
+    except (OSError, UserError) as e:  # write_bytes_atomic says which file and why in a UserError
+        raise WriteFailed(str(e) if isinstance(e, UserError) else f"{path}: cannot write ({e.strerror or e})") from None
+    return FileEntry.of(path.name, data)
 
 
 def save_torch_atomic(path: str | Path, obj: object) -> Path:
@@ -56,40 +116,209 @@ def save_torch_atomic(path: str | Path, obj: object) -> Path:
     return write_bytes_atomic(path, buffer.getvalue())
 
 
-def mark_complete(run_dir: str | Path, step: int, stages: int, held: list[int] | None = None) -> None:
-    """Call once every stage file of ``step`` is written (the process group said so); ``held``: the stages
-    whose files this folder holds (default all). Then prune older checkpoints."""
+def host_copy(obj: object) -> object:
+    """``obj`` (a state dict, nested) with every tensor copied to host memory: what the writer thread saves while
+    the next step updates the weights in place."""
+    if torch.is_tensor(obj):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: host_copy(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(host_copy(v) for v in obj)
+    return obj
+
+
+class StageWriter:
+    """Writes one stage file at a time in a background thread (`start`), from a host copy of the state; `wait`
+    returns its manifest entry, or raises `WriteFailed`. A worker waits before it marks a checkpoint complete and
+    before it exits, however it exits."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._result: FileEntry | WriteFailed | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None
+
+    def start(
+        self, run_dir: Path, step: int, stage: int, stages: int, model: dict, optimizer: dict, *, write=None
+    ) -> None:
+        self.wait_quietly()
+        model, optimizer = host_copy(model), host_copy(optimizer)
+
+        def write_file() -> None:
+            try:
+                self._result = save_stage(run_dir, step, stage, stages, model, optimizer, write=write)
+            except WriteFailed as e:
+                self._result = e
+            except BaseException as e:  # noqa: BLE001 - the worker raises it where it waits
+                self._result = WriteFailed(f"{stage_file(run_dir, step, stage)}: {type(e).__name__}: {e}")
+
+        self._thread = threading.Thread(target=write_file, name=f"checkpoint-step-{step}", daemon=True)
+        self._thread.start()
+
+    def wait(self, timeout_s: float | None = None) -> FileEntry:
+        """The entry of the file being written, once written; raises `WriteFailed` (also after ``timeout_s``)."""
+        if self._thread is None:
+            raise RuntimeError("no checkpoint file is being written")
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise WriteFailed(f"writing {self._thread.name} did not finish within {timeout_s:g} s")
+        result, self._thread, self._result = self._result, None, None
+        if isinstance(result, WriteFailed):
+            raise result
+        assert result is not None
+        return result
+
+    def wait_quietly(self, timeout_s: float | None = None) -> None:
+        """Let a file being written finish (its atomic rename done) before the process goes on or ends."""
+        if self._thread is not None:
+            try:
+                self.wait(timeout_s)
+            except WriteFailed:
+                pass
+
+
+def mark_complete(
+    run_dir: str | Path,
+    step: int,
+    stages: int,
+    held: list[int] | None = None,
+    entries: dict[int, FileEntry] | None = None,
+    keep: int = KEEP,
+) -> None:
+    """Call once every stage file of ``step`` is written (the process group said so): write the manifest of the
+    stages ``held`` here (default all), with ``entries`` (stage -> entry, as written; default: read back), then
+    remove all but the newest ``keep`` complete checkpoints and older incomplete ones."""
     held = list(range(stages)) if held is None else sorted(held)
-    files = [stage_file(run_dir, step, k).name for k in held]
-    missing = [f for f in files if not (step_dir(run_dir, step) / f).exists()]
-    if missing:
-        raise RuntimeError(f"checkpoint of step {step} lacks {missing}")
-    write_json_atomic(
-        step_dir(run_dir, step) / MARKER, {"schema": MARKER_SCHEMA, "step": step, "stages": stages, "files": files}
-    )
-    for old in complete_steps(run_dir)[:-KEEP]:
-        shutil.rmtree(step_dir(run_dir, old), ignore_errors=True)
+    folder = step_dir(run_dir, step)
+    files = []
+    for k in held:
+        path = stage_file(run_dir, step, k)
+        if not path.is_file():
+            raise RuntimeError(f"checkpoint of step {step} lacks {path.name}")
+        entry = entries[k] if entries is not None else FileEntry.of(path.name, path.read_bytes())
+        if path.stat().st_size != entry.bytes:
+            raise RuntimeError(f"{path}: {path.stat().st_size} bytes on disk, {entry.bytes} written")
+        files.append({"name": entry.name, "bytes": entry.bytes, "sha256": entry.sha256})
+    write_json_atomic(folder / MARKER, {"schema": MARKER_SCHEMA, "step": step, "stages": stages, "files": files})
+    prune(run_dir, keep)
+
+
+def prune(run_dir: str | Path, keep: int) -> None:
+    """Remove the complete checkpoints before the newest ``keep``, and incomplete ones older than the newest
+    complete one (a save that failed or was cut short)."""
+    complete = complete_steps(run_dir)
+    if not complete:
+        return
+    kept = set(complete[-keep:])
+    for step in step_folders(run_dir):
+        if step < complete[-1] and step not in kept:
+            shutil.rmtree(step_dir(run_dir, step), ignore_errors=True)
+
+
+def step_folders(run_dir: str | Path) -> list[int]:
+    """The steps of every checkpoint folder, complete or not, ascending."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    steps = []
+    for d in root.iterdir():
+        if d.is_dir() and d.name.startswith("step_") and d.name[5:].isdigit():
+            steps.append(int(d.name[5:]))
+    return sorted(steps)
+
+
+def discard(run_dir: str | Path, step: int) -> None:
+    """Remove the folder of a checkpoint that will not be completed (its marker first, so that a remove cut
+    short never leaves a marked folder with files missing)."""
+    (step_dir(run_dir, step) / MARKER).unlink(missing_ok=True)
+    shutil.rmtree(step_dir(run_dir, step), ignore_errors=True)
+
+
+def discard_after(run_dir: str | Path, step: int) -> None:
+    """Before a run continues from ``step``: the checkpoints of later steps belong to the abandoned attempt (a
+    damaged one, or one a restart will write again), and are removed."""
+    for later in step_folders(run_dir):
+        if later > step:
+            discard(run_dir, later)
+
+
+def _manifest(run_dir: str | Path, step: int) -> tuple[list[dict] | None, str | None]:
+    """(the files the marker of ``step`` lists, each {"name", and for a manifest "bytes", "sha256"}; or None and
+    why the checkpoint is not complete)."""
+    path = step_dir(run_dir, step) / MARKER
+    if not path.is_file():
+        return None, "no complete.json (the save did not finish)"
+    try:
+        marker = read_json(path, what="checkpoint marker")
+    except UserError as e:
+        return None, e.message
+    schema = marker.get("schema")
+    files = marker.get("files")
+    if schema not in (MARKER_SCHEMA, OLD_MARKER_SCHEMA) or marker.get("step") != step or not isinstance(files, list):
+        return None, f"{MARKER} is not the manifest of step {step}"
+    if schema == OLD_MARKER_SCHEMA:
+        return [{"name": name} for name in files], None
+    if not all(isinstance(f, dict) and {"name", "bytes", "sha256"} <= set(f) for f in files):
+        return None, f"{MARKER} lists a file without its size and checksum"
+    return files, None
+
+
+def check_step(
+    run_dir: str | Path, step: int, *, checksums: bool = True, stages: list[int] | None = None
+) -> str | None:
+    """None when the checkpoint of ``step`` is complete (every file its manifest lists is there with its size and,
+    with ``checksums``, its SHA-256; ``stages``: only those stages' files), else what is wrong, in a few words."""
+    files, problem = _manifest(run_dir, step)
+    if files is None:
+        return problem
+    names = None if stages is None else {stage_file(run_dir, step, k).name for k in stages}
+    for f in files:
+        if names is not None and f["name"] not in names:
+            continue
+        path = step_dir(run_dir, step) / f["name"]
+        if not path.is_file():
+            return f"{f['name']} is missing"
+        if "bytes" not in f:
+            continue  # an old marker: the file's presence is all it records
+        size = path.stat().st_size
+        if size != f["bytes"]:
+            return f"{f['name']} has {size} bytes, its manifest says {f['bytes']}"
+        if checksums and _sha256(path) != f["sha256"]:
+            return f"{f['name']} does not match its checksum"
+    return None
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def complete_steps(run_dir: str | Path) -> list[int]:
-    """Steps with a complete checkpoint, ascending."""
-    root = Path(run_dir) / "checkpoints"
-    steps = []
-    if root.is_dir():
-        for d in root.iterdir():
-            if d.name.startswith("step_") and (d / MARKER).is_file():
-                try:
-                    marker = read_json(d / MARKER, schema=MARKER_SCHEMA, what="checkpoint marker")
-                except Exception:
-                    continue
-                if all((d / f).is_file() for f in marker.get("files", [])):
-                    steps.append(int(marker["step"]))
-    return sorted(steps)
+    """Steps with a complete checkpoint (the manifest's files there, each of its size), ascending."""
+    return [step for step in step_folders(run_dir) if check_step(run_dir, step, checksums=False) is None]
 
 
 def latest_complete(run_dir: str | Path) -> int | None:
     steps = complete_steps(run_dir)
     return steps[-1] if steps else None
+
+
+def latest_verified(run_dir: str | Path, stages: list[int] | None = None) -> tuple[int | None, list[str]]:
+    """(the newest checkpoint whose files all match its manifest, checksums included; ``stages``: only those
+    stages' files), and one line for each newer checkpoint passed over and why (a save cut short, a damaged file)."""
+    skipped = []
+    for step in reversed(step_folders(run_dir)):
+        problem = check_step(run_dir, step, stages=stages)
+        if problem is None:
+            return step, skipped
+        skipped.append(f"the checkpoint of step {step} is not usable ({problem})")
+    return None, skipped
 
 
 def load_stage(run_dir: str | Path, step: int, stage: int, map_location: str | torch.device = "cpu") -> dict:

@@ -11,10 +11,13 @@ root cause: a rank that raised or was killed; else one that lost contact with a 
 names the neighbour and says whether the connection closed or a wait timed out, as when a rank hangs);
 last, one merely stopped with SIGTERM by torchrun after the first failure.
 
-Ctrl-C: a terminal sends SIGINT to its foreground process group, which is this launcher alone (torchrun's agent
-runs in it; torchrun starts every worker in its own session). The agent would pass the SIGINT on to the workers,
-each of which would then raise ``KeyboardInterrupt`` and say so; `launch` stops them with SIGTERM instead (they
-end silently), waits for them, and raises `Interrupted` with the one line that says how to continue. Whatever
+Ctrl-C, SIGTERM, SIGUSR1: a terminal sends SIGINT to its foreground process group, which is this launcher alone
+(torchrun's agent runs in it; torchrun starts every worker in its own session); a scheduler sends SIGTERM to the
+launcher, to every process, or to some. The workers save the step they are at and stop (train/stop.py: the
+launcher asks them through a file, and they agree on the step through an all-reduce), and `launch` raises
+`Interrupted` (Ctrl-C, exit 130) or `Stopped` (exit 143 for SIGTERM) with the one line that names the checkpoint
+and says how to continue; past --grace-s, or on a second signal, it stops them at once and says the previous
+checkpoint is kept. Whatever
 torchrun logs goes into the run folder (``errors/torchrun.log``) when the launch fails or is interrupted, never
 onto the terminal; a launch that succeeds clears the error files an earlier attempt left there.
 """
@@ -27,7 +30,6 @@ import os
 import re
 import shlex
 import signal
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -40,10 +42,11 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from terapipe_cli.engine.mesh import Layout
 from terapipe_cli.engine.torchrun import package_env, rendezvous_args, torchrun_argv
-from terapipe_cli.errors import Interrupted, UserError
+from terapipe_cli.errors import Interrupted, Stopped, UserError
 from terapipe_cli.files import write_text_atomic
-from terapipe_cli.train import checkpoint
+from terapipe_cli.train import checkpoint, stop
 from terapipe_cli.train.rundir import read_config, read_metrics
+from terapipe_cli.train.stop import LauncherSignals, SaveTimeout
 
 WORKER_MODULE = "terapipe_cli.train.worker"
 
@@ -94,6 +97,7 @@ def torchrun_args(spec: Launch) -> list[str]:
         node_rank=spec.node_rank,
         rdzv_endpoint=spec.rdzv_endpoint,
         rdzv_timeout_s=spec.rdzv_timeout_s if spec.nnodes > 1 else None,
+        max_restarts=spec.max_restarts,  # the workers torchrun restarts continue from the last checkpoint
     )
     args += ["--module", WORKER_MODULE, "--run-dir", str(spec.run_dir)]
     args += ["--device", spec.device, "--backend", spec.backend, "--timeout-s", f"{spec.timeout_s:g}"]
@@ -105,7 +109,15 @@ def torchrun_args(spec: Launch) -> list[str]:
 
 def worker_env(spec: Launch) -> dict[str, str]:
     """Environment the stage workers need beyond the caller's (`package_env`)."""
-    return package_env(spec.threads)
+    env = package_env(spec.threads)
+    if spec.max_restarts:
+        # The restarted workers' process group must not share the rendezvous' store: there they can read the
+        # addresses the previous attempt's workers published and fail to connect (pytorch/pytorch#135712).
+        env[SEPARATE_STORE_ENV] = "1"
+    return env
+
+
+SEPARATE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"  # read by torchrun's c10d rendezvous (the agent)
 
 
 def command_line(spec: Launch) -> str:
@@ -119,56 +131,53 @@ def launch(spec: Launch) -> None:
     (Ctrl-C) saying how to continue."""
     os.environ.update(worker_env(spec))
     args = torchrun.parse_args(torchrun_args(spec))
-    args.signals_to_handle = AGENT_SIGNALS  # not SIGINT: Ctrl-C is `_CtrlC`'s (torchrun's --signals-to-handle)
-    ctrl_c = _CtrlC()
+    args.signals_to_handle = AGENT_SIGNALS  # not SIGINT, SIGTERM, SIGUSR1: `LauncherSignals`' (train/stop.py)
+    stop.clear(spec.run_dir)
+    signals = LauncherSignals(spec.run_dir, spec.grace_s)
     try:
-        with _torchrun_log(spec.run_dir), ctrl_c.stops_workers():
+        with _torchrun_log(spec.run_dir), signals.handled():
             torchrun.run(args)
     except ChildFailedError as e:
         diverged = diverged_message(e.failures, spec)
         if diverged is not None:
             raise RunDiverged(diverged) from None
+        timeout = [r for r, f in e.failures.items() if _message(f).startswith(SaveTimeout.__name__)]
+        if timeout:  # a worker's own --grace-s ran out (it received the signal itself)
+            raise not_saved(spec, signal.SIGTERM) from None
         raise WorkerFailed(describe_failure(e.failures, spec)) from None
     except SignalException as e:
-        if ctrl_c.pressed or e.sigval == signal.SIGINT:
-            raise Interrupted(interrupted_message(spec.run_dir)) from None
+        if signals.received:  # a second signal, or --grace-s ran out: stopped at once
+            raise not_saved(spec, signals.received) from None
         raise WorkerFailed(f"the launcher received {e.sigval.name}; workers stopped") from None
     except DistError as e:  # the rendezvous: a node that never came, or node 0's that never answered
         raise WorkerFailed(describe_rendezvous_failure(e, spec)) from None
     except json.JSONDecodeError:  # a worker error file torchrun cannot read (worker.record_for_torchrun)
         raise WorkerFailed(describe_unreadable_failure(spec)) from None
     clear_errors(spec.run_dir)
+    stopped = stop.read_stopped(spec.run_dir)
+    if signals.ctrl_c and stopped is not None:
+        raise Interrupted(interrupted_message(spec.run_dir))
+    if stopped is not None:
+        signum = signal.Signals[stopped["signal"]]
+        raise Stopped(f"stopped by {signum.name} after step {stopped['step']}; {saved_line(spec.run_dir)}", signum)
 
 
-# torchrun's agent handles these signals by stopping the workers with the same signal and raising; SIGINT is
-# left out, so that Ctrl-C reaches `_CtrlC`. Only in `launch`: the torchrun of a pasted --dry-run command keeps
-# its own Ctrl-C handling.
-AGENT_SIGNALS = "SIGTERM,SIGHUP,SIGQUIT"
+# torchrun's agent handles these signals by stopping the workers with the same signal and raising; SIGINT, SIGTERM
+# and SIGUSR1 are left out: `stop.LauncherSignals` asks the workers to save first. Only in `launch`: the torchrun of
+# a pasted --dry-run command keeps its own handling.
+AGENT_SIGNALS = "SIGHUP,SIGQUIT"
 
 
-class _CtrlC:
-    """Ctrl-C during a launch: the agent stops the workers with SIGTERM (they end at once, silently, where a
-    SIGINT would make every rank raise and print), and a second Ctrl-C cannot cut that clean-up short."""
-
-    pressed = False
-
-    @contextmanager
-    def stops_workers(self) -> Iterator[None]:
-        if threading.current_thread() is not threading.main_thread():
-            yield  # signal handlers belong to the main thread; torchrun says the same
-            return
-
-        def on_sigint(signum, frame) -> None:
-            self.pressed = True
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            # Caught by the agent, which stops the workers with the exception's signal, then raises it on.
-            raise SignalException("Ctrl-C", sigval=signal.SIGTERM)
-
-        before = signal.signal(signal.SIGINT, on_sigint)
-        try:
-            yield
-        finally:
-            signal.signal(signal.SIGINT, before)
+def not_saved(spec: Launch, signum: int) -> Interrupted:
+    """The one line when a stop signal's save did not finish (--grace-s, or a second signal)."""
+    if signum == signal.SIGINT:
+        return Interrupted(interrupted_message(spec.run_dir))
+    name = signal.Signals(signum).name
+    return Stopped(
+        f"stopped by {name} before a checkpoint was saved within --grace-s {spec.grace_s:g} s; "
+        f"{saved_line(spec.run_dir)}",
+        signum,
+    )
 
 
 TORCHRUN_LOG = "torchrun.log"
@@ -234,12 +243,22 @@ def interrupted_message(run_dir: Path, *, restart: str | None = None, then: str 
     except (UserError, KeyError, TypeError, ValueError):
         done, steps = 0, None
     where = f"interrupted at step {done + 1}" if steps is None or done < steps else f"interrupted after step {done}"
+    return f"{where}; {saved_line(run_dir, restart=restart, steps=steps)}{then}"
+
+
+def saved_line(run_dir: Path, *, restart: str | None = None, steps: int | None = None) -> str:
+    """The last complete checkpoint and the command that continues from it (``restart``: what to do without one)."""
     saved = checkpoint.latest_complete(run_dir)
     if saved is None:
         again = restart or f"start again with another --out (or delete {shlex.quote(str(run_dir))})"
-        return f"{where}; no complete checkpoint yet, nothing to resume: {again}"
+        return f"no complete checkpoint yet, nothing to resume: {again}"
+    if steps is None:
+        try:
+            steps = read_config(run_dir)[1].steps
+        except (UserError, KeyError, TypeError, ValueError):
+            steps = None
     command = ["terapipe", "train", "--resume", "--out", str(run_dir)] + (["--steps", str(steps)] if steps else [])
-    return f"{where}; the last complete checkpoint is step {saved}; continue with: {shlex.join(command)}{then}"
+    return f"the last complete checkpoint is step {saved}; continue with: {shlex.join(command)}"
 
 
 def describe_rendezvous_failure(error: Exception, spec: Launch) -> str:

@@ -17,6 +17,7 @@ import dataclasses
 import math
 import os
 import platform
+import sys
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,6 +147,8 @@ def prepare_run(
         timeout_s=run.args.timeout_s,
         rdzv_timeout_s=rendezvous["rdzv_timeout_s"],
         settings_digest=settings_digest(plan_obj, arguments),
+        max_restarts=run.args.max_restarts,
+        grace_s=run.args.grace_s,
     )
     return PreparedRun(run.plan, run.args, token_data, device, backend, launch)
 
@@ -231,6 +234,9 @@ def _new_arguments(config: RunConfig, device: str, plan: Plan, controls: Negativ
         eval_every=_eval_every(config.eval_every, steps, val_fraction),
         schedule=_schedule_text(config, plan),
         log=resolve_logs(config.log),
+        keep_checkpoints=config.value("keep_checkpoints"),
+        grace_s=float(config.value("grace_s")),
+        max_restarts=config.value("max_restarts"),
     )
 
 
@@ -305,13 +311,16 @@ def _resumed_run(config: RunConfig, device: str) -> _Run:
         error = UserError(f"the run already reached step {reached}; {more}", where="steps")
         conflicts.append(_Conflict(option, f"the run already reached step {reached}: ask for more", error))
     _refuse(conflicts, out)
-    resume_step = checkpoint.latest_complete(out)
+    resume_step, passed_over = checkpoint.latest_verified(out)  # checksums checked: a damaged one is passed over
     if resume_step is None and not has_trained(out):
         raise UserError("never completed a step: start it with the same command without --resume", where=str(out))
     if resume_step is None:
-        raise UserError("no complete checkpoint to resume from", where=str(out / "checkpoints"))
+        why = f": {'; '.join(passed_over)}" if passed_over else ""
+        raise UserError(f"no complete checkpoint to resume from{why}", where=str(out / "checkpoints"))
+    if passed_over:
+        print(f"terapipe: {'; '.join(passed_over)}: resuming from step {resume_step}", file=sys.stderr, flush=True)
     changes = {"steps": steps, "verify": False}
-    for name in ("checkpoint_every", "threads", "timeout_s"):
+    for name in ("checkpoint_every", "threads", "timeout_s", "keep_checkpoints", "grace_s", "max_restarts"):
         if getattr(config, name) is not None:
             changes[name] = getattr(config, name)
     if config.eval_every is not None:  # how often to evaluate may change; what is held out may not

@@ -44,6 +44,7 @@ from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
+from terapipe_cli import units
 from terapipe_cli.config.run import SCHEDULE_FILE, RunArguments, run_toml
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import Fields, read_json, read_user_text, write_json_atomic, write_text_atomic
@@ -166,6 +167,11 @@ def append_metrics(run_dir: Path, record: dict) -> None:
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
+    """The steps' records of metrics.jsonl (not its events, `read_events`)."""
+    return [r for r in _records(run_dir) if r.get("schema") == METRICS_SCHEMA]
+
+
+def _records(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return []
@@ -185,15 +191,29 @@ def read_metrics(run_dir: Path) -> list[dict]:
         step = rec.get("step")
         if rec.get("schema") == METRICS_SCHEMA and (isinstance(step, bool) or not isinstance(step, int) or step < 1):
             raise UserError(f"line {n + 1}: field 'step' must be a positive integer, got {step!r}", where=str(path))
-        if rec.get("schema") == METRICS_SCHEMA:
-            out.append(rec)
+        out.append(rec)
     return out
 
 
 def keep_metrics_until(run_dir: Path, step: int) -> None:
-    """On resume: drop the records of steps after the checkpoint (they will be run again)."""
-    kept = [r for r in read_metrics(run_dir) if r["step"] <= step]
+    """On resume: drop the records of steps after the checkpoint (they will be run again); events stay."""
+    kept = [r for r in read_metrics(run_dir) if r["step"] <= step] + read_events(run_dir)
     write_text_atomic(run_dir / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in kept))
+
+
+# What happened to the run between steps (a restart after a worker failed, train/worker.py), in metrics.jsonl among
+# the steps' records: {"schema": EVENT_SCHEMA, "event": "restart", "restart": n, "resumed_from": step, "time": ...}.
+# `read_metrics` returns the steps only; `read_events` these.
+EVENT_SCHEMA = "terapipe.run-event/1"
+
+
+def append_event(run_dir: Path, record: dict) -> None:
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"schema": EVENT_SCHEMA, **record, "time": units.utc_timestamp()}) + "\n")
+
+
+def read_events(run_dir: Path) -> list[dict]:
+    return [r for r in _records(run_dir) if r.get("schema") == EVENT_SCHEMA]
 
 
 def timeline_path(run_dir: Path, rank: int) -> Path:

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-from terapipe_cli.config.run import RunArguments
+from terapipe_cli.config.run import DEFAULT_GRACE_S, RunArguments
 from terapipe_cli.engine.comm import DistGroup, PeerLost, make_groups, short_error
 from terapipe_cli.engine.data import check_data, load_data, split_data
 from terapipe_cli.engine.mesh import Layout, gpu_of
@@ -51,6 +51,7 @@ from terapipe_cli.plan.timeline import Event, read_timeline, write_timeline
 from terapipe_cli.train import checkpoint
 from terapipe_cli.train.metrics import MetricsLog
 from terapipe_cli.train.rundir import (
+    append_event,
     join_run_folder,
     keep_metrics_until,
     read_config,
@@ -61,12 +62,18 @@ from terapipe_cli.train.rundir import (
     verify_grads_path,
     write_summary,
 )
+from terapipe_cli.train.saving import SaveFailed, Saves
+from terapipe_cli.train.stop import SaveTimeout, WorkerSignals, failed_since, write_stopped
 from terapipe_cli.units import format_duration
 
 # Test-only fault injection, in the middle of step STEP (after its forward tiles) on rank RANK, to exercise
-# failure handling and --resume: "kill:RANK:STEP" (SIGKILL itself), "raise:RANK:STEP" (an exception) or
-# "hang:RANK:STEP" (stop responding, so the neighbours' waits time out).
+# failure handling and --resume: "kill:RANK:STEP" (SIGKILL itself), "raise:RANK:STEP" (an exception),
+# "hang:RANK:STEP" (stop responding, so the neighbours' waits time out), "wait:RANK:STEP" (wait there for a stop
+# signal, at most WAIT_FAULT_S), or "nospace:RANK:STEP" (its checkpoint write of that step fails as on a full disk).
+# Only in a launch's first attempt: the workers torchrun restarts (--max-restarts) run clean.
 FAULT_ENV = "TERAPIPE_TEST_FAULT"
+WAIT_FAULT_S = 60.0  # a test's signal comes within this (its own timeout is longer than the run it waits on)
+RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"  # set by torchrun: how many times it restarted the workers
 
 # A folder: each rank's whole run goes through cProfile and its statistics are written there as rank_N.prof (where
 # a step's time goes, measured inside `terapipe train` itself; scripts/bench_peer_train.py --profile).
@@ -99,6 +106,7 @@ class Worker:
     writes_shard: bool = True
     marks_stages: list[int] | None = None
     metrics: MetricsLog | None = None  # rank 0's: where each step's record goes (--log)
+    folder: int = 0  # whose run folder this rank writes into (`join_node_0`): ranks with the same write to one
 
     @property
     def args(self) -> RunArguments:
@@ -110,35 +118,87 @@ class Worker:
 
 
 def train(run_dir: Path, resume_step: int | None, request: NodeRequest) -> None:
-    """The worker's whole run: set up, continue from a checkpoint if asked, one step after the other, summary."""
-    w = start_worker(run_dir, request, resuming=resume_step is not None)
-    t = w.trainer
+    """The worker's whole run: set up, continue from a checkpoint if asked (or after a restart), one step after the
+    other, checkpoints written while the next step runs, a stop at a step boundary on a signal (train/stop.py),
+    summary."""
+    started = time.time()
+    signals = WorkerSignals(run_dir, DEFAULT_GRACE_S, on_expiry=_end_now, failed=lambda: failed_since(run_dir, started))
+    signals.install()  # first: a SIGTERM during start-up is noted, not fatal
+    restarts = int(os.environ.get(RESTART_ENV, "0"))
+    w = start_worker(run_dir, request, resuming=resume_step is not None or restarts > 0)
+    signals.grace_s = w.args.grace_s
+    if restarts:
+        resume_step = restart_point(w, restarts)
     start_step, events = restore(w, resume_step)
     w.metrics = MetricsLog(run_dir, w.args.log, first_step=start_step + 1) if w.rank == 0 else None
+    saves = Saves(w, on_begin=lambda: save_timeline(w, events), fault=lambda step: _full_disk_fault(w.rank, step))
+    try:
+        run_steps(w, start_step, events, saves, signals, resume_step)
+    finally:
+        saves.close(w.args.grace_s)  # never gone while a checkpoint file is half-way through its rename
+    dist.destroy_process_group()
+
+
+def run_steps(
+    w: Worker, start_step: int, events: list[Event], saves: Saves, signals: WorkerSignals, resume_step: int | None
+) -> None:
+    """Steps ``start_step + 1`` onwards, to the run's end or to the boundary where the ranks agree to stop."""
+    t = w.trainer
     iteration_s: list[float] = []
     t.comms.world.all_reduce(torch.zeros(1, device=t.device), what="start-up")
     run_start = time.perf_counter()
     grads_saved = False  # --verify: each stage's gradients of the first step not skipped
     for step in range(start_step + 1, w.args.steps + 1):
-        result = t.step(step, after_forward=_fault(w.rank, step))
+        result = t.step(step, after_forward=_fault(w.rank, step, signals))
         events.extend(result.events)
         if w.args.verify and t.replica == 0 and not grads_saved and not result.update.skipped:
             grads = t.gradients()  # a collective over the stage's tensor ranks; the first of them writes
             if t.tensor.rank == 0:
-                checkpoint.save_torch_atomic(verify_grads_path(run_dir, t.stage), {"step": step, "grads": grads})
+                checkpoint.save_torch_atomic(verify_grads_path(w.run_dir, t.stage), {"step": step, "grads": grads})
             grads_saved = True
         iteration_s.append(result.seconds)
         val_loss = t.evaluate() if t.evaluation_due(step) else None
         if w.rank == 0:
             log_step(w, result, iteration_s, val_loss)
+        saves.finish()  # the previous step's checkpoint, written meanwhile (marked even if this step diverged)
         stop_if_diverged(result)
         if step % w.args.checkpoint_every == 0 or step == w.args.steps:
-            save_checkpoint(w, step, events)
+            saves.begin(step)
+        stop = _all_reduce_max(t, signals.requested(), step)  # every rank learns of a signal at the same step
+        if stop and step < w.args.steps:
+            if saves.pending != step and saves.saved != step:
+                saves.begin(step)
+            saves.finish()
+            if w.marks_stages is not None:
+                write_stopped(w.run_dir, stop, step)
+            signals.done()
+            return
+    saves.finish()
+    signals.done()
     save_timeline(w, events)
     if w.rank == 0:
         write_run_summary(w, resume_step, iteration_s, wall_s=time.perf_counter() - run_start)
         w.metrics.close()
-    dist.destroy_process_group()
+
+
+def _all_reduce_max(t: Trainer, value: int, step: int) -> int:
+    flag = torch.tensor([value], dtype=torch.int64, device=t.device)
+    t.comms.world.all_reduce(flag, op="max", what=f"the stop check after step {step}")
+    return int(flag.item())
+
+
+def restart_point(w: Worker, restarts: int) -> int:
+    """After torchrun restarted the workers (``--max-restarts``): the checkpoint to continue from, the newest whose
+    own stage file matches its manifest in this rank's folder (0: none, start again), logged by rank 0."""
+    step, _ = checkpoint.latest_verified(w.run_dir, stages=[w.trainer.stage])
+    agreed = torch.tensor([step or 0], dtype=torch.int64, device=w.trainer.device)
+    w.trainer.comms.world.all_reduce(agreed, op="min", what="agreeing on the checkpoint to restart from")
+    step = int(agreed.item())
+    if w.rank == 0:
+        where = f"the checkpoint of step {step}" if step else "step 1 (no complete checkpoint yet)"
+        print(f"restart {restarts} of {w.args.max_restarts}: a worker failed; all workers continue from {where}")
+        append_event(w.run_dir, {"event": "restart", "restart": restarts, "resumed_from": step})
+    return step
 
 
 class Diverged(Exception):
@@ -192,7 +252,7 @@ def start_worker(run_dir: Path, request: NodeRequest, *, resuming: bool) -> Work
     trainer = Trainer(
         plan, schedule, args, layout=layout, rank=rank, device=device, comms=comms, data=data, held_out=held_out
     )
-    return Worker(run_dir, trainer, **folder_roles(rank, layout, owners))
+    return Worker(run_dir, trainer, folder=owners[rank], **folder_roles(rank, layout, owners))
 
 
 def join_node_0(run_dir: Path, request: NodeRequest, device: torch.device, *, resuming: bool) -> list[int]:
@@ -263,6 +323,12 @@ def restore(w: Worker, resume_step: int | None) -> tuple[int, list[Event]]:
     agreed = torch.tensor([resume_step], dtype=torch.int64, device=t.device)
     t.comms.world.all_reduce(agreed, op="min", what="agreeing on the checkpoint to resume")
     resume_step = int(agreed.item())
+    if w.marks_stages is not None:
+        checkpoint.discard_after(w.run_dir, resume_step)  # the abandoned attempt's (its steps run again)
+    if resume_step == 0:  # restarted before the first checkpoint: from the start
+        if w.rank == 0:
+            keep_metrics_until(w.run_dir, 0)
+        return 0, []
     if not checkpoint.stage_file(w.run_dir, resume_step, t.stage).is_file():
         raise RuntimeError(f"no checkpoint of stage {t.stage} at step {resume_step} in {w.run_dir}")
     state = checkpoint.load_stage(w.run_dir, resume_step, t.stage, map_location=t.device)
@@ -300,19 +366,6 @@ def log_step(w: Worker, result: StepResult, iteration_s: list[float], val_loss: 
         f"iter {dt * 1e3:9.1f} ms  {tokens / dt:10,.0f} tok/s  mem {max(peaks) / 2**20:7.1f} MiB  eta {eta}",
         flush=True,
     )
-
-
-def save_checkpoint(w: Worker, step: int, events: list[Event]) -> None:
-    """Every stage's file in every run folder (`folder_roles`) and every rank's timeline; once the all-reduce
-    says all ranks are past that, one rank per folder marks the checkpoint complete there."""
-    t = w.trainer
-    model_state, optimizer_state = t.full_state()  # gathered from the tensor ranks: every rank takes part
-    if w.writes_shard:
-        checkpoint.save_stage(w.run_dir, step, t.stage, t.plan.stages, model_state, optimizer_state)
-    save_timeline(w, events)
-    t.comms.world.all_reduce(torch.zeros(1, device=t.device), what=f"the checkpoint of step {step}")
-    if w.marks_stages is not None:
-        checkpoint.mark_complete(w.run_dir, step, t.plan.stages, w.marks_stages)
 
 
 def save_timeline(w: Worker, events: list[Event]) -> None:
@@ -365,17 +418,35 @@ def _device_name(device: torch.device) -> str:
     return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} thread(s))"
 
 
-def _fault(rank: int, step: int) -> Callable[[], None] | None:
+def _fault_at(rank: int, step: int) -> str | None:
+    """The kind of fault `FAULT_ENV` injects on ``rank`` at ``step`` (only before any restart), or None."""
     spec = os.environ.get(FAULT_ENV, "")
-    if not spec:
+    if not spec or int(os.environ.get(RESTART_ENV, "0")) > 0:
         return None
     kind, fault_rank, fault_step = spec.split(":")
-    if int(fault_rank) != rank or int(fault_step) != step:
+    return kind if int(fault_rank) == rank and int(fault_step) == step else None
+
+
+def _full_disk_fault(rank: int, step: int) -> bool:
+    return _fault_at(rank, step) == "nospace"
+
+
+def _fault(rank: int, step: int, signals: WorkerSignals | None = None) -> Callable[[], None] | None:
+    kind = _fault_at(rank, step)
+    if kind is None or kind == "nospace":
         return None
     if kind == "kill":
         return lambda: os.kill(os.getpid(), signal.SIGKILL)
     if kind == "hang":
         return lambda: time.sleep(10**6)
+    if kind == "wait" and signals is not None:
+
+        def wait_for_a_signal() -> None:  # the step a stop signal reaches, whatever the machine's speed
+            deadline = time.monotonic() + WAIT_FAULT_S
+            while not signals.requested() and time.monotonic() < deadline:
+                time.sleep(0.01)
+
+        return wait_for_a_signal
 
     def fail() -> None:
         raise RuntimeError(f"injected failure at step {step} ({FAULT_ENV})")
@@ -402,6 +473,15 @@ def record_for_torchrun(e: BaseException) -> None:
 
 
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"  # set by torchrun for each worker
+
+
+def _end_now(message: str) -> None:
+    """The stop signal's --grace-s ran out before the checkpoint was saved (`stop.WorkerSignals`' timer thread):
+    end this process at once, the cause in torchrun's error file; the previous complete checkpoint is intact."""
+    record_for_torchrun(SaveTimeout(message))
+    sys.stderr.write(f"terapipe worker rank {os.environ.get('RANK', '0')}: {message}\n")
+    sys.stderr.flush()
+    os._exit(1)
 
 
 @contextmanager
@@ -436,6 +516,9 @@ def main(argv: list[str] | None = None) -> None:
     except Diverged as e:  # every rank stops so: the launcher says it once (`launch.diverged_message`)
         record_for_torchrun(e)
         os._exit(Diverged.exit_code)
+    except SaveFailed:  # another rank's checkpoint write failed; that rank names the cause
+        sys.stdout.flush()
+        os._exit(0)
     except BaseException as e:
         if isinstance(e, SystemExit) and not e.code:
             raise
@@ -447,8 +530,9 @@ def main(argv: list[str] | None = None) -> None:
         except OSError:
             pass
         record_for_torchrun(e)
-        sys.stderr.write(f"terapipe worker rank {rank}: {cause[:500]}\n")
-        sys.stderr.flush()
+        if not isinstance(e, checkpoint.WriteFailed):  # a full disk: the launcher's line says it all
+            sys.stderr.write(f"terapipe worker rank {rank}: {cause[:500]}\n")
+            sys.stderr.flush()
         os._exit(1)
 
 

@@ -1,0 +1,147 @@
+"""What a cluster does to a run, with real torchrun workers on the tiny model: SIGTERM to the launcher or to one
+worker saves the step in progress and exits 143, and the resumed run's losses are an uninterrupted run's; a worker
+killed mid-step under --max-restarts 1 is healed with the same losses; a full disk during a save leaves the previous
+checkpoint and a resumable run. Each signal reaches a known step: the worker it is aimed at waits there for it
+(the fault hook "wait", train/worker.py), so nothing depends on the machine's speed. Checkpoints that prove
+themselves (the manifest, falling back past a damaged one) are tested in one process, test_checkpoint.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, LocalSetup, run_cli, train_locally, write_plan_file
+
+from terapipe_cli.plan.file import read_plan
+from terapipe_cli.train import checkpoint
+from terapipe_cli.train.rundir import read_config, read_events, read_metrics
+from terapipe_cli.train.worker import FAULT_ENV
+
+STEPS = 6
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the workers through /proc")
+
+
+def start_train(plan: Path, out: Path, *flags: str, fault: str) -> subprocess.Popen:
+    """`terapipe train` in its own process group, as a terminal or a batch script starts it."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "CUDA_VISIBLE_DEVICES": "", FAULT_ENV: fault}
+    argv = ["train", "--plan", str(plan), "--steps", str(STEPS), "--out", str(out), "--val-fraction", "0", *flags]
+    return subprocess.Popen(
+        [sys.executable, "-m", "terapipe_cli", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**env, "COLUMNS": "200"},
+        start_new_session=True,
+    )
+
+
+def wait_for_step(proc: subprocess.Popen, out: Path, step: int, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while len(read_metrics(out)) < step:
+        assert proc.poll() is None, "the run ended before the signal"
+        assert time.monotonic() < deadline, f"the run did not reach step {step}"
+        time.sleep(0.02)
+
+
+def worker_pid(out: Path, rank: int) -> int:
+    """The process of worker ``rank`` of the run in ``out`` (its command line and environment, Linux /proc)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+            environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if (
+            b"terapipe_cli.train.worker" in cmdline
+            and str(out).encode() in cmdline
+            and f"RANK={rank}".encode() in environ
+        ):
+            return int(entry)
+    raise AssertionError(f"no worker of rank {rank} found")
+
+
+def finish(proc: subprocess.Popen) -> tuple[str, str]:
+    try:
+        return proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def uninterrupted_losses(plan: Path, out: Path) -> list[float]:
+    """The losses of the whole run uninterrupted, trained through the workers' own code in this process."""
+    _, args = read_config(out)
+    return train_locally(LocalSetup(read_plan(plan), replace(args, steps=STEPS))).losses
+
+
+def losses(out: Path) -> list[float]:
+    return [r["loss"] for r in read_metrics(out)]
+
+
+@pytest.mark.parametrize("to", ["launcher", "worker"])
+def test_sigterm_saves_the_step_in_progress_and_the_resumed_run_matches(tmp_path, capfd, to):
+    plan = write_plan_file(tmp_path / "plan.json", [(1, [16, 16])], stages=2)
+    out = (tmp_path / "run").resolve()
+    rank = 0 if to == "launcher" else 1
+    # Checkpoints every 4 steps: step 3, the one signalled, is saved because of the signal.
+    proc = start_train(plan, out, "--checkpoint-every", "4", fault=f"wait:{rank}:3")
+    wait_for_step(proc, out, 2)
+    os.kill(proc.pid if to == "launcher" else worker_pid(out, rank), signal.SIGTERM)
+    stdout, stderr = finish(proc)
+    assert proc.returncode == 143, stdout + stderr
+    assert stderr.strip().splitlines() == [
+        f"terapipe: stopped by SIGTERM after step 3; the last complete checkpoint is step 3; "
+        f"continue with: terapipe train --resume --out {out} --steps {STEPS}"
+    ]
+    assert checkpoint.complete_steps(out) == [3] and [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+    assert not (out / "stop.request").exists()
+
+    p = run_cli(capfd, "train", "--resume", "--out", out)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert losses(out) == pytest.approx(uninterrupted_losses(plan, out), rel=1e-6)
+
+
+def test_a_killed_worker_is_restarted_and_the_run_ends_as_if_uninterrupted(tmp_path, capfd):
+    plan = write_plan_file(tmp_path / "plan.json", [(1, [16, 16])], stages=2)
+    out = tmp_path / "run"
+    p = run_cli(
+        capfd,
+        "train", "--plan", plan, "--steps", STEPS, "--out", out, "--val-fraction", "0", "--checkpoint-every", "2",
+        "--max-restarts", "1",
+        env={FAULT_ENV: "kill:1:4"},
+    )  # fmt: skip
+    assert p.returncode == 0, p.stdout + p.stderr
+    # Step 2's checkpoint, written in the background during step 3, was complete at its end; step 4's never was.
+    assert "restart 1 of 1: a worker failed; all workers continue from the checkpoint of step 2" in p.stdout
+    assert [(e["event"], e["restart"], e["resumed_from"]) for e in read_events(out)] == [("restart", 1, 2)]
+    assert [r["step"] for r in read_metrics(out)] == list(range(1, STEPS + 1))
+    assert losses(out) == pytest.approx(uninterrupted_losses(plan, out), rel=1e-6)
+    assert not (out / "errors").exists()  # the failed attempt's error files are cleared once the run succeeds
+
+
+def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint_and_the_run_resumes(tmp_path, capfd):
+    plan = write_plan_file(tmp_path / "plan.json", [(1, [16, 16])], stages=2)
+    out = tmp_path / "run"
+    p = run_cli(
+        capfd,
+        "train", "--plan", plan, "--steps", STEPS, "--out", out, "--val-fraction", "0", "--checkpoint-every", "2",
+        env={FAULT_ENV: "nospace:1:4"},
+    )  # fmt: skip
+    assert p.returncode == 1, p.stdout + p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("terapipe: error: worker rank 1 "), p.stderr
+    assert "the checkpoint of step 4 was not saved" in lines[0] and "No space left on device" in lines[0]
+    assert "the last complete checkpoint, step 2, is kept" in lines[0]
+    assert checkpoint.complete_steps(out) == [2] and not checkpoint.step_dir(out, 4).exists()
+
+    p = run_cli(capfd, "train", "--resume", "--out", out)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert losses(out) == pytest.approx(uninterrupted_losses(plan, out), rel=1e-6)
