@@ -155,19 +155,13 @@ def test_rope_is_the_rotate_half_convention():
 def test_llama_shards_gather_into_the_whole_tensors(T):
     """Rank r keeps query heads and key/value heads [r·n/T, (r+1)·n/T): its query heads read exactly its key/value
     heads; the shards gathered are the whole tensors; SPLITS names the cut parameters of the two architectures."""
-    from terapipe_cli.engine.local import LocalWorld
-    from terapipe_cli.engine.tensor import SPLITS, TensorGroup, gather_tensor, shard_tensor, split_of
+    from test_tensor_parallel import shard_and_gather
+
+    from terapipe_cli.engine.tensor import SPLITS, split_of
 
     cfg = small(layers=1)
     state = build_model(cfg).state_dict()
-    world = LocalWorld(T)
-
-    def rank(r):
-        tp = TensorGroup(r, T, world.group("tensor", range(T), r))
-        shards = {name: shard_tensor(name, full, tp) for name, full in state.items()}
-        return shards, {name: gather_tensor(name, part, tp) for name, part in shards.items()}
-
-    ranks = world.run(rank)
+    ranks = shard_and_gather(state, T)
     for name, full in state.items():
         assert all(torch.equal(whole[name], full) for _, whole in ranks), name
     d = cfg.head_dim

@@ -42,13 +42,8 @@ def test_layout_puts_the_tensor_dimension_innermost():
     assert layout.neighbours(11) == (9, None)
 
 
-@pytest.mark.parametrize("T", [2, 3])
-def test_gathered_shards_are_the_whole_tensor(T):
-    """Each rank's slice of q, k and v holds its own heads, each rank's slice of the token embedding and the LM head
-    its own rows of the vocabulary (253 rows, divisible by neither T: the shares differ by a row); the slices
-    gathered over the tensor ranks (`gather_tensor`, ranks as threads) are the whole tensors again."""
-    cfg = tiny_model(layers=1, hidden=48, heads=6, vocab=253)
-    state = GPT(cfg).state_dict()
+def shard_and_gather(state: dict, T: int) -> list[tuple[dict, dict]]:
+    """Per tensor rank (threads): its shards of ``state`` and the whole tensors `gather_tensor` puts back together."""
     world = LocalWorld(T)
 
     def rank(r):
@@ -56,7 +51,17 @@ def test_gathered_shards_are_the_whole_tensor(T):
         shards = {name: shard_tensor(name, full, tp) for name, full in state.items()}
         return shards, {name: gather_tensor(name, part, tp) for name, part in shards.items()}
 
-    ranks = world.run(rank)
+    return world.run(rank)
+
+
+@pytest.mark.parametrize("T", [2, 3])
+def test_gathered_shards_are_the_whole_tensor(T):
+    """Each rank's slice of q, k and v holds its own heads, each rank's slice of the token embedding and the LM head
+    its own rows of the vocabulary (253 rows, divisible by neither T: the shares differ by a row); the slices
+    gathered over the tensor ranks (`gather_tensor`, ranks as threads) are the whole tensors again."""
+    cfg = tiny_model(layers=1, hidden=48, heads=6, vocab=253)
+    state = GPT(cfg).state_dict()
+    ranks = shard_and_gather(state, T)
     for name, full in state.items():
         assert all(torch.equal(whole[name], full) for _, whole in ranks), name
         if split_of(name) is None:
