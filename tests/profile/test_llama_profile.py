@@ -87,3 +87,29 @@ def test_the_kv_cache_term_is_kv_heads_over_heads_of_the_multi_head_models():
         assert gqa.cache == pytest.approx(mha.cache * 8 / 32)
         assert gqa.cache == 4 * 2 * 1024 * 2  # 4 layers × keys and values × 8·128 features × 2 bytes
     assert vocab_share(LLAMA_8B.vocab, 1) * LLAMA_8B.hidden == ends_params(LLAMA_8B)[0]  # no position table
+
+
+def test_a_measured_profile_times_the_llama_layer(tmp_path, capsys):
+    """`terapipe profile` of a micro llama model: the layer, the embedding and the head timed through the runtime's
+    llama code (its parameters, no position table, what it keeps per token as counted above), and the plan reads it."""
+    from conftest import run_cli
+
+    from terapipe_cli.plan.costmodel import read_profile
+
+    model = tmp_path / "micro-llama.toml"
+    model.write_text(
+        '[model]\nname = "micro-llama"\narch = "llama"\nlayers = 2\nhidden = 32\nheads = 4\nkv_heads = 2\n'
+        "ffn_hidden = 64\nvocab = 16\nseq_len = 64\n"
+    )
+    out = tmp_path / "profile.json"
+    args = ["--quick", "--no-comm", "--no-allreduce", "--batch-sizes", "2,1", "--device", "cpu", "--precision", "fp32"]
+    p = run_cli(capsys, "profile", "--model", model, *args, "--out", out)
+    assert p.returncode == 0, p.stderr
+    prof = read_profile(out)
+    cfg = prof.model
+    assert cfg.arch == "llama" and cfg.kv_heads == 2 and prof.params_per_layer == cfg.params_per_layer()
+    assert (prof.raw["ends"]["embed_params"], prof.raw["ends"]["head_params"]) == ends_params(cfg)
+    measured = prof.activation_bytes_per_token_per_layer
+    assert 0 <= measured - activation_bytes_per_token(cfg, 4) <= 4 * (2 + cfg.heads)
+    p = run_cli(capsys, "plan", "--profile", out, "--stages", "2", "--batch", "1", "--out", tmp_path / "plan.json")
+    assert p.returncode == 0, p.stderr
