@@ -1,6 +1,7 @@
 """The engine: what one rank runs (docs/design.md §6). The model knows nothing of parallelism; the rest applies it.
 
 model.py     the GPT decoder with a K/V cache per layer: the attention over earlier token slices
+llama.py     the Llama-family decoder (arch = "llama"): RMSNorm, RoPE at each slice's positions, SwiGLU, GQA
 stage.py     StageRunner: one stage's per-tile forward and backward, with the K/V gradient hand-back
 tensor.py    tensor parallelism inside a stage (Megatron's split), applied to a plain model from outside
 p2p.py       pre-posted point-to-point messages between neighbouring stages (shapes from the plan)
