@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 import shutil
+import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,9 +83,8 @@ class WriteFailed(Exception):
     """A checkpoint file could not be written (a full disk, a quota, a folder gone): one line naming it."""
 
 
-def encode_stage(step: int, stage: int, stages: int, model: dict, optimizer: dict) -> bytes:
-    """A stage file's bytes."""
-    record = {
+def _record(step: int, stage: int, stages: int, model: dict, optimizer: dict) -> dict:
+    return {
         "schema": CHECKPOINT_SCHEMA,
         "step": step,
         "stage": stage,
@@ -91,22 +92,72 @@ def encode_stage(step: int, stage: int, stages: int, model: dict, optimizer: dic
         "model": model,
         "optimizer": optimizer,
     }
+
+
+def encode_stage(step: int, stage: int, stages: int, model: dict, optimizer: dict) -> bytes:
+    """A stage file's bytes."""
     buffer = io.BytesIO()
-    torch.save(record, buffer)
+    torch.save(_record(step, stage, stages, model, optimizer), buffer)
     return buffer.getvalue()
 
 
 def save_stage(
     run_dir: str | Path, step: int, stage: int, stages: int, model: dict, optimizer: dict, *, write=None
 ) -> FileEntry:
-    """Write one stage's file (atomically, or with ``write(path, data)``); its manifest entry. Raises `WriteFailed`."""
+    """Write one stage's file atomically, streamed and hashed as it is written (or encoded, then ``write(path,
+    data)``); its manifest entry. Raises `WriteFailed`."""
     path = stage_file(run_dir, step, stage)
-    data = encode_stage(step, stage, stages, model, optimizer)
     try:
-        (write or write_bytes_atomic)(path, data)
-    except (OSError, UserError) as e:  # write_bytes_atomic says which file and why in a UserError
+        if write is not None:
+            data = encode_stage(step, stage, stages, model, optimizer)
+            write(path, data)
+            return FileEntry.of(path.name, data)
+        return _stream_atomic(path, _record(step, stage, stages, model, optimizer))
+    except (OSError, UserError) as e:
         raise WriteFailed(str(e) if isinstance(e, UserError) else f"{path}: cannot write ({e.strerror or e})") from None
-    return FileEntry.of(path.name, data)
+
+
+class _Hashing:
+    """A file that hashes and counts what is written to it: the manifest entry without a second pass or a copy."""
+
+    def __init__(self, f) -> None:
+        self.f, self.sha256, self.bytes = f, hashlib.sha256(), 0
+
+    def write(self, data) -> int:
+        self.sha256.update(data)
+        self.bytes += len(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _umask()  # read once, at import: setting the umask to read it is not safe in the writer thread
+
+
+def _stream_atomic(path: Path, obj: object) -> FileEntry:
+    """``torch.save`` straight into a temporary file next to ``path``, renamed into place once whole (a reader
+    sees the old file or the new one; a failed write leaves neither the new file nor the temporary one)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            out = _Hashing(f)
+            torch.save(obj, out)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600 files; checkpoints get the usual permissions
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return FileEntry(path.name, out.bytes, out.sha256.hexdigest())
 
 
 def save_torch_atomic(path: str | Path, obj: object) -> Path:
@@ -148,6 +199,7 @@ class StageWriter:
         model, optimizer = host_copy(model), host_copy(optimizer)
 
         def write_file() -> None:
+            _lower_priority()
             try:
                 self._result = save_stage(run_dir, step, stage, stages, model, optimizer, write=write)
             except WriteFailed as e:
@@ -178,6 +230,17 @@ class StageWriter:
                 self.wait(timeout_s)
             except WriteFailed:
                 pass
+
+
+def _lower_priority() -> None:
+    """This thread (the writer) yields the CPU to the training thread when both want it (Linux: a thread's nice)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+    except (AttributeError, OSError):
+        pass
+
+
+WRITER_NICE = 10  # half-way to the lowest priority (19): it still runs whenever a core is free
 
 
 def mark_complete(

@@ -33,6 +33,7 @@ COLUMNS = 3 + WORDS  # wrote, stage, folder, then the file's entry
 # 4 MiB stage file took 24 ms to write synchronously (serialise, SHA-256, fsync'd write: 170 MiB/s, one thread of a
 # 2-core CPU machine; 1 MiB 8 ms, 64 MiB 335 ms), a few tiny-model steps' worth.
 ASYNC_MIN_BYTES = 4 * 2**20
+SYNC_ENV = "TERAPIPE_SYNC_CHECKPOINTS"  # "1": every checkpoint synchronous (scripts/bench_train.py --checkpoints)
 
 
 class SaveFailed(Exception):
@@ -63,8 +64,8 @@ class Saves:
         self.pending = step
         largest = torch.tensor([_nbytes(model) + _nbytes(optimizer)], dtype=torch.int64, device=t.device)
         t.comms.world.all_reduce(largest, op="max", what=f"the checkpoint of step {step}")
-        if largest.item() < ASYNC_MIN_BYTES:  # every rank decides alike: small stages' checkpoints complete at once
-            self.finish()
+        if largest.item() < ASYNC_MIN_BYTES or os.environ.get(SYNC_ENV) == "1":
+            self.finish()  # alike on every rank: small stages' checkpoints are complete at once
 
     def finish(self) -> None:
         """Wait for the pending checkpoint's file, tell every rank, mark it complete (or give it up)."""

@@ -1,0 +1,67 @@
+"""The signal protocol's two ends in one process (train/stop.py): the launcher turns its first signal into the
+workers' request file and arms --grace-s, a second signal or the end of the grace period stops the workers at once;
+a worker knows of a signal it received or its launcher's request. The real processes are test_cluster.py's."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from torch.distributed.elastic.multiprocessing.api import SignalException
+
+from terapipe_cli.train import stop
+
+
+def test_the_launcher_asks_its_workers_then_stops_them_at_a_second_signal(tmp_path):
+    signals = stop.LauncherSignals(tmp_path, grace_s=60)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SignalException) as e:
+        with signals.handled():
+            os.kill(os.getpid(), signal.SIGUSR1)
+            assert signals.received == signal.SIGUSR1 and not signals.ctrl_c
+            assert (tmp_path / stop.REQUEST_FILE).read_text() == "SIGUSR1\n"
+            worker = stop.WorkerSignals(tmp_path, 60, on_expiry=print, failed=lambda: False)
+            assert worker.requested() == signal.SIGUSR1  # what the workers read at their next step boundary
+            os.kill(os.getpid(), signal.SIGTERM)
+    assert e.value.sigval == signal.SIGKILL and not signals.expired
+    assert signal.getsignal(signal.SIGTERM) == before and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    assert not (tmp_path / stop.REQUEST_FILE).exists()
+
+
+def test_the_grace_period_ends_the_wait_for_the_save(tmp_path):
+    signals = stop.LauncherSignals(tmp_path, grace_s=0.05)
+    with pytest.raises(SignalException) as e:
+        with signals.handled():
+            os.kill(os.getpid(), signal.SIGINT)
+            assert signals.ctrl_c
+            time.sleep(30)  # the workers' save, taking too long
+    assert e.value.sigval == signal.SIGKILL and signals.expired
+
+
+def test_a_worker_notes_its_own_signal_and_its_timer_ends_it_after_the_grace_period(tmp_path):
+    ended = []
+    worker = stop.WorkerSignals(tmp_path, 0.05, on_expiry=ended.append, failed=lambda: False)
+    before = {s: signal.getsignal(s) for s in stop.STOP_SIGNALS}
+    try:
+        worker.install()
+        assert worker.requested() == 0
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert worker.requested() == signal.SIGTERM
+        deadline = time.monotonic() + 30
+        while not ended and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ended == ["SIGTERM received, and the checkpoint was not saved within --grace-s 0.05 s; the previous "
+                         "complete checkpoint is kept"]  # fmt: skip
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+
+
+def test_the_workers_answer_names_the_signal_and_the_step(tmp_path):
+    assert stop.read_stopped(tmp_path) is None
+    stop.write_stopped(tmp_path, signal.SIGTERM, 7)
+    assert stop.read_stopped(tmp_path) == {"signal": "SIGTERM", "step": 7}
+    stop.clear(tmp_path)
+    assert stop.read_stopped(tmp_path) is None
