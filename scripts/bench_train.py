@@ -14,12 +14,13 @@ speed-up over GPipe, and the planner's own prediction for each scheme.
 
     python scripts/bench_train.py --checkpoints        # the stall of a step that checkpoints (tiny, small)
 
---checkpoints times `terapipe train` itself on CPU (K = 2, B = 1, L = 256, one thread per stage): runs that
-checkpoint every 2nd step (A) and runs that checkpoint only after their last (B), in rounds A B / B A, with the
-stage files written in the background (the default for stages of 4 MiB and more, train/saving.py) and, for
-comparison, synchronously. Each run's wall time is summary.json's (start-up excluded); a checkpoint's stall is
-(wall A - wall B) / (the checkpoints A writes more), as a share of B's time per step: median (min-max) over the
-rounds (target <= 10%).
+--checkpoints times `terapipe train` itself on CPU (K = 2, B = 1, L = 256, one thread per stage), the tiny and
+the small model, checkpointing every 4th step, with the stage files written in the background (the default for
+stages of 4 MiB and more, train/saving.py) and, in alternating runs, synchronously. Rank 0 notes when each step's
+boundary ends (`worker.BOUNDARIES_ENV`), so a step's wall time includes what follows it: the two steps a
+checkpoint touches (its own, whose boundary starts the save, and the next, at whose boundary it completes) are
+compared with the two clean steps after them, interleaved within every run. Prints the extra time of a step that
+checkpoints as a share of a clean step: median (min-max) over the checkpoints (target <= 10%).
 
 Timing holds /tmp/terapipe-cpu.lock (flock) so no other measurement on this machine runs at the same time.
 """
@@ -196,13 +197,13 @@ def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--profile", help="Profile JSON to plan with (default: measure with terapipe profile --quick)")
     parser.add_argument("--model", default=str(ROOT / "configs/models/tiny.toml"))
-    parser.add_argument("--rounds", type=int, help="default: 15; with --checkpoints 3 (each: 4 runs per model)")
+    parser.add_argument("--rounds", type=int, help="default: 15; with --checkpoints 3 (each: 2 runs per model)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--checkpoints", action="store_true", help="Time the stall of a step that checkpoints.")
-    parser.add_argument("--steps", type=int, default=12, help="--checkpoints: steps per run")
+    parser.add_argument("--steps", type=int, default=17, help="--checkpoints: steps per run")
     a = parser.parse_args()
     a.rounds = a.rounds or (3 if a.checkpoints else 15)
     return a
@@ -211,6 +212,7 @@ def _parse_args() -> argparse.Namespace:
 # ------------------------------------------------------------------------------------ --checkpoints: the stall
 
 CHECKPOINT_SEQ = 256  # L of the --checkpoints runs: a step of the small model takes about a second on one thread
+EVERY = 4  # a checkpoint every 4th step: the step that checkpoints and the next, then two clean steps
 
 
 def checkpoint_stall(a: argparse.Namespace) -> None:
@@ -219,41 +221,58 @@ def checkpoint_stall(a: argparse.Namespace) -> None:
     from terapipe_cli.files import write_json_atomic
     from terapipe_cli.plan.file import make_plan_dict
     from terapipe_cli.train.saving import SYNC_ENV
+    from terapipe_cli.train.worker import BOUNDARIES_ENV
 
-    rounds = a.rounds
+    steps = a.steps if a.steps % EVERY == 1 else EVERY * (a.steps // EVERY) + 1  # ends just after a checkpoint
     tmp = Path(tempfile.mkdtemp(prefix="bench_checkpoints."))
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env["CUDA_VISIBLE_DEVICES"] = ""
-    print(f"checkpoint stall: K=2, B=1, L={CHECKPOINT_SEQ}, {a.steps} steps per run, {rounds} rounds A B / B A")
+    print(
+        f"checkpoint stall: K=2, B=1, L={CHECKPOINT_SEQ}, {steps} steps per run, a checkpoint every {EVERY}; "
+        f"{a.rounds} rounds, background / synchronous alternating in each"
+    )
     for name in ("tiny", "small"):
         model = load_model_config(ROOT / f"configs/models/{name}.toml")
         plan = tmp / f"{name}.json"
         write_json_atomic(plan, make_plan_dict(
             model=model, stages=2, batch_size=1, seq_len=CHECKPOINT_SEQ, token_step=1, slices=[(1, [64] * 4)],
         ))  # fmt: skip
-        for mode in ("background", "synchronous"):
-            run_env = {**env, SYNC_ENV: "1"} if mode == "synchronous" else env
-            walls: dict[str, list[float]] = {"A": [], "B": []}
-            sizes = []
-            for r in range(rounds):
-                for kind in ("A", "B") if r % 2 == 0 else ("B", "A"):
-                    out = tmp / f"{name}-{mode}-{kind}-{r}"
-                    every = 2 if kind == "A" else a.steps
-                    cmd = [sys.executable, "-m", "terapipe_cli", "train", "--plan", str(plan), "--steps", str(a.steps)]
-                    cmd += ["--out", str(out), "--checkpoint-every", str(every), "--val-fraction", "0"]
-                    cmd += ["--device", "cpu", "--keep-checkpoints", "1"]
-                    subprocess.run(cmd, check=True, env=run_env, stdout=subprocess.DEVNULL)
-                    walls[kind].append(json.loads((out / "summary.json").read_text())["wall_s"])
-                    sizes = [p.stat().st_size for p in sorted(out.glob("checkpoints/step_*/stage_*.pt"))]
-            extra = a.steps // 2 - 1  # A's checkpoints beyond B's one after the last step
-            stalls = [(wa - wb) / extra / (wb / a.steps) for wa, wb in zip(walls["A"], walls["B"], strict=True)]
-            step_s = statistics.median(walls["B"]) / a.steps
+        pairs: dict[str, list[tuple[float, float]]] = {"background": [], "synchronous": []}
+        sizes: list[int] = []
+        for r in range(a.rounds):
+            for mode in ("background", "synchronous") if r % 2 == 0 else ("synchronous", "background"):
+                out = tmp / f"{name}-{mode}-{r}"
+                run_env = {**env, BOUNDARIES_ENV: str(tmp / f"{name}-{mode}-{r}.json")}
+                if mode == "synchronous":
+                    run_env[SYNC_ENV] = "1"
+                cmd = [sys.executable, "-m", "terapipe_cli", "train", "--plan", str(plan), "--steps", str(steps)]
+                cmd += ["--out", str(out), "--checkpoint-every", str(EVERY), "--val-fraction", "0"]
+                cmd += ["--device", "cpu", "--keep-checkpoints", "1"]
+                subprocess.run(cmd, check=True, env=run_env, stdout=subprocess.DEVNULL)
+                pairs[mode] += _checkpoint_pairs(json.loads(Path(run_env[BOUNDARIES_ENV]).read_text()))
+                sizes = [p.stat().st_size for p in sorted(out.glob("checkpoints/step_*/stage_*.pt"))]
+        for mode, measured in pairs.items():
+            step_s = statistics.median(clean / 2 for _, clean in measured)
+            stalls = [(with_checkpoint - clean) / (clean / 2) for with_checkpoint, clean in measured]
             print(
                 f"{name:5} {mode:11}  stage files {', '.join(f'{b / 2**20:.0f} MiB' for b in sizes)}  step "
-                f"{step_s * 1e3:7.1f} ms  stall per checkpoint {statistics.median(stalls):6.1%} "
-                f"({min(stalls):.1%} - {max(stalls):.1%})",
+                f"{step_s * 1e3:7.1f} ms  the step that checkpoints: +{statistics.median(stalls):.1%} "
+                f"({min(stalls):+.1%} to {max(stalls):+.1%}, {len(stalls)} checkpoints)",
                 flush=True,
             )
+
+
+def _checkpoint_pairs(boundaries: dict) -> list[tuple[float, float]]:
+    """(the wall time of a checkpoint's step and the next, of the two clean steps after them) for every checkpoint
+    the run's boundary times (`worker.BOUNDARIES_ENV`) cover: the save starts at its step's boundary and is
+    completed at the next one (or at once, synchronously), so those two steps carry all it costs."""
+    first, at = boundaries["first_step"], boundaries["at_s"]
+    wall = {first + n: at[n] - at[n - 1] for n in range(1, len(at))}  # step s: from boundary s - 1 to boundary s
+    out = []
+    for c in range(EVERY, first + len(at), EVERY):
+        if all(s in wall for s in range(c, c + EVERY)):
+            out.append((wall[c] + wall[c + 1], wall[c + 2] + wall[c + 3]))
+    return out
 
 
 def _profile(a: argparse.Namespace, tmp: Path, env: dict) -> tuple[Path, str]:

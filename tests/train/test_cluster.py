@@ -11,12 +11,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, LocalSetup, run_cli, train_locally, write_plan_file
+from conftest import LocalSetup, run_cli, train_locally, write_plan_file
+from test_interrupt import start_train, wait_for_steps
 
 from terapipe_cli.plan.file import read_plan
 from terapipe_cli.train import checkpoint
@@ -25,28 +25,6 @@ from terapipe_cli.train.worker import FAULT_ENV
 
 STEPS = 6
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the workers through /proc")
-
-
-def start_train(plan: Path, out: Path, *flags: str, fault: str) -> subprocess.Popen:
-    """`terapipe train` in its own process group, as a terminal or a batch script starts it."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "CUDA_VISIBLE_DEVICES": "", FAULT_ENV: fault}
-    argv = ["train", "--plan", str(plan), "--steps", str(STEPS), "--out", str(out), "--val-fraction", "0", *flags]
-    return subprocess.Popen(
-        [sys.executable, "-m", "terapipe_cli", *argv],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**env, "COLUMNS": "200"},
-        start_new_session=True,
-    )
-
-
-def wait_for_step(proc: subprocess.Popen, out: Path, step: int, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while len(read_metrics(out)) < step:
-        assert proc.poll() is None, "the run ended before the signal"
-        assert time.monotonic() < deadline, f"the run did not reach step {step}"
-        time.sleep(0.02)
 
 
 def worker_pid(out: Path, rank: int) -> int:
@@ -82,6 +60,12 @@ def uninterrupted_losses(plan: Path, out: Path) -> list[float]:
     return train_locally(LocalSetup(read_plan(plan), replace(args, steps=STEPS))).losses
 
 
+def train_with_fault(capfd, plan: Path, out: Path, fault: str, *flags: str):
+    """`terapipe train` in this process (its workers real torchrun processes), checkpointing every 2 steps."""
+    argv = ["--plan", plan, "--steps", STEPS, "--out", out, "--val-fraction", "0", "--checkpoint-every", "2", *flags]
+    return run_cli(capfd, "train", *argv, env={FAULT_ENV: fault})
+
+
 def losses(out: Path) -> list[float]:
     return [r["loss"] for r in read_metrics(out)]
 
@@ -92,8 +76,8 @@ def test_sigterm_saves_the_step_in_progress_and_the_resumed_run_matches(tmp_path
     out = (tmp_path / "run").resolve()
     rank = 0 if to == "launcher" else 1
     # Checkpoints every 4 steps: step 3, the one signalled, is saved because of the signal.
-    proc = start_train(plan, out, "--checkpoint-every", "4", fault=f"wait:{rank}:3")
-    wait_for_step(proc, out, 2)
+    proc = start_train(plan, out, "--checkpoint-every", "4", steps=STEPS, env={FAULT_ENV: f"wait:{rank}:3"})
+    wait_for_steps(proc, out, 2)
     os.kill(proc.pid if to == "launcher" else worker_pid(out, rank), signal.SIGTERM)
     stdout, stderr = finish(proc)
     assert proc.returncode == 143, stdout + stderr
@@ -110,14 +94,8 @@ def test_sigterm_saves_the_step_in_progress_and_the_resumed_run_matches(tmp_path
 
 
 def test_a_killed_worker_is_restarted_and_the_run_ends_as_if_uninterrupted(tmp_path, capfd):
-    plan = write_plan_file(tmp_path / "plan.json", [(1, [16, 16])], stages=2)
-    out = tmp_path / "run"
-    p = run_cli(
-        capfd,
-        "train", "--plan", plan, "--steps", STEPS, "--out", out, "--val-fraction", "0", "--checkpoint-every", "2",
-        "--max-restarts", "1",
-        env={FAULT_ENV: "kill:1:4"},
-    )  # fmt: skip
+    plan, out = write_plan_file(tmp_path / "plan.json", [(1, [16, 16])], stages=2), tmp_path / "run"
+    p = train_with_fault(capfd, plan, out, "kill:1:4", "--max-restarts", "1")
     assert p.returncode == 0, p.stdout + p.stderr
     # Step 2's checkpoint, written in the background during step 3, was complete at its end; step 4's never was.
     assert "restart 1 of 1: a worker failed; all workers continue from the checkpoint of step 2" in p.stdout
@@ -128,13 +106,8 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_as_if_uninterrupted(tmp_p
 
 
 def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint_and_the_run_resumes(tmp_path, capfd):
-    plan = write_plan_file(tmp_path / "plan.json", [(1, [16, 16])], stages=2)
-    out = tmp_path / "run"
-    p = run_cli(
-        capfd,
-        "train", "--plan", plan, "--steps", STEPS, "--out", out, "--val-fraction", "0", "--checkpoint-every", "2",
-        env={FAULT_ENV: "nospace:1:4"},
-    )  # fmt: skip
+    plan, out = write_plan_file(tmp_path / "plan.json", [(1, [16, 16])], stages=2), tmp_path / "run"
+    p = train_with_fault(capfd, plan, out, "nospace:1:4")
     assert p.returncode == 1, p.stdout + p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("terapipe: error: worker rank 1 "), p.stderr

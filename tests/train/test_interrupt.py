@@ -24,10 +24,10 @@ from terapipe_cli.train.rundir import append_metrics, read_config, read_metrics,
 STEPS = 40  # long enough that the run is still going when the signal comes (a step takes tens of ms)
 
 
-def start_train(plan: Path, out: Path) -> subprocess.Popen:
+def start_train(plan: Path, out: Path, *flags: str, steps: int = STEPS, env: dict | None = None) -> subprocess.Popen:
     """`terapipe train` as a terminal starts it: a process group of its own, the foreground one."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "COLUMNS": "200", "CUDA_VISIBLE_DEVICES": ""}
-    argv = ["train", "--plan", str(plan), "--steps", str(STEPS), "--checkpoint-every", "1", "--out", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "COLUMNS": "200", "CUDA_VISIBLE_DEVICES": "", **(env or {})}
+    argv = ["train", "--plan", str(plan), "--steps", str(steps), "--out", str(out), *flags]
     argv += ["--val-fraction", "0"]  # not what this checks; 10 evaluations would lengthen the run
     return subprocess.Popen(
         [sys.executable, "-m", "terapipe_cli", *argv],
@@ -39,7 +39,7 @@ def start_train(plan: Path, out: Path) -> subprocess.Popen:
     )
 
 
-def wait_for_steps(proc: subprocess.Popen, out: Path, steps: int, timeout_s: float = 90) -> None:
+def wait_for_steps(proc: subprocess.Popen, out: Path, steps: int, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
     while len(read_metrics(out)) < steps:
         assert proc.poll() is None, "the run ended before it was interrupted"
@@ -66,7 +66,7 @@ def processes_naming(text: str) -> list[int]:
 def test_ctrl_c_stops_cleanly_after_the_steps_an_uninterrupted_run_takes(tmp_path):
     plan = write_plan_file(tmp_path / "plan.json", [(1, [16, 16])], stages=2)
     out = tmp_path / "run"
-    proc = start_train(plan, out)
+    proc = start_train(plan, out, "--checkpoint-every", "1")
     try:
         wait_for_steps(proc, out, 2)
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: the whole foreground process group

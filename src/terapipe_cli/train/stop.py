@@ -65,7 +65,7 @@ class SaveTimeout(Exception):
 
 class WorkerSignals:
     """A worker's side: SIGTERM and SIGUSR1 noted (not acted on mid-step), the launcher's request file read at
-    each step boundary, and `agreed` to put both into the all-reduce every rank makes there."""
+    each step boundary: `requested` is what this rank puts into the all-reduce every rank makes there."""
 
     def __init__(self, run_dir: Path, grace_s: float, *, on_expiry: Callable[[str], None], failed: Callable[[], bool]):
         self.run_dir = Path(run_dir)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import json
 import math
 import os
 import platform
@@ -78,6 +79,10 @@ RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"  # set by torchrun: how many times it
 # A folder: each rank's whole run goes through cProfile and its statistics are written there as rank_N.prof (where
 # a step's time goes, measured inside `terapipe train` itself; scripts/bench_peer_train.py --profile).
 PROFILE_ENV = "TERAPIPE_PROFILE_DIR"
+
+# A file: rank 0 writes there when each step's boundary ended, so that a step's whole wall time (its compute and
+# what follows it: the record, a checkpoint, the stop check) is known (scripts/bench_train.py --checkpoints).
+BOUNDARIES_ENV = "TERAPIPE_BOUNDARIES_FILE"
 
 # "0": rank 0 records every step but prints no step line; the report draws a progress bar over its baseline's
 # training instead (train/baseline.py).
@@ -147,6 +152,7 @@ def run_steps(
     iteration_s: list[float] = []
     t.comms.world.all_reduce(torch.zeros(1, device=t.device), what="start-up")
     run_start = time.perf_counter()
+    boundaries: list[float] = []  # when each step's boundary work (log, checkpoint, stop check) ended
     grads_saved = False  # --verify: each stage's gradients of the first step not skipped
     for step in range(start_step + 1, w.args.steps + 1):
         result = t.step(step, after_forward=_fault(w.rank, step, signals))
@@ -173,11 +179,14 @@ def run_steps(
                 write_stopped(w.run_dir, stop, step)
             signals.done()
             return
+        boundaries.append(time.perf_counter())
     saves.finish()
     signals.done()
     save_timeline(w, events)
     if w.rank == 0:
         write_run_summary(w, resume_step, iteration_s, wall_s=time.perf_counter() - run_start)
+        if os.environ.get(BOUNDARIES_ENV):
+            Path(os.environ[BOUNDARIES_ENV]).write_text(json.dumps({"first_step": start_step + 1, "at_s": boundaries}))
         w.metrics.close()
 
 
