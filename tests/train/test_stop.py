@@ -65,3 +65,18 @@ def test_the_workers_answer_names_the_signal_and_the_step(tmp_path):
     assert stop.read_stopped(tmp_path) == {"signal": "SIGTERM", "step": 7}
     stop.clear(tmp_path)
     assert stop.read_stopped(tmp_path) is None
+
+
+def test_a_save_past_the_grace_period_is_one_line_naming_the_checkpoint_kept(tmp_path):
+    from fake_runs import checkpointed_run
+
+    from terapipe_cli.errors import Stopped
+    from terapipe_cli.train.launch import Launch, not_saved
+
+    run = checkpointed_run(tmp_path / "run", step=3)
+    error = not_saved(Launch(run_dir=run, nproc_per_node=2, stages=2, grace_s=30), signal.SIGTERM)
+    assert isinstance(error, Stopped) and error.exit_code == 143
+    assert str(error) == (
+        f"stopped by SIGTERM before a checkpoint was saved within --grace-s 30 s; the last complete checkpoint is "
+        f"step 3; continue with: terapipe train --resume --out {run} --steps 3"
+    )
