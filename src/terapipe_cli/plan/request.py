@@ -299,13 +299,16 @@ def check_tensor_parallel(profile: Profile, tensor_parallel: int | None) -> int:
     return have
 
 
-# Bounds on the planner's work (docs/design.md §5), checked before anything is allocated. The DP tables hold about
-# DP_BYTES_PER_CELL bytes per (batch-slice row, prefix, slice length) cell: measured with tracemalloc on `search.solve`
-# (22.5–29 bytes over rows 4–64 and L/g 128–512: two float64 tables, a bool mask, the probes' rows). They may take at
-# most DP_MEMORY_FRACTION of the memory available. MAX_BATCH bounds the sequences per replica: the batch knapsack and
-# the schedules of the baselines grow with it (B = 32768 took 34 s in the knapsack alone), while the pipelines of the
-# published settings plan 2 to 128 sequences per replica.
-DP_BYTES_PER_CELL = 30
+# Bounds on the planner's work (docs/design.md §5), checked before anything is allocated. A plan holds about
+# DP_BYTES_PER_CELL bytes per (batch-slice row, prefix, slice length) cell: the DP tables of `search.solve` alone are
+# 22.5–29 bytes (tracemalloc, rows 4–64, L/g 128–512: two float64 tables, a bool mask, the probes' rows), but the whole
+# `terapipe plan` with every choice left to it (partitions, v, orders, recomputation, the memory pass) peaks at about
+# 200: its maximum RSS (/usr/bin/time) grew 196–197 bytes per added cell with one row (Llama 3 8B at L = 131072,
+# analytic H100 bf16, K = 8, B = 1, L/g 512 → 1024 → 2048) and 183 per row-cell with four (B = 4, L/g 256 → 512).
+# They may take at most DP_MEMORY_FRACTION of the memory available. MAX_BATCH bounds the sequences per replica: the
+# batch knapsack and the schedules of the baselines grow with it (B = 32768 took 34 s in the knapsack alone), while
+# the pipelines of the published settings plan 2 to 128 sequences per replica.
+DP_BYTES_PER_CELL = 200
 DP_MEMORY_FRACTION = 0.5
 MAX_BATCH = 8192
 
