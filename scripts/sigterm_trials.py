@@ -8,8 +8,10 @@ Each trial starts `terapipe train` (configs/models/tiny.toml, K = 4 stages, B = 
 worker, checkpoints every 5 steps) in its own process group, waits until its first step is logged, then sends
 SIGTERM to the launcher after a random delay drawn uniformly over the rest of the run (at the median step time
 of a first, uninterrupted run). It checks: the job exits within 60 s of the signal, with exit 143; the step
-saved is at least the one running when the signal came (the last step logged + 1); and `terapipe train --resume`
-finishes the run with the losses of the uninterrupted run. A run that ended before its signal counts apart.
+saved is at least the one running when the signal came (rank 0 notes when each step's boundary ends on the
+system's monotonic clock, `worker.BOUNDARIES_ENV`: the step running is the first whose boundary ended after the
+signal); and `terapipe train --resume` finishes the run with the losses of the uninterrupted run. A run that
+ended before its signal counts apart.
 Prints one line per trial and a summary.
 """
 
@@ -41,6 +43,7 @@ def main() -> None:
     from terapipe_cli.config.model import load_model_config
     from terapipe_cli.files import write_json_atomic
     from terapipe_cli.plan.file import make_plan_dict
+    from terapipe_cli.train.worker import BOUNDARIES_ENV
 
     tmp = Path(tempfile.mkdtemp(prefix="sigterm_trials."))
     model = load_model_config(ROOT / "configs/models/tiny.toml")
@@ -64,13 +67,14 @@ def main() -> None:
     for trial in range(a.trials):
         out = tmp / f"trial{trial}"
         argv = [*train, "--plan", str(plan), "--out", str(out), *flags]
+        boundaries = tmp / f"trial{trial}.boundaries.json"
         proc = subprocess.Popen(
-            argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
-        )
+            argv, env={**env, BOUNDARIES_ENV: str(boundaries)}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            text=True, start_new_session=True,
+        )  # fmt: skip
         while not metrics(out) and proc.poll() is None:
             time.sleep(0.01)
         time.sleep(rng.uniform(0, (a.steps - 1) * step_s))
-        running = len(metrics(out)) + 1
         signalled = time.monotonic()
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGTERM)
@@ -81,6 +85,7 @@ def main() -> None:
             _, stderr = proc.communicate()
         exit_s = time.monotonic() - signalled
         saved = latest_saved(out)
+        running = running_at(boundaries, signalled)
         row = {"trial": trial, "running": running, "exit": proc.returncode, "exit_s": exit_s, "saved": saved}
         if proc.returncode == 0:
             row["note"] = "ended before the signal"
@@ -92,11 +97,11 @@ def main() -> None:
         row["ok"] = (
             row["same"]
             and exit_s <= EXIT_LIMIT_S
-            and (proc.returncode == 0 or (proc.returncode == 143 and saved is not None and saved >= running))
+            and (proc.returncode == 0 or (proc.returncode == 143 and None not in (saved, running) and saved >= running))
         )
         rows.append(row)
         print(
-            f"trial {trial:2}: signalled in step {running:2}, exit {proc.returncode} after {exit_s:5.1f} s, "
+            f"trial {trial:2}: signalled in step {running!s:>2}, exit {proc.returncode} after {exit_s:5.1f} s, "
             f"saved step {saved}, resumed losses {'identical' if row['same'] else 'DIFFERENT'}"
             f"{'  (' + row['note'] + ')' if 'note' in row else ''}{'' if row['ok'] else '  FAILED'}",
             flush=True,
@@ -108,7 +113,8 @@ def main() -> None:
         f"(exit 143), {sum(r['exit'] == 0 for r in rows)} ended before it; exit after the signal median "
         f"{statistics.median(exits):.1f} s "
         f"(max {max(exits):.1f} s, limit {EXIT_LIMIT_S:g} s); saved step - running step: "
-        f"{sorted(r['saved'] - r['running'] for r in stopped)}; resumed losses identical in "
+        f"{sorted(r['saved'] - r['running'] for r in stopped if None not in (r['saved'], r['running']))}; "
+        f"resumed losses identical in "
         f"{sum(r['same'] for r in rows)}/{len(rows)}"
     )
     sys.exit(0 if all(r["ok"] for r in rows) else 1)
@@ -132,6 +138,17 @@ def metrics(run: Path) -> list[dict]:
 
 def losses(run: Path) -> list[float]:
     return [r["loss"] for r in metrics(run)]
+
+
+def running_at(boundaries: Path, t: float) -> int | None:
+    """The step running at ``t`` (time.monotonic, the clock rank 0 wrote with): the first whose boundary (the step,
+    its record, its checkpoint and the stop check) ended after ``t``."""
+    try:
+        record = json.loads(boundaries.read_text())
+    except (OSError, ValueError):
+        return None
+    ends = record["at_s"]
+    return next((record["first_step"] + n for n, end in enumerate(ends) if end > t), None)
 
 
 def latest_saved(run: Path) -> int | None:

@@ -178,6 +178,9 @@ def run_steps(
             if w.marks_stages is not None:
                 write_stopped(w.run_dir, stop, step)
             signals.done()
+            if w.rank == 0:
+                w.metrics.close()  # its TensorBoard events flushed before the process ends
+            _write_boundaries(w, start_step, [*boundaries, time.perf_counter()])
             return
         boundaries.append(time.perf_counter())
     saves.finish()
@@ -185,9 +188,15 @@ def run_steps(
     save_timeline(w, events)
     if w.rank == 0:
         write_run_summary(w, resume_step, iteration_s, wall_s=time.perf_counter() - run_start)
-        if os.environ.get(BOUNDARIES_ENV):
-            Path(os.environ[BOUNDARIES_ENV]).write_text(json.dumps({"first_step": start_step + 1, "at_s": boundaries}))
         w.metrics.close()
+    _write_boundaries(w, start_step, boundaries)
+
+
+def _write_boundaries(w: Worker, start_step: int, at_s: list[float]) -> None:
+    """`BOUNDARIES_ENV`: rank 0's `time.perf_counter` (the system's monotonic clock on Linux, comparable between
+    processes) when each step's boundary ended."""
+    if w.rank == 0 and os.environ.get(BOUNDARIES_ENV):
+        Path(os.environ[BOUNDARIES_ENV]).write_text(json.dumps({"first_step": start_step + 1, "at_s": at_s}))
 
 
 def _all_reduce_max(t: Trainer, value: int, step: int) -> int:
