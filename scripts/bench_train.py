@@ -14,13 +14,13 @@ speed-up over GPipe, and the planner's own prediction for each scheme.
 
     python scripts/bench_train.py --checkpoints        # the stall of a step that checkpoints (tiny, small)
 
---checkpoints times `terapipe train` itself on CPU (K = 2, B = 1, L = 256, one thread per stage), the tiny and
-the small model, checkpointing every 4th step, with the stage files written in the background (the default for
+--checkpoints times `terapipe train` itself on CPU (K = --stages, B = 1, L = 256, one thread per stage), the tiny and
+the small model, checkpointing every 8th step, with the stage files written in the background (the default for
 stages of 4 MiB and more, train/saving.py) and, in alternating runs, synchronously. Rank 0 notes when each step's
-boundary ends (`worker.BOUNDARIES_ENV`), so a step's wall time includes what follows it: the two steps a
-checkpoint touches (its own, whose boundary starts the save, and the next, at whose boundary it completes) are
-compared with the two clean steps after them, interleaved within every run. Prints the extra time of a step that
-checkpoints as a share of a clean step: median (min-max) over the checkpoints (target <= 10%).
+boundary ends (`worker.BOUNDARIES_ENV`), so a step's wall time includes what follows it: the 4 steps from a
+checkpoint's (its boundary starts the save, which the next boundaries complete once written) are compared with
+the 4 clean steps after them, interleaved within every run. Prints the extra time a checkpoint costs as a share
+of a clean step: median (min-max) over the checkpoints (target <= 10%).
 
 Timing holds /tmp/terapipe-cpu.lock (flock) so no other measurement on this machine runs at the same time.
 """
@@ -203,7 +203,7 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--checkpoints", action="store_true", help="Time the stall of a step that checkpoints.")
-    parser.add_argument("--steps", type=int, default=17, help="--checkpoints: steps per run")
+    parser.add_argument("--steps", type=int, default=25, help="--checkpoints: steps per run")
     a = parser.parse_args()
     a.rounds = a.rounds or (3 if a.checkpoints else 15)
     return a
@@ -212,7 +212,8 @@ def _parse_args() -> argparse.Namespace:
 # ------------------------------------------------------------------------------------ --checkpoints: the stall
 
 CHECKPOINT_SEQ = 256  # L of the --checkpoints runs: a step of the small model takes about a second on one thread
-EVERY = 4  # a checkpoint every 4th step: the step that checkpoints and the next, then two clean steps
+EVERY = 8  # a checkpoint every 8th step: the 4 steps from it (the write overlaps them), then 4 clean ones
+WINDOW = EVERY // 2
 
 
 def checkpoint_stall(a: argparse.Namespace) -> None:
@@ -228,14 +229,14 @@ def checkpoint_stall(a: argparse.Namespace) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env["CUDA_VISIBLE_DEVICES"] = ""
     print(
-        f"checkpoint stall: K=2, B=1, L={CHECKPOINT_SEQ}, {steps} steps per run, a checkpoint every {EVERY}; "
+        f"checkpoint stall: K={a.stages}, B=1, L={CHECKPOINT_SEQ}, {steps} steps per run, a checkpoint every {EVERY}; "
         f"{a.rounds} rounds, background / synchronous alternating in each"
     )
     for name in ("tiny", "small"):
         model = load_model_config(ROOT / f"configs/models/{name}.toml")
         plan = tmp / f"{name}.json"
         write_json_atomic(plan, make_plan_dict(
-            model=model, stages=2, batch_size=1, seq_len=CHECKPOINT_SEQ, token_step=1, slices=[(1, [64] * 4)],
+            model=model, stages=a.stages, batch_size=1, seq_len=CHECKPOINT_SEQ, token_step=1, slices=[(1, [64] * 4)],
         ))  # fmt: skip
         pairs: dict[str, list[tuple[float, float]]] = {"background": [], "synchronous": []}
         sizes: list[int] = []
@@ -252,8 +253,8 @@ def checkpoint_stall(a: argparse.Namespace) -> None:
                 pairs[mode] += _checkpoint_pairs(json.loads(Path(run_env[BOUNDARIES_ENV]).read_text()))
                 sizes = [p.stat().st_size for p in sorted(out.glob("checkpoints/step_*/stage_*.pt"))]
         for mode, measured in pairs.items():
-            step_s = statistics.median(clean / 2 for _, clean in measured)
-            stalls = [(with_checkpoint - clean) / (clean / 2) for with_checkpoint, clean in measured]
+            step_s = statistics.median(clean / WINDOW for _, clean in measured)
+            stalls = [(with_checkpoint - clean) / (clean / WINDOW) for with_checkpoint, clean in measured]
             print(
                 f"{name:5} {mode:11}  stage files {', '.join(f'{b / 2**20:.0f} MiB' for b in sizes)}  step "
                 f"{step_s * 1e3:7.1f} ms  the step that checkpoints: +{statistics.median(stalls):.1%} "
@@ -263,15 +264,16 @@ def checkpoint_stall(a: argparse.Namespace) -> None:
 
 
 def _checkpoint_pairs(boundaries: dict) -> list[tuple[float, float]]:
-    """(the wall time of a checkpoint's step and the next, of the two clean steps after them) for every checkpoint
-    the run's boundary times (`worker.BOUNDARIES_ENV`) cover: the save starts at its step's boundary and is
-    completed at the next one (or at once, synchronously), so those two steps carry all it costs."""
+    """(the wall time of the `WINDOW` steps from a checkpoint's, of the `WINDOW` clean steps after them) for every
+    checkpoint the run's boundary times (`worker.BOUNDARIES_ENV`) cover: the save starts at its step's boundary and
+    is completed at the first boundary where no file is still being written (at once, synchronously), within the
+    window here, so the window carries all it costs."""
     first, at = boundaries["first_step"], boundaries["at_s"]
     wall = {first + n: at[n] - at[n - 1] for n in range(1, len(at))}  # step s: from boundary s - 1 to boundary s
     out = []
     for c in range(EVERY, first + len(at), EVERY):
         if all(s in wall for s in range(c, c + EVERY)):
-            out.append((wall[c] + wall[c + 1], wall[c + 2] + wall[c + 3]))
+            out.append((sum(wall[s] for s in range(c, c + WINDOW)), sum(wall[s] for s in range(c + WINDOW, c + EVERY))))
     return out
 
 

@@ -190,7 +190,13 @@ class StageWriter:
 
     @property
     def busy(self) -> bool:
+        """A file was started and not waited for."""
         return self._thread is not None
+
+    @property
+    def running(self) -> bool:
+        """The file is still being written."""
+        return self._thread is not None and self._thread.is_alive()
 
     def start(
         self, run_dir: Path, step: int, stage: int, stages: int, model: dict, optimizer: dict, *, write=None

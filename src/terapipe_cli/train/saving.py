@@ -8,8 +8,10 @@ After it the marking rank of each run folder writes the folder's manifest from i
 checksums are those of the bytes written). If any rank's write failed (a full disk), every rank knows it at the
 same moment: the step's folder is removed, the previous complete checkpoint stays as it was, the ranks whose write
 failed raise `WriteFailed` naming the file and the cause (torchrun's launcher says it in one line), and the others
-end quietly. `begin` is called after the step it saves and `finish` after the next one (or at once when the run
-stops), so a write overlaps a whole step; the run never ends before its last save is marked.
+end quietly. `begin` is called at the boundary of the step it saves and `finish` at the first later boundary where
+no rank's file is still being written (the worker's per-step all-reduce says so), at the next checkpoint, or when
+the run ends or stops, so a write overlaps as many steps as it needs; the run never ends before its last save is
+complete.
 """
 
 from __future__ import annotations
@@ -50,6 +52,11 @@ class Saves:
         self.writer = checkpoint.StageWriter()
         self.pending: int | None = None  # the step whose files are being written
         self.saved: int | None = None  # the last step marked complete by this launch
+
+    @property
+    def writing(self) -> bool:
+        """Whether this rank's file of the pending checkpoint is still being written."""
+        return self.writer.running
 
     def begin(self, step: int) -> None:
         """Start the checkpoint of ``step`` (every rank takes part: the stage's state is gathered from its tensor

@@ -166,11 +166,18 @@ def run_steps(
         val_loss = t.evaluate() if t.evaluation_due(step) else None
         if w.rank == 0:
             log_step(w, result, iteration_s, val_loss)
-        saves.finish()  # the previous step's checkpoint, written meanwhile (marked even if this step diverged)
-        stop_if_diverged(result)
+        try:
+            stop_if_diverged(result)
+        except Diverged:
+            saves.finish()  # the checkpoint being written holds the last finite weights: completed first
+            raise
         if step % w.args.checkpoint_every == 0 or step == w.args.steps:
-            saves.begin(step)
-        stop = _all_reduce_max(t, signals.requested(), step)  # every rank learns of a signal at the same step
+            saves.begin(step)  # completes the one before first
+        # One all-reduce per step: a signal any rank knows of, and whether any rank's checkpoint file is still being
+        # written (the checkpoint is completed, by another collective, at the first boundary where none is).
+        stop, writing = _all_reduce_max(t, [signals.requested(), int(saves.writing)], step)
+        if not writing:
+            saves.finish()
         if stop and step < w.args.steps:
             if saves.pending != step and saves.saved != step:
                 saves.begin(step)
@@ -199,10 +206,10 @@ def _write_boundaries(w: Worker, start_step: int, at_s: list[float]) -> None:
         Path(os.environ[BOUNDARIES_ENV]).write_text(json.dumps({"first_step": start_step + 1, "at_s": at_s}))
 
 
-def _all_reduce_max(t: Trainer, value: int, step: int) -> int:
-    flag = torch.tensor([value], dtype=torch.int64, device=t.device)
-    t.comms.world.all_reduce(flag, op="max", what=f"the stop check after step {step}")
-    return int(flag.item())
+def _all_reduce_max(t: Trainer, values: list[int], step: int) -> list[int]:
+    flags = torch.tensor(values, dtype=torch.int64, device=t.device)
+    t.comms.world.all_reduce(flags, op="max", what=f"the stop check after step {step}")
+    return flags.tolist()
 
 
 def restart_point(w: Worker, restarts: int) -> int:
