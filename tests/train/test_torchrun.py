@@ -159,7 +159,8 @@ def test_a_hung_worker_ends_the_job_by_its_neighbours_timeout(tmp_path, capfd):
 def test_a_diverging_run_stops_at_its_first_non_finite_step_and_keeps_the_last_finite_checkpoint(tmp_path, capfd):
     """--lr 1e6: step 1's update blows the weights up and step 2's loss is nan. Both stages stop at step 2 together
     (none waits for the other), before its checkpoint: one line naming the step, exit 3, step 1's finite checkpoint
-    the last."""
+    the last. --max-restarts' restarts (torchrun restarts after any failure) stop at once with the same cause instead
+    of training step 2 into the same divergence again."""
     import torch
     from test_metrics_log import same_as_jsonl
 
@@ -167,7 +168,7 @@ def test_a_diverging_run_stops_at_its_first_non_finite_step_and_keeps_the_last_f
     out = tmp_path / "run"
     p = run_cli(
         capfd, "train", "--plan", plan, "--steps", "4", "--out", out, "--lr", "1e6", "--warmup-steps", "1",
-        "--checkpoint-every", "1", "--device", "cpu", "--log", "csv,tensorboard",
+        "--checkpoint-every", "1", "--device", "cpu", "--log", "csv,tensorboard", "--max-restarts", "2",
     )  # fmt: skip
     assert p.returncode == 3, p.stdout + p.stderr
     errors = [line for line in p.stderr.splitlines() if line.strip()]
@@ -179,4 +180,5 @@ def test_a_diverging_run_stops_at_its_first_non_finite_step_and_keeps_the_last_f
         weights = checkpoint.load_stage(out, 1, stage)["model"]
         assert all(torch.isfinite(w).all() for w in weights.values())
     assert [r["step"] for r in read_metrics(out)] == [1, 2]
+    assert '"restart"' not in (out / "metrics.jsonl").read_text() and "restart 1 of 2" not in p.stdout  # none trained
     same_as_jsonl(out)  # --log: the workers wrote the CSV and TensorBoard's events of both steps

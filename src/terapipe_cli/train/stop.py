@@ -40,9 +40,12 @@ REQUEST_FILE = "stop.request"  # the launcher's signal, for its workers (the sig
 STOPPED_FILE = "stopped.json"  # the workers' answer: {"signal": name, "step": the step saved}
 
 
+DIVERGED_FILE = "errors/diverged.txt"  # a diverged run's cause, for the restarts of the same launch (`worker.train`)
+
+
 def clear(run_dir: Path) -> None:
-    """Before a launch: an earlier launch's request and answer no longer apply."""
-    for name in (REQUEST_FILE, STOPPED_FILE):
+    """Before a launch: an earlier launch's request, answer and divergence no longer apply."""
+    for name in (REQUEST_FILE, STOPPED_FILE, DIVERGED_FILE):
         (Path(run_dir) / name).unlink(missing_ok=True)
 
 

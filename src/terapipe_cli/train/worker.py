@@ -47,6 +47,8 @@ from terapipe_cli.engine.data import check_data, load_data, split_data
 from terapipe_cli.engine.mesh import Layout, gpu_of
 from terapipe_cli.engine.p2p import Links
 from terapipe_cli.engine.trainer import Comms, StepResult, Trainer
+from terapipe_cli.errors import UserError
+from terapipe_cli.files import write_text_atomic
 from terapipe_cli.plan.file import plan_from_dict
 from terapipe_cli.plan.timeline import Event, read_timeline, write_timeline
 from terapipe_cli.train import checkpoint
@@ -64,7 +66,7 @@ from terapipe_cli.train.rundir import (
     write_summary,
 )
 from terapipe_cli.train.saving import SaveFailed, Saves
-from terapipe_cli.train.stop import SaveTimeout, WorkerSignals, failed_since, write_stopped
+from terapipe_cli.train.stop import DIVERGED_FILE, SaveTimeout, WorkerSignals, failed_since, write_stopped
 from terapipe_cli.units import format_duration
 
 # Test-only fault injection, in the middle of step STEP (after its forward tiles) on rank RANK, to exercise
@@ -130,6 +132,8 @@ def train(run_dir: Path, resume_step: int | None, request: NodeRequest) -> None:
     signals = WorkerSignals(run_dir, DEFAULT_GRACE_S, on_expiry=_end_now, failed=lambda: failed_since(run_dir, started))
     signals.install()  # first: a SIGTERM during start-up is noted, not fatal
     restarts = int(os.environ.get(RESTART_ENV, "0"))
+    if restarts and diverged_file(run_dir).is_file():  # a restart would only diverge again from the same checkpoint
+        raise Diverged(diverged_file(run_dir).read_text(errors="replace").strip())
     w = start_worker(run_dir, request, resuming=resume_step is not None or restarts > 0)
     signals.grace_s = w.args.grace_s
     if restarts:
@@ -230,6 +234,13 @@ class Diverged(Exception):
     """The run diverged: a step's loss is not finite, or its gradient norm where no loss scale skips the step."""
 
     exit_code = 3  # the launcher's too (`launch.RunDiverged`): not 1 (a worker failed), not 2 (bad input)
+
+
+def diverged_file(run_dir: Path) -> Path:
+    """Where a diverged run's cause waits for --max-restarts' restarts (torchrun restarts after any failure): they
+    stop at once with it instead of training into the same divergence again. The launcher clears it at its start
+    (`stop.clear`)."""
+    return Path(run_dir) / DIVERGED_FILE
 
 
 def stop_if_diverged(result: StepResult) -> None:
@@ -539,6 +550,10 @@ def main(argv: list[str] | None = None) -> None:
         with profiled(rank):
             train(a.run_dir, a.resume_step, NodeRequest(a.device, a.backend, a.timeout_s, a.settings))
     except Diverged as e:  # every rank stops so: the launcher says it once (`launch.diverged_message`)
+        try:
+            write_text_atomic(diverged_file(a.run_dir), str(e))
+        except (OSError, UserError):
+            pass  # a restart then trains into it again, and stops there the same way
         record_for_torchrun(e)
         os._exit(Diverged.exit_code)
     except SaveFailed:  # another rank's checkpoint write failed; that rank names the cause
