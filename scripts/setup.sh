@@ -18,7 +18,9 @@ if [ ! -x .venv/bin/python ]; then
 fi
 PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
 # pip warns about every configured index folder that lacks a package; keep its other messages, and its exit code.
-pip_install() { "${PIP[@]}" install "$@" 2> >(grep -v "^WARNING: Location" >&2); }
+# --no-compile: Python compiles a module when it is first imported; compiling every file of torch, transformers and
+# tensorboard at install time (most of which no command imports) took a large share of a fresh set-up.
+pip_install() { "${PIP[@]}" install --no-compile "$@" 2> >(grep -v "^WARNING: Location" >&2); }
 
 if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
