@@ -18,9 +18,11 @@ if [ ! -x .venv/bin/python ]; then
 fi
 PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
 # pip warns about every configured index folder that lacks a package; keep its other messages, and its exit code.
-# --no-compile: Python compiles a module when it is first imported; compiling every file of torch, transformers and
-# tensorboard at install time (most of which no command imports) took a large share of a fresh set-up.
+# pip compiles what it installs one file after another; installing without that and compiling the whole environment
+# afterwards on every core (`compile_all`) made a fresh set-up faster. The compiled files matter: where
+# PYTHONDONTWRITEBYTECODE is set (CI machines), every process would compile torch again on each import.
 pip_install() { "${PIP[@]}" install --no-compile "$@" 2> >(grep -v "^WARNING: Location" >&2); }
+compile_all() { .venv/bin/python -m compileall -q -j 0 "$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null || true; }
 
 if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
@@ -41,6 +43,7 @@ want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   log "installing terapipe (editable) with its dependencies"
   pip_install -e '.[test]'
+  compile_all
   .venv/bin/python -c "import terapipe_cli, typer, rich, numpy, scipy, matplotlib, torch" \
     || { log "installation failed"; exit 1; }
   echo "$want" > "$stamp"
