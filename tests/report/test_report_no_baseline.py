@@ -140,3 +140,20 @@ def test_the_report_shows_the_order_and_recomputation(tmp_path, capsys):
     assert "1F1B order, recomputed on stage 0" in p.stdout
     report = json.loads((run_dir / "report" / "report.json").read_text())
     assert report["run"]["order"] == "1f1b" and report["run"]["recompute"] == [True, False]
+
+
+@pytest.mark.parametrize(("signum", "code"), [(15, 143), (None, 130)], ids=["SIGTERM", "Ctrl-C"])
+def test_a_stopped_baseline_training_exits_as_train_would(run_dir, capsys, monkeypatch, signum, code):
+    """The report's baseline training stopped by a scheduler's SIGTERM exits 143 (and by Ctrl-C 130), as `terapipe
+    train` does, with the one line saying how to finish the baseline and then the report."""
+    from terapipe_cli.errors import Interrupted, Stopped
+    from terapipe_cli.train import baseline
+
+    def stopped(*_args):
+        raise Stopped("stopped by SIGTERM", signum) if signum else Interrupted("interrupted")
+
+    monkeypatch.setattr(baseline, "train_baseline", stopped)
+    p = run_cli(capsys, "report", run_dir)
+    assert p.returncode == code, p.stdout + p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("terapipe: the GPipe baseline was "), p.stderr

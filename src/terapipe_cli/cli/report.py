@@ -145,12 +145,14 @@ def train_gpipe(console: Console, run, path: Path) -> None:
         sys.stdout.flush()
         sys.stderr.write(f"terapipe: error: the GPipe baseline failed: {e}\n")
         raise SystemExit(launch.WorkerFailed.exit_code) from None
-    except Interrupted:
+    except Interrupted as e:
         again = shlex.join(["terapipe", "report", str(run.path)])
         line = launch.interrupted_message(
             path, restart=f"delete {shlex.quote(str(path))} and run {again}", then=f", then {again}"
         )
-        raise Interrupted(f"the GPipe baseline was {line}") from None
+        stopped = Interrupted(f"the GPipe baseline was {line}")
+        stopped.exit_code = e.exit_code  # 143 when a SIGTERM stopped it, as for `terapipe train`; 130 for Ctrl-C
+        raise stopped from None
 
 
 def render(console: Console, result: dict) -> None:
