@@ -56,9 +56,9 @@ sys.path.insert(0, str(ROOT / "src"))
 
 import numpy as np  # noqa: E402
 from rich.console import Console  # noqa: E402
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from terapipe_cli.cli.console import ProgressBar  # noqa: E402
 from terapipe_cli.config.hardware import Hardware, load_hardware  # noqa: E402
 from terapipe_cli.config.model import ModelConfig  # noqa: E402
 from terapipe_cli.errors import UserError  # noqa: E402
@@ -429,19 +429,11 @@ def main(argv: list[str] | None = None) -> int:
         hardware = load_hardware(args.hardware)
         rows: list[Row] = []
         start = time.perf_counter()
-        with Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            TextColumn("{task.completed}/{task.total}"),
-            TimeElapsedColumn(),
-            console=Console(stderr=True),
-            transient=True,
-        ) as progress:
-            task = progress.add_task("planning", total=len(settings))
-            for setting in settings:
-                progress.update(task, description=f"planning setting {setting.number} ({setting.params_b:g}B)")
+        with ProgressBar(Console(stderr=True)) as update:  # the CLI's bar, with its ETA
+            for done, setting in enumerate(settings):
+                update(f"planning (setting {setting.number}, {setting.params_b:g}B)", done, len(settings))
                 rows.append(plan_setting(setting, hardware, args.token_step))
-                progress.advance(task)
+            update("planning (all settings)", len(settings), len(settings))
         total = time.perf_counter() - start
     except UserError as e:
         sys.stderr.write(f"megatron_table: error: {e}\n")
