@@ -91,7 +91,10 @@ class SavedBytes:
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             self.keep(holder, t)
-            return t
+            # Detached: a saved output returned as itself would hold its own grad_fn, a cycle through autograd's
+            # C++ graph that Python's collector cannot see — a tile run forward and never backward (dropped by
+            # `StageRunner.reset`) then leaked its graph. Autograd re-attaches the unpacked data itself.
+            return t.detach()
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield
