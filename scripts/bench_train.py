@@ -62,9 +62,11 @@ def join_bench_job(config_path: str):
     import torch.distributed as dist
 
     from terapipe_cli.config.model import ModelConfig
+    from terapipe_cli.engine.hostmem import retain_freed_memory
 
     cfg = json.loads(Path(config_path).read_text())
     torch.set_num_threads(1)
+    retain_freed_memory()  # as terapipe's workers: every candidate, terapipe's and the peers', runs in this process
     dist.init_process_group("gloo")
     return cfg, dist.get_rank(), dist.get_world_size(), ModelConfig.from_dict(cfg["model"], config_path)
 

@@ -33,9 +33,11 @@ from terapipe_cli.profile.timer import Progress
 
 ENDS = ("embed", "head")
 HELD_OUT = 8  # (b, i) points off the grid timed to check the interpolation
-# Rounds at least: an end's tile is cheap next to a layer's, and its large fresh buffers (b·i·H embeddings, b·i·V
-# logits) make single timings jumpy on a CPU (page faults): medians of fewer rounds kept outliers of 3–10×.
-MIN_ROUNDS = 7
+# Rounds at least (`--quick`: QUICK_ROUNDS): an end's tile is cheap next to a layer's — the tiny model's embedding
+# takes 0.4–2 ms — and on a shared CPU its timings jitter by ~10% from round to round. Held-out error of the
+# embedding on the tiny model, 2 runs each (docs/results.md, "The ends' held-out error"): 4–8% mean with 7 rounds,
+# 5–6% with 15; 15 rounds cost ~6 s of an 80 s profile.
+MIN_ROUNDS, QUICK_ROUNDS = 15, 7
 
 
 class EndsTimer:
@@ -125,7 +127,7 @@ def time_ends(
     samples = {(end, p): ([], []) for end in ENDS for p in points}
     rng = np.random.default_rng(settings.seed + 11)
     visits = [(end, p) for end in ENDS for p in points]
-    rounds = max(settings.repeats, MIN_ROUNDS)
+    rounds = max(settings.repeats, QUICK_ROUNDS if settings.quick else MIN_ROUNDS)
     total, done = (rounds + 1) * len(visits), 0
     threads = torch.get_num_threads()
     if device.type == "cpu":

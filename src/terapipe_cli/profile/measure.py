@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from terapipe_cli.config.model import ModelConfig
+from terapipe_cli.engine.hostmem import retain_freed_memory
 from terapipe_cli.plan.costmodel import PROFILE_SCHEMA, CostModel, profile_from_dict
 from terapipe_cli.profile.comm import (
     allreduce_processes,
@@ -54,6 +55,7 @@ def measure_profile(
     (`profile.tensor_parallel`); the rest is measured here, as for T = 1."""
 
     check_fits_in_memory(model, max(settings.batch_sizes), device)
+    retain_freed_memory()  # the allocator training's workers use (engine/hostmem.py)
     started = time.perf_counter()
     tiles = settings.tiles(model.seq_len)
     # With T > 1 the ends too are timed by the T ranks: the runtime splits them by vocabulary rows (engine/tensor.py).

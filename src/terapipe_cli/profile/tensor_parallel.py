@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.engine.comm import DistGroup
+from terapipe_cli.engine.hostmem import retain_freed_memory
 from terapipe_cli.engine.tensor import TensorGroup
 from terapipe_cli.engine.torchrun import polling, rendezvous_args
 from terapipe_cli.files import read_json, write_json_atomic
@@ -133,6 +134,7 @@ def _worker(args: argparse.Namespace) -> None:
     model = ModelConfig.from_dict(request["model"], args.request)
     settings = Settings(**{k: tuple(v) if isinstance(v, list) else v for k, v in request["settings"].items()})
     device, rank = join_worker_group(args.backend, args.timeout)
+    retain_freed_memory()  # the allocator training's workers use (engine/hostmem.py)
     tensor = TensorGroup(rank, dist.get_world_size(), DistGroup(dist.group.WORLD))
     progress = _ProgressFile(args.progress) if rank == 0 else None
     timings, layer = time_layer(model, settings, settings.tiles(model.seq_len), device, progress, tensor=tensor)

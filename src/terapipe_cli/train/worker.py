@@ -44,6 +44,7 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 from terapipe_cli.config.run import DEFAULT_GRACE_S, RunArguments
 from terapipe_cli.engine.comm import DistGroup, PeerLost, make_groups, short_error
 from terapipe_cli.engine.data import check_data, load_data, split_data
+from terapipe_cli.engine.hostmem import retain_freed_memory
 from terapipe_cli.engine.mesh import Layout, gpu_of
 from terapipe_cli.engine.p2p import Links
 from terapipe_cli.engine.trainer import Comms, StepResult, Trainer
@@ -546,6 +547,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--settings", required=True, help="this node's `rundir.settings_digest`")
     a = parser.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
+    retain_freed_memory()  # freed tile buffers are reused, not faulted in again (engine/hostmem.py)
     try:
         with profiled(rank):
             train(a.run_dir, a.resume_step, NodeRequest(a.device, a.backend, a.timeout_s, a.settings))
