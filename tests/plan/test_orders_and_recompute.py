@@ -26,12 +26,13 @@ def test_plan_prices_the_order_and_recomputation(tmp_path, capsys):
     """Recomputation costs a forward per tile and keeps less; 1F1B keeps fewer batch slices alive."""
     runs = {}
     for name, flags in {
-        "gpipe": (),
+        "gpipe": ("--order", "gpipe"),
         "1f1b": ("--order", "1f1b"),
-        "recompute": ("--recompute",),
+        "recompute": ("--order", "gpipe", "--recompute"),
     }.items():
         out = tmp_path / f"{name}.json"
-        p = run_cli(capsys, "plan", "--profile", PROFILE, "-k", "2", "-b", "8", "--out", out, *flags)
+        one = ("--virtual-stages", "1")  # one chunk per device: the orders' memory as design §10 states it
+        p = run_cli(capsys, "plan", "--profile", PROFILE, "-k", "2", "-b", "8", "--out", out, *one, *flags)
         assert p.returncode == 0, p.stderr
         runs[name] = json.loads(out.read_text())
         plan = read_plan(out)

@@ -31,7 +31,7 @@ from terapipe_cli.plan.costmodel import CostModel, Profile
 from terapipe_cli.plan.memory import check_memory, stage_memory
 from terapipe_cli.plan.partition import Partition
 from terapipe_cli.plan.request import PlanRequest
-from terapipe_cli.plan.schedule import Schedule
+from terapipe_cli.plan.schedule import ORDERS, Schedule
 from terapipe_cli.plan.search import lower_bound, solve
 
 MAX_VIRTUAL = 4  # --virtual-stages auto tries v = 1 … 4 (Megatron-LM's runs use 2–4 chunks per device)
@@ -211,6 +211,13 @@ def _best_partition(
     if not scored:
         return None, None, 0
     scored.sort(key=lambda x: x[0])  # stable: among equals, the bound's order (then the layers)
+    if order is None and virtual > 1:  # planned, re-ranked and simulated in each order; the fastest that fits
+        both = [_plan_partition(profile, r.with_config(scored[0][1], o)) for o in ORDERS]
+        best = min([p for p in both if not _over(p)] or both, key=lambda p: p.simulated_s[p.scheme])
+        second = None
+        if len(scored) > 1:
+            second = _plan_partition(profile, replace(r, rank="formula").with_config(scored[1][1], best.order))
+        return best, second, len(scored)
     best = _plan_partition(profile, r.with_config(scored[0][1], order))
     # The runner-up only for its line: the objective's optimum, simulated (no re-ranking).
     second = None
@@ -249,17 +256,25 @@ def _undominated(costs: dict[Partition, CostModel], request: PlanRequest) -> tup
 
 def _unconstrained(profile: Profile, request: PlanRequest) -> tuple[float, bool]:
     """The objective's optimum of one configuration without the memory limit, and whether it fits the limit (a
-    search alone: the cheap first pass over the partitions)."""
+    search alone: the cheap first pass over the partitions). With v > 1 and the order free, it fits when it fits in
+    either order (the objective prices both alike; `_order_by_simulation` then takes the order that fits): in GPipe
+    order every batch slice of a chunk stays open until the backwards start, and checking that order alone dropped
+    every v > 1 of Megatron-LM's 310.1B setting, recomputed, although it fits in 1F1B order (docs/results.md)."""
     r, part = request, request.partition
     cost = CostModel(profile, r.stages, r.data_parallel, recompute=r.recompute, within_profile=True, partition=part)
     shape = {"seq_len": r.seq_len, "batch_size": r.batch_size, "stages": r.stages, "token_step": r.token_step}
     res = solve(cost, **shape, epsilon=r.epsilon, method=r.method)
     if res is None:  # the same for every configuration: the profile's batch sizes cannot make up the batch
         raise UserError(outside_profile(profile, r.batch_size, "no batch slicing"), where="--batch")
-    schedule = Schedule.build(res.slices, r.stages, r.order, (r.recompute,) * part.chunks, part)
+    orders = ORDERS if r.order_free and part.virtual > 1 else (r.order,)
     copies = r.data_parallel * r.tensor_parallel
-    memory = check_memory(stage_memory(schedule, profile), profile.device, r.memory_limit_gib, copies)
-    return res.predicted_s, memory is None or not (memory.enforced and memory.exceeded)
+
+    def fits(order: str) -> bool:
+        schedule = Schedule.build(res.slices, r.stages, order, (r.recompute,) * part.chunks, part)
+        memory = check_memory(stage_memory(schedule, profile), profile.device, r.memory_limit_gib, copies)
+        return memory is None or not (memory.enforced and memory.exceeded)
+
+    return res.predicted_s, any(fits(order) for order in orders)
 
 
 def _within_memory(profile: Profile, request: PlanRequest, refused: list[UserError]) -> float | None:
@@ -289,14 +304,20 @@ def _objective(planned: Planned) -> float:
 
 def _order_by_simulation(profile: Profile, planned: Planned) -> Planned:
     """With the order left free and no memory limit binding: the same scheme in 1F1B order when the simulator finds
-    it faster (the objective prices both orders alike)."""
+    it faster (the objective prices both orders alike), or when only 1F1B order fits the limit (v > 1, where no
+    memory-aware search ran: `_unconstrained`)."""
     r = planned.request
     if not r.order_free or planned.order == "1f1b" or planned.unfitted is not None or r.batch_size == 1:
         return planned
     other = plan_one(profile, r, planned.terapipe, order="1f1b", recompute=planned.recompute)
-    memory = other.memory
-    if memory is not None and memory.enforced and memory.exceeded:
+    if _over(other):
         return planned
-    if other.simulated_s["terapipe"] < planned.simulated_s["terapipe"] * (1 - 1e-9):
+    if _over(planned) or other.simulated_s["terapipe"] < planned.simulated_s["terapipe"] * (1 - 1e-9):
         return replace(other, formula_optimal=planned.formula_optimal)
     return planned
+
+
+def _over(planned: Planned) -> bool:
+    """Whether the plan's memory estimate exceeds an enforced limit."""
+    memory = planned.memory
+    return memory is not None and memory.enforced and memory.exceeded

@@ -28,15 +28,15 @@ a forward of chunk c waits for chunk c − 1's (on the device before, or device 
 a backward for chunk c + 1's. ``gpipe`` order then runs the tiles in groups of K (Megatron-LM's interleaving: the
 group's tiles through the device's first chunk, then its second, …; a tile comes back round after K chunk-times,
 just when the group is done), every forward before every backward, the backwards in the exact reverse; ``1f1b``
-runs a batch slice's backwards on a device as soon as the ring allows, after as few batch slices ahead as keep it
-free of deadlock (at least K − k, as with v = 1). Within a batch slice every chunk runs its forwards in token order
-and its backwards in reverse token order (docs/design.md §6). Imports no torch.
+is Megatron-LM's interleaved 1F1B on tiles — a warm-up of forwards, then one forward and one backward in turn —
+with the backwards in groups of batch slices of at least K tiles (`_alternating_1f1b`). Within a batch slice every
+chunk runs its forwards in token order and its backwards in reverse token order (docs/design.md §6). Imports no
+torch.
 """
 
 from __future__ import annotations
 
 import re
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
@@ -339,7 +339,7 @@ def _ready(a: Action, done: set, chunks: int) -> bool:
 def _interleaved_rows(tiles: list[Tile], slices: int, devices: int, virtual: int, order: str) -> list[list[Action]]:
     """Each device's row with v chunks per device (module docstring): forwards in groups of K tiles, each group
     through the device's chunks in turn; ``gpipe`` then every backward in the exact reverse; ``1f1b`` the order of
-    `_greedy_1f1b`."""
+    `_alternating_1f1b`."""
     chunks = devices * virtual
 
     def forwards(k: int, ts: list[Tile]) -> list[Action]:
@@ -370,73 +370,37 @@ def _interleaved_rows(tiles: list[Tile], slices: int, devices: int, virtual: int
         ]
         for k in range(devices)
     ]
-    per_group = max(len(g) for g in groups)
-    limits = [
-        max(per_group, -(-((devices - k - 1) * 2 + (virtual - 1) * devices) // virtual) + 1) for k in range(devices)
-    ]
-    return _greedy_1f1b([forwards(k, tiles) for k in range(devices)], backward, chunks, limits)
+    return _alternating_1f1b([forwards(k, tiles) for k in range(devices)], backward, chunks, virtual)
 
 
-def _greedy_1f1b(
-    forward: list[list[Action]], backward: list[list[Action]], chunks: int, limits: list[int]
+def _alternating_1f1b(
+    forward: list[list[Action]], backward: list[list[Action]], chunks: int, virtual: int
 ) -> list[list[Action]]:
-    """1F1B over batch slices with chunks: replay one step with unit times (a forward 1, a backward 2), each device
-    taking its next backward as soon as its input is there, and otherwise its next forward — but a forward of a new
-    batch slice only while fewer than ``limits[k]`` batch slices are open on device k, or while no backward is ready.
-    The limit is Megatron-LM's warm-up of its interleaved 1F1B, (K − k − 1)·2 + (v − 1)·K chunk-tiles, in batch
-    slices (and at least one group of backwards). A device never waits while it has a ready action, so the replay
-    always finishes, and its order, written down per device, is a schedule without deadlock."""
+    """Megatron-LM's interleaved 1F1B over these forwards and backwards: device k first runs
+    (K − k − 1)·2 + (v − 1)·K + e forwards (its warm-up, in tiles), then one forward and one backward in turn, then
+    the backwards left; e is the smallest extra warm-up, the same on every device, that leaves no deadlock (0 when
+    every batch slice is one tile and the groups are K of them — Megatron-LM's own case, whose order this then is
+    exactly; with token slices a group can hold more than K tiles, and its first backward waits for more forwards).
+    With e as large as the forwards every device runs all its forwards first, which is legal, so e exists.
+
+    It replaced a greedy replay that took any ready backward before the next batch slice's forward: backwards then
+    ran in bursts that starved the next device of forwards, and the simulator priced it 1–14% slower on every case
+    compared (the tiny model's K = 2 plans; Megatron-LM's settings 5–8 on DGX A100, v = 2–4, whole sequences and
+    token slices), 16% on the 310.1B setting (docs/results.md)."""
     devices = len(forward)
-    rows: list[list[Action]] = [[] for _ in range(devices)]
-    done_at: dict[tuple[int, str, Tile], int] = {}
-    pos_f, pos_b = [0] * devices, [0] * devices
-    free = [0] * devices
-    open_slices: list[set[int]] = [set() for _ in range(devices)]
-    # Per device and batch slice, the backwards still to run: at zero the batch slice is no longer open there.
-    backwards_left = [Counter(a.tile.batch_slice for a in row) for row in backward]
-    remaining = sum(len(f) + len(b) for f, b in zip(forward, backward, strict=True))
-    now = 0
-    while remaining:
+    most = max(len(f) for f in forward)
+    for extra in range(most + 1):
+        rows = []
         for k in range(devices):
-            if free[k] > now:
-                continue
-            b_next = backward[k][pos_b[k]] if pos_b[k] < len(backward[k]) else None
-            f_next = forward[k][pos_f[k]] if pos_f[k] < len(forward[k]) else None
-            b_ready = b_next is not None and _ready_by(b_next, done_at, chunks, now)
-            f_ready = f_next is not None and _ready_by(f_next, done_at, chunks, now)
-            f_new = f_next is not None and f_next.tile.batch_slice not in open_slices[k]
-            f_allowed = f_ready and (not f_new or len(open_slices[k]) < limits[k] or not b_ready)
-            if b_ready and (not f_allowed or f_new):
-                a, pos_b[k], cost = b_next, pos_b[k] + 1, 2
-            elif f_allowed:
-                a, pos_f[k], cost = f_next, pos_f[k] + 1, 1
-                open_slices[k].add(a.tile.batch_slice)
-            elif b_ready:
-                a, pos_b[k], cost = b_next, pos_b[k] + 1, 2
-            else:
-                continue
-            rows[k].append(a)
-            done_at[(a.stage, a.phase, a.tile)] = now + cost
-            free[k] = now + cost
-            remaining -= 1
-            if a.phase == "B":
-                backwards_left[k][a.tile.batch_slice] -= 1
-                if not backwards_left[k][a.tile.batch_slice]:
-                    open_slices[k].discard(a.tile.batch_slice)
-        now += 1
-    return rows
-
-
-def _ready_by(a: Action, done_at: dict, chunks: int, now: int) -> bool:
-    """Whether action ``a``'s inputs are done by time ``now`` (`_ready` with times)."""
-    c, t = a.stage, a.tile
-
-    def done(key) -> bool:
-        return key in done_at and done_at[key] <= now
-
-    if a.phase == "F":
-        return c == 0 or done((c - 1, "F", t))
-    return done((c, "F", t)) and (c == chunks - 1 or done((c + 1, "B", t)))
+            f, b = forward[k], backward[k]
+            warmup = min(len(f), (devices - k - 1) * 2 + (virtual - 1) * devices + extra)
+            row = f[:warmup]
+            for n in range(len(f) - warmup):
+                row += [f[warmup + n], b[n]]
+            rows.append(row + b[len(f) - warmup :])
+        if not _walk(rows, chunks)[1]:
+            return rows
+    raise AssertionError("all forwards first cannot deadlock")  # unreachable: extra = most is GPipe-like
 
 
 def _one_f_one_b(by_slice: list[list[Tile]], stage: int, warmup: int) -> list[Action]:
