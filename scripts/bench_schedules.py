@@ -15,13 +15,17 @@ turn round after round so that drift in the machine's speed hits them all alike:
 - the same six with v = 2 interleaved chunks per process (``--virtual 2``, the default: process k runs chunks k and
   k + 2 of four; tiles wrap from the last process back to the first);
 - with ``--plan``, the plan `terapipe plan` chose (its slices, order, chunks and recomputation);
+- the bound: the whole model's step in one process (rank 0, terapipe's runtime, B whole sequences; the other rank
+  waits), timed in the same rounds — no pipeline of K processes can take less than its time / K, so the table's
+  last column gives each candidate's share of that bound;
 - ``torch.distributed.pipelining``'s ``ScheduleGPipe`` and ``Schedule1F1B`` with B microbatches, on the same two
   stage modules (stage 0: embeddings and the first half of the layers; stage 1: the rest, the head and the loss),
   and its interleaved schedules ``ScheduleInterleaved1F1B``, ``ScheduleLoopedBFS`` and
   ``ScheduleInterleavedZeroBubble`` on two stage modules per process (the same four chunks as terapipe's v = 2). A
   peer schedule that refuses the setting (e.g. a batch it cannot divide) is reported and left out.
 
-Prints the median step (min–max) of each and its ratio to ScheduleGPipe. A CPU with two cores and two stage
+Prints the median step (min–max) of each, its ratio to ScheduleGPipe, to the best peer round by round, and
+to the bound. A CPU with two cores and two stage
 processes shows the cost of each choice, not a GPU's speed.
 """
 
@@ -42,6 +46,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench_train import cpu_lock, join_bench_job, time_rounds  # noqa: E402  (one lock and one timing loop for both)
 
 PEERS = ("torch ScheduleGPipe", "torch Schedule1F1B")
+ONE_PROCESS = "one process, the whole model (not pipelined)"
 INTERLEAVED_PEERS = ("ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleInterleavedZeroBubble")
 
 
@@ -78,7 +83,19 @@ def worker(config_path: str) -> None:
         plan = plan_from_dict(cfg["plan"], "--plan")
         steps[cfg["plan_name"]] = _terapipe_step(Schedule.of_plan(plan), model, rank, B, batch)
     steps.update(_peer_steps(model, rank, stages, B, batch, cfg["virtual"]))
+    steps[ONE_PROCESS] = _one_process_step(model, rank, B, batch)
     time_rounds(steps, cfg, rank)
+
+
+def _one_process_step(model, rank: int, B: int, batch):
+    """The whole model's step on rank 0 (one stage, B whole sequences); the other ranks do nothing."""
+    from terapipe_cli.plan.partition import Partition
+    from terapipe_cli.plan.schedule import Schedule
+
+    if rank:
+        return lambda: None
+    one = Schedule.build([(1, [model.seq_len])] * B, 1, "gpipe", [False], Partition((model.layers,), 1))
+    return _terapipe_step(one, model, 0, B, batch)
 
 
 def _schedule(c: dict, model, stages: int):
@@ -258,23 +275,26 @@ def _print(times: dict, *, markdown: bool) -> None:
     med = {n: statistics.median(v) for n, v in times.items()}
     ref = med[PEERS[0]]
     best = min((n for n in times if n.startswith("torch ")), key=med.get)
+    bound = times[ONE_PROCESS]  # per round: the whole model in one process; / K is what no K-stage pipeline beats
     rows = []
     for n, v in times.items():
         paired = [b / t for b, t in zip(times[best], v, strict=True)]
+        share = [one / 2 / t for one, t in zip(bound, v, strict=True)]
         rows.append(
             (n, f"{med[n] * 1e3:.1f}", f"{min(v) * 1e3:.1f}–{max(v) * 1e3:.1f}", f"{ref / med[n]:.2f}×",
-             f"{statistics.median(paired):.2f}× ({min(paired):.2f}–{max(paired):.2f})")
+             f"{statistics.median(paired):.2f}× ({min(paired):.2f}–{max(paired):.2f})",
+             "" if n == ONE_PROCESS else f"{statistics.median(share):.0%} ({min(share):.0%}–{max(share):.0%})")
         )  # fmt: skip
-    head = ("candidate", "median ms", "min–max ms", "vs ScheduleGPipe", "vs best peer per round")
-    print(f"\nbest peer (lowest median): {best}")
+    head = ("candidate", "median ms", "min–max ms", "vs ScheduleGPipe", "vs best peer per round", "of the bound")
+    print(f"\nbest peer (lowest median): {best}; the bound: {ONE_PROCESS}'s step / 2, round by round")
     if markdown:
-        print("| " + " | ".join(head) + " |\n|---|---|---|---|---|")
+        print("| " + " | ".join(head) + " |\n|---|---|---|---|---|---|")
         for r in rows:
             print("| " + " | ".join(r) + " |")
         return
-    print(f"\n{head[0]:<52} {head[1]:>10} {head[2]:>16} {head[3]:>17} {head[4]:>24}")
+    print(f"\n{head[0]:<52} {head[1]:>10} {head[2]:>16} {head[3]:>17} {head[4]:>24} {head[5]:>18}")
     for r in rows:
-        print(f"{r[0]:<52} {r[1]:>10} {r[2]:>16} {r[3]:>17} {r[4]:>24}")
+        print(f"{r[0]:<52} {r[1]:>10} {r[2]:>16} {r[3]:>17} {r[4]:>24} {r[5]:>18}")
 
 
 def _parse_args() -> argparse.Namespace:
