@@ -214,16 +214,15 @@ def _best_partition(
     if order is None and virtual > 1:  # planned, re-ranked and simulated in each order; the fastest that fits
         both = [_plan_partition(profile, r.with_config(scored[0][1], o)) for o in ORDERS]
         best = min([p for p in both if not _over(p)] or both, key=lambda p: p.simulated_s[p.scheme])
-        second = None
-        if len(scored) > 1:
-            second = _plan_partition(profile, replace(r, rank="formula").with_config(scored[1][1], best.order))
-        return best, second, len(scored)
-    best = _plan_partition(profile, r.with_config(scored[0][1], order))
+        runner_order = best.order
+    else:
+        best = _order_by_simulation(profile, _plan_partition(profile, r.with_config(scored[0][1], order)))
+        runner_order = order
     # The runner-up only for its line: the objective's optimum, simulated (no re-ranking).
     second = None
     if len(scored) > 1:
-        second = _plan_partition(profile, replace(r, rank="formula").with_config(scored[1][1], order))
-    return _order_by_simulation(profile, best), second, len(scored)
+        second = _plan_partition(profile, replace(r, rank="formula").with_config(scored[1][1], runner_order))
+    return best, second, len(scored)
 
 
 def _undominated(costs: dict[Partition, CostModel], request: PlanRequest) -> tuple[list[Partition], dict]:
@@ -257,7 +256,7 @@ def _undominated(costs: dict[Partition, CostModel], request: PlanRequest) -> tup
 def _unconstrained(profile: Profile, request: PlanRequest) -> tuple[float, bool]:
     """The objective's optimum of one configuration without the memory limit, and whether it fits the limit (a
     search alone: the cheap first pass over the partitions). With v > 1 and the order free, it fits when it fits in
-    either order (the objective prices both alike; `_order_by_simulation` then takes the order that fits): in GPipe
+    either order (the objective prices both alike; `_best_partition` then plans both and keeps one that fits): in GPipe
     order every batch slice of a chunk stays open until the backwards start, and checking that order alone dropped
     every v > 1 of Megatron-LM's 310.1B setting, recomputed, although it fits in 1F1B order (docs/results.md)."""
     r, part = request, request.partition
@@ -303,16 +302,15 @@ def _objective(planned: Planned) -> float:
 
 
 def _order_by_simulation(profile: Profile, planned: Planned) -> Planned:
-    """With the order left free and no memory limit binding: the same scheme in 1F1B order when the simulator finds
-    it faster (the objective prices both orders alike), or when only 1F1B order fits the limit (v > 1, where no
-    memory-aware search ran: `_unconstrained`)."""
+    """With the order left free and no memory limit binding (v = 1): the same scheme in 1F1B order when the
+    simulator finds it faster (the objective prices both orders alike)."""
     r = planned.request
     if not r.order_free or planned.order == "1f1b" or planned.unfitted is not None or r.batch_size == 1:
         return planned
     other = plan_one(profile, r, planned.terapipe, order="1f1b", recompute=planned.recompute)
     if _over(other):
         return planned
-    if _over(planned) or other.simulated_s["terapipe"] < planned.simulated_s["terapipe"] * (1 - 1e-9):
+    if other.simulated_s["terapipe"] < planned.simulated_s["terapipe"] * (1 - 1e-9):
         return replace(other, formula_optimal=planned.formula_optimal)
     return planned
 
