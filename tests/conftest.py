@@ -222,21 +222,22 @@ def local_setup(
     return LocalSetup(plan, run_arguments(**args))
 
 
-def train_locally(setup: LocalSetup, schedule=None):
+def train_locally(setup: LocalSetup, schedule=None, **world):
     """Train ``setup`` with every rank a thread of this process (`engine.local.train_in_process`): the workers'
-    own trainer, executor and collectives. Returns the `engine.local.LocalRun`."""
+    own trainer, executor and collectives (``world``: `train_in_process`'s rules and group_of). Returns the
+    `engine.local.LocalRun`."""
     from terapipe_cli.engine.local import train_in_process
     from terapipe_cli.plan.schedule import Schedule
 
     schedule = schedule if schedule is not None else Schedule.of_plan(setup.plan)
     return train_in_process(
-        setup.plan, schedule, setup.args, data=setup.data, held_out=setup.held_out, device=str(setup.device)
+        setup.plan, schedule, setup.args, data=setup.data, held_out=setup.held_out, device=str(setup.device), **world
     )
 
 
-def verify_locally(setup: LocalSetup, schedule=None):
+def verify_locally(setup: LocalSetup, schedule=None, **world):
     """`train_locally`, then ``--verify``'s comparison with the single-device reference (`train.verify`)."""
     from terapipe_cli.train.verify import Trajectory, verify_trajectory
 
-    run = train_locally(setup, schedule)
+    run = train_locally(setup, schedule, **world)
     return verify_trajectory(Trajectory(run.losses, run.grads_step, run.grads, run.weights), setup), run

@@ -70,27 +70,56 @@ class Link(Protocol):
 
     def wait(self, posted: object, what: str, peer: int | None) -> torch.Tensor: ...
 
-    def send(self, tensor: torch.Tensor, dst: int, tag: int, what: str) -> None: ...
+    def send(self, tensor: torch.Tensor, dst: int, tag: int, what: str, *, phase: str) -> None: ...
 
     def finish_sends(self) -> None: ...
+
+
+# NCCL's point-to-point rules (pytorch#94819, NVIDIA/nccl#479): tags are ignored — the n-th send from one rank to
+# another meets the n-th receive posted there — and the sends and receives between two ranks run in the order they
+# were issued on one stream per process group, each waiting for its partner. A receive pending there (a gradient
+# the next stage sends later) would hold up an activation sent to that stage after it was posted; a deadlock in 1F1B
+# order. So on NCCL every (phase, direction) of message has a process group of its own: on each, only one rank of a
+# pair sends, and it sends in the order the other posted its receives (`executor._StepWalk._messages_from`).
+CHANNELS = ("F+", "F-", "B+", "B-")
+
+
+def channel(phase: str, src: int, dst: int) -> str:
+    """The channel a message travels on: its phase ("F": an activation, "B": a gradient) and direction ("+" to a
+    higher rank, "-" to a lower one)."""
+    return phase + ("+" if dst > src else "-")
+
+
+def make_p2p_groups(backend: str) -> dict[str, object] | None:
+    """The process group of each channel on NCCL (None on gloo, which pairs messages by tag on one group); every
+    rank must call it, in the same order."""
+    if backend != "nccl":
+        return None
+    return {name: dist.new_group(backend="nccl") for name in CHANNELS}
 
 
 class DistGroup:
     """A ``torch.distributed`` process group (``group`` None: every rank). CUDA tensors on a gloo group (stages
     sharing a GPU) go through host memory (`host_all_reduce`)."""
 
-    def __init__(self, group: object | None = None, size: int | None = None) -> None:
+    def __init__(self, group: object | None = None, size: int | None = None, *, staged: bool | None = None) -> None:
+        """``staged``: whether tensors go through host memory (None: CUDA tensors on gloo; True on the CPU runs
+        that path's copies there, for tests)."""
         self.group = group
         self.size = size if size is not None else dist.get_world_size(group)
+        self.staged = staged
+
+    def _staged(self, tensor: torch.Tensor) -> bool:
+        return host_staged(tensor.device, self.group) if self.staged is None else self.staged
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", what: str = "an all-reduce") -> None:
         try:
-            host_all_reduce(tensor, group=self.group, op=OPS[op])
+            host_all_reduce(tensor, group=self.group, op=OPS[op], staged=self._staged(tensor))
         except Exception as e:
             raise PeerLost(f"lost a peer during {what}: {short_error(e)}") from None
 
     def all_gather(self, tensor: torch.Tensor, dim: int, sizes: Sequence[int] | None = None) -> torch.Tensor:
-        on = tensor.cpu() if host_staged(tensor.device, self.group) else tensor
+        on = tensor.to("cpu", copy=True) if self._staged(tensor) else tensor
         if sizes is not None and len(set(sizes)) > 1:
             # ``dist.all_gather`` takes equal shapes: pad every part to the longest, gather, cut each back.
             padded = [*on.shape[:dim], max(sizes), *on.shape[dim + 1 :]]
@@ -111,12 +140,15 @@ def host_staged(device: torch.device, group: object | None = None) -> bool:
     return device.type == "cuda" and dist.is_initialized() and dist.get_backend(group) == "gloo"
 
 
-def host_all_reduce(tensor: torch.Tensor, *, group: object | None = None, op=dist.ReduceOp.SUM) -> None:
-    """``dist.all_reduce`` in place; a CUDA tensor on a gloo group is reduced in a CPU copy and copied back."""
-    if not host_staged(tensor.device, group):
+def host_all_reduce(
+    tensor: torch.Tensor, *, group: object | None = None, op=dist.ReduceOp.SUM, staged: bool | None = None
+) -> None:
+    """``dist.all_reduce`` in place; a CUDA tensor on a gloo group (``staged`` None), or any tensor with ``staged``
+    True, is reduced in a host copy and copied back."""
+    if not (host_staged(tensor.device, group) if staged is None else staged):
         dist.all_reduce(tensor, op=op, group=group)
         return
-    host = tensor.detach().cpu()
+    host = tensor.detach().to("cpu", copy=True)
     dist.all_reduce(host, op=op, group=group)
     tensor.copy_(host)
 

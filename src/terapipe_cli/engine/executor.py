@@ -12,6 +12,11 @@ from chunk c to chunk c + 1 on the next device around the ring (device K − 1 h
 both chunks are on this device (one device, v chunks) it is handed over in memory. Every message is tagged by its
 chunk and the tile's place in the pipeline order (`message_tag`), the same on every stage whatever order each one
 runs its tiles in (a hand-written schedule may differ from stage to stage).
+
+Receives are posted in the order the neighbour sends, read from the neighbour's own actions in the schedule. gloo
+pairs a send with a receive by tag, so there the order only has to be some order; NCCL ignores tags and pairs the
+n-th send of one rank to another with the n-th receive posted there (pytorch#94819), so a receive posted out of the
+sender's order would take another tile's tensor. `engine.local` runs the executor under NCCL's rules on the CPU.
 """
 
 from __future__ import annotations
@@ -102,7 +107,7 @@ class _StepWalk:
         train: bool = True,
     ) -> None:
         schedule = executor.schedule
-        self.runner, self.link, self.batch = executor.runner, executor.link, batch
+        self.runner, self.link, self.batch, self.schedule = executor.runner, executor.link, batch, schedule
         self.stage, self.devices, self.chunks = executor.stage, schedule.stages, schedule.chunks
         self.train = train
         tiles = executor.tiles
@@ -110,13 +115,12 @@ class _StepWalk:
         self.count = len(tiles)
         mine = [c for c in range(self.chunks) if schedule.device(c) == self.stage]
         self.local: dict[tuple[str, int, Tile], torch.Tensor] = {}  # hand-overs between chunks of this device
-        # Receives of every activation this stage's chunks take from the stage before (around the ring).
-        incoming = [(("F", c, t), t, self._tag("F", c, t)) for c in mine if self._remote(c, c - 1) for t in tiles]
+        # Receives of every activation this stage's chunks take from the stage before (around the ring), in the
+        # order that stage sends them.
+        incoming = self._messages_from((self.stage - 1) % self.devices, "F")
         self.forward_in = self.link.post_recvs(incoming, self.link.ring_prev) if incoming else {}
-        # Backward receives, posted at the first backward (see `backward`).
-        self.outgoing_grads = [
-            (("B", c, t), t, self._tag("B", c, t)) for c in mine if self._remote(c, c + 1) for t in tiles
-        ]
+        # Backward receives, posted at the first backward (see `backward`), in the order the next stage sends them.
+        self.outgoing_grads = self._messages_from((self.stage + 1) % self.devices, "B") if train else []
         self.backward_in: dict | None = None
         self.forwards_left = len(mine) * len(tiles)
         self.after_forward = after_forward
@@ -124,6 +128,18 @@ class _StepWalk:
         cuda = batch.device.type == "cuda"
         # Tile times on the GPU: wait for the stream before reading the clock.
         self._sync = torch.cuda.current_stream(batch.device).synchronize if cuda else None
+
+    def _messages_from(self, device: int, phase: str) -> list[tuple[tuple[str, int, Tile], Tile, int]]:
+        """The messages of ``phase`` that ``device`` sends to this stage in a step, in the order it sends them (its
+        actions' order): an activation into chunk c + 1 after its forward of chunk c, a gradient into chunk c − 1
+        after its backward of chunk c. Each is (key, tile, tag)."""
+        step = 1 if phase == "F" else -1
+        messages = []
+        for a in self.schedule[device] if device != self.stage else ():
+            to = a.stage + step
+            if a.phase == phase and 0 <= to < self.chunks and self.schedule.device(to) == self.stage:
+                messages.append(((phase, to, a.tile), a.tile, self._tag(phase, to, a.tile)))
+        return messages
 
     def _remote(self, chunk: int, other: int) -> bool:
         """Whether chunk ``other`` (a neighbour of ``chunk``) exists and runs on another device."""
@@ -153,7 +169,7 @@ class _StepWalk:
         if last:
             self.loss = out if self.loss is None else self.loss + out
         elif self._remote(c, c + 1):
-            link.send(out, link.ring_next, self._tag("F", c + 1, t), "an activation")
+            link.send(out, link.ring_next, self._tag("F", c + 1, t), "an activation", phase="F")
         else:
             self.local[("F", c + 1, t)] = out
         self.forwards_left -= 1
@@ -164,9 +180,9 @@ class _StepWalk:
     def backward(self, c: int, t: Tile) -> float:
         runner, link, n = self.runner, self.link, self.index[t]
         if self.backward_in is None:
-            # At the first backward (in GPipe order, after the last forward): on NCCL, receives posted earlier
-            # would block the activation sends queued before them. In 1F1B order forwards still follow; their
-            # sends go to the next stage, these receives come from it, and gloo pairs them by tag.
+            # At the first backward (in GPipe order, after the last forward), so the step's gradient buffers are
+            # not held through its forwards. On NCCL gradients travel on process groups of their own
+            # (`comm.channel`): a receive pending there never holds up an activation sent to the same rank.
             messages = self.outgoing_grads
             self.backward_in = link.post_recvs(messages, link.ring_next) if messages else {}
         if c == self.chunks - 1:
@@ -180,7 +196,7 @@ class _StepWalk:
         grad_x = runner.backward_tile(t.batch_slice, t.token_slice, grad, chunk=c)
         if c > 0:
             if self._remote(c, c - 1):
-                link.send(grad_x, link.ring_prev, self._tag("B", c - 1, t), "a gradient")
+                link.send(grad_x, link.ring_prev, self._tag("B", c - 1, t), "a gradient", phase="B")
             else:
                 self.local[("B", c - 1, t)] = grad_x
         return start

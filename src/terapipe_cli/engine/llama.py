@@ -41,7 +41,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from terapipe_cli.config.model import ModelConfig
-from terapipe_cli.engine.model import _EMBED, _HEAD, _LAYER, GPT, KVCache, attend, normal_, seeded
+from terapipe_cli.engine.attention import KVCache, attend
+from terapipe_cli.engine.model import _EMBED, _HEAD, _LAYER, GPT, normal_, seeded
 from terapipe_cli.errors import UserError
 
 

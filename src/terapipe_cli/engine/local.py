@@ -7,6 +7,12 @@ the seconds torchrun needs to start processes. Messages are copies of the tensor
 tag) queues; a collective waits until every member has brought its tensor, then each takes the reduction, summed
 in member order (so the result does not depend on which thread came first). When one thread fails, every wait of
 the others raises `comm.PeerLost` at once instead of hanging.
+
+``rules="nccl"`` passes messages as NCCL does (`NcclLink`), which no CPU can otherwise run: tags ignored, the n-th
+send from one rank to another meeting the n-th receive posted there, and the sends and receives between two ranks
+on one process group run in issue order, each waiting for its partner (a rendezvous). A send meeting a receive
+posted for another message fails the run naming both; ranks that all wait with nothing able to move are a
+deadlock, reported as such at once (no time-out involved).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from typing import TypeVar
 import torch
 
 from terapipe_cli.config.run import RunArguments
-from terapipe_cli.engine.comm import Message, PeerLost, Posted
+from terapipe_cli.engine.comm import Message, PeerLost, Posted, channel
 from terapipe_cli.engine.data import TokenData
 from terapipe_cli.engine.mesh import Layout
 from terapipe_cli.engine.trainer import Comms, Trainer
@@ -34,20 +40,38 @@ _POLL_S = 0.05
 class LocalWorld:
     """``size`` ranks, each a thread of this process (`run`), and what they share: mailboxes and collectives."""
 
-    def __init__(self, size: int, *, timeout_s: float = 120.0) -> None:
-        self.size, self.timeout_s = size, timeout_s
+    def __init__(
+        self,
+        size: int,
+        *,
+        timeout_s: float = 120.0,
+        rules: str = "gloo",
+        group_of: Callable[[str], str] = lambda channel_name: channel_name,
+    ) -> None:
+        """``rules``: "gloo" (messages paired by tag, a send completes at once) or "nccl" (`NcclLink`).
+        ``group_of``: under NCCL's rules, the process group each `comm.channel` travels on (as `comm.make_p2p_groups`
+        gives them: one each)."""
+        if rules not in ("gloo", "nccl"):
+            raise ValueError(f"rules must be gloo or nccl, got {rules!r}")
+        self.size, self.timeout_s, self.rules, self.group_of = size, timeout_s, rules, group_of
         self._mail: dict[tuple[int, int, int], queue.Queue] = {}
         self._cond = threading.Condition()
         self._rounds: dict[tuple, dict] = {}
         self.failed: BaseException | None = None
+        self.alive = size  # ranks whose function has not returned
+        self._waiting: dict[int, Callable[[], bool]] = {}  # thread -> what it waits for (deadlock detection)
+        self._streams: dict[tuple[str, int, int], list[_Op]] = {}  # (group, rank, peer) -> its unfinished ops
 
     def group(self, name: str, ranks: Sequence[int], rank: int) -> LocalGroup:
         """Rank ``rank``'s handle on the collectives of the group ``name`` of ``ranks`` (groups of the same ranks
         but another name, as the world and a single replica's pipeline, are separate, as process groups are)."""
         return LocalGroup(self, name, tuple(ranks), rank)
 
-    def link(self, rank: int, prev_rank: int | None, next_rank: int | None, ring: tuple[int, int]) -> LocalLink:
-        return LocalLink(self, rank, prev_rank, next_rank, ring)
+    def link(
+        self, rank: int, prev_rank: int | None, next_rank: int | None, ring: tuple[int, int]
+    ) -> LocalLink | NcclLink:
+        kind = NcclLink if self.rules == "nccl" else LocalLink
+        return kind(self, rank, prev_rank, next_rank, ring)
 
     def run(self, fn: Callable[[int], T]) -> list[T]:
         """``fn(rank)`` for every rank, each in its own thread; their results by rank. The first exception of any
@@ -62,6 +86,10 @@ class LocalWorld:
             except BaseException as e:  # noqa: BLE001 - handed to the caller below
                 errors.append((rank, e))
                 self.abort(e)
+            finally:
+                with self._cond:
+                    self.alive -= 1
+                    self._cond.notify_all()
 
         threads = [threading.Thread(target=body, args=(r,), name=f"rank-{r}", daemon=True) for r in range(self.size)]
         for t in threads:
@@ -83,15 +111,63 @@ class LocalWorld:
             return self._mail.setdefault((src, dst, tag), queue.Queue())
 
     def wait_until(self, ready: Callable[[], bool], what: str) -> None:
-        """Block (holding the condition) until ``ready()``; `PeerLost` if another rank failed or time runs out."""
+        """Block (holding the condition) until ``ready()``; `PeerLost` if another rank failed or time runs out, or
+        (NCCL's rules) when every live rank waits and none can move: a deadlock."""
         waited = 0.0
-        while not ready():
-            if self.failed is not None:
-                raise PeerLost(f"lost a peer during {what}: another rank failed")
-            if waited > self.timeout_s:
-                raise PeerLost(f"timed out after {self.timeout_s:.0f} s during {what}")
-            self._cond.wait(_POLL_S)
-            waited += _POLL_S
+        me = threading.get_ident()
+        self._waiting[me] = ready
+        try:
+            while not ready():
+                if self.failed is not None:
+                    raise PeerLost(f"lost a peer during {what}: another rank failed")
+                if self.rules == "nccl" and self._deadlocked():
+                    self.failed = PeerLost(f"deadlock: every rank waits and none can move ({self._heads()})")
+                    self._cond.notify_all()
+                    raise self.failed
+                if waited > self.timeout_s:
+                    raise PeerLost(f"timed out after {self.timeout_s:.0f} s during {what}")
+                self._cond.wait(_POLL_S)
+                waited += _POLL_S
+        finally:
+            del self._waiting[me]
+
+    def _deadlocked(self) -> bool:
+        return len(self._waiting) >= self.alive and not any(r() for r in self._waiting.values())
+
+    # NCCL's point-to-point rules (`NcclLink`), under the condition.
+
+    def issue(self, op: _Op) -> None:
+        """Queue ``op`` on its rank's stream to its peer and let every stream move as far as it can."""
+        self._streams.setdefault((op.group, op.rank, op.peer), []).append(op)
+        try:
+            self._progress(op.group, op.rank, op.peer)
+        finally:
+            self._cond.notify_all()
+
+    def _progress(self, group: str, a: int, b: int) -> None:
+        """Pair the heads of the two ranks' streams while one is a send and the other a receive (in issue order;
+        tags are not looked at for pairing, only to say what went wrong)."""
+        ours, theirs = self._streams.get((group, a, b), []), self._streams.get((group, b, a), [])
+        while ours and theirs and ours[0].send != theirs[0].send:
+            send, recv = (ours[0], theirs[0]) if ours[0].send else (theirs[0], ours[0])
+            if send.tag != recv.tag or tuple(send.tensor.shape[:2]) != recv.shape:
+                self.failed = PeerLost(
+                    f"NCCL pairs rank {send.rank}'s send of {send.what} (tag {send.tag}, {tuple(send.tensor.shape)}) "
+                    f"with rank {recv.rank}'s receive posted for tag {recv.tag} {tuple(recv.shape)}: another message"
+                )
+                raise self.failed
+            recv.tensor, send.done, recv.done = send.tensor, True, True
+            ours.pop(0)
+            theirs.pop(0)
+
+    def _heads(self) -> str:
+        heads = [
+            f"rank {r} {'sends' if ops[0].send else 'receives'} tag {ops[0].tag} {'to' if ops[0].send else 'from'} "
+            f"rank {p} on {g}"
+            for (g, r, p), ops in self._streams.items()
+            if ops
+        ]
+        return "; ".join(heads) or "no message pending"
 
     def collective(self, key: tuple, rank: int, tensor: torch.Tensor, combine, what: str) -> torch.Tensor:
         """Bring ``tensor`` to round ``key`` of a group and take back ``combine(tensors in member order)``."""
@@ -162,11 +238,71 @@ class LocalLink:
                 if waited > self.world.timeout_s:
                     raise PeerLost(f"timed out after {self.world.timeout_s:.0f} s while {what}") from None
 
-    def send(self, tensor: torch.Tensor, dst: int, tag: int, what: str) -> None:
+    def send(self, tensor: torch.Tensor, dst: int, tag: int, what: str, *, phase: str) -> None:
         self.world.mailbox(self.rank, dst, tag).put(tensor.detach().clone())
 
     def finish_sends(self) -> None:
         """Sends complete at once here."""
+
+
+@dataclass(eq=False)
+class _Op:
+    """A send or a receive on one rank's stream to ``peer`` in process group ``group``, under NCCL's rules."""
+
+    send: bool
+    group: str
+    rank: int
+    peer: int
+    tag: int
+    what: str
+    shape: tuple[int, ...] = ()
+    tensor: torch.Tensor | None = None  # a send's copy; a receive's message once paired
+    done: bool = False
+
+
+class NcclLink:
+    """A `comm.Link` of threads under NCCL's rules (the module's docstring): every send and receive is queued on
+    the stream of (its channel's process group, this rank, the peer) and completes only when paired, in order,
+    with the peer's; `wait` and `finish_sends` block until theirs are."""
+
+    def __init__(
+        self, world: LocalWorld, rank: int, prev_rank: int | None, next_rank: int | None, ring: tuple[int, int]
+    ) -> None:
+        self.world, self.rank, self.prev_rank, self.next_rank = world, rank, prev_rank, next_rank
+        self.ring_prev, self.ring_next = ring
+        self._sends: list[_Op] = []
+
+    def _op(self, send: bool, phase: str, peer: int, tag: int, what: str) -> _Op:
+        src, dst = (self.rank, peer) if send else (peer, self.rank)
+        return _Op(send, self.world.group_of(channel(phase, src, dst)), self.rank, peer, tag, what)
+
+    def post_recvs(self, messages: list[Message], src: int) -> Posted:
+        posted = {}
+        with self.world._cond:
+            for key, t, tag in messages:
+                op = self._op(False, key[0], src, tag, f"the message of tag {tag}")
+                op.shape = (t.batch_size, t.tokens)
+                self.world.issue(op)
+                posted[key] = op
+        return posted
+
+    def wait(self, posted: object, what: str, peer: int | None) -> torch.Tensor:
+        op: _Op = posted
+        with self.world._cond:
+            self.world.wait_until(lambda: op.done, what)
+        return op.tensor
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int, what: str, *, phase: str) -> None:
+        op = self._op(True, phase, dst, tag, what)
+        op.tensor = tensor.detach().clone()
+        with self.world._cond:
+            self.world.issue(op)
+        self._sends.append(op)
+
+    def finish_sends(self) -> None:
+        sends, self._sends = self._sends, []
+        with self.world._cond:
+            self.world.wait_until(lambda: all(op.done for op in sends), "finishing the step's sends")
 
 
 def local_comms(world: LocalWorld, layout: Layout, rank: int) -> Comms:
@@ -211,11 +347,15 @@ def train_in_process(
     held_out: TokenData | None = None,
     device: str = "cpu",
     timeout_s: float = 120.0,
+    rules: str = "gloo",
+    group_of: Callable[[str], str] | None = None,
 ) -> LocalRun:
     """Train ``plan`` for ``args.steps`` steps with every rank of its D × K × T layout a thread of this process:
-    the workers' own `Trainer` (and so the executor, the collectives, the update) over `LocalWorld`."""
+    the workers' own `Trainer` (and so the executor, the collectives, the update) over `LocalWorld` (``rules`` and
+    ``group_of``: how its messages pair, `LocalWorld`)."""
     layout = Layout(args.data_parallel, plan.stages, args.tensor_parallel)
-    world = LocalWorld(layout.world, timeout_s=timeout_s)
+    extra = {"group_of": group_of} if group_of is not None else {}
+    world = LocalWorld(layout.world, timeout_s=timeout_s, rules=rules, **extra)
 
     def rank_run(rank: int) -> tuple[Trainer, LocalRun]:
         comms = local_comms(world, layout, rank)

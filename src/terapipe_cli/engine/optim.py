@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from terapipe_cli.engine.attention import branch
+
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
@@ -136,6 +138,6 @@ def make_optimizer(module: nn.Module, lr: float) -> torch.optim.AdamW:
     decay = [p for p in module.parameters() if p.dim() >= 2]
     no_decay = [p for p in module.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
-    on_cuda = any(p.is_cuda for p in module.parameters())
+    on_cuda = any(branch(p) == "cuda" for p in module.parameters())  # `attention.forced_branch` tests it on CPU
     kernel = {"fused": True} if on_cuda else {"foreach": True}
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, **kernel)

@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 import torch
 
 from terapipe_cli.config.model import ModelConfig
-from terapipe_cli.engine.model import KVCache, build_model
+from terapipe_cli.engine.attention import KVCache
+from terapipe_cli.engine.model import build_model
 from terapipe_cli.engine.tensor import TensorGroup, head_loss_sum, shard_module
 from terapipe_cli.plan.partition import Partition
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from terapipe_cli.engine.model import KVCache
+from terapipe_cli.engine.attention import KVCache
 from terapipe_cli.errors import UserError
 from terapipe_cli.extras import require
 from terapipe_cli.train.export import run_model

@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
 from terapipe_cli.config.run import DEFAULT_GRACE_S, RunArguments
-from terapipe_cli.engine.comm import DistGroup, PeerLost, make_groups, short_error
+from terapipe_cli.engine.comm import DistGroup, PeerLost, make_groups, make_p2p_groups, short_error
 from terapipe_cli.engine.data import check_data, load_data, split_data
 from terapipe_cli.engine.hostmem import retain_freed_memory
 from terapipe_cli.engine.mesh import Layout, gpu_of
@@ -276,6 +276,7 @@ def start_worker(run_dir: Path, request: NodeRequest, *, resuming: bool) -> Work
         prev_rank=prev_rank,
         next_rank=next_rank,
         ring=layout.ring(rank),
+        channels=make_p2p_groups(request.backend),
         hidden=plan.model.hidden,
         dtype=torch.float32,
         device=device,
