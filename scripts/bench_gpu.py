@@ -4,8 +4,10 @@
     python scripts/bench_gpu.py                       # quick profiles, plans, then the timings (~10 min, H100)
     python scripts/bench_gpu.py --markdown            # the same as Markdown tables, for docs/results.md
     python scripts/bench_gpu.py --profile P.json      # plan from this profile (its precision) instead of measuring
+    python scripts/bench_gpu.py --model CUT.toml --batch 2 --precision bf16   # another model (a llama3-8b cut)
 
-One process, no torchrun: K = 1 stage holding the whole model (configs/models/gpt3-1b.toml, L = 2048), run by
+One process, no torchrun: K = 1 stage holding the whole model (configs/models/gpt3-1b.toml, L = 2048, or
+--model's; a --profile must be of that model at that L), run by
 the runtime's own code — `StageRunner` tiles walked by `worker.run_schedule` (which synchronises the GPU after
 every tile, as the workers do), then `optim.take_step` (global-norm clip 1.0, AdamW from `make_optimizer`).
 For each precision (fp32, bf16) and batch B (1, 8) the schemes run interleaved on the same weights — whole
@@ -26,12 +28,18 @@ cost model's prediction. Below the table, one layer's per-tile floor: b = 1, i =
 through StageRunner (the profile library's TileTimer, CUDA events). CUDA graphs: the runtime has no switch
 for them, so that row says "not implemented".
 
-Without a CUDA GPU it prints one line and exits 2 (nothing was measured: not a success).
+    python scripts/bench_gpu.py --device cpu           # a dry run of the same code on the CPU (seconds)
+
+Without a CUDA GPU it prints one line and exits 2 (nothing was measured: not a success). ``--device cpu`` runs the
+same code path on the CPU, by default on the tiny model at L = 128, B = 1, fp32, one round: a check that the
+script works (scripts/gpu_bringup.sh's dry run), not a measurement. Its table says "no CUDA" where GPU figures
+would be (MFU, peak memory: the CUDA allocator's peak has no CPU counterpart that counts the same bytes).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import tempfile
@@ -43,9 +51,19 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
 NO_GPU = "bench_gpu.py needs a CUDA GPU; none here"
+NO_CUDA = "no CUDA"  # what the table says where a GPU figure would be, on a --device cpu dry run
 PEAK_HARDWARE = ROOT / "configs" / "hardware" / "h100.toml"  # bf16 dense peak of an H100 SXM (H200: the same)
 PRECISIONS = ("fp32", "bf16")
 TOKEN_STEP = 8
+# The options' defaults on the GPU, and on a --device cpu dry run: the smallest run of every code path (a tiny
+# model at L = 128 takes seconds on one core; GPT3-1B at L = 2048 would take an hour there).
+DEFAULTS = {
+    "cuda": dict(model=str(ROOT / "configs/models/gpt3-1b.toml"), batch="1,8", precision="fp32,bf16", rounds=5,
+                 warmup=2, floor_repeats=30),
+    "cpu": dict(model=str(ROOT / "configs/models/tiny.toml"), batch="1", precision="fp32", rounds=1, warmup=0,
+                floor_repeats=3),
+}  # fmt: skip
+CPU_SEQ_LEN = 128  # the default model's L on the CPU (a model given with --model keeps its own)
 
 
 @dataclass
@@ -143,42 +161,59 @@ def time_group(model, cells: list[Cell], device, *, rounds: int, warmup: int) ->
     for round_ in range(warmup + rounds):
         for cell in cells:
             if cell.failed is None:
-                _time_step(cell, runner, optimizer, executors[cell.name], tokens, keep=round_ >= warmup)
+                _time_step(cell, runner, optimizer, executors[cell.name], tokens, device, keep=round_ >= warmup)
     del runner, optimizer, links
-    torch.cuda.empty_cache()
+    _free_cached(device)
     return linear
 
 
-def _time_step(cell: Cell, runner, optimizer, executor, tokens, *, keep: bool) -> None:
+def _time_step(cell: Cell, runner, optimizer, executor, tokens, device, *, keep: bool) -> None:
     """One training step of ``cell``'s scheme: its time and peak memory, or why it failed (out of memory)."""
     import torch
 
     from terapipe_cli.engine.optim import take_step
 
+    cuda = device.type == "cuda"
     params = list(runner.module.parameters())
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    _sync(device)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
     try:
         optimizer.zero_grad(set_to_none=True)
         executor.step(tokens, step_start=start)
         take_step(optimizer, params, max_norm=1.0)
-        torch.cuda.synchronize()
+        _sync(device)
     except torch.cuda.OutOfMemoryError:
         cell.failed = "out of memory"
         runner.reset()
         optimizer.zero_grad(set_to_none=True)
-        torch.cuda.empty_cache()
+        _free_cached(device)
         return
     if keep:
         cell.times.append(time.perf_counter() - start)
-        cell.peak_bytes = max(cell.peak_bytes, torch.cuda.max_memory_allocated())
+        if cuda:
+            cell.peak_bytes = max(cell.peak_bytes, torch.cuda.max_memory_allocated(device))
+
+
+def _sync(device) -> None:
+    """Wait for the GPU's queued work (the CPU computes synchronously: nothing to wait for)."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _free_cached(device) -> None:
+    """Give the CUDA allocator's cached blocks back, so the next group's peak starts from its own weights."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def tile_floor(model, precision: str, device, repeats: int) -> tuple[list[float], list[float]]:
     """Forward and backward seconds of one layer's smallest tile (b = 1, i = 8, no context), ``repeats`` times."""
-    import torch
-
     from terapipe_cli.profile.timer import TileTimer
 
     timer = TileTimer(model, device, precision=precision)
@@ -187,7 +222,7 @@ def tile_floor(model, precision: str, device, repeats: int) -> tuple[list[float]
             timer.time_tile(1, TOKEN_STEP, 0)
         times = [timer.time_tile(1, TOKEN_STEP, 0) for _ in range(repeats)]
     del timer
-    torch.cuda.empty_cache()
+    _free_cached(device)
     return [f for f, _ in times], [b for _, b in times]
 
 
@@ -198,8 +233,9 @@ def _ms(values: list[float]) -> str:
     return f"{statistics.median(values) * 1e3:.1f} ({min(values) * 1e3:.1f}–{max(values) * 1e3:.1f})"
 
 
-def table_rows(cells: list[Cell], flops_of, peak: float | None) -> list[list[str]]:
-    """One row per cell, and a "CUDA graphs on" row per precision (not implemented in the runtime)."""
+def table_rows(cells: list[Cell], flops_of, peak: float | None, *, cuda: bool = True) -> list[list[str]]:
+    """One row per cell, and a "CUDA graphs on" row per precision (not implemented in the runtime). Without
+    ``cuda`` (a --device cpu dry run) MFU and peak memory say "no CUDA"."""
     from terapipe_cli.plan.file import short_form
 
     rows = []
@@ -210,8 +246,8 @@ def table_rows(cells: list[Cell], flops_of, peak: float | None) -> list[list[str
             continue
         seconds = statistics.median(c.times)
         tflops = flops_of(c.batch) / seconds / 1e12
-        mfu = f"{tflops * 1e12 / peak:.1%}" if peak else "n/a"
-        gib = f"{c.peak_bytes / 2**30:.1f}"
+        mfu = f"{tflops * 1e12 / peak:.1%}" if peak and cuda else ("n/a" if cuda else NO_CUDA)
+        gib = f"{c.peak_bytes / 2**30:.1f}" if cuda else NO_CUDA
         rows.append(head + [_ms(c.times), f"{tflops:.1f}", mfu, gib, f"{c.predicted_s * 1e3:.1f}"])
     for precision in dict.fromkeys(c.precision for c in cells):
         rows.append([precision, "", "CUDA graphs on", "", "not implemented (the runtime has no graphs switch)"])
@@ -247,38 +283,78 @@ def floor_lines(floors: dict[str, tuple[list[float], list[float]]], markdown: bo
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=str(ROOT / "configs/models/gpt3-1b.toml"))
-    parser.add_argument("--batch", default="1,8", help="batch sizes B, comma-separated (default 1,8)")
-    parser.add_argument("--precision", default="fp32,bf16", help="fp32 and/or bf16, comma-separated")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a dry run (default cuda)")
+    parser.add_argument("--model", help="model TOML or bundled name (default gpt3-1b; on the CPU tiny)")
+    parser.add_argument("--seq-len", type=int, help="sequence length L (default the model's; on the CPU, tiny's: 128)")
+    parser.add_argument("--batch", help="batch sizes B, comma-separated (default 1,8; on the CPU 1)")
+    parser.add_argument("--precision", help="fp32 and/or bf16, comma-separated (default both; on the CPU fp32)")
     parser.add_argument("--profile", action="append", default=[], help="a profile to plan with (one per precision)")
-    parser.add_argument("--rounds", type=int, default=5, help="timed rounds of every scheme (default 5)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default 2)")
-    parser.add_argument("--floor-repeats", type=int, default=30)
+    parser.add_argument("--rounds", type=int, help="timed rounds of every scheme (default 5; on the CPU 1)")
+    parser.add_argument("--warmup", type=int, help="untimed rounds first (default 2; on the CPU 0)")
+    parser.add_argument("--floor-repeats", type=int, help="timings of the per-tile floor (default 30; on the CPU 3)")
     parser.add_argument("--peak-tflops", type=float, help="the device's bf16 dense peak, TFLOP/s, for MFU")
     parser.add_argument("--markdown", action="store_true", help="Markdown tables (for docs/results.md)")
     a = parser.parse_args(argv)
+    if a.device == "cpu" and a.model is None and a.seq_len is None:
+        a.seq_len = CPU_SEQ_LEN
+    for key, value in DEFAULTS[a.device].items():
+        if getattr(a, key, None) is None:
+            setattr(a, key, value)
     a.batches = [int(x) for x in a.batch.split(",")]
     a.precisions = a.precision.split(",")
     if not set(a.precisions) <= set(PRECISIONS) or min(a.batches) < 1 or a.rounds < 1 or a.warmup < 0:
         parser.error(f"--precision must be among {','.join(PRECISIONS)}, --batch and --rounds positive")
+    if a.seq_len is not None and (a.seq_len < TOKEN_STEP or a.seq_len % TOKEN_STEP):
+        parser.error(f"--seq-len must be a positive multiple of {TOKEN_STEP}")
     return a
+
+
+def load_model(path: str, seq_len: int | None):
+    """The model to time: ``path``'s, at ``seq_len`` when given (a shorter L for a dry run)."""
+    from terapipe_cli.config.model import load_model_config
+
+    model = load_model_config(path)
+    return model if seq_len is None else dataclasses.replace(model, seq_len=seq_len)
+
+
+def profile_mismatch(profile, model, path: str) -> str | None:
+    """Why ``profile`` cannot plan ``model``, or None. A profile prices its own model's layers at its own L:
+    planning another shape with it would print the predictions of another model."""
+    keys = ("arch", "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "seq_len")
+    differ = [k for k in keys if getattr(profile.model, k) != getattr(model, k)]
+    if not differ:
+        return None
+    given = ", ".join(f"{k} {getattr(profile.model, k)} (the model's {getattr(model, k)})" for k in differ)
+    return f"bench_gpu.py: {path} profiles another model: {given}"
 
 
 def main(argv: list[str] | None = None) -> int:
     a = _parse_args(argv)
     import torch
 
-    if not torch.cuda.is_available():
+    cuda = a.device == "cuda"
+    if cuda and not torch.cuda.is_available():
         print(NO_GPU, file=sys.stderr)
         return 2
-    from terapipe_cli.config.model import load_model_config
     from terapipe_cli.plan.costmodel import read_profile
 
-    device = torch.device("cuda", torch.cuda.current_device())
-    name = torch.cuda.get_device_name(device)
-    model = load_model_config(a.model)
-    peak, peak_source = peak_flops(name, a.peak_tflops)
-    given = {read_profile(p).precision: Path(p) for p in a.profile}
+    model = load_model(a.model, a.seq_len)
+    if cuda:
+        device = torch.device("cuda", torch.cuda.current_device())
+        name = torch.cuda.get_device_name(device)
+        peak, peak_source = peak_flops(name, a.peak_tflops)
+    else:
+        device, name = torch.device("cpu"), f"cpu ({NO_CUDA}: a dry run of the code path, its times mean nothing)"
+        peak, peak_source = None, f"{NO_CUDA}"
+        torch.set_num_threads(1)  # one core, as a runtime stage and its profile have: two threads spin on two cores
+    given = {}
+    for p in a.profile:
+        profile = read_profile(p)
+        why = profile_mismatch(profile, model, p)
+        if why:
+            print(why, file=sys.stderr)
+            return 2
+        given[profile.precision] = Path(p)
     out_dir = Path(tempfile.mkdtemp(prefix="bench_gpu."))
     print(f"{name}, torch {torch.__version__}: {model.name}, K=1, L={model.seq_len}, B in {a.batches}", flush=True)
     cells, floors, linear = [], {}, 0
@@ -296,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         return model_flops(linear, model.layers, model.hidden, batch, model.seq_len)
 
     print()
-    print(render(HEADERS, table_rows(cells, flops_of, peak), a.markdown))
+    print(render(HEADERS, table_rows(cells, flops_of, peak, cuda=cuda), a.markdown))
     print(
         f"\nTFLOP/s: model FLOPs 6·N·B·L + 6·layers·B·L²·H with N = {linear:,} linear weights; "
         f"MFU against {peak / 1e12:.0f} TFLOP/s bf16 dense ({peak_source})"

@@ -184,6 +184,19 @@ def test_bench_gpu_schemes_and_table(tmp_path):
     assert len(text) == 2 + len(rows) and all(line.count("|") == len(bench_gpu.HEADERS) + 1 for line in text)
 
 
+def test_bench_gpu_dry_run_says_no_cuda_and_refuses_another_models_profile():
+    """--device cpu (scripts/gpu_bringup.sh's dry run): no MFU or CUDA peak there; a profile plans only its model."""
+    from terapipe_cli.plan.costmodel import read_profile
+
+    cell = bench_gpu.Cell("fp32", 1, "whole sequence", [(1, [64])], 0.05, times=[0.1])
+    assert bench_gpu.table_rows([cell], lambda batch: 1e9, None, cuda=False)[0][6:8] == ["no CUDA", "no CUDA"]
+    example = ROOT / "configs" / "profiles" / "example-tiny-cpu.json"
+    tiny = bench_gpu.load_model("tiny", None)
+    assert bench_gpu.profile_mismatch(read_profile(example), tiny, "p.json") is None
+    why = bench_gpu.profile_mismatch(read_profile(example), bench_gpu.load_model("tiny", 128), "p.json")
+    assert why == "bench_gpu.py: p.json profiles another model: seq_len 1024 (the model's 128)"
+
+
 # ----------------------------------------------------------------------------------------------- on a GPU
 
 

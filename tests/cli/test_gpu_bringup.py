@@ -1,0 +1,84 @@
+"""scripts/gpu_bringup.sh's dry run: without CUDA it runs every step's command on the CPU with the tiny models, and
+what it leaves in OUTDIR fits what a lent GPU machine sends back (8 files, 2 folders deep, plain names).
+
+One test, the whole dry run (~50 s on an idle two-core machine, nearly all of it ~20 processes loading PyTorch):
+the GPU session that runs the script gets one try, so every command in it must have run somewhere first.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+from conftest import ROOT
+
+SCRIPT = ROOT / "scripts" / "gpu_bringup.sh"
+FILES_SENT_BACK = 8
+FOLDERS_DEEP = 2
+PLAIN_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
+
+
+def script_steps() -> list[str]:
+    """The step names in the script's STEPS list, in order."""
+    block = re.search(r"^STEPS=\((.*?)^\)", SCRIPT.read_text(), re.S | re.M)
+    assert block, "no STEPS=( ... ) in the script"
+    return re.findall(r'"([a-z0-9-]+) \d+"', block.group(1))
+
+
+def table_rows(summary: str) -> list[list[str]]:
+    """The cells of the summary table's step rows (``| 1 | verify-k1 | ... |``)."""
+    lines = [line for line in summary.splitlines() if re.match(r"^\| \d+ \|", line)]
+    return [[c.strip() for c in line.strip().strip("|").split("|")] for line in lines]
+
+
+def failed_steps_output(out) -> str:
+    """The end of steps.log's sections of the steps that did not end ok or skipped (for the failure message)."""
+    log = (out / "steps.log").read_text() if (out / "steps.log").exists() else ""
+    sections = re.split(r"(?m)^(?====== \[\d+/\d+\] )", log)
+    bad = [s for s in sections if re.search(r"(?m)^===== \S+: (failed|timed out)", s)]
+    return "\n".join(s[-3000:] for s in bad)
+
+
+def test_the_dry_run_runs_every_step_on_the_cpu_and_fits_what_is_sent_back(tmp_path):
+    out, scratch = tmp_path / "out", tmp_path / "scratch"
+    scratch.mkdir()
+    # No GPU (as conftest hides it), this interpreter, scratch under tmp_path; no pytest state of this run leaks
+    # into the script's own pytest step.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    # A budget no loaded machine reaches: on a slow day a step must not be skipped for time here.
+    env.update(CUDA_VISIBLE_DEVICES="", PYTHON=sys.executable, TMPDIR=str(scratch), GPU_BRINGUP_BUDGET_S="900")
+    p = subprocess.run(["bash", str(SCRIPT), str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:] + failed_steps_output(out)
+
+    summary = (out / "summary.md").read_text()
+    assert "no CUDA" in summary
+    rows = table_rows(summary)
+    steps = script_steps()
+    assert len(steps) == 10 and [r[1] for r in rows] == steps, summary
+    for _, name, device, status, seconds, result in rows:
+        assert device == "cpu (no CUDA)", (name, device)
+        # ok with a result line, or skipped with its reason; never failed or timed out
+        assert status == "ok" or re.match(r"^skipped: \S", status), (name, status)
+        assert status != "ok" or result, (name, "no result line")
+        assert float(seconds) >= 0
+    results = {r[1]: r[5] for r in rows}
+    assert results["verify-k1"].startswith("verified") and "bf16" in results["verify-k1"]
+    assert "K=2" in results["verify-k2-shared"] and "K=1 T=2" in results["t2-shared"]
+    assert "held-out context-fit error" in results["profile"]
+    assert "whole sequence" in results["bench-gpt"] and "no CUDA" in results["bench-gpt"]
+    assert "llama-tiny-2l-L64" in results["bench-llama-short"] and "L=128" in results["bench-llama-long"]
+    assert "kept for backward est." in results["memory"] and "process RSS" in results["memory"]
+    assert re.match(r"^\d+ skipped \(no CUDA\)", results["gpu-tests"]) or rows[-1][3].startswith("skipped")
+
+    log = (out / "steps.log").read_text()
+    for n, name in enumerate(steps, 1):
+        assert f"===== [{n}/{len(steps)}] {name} " in log  # each step's output under its header
+
+    files = [f for f in out.rglob("*") if f.is_file()]
+    assert 0 < len(files) <= FILES_SENT_BACK, sorted(f.name for f in files)
+    for f in out.rglob("*"):
+        assert len(f.relative_to(out).parts) <= FOLDERS_DEEP + 1 and PLAIN_NAME.match(f.name), f
+    assert {"summary.md", "steps.log"} <= {f.name for f in files}
+    assert not list(scratch.iterdir())  # the scratch folder (runs, cuts, profiles) is gone
