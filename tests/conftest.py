@@ -202,7 +202,7 @@ class LocalSetup:
         from terapipe_cli.engine.data import load_data, split_data
 
         self.plan, self.args, self.device = plan, args, torch.device(device)
-        self.data, self.held_out = split_data(load_data(args.data), args.val_fraction, plan.seq_len)
+        self.data, self.held_out = split_data(load_data(args.data, args.token_dtype), args.val_fraction, plan.seq_len)
 
 
 def local_setup(

@@ -45,9 +45,11 @@ def make_run(
     plan_extra: dict | None = None,
     plan: dict | None = None,
     records: list[dict] | None = None,
+    arguments: dict | None = None,
 ):
     """A complete run directory as `terapipe train` writes it, with simulated (uniform-cost) timelines; ``plan``: a
-    whole plan (else a tiny one over ``slices``), ``records``: fields added to each step's metrics record."""
+    whole plan (else a tiny one over ``slices``), ``records``: fields added to each step's metrics record,
+    ``arguments``: `RunArguments` fields set (weight_decay, decay_steps, ...)."""
     model = model or tiny_model(seq_len=SEQ)
     batch = sum(b for b, _ in slices)
     plan = plan or make_plan_dict(
@@ -73,6 +75,7 @@ def make_run(
         timeout_s=60.0,
         verify=False,
         tensor_parallel=tensor,
+        **(arguments or {}),
     )
     write_config(
         path,

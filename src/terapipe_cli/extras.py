@@ -2,10 +2,12 @@
 
     transformers, safetensors   terapipe export --format hf          pip install 'terapipe-cli[hf]'
     tensorboard                 terapipe train --log tensorboard     pip install 'terapipe-cli[tensorboard]'
+    tokenizers                  terapipe data tokenize               pip install 'terapipe-cli[data]'
+    pyarrow                     terapipe data tokenize of Parquet    pip install pyarrow
     tiktoken                    terapipe sample on a GPT-2 BPE run   pip install tiktoken
 
-The test set-up (``pip install -e '.[test]'``) installs the first two extras; tiktoken is needed only to read the
-GPT-2 BPE token files that nanoGPT-style preparation writes.
+The test set-up (``pip install -e '.[test]'``) installs the first three extras and pyarrow; tiktoken is needed only
+to read the GPT-2 BPE token files that nanoGPT-style preparation writes.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ INSTALL = {
     "transformers": "pip install 'terapipe-cli[hf]'",
     "safetensors": "pip install 'terapipe-cli[hf]'",
     "tensorboard": "pip install 'terapipe-cli[tensorboard]'",
+    "tokenizers": "pip install 'terapipe-cli[data]'",
+    "pyarrow": "pip install pyarrow",
     "tiktoken": "pip install tiktoken",
 }
 

@@ -36,6 +36,13 @@ def test_model_toml_round_trips(tmp_path):
     assert load_model_config(tmp_path / "m.toml") == cfg.model
 
 
+def test_model_toml_round_trips_a_llama_model_with_its_boolean(tmp_path):
+    """scripts/gpu_bringup.py writes its llama cuts with it: tie_embeddings must come out as TOML's false."""
+    model = load_model_config(ROOT / "configs" / "models" / "llama3-8b.toml")
+    (tmp_path / "m.toml").write_text(model_toml(model, "a comment"))
+    assert load_model_config(tmp_path / "m.toml") == model
+
+
 def test_fresh_folders_never_collide(tmp_path):
     a = DemoPaths.fresh(tmp_path)
     a.root.mkdir()

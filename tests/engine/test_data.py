@@ -25,15 +25,15 @@ def test_text_bin_and_npy_files(tmp_path):
     ids.tofile(tmp_path / "t.bin")
     np.save(tmp_path / "t.npy", ids)
     for name in ("t.bin", "t.npy"):
-        d = load_data(tmp_path / name)
+        d = load_data(tmp_path / name, "uint16" if name.endswith(".bin") else None)  # a headerless .bin: its type
         assert d.kind == "tokens" and list(d.tokens) == [5, 300, 7, 9]
-    with pytest.raises(UserError, match="outside the model's vocabulary of 256"):
+    with pytest.raises(UserError, match="token id 300 at position 1, the first outside a vocabulary of 256 ids"):
         check_data(d, vocab=256, seq_len=2)
     with pytest.raises(UserError, match="fewer than the sequence length"):
         check_data(d, vocab=1000, seq_len=4)
     (tmp_path / "odd.bin").write_bytes(b"abc")
-    with pytest.raises(UserError, match="size is odd"):
-        load_data(tmp_path / "odd.bin")
+    with pytest.raises(UserError, match="not a whole number of uint16 ids"):
+        load_data(tmp_path / "odd.bin", "uint16")
     # Not text: an image's bytes, or NUL bytes, are refused (a text file is read as bytes, so anything would train).
     (tmp_path / "picture.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + bytes(range(256)))
     (tmp_path / "nul.txt").write_bytes(b"text\x00more text")

@@ -3,7 +3,9 @@ their absolute positions equal to the whole sequence, and the slice-local negati
 
 from __future__ import annotations
 
+import math
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -40,7 +42,7 @@ def test_llama_fields_round_trip_and_default():
     [
         ({"kv_heads": 3}, "field 'kv_heads' must divide heads (4), got 3"),
         ({"kv_heads": 0}, "field 'kv_heads' must be at least 1"),
-        ({"arch": "mamba"}, "field 'arch' must be one of gpt, llama"),
+        ({"arch": "mamba"}, "field 'arch' must be one of gpt, gpt2, llama"),
         ({"ffn_hidden": None}, "field 'ffn_hidden' must be an integer"),
         ({"rope_theta": 0}, "field 'rope_theta' must be positive"),
         ({"tie_embeddings": "no"}, "field 'tie_embeddings' must be true or false"),
@@ -100,8 +102,11 @@ def test_stages_hold_the_whole_models_weights_under_its_names():
     for stage in range(2):
         joined.update(build_model(cfg, stage, 2, seed=5).state_dict())
     assert joined.keys() == whole.keys() and all(torch.equal(joined[k], whole[k]) for k in whole)
-    with pytest.raises(UserError, match="ties its embeddings"):
-        build_model(small(layers=4, tie_embeddings=True), 0, 2)
+    # Tied across two stages: each holds the matrix, with the same values (tests/engine/test_tied.py trains it).
+    tied = small(layers=4, tie_embeddings=True)
+    first, last = build_model(tied, 0, 2, seed=5), build_model(tied, 1, 2, seed=5)
+    assert torch.equal(first.wte.weight, last.lm_head.weight)
+    assert torch.equal(first.wte.weight, build_model(tied, seed=5).wte.weight)
 
 
 def sliced(model, tokens, sizes):
@@ -154,7 +159,7 @@ def test_rope_is_the_rotate_half_convention():
 @pytest.mark.parametrize("T", [2])
 def test_llama_shards_gather_into_the_whole_tensors(T):
     """Rank r keeps query heads and key/value heads [r·n/T, (r+1)·n/T): its query heads read exactly its key/value
-    heads; the shards gathered are the whole tensors; SPLITS names the cut parameters of the two architectures."""
+    heads; the shards gathered are the whole tensors; SPLITS names the cut parameters of every architecture."""
     from test_tensor_parallel import shard_and_gather
 
     from terapipe_cli.engine.tensor import SPLITS, split_of
@@ -167,8 +172,15 @@ def test_llama_shards_gather_into_the_whole_tensors(T):
     d = cfg.head_dim
     assert torch.equal(ranks[1][0]["blocks.0.attn.k_proj.weight"], state["blocks.0.attn.k_proj.weight"][d : 2 * d])
     assert ranks[1][0]["blocks.0.attn.q_proj.weight"].shape == (2 * d, cfg.hidden)  # query heads 2, 3 read kv head 1
-    gpt = build_model(ModelConfig.from_dict({**BASE, "layers": 1}, "test", prefix="")).state_dict()
-    cut = {n.removeprefix("blocks.0.") for names in (state, gpt) for n in names if split_of(n)}
+    others = [
+        build_model(ModelConfig.from_dict({**BASE, "layers": 1, "arch": a}, "t", prefix="")) for a in ("gpt", "gpt2")
+    ]
+    cut = {
+        n.removeprefix("blocks.0.")
+        for names in (state, *(m.state_dict() for m in others))
+        for n in names
+        if split_of(n)
+    }
     assert cut == set(SPLITS)
 
 
@@ -184,3 +196,80 @@ def test_repeated_key_value_heads_equal_grouped_query_attention():
     assert torch.allclose(y, y2) and all(
         torch.allclose(a, b) for a, b in zip(grads, torch.autograd.grad(y2.square().sum(), (q, k, v)), strict=True)
     )
+
+
+LLAMA31 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_llama31_rope_scaling_computes_transformers_logits_whole_and_in_token_slices(tmp_path, tied):
+    """A tiny LlamaForCausalLM with Llama 3.1's rope_scaling, its original_max_position_embeddings (16) short enough
+    that every band of the scaling bites at L = 64 (wavelengths 6.3: blended, 63, 628, 6283: slowed 8×): read from
+    its folder (`load_model_config`) and given its weights, terapipe's Llama computes transformers' logits (fp32,
+    1e-4) on the whole sequence and token slice by token slice through the K/V cache; without the scaling it does
+    not (the negative control)."""
+    from hf_models import saved, terapipe_model
+
+    scaling = {**LLAMA31, "original_max_position_embeddings": 16}
+    config = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, rope_theta=10000.0, rms_norm_eps=1e-5,
+                  tie_word_embeddings=tied, rope_scaling=scaling)  # fmt: skip
+    theirs = saved(tmp_path, "LlamaForCausalLM", **config)
+    cfg = load_model_config(tmp_path)
+    assert cfg.rope_scaling is not None and cfg.rope_scaling.original_max_position_embeddings == 16
+    assert (cfg.seq_len, cfg.tie_embeddings, cfg.kv_heads) == (64, tied, 2)
+    ours = terapipe_model(theirs, cfg)
+    tokens = torch.randint(0, 64, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = theirs(tokens).logits
+        torch.testing.assert_close(ours(tokens), expected, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(sliced(ours, tokens, [13, 1, 26, 24]), expected, rtol=1e-4, atol=1e-5)
+        plain = terapipe_model(theirs, replace(cfg, rope_scaling=None))
+        assert not torch.allclose(plain(tokens), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_the_scaled_frequencies_are_the_three_bands():
+    """Llama 3.1 8B's frequencies (head_dim 128, θ = 500000, original 8192): wavelengths under 2048 kept, over 8192
+    divided by 8, between them blended — monotone, from f/8 at the long end to f at the short one."""
+    cfg = load_model_config("llama3.1-8b")
+    plain = 1.0 / cfg.rope_theta ** (torch.arange(0, 128, 2).float() / 128)
+    scaled = llama.scaled_frequencies(plain, cfg.rope_scaling)
+    wavelength = 2 * math.pi / plain
+    short, long = wavelength < 8192 / 4, wavelength > 8192 / 1
+    assert torch.equal(scaled[short], plain[short]) and torch.allclose(scaled[long], plain[long] / 8)
+    between = ~short & ~long
+    ratio = scaled[between] / plain[between]
+    assert between.sum() > 0 and ((ratio > 1 / 8) & (ratio < 1)).all() and (ratio.diff() < 0).all()
+
+
+@pytest.mark.parametrize(
+    ("scaling", "message"),
+    [
+        (
+            {**LLAMA31, "rope_type": "yarn", "original_max_position_embeddings": 8},
+            "rope_scaling.rope_type' must be 'llama3'",
+        ),
+        ({**LLAMA31, "factor": 0.5, "original_max_position_embeddings": 8}, "rope_scaling.factor' must be at least 1"),
+        ({**LLAMA31, "high_freq_factor": 1.0, "original_max_position_embeddings": 8}, "high_freq_factor' must exceed"),
+        (LLAMA31, "rope_scaling.original_max_position_embeddings' is missing"),
+        ({**LLAMA31, "original_max_position_embeddings": 8, "beta": 1}, "rope_scaling.beta' is not a setting"),
+        (8.0, "field 'rope_scaling' must be an object"),
+    ],
+)
+def test_bad_rope_scaling_is_one_line_naming_the_field(scaling, message):
+    with pytest.raises(UserError) as err:
+        small(rope_scaling=scaling)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_rope_scaling_is_a_toml_table_and_round_trips(tmp_path):
+    path = tmp_path / "m.toml"
+    path.write_text(
+        '[model]\nname = "m"\narch = "llama"\nlayers = 2\nhidden = 64\nheads = 4\nffn_hidden = 96\nvocab = 50\n'
+        'seq_len = 64\nrope_scaling = {rope_type = "llama3", factor = 8.0, low_freq_factor = 1.0, '
+        "high_freq_factor = 4.0, original_max_position_embeddings = 16}\n"
+    )
+    cfg = load_model_config(path)
+    assert cfg.rope_scaling.factor == 8.0 and ModelConfig.from_dict(cfg.to_dict(), "round trip", prefix="") == cfg
+    assert "rope_scaling" not in small().to_dict()  # a model without it records what it did before
+    assert ModelConfig(**cfg.to_dict()) == cfg  # by hand, as `terapipe export`'s docstring shows

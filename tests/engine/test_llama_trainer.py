@@ -104,20 +104,3 @@ def test_a_llama_trainer_continued_from_its_state_takes_the_same_steps(args):
     assert states[0][0] + rest[0] == pytest.approx(whole, rel=1e-6)
     model = states[0][1][0]  # stage 0, tensor rank 0: whole tensors, whatever T
     assert model["blocks.0.attn.k_proj.weight"].shape == (2 * 8, 32)
-
-
-def test_tied_embeddings_verify_on_one_device_and_are_refused_across_stages():
-    """tie_embeddings: one matrix for the embedding and the head, trained once (slices and two chunks on one device);
-    a plan that would put them on two stages is refused in one line."""
-    from conftest import plan_dict
-
-    from terapipe_cli.errors import UserError
-    from terapipe_cli.plan.file import plan_from_dict
-
-    tied = llama_model(tie_embeddings=True)
-    fields = {"virtual_stages": 2, "layers_per_stage": [3, 3]}
-    result, _ = verify_locally(local_setup([(1, [12, 20])], stages=1, model=tied, plan_fields=fields))
-    assert result.ok, checks(result)
-    with pytest.raises(UserError, match="ties its embeddings") as err:
-        plan_from_dict(plan_dict([(1, [16, 16])], stages=2, model=tied), "plan.json")
-    assert err.value.where == "plan.json: field 'stages'"

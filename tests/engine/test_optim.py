@@ -6,8 +6,12 @@ import math
 
 import pytest
 import torch
+from conftest import tiny_model
 
+from terapipe_cli.config.model import ModelConfig
+from terapipe_cli.config.optimizer import OptimizerConfig
 from terapipe_cli.config.run import LRSchedule, RunArguments
+from terapipe_cli.engine.model import build_model
 from terapipe_cli.engine.optim import LossScale, clip_global_norm, make_optimizer, take_step
 from terapipe_cli.errors import UserError
 
@@ -148,3 +152,61 @@ def test_an_overflow_on_any_rank_skips_the_step_everywhere():
         assert out.skipped and out.grad_norm is None and out.loss_scale == 4.0 == scale.scale
         assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
         assert not opt.state  # AdamW has not counted a step either
+
+
+def _groups(optimizer: torch.optim.Optimizer, module: torch.nn.Module) -> dict[str, float]:
+    """Each parameter's name -> the weight decay of its group."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    return {names[id(p)]: g["weight_decay"] for g in optimizer.param_groups for p in g["params"]}
+
+
+def test_the_optimizer_takes_its_config_whole():
+    """AdamW's weight decay, betas and eps as `OptimizerConfig` says; the defaults are nanoGPT's: 0.1 on every
+    matrix, the embeddings and the head included, none on norms and biases."""
+    model = build_model(tiny_model(layers=2))
+    default = make_optimizer(model, 1e-3)
+    decay = _groups(default, model)
+    assert {n for n, wd in decay.items() if wd == 0.1} == {n for n, p in model.named_parameters() if p.dim() >= 2}
+    assert {"wte.weight", "wpe.weight", "lm_head.weight"} <= {n for n, wd in decay.items() if wd == 0.1}
+    assert all(wd == 0.0 for n, wd in decay.items() if "ln" in n)
+    assert [(g["betas"], g["eps"]) for g in default.param_groups] == [((0.9, 0.95), 1e-8)] * 2
+    config = OptimizerConfig(weight_decay=0.3, beta1=0.8, beta2=0.99, eps=1e-6)
+    custom = make_optimizer(model, 1e-3, config)
+    assert [(g["weight_decay"], g["betas"], g["eps"]) for g in custom.param_groups] == [
+        (0.3, (0.8, 0.99), 1e-6),
+        (0.0, (0.8, 0.99), 1e-6),
+    ]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_no_decay_embeddings_leaves_the_embeddings_and_the_head_undecayed(tied):
+    """``decay_embeddings=False``: the token and position embeddings and the LM head join the norms and biases
+    (tied: the one matrix); every other matrix keeps its decay."""
+    cfg = (
+        ModelConfig(name="t", layers=2, hidden=32, heads=4, vocab=256, seq_len=32, arch="llama", tie_embeddings=True)
+        if tied
+        else tiny_model(layers=2)
+    )
+    model = build_model(cfg)
+    decay = _groups(make_optimizer(model, 1e-3, OptimizerConfig(decay_embeddings=False)), model)
+    embeddings = {"wte.weight"} if tied else {"wte.weight", "wpe.weight", "lm_head.weight"}
+    assert len(decay) == len(list(model.parameters())) and all(decay[n] == 0.0 for n in embeddings)
+    assert all(decay[n] == 0.1 for n, p in model.named_parameters() if p.dim() >= 2 and n not in embeddings)
+    assert any(decay[n] == 0.1 for n in decay)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "words"),
+    [
+        ("weight_decay", -0.1, "at least 0"),
+        ("beta1", 1.0, "[0, 1)"),
+        ("beta2", -0.5, "[0, 1)"),
+        ("eps", 0.0, "positive"),
+        ("weight_decay", float("inf"), "finite"),
+        ("beta1", float("nan"), "[0, 1)"),
+    ],
+)
+def test_a_bad_optimizer_setting_is_a_value_error_naming_it(field, value, words):
+    with pytest.raises(ValueError, match=field) as e:
+        OptimizerConfig(**{field: value})
+    assert isinstance(e.value, UserError) and words in str(e.value)

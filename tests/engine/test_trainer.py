@@ -143,6 +143,62 @@ def test_skipping_one_tensor_parallel_allreduce_fails_verification():
     assert not result.ok
 
 
+# AdamW's settings away from every default (`config.optimizer.OptimizerConfig`).
+OPTIMIZER_SETTINGS = dict(weight_decay=0.5, beta1=0.8, beta2=0.99, eps=1e-6, decay_embeddings=False)
+EMBEDDINGS_AND_HEAD = ("wte.weight", "wpe.weight", "lm_head.weight")
+
+
+def recording_make_optimizer(built: list, where: str):
+    """`optim.make_optimizer` that also notes (where, module, optimizer) of each optimizer it builds."""
+    from terapipe_cli.engine import optim
+
+    def make(module, lr, config=None):
+        optimizer = optim.make_optimizer(module, lr, config)
+        built.append((where, module, optimizer))
+        return optimizer
+
+    return make
+
+
+@pytest.mark.parametrize("args", [{}, {"tensor_parallel": 2}], ids=["K=2", "K=2, T=2"])
+def test_the_optimizer_settings_reach_every_rank_and_the_reference(monkeypatch, args):
+    """--weight-decay, --beta1, --beta2, --eps and --no-decay-embeddings build every rank's AdamW and those of
+    --verify's reference and spread run alike, and the run verifies with them: the embeddings and the head (each
+    rank's share of them with T = 2) in the group without decay."""
+    from terapipe_cli.engine import trainer
+    from terapipe_cli.train import verify
+
+    built: list = []
+    monkeypatch.setattr(trainer, "make_optimizer", recording_make_optimizer(built, "rank"))
+    monkeypatch.setattr(verify, "make_optimizer", recording_make_optimizer(built, "reference"))
+    result, _ = verify_locally(local_setup([(2, [8, 8, 16])], stages=2, **args, **OPTIMIZER_SETTINGS))
+    assert result.ok, [(c.what, c.max_rel, c.tolerance) for c in result.checks]
+    assert [where for where, _, _ in built].count("rank") == 2 * args.get("tensor_parallel", 1)
+    assert [where for where, _, _ in built].count("reference") == 2  # the reference and the spread run
+    held = set()
+    for _, module, optimizer in built:
+        decay, none = optimizer.param_groups
+        assert (decay["weight_decay"], none["weight_decay"]) == (0.5, 0.0)
+        assert all((g["betas"], g["eps"]) == ((0.8, 0.99), 1e-6) for g in optimizer.param_groups)
+        undecayed = {id(p) for p in none["params"]}
+        for name, p in module.named_parameters():
+            assert (id(p) in undecayed) == (p.dim() < 2 or name in EMBEDDINGS_AND_HEAD), name
+            held |= {name} & set(EMBEDDINGS_AND_HEAD)
+    assert held == set(EMBEDDINGS_AND_HEAD)
+
+
+def test_a_reference_without_the_runs_optimizer_settings_fails_verification(monkeypatch):
+    """Negative control: the same run against a reference built with AdamW's defaults fails the weights' check."""
+    from terapipe_cli.engine import optim
+    from terapipe_cli.train import verify
+
+    monkeypatch.setattr(verify, "make_optimizer", lambda module, lr, config=None: optim.make_optimizer(module, lr))
+    result, _ = verify_locally(local_setup([(2, [8, 8, 16])], stages=2, **OPTIMIZER_SETTINGS))
+    assert not result.ok
+    weights = next(c for c in result.checks if c.what.startswith("weights"))
+    assert weights.max_rel > 10 * weights.tolerance
+
+
 # A vocabulary T = 2 does not divide: rank 0 holds rows 0–99, rank 1 rows 100–200, and the text's bytes fall on both
 # (spaces, digits, capitals and "a"–"c" on rank 0, "d"–"y" on rank 1).
 ODD_VOCAB = tiny_model(layers=6, seq_len=32, vocab=201)
@@ -239,7 +295,7 @@ def test_a_trainer_continued_from_its_state_takes_the_same_steps(args, fields):
     first, last = states[0][1], states[layout.rank(0, 1, 0)][1]  # tensor rank 0 of stage 0 and of stage 1
     for (model, optimizer), name in ((first, "wte.weight"), (last, "lm_head.weight")):
         assert model[name].shape == (cfg.vocab, cfg.hidden)
-        moments = [m for per in optimizer["state"].values() for m in per.values() if torch.is_tensor(m) and m.dim()]
-        assert sum(m.shape == (cfg.vocab, cfg.hidden) for m in moments) == 2  # Adam's m and v, whole
+        moments = [m for m in optimizer["by_name"][name].values() if torch.is_tensor(m) and m.dim()]
+        assert [m.shape for m in moments] == [(cfg.vocab, cfg.hidden)] * 2  # Adam's m and v, whole, by name
     if args.get("precision") == "fp16":
         assert rest[0][1].clean_steps == 4  # the loss scale's count went on from the state

@@ -55,7 +55,10 @@ def test_llama_flops_count_swiglu_and_grouped_query_attention(t):
 
 
 def test_llama_layer_launches_its_own_kernels():
-    assert kernels_per_tile("bf16", llama=True) > kernels_per_tile("bf16")  # separate projections, rotations
+    llama = load_model_config("llama-tiny")
+    assert kernels_per_tile("bf16", model=llama) > kernels_per_tile("bf16")  # separate projections, rotations
+    scaled = replace(llama, rope_scaling=load_model_config("llama3.1-8b").rope_scaling)
+    assert kernels_per_tile("bf16", model=scaled) > kernels_per_tile("bf16", model=llama)  # the frequencies rescaled
 
 
 @pytest.mark.parametrize("precision, dtype_bytes", [("fp32", 4), ("bf16", 2)])

@@ -22,7 +22,7 @@ from terapipe_cli.errors import UserError
 from terapipe_cli.plan.baseline import gpipe_plan_dict
 from terapipe_cli.report.build import find_baseline, find_cost_model, write_report
 from terapipe_cli.report.compare import LOSS_RTOL, bubble_formula, compare, latency_stats
-from terapipe_cli.report.runs import baseline_dir, check_comparable, load_run
+from terapipe_cli.report.runs import baseline_dir, check_comparable, load_run, same_settings
 from terapipe_cli.report.trace import TraceRun, chrome_trace
 from terapipe_cli.train.rundir import timeline_path
 
@@ -148,10 +148,24 @@ def test_not_comparable(tmp_path):
         ("steps", {"steps": 5}),
         ("model", {"model": tiny_model(seq_len=SEQ, hidden=64)}),
         ("stages", {"stages": 4}),
+        ("weight_decay", {"arguments": {"weight_decay": 0.2}}),
+        ("decay_embeddings", {"arguments": {"decay_embeddings": False}}),
+        ("decay_steps", {"arguments": {"decay_steps": 3}}),
+        ("val_fraction", {"arguments": {"val_fraction": 0.1}}),
     ]:
         other = load_run(make_run(tmp_path / name, GPIPE, **kwargs))
         with pytest.raises(UserError, match=name):
             check_comparable(run, other)
+
+
+def test_the_same_settings_check_derives_from_the_run_settings():
+    """Every setting a resumed run keeps (they decide the numbers) must be the baseline's too, AdamW's included;
+    the schedule walked and the plan may differ (the baseline's is GPipe's)."""
+    from terapipe_cli.config.run import run_fields
+
+    kept = {name for name, doc in run_fields().items() if doc.resume == "keep"} - {"schedule"}
+    assert kept | {"steps", "data_parallel", "tensor_parallel"} == set(same_settings())
+    assert {"weight_decay", "beta1", "beta2", "eps", "decay_embeddings", "decay_steps"} <= set(same_settings())
 
 
 def report_cli(capsys, *args: str) -> subprocess.CompletedProcess:

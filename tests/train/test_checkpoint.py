@@ -141,8 +141,8 @@ def test_a_checkpoint_from_before_the_manifest_counts_when_its_files_are_there(t
 def test_resume_passes_over_a_truncated_checkpoint_in_one_line(tmp_path, capsys):
     run = checkpointed_run(tmp_path / "run", step=3)
     for k in range(2):  # an older checkpoint too: step 2, the same weights
-        (checkpoint.step_dir(run, 2)).mkdir(exist_ok=True)
-        checkpoint.stage_file(run, 2, k).write_bytes(checkpoint.stage_file(run, 3, k).read_bytes())
+        record = checkpoint.load_stage(run, 3, k)
+        checkpoint.save_stage(run, 2, k, 2, record["model"], record["optimizer"])
     checkpoint.mark_complete(run, 2, 2)
     path = checkpoint.stage_file(run, 3, 1)
     path.write_bytes(path.read_bytes()[:-10])

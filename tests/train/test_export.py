@@ -87,3 +87,48 @@ def test_an_interleaved_uneven_run_exports_the_same_model(tmp_path, capsys):
     model, _ = load_exported(out)
     for name, tensor in model.state_dict().items():
         torch.testing.assert_close(tensor, weights[name], rtol=0, atol=0)
+
+
+def _flip_a_byte(path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # the same size: only the checksum sees it
+    path.write_bytes(bytes(data))
+
+
+def test_export_and_sample_check_checksums_as_resume_does(tmp_path, capsys):
+    """A bit-flipped newest checkpoint: passed over for the one before, said in one line (it exported a weight of
+    −1.04e37 with exit 0 before); asked for by --step, one line and exit 2."""
+    run = trained_run(tmp_path)
+    for k in range(2):  # step 2: the same weights, an older complete checkpoint
+        record = checkpoint.load_stage(run, 3, k)
+        checkpoint.save_stage(run, 2, k, 2, record["model"], record["optimizer"])
+    checkpoint.mark_complete(run, 2, 2)
+    _flip_a_byte(checkpoint.stage_file(run, 3, 1))
+    for command in (["export", str(run), "--out", str(tmp_path / "m.pt")], ["sample", str(run), "--tokens", "2"]):
+        p = run_cli(capsys, *command)
+        assert p.returncode == 0, p.stderr
+        assert p.stderr.strip().splitlines()[0] == (
+            "terapipe: the checkpoint of step 3 is not usable (stage_001.pt does not match its checksum): using step 2"
+        )
+    p = run_cli(capsys, "export", str(run), "--step", "3", "--out", str(tmp_path / "m3.pt"))
+    assert_one_line_error(p, "the checkpoint of step 3 is not usable", "checksum")
+    assert not (tmp_path / "m3.pt").exists()
+
+
+def test_a_stage_file_of_another_model_is_one_line_everywhere(tmp_path, capsys):
+    """Another model's stage file under a valid manifest: one line, exit 2, in export, sample and --resume (a
+    traceback, and a worker's failure, before)."""
+    from conftest import tiny_model
+
+    run = trained_run(tmp_path)
+    other = GPT(tiny_model(layers=6, hidden=48, heads=2, seq_len=32), 1, 2).state_dict()
+    origin = checkpoint.Origin(tiny_model(layers=6, hidden=48, heads=2, seq_len=32).to_dict(), {})
+    checkpoint.save_stage(run, 3, 1, 2, other, {}, origin=origin)
+    checkpoint.mark_complete(run, 3, 2)  # a valid manifest over the foreign file
+    for command in (
+        ["export", str(run), "--out", str(tmp_path / "m.pt")],
+        ["sample", str(run), "--tokens", "2"],
+        ["train", "--resume", "--out", str(run), "--steps", "5", "--dry-run"],
+    ):
+        p = run_cli(capsys, *command)
+        assert_one_line_error(p, "stage_001.pt", "another model")

@@ -5,6 +5,7 @@ architectures; the optional packages named in one line when they are missing."""
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -138,3 +139,58 @@ def test_a_missing_extra_is_one_line_and_nothing_is_written(tmp_path, capsys, mo
     assert_one_line_error(p, "--format hf", repr(missing), "pip install 'terapipe-cli[hf]'")
     assert not out.exists()
     assert run_cli(capsys, "export", str(run), "--out", str(tmp_path / "m.pt")).returncode == 0  # pt needs neither
+
+
+def gpt2(**changes) -> ModelConfig:
+    base = dict(name="test-gpt2", layers=2, hidden=32, heads=4, vocab=256, seq_len=32, arch="gpt2")
+    return ModelConfig(**{**base, **changes})
+
+
+@pytest.mark.parametrize("cfg", [gpt2(tie_embeddings=False), gpt2()], ids=["untied", "tied"])
+def test_gpt2_lm_head_model_loads_a_gpt2_run_and_computes_the_same_logits(tmp_path, capsys, cfg):
+    """arch = "gpt2" is GPT-2 itself: the tanh GELU (gelu_new), its biases, the head tied unless the model says."""
+    folder = exported(tmp_path, capsys, cfg, stages=1 if cfg.tie_embeddings else 2)
+    theirs = loaded(transformers.GPT2LMHeadModel, folder)
+    assert theirs.config.activation_function == "gelu_new"
+    assert theirs.config.tie_word_embeddings == cfg.tie_embeddings
+    assert_same_logits(theirs, cfg)
+
+
+TINY_GPT2 = dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32)
+
+
+@pytest.mark.parametrize(
+    ("cls", "config"),
+    [
+        ("GPT2LMHeadModel", TINY_GPT2),
+        ("GPT2LMHeadModel", {**TINY_GPT2, "tie_word_embeddings": False}),
+        ("LlamaForCausalLM", dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                  rope_theta=500000.0, tie_word_embeddings=True,
+                                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8})),
+    ],
+    ids=["gpt2", "gpt2-untied", "llama3.1-tied"],
+)  # fmt: skip
+def test_a_transformers_model_computes_here_and_exports_back_to_the_same_tensors(tmp_path, cls, config):
+    """SPEC §12: a model read from a transformers folder computes transformers' logits (fp32, 1e-4), and exported
+    again without training (`train.hf.write_hf`) the folder holds the same tensors, and reads back as the same
+    model. Biases and norms are made nonzero first (`hf_models.saved`), so a wrong mapping of them shows."""
+    import safetensors.torch
+    from hf_models import saved, terapipe_model
+
+    from terapipe_cli.config.model import load_model_config
+    from terapipe_cli.train.hf import write_hf
+
+    theirs = saved(tmp_path / "theirs", cls, **config)
+    cfg = load_model_config(tmp_path / "theirs")
+    ours = terapipe_model(theirs, cfg)
+    tokens = torch.randint(0, cfg.vocab, (2, cfg.seq_len), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), theirs(tokens).logits, rtol=1e-4, atol=1e-5)
+    write_hf(tmp_path / "again", cfg, ours.state_dict(), step=0, run=tmp_path)
+    before = safetensors.torch.load_file(tmp_path / "theirs" / "model.safetensors")
+    after = safetensors.torch.load_file(tmp_path / "again" / "model.safetensors")
+    assert sorted(after) == sorted(before)
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    assert load_model_config(tmp_path / "again") == replace(cfg, name="again")

@@ -101,7 +101,7 @@ def test_the_sbatch_file_starts_one_train_per_node(tmp_path, capsys):
     assert job.returncode == 0, job.stderr
     tasks = [t.strip().splitlines() for t in job.stdout.split("---")[:2]]
     common = ["train", "--plan", str(plan), "--nnodes", "2", "--rdzv-endpoint", "gpu07:29500", "--out", str(run)]
-    assert tasks == [[*common, "--steps", "3", "--node-rank", str(node)] for node in (0, 1)]
+    assert tasks == [[*common, "--steps", "3", "--precision", "fp32", "--node-rank", str(node)] for node in (0, 1)]
 
     # Outside the allocation a node script says why it cannot find the rendezvous, in one line.
     alone = subprocess.run(["bash", scripts / "node-1.sh"], env=node_env(), capture_output=True, text=True)
@@ -123,6 +123,11 @@ def test_the_sbatch_file_starts_one_train_per_node(tmp_path, capsys):
         (["-n", 2, "-g", 1], ["--rdzv-endpoint", "required without --slurm"]),
         (["-n", 2, "-g", 1, "--slurm", "--steps", 0], ["--steps", "at least 1"]),
         (["-n", 2, "-g", 1, "--slurm", "--device", "tpu"], ["--device", "auto, cpu, cuda"]),
+        (["-n", 2, "-g", 1, "--slurm", "--precision", "fp8"], ["--precision", "auto, fp32, bf16, fp16", "fp8"]),
+        (
+            ["-n", 2, "-g", 1, "--slurm", "--precision", "bf16"],
+            ["--precision", "made for fp32", "terapipe profile --precision bf16", "accept_precision = true"],
+        ),
         (["-n", 2, "-g", 1, "--slurm", "--terapipe", ""], ["--terapipe"]),
         (["-n", 2, "-g", 1, "--slurm", "--config", "absent.toml"], ["absent.toml", "not found"]),
     ],
@@ -189,3 +194,23 @@ def test_a_run_toml_is_passed_on_and_its_degrees_count(tmp_path, plan, capsys):
     config.write_text("[train]\nverify = true\n")
     p = run_cli(capsys, "launch-script", plan, "-n", 2, "-g", 1, "--slurm", "--config", config, "--out", out, "--force")
     assert_one_line_error(p, f"{config}: field 'train.verify'", "one machine")
+
+
+def test_every_node_command_names_the_precision(tmp_path, capsys):
+    """The plan's precision (train's default) written into every node's command, so that each says what it trains
+    in; --precision, or the --config file's (with accept_precision), in its place."""
+    plan = write_plan_file(tmp_path / "fp16.json", [(2, [8, 8, 16])], stages=2, precision="fp16")
+    out = tmp_path / "launch"
+    p = run_cli(capsys, "launch-script", plan, "-n", 2, "-g", 1, "--slurm", "--out", out)
+    assert p.returncode == 0, p.stderr
+    for name in ("node-0.sh", "node-1.sh", "launch.sbatch"):
+        assert "--precision fp16" in (out / name).read_text(), name
+    assert p.stdout.count("--precision fp16") == 2  # each node's command, as printed
+    config = tmp_path / "run.toml"
+    config.write_text('[train]\nprecision = "bf16"\naccept_precision = true\n')
+    p = run_cli(capsys, "launch-script", plan, "-n", 2, "-g", 1, "--slurm", "--config", config, "--out", out, "--force")
+    assert p.returncode == 0, p.stderr
+    assert "--precision bf16" in (out / "node-1.sh").read_text()
+    config.write_text('[train]\nprecision = "bf16"\n')
+    p = run_cli(capsys, "launch-script", plan, "-n", 2, "-g", 1, "--slurm", "--config", config, "--out", out, "--force")
+    assert_one_line_error(p, f"{config}: field 'train.precision'", "made for fp16", "accept_precision = true")

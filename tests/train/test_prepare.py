@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -44,7 +45,30 @@ def test_token_ids_outside_the_vocabulary(tmp_path, capsys, plan):
     tokens = tmp_path / "t.npy"
     np.save(tokens, np.arange(1000, dtype=np.uint16))
     code, err = run(capsys, "--plan", str(plan), "--data", str(tokens), "--out", str(tmp_path / "r"))
-    assert code == 2 and "token id 999, outside the model's vocabulary of 256" in err
+    assert code == 2 and "token id 256 at position 256, the first outside a vocabulary of 256 ids" in err
+    assert "its largest id is 999 (the model's: plan field 'model.vocab')" in err and err.count("\n") == 1
+
+
+def test_a_headerless_bin_needs_token_dtype_which_the_run_keeps(tmp_path, capsys, plan):
+    """uint32 ids in a .bin without a header: refused without --token-dtype (read as uint16 they would train on
+    noise), read right with it; the run prints what it read and keeps the type, which --resume may not change."""
+    tokens = tmp_path / "t.bin"
+    (np.arange(1000) % 200).astype("<u4").tofile(tokens)
+    base = ["train", "--plan", plan, "--data", tokens, "--device", "cpu", "--out", tmp_path / "r"]
+    assert_one_line_error(run_cli(capsys, *base, "--dry-run"), "t.bin", "--token-dtype uint32", "looks like uint32")
+    assert_one_line_error(run_cli(capsys, *base, "--token-dtype", "uint8", "--dry-run"), "--token-dtype", "uint16")
+    p = run_cli(capsys, *base, "--token-dtype", "uint32", "--dry-run")
+    assert p.returncode == 0, p.stderr
+    assert f"data: {tokens}: headerless .bin, --token-dtype uint32, 1,000 tokens, no document index, uint32, " in (
+        p.stdout.replace("\n", "")
+    )
+    config = RunConfig(plan=str(plan), data=str(tokens), token_dtype="uint32", out=str(tmp_path / "r"), device="cpu")
+    prepared = prepare_run(config)
+    assert prepared.data_line.endswith("largest id 199")
+    saved = json.loads((tmp_path / "r" / "config.json").read_text())["arguments"]
+    assert saved["token_dtype"] == "uint32" and 'token_dtype = "uint32"' in (tmp_path / "r" / "run.toml").read_text()
+    p = run_cli(capsys, "train", "--resume", "--out", tmp_path / "r", "--token-dtype", "uint16", "--dry-run")
+    assert_one_line_error(p, "--token-dtype", "trained with --token-dtype uint32")
 
 
 def test_too_many_workers(tmp_path, capsys, plan):

@@ -4,6 +4,7 @@ kept by a resumed run. All in process: `terapipe train --dry-run` and `prepare_r
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import fields
 
@@ -11,6 +12,7 @@ import pytest
 from conftest import assert_one_line_error, run_cli, write_plan_file
 
 from terapipe_cli.config.run import DEFAULT_LR, RunConfig, load_run_config
+from terapipe_cli.errors import UserError
 from terapipe_cli.files import write_json_atomic
 from terapipe_cli.train.prepare import prepare_run
 from terapipe_cli.train.rundir import read_config
@@ -41,6 +43,11 @@ def test_every_setting_is_an_option_with_its_doc(capsys):
         ("--precision", "fp8", ["--precision", "fp8"]),
         ("--steps", "0", ["--steps", "at least 1"]),
         ("--device", "tpu", ["--device", "auto, cpu, cuda"]),
+        ("--weight-decay", "-0.1", ["--weight-decay", "at least 0", "-0.1"]),
+        ("--beta1", "1", ["--beta1", "in [0, 1)"]),
+        ("--beta2", "-0.5", ["--beta2", "in [0, 1)"]),
+        ("--eps", "0", ["--eps", "positive"]),
+        ("--weight-decay", "inf", ["--weight-decay", "finite"]),
     ],
 )
 def test_bad_options_are_one_line_errors_naming_the_flag(tmp_path, capsys, plan, option, value, words):
@@ -69,6 +76,8 @@ def test_a_config_file_sets_the_run_and_flags_override_it(tmp_path, capsys, plan
         ('lr = "fast"', ["field 'train.lr'", "must be a number"]),
         ("warmup_step = 3", ["field 'train.warmup_step'", "is not a run setting", "warmup_steps"]),
         ("steps = -1", ["field 'train.steps'", "at least 1"]),
+        ("beta2 = 1.0", ["field 'train.beta2'", "in [0, 1)"]),
+        ("decay_embeddings = 0", ["field 'train.decay_embeddings'", "true or false"]),
     ],
 )
 def test_a_bad_config_file_is_one_line_naming_its_field(tmp_path, capsys, plan, line, words):
@@ -91,13 +100,70 @@ def test_the_run_folder_keeps_the_resolved_settings_as_run_toml(tmp_path, plan):
 
 
 def test_a_plan_priced_at_another_precision_is_refused_unless_accepted(tmp_path, capsys, plan):
+    """A measured plan (or one that does not say): the advice is to measure again at the precision asked."""
     obj = json.loads(plan.read_text())
-    write_json_atomic(plan, {**obj, "precision": "bf16"})
+    write_json_atomic(plan, {**obj, "precision": "bf16", "profile": {"source": "measured"}})
     base = ["train", "--plan", plan, "--out", tmp_path / "run", "--dry-run", "--device", "cpu"]
-    p = run_cli(capsys, *base)  # fp32, the CPU's default
-    assert_one_line_error(p, "bf16", "fp32", "terapipe profile --precision fp32", "--accept-precision")
-    assert run_cli(capsys, *base, "--accept-precision").returncode == 0
+    p = run_cli(capsys, *base, "--precision", "fp32")
+    advice = "re-profile with `terapipe profile --precision fp32 --model test-tiny` and plan again"
+    assert_one_line_error(p, "made for bf16", "trains in fp32", advice, "--accept-precision")
+    assert run_cli(capsys, *base, "--precision", "fp32", "--accept-precision").returncode == 0
     assert run_cli(capsys, *base, "--precision", "bf16").returncode == 0
+    assert run_cli(capsys, *base).returncode == 0  # the plan's own, bf16, by default: CPU autocast runs it
+
+
+@pytest.fixture
+def analytic_plan(tmp_path, capsys):
+    """A plan of the tiny model from the bundled h100 hardware file (analytic, fp16)."""
+    profile = tmp_path / "profile.json"
+    for args in (
+        ["profile", "--analytic", "--hardware", "h100", "--model", "tiny", "--out", profile],
+        ["plan", "--profile", profile, "--stages", "2", "--batch", "2", "--out", tmp_path / "h100.json"],
+    ):
+        assert run_cli(capsys, *args).returncode == 0
+    return tmp_path / "h100.json"
+
+
+def test_a_run_trains_in_its_plans_precision_by_default(tmp_path, analytic_plan):
+    """An analytic fp16 plan trains in fp16 on a CPU too (autocast runs it there): its schedule and memory are
+    for fp16, and --verify checks the run against an fp16 reference. The run keeps it in run.toml."""
+    out = tmp_path / "run"
+    prepared = prepare_run(RunConfig(plan=str(analytic_plan), out=str(out), steps=2, device="cpu"))
+    assert (prepared.plan.precision, prepared.args.precision) == ("fp16", "fp16")
+    assert load_run_config(out / "run.toml").precision == "fp16"
+    auto = prepare_run(RunConfig(plan=str(analytic_plan), precision="auto", device="cpu"), write=False)
+    assert auto.args.precision == "fp16"
+
+
+def test_another_precision_than_an_analytic_plans_says_how_to_plan_again(tmp_path, capsys, analytic_plan):
+    """The advice fits the plan's profile: an analytic one is estimated again from a hardware file that prices the
+    precision (the same GPU's, bundled), not measured again."""
+    base = ["train", "--plan", analytic_plan, "--out", tmp_path / "run", "--dry-run", "--device", "cpu"]
+    p = run_cli(capsys, *base, "--precision", "fp32")
+    assert_one_line_error(
+        p, "made for fp16", "trains in fp32", "terapipe profile --analytic --hardware h100-fp32 --model tiny",
+        "terapipe plan", "--accept-precision",
+    )  # fmt: skip
+    assert "re-profile" not in p.stderr
+
+
+def test_a_plan_in_bf16_on_a_gpu_without_it_says_to_pass_fp16(monkeypatch, analytic_plan):
+    """A GPU older than Ampere has no native bf16: a bf16 plan's default precision is refused in one line naming
+    --precision fp16 and how to get an fp16 plan (here: the h100 hardware file, which prices fp16)."""
+    from terapipe_cli.config import device
+    from terapipe_cli.plan.file import read_plan
+    from terapipe_cli.train.prepare import _run_precision
+
+    plan = read_plan(analytic_plan)
+    bf16 = dataclasses.replace(plan, precision="bf16")
+    monkeypatch.setattr(device, "_native_bf16", lambda: False)
+    with pytest.raises(UserError) as e:
+        _run_precision(None, "cuda", bf16)
+    assert e.value.where == "precision"
+    for words in ("made for bf16", "older than Ampere", "--precision fp16 --accept-precision", "--hardware h100 "):
+        assert words in e.value.message, e.value.message
+    assert _run_precision(None, "cuda", plan) == "fp16"  # an fp16 plan runs there as it is
+    assert _run_precision(None, "cpu", bf16) == "bf16"
 
 
 def test_a_resumed_run_keeps_what_decides_its_numbers(tmp_path, capsys, plan):
@@ -115,9 +181,12 @@ def test_a_resumed_run_keeps_what_decides_its_numbers(tmp_path, capsys, plan):
         ("--grad-clip", "1.0", "--grad-clip 0.5"),
         ("--warmup-steps", "2", "--warmup-steps 1"),
         ("--lr", "1e-3", f"--lr {DEFAULT_LR}"),
-        ("--data-parallel", "2", "--data-parallel 1"),
-    ):
-        p = run_cli(capsys, "train", "--resume", "--steps", "3", "--out", out, flag, value, "--dry-run")
+        ("--weight-decay", "0.2", "--weight-decay 0.1"),
+        ("--beta2", "0.99", "--beta2 0.95"),
+        ("--no-decay-embeddings", None, "--decay-embeddings"),
+    ):  # (-d, -t and --plan may change: the run continues under another layout, tests/train/test_replan.py)
+        given = [flag] if value is None else [flag, value]
+        p = run_cli(capsys, "train", "--resume", "--steps", "3", "--out", out, *given, "--dry-run")
         assert_one_line_error(p, flag, kept)
     # Past those checks: this run never trained, so there is nothing to continue.
     p = run_cli(capsys, "train", "--resume", "--out", out, "--seed", "0", "--eval-every", "1", "--dry-run")
@@ -141,3 +210,22 @@ def test_an_illegal_schedule_file_is_refused_in_one_line_before_any_worker(tmp_p
     p = run_cli(capsys, "train", "--plan", plan, "--schedule", tmp_path / "order.csv", "--out", tmp_path / "run")
     assert_one_line_error(p, "order.csv", *words)
     assert not (tmp_path / "run").exists()
+
+
+def test_the_optimizer_settings_are_kept_in_the_run_and_its_run_toml(tmp_path, capsys, plan):
+    """--weight-decay, --beta1, --beta2, --eps and --no-decay-embeddings: resolved into config.json and run.toml, so
+    that `terapipe train --config RUN/run.toml` trains with them again; left out, nanoGPT's defaults."""
+    out = tmp_path / "run"
+    flags = ["--weight-decay", "0.05", "--beta1", "0.8", "--beta2", "0.99", "--eps", "1e-6", "--no-decay-embeddings"]
+    p = run_cli(capsys, "train", "--plan", plan, "--out", out, "--device", "cpu", *flags, "--dry-run")
+    assert p.returncode == 0, p.stderr
+    given = dict(weight_decay=0.05, beta1=0.8, beta2=0.99, eps=1e-6, decay_embeddings=False)
+    prepare_run(RunConfig(plan=str(plan), out=str(out), device="cpu", **given))
+    _, args = read_config(out)
+    assert dataclasses.asdict(args.optimizer) == given
+    kept = load_run_config(out / "run.toml")
+    assert {name: getattr(kept, name) for name in given} == given
+    again = prepare_run(RunConfig(**{**kept.given(), "out": str(tmp_path / "again")}))
+    assert again.args == args
+    default = prepare_run(RunConfig(plan=str(plan), device="cpu"), write=False).args.optimizer
+    assert (default.weight_decay, default.betas, default.eps) == (0.1, (0.9, 0.95), 1e-8) and default.decay_embeddings

@@ -44,6 +44,7 @@ def _root(
 COMMANDS: tuple[str, ...] = (
     "profile",
     "plan",
+    "data",
     "train",
     "launch_script",
     "report",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
@@ -9,10 +10,11 @@ import typer
 from rich.table import Table
 
 from terapipe_cli.cli.console import make_console
-from terapipe_cli.config.run import RunConfig, flag, load_run_config, run_fields
+from terapipe_cli.config.fields import out_of_bounds
+from terapipe_cli.config.run import TABLE, RunConfig, flag, load_run_config, run_fields
 from terapipe_cli.engine.mesh import Layout
 from terapipe_cli.errors import UserError
-from terapipe_cli.plan.file import read_plan
+from terapipe_cli.plan.file import Plan, read_plan, replan_advice
 from terapipe_cli.train import cluster
 
 HELP = """Write the commands that train a plan on several machines: node-0.sh … node-{N-1}.sh, each the \
@@ -83,6 +85,10 @@ def launch_script(
     ] = None,
     steps: Annotated[int | None, typer.Option("--steps", help=_passed("steps"), show_default=False)] = None,
     device: Annotated[str | None, typer.Option("--device", help=_passed("device"), show_default=False)] = None,
+    precision: Annotated[
+        str | None,
+        typer.Option("--precision", help=_passed("precision"), show_default="the --config file's, else the plan's"),
+    ] = None,
     rdzv_timeout_s: Annotated[
         float | None, typer.Option("--rdzv-timeout", help=_passed("rdzv_timeout_s"), show_default=False)
     ] = None,
@@ -107,12 +113,14 @@ def launch_script(
         raise UserError(
             "required without --slurm: HOST:PORT of node 0, as the other nodes reach it", where="--rdzv-endpoint"
         )
-    passed = RunConfig(steps=steps, device=device, rdzv_timeout_s=rdzv_timeout_s)
+    passed = RunConfig(steps=steps, device=device, rdzv_timeout_s=rdzv_timeout_s, precision=precision)
     _check_settings(passed)
     if cpus_per_task is not None and cpus_per_task < 1:
         raise UserError(f"must be at least 1, got {cpus_per_task}", where="--cpus-per-task")
     from_file = load_run_config(config) if config is not None else RunConfig()
-    layout = cluster.run_layout(read_plan(plan), from_file, nodes=nodes, where=str(config))
+    the_plan = read_plan(plan)
+    layout = cluster.run_layout(the_plan, from_file, nodes=nodes, where=str(config))
+    passed = replace(passed, precision=_node_precision(the_plan, passed, from_file, config))
     cluster.check_layout(layout, nodes, gpus_per_node)
     out = out if out is not None else Path(f"launch-{plan.stem}")
     cluster.check_out_folder(out, force=force)
@@ -143,13 +151,26 @@ def launch_script(
 def _check_settings(passed: RunConfig) -> None:
     """The passed settings within their `RunConfig` fields' bounds (train would refuse them on every node)."""
     for name, value in passed.given().items():
-        doc = _DOCS[name]
-        if doc.minimum is not None and value < doc.minimum:
-            raise UserError(f"must be at least {doc.minimum:g}, got {value}", where=flag(name))
-        if doc.positive and not value > 0:
-            raise UserError(f"must be positive, got {value}", where=flag(name))
-        if doc.choices is not None and value not in doc.choices:
-            raise UserError(f"must be one of {', '.join(doc.choices)}, got {value!r}", where=flag(name))
+        problem = out_of_bounds(value, _DOCS[name])
+        if problem is not None:
+            raise UserError(problem, where=flag(name))
+
+
+def _node_precision(plan: Plan, passed: RunConfig, from_file: RunConfig, config: Path | None) -> str:
+    """The precision every node trains in, written into each command so that it says so: --precision, else the
+    --config file's, else the plan's (train's own default). Another one than the plan's needs the file's
+    ``accept_precision``, as train would say on every node."""
+    asked = next((p for p in (passed.precision, from_file.precision) if p not in (None, "auto")), None)
+    if asked is None or asked == plan.precision:
+        return plan.precision
+    if not from_file.value("accept_precision"):
+        where = flag("precision") if asked == passed.precision else f"{config}: field '{TABLE}.precision'"
+        raise UserError(
+            f"the plan was made for {plan.precision}: {replan_advice(plan, asked)}, or set accept_precision = true "
+            f"in the --config file to train in {asked} on this plan anyway",
+            where=where,
+        )
+    return asked
 
 
 def _render(command: cluster.TrainCommand, layout: Layout, gpus_per_node: int, out: Path, written, slurm) -> None:

@@ -41,7 +41,7 @@ def settings_options(cls) -> list[inspect.Parameter]:
         names += [doc.short] if doc.short else []
         metavar = "NAME" if typing.get_origin(kind) is list else None  # a repeatable option: one name each time
         option = typer.Option(
-            *names, help=doc.help, show_default=doc.shown or False, rich_help_panel=doc.panel, metavar=metavar
+            *names, help=doc.help, show_default=doc.shown_default or False, rich_help_panel=doc.panel, metavar=metavar
         )
         annotation = Annotated[(Path if doc.path else kind) | None, option]
         params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=annotation))

@@ -12,8 +12,9 @@ from terapipe_cli.engine import require_torch
 from terapipe_cli.errors import UserError
 
 HELP = """Generate text from a run's checkpoint on one device: the run's stages joined into the single-device model, \
-the prompt read with the run's own tokenizer (UTF-8 bytes for a text data file or the embedded default; GPT-2 BPE \
-for a .bin/.npy token file, which needs pip install tiktoken), then one token at a time over a K/V cache.
+the prompt read with the run's own tokenizer (a corpus's from terapipe data tokenize, copied beside it; UTF-8 bytes \
+for a text data file or the embedded default; GPT-2 BPE for another token file, which needs pip install tiktoken), \
+then one token at a time over a K/V cache.
 
 Prints the prompt and its continuation on stdout (the run, step and speed on stderr). --temperature 0 is greedy.
 

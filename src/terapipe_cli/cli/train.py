@@ -16,7 +16,7 @@ from rich.table import Table
 
 from terapipe_cli.cli.console import ProgressBar, make_console
 from terapipe_cli.cli.options import option, with_settings
-from terapipe_cli.config.run import TABLE, LRSchedule, RunConfig, flag, load_run_config, run_fields
+from terapipe_cli.config.run import TABLE, LRSchedule, RunConfig, as_option, flag, load_run_config, run_fields
 from terapipe_cli.engine import require_torch
 from terapipe_cli.errors import UserError
 from terapipe_cli.train.placement import placement_note
@@ -32,15 +32,18 @@ stage split over T tensor-parallel processes) that run every step cut into the p
 update single-device training would make.
 
 Every step: the lr of a linear warm-up, then a cosine decay to --min-lr at the last step; the gradient norm over \
-all stages clipped to --grad-clip; AdamW on fp32 master weights. --precision bf16 or fp16 computes under \
-autocast (fp16 with one dynamic loss scale for the whole pipeline: a step with an inf/nan gradient on any stage \
-is skipped by all). A plan profiled at another precision is refused unless --accept-precision.
+all stages clipped to --grad-clip; AdamW on fp32 master weights (--weight-decay, --beta1, --beta2, --eps). \
+--precision bf16 or fp16 computes under autocast (fp16 with one dynamic loss scale for the whole pipeline: a step \
+with an inf/nan gradient on any stage is skipped by all). --precision defaults to the plan's, the one its \
+profile timed; another is refused unless --accept-precision.
 
 Examples:
 
     terapipe train --plan plan.json --steps 30 --verify
 
     terapipe train --plan plan.json --steps 2000 --lr 6e-4 --warmup-steps 100 --min-lr 6e-5 --grad-clip 1.0
+
+    terapipe train --plan plan.json --weight-decay 0.05 --beta2 0.99 --no-decay-embeddings
 
     terapipe train --plan plan.json --precision fp16 --verify
 
@@ -80,6 +83,7 @@ def train(*, config: Path | None, resume: bool, dry_run: bool, **settings) -> No
         make_console(highlight=False).print(f"note: {note}", soft_wrap=True)
     if dry_run:
         console = make_console(highlight=False)
+        console.print(prepared.data_line, soft_wrap=True)
         console.print(f"process mesh (data, pipeline, tensor): {prepared.layout.shape_text()}")
         console.print(_mesh_table(prepared))
         print(launch.command_line(prepared.launch))
@@ -95,7 +99,8 @@ def located(error: UserError, flags: dict, from_file: RunConfig, config: Path | 
         return error
     if config is not None and name not in flags and getattr(from_file, name) is not None:
         return UserError(error.message, where=f"{config}: field '{TABLE}.{name}'")
-    return UserError(error.message, where=flag(name))
+    given = flags.get(name)  # a switch as written: --no-decay-embeddings
+    return UserError(error.message, where=as_option(name, given) if isinstance(given, bool) else flag(name))
 
 
 def register(app: typer.Typer) -> None:
@@ -131,6 +136,7 @@ def _launch(prepared: PreparedRun, verify: bool) -> None:
 
     console = make_console(stderr=False, highlight=False)
     console.print(_headline(prepared))
+    console.print(prepared.data_line, soft_wrap=True)
     start = time.perf_counter()
     # Node 0 holds the run folder while it trains: a second train, --resume or report on it is refused.
     with run_lock(prepared.launch.run_dir) if prepared.launch.node_rank == 0 else nullcontext():

@@ -40,8 +40,8 @@ def find_config(name_or_path: str | Path, kind: str, flag: str, *, prefix: bool 
     names.
     """
     path = Path(name_or_path)
-    if path.exists() or path.suffix or len(path.parts) != 1:
-        return path  # the reader reports a missing or unreadable file in one line
+    if path.exists() or path.suffix in (".toml", ".json") or len(path.parts) != 1:
+        return path  # the reader reports a missing or unreadable file in one line (a bare name may hold a dot: 3.1)
     folder = resources.files("terapipe_cli") / "configs" / kind
     bundled = folder / f"{path.name}.toml"
     if bundled.is_file():

@@ -138,9 +138,17 @@ def _model(f: Fields, base: Path | None, where: str) -> ModelConfig:
     raise f.fail("model", f"must be a model TOML path or an inline table, got {v!r}")
 
 
-def model_toml(model: ModelConfig) -> str:
-    """The model as a TOML file (what `terapipe profile --model` reads)."""
-    lines = ["# written by `terapipe run`", "[model]"]
+def model_toml(model: ModelConfig, comment: str = "written by `terapipe run`") -> str:
+    """The model as a TOML file (what `terapipe profile --model` reads), under a ``comment`` line."""
+    lines = [f"# {comment}", "[model]"]
     for key, value in model.to_dict().items():
-        lines.append(f"{key} = {value!r}" if not isinstance(value, str) else f'{key} = "{value}"')
+        lines.append(f"{key} = {_toml_value(value)}")
     return "\n".join(lines) + "\n"
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, dict):  # an inline table (a llama model's rope_scaling)
+        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, bool):  # TOML's booleans are lower case (a llama model's tie_embeddings); repr's are not
+        return "true" if value else "false"
+    return f'"{value}"' if isinstance(value, str) else repr(value)

@@ -52,7 +52,8 @@ def available_memory_bytes() -> int | None:
 
 
 def default_precision(device: str) -> str:
-    """The precision used when none is asked for: bf16 on ``"cuda"``, fp32 on ``"cpu"``.
+    """The precision `terapipe profile` times when none is asked for: bf16 on ``"cuda"``, fp32 on ``"cpu"``
+    (`terapipe train` takes its plan's, which that profile timed: `train.prepare._run_precision`).
 
     A GPU without native bf16 (before Ampere) gets fp16 instead: PyTorch only emulates bf16 there, without
     its tensor cores.

@@ -94,8 +94,8 @@ def load_experiment(path: str | Path, flag: str = "experiment") -> Experiment:
     v = read_fields(ExperimentFile, table, where, prefix="experiment.", what="experiment setting", base=base)
     f = Fields(table, where, "experiment.")
     model_path, hardware_path = Path(v["model"]), Path(v["hardware"])
-    if not model_path.is_file():
-        raise f.fail("model", f"names {model_path}, which is not a file")
+    if not (model_path.is_file() or (model_path / "config.json").is_file()):
+        raise f.fail("model", f"names {model_path}, which is neither a file nor a transformers folder")
     if not hardware_path.is_file():
         raise f.fail("hardware", f"names {hardware_path}, which is not a file")
     model = load_model_config(model_path)

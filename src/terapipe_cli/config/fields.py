@@ -10,6 +10,7 @@ same).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import types
 import typing
 from dataclasses import MISSING, dataclass, field, fields
@@ -28,11 +29,22 @@ class Doc:
     short: str | None = None  # a one-letter alias, e.g. ``-d``
     minimum: float | None = None
     positive: bool = False
+    below: float | None = None  # an exclusive upper bound (a beta: below 1)
     choices: tuple[str, ...] | None = None
-    shown: str | None = None  # the default as help shows it, when None stands for a computed one
+    fallback: Any = None  # the value of a setting left out (None: not given), where it is fixed
+    shown: str | None = None  # the default as help shows it (default: the fallback), e.g. a computed one in words
     path: bool = False  # a file path: relative to the file that names it
     panel: str | None = None  # the group the option is listed under in ``--help``
-    resume: str | None = None  # for a resumed run (config/run.py): "keep", "change" or "agree"
+    resume: str | None = None  # for a resumed run (config/run.py): "keep", "change" or "layout"
+
+    @property
+    def shown_default(self) -> str | None:
+        """The default as help shows it: ``shown``, else the fallback (``on``/``off`` for a switch)."""
+        if self.shown is not None or self.fallback is None:
+            return self.shown
+        if isinstance(self.fallback, bool):
+            return "on" if self.fallback else "off"
+        return f"{self.fallback:g}" if isinstance(self.fallback, float) else str(self.fallback)
 
 
 def setting(help: str, default: Any = None, **doc: Any) -> Any:
@@ -42,6 +54,55 @@ def setting(help: str, default: Any = None, **doc: Any) -> Any:
 
 def doc_of(f: dataclasses.Field) -> Doc:
     return f.metadata.get("doc") or Doc("")
+
+
+def out_of_bounds(value: Any, doc: Doc) -> str | None:
+    """What is wrong with a number or name for a field of ``doc`` (its minimum, sign, exclusive bound, choices),
+    in words (``must be at least 1, got 0``); None when it is within them. NaN is within no bounds."""
+    if doc.choices is not None and value not in doc.choices:
+        return f"must be one of {', '.join(doc.choices)}, got {value!r}"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if doc.below is not None and not (value < doc.below and (doc.minimum is None or value >= doc.minimum)):
+        if doc.minimum is None:
+            return f"must be below {doc.below:g}, got {value}"
+        return f"must be in [{doc.minimum:g}, {doc.below:g}), got {value}"
+    if doc.minimum is not None and not value >= doc.minimum:
+        return f"must be at least {doc.minimum:g}, got {value}"
+    if doc.positive and not value > 0:
+        return f"must be positive, got {value}"
+    return None
+
+
+def include_settings(component, *, optional: bool = False):
+    """A class decorator, under ``@dataclass``: the settings of a component's own config dataclass (its `setting`
+    fields, e.g. `config.optimizer.OptimizerConfig`) become fields of this one too, each declared once, with the
+    component. ``optional``: each defaults to None (not given; a command's options, a TOML file's keys) with the
+    component's default as its `Doc.fallback`; else the component's type and default (what a run keeps)."""
+
+    def include(cls):
+        annotations = dict(inspect.get_annotations(cls))
+        hints = typing.get_type_hints(component)
+        for f in fields(component):
+            doc = doc_of(f)
+            if optional:
+                annotations[f.name] = hints[f.name] | None
+                doc = dataclasses.replace(doc, fallback=f.default)
+                setattr(cls, f.name, field(default=None, metadata={"doc": doc}))
+            else:
+                annotations[f.name] = hints[f.name]
+                setattr(cls, f.name, field(default=f.default, metadata=f.metadata))
+        cls.__annotations__ = annotations
+        return cls
+
+    return include
+
+
+def component_of(component, settings: Any):
+    """``component``'s config from the same-named fields of ``settings`` (a `RunArguments`; or a `RunConfig`, whose
+    fields left out take the component's defaults)."""
+    values = {f.name: getattr(settings, f.name) for f in fields(component)}
+    return component(**{name: value for name, value in values.items() if value is not None})
 
 
 def flag_of(f: dataclasses.Field) -> str:
@@ -120,6 +181,8 @@ def check_value(f: Fields, name: str, value: Any, kind: type, doc: Doc, base: Pa
         return f.int(name, minimum=None if doc.minimum is None else int(doc.minimum))
     if kind is float:
         number = f.number(name, minimum=doc.minimum, positive=doc.positive)
+        if doc.below is not None and (problem := out_of_bounds(number, doc)) is not None:
+            raise f.fail(name, problem)
         return number
     if kind is str:
         text = f.str(name)

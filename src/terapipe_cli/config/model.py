@@ -8,8 +8,11 @@ heads = 4
 vocab = 256
 seq_len = 1024    # L
 
-arch = "gpt" (the default) is a GPT-2-style decoder: LayerNorm, learned positions, a GELU MLP of mlp_ratio·H. arch =
-"llama" is a Llama-family decoder (RMSNorm, rotary positions, a SwiGLU MLP of ffn_hidden, grouped-query attention):
+``arch`` names the architecture, a spec of the registry (`terapipe_cli.arch`), which says what else the table takes.
+arch = "gpt" (the default) is a GPT-2-style decoder: LayerNorm, learned positions, a GELU MLP of mlp_ratio·H, no
+biases. arch = "gpt2" is GPT-2 exactly: biases, the tanh GELU, and (default) tie_embeddings = true; it takes
+mlp_ratio, norm_eps (LayerNorm's, default 1e-5) and tie_embeddings. arch = "llama" is a Llama-family decoder
+(RMSNorm, rotary positions, a SwiGLU MLP of ffn_hidden, grouped-query attention):
 
 arch = "llama"
 kv_heads = 2          # key/value heads, dividing heads (default: heads)
@@ -17,16 +20,22 @@ ffn_hidden = 768      # the SwiGLU width
 rope_theta = 10000.0  # the rotary base (default 10000, RoFormer's)
 norm_eps = 1e-5       # RMSNorm's epsilon (default 1e-5)
 tie_embeddings = false
+rope_scaling = {rope_type = "llama3", factor = 8.0, low_freq_factor = 1.0, high_freq_factor = 4.0,
+                original_max_position_embeddings = 8192}  # Llama 3.1's; optional
+
+A model may also be a `transformers` folder (or its config.json): `load_model_config` reads it through the spec
+whose ``transformers_classes`` name its architecture (`model_from_transformers`).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
+from terapipe_cli.arch import ARCHS, COMMON_FIELDS, Arch, RopeScaling, arch_spec, transformers_arch
 from terapipe_cli.config.bundled import find_config, load_toml
 from terapipe_cli.errors import UserError
-from terapipe_cli.files import Fields
+from terapipe_cli.files import Fields, read_json
 
 
 @dataclass(frozen=True)
@@ -43,21 +52,27 @@ class ModelConfig:
     ffn_hidden: int | None = None  # the MLP's inner width; None: mlp_ratio · hidden
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
-    tie_embeddings: bool = False
+    tie_embeddings: bool | None = None  # None: the architecture's default (GPT-2 ties its head to the embedding)
+    rope_scaling: RopeScaling | None = None  # Llama 3.1's rescaled rotary frequencies; None: the plain ones
 
     def __post_init__(self) -> None:
         if self.kv_heads is None:
             object.__setattr__(self, "kv_heads", self.heads)
         if self.ffn_hidden is None:
             object.__setattr__(self, "ffn_hidden", self.mlp_ratio * self.hidden)
+        if self.tie_embeddings is None:
+            object.__setattr__(self, "tie_embeddings", self.spec.ties_by_default)
+        if isinstance(self.rope_scaling, dict):  # as `to_dict` writes it (ModelConfig(**obj) by hand)
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+
+    @property
+    def spec(self) -> Arch:
+        """The architecture's spec (`terapipe_cli.arch`): its module, splits, parameter and FLOP counts."""
+        return arch_spec(self.arch)
 
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
-
-    @property
-    def llama(self) -> bool:
-        return self.arch == "llama"
 
     @property
     def kv_width(self) -> int:
@@ -67,29 +82,15 @@ class ModelConfig:
 
     def end_params(self, vocab_rows: int) -> tuple[int, int]:
         """Parameters of the embedding (chunk 0) and of the head (the last chunk, its final norm with it) holding
-        ``vocab_rows`` rows of the vocabulary: GPT's position table and LayerNorm bias, llama's RMSNorm weight."""
-        H = self.hidden
-        if self.llama:  # tied: the head's matrix is the embedding's, trained once
-            return vocab_rows * H, (0 if self.tie_embeddings else vocab_rows * H) + H
-        return vocab_rows * H + self.seq_len * H, vocab_rows * H + 2 * H
+        ``vocab_rows`` rows of the vocabulary (the architecture's count; tied, the head's matrix is the embedding's,
+        trained once)."""
+        return self.spec.end_params(self, vocab_rows)
 
     def params_per_layer(self, tensor_parallel: int = 1, *, bias: bool = True) -> int:
-        """Parameters of one decoder layer held by one device, with ``tensor_parallel`` ranks sharing the layer.
-
-        Sharded: the Q/K/V and output projections and both MLP matrices (with their biases when ``bias``, as
-        in GPT-3; the runtime's own model has none, as in nanoGPT). Replicated: the two layer norms (weight and
-        bias) and the biases of the two row-parallel outputs. A llama layer has no biases (``bias`` is ignored):
-        K and V have kv_heads · head_dim rows each, the SwiGLU MLP three H × ffn_hidden matrices.
-        """
-        H, t, inner = self.hidden, tensor_parallel, self.ffn_hidden
-        if self.llama:  # q and o of H·H, k and v of kv_heads·head_dim rows, SwiGLU's three matrices; two RMSNorms
-            return (2 * H * H + 2 * H * self.kv_width + 3 * H * inner) // t + 2 * H
-        sharded = 3 * H * H + H * H + H * inner + inner * H
-        replicated = 4 * H
-        if bias:
-            sharded += 3 * H + inner
-            replicated += 2 * H
-        return sharded // t + replicated
+        """Parameters of one decoder layer held by one device, with ``tensor_parallel`` ranks sharing the layer (the
+        architecture's count: `terapipe_cli.arch`). ``bias``: count GPT-3's biases for ``gpt``, whose runtime model
+        has none (as nanoGPT); the other architectures count what they have."""
+        return self.spec.params_per_layer(self, tensor_parallel, bias=bias)
 
     def check_tensor_parallel(self, tensor_parallel: int, where: str = "tensor_parallel") -> None:
         """T ranks split the heads and the MLP's inner dimension (docs/design.md §6b): T must divide both."""
@@ -100,48 +101,45 @@ class ModelConfig:
             raise UserError(f"{t} does not divide the {self.heads} heads of model '{self.name}'", where=where)
         if self.kv_heads % t:  # each rank keeps whole key/value heads, those its own query heads read
             raise UserError(f"{t} does not divide the {self.kv_heads} kv_heads of model '{self.name}'", where=where)
-        if self.llama and self.tie_embeddings and t > 1:
-            raise UserError(
-                f"model '{self.name}' ties its embeddings: tensor parallelism needs tie_embeddings = false", where=where
-            )
         inner = self.ffn_hidden
         if inner % t:
             raise UserError(f"{t} does not divide the MLP's {inner} inner features of model '{self.name}'", where=where)
 
     def to_dict(self) -> dict:
-        """The fields a TOML or JSON file gives: a GPT model's as before the llama fields existed (its plans and
-        profiles are unchanged); a llama model's all but mlp_ratio."""
-        out = asdict(self)
-        for key in ("arch", *_LLAMA_FIELDS) if not self.llama else ("mlp_ratio",):
-            out.pop(key)
-        return out
+        """The fields a TOML or JSON file gives: the common ones, ``arch`` and the architecture's own (a GPT model's
+        as before ``arch`` existed: its plans and profiles are unchanged)."""
+        return self.spec.to_dict(self)
 
     @classmethod
     def from_dict(cls, obj: dict, where: str, prefix: str = "model.") -> ModelConfig:
         """Build and validate from a mapping (a TOML table or a JSON object); errors name ``where``."""
         f = Fields(obj, where, prefix)
-        cfg = cls(
-            name=f.str("name"),
-            layers=f.int("layers", minimum=1),
-            hidden=f.int("hidden", minimum=1),
-            heads=f.int("heads", minimum=1),
-            vocab=f.int("vocab", minimum=2),
-            seq_len=f.int("seq_len", minimum=1),
-            mlp_ratio=f.int("mlp_ratio", minimum=1, default=4),
-            **_llama_fields(f),
-        )
-        if cfg.hidden % cfg.heads:
-            raise f.fail("heads", f"must divide hidden ({cfg.hidden}), got {cfg.heads}")
-        if cfg.heads % cfg.kv_heads:
-            raise f.fail("kv_heads", f"must divide heads ({cfg.heads}), got {cfg.kv_heads}")
-        if cfg.llama and cfg.head_dim % 2:
-            raise f.fail("heads", f"must leave an even head_dim for the rotary positions, got {cfg.head_dim}")
-        known = {"name", "layers", "hidden", "heads", "vocab", "seq_len", "arch"}
-        known |= set(_LLAMA_FIELDS) if cfg.llama else {"mlp_ratio"}
+        common = {
+            "name": f.str("name"),
+            "layers": f.int("layers", minimum=1),
+            "hidden": f.int("hidden", minimum=1),
+            "heads": f.int("heads", minimum=1),
+            "vocab": f.int("vocab", minimum=2),
+            "seq_len": f.int("seq_len", minimum=1),
+        }
+        arch = f.str("arch", default="gpt")
+        if arch not in ARCHS:
+            raise f.fail("arch", f"must be one of {', '.join(ARCHS)}, got {arch!r}")
+        cfg = cls(**common, arch=arch, **ARCHS[arch].read_fields(f))
+        cfg.check(f)
+        known = {*COMMON_FIELDS, "arch", *cfg.spec.fields}
         unknown = sorted(set(obj) - known)
         if unknown:
             raise f.fail(unknown[0], f"is not a setting of arch = {cfg.arch!r} (known: {', '.join(sorted(known))})")
         return cfg
+
+    def check(self, f: Fields) -> None:
+        """What the fields must satisfy together (``f`` names the one at fault): the common rules, the spec's."""
+        if self.hidden % self.heads:
+            raise f.fail("heads", f"must divide hidden ({self.hidden}), got {self.heads}")
+        if self.heads % self.kv_heads:
+            raise f.fail("kv_heads", f"must divide heads ({self.heads}), got {self.kv_heads}")
+        self.spec.check(self, f)
 
     def stage_layers(self, stages: int, where: str = "stages") -> int:
         """Layers per stage; the layer count must divide evenly (docs/design.md §6)."""
@@ -164,45 +162,11 @@ class ModelConfig:
             raise UserError(
                 f"{stages} stages are more than the {self.layers} layers of model '{self.name}'", where=where
             )
-        self.check_tied(stages, where)
-
-    def check_tied(self, stages: int, where: str = "stages") -> None:
-        """Tied embeddings need the embedding and the head on one device: one stage (and T = 1)."""
-        if self.llama and self.tie_embeddings and stages > 1:
-            raise UserError(
-                f"model '{self.name}' ties its embeddings: its embedding and head share one tensor, which a pipeline "
-                f"of {stages} stages would split (tie_embeddings = false to pipeline it)",
-                where=where,
-            )
 
     def stage_counts(self) -> list[int]:
         """The stage counts K that divide the layers evenly, ascending (1, 2, 4, 5, 8, 10, 20, 40 for 40 layers)."""
         small = [k for k in range(1, int(self.layers**0.5) + 1) if self.layers % k == 0]
         return sorted({*small, *(self.layers // k for k in small)})
-
-
-ARCHS = ("gpt", "llama")
-_LLAMA_FIELDS = ("kv_heads", "ffn_hidden", "rope_theta", "norm_eps", "tie_embeddings")
-
-
-def _llama_fields(f: Fields) -> dict:
-    """``arch`` and, for a llama model, its fields (ffn_hidden required; the rest with defaults)."""
-    arch = f.str("arch", default="gpt")
-    if arch not in ARCHS:
-        raise f.fail("arch", f"must be one of {', '.join(ARCHS)}, got {arch!r}")
-    if arch != "llama":
-        return {"arch": arch}
-    tie = f.get("tie_embeddings", False)
-    if not isinstance(tie, bool):
-        raise f.fail("tie_embeddings", f"must be true or false, got {tie!r}")
-    return {
-        "arch": arch,
-        "kv_heads": f.int("kv_heads", minimum=1, default=f.int("heads", minimum=1)),
-        "ffn_hidden": f.int("ffn_hidden", minimum=1),
-        "rope_theta": f.number("rope_theta", positive=True, default=10000.0),
-        "norm_eps": f.number("norm_eps", positive=True, default=1e-5),
-        "tie_embeddings": tie,
-    }
 
 
 def vocab_rows(vocab: int, tensor_parallel: int, rank: int) -> range:
@@ -222,10 +186,53 @@ def vocab_share(vocab: int, tensor_parallel: int) -> int:
 
 
 def load_model_config(path: str | Path) -> ModelConfig:
-    """Load ``[model]`` from a TOML file, or a bundled model by name (``tiny``, ``gpt3-13b``; `find_config`)."""
+    """Load ``[model]`` from a TOML file, a bundled model by name (``tiny``, ``gpt3-13b``; `find_config`), or a
+    `transformers` folder or its ``config.json`` (`model_from_transformers`). A TOML's ``[model]`` may itself name
+    such a folder: ``transformers = "DIR"`` (relative to the TOML), with ``name`` and ``seq_len`` optional."""
     path = find_config(path, "models", "--model")
+    if path.is_dir() or path.suffix == ".json":
+        return model_from_transformers(path)
     data = load_toml(path, "model config")
     table = data.get("model")
     if not isinstance(table, dict):
         raise UserError("missing the [model] table", where=str(path))
+    if "transformers" in table:
+        f = Fields(table, str(path), "model.")
+        unknown = sorted(set(table) - {"transformers", "name", "seq_len"})
+        if unknown:
+            raise f.fail(unknown[0], "is not a setting of a transformers model (known: name, seq_len, transformers)")
+        folder = Path(f.str("transformers")).expanduser()
+        return model_from_transformers(
+            folder if folder.is_absolute() else path.resolve().parent / folder,
+            seq_len=f.int("seq_len", minimum=1) if "seq_len" in table else None,
+            name=f.str("name") if "name" in table else None,
+        )
     return ModelConfig.from_dict(table, str(path))
+
+
+def model_from_transformers(path: str | Path, *, seq_len: int | None = None, name: str | None = None) -> ModelConfig:
+    """The model of a `transformers` folder (``save_pretrained``'s) or of its ``config.json``: its architecture
+    (``architectures``) read by the spec that names it (`terapipe_cli.arch.transformers_arch`: LlamaForCausalLM,
+    MistralForCausalLM, GPT2LMHeadModel); any other, or a setting the spec cannot compute exactly, is refused in one
+    line naming it. ``seq_len``: the longest the model takes (max_position_embeddings, n_positions) unless given;
+    ``name``: the folder's."""
+    path = Path(path)
+    config = path / "config.json" if path.is_dir() else path
+    if path.is_dir() and not config.is_file():
+        raise UserError(
+            "is a folder without a config.json (give a model TOML or a transformers folder)", where=str(path)
+        )
+    obj = read_json(config, what="transformers config.json")
+    f = Fields(obj, str(config))
+    classes = obj.get("architectures")
+    if not (isinstance(classes, list) and classes and all(isinstance(c, str) for c in classes)):
+        raise f.fail("architectures", f"must name the model's class (a model's save_pretrained does), got {classes!r}")
+    spec = transformers_arch(classes[0])
+    if spec is None:
+        readable = [c for s in ARCHS.values() for c in s.transformers_classes]
+        message = f"names {classes[0]}, not an architecture terapipe computes ({', '.join(readable)})"
+        raise f.fail("architectures", message)
+    fields = spec.from_transformers(f, seq_len)
+    cfg = ModelConfig(name=name or config.resolve().parent.name, arch=spec.name, **fields)
+    cfg.check(f)
+    return cfg

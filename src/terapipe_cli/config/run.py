@@ -12,10 +12,15 @@ run.toml``; flags override the file)::
     precision = "bf16"
 
 Every field carries its one-line doc; the typer options of `terapipe train` (cli/train.py), the keys this file may
-hold, and what a resumed run must keep (``Doc.resume``: "keep", refused if given differently; "agree", checked
-against the run; "change", free) all derive from the fields. A value left out (None) takes its default when the
-run is prepared (`train.prepare`); the run folder then keeps the resolved configuration as ``run.toml``
-(`run_toml`), so ``terapipe train --config RUN/run.toml --out NEW`` trains the same run again.
+hold, and what a resumed run must keep (``Doc.resume``: "keep", refused if given differently; "layout", the plan
+and its D and T, which a resumed run may change to continue under another layout; "change", free) all derive from
+the fields, and so does the report's check that a baseline trained with the same settings
+(`report.runs.same_settings`). A value left out (None) takes its default when the run is prepared
+(`train.prepare`): the field's ``fallback``, or one computed from the run; the run folder then keeps the resolved
+configuration as ``run.toml`` (`run_toml`), so ``terapipe train --config RUN/run.toml --out NEW`` trains the same
+run again. A component's settings are declared with it and included whole (`include_settings`): AdamW's,
+`config.optimizer.OptimizerConfig` (``--weight-decay``, ``--beta1``, ``--beta2``, ``--eps``,
+``--no-decay-embeddings``), are fields of `RunConfig` and of `RunArguments` as if written here.
 
 `LRSchedule` is the learning rate per step (linear warm-up, then cosine decay to a floor, as nanoGPT's
 ``get_lr``), with its defaults (`LRSchedule.default`).
@@ -29,7 +34,18 @@ from pathlib import Path
 
 from terapipe_cli.config.bundled import load_toml
 from terapipe_cli.config.device import DEVICES, PRECISIONS
-from terapipe_cli.config.fields import Doc, doc_of, flag_of, read_fields, setting, to_toml
+from terapipe_cli.config.fields import (
+    Doc,
+    component_of,
+    doc_of,
+    flag_of,
+    include_settings,
+    read_fields,
+    setting,
+    to_toml,
+)
+from terapipe_cli.config.optimizer import OPTIMIZER, OptimizerConfig
+from terapipe_cli.corpus.formats import TOKEN_DTYPES
 from terapipe_cli.errors import UserError
 from terapipe_cli.extras import require
 
@@ -53,15 +69,20 @@ DEFAULT_KEEP_CHECKPOINTS = 2
 LOGS = ("jsonl", "csv", "tensorboard")
 
 REQUIRED = MISSING  # a `setting` without a default
-RUN, OPTIMIZER, LAYOUT, NODES = "Run", "Optimizer step", "Processes", "Several machines"
+RUN, LAYOUT, NODES = "Run", "Processes", "Several machines"  # help panels (and `OPTIMIZER`)
 
 
 @dataclass(frozen=True)
+@include_settings(OptimizerConfig, optional=True)  # --weight-decay, --beta1, ...: declared with the optimizer
 class RunConfig:
     """What `terapipe train` is asked to do; None: the default (a new run) or the run's own value (a resumed one)."""
 
     plan: str | None = setting(
-        "Plan JSON from `terapipe plan` (optional with --resume).", path=True, panel=RUN, resume="agree"
+        "Plan JSON from `terapipe plan` (with --resume: another plan of the same model, continuing the run under its "
+        "layout).",
+        path=True,
+        panel=RUN,
+        resume="layout",
     )
     schedule: str | None = setting(
         "A schedule file (CSV, one row of actions per stage such as 0F3.2) to walk instead of the plan's order; "
@@ -79,17 +100,24 @@ class RunConfig:
         resume="change",
     )
     data: str | None = setting(
-        "Text file (bytes) or uint16 token file (.bin/.npy).",
+        "Text file (read as bytes) or token ids: a Megatron corpus (PREFIX of .bin + .idx), an llm.c .bin, a .npy, "
+        "or a headerless .bin with --token-dtype.",
         shown="the embedded text",
         path=True,
         panel=RUN,
         resume="keep",
     )
-    seed: int | None = setting("Seed of the weights and of the batches.", shown="0", panel=RUN, resume="keep")
+    token_dtype: str | None = setting(
+        "The type of a headerless .bin's ids: uint16 (nanoGPT's) or uint32; other formats say theirs.",
+        choices=TOKEN_DTYPES,
+        panel=RUN,
+        resume="keep",
+    )
+    seed: int | None = setting("Seed of the weights and of the batches.", fallback=0, panel=RUN, resume="keep")
     val_fraction: float | None = setting(
         "The data's last part held out for the validation loss; 0 trains on all of it.",
         minimum=0,
-        shown=str(DEFAULT_VAL_FRACTION),
+        fallback=DEFAULT_VAL_FRACTION,
         panel=RUN,
         resume="keep",
     )
@@ -107,12 +135,12 @@ class RunConfig:
         resume="change",
     )
     checkpoint_every: int | None = setting(
-        "Checkpoint every N steps (and after the last).", minimum=1, shown="10", panel=RUN, resume="change"
+        "Checkpoint every N steps (and after the last).", minimum=1, fallback=10, panel=RUN, resume="change"
     )
     keep_checkpoints: int | None = setting(
         "Complete checkpoints kept; older ones are removed once a newer one is complete.",
         minimum=1,
-        shown=str(DEFAULT_KEEP_CHECKPOINTS),
+        fallback=DEFAULT_KEEP_CHECKPOINTS,
         panel=RUN,
         resume="change",
     )
@@ -120,25 +148,25 @@ class RunConfig:
         "On SIGTERM, SIGUSR1 or Ctrl-C: seconds to save a checkpoint of the step done before stopping (past that, "
         "the previous checkpoint is kept).",
         positive=True,
-        shown=f"{DEFAULT_GRACE_S:g}",
+        fallback=DEFAULT_GRACE_S,
         panel=RUN,
         resume="change",
     )
     max_restarts: int | None = setting(
         "When a worker dies, restart all workers from the last complete checkpoint, at most N times.",
         minimum=0,
-        shown="0",
+        fallback=0,
         panel=RUN,
         resume="change",
     )
     verify: bool | None = setting(
-        "Compare with a single-process reference; exit 1 on a mismatch.", shown="off", panel=RUN
+        "Compare with a single-process reference; exit 1 on a mismatch.", fallback=False, panel=RUN
     )
     lr: float | None = setting(
         "Peak AdamW learning rate, e.g. --lr 6e-4. The default (the demo's too) lies between GPT-3's peaks for its "
         "125M-1.3B shapes and trains the tiny model without a spike; bigger models want less.",
         positive=True,
-        shown=f"{DEFAULT_LR:g}",
+        fallback=DEFAULT_LR,
         panel=OPTIMIZER,
         resume="keep",
     )
@@ -164,23 +192,24 @@ class RunConfig:
     grad_clip: float | None = setting(
         "Clip the gradients to this global norm over all stages, e.g. --grad-clip 0.5; 0 does not clip (the norm "
         "is logged either way).",
-        shown=f"{DEFAULT_GRAD_CLIP:g}",
+        fallback=DEFAULT_GRAD_CLIP,
         panel=OPTIMIZER,
         resume="keep",
     )
     precision: str | None = setting(
         "fp32, bf16 or fp16: bf16/fp16 compute under autocast with fp32 master weights.",
-        shown="auto: bf16 on CUDA, fp32 on CPU",
+        choices=("auto", *PRECISIONS),
+        shown="the plan's",
         panel=OPTIMIZER,
         resume="keep",
     )
     accept_precision: bool | None = setting(
         "Train at --precision even though the plan was profiled at another (its predicted times do not hold).",
-        shown="off",
+        fallback=False,
         panel=OPTIMIZER,
     )
     data_parallel: int | None = setting(
-        "Data-parallel replicas D.", short="-d", minimum=1, shown="the plan's", panel=LAYOUT, resume="agree"
+        "Data-parallel replicas D.", short="-d", minimum=1, shown="the plan's", panel=LAYOUT, resume="layout"
     )
     tensor_parallel: int | None = setting(
         "Tensor-parallel processes T per stage, splitting heads and MLP.",
@@ -188,31 +217,31 @@ class RunConfig:
         minimum=1,
         shown="the plan's",
         panel=LAYOUT,
-        resume="agree",
+        resume="layout",
     )
     device: str | None = setting(
-        "auto (CUDA when present), cpu or cuda.", choices=DEVICES, shown="auto", panel=LAYOUT, resume="change"
+        "auto (CUDA when present), cpu or cuda.", choices=DEVICES, fallback="auto", panel=LAYOUT, resume="change"
     )
-    threads: int | None = setting("CPU threads per worker.", minimum=1, shown="1", panel=LAYOUT, resume="change")
+    threads: int | None = setting("CPU threads per worker.", minimum=1, fallback=1, panel=LAYOUT, resume="change")
     timeout_s: float | None = setting(
-        "Limit on every distributed wait (seconds).", positive=True, shown="120", panel=LAYOUT, resume="change"
+        "Limit on every distributed wait (seconds).", positive=True, fallback=120.0, panel=LAYOUT, resume="change"
     )
     nnodes: int | None = setting(
         "Machines; run the same command on each (--out: one shared folder, or one per node).",
         minimum=1,
-        shown="1",
+        fallback=1,
         panel=NODES,
         resume="change",
     )
     node_rank: int | None = setting(
-        "This machine's rank among --nnodes.", minimum=0, shown="0", panel=NODES, resume="change"
+        "This machine's rank among --nnodes.", minimum=0, fallback=0, panel=NODES, resume="change"
     )
     rdzv_endpoint: str | None = setting("HOST:PORT of the rendezvous on node 0.", panel=NODES, resume="change")
     rdzv_timeout_s: float | None = setting(
         "Seconds the nodes wait for each other at the rendezvous, e.g. 60.",
         flag="--rdzv-timeout",
         positive=True,
-        shown="300",
+        fallback=300.0,
         panel=NODES,
         resume="change",
     )
@@ -231,18 +260,12 @@ class RunConfig:
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
 
     def value(self, name: str):
-        """A field's value, or its default when left out (the ``shown`` default, for fields with a fixed one)."""
+        """A field's value, or its default when left out (`Doc.fallback`, for fields with a fixed one; None for the
+        others, which depend on the run: steps, the lr schedule, the plan)."""
         v = getattr(self, name)
-        return DEFAULTS.get(name) if v is None else v
+        return run_fields()[name].fallback if v is None else v
 
 
-# The fixed defaults (the others depend on the run: steps, lr, the plan).
-DEFAULTS = {
-    "seed": 0, "val_fraction": DEFAULT_VAL_FRACTION, "checkpoint_every": 10, "verify": False, "lr": DEFAULT_LR,
-    "grad_clip": DEFAULT_GRAD_CLIP, "accept_precision": False, "device": "auto", "threads": 1, "timeout_s": 120.0,
-    "nnodes": 1, "node_rank": 0, "rdzv_timeout_s": 300.0, "keep_checkpoints": DEFAULT_KEEP_CHECKPOINTS,
-    "grace_s": DEFAULT_GRACE_S, "max_restarts": 0,
-}  # fmt: skip
 TABLE = "train"
 SCHEDULE_FILE = "schedule.csv"  # a run's own schedule, when it has one, in its folder
 
@@ -255,6 +278,13 @@ def run_fields() -> dict[str, Doc]:
 def flag(name: str) -> str:
     """The command-line flag of a `RunConfig` field (``warmup_steps`` -> ``--warmup-steps``)."""
     return next(flag_of(f) for f in fields(RunConfig) if f.name == name)
+
+
+def as_option(name: str, value) -> str:
+    """A `RunConfig` setting as a command line gives it: ``--lr 0.001``; a switch ``--verify`` or ``--no-verify``."""
+    if isinstance(value, bool):
+        return flag(name) if value else f"--no-{flag(name)[2:]}"
+    return f"{flag(name)} {value}"
 
 
 def load_run_config(path: str | Path) -> RunConfig:
@@ -272,6 +302,7 @@ def load_run_config(path: str | Path) -> RunConfig:
 
 
 @dataclass(frozen=True)
+@include_settings(OptimizerConfig)  # AdamW's settings (a run from before them: their defaults, what it used)
 class RunArguments:
     """A run's resolved settings, as its ``config.json`` keeps them under "arguments" (train/rundir.py). The
     defaults are what a run from before each field existed did."""
@@ -304,10 +335,18 @@ class RunArguments:
     keep_checkpoints: int = setting("Complete checkpoints kept.", DEFAULT_KEEP_CHECKPOINTS, minimum=1)
     grace_s: float = setting("Seconds to save a checkpoint after a stop signal.", DEFAULT_GRACE_S, positive=True)
     max_restarts: int = setting("Restarts of all workers from the last checkpoint when one dies.", 0, minimum=0)
+    token_dtype: str | None = setting("The type of a headerless .bin's ids (None: not given).", choices=TOKEN_DTYPES)
 
     @classmethod
     def from_dict(cls, obj: dict, where: str) -> RunArguments:
+        if "token_dtype" not in obj and str(obj.get("data")).endswith(".bin"):
+            obj = {**obj, "token_dtype": "uint16"}  # a run from before --token-dtype read every .bin as uint16 ids
         return cls(**read_fields(cls, obj, where, prefix="arguments.", what="run argument"))
+
+    @property
+    def optimizer(self) -> OptimizerConfig:
+        """The run's AdamW settings, as `engine.optim.make_optimizer` takes them."""
+        return component_of(OptimizerConfig, self)
 
 
 def run_toml(args: RunArguments, *, plan: str, device: str, nnodes: int, rdzv_endpoint: str | None,

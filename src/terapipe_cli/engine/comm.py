@@ -165,12 +165,23 @@ class Groups:
     replicas: DistGroup | None
     tensor: DistGroup | None
     model: DistGroup
+    tied: DistGroup | None = None  # tied embeddings on two stages: this rank's first and last stage (or None)
 
 
-def make_groups(layout: Layout, rank: int, device_type: str) -> Groups:
+def tied_pairs(layout: Layout) -> list[tuple[int, int]]:
+    """Megatron-LM's embedding groups: per replica and tensor rank, the ranks of the first and the last stage (the
+    two copies of a tied embedding matrix; none with one stage)."""
+    if layout.stages == 1:
+        return []
+    last = layout.stages - 1
+    return [(layout.rank(d, 0, t), layout.rank(d, last, t)) for d in range(layout.data) for t in range(layout.tensor)]
+
+
+def make_groups(layout: Layout, rank: int, device_type: str, *, tied: bool = False) -> Groups:
     """The process groups of ``layout`` for this rank; every rank must call it, in the same order.
 
-    ``device_type``: "cuda" on NCCL, else "cpu" (gloo, also when CUDA tensors go through host memory)."""
+    ``device_type``: "cuda" on NCCL, else "cpu" (gloo, also when CUDA tensors go through host memory). ``tied``: the
+    model ties its embeddings (the embedding groups, `tied_pairs`)."""
     mesh = init_device_mesh(
         device_type, (layout.data, layout.stages, layout.tensor), mesh_dim_names=("data", "pipeline", "tensor")
     )
@@ -180,8 +191,14 @@ def make_groups(layout: Layout, rank: int, device_type: str) -> Groups:
         # The (pipeline, tensor) sub-mesh of every replica, as one group: new_group on every rank, in order.
         groups = [dist.new_group(list(range(d * per_replica, (d + 1) * per_replica))) for d in range(layout.data)]
         model = DistGroup(groups[layout.replica(rank)], per_replica)
+    embedding = None
+    for pair in tied_pairs(layout) if tied else ():
+        group = dist.new_group(list(pair))  # on every rank, in order
+        if rank in pair:
+            embedding = DistGroup(group, 2)
     return Groups(
         replicas=DistGroup(mesh.get_group("data"), layout.data) if layout.data > 1 else None,
         tensor=DistGroup(mesh.get_group("tensor"), layout.tensor) if layout.tensor > 1 else None,
         model=model,
+        tied=embedding,
     )

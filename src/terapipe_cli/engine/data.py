@@ -1,7 +1,9 @@
 """Token data and the batches of each training step.
 
-A data file is either text, read as bytes (vocabulary 256), or a token file of uint16 ids: raw
-little-endian ``.bin`` or a one-dimensional integer ``.npy``. Files are memory-mapped, never loaded whole.
+A data file is either text, read as bytes (vocabulary 256), or token ids: a Megatron-LM corpus (``.bin`` +
+``.idx``), an llm.c ``.bin``, a one-dimensional integer ``.npy``, or a headerless ``.bin`` whose type ``--token-dtype``
+says (`corpus.formats`, which tells them apart). Files are memory-mapped, never loaded whole. A run prints one line
+about its data at start (`TokenData.start_line`): file, format, tokens, documents, type, largest id.
 
 The batch of step s is drawn from the seed and s alone (``numpy`` generator seeded with ``[seed, s]``):
 ``B·D`` windows of ``L + 1`` tokens at random offsets; window r feeds sequence r of the global batch, the
@@ -20,7 +22,7 @@ and varied enough not to be memorised at once. No downloads; the file is reprodu
 
 from __future__ import annotations
 
-import codecs
+import dataclasses
 import random
 from dataclasses import dataclass
 from importlib import resources
@@ -29,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from terapipe_cli.corpus.formats import Documents, data_line, largest_id, open_token_file, vocab_problem
 from terapipe_cli.errors import UserError
 
 DEFAULT_DATA_NAME = "tiny-stories.txt"
@@ -42,85 +45,43 @@ def default_data_path() -> Path:
 @dataclass(frozen=True)
 class TokenData:
     path: str
-    kind: str  # "text" (bytes) or "tokens" (uint16)
+    kind: str  # "text" (bytes) or "tokens"
     tokens: np.ndarray  # 1-D, memory-mapped
-    max_token: int
+    max_token: int  # the file's largest id
+    format: str = "text"  # how the file was read: a key of corpus.formats.FORMAT_NAMES
+    format_name: str = "text, read as bytes"  # in words
+    documents: Documents | None = None  # where the file's documents start, where its format records them
+    start: int = 0  # the position of ``tokens[0]`` in the file (a held-out part starts after the training part)
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
 
+    def start_line(self) -> str:
+        """The one line a run prints about its data at start: file, format, tokens, documents, type, largest id."""
+        return data_line(self.path, self.format_name, self.tokens, self.documents, self.max_token)
 
-def load_data(path: str | Path | None) -> TokenData:
-    """Open a data file (None: the embedded default); one-line UserError if it cannot be used."""
+
+def load_data(path: str | Path | None, token_dtype: str | None = None) -> TokenData:
+    """Open a data file (None: the embedded default) of any format `corpus.formats` reads; ``token_dtype`` is the
+    type of a headerless ``.bin``'s ids. One-line UserError if it cannot be used."""
     p = Path(path) if path is not None else default_data_path()
-    where = str(p)
-    if not p.exists():
-        raise UserError("data file not found", where=where)
-    if p.is_dir():
-        raise UserError("expected a data file, found a folder", where=where)
-    try:
-        if p.suffix == ".npy":
-            arr = np.load(p, mmap_mode="r", allow_pickle=False)
-            if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
-                raise UserError(
-                    f"a .npy token file must hold a 1-D integer array, got {arr.dtype} {arr.shape}", where=where
-                )
-            kind = "tokens"
-        elif p.suffix == ".bin":
-            if p.stat().st_size % 2:
-                raise UserError("a .bin token file holds uint16 ids, but its size is odd", where=where)
-            arr = np.memmap(p, dtype="<u2", mode="r") if p.stat().st_size else np.zeros(0, np.uint16)
-            kind = "tokens"
-        else:
-            arr = np.memmap(p, dtype=np.uint8, mode="r") if p.stat().st_size else np.zeros(0, np.uint8)
-            kind = "text"
-            _check_text(arr, where)
-    except UserError:
-        raise
-    except (OSError, ValueError) as e:
-        raise UserError(f"cannot read data file ({e})", where=where) from None
-    if arr.shape[0] == 0:
-        raise UserError("data file is empty", where=where)
-    low, high = int(arr.min()), int(arr.max())
-    if low < 0:
-        raise UserError(f"token ids must not be negative, found {low}", where=where)
-    return TokenData(where, kind, arr, high)
-
-
-TEXT_SAMPLE_BYTES = 1 << 16
-
-
-def _check_text(arr: np.ndarray, where: str) -> None:
-    """A text file (read as bytes) must look like text: UTF-8 without NUL bytes in its first 64 KiB.
-
-    Anything decodes as bytes, so without this an image or an archive would train without a word."""
-    sample = bytes(arr[:TEXT_SAMPLE_BYTES])
-    try:
-        # Incremental, so that a character cut at the sample's end is not an error.
-        codecs.getincrementaldecoder("utf-8")().decode(sample, final=False)
-        binary = b"\x00" in sample
-    except UnicodeDecodeError:
-        binary = True
-    if binary:
-        raise UserError(
-            "does not look like text (not UTF-8, or NUL bytes): give a text file, or token ids as .bin (uint16) "
-            "or .npy",
-            where=where,
-        )
+    opened = open_token_file(p, token_dtype)
+    high = largest_id(opened)
+    kind = "text" if opened.format == "text" else "tokens"
+    return TokenData(opened.path, kind, opened.tokens, high, opened.format, opened.format_name, opened.documents)
 
 
 def check_data(data: TokenData, *, vocab: int, seq_len: int) -> None:
-    """The data must hold a window of L + 1 tokens, and its ids must fit the model's vocabulary."""
+    """The data (the whole file) must hold a window of L + 1 tokens, and its ids must fit the model's vocabulary: the
+    first id outside it is named with its position (and document)."""
     if len(data) < seq_len + 1:
         raise UserError(
             f"holds {len(data)} tokens, fewer than the sequence length + 1 ({seq_len + 1}) a training window needs",
             where=data.path,
         )
-    if data.max_token >= vocab:
-        raise UserError(
-            f"holds token id {data.max_token}, outside the model's vocabulary of {vocab} (plan field 'model.vocab')",
-            where=data.path,
-        )
+    problem = vocab_problem(data.tokens, vocab, data.max_token, documents=data.documents, format=data.format)
+    if problem is not None:
+        raise UserError(f"{problem} (the model's: plan field 'model.vocab')", where=data.path)
 
 
 def split_data(data: TokenData, val_fraction: float, seq_len: int) -> tuple[TokenData, TokenData | None]:
@@ -139,7 +100,8 @@ def split_data(data: TokenData, val_fraction: float, seq_len: int) -> tuple[Toke
                 f"shorter than one window of L + 1 = {seq_len + 1} tokens: give more data or another --val-fraction",
                 where=data.path,
             )
-    train, held_out = (TokenData(data.path, data.kind, tokens, data.max_token) for tokens in parts)
+    train = dataclasses.replace(data, tokens=parts[0])
+    held_out = dataclasses.replace(data, tokens=parts[1], start=data.start + cut)
     return train, held_out
 
 

@@ -1,13 +1,15 @@
 """A Llama-family decoder (``arch = "llama"``): RMSNorm, rotary positions, a SwiGLU MLP, grouped-query attention.
 
 It is `model.GPT` with other layers: the same stage layout (`Llama(cfg, stage, stages)` builds one stage's part),
-the same K/V cache per batch slice and layer (`model.KVCache`, its gradient hand-back), the same fused attention
-(`model.attend`). Two things are new for token slices (docs/design.md §6c):
+the same K/V cache per batch slice and layer (`attention.KVCache`, its gradient hand-back), the same fused attention
+(`attention.attend`). Two things are new for token slices (docs/design.md §6c):
 
 - Rotary positions. A slice of ``i`` tokens after ``start`` earlier ones rotates its queries and keys by the
   angles of its absolute positions start … start + i − 1, so the keys in the cache carry the rotation of their own
   positions and every score is that of the whole sequence. The convention is ``transformers``' Llama (rotate-half:
-  the first and second halves of each head's features are the pairs), so the q/k weights export unpermuted.
+  the first and second halves of each head's features are the pairs), so the q/k weights export unpermuted. Llama
+  3.1's ``rope_scaling`` rescales the frequencies themselves (`scaled_frequencies`), before any position enters,
+  so it holds at every slice's absolute positions alike.
 - Grouped-query attention. ``kv_heads`` key/value heads, each read by ``heads / kv_heads`` query heads (query
   head h reads key/value head h // (heads / kv_heads), as ``transformers``' ``repeat_kv``). The cache holds only
   the kv_heads heads: kv_heads / heads of a multi-head model's bytes.
@@ -40,21 +42,39 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from terapipe_cli.arch import RopeScaling
 from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.engine.attention import KVCache, attend
-from terapipe_cli.engine.model import _EMBED, _HEAD, _LAYER, GPT, normal_, seeded
-from terapipe_cli.errors import UserError
+from terapipe_cli.engine.init import EMBED_SEED, HEAD_SEED, LAYER_SEED, normal_, seeded
+from terapipe_cli.engine.model import GPT
 
 
 def rope_angles(
-    start: int, i: int, head_dim: int, theta: float, device: torch.device
+    start: int, i: int, head_dim: int, theta: float, device: torch.device, scaling: RopeScaling | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin (i, head_dim) of positions start … start + i − 1, in fp32 (``transformers``' Llama: frequency
-    θ^(−2k/d) for the pair (k, k + d/2), the angle position · frequency)."""
+    θ^(−2k/d) for the pair (k, k + d/2), rescaled by ``scaling`` when given, the angle position · frequency)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.int64).float() / head_dim)
+    if scaling is not None:
+        inv_freq = scaled_frequencies(inv_freq, scaling)
     angles = torch.arange(start, start + i, device=device, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos(), angles.sin()
+
+
+def scaled_frequencies(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
+    """Llama 3.1's rescaled frequencies (``rope_type = "llama3"``; Meta's reference code, as `transformers` computes
+    them, in fp32): a pair whose wavelength 2π/f exceeds original / low_freq_factor turns ``factor`` times slower; one
+    shorter than original / high_freq_factor is kept; between the two, the frequency is blended linearly in
+    original/wavelength from f/factor (at the long end) to f (at the short end)."""
+    low, high, factor = scaling.low_freq_factor, scaling.high_freq_factor, scaling.factor
+    original = scaling.original_max_position_embeddings
+    wavelength = 2 * math.pi / inv_freq
+    slowed = torch.where(wavelength > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelength - low) / (high - low)
+    blended = (1 - smooth) * slowed / factor + smooth * slowed
+    between = ~(wavelength < original / high) * ~(wavelength > original / low)
+    return torch.where(between, blended, slowed)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -74,6 +94,7 @@ class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.heads, self.kv_heads, self.head_dim, self.theta = cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.rope_theta
+        self.rope_scaling = cfg.rope_scaling
         d = cfg.head_dim
         self.q_proj = nn.Linear(cfg.hidden, cfg.heads * d, bias=False)
         self.k_proj = nn.Linear(cfg.hidden, cfg.kv_heads * d, bias=False)
@@ -87,7 +108,8 @@ class LlamaAttention(nn.Module):
         k = self.k_proj(x).view(b, i, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, i, self.kv_heads, self.head_dim).transpose(1, 2)
         # The slice's absolute positions: the keys it writes into the cache carry the rotation of their own place.
-        cos, sin = rope_angles(0 if self.rope_local else start, i, self.head_dim, self.theta, x.device)
+        position = 0 if self.rope_local else start
+        cos, sin = rope_angles(position, i, self.head_dim, self.theta, x.device, self.rope_scaling)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         y = attend(q, k, v, cache, start, gqa=self.kv_heads != self.heads)
         return self.o_proj(y.transpose(1, 2).reshape(b, i, self.heads * self.head_dim))
@@ -129,29 +151,21 @@ class Llama(GPT):
     """The part of a Llama-family model that stage ``stage`` of ``stages`` owns (arguments as `model.GPT`)."""
 
     def make_parts(self, cfg: ModelConfig) -> None:
-        if cfg.tie_embeddings and self.first != self.last:
-            raise UserError(
-                f"model '{cfg.name}' ties its embeddings: the embedding and the head must be on one stage "
-                f"(tie_embeddings = false to pipeline it)",
-                where="tie_embeddings",
-            )
         if self.first:
             self.wte = nn.Embedding(cfg.vocab, cfg.hidden)
         self.blocks = nn.ModuleDict({str(n): LlamaBlock(cfg) for n in self.layer_ids})
         if self.last:
             self.norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
-            self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
-            if cfg.tie_embeddings:
-                self.lm_head.weight = self.wte.weight
+            self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)  # the embedding's when tied (`GPT`)
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """As `model.GPT`'s: normal 0.02, the residual outputs (o_proj, down_proj) by 1/sqrt(2N), norms 1."""
         if self.first:
-            normal_(self.wte.weight, seeded(seed, _EMBED))
+            normal_(self.wte.weight, seeded(seed, EMBED_SEED))
         residual_std = 0.02 / math.sqrt(2 * self.cfg.layers)
         for n in self.layer_ids:
-            g = seeded(seed, _LAYER + n)
+            g = seeded(seed, LAYER_SEED + n)
             for name, p in self.blocks[str(n)].named_parameters():
                 if "norm" in name:
                     p.fill_(1.0)
@@ -160,7 +174,9 @@ class Llama(GPT):
         if self.last:
             self.norm.weight.fill_(1.0)
             if not self.cfg.tie_embeddings:
-                normal_(self.lm_head.weight, seeded(seed, _HEAD))
+                normal_(self.lm_head.weight, seeded(seed, HEAD_SEED))
+            elif not self.first:  # the tied matrix's copy on the last stage (`GPT.tied_copy`)
+                normal_(self.lm_head.weight, seeded(seed, EMBED_SEED))
 
     def embed(self, tokens: torch.Tensor, token_start: int = 0) -> torch.Tensor:
         """Token embedding only: positions enter as rotations inside attention."""

@@ -26,7 +26,7 @@ from typing import TypeVar
 import torch
 
 from terapipe_cli.config.run import RunArguments
-from terapipe_cli.engine.comm import Message, PeerLost, Posted, channel
+from terapipe_cli.engine.comm import Message, PeerLost, Posted, channel, tied_pairs
 from terapipe_cli.engine.data import TokenData
 from terapipe_cli.engine.mesh import Layout
 from terapipe_cli.engine.trainer import Comms, Trainer
@@ -315,12 +315,14 @@ def local_comms(world: LocalWorld, layout: Layout, rank: int) -> Comms:
     tensors = [layout.rank(replica, stage, t) for t in range(layout.tensor)]
     prev_rank, next_rank = layout.neighbours(rank)
     ring = layout.ring(rank)
+    pair = next((p for p in tied_pairs(layout) if rank in p), None)
     return Comms(
         world=world.group("world", range(layout.world), rank),
         pipeline=model,
         replicas=world.group("replicas", replicas, rank) if layout.data > 1 else None,
         tensor=world.group("tensor", tensors, rank) if layout.tensor > 1 else None,
         link=world.link(rank, prev_rank, next_rank, ring),
+        tied=world.group("tied", pair, rank) if pair is not None else None,
     )
 
 

@@ -5,9 +5,11 @@ The only idea beyond nanoGPT: a token slice of ``i`` tokens that starts after ``
 only positions <= t, so a sequence can be cut into slices and run slice by slice with exactly the result of
 running it whole (TeraPipe, docs/design.md §1 and §6). The model knows nothing else about pipelining: `GPT(cfg, stage,
 stages)` simply builds the part of the model that one pipeline stage owns; `GPT(cfg)` is the whole model.
+`GPT2` (``arch = "gpt2"``) is the same decoder as GPT-2 has it: biases, the tanh GELU, the head tied to the embedding.
 
-Weights are initialised per component from the seed (embedding, each layer by its global index, head), so
-stage k of a K-stage split holds exactly the weights of the same layers of the one-stage model, for any K.
+Weights are initialised per component from the seed (engine/init.py), so stage k of a K-stage split holds exactly
+the weights of the same layers of the one-stage model, for any K. `build_model` builds the architecture the
+config names (its spec's ``module``, `terapipe_cli.arch`).
 """
 
 from __future__ import annotations
@@ -20,20 +22,19 @@ from torch import nn
 
 from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.engine.attention import KVCache, attend
+from terapipe_cli.engine.init import EMBED_SEED, HEAD_SEED, LAYER_SEED, normal_, seeded
 from terapipe_cli.plan.partition import Partition
-
-# Per-component seed offsets: the embedding, layer l (l + _LAYER), and the final norm + head.
-_EMBED, _HEAD, _LAYER = 1, 2, 16
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, bias: bool = False) -> None:
         super().__init__()
         self.heads, self.hidden = cfg.heads, cfg.hidden
-        # No biases in the linear layers (nanoGPT's bias=False). A key bias has an exactly zero gradient
+        # GPT: no biases in the linear layers (nanoGPT's bias=False). A key bias has an exactly zero gradient
         # (softmax ignores a shift shared by all keys), so AdamW would turn its rounding noise into updates.
-        self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden, bias=False)
-        self.proj = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
+        # GPT-2 has them all (`GPT2`).
+        self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden, bias=bias)
+        self.proj = nn.Linear(cfg.hidden, cfg.hidden, bias=bias)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None, start: int = 0) -> torch.Tensor:
         """x: (b, i, H), the tokens [start, start + i) of a slice; ``cache`` holds the keys/values of the same
@@ -52,24 +53,25 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, bias: bool = False, gelu: str = "none") -> None:
         super().__init__()
-        self.fc = nn.Linear(cfg.hidden, cfg.mlp_ratio * cfg.hidden, bias=False)
-        self.proj = nn.Linear(cfg.mlp_ratio * cfg.hidden, cfg.hidden, bias=False)
+        self.gelu = gelu  # F.gelu's approximate: "none" (erf, GPT's) or "tanh" (GPT-2's gelu_new)
+        self.fc = nn.Linear(cfg.hidden, cfg.mlp_ratio * cfg.hidden, bias=bias)
+        self.proj = nn.Linear(cfg.mlp_ratio * cfg.hidden, cfg.hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x)))
+        return self.proj(F.gelu(self.fc(x), approximate=self.gelu))
 
 
 class Block(nn.Module):
     """Pre-LN decoder layer."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, bias: bool = False, gelu: str = "none") -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.hidden)
-        self.attn = CausalSelfAttention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.hidden)
-        self.mlp = MLP(cfg)
+        self.ln_1 = nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps)
+        self.attn = CausalSelfAttention(cfg, bias)
+        self.ln_2 = nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps)
+        self.mlp = MLP(cfg, bias, gelu)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None, start: int = 0) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), cache, start)
@@ -93,9 +95,14 @@ class GPT(nn.Module):
     ``partition`` (`plan.partition`), chunk ``stage`` of its chunks, its own layers — or, with ``chunks``, several
     chunks of it (one device's, interleaved), each run on its own by ``forward(..., chunk=c)``.
 
-    Chunk 0 also holds the token and position embeddings; the last chunk the final LayerNorm and LM head.
-    Layers are kept under their global index (``blocks.5...``) so parameter names match the whole model's.
+    Chunk 0 also holds the token and position embeddings; the last chunk the final LayerNorm and LM head (with
+    ``tie_embeddings``, the embedding's matrix when both ends are on this stage; on different stages each holds a
+    copy, kept equal by summing their gradients, `tied_copy`). Layers are kept under their global
+    index (``blocks.5...``) so parameter names match the whole model's.
     """
+
+    bias = False  # biases in the linear layers
+    gelu = "none"  # the MLP's GELU (F.gelu's approximate)
 
     def __init__(
         self,
@@ -117,6 +124,8 @@ class GPT(nn.Module):
         self.chunk_layers = {c: list(stage_layer_range(cfg, c, stages, partition)) for c in chunks}
         self.layer_ids = [n for c in chunks for n in self.chunk_layers[c]]
         self.make_parts(cfg)
+        if cfg.tie_embeddings and self.first and self.last:
+            self.lm_head.weight = self.wte.weight  # one matrix, one gradient: the sum of the two uses
         self.init_weights(seed)
 
     def make_parts(self, cfg: ModelConfig) -> None:
@@ -124,21 +133,21 @@ class GPT(nn.Module):
         if self.first:
             self.wte = nn.Embedding(cfg.vocab, cfg.hidden)
             self.wpe = nn.Embedding(cfg.seq_len, cfg.hidden)
-        self.blocks = nn.ModuleDict({str(n): Block(cfg) for n in self.layer_ids})
+        self.blocks = nn.ModuleDict({str(n): Block(cfg, self.bias, self.gelu) for n in self.layer_ids})
         if self.last:
-            self.ln_f = nn.LayerNorm(cfg.hidden)
+            self.ln_f = nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps)
             self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """nanoGPT's init (normal 0.02, residual projections scaled by 1/sqrt(2N)), seeded per component."""
         if self.first:
-            g = seeded(seed, _EMBED)
+            g = seeded(seed, EMBED_SEED)
             normal_(self.wte.weight, g)
             normal_(self.wpe.weight, g)
         residual_std = 0.02 / math.sqrt(2 * self.cfg.layers)
         for n in self.layer_ids:
-            g = seeded(seed, _LAYER + n)
+            g = seeded(seed, LAYER_SEED + n)
             for name, p in self.blocks[str(n)].named_parameters():
                 if name.startswith("ln_"):
                     p.fill_(1.0 if name.endswith("weight") else 0.0)
@@ -149,7 +158,19 @@ class GPT(nn.Module):
         if self.last:
             self.ln_f.weight.fill_(1.0)
             self.ln_f.bias.zero_()
-            normal_(self.lm_head.weight, seeded(seed, _HEAD))
+            if not self.cfg.tie_embeddings:
+                normal_(self.lm_head.weight, seeded(seed, HEAD_SEED))
+            elif not self.first:  # the tied matrix's copy on the last stage: the embedding's values (drawn first)
+                normal_(self.lm_head.weight, seeded(seed, EMBED_SEED))
+
+    @property
+    def tied_copy(self) -> str | None:
+        """With tied embeddings whose two ends are on different stages (Megatron-LM's embedding group): the name of
+        this stage's copy of the tied matrix (``wte.weight`` first, ``lm_head.weight`` last), whose gradient is
+        summed with the other copy's every step; None otherwise."""
+        if not self.cfg.tie_embeddings or self.first == self.last:
+            return None
+        return "wte.weight" if self.first else "lm_head.weight"
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """The last chunk's final norm and LM head: the logits."""
@@ -181,22 +202,18 @@ class GPT(nn.Module):
         return h
 
 
-def seeded(seed: int, offset: int) -> torch.Generator:
-    """The generator of one component (embedding, layer, head) of the model with ``seed``."""
-    return torch.Generator().manual_seed(seed * 1_000_003 + offset)
+class GPT2(GPT):
+    """GPT-2 exactly (``arch = "gpt2"``, `transformers`' GPT2LMHeadModel): `GPT` with a bias in every linear layer
+    (zero at initialisation), the tanh GELU, and by default the head tied to the token embedding."""
 
-
-def normal_(t: torch.Tensor, g: torch.Generator, std: float = 0.02) -> None:
-    t.copy_(torch.randn(t.shape, generator=g) * std)
+    bias = True
+    gelu = "tanh"
 
 
 def build_model(cfg: ModelConfig, stage: int = 0, stages: int = 1, **kwargs) -> GPT:
-    """The architecture ``cfg.arch`` names: `GPT` or `llama.Llama` (same arguments, same stage layout)."""
-    if cfg.llama:
-        from terapipe_cli.engine.llama import Llama  # llama.py builds on this module
-
-        return Llama(cfg, stage, stages, **kwargs)
-    return GPT(cfg, stage, stages, **kwargs)
+    """The module of the architecture ``cfg.arch`` names (its spec's, `terapipe_cli.arch`: `GPT`, `GPT2`,
+    `llama.Llama`; same arguments, same stage layout)."""
+    return cfg.spec.model_class()(cfg, stage, stages, **kwargs)
 
 
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -6,8 +6,8 @@
 - ``LossScale``: fp16's dynamic loss scale, one for the whole pipeline.
 - ``take_step``: the update itself — unscale and skip on overflow (fp16), clip, AdamW — one function for the
   workers and the reference, so both take exactly the same decisions.
-- ``make_optimizer``: AdamW as nanoGPT configures it, with the multi-tensor (``foreach``) or fused kernels
-  where the device has them.
+- ``make_optimizer``: AdamW with the run's `OptimizerConfig` (nanoGPT's by default), with the multi-tensor
+  (``foreach``) or fused kernels where the device has them.
 """
 
 from __future__ import annotations
@@ -18,7 +18,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from terapipe_cli.config.optimizer import OptimizerConfig
 from terapipe_cli.engine.attention import branch
+
+# The token and position embeddings and the LM head, by the names every architecture gives them (engine/model.py's,
+# kept by Llama and GPT-2) on every stage and tensor rank: what --no-decay-embeddings leaves undecayed. Tied, the
+# head's matrix is the embedding's, listed once by `named_parameters`, under ``wte.weight``.
+EMBEDDINGS_AND_HEAD = ("wte.weight", "wpe.weight", "lm_head.weight")
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
@@ -128,16 +134,22 @@ def take_step(
     return StepOutcome(norm, skipped=False, loss_scale=loss_scale.scale if loss_scale is not None else None)
 
 
-def make_optimizer(module: nn.Module, lr: float) -> torch.optim.AdamW:
-    """AdamW as nanoGPT configures it: weight decay on matrices and embeddings only.
+def make_optimizer(module: nn.Module, lr: float, config: OptimizerConfig | None = None) -> torch.optim.AdamW:
+    """AdamW with ``config``'s betas and eps, in two groups: ``config.weight_decay`` on the matrices (nanoGPT's
+    rule; the embeddings and the head among them unless ``config.decay_embeddings`` is False), none on norms and
+    biases. None: the defaults (`OptimizerConfig()`).
 
-    Per-parameter groups keep the update independent of how the model is split into stages. The multi-tensor
-    implementation (``foreach``) runs one kernel chain for all parameters instead of one per parameter; on
-    CUDA the fused kernel goes further. Both compute the same update per parameter.
+    The groups are per parameter, so the update does not depend on how the model is split into stages. The
+    multi-tensor implementation (``foreach``) runs one kernel chain for all parameters instead of one per
+    parameter; on CUDA the fused kernel goes further. Both compute the same update per parameter.
     """
-    decay = [p for p in module.parameters() if p.dim() >= 2]
-    no_decay = [p for p in module.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+    config = config if config is not None else OptimizerConfig()
+    decay, no_decay = [], []
+    for name, p in module.named_parameters():
+        embedding = any(name == e or name.endswith("." + e) for e in EMBEDDINGS_AND_HEAD)
+        decays = p.dim() >= 2 and (config.decay_embeddings or not embedding)
+        (decay if decays else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     on_cuda = any(branch(p) == "cuda" for p in module.parameters())  # `attention.forced_branch` tests it on CPU
     kernel = {"fused": True} if on_cuda else {"foreach": True}
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, **kernel)
+    return torch.optim.AdamW(groups, lr=lr, betas=config.betas, eps=config.eps, **kernel)

@@ -24,21 +24,25 @@ pipeline, the fused/foreach AdamW, checkpoints that hold the whole stage (`full_
 collectives staged through host memory on gloo (`comm.host_all_reduce`), which DTensor's own collectives do not
 do. The split itself is two autograd functions and a weight slice per linear, written out below.
 
+A linear layer's bias (GPT-2's) goes with its output features: a column-parallel layer's is cut with its weight, a
+row-parallel layer's is whole on every rank and added once, after the sum over the ranks (every rank then computes
+the same output and the same bias gradient, as for the layer norms).
+
 Parameter names stay the single-device model's; a sharded parameter is a slice of the full one along one
-dimension (`SPLITS`). `shard_tensor` cuts the full tensor into this rank's slice, `gather_tensor` puts the
-full one back together (an all-gather over the tensor group), so checkpoints, ``--verify`` and ``terapipe
-export`` see whole tensors whatever T was.
+dimension (`SPLITS`: every architecture's splits, each declared by its spec in `terapipe_cli.arch`). `shard_tensor`
+cuts the full tensor into this rank's slice, `gather_tensor` puts the full one back together (an all-gather over
+the tensor group), so checkpoints, ``--verify`` and ``terapipe export`` see whole tensors whatever T was.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from terapipe_cli.arch import Split, all_splits
 from terapipe_cli.config.model import vocab_rows
 from terapipe_cli.engine.comm import Group
 from terapipe_cli.engine.model import token_loss_sum
@@ -97,26 +101,31 @@ class _SumOverRanks(torch.autograd.Function):
 
 
 class _ShardedLinear(nn.Module):
-    """A bias-free linear holding this rank's slice ``weight`` of the whole one (under the whole one's name)."""
+    """A linear holding this rank's slice ``weight`` of the whole one (under the whole one's name), and its
+    ``bias`` (None: none) as `ColumnParallelLinear` or `RowParallelLinear` holds it."""
 
-    def __init__(self, weight: torch.Tensor, tp: TensorGroup) -> None:
+    def __init__(self, weight: torch.Tensor, tp: TensorGroup, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight.detach().clone())
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone())
         self.tp = tp
 
 
 class ColumnParallelLinear(_ShardedLinear):
-    """``y_r = x · W_rᵀ``: this rank's output columns of a bias-free linear; the input's gradient is summed."""
+    """``y_r = x · W_rᵀ + b_r``: this rank's output columns of a linear (and of its bias); the input's gradient is
+    summed."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(_CopyToRanks.apply(x, self.tp), self.weight)
+        return F.linear(_CopyToRanks.apply(x, self.tp), self.weight, self.bias)
 
 
 class RowParallelLinear(_ShardedLinear):
-    """``y = Σ_r x_r · W_rᵀ``: this rank's input columns of a bias-free linear; the output is summed."""
+    """``y = Σ_r x_r · W_rᵀ + b``: this rank's input columns of a linear; the output is summed, and the whole bias
+    added once, after the sum (in the output's precision, as the unsplit linear adds it under autocast)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _SumOverRanks.apply(F.linear(x, self.weight), self.tp)
+        y = _SumOverRanks.apply(F.linear(x, self.weight), self.tp)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -202,35 +211,8 @@ def head_loss_sum(module: nn.Module, logits: torch.Tensor, targets: torch.Tensor
     return token_loss_sum(logits, targets)
 
 
-class Split(NamedTuple):
-    """How a sharded parameter is cut along ``dim``: ``parts`` equal blocks stacked there (the fused q, k, v),
-    each cut evenly T ways; or, with ``vocab``, the vocabulary's rows cut by `config.model.vocab_rows` (unevenly
-    when T does not divide V)."""
-
-    dim: int
-    parts: int = 1
-    vocab: bool = False
-
-
-# How each sharded parameter is cut, by the end of its name. The fused q/k/v weight is three matrices stacked along
-# dim 0 (parts = 3): each rank keeps its heads' rows of each of them.
-SPLITS: dict[str, Split] = {
-    "attn.qkv.weight": Split(0, 3),
-    "attn.proj.weight": Split(1),
-    "mlp.fc.weight": Split(0),
-    "mlp.proj.weight": Split(1),
-    # The llama layer (engine/llama.py): rank r keeps query heads [r·heads/T, (r+1)·heads/T) and key/value heads
-    # [r·kv_heads/T, (r+1)·kv_heads/T) — exactly the ones its query heads read — and 1/T of the SwiGLU's width.
-    "attn.q_proj.weight": Split(0),
-    "attn.k_proj.weight": Split(0),
-    "attn.v_proj.weight": Split(0),
-    "attn.o_proj.weight": Split(1),
-    "mlp.gate_proj.weight": Split(0),
-    "mlp.up_proj.weight": Split(0),
-    "mlp.down_proj.weight": Split(1),
-    "wte.weight": Split(0, vocab=True),
-    "lm_head.weight": Split(0, vocab=True),
-}
+# How each sharded parameter is cut, by the end of its name: every architecture's spec's (`terapipe_cli.arch`).
+SPLITS: dict[str, Split] = all_splits()
 
 
 def split_of(name: str) -> Split | None:
@@ -277,14 +259,23 @@ def shard_module(module: nn.Module, tp: TensorGroup) -> None:
     if module.last:
         weight = module.lm_head.weight
         module.lm_head = VocabParallelHead(shard_tensor("lm_head.weight", weight, tp), tp, rows).to(weight.device)
+        if module.cfg.tie_embeddings and module.first:  # tied on this stage: the one matrix's rows again
+            module.lm_head.weight = module.wte.weight
     for n, block in module.blocks.items():
         for path, linear in list(block.named_modules()):
             split = split_of(f"{path}.weight") if isinstance(linear, nn.Linear) else None
             if split is None:
                 continue
-            # Cut along the output features: column-parallel; along the input features: row-parallel.
+            # Cut along the output features: column-parallel, its bias cut alike; along the input features:
+            # row-parallel, its bias whole.
             kind = ColumnParallelLinear if split.dim == 0 else RowParallelLinear
-            sharded = kind(shard_tensor(f"blocks.{n}.{path}.weight", linear.weight, tp), tp).to(linear.weight.device)
+            weight = shard_tensor(f"blocks.{n}.{path}.weight", linear.weight, tp)
+            bias = linear.bias
+            if bias is not None and kind is ColumnParallelLinear:
+                if split_of(f"{path}.bias") is None:
+                    raise ValueError(f"the bias of column-parallel {path} has no split (its spec's splits)")
+                bias = shard_tensor(f"blocks.{n}.{path}.bias", bias, tp)
+            sharded = kind(weight, tp, bias).to(linear.weight.device)
             owner, attr = path.rsplit(".", 1)
             setattr(block.get_submodule(owner), attr, sharded)
         block.attn.split_heads(tp.size)

@@ -28,7 +28,14 @@ from terapipe_cli.engine.executor import StageExecutor
 from terapipe_cli.engine.mesh import Layout
 from terapipe_cli.engine.optim import LossScale, StepOutcome, make_optimizer, set_lr, take_step
 from terapipe_cli.engine.stage import StageRunner
-from terapipe_cli.engine.tensor import TensorGroup, full_state, gather_tensor, local_state, split_of
+from terapipe_cli.engine.tensor import (
+    TensorGroup,
+    gather_tensor,
+    local_state,
+    parameter_names,
+    shard_tensor,
+    split_of,
+)
 from terapipe_cli.plan.file import Plan
 from terapipe_cli.plan.schedule import Schedule
 from terapipe_cli.plan.timeline import Event
@@ -38,13 +45,16 @@ from terapipe_cli.plan.timeline import Event
 class Comms:
     """A rank's links to the others: ``world`` (every rank), ``pipeline`` (its replica's K·T ranks, which hold the
     whole model once), ``replicas`` (its stage and tensor rank in every replica; None with one replica),
-    ``tensor`` (its stage's T ranks; None without tensor parallelism) and its stage's point-to-point ``link``."""
+    ``tensor`` (its stage's T ranks; None without tensor parallelism), its stage's point-to-point ``link`` and, for
+    tied embeddings whose ends are on different stages, ``tied``: its replica's and tensor rank's first and last
+    stage (Megatron-LM's embedding group; None elsewhere)."""
 
     world: Group
     pipeline: Group
     replicas: Group | None
     tensor: Group | None
     link: Link
+    tied: Group | None = None
 
 
 @dataclass(frozen=True)
@@ -105,7 +115,7 @@ class Trainer:
             partition=partition,
             chunks=chunks,
         )
-        self.optimizer = make_optimizer(self.runner.module, args.lr)
+        self.optimizer = make_optimizer(self.runner.module, args.lr, args.optimizer)
         self.executor = StageExecutor(self.runner, schedule, self.stage, comms.link)
         self.lr_schedule = LRSchedule.of_run(args)
         self.loss_scale = LossScale() if args.precision == "fp16" else None
@@ -136,6 +146,7 @@ class Trainer:
         loss, events = self.executor.step(
             batch, step_start=step_start, rank=self.rank, replica=self.replica, step=step, after_forward=after_forward
         )
+        self.sum_tied_gradients()
         self.sum_replica_gradients()
         update = self.apply_update()
         step_loss, memory, saved = self.end_of_step(loss)
@@ -154,6 +165,20 @@ class Trainer:
         """What this rank adds to a step's mean loss: its summed token loss over B·D·L, on the last stage only, and
         there from tensor rank 0 only (a last stage's tensor ranks all compute the same loss)."""
         return float(loss.double()) / self.tokens_per_step if loss is not None and self.tensor.rank == 0 else 0.0
+
+    def sum_tied_gradients(self) -> None:
+        """Tied embeddings on two stages: the first stage's copy (the embedding) and the last's (the head) each
+        hold half of the tied matrix's gradient; both take the sum, so both copies take the same update and stay
+        bit-identical (the single-device gradient of the one matrix is that sum)."""
+        name = self.runner.module.tied_copy
+        if name is None:
+            return
+        if self.comms.tied is None:
+            raise RuntimeError("tied embeddings on two stages need the embedding group (Comms.tied)")
+        p = dict(self.runner.module.named_parameters())[name]
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        self.comms.tied.all_reduce(p.grad, what="the tied embeddings' gradient all-reduce")
 
     def sum_replica_gradients(self) -> None:
         """With data parallelism, sum this stage's gradients over its replicas in one flat buffer (the loss is
@@ -194,8 +219,10 @@ class Trainer:
 
         # With tensor parallelism a parameter every tensor rank holds whole (the norms, the position embedding) has
         # the same gradient on all of them: tensor rank 0 alone adds its squares; each rank adds its own slices'.
+        # The tied matrix's copy on the last stage is the first stage's, counted there once.
         named = list(self.runner.module.named_parameters())
-        counted = [p for n, p in named if self.tensor.rank == 0 or split_of(n) is not None]
+        skip = "lm_head.weight" if self.runner.module.tied_copy == "lm_head.weight" else None
+        counted = [p for n, p in named if (self.tensor.rank == 0 or split_of(n) is not None) and n != skip]
         return take_step(
             self.optimizer,
             [p for _, p in named],
@@ -238,29 +265,73 @@ class Trainer:
         """This stage's whole gradients by parameter name (gathered from its tensor ranks: a collective), on the
         CPU: what ``--verify`` compares (after the update, so unscaled and clipped)."""
         module = self.runner.module
-        return {n: gather_tensor(n, p.grad.detach(), self.tensor).cpu() for n, p in module.named_parameters()}
+        named = module.named_parameters(remove_duplicate=False)  # a tied matrix under both its names, as the reference
+        return {n: gather_tensor(n, p.grad.detach(), self.tensor).cpu() for n, p in named}
 
     def full_state(self) -> tuple[dict, dict]:
-        """(model state, optimizer state) of the whole stage, gathered from its tensor ranks (a collective); the
-        fp16 loss scale rides in the optimizer state (`LOSS_SCALE_KEY`)."""
-        model, optimizer = full_state(self.runner.module, self.optimizer, self.tensor)
+        """(model state, optimizer state) of the whole stage under the whole model's names, gathered from its tensor
+        ranks (a collective): what any plan of the same model can continue from (docs/design.md §6e).
+
+        The optimizer state is ``{"by_name": {parameter name: AdamW's state of it (step, exp_avg, exp_avg_sq)}}``,
+        not torch's per-index state (an index means a place in this stage's optimizer only); the fp16 loss scale
+        rides along (`LOSS_SCALE_KEY`)."""
+        module = self.runner.module
+        by_id = {id(p): n for n, p in module.named_parameters()}
+        model = {name: gather_tensor(name, t, self.tensor) for name, t in module.state_dict().items()}
+        by_name = {
+            by_id[id(p)]: {
+                key: gather_tensor(by_id[id(p)], v, self.tensor) if torch.is_tensor(v) and v.dim() > 0 else v
+                for key, v in self.optimizer.state[p].items()
+            }
+            for group in self.optimizer.param_groups
+            for p in group["params"]
+            if p in self.optimizer.state
+        }
+        optimizer: dict = {BY_NAME_KEY: by_name}
         if self.loss_scale is not None:
             optimizer[LOSS_SCALE_KEY] = self.loss_scale.state_dict()
         return model, optimizer
 
     def load_full_state(self, model: dict, optimizer: dict) -> None:
-        """Continue from a whole stage's state (`full_state`): this tensor rank keeps its part."""
+        """Continue from whole-model state under whole-model names (`full_state`; it may hold other stages' tensors
+        too, which are left): this rank takes its own parameters and its tensor rank's share of each. A state from
+        before the names (torch's per-index optimizer state) is this very stage's, as it was saved."""
         optimizer = dict(optimizer)
         loss_scale = optimizer.pop(LOSS_SCALE_KEY, None)
-        model, optimizer = local_state(self.runner.module, self.optimizer, model, optimizer, self.tensor)
-        self.runner.module.load_state_dict(model)
-        self.optimizer.load_state_dict(optimizer)
+        module = self.runner.module
+        if BY_NAME_KEY not in optimizer:  # terapipe.checkpoint/1: the stage's own state, optimizer by index
+            model, optimizer = local_state(module, self.optimizer, model, optimizer, self.tensor)
+            module.load_state_dict(model)
+            self.optimizer.load_state_dict(optimizer)
+        else:
+            own = module.state_dict()
+            missing = [name for name in own if name not in model]
+            if missing:
+                raise KeyError(f"the checkpoint holds no tensor {missing[0]!r} (of {len(missing)} this stage needs)")
+            module.load_state_dict({name: shard_tensor(name, model[name], self.tensor) for name in own})
+            state = self.optimizer.state_dict()
+            names = parameter_names(module, self.optimizer)
+            by_name = optimizer[BY_NAME_KEY]
+            state["state"] = {
+                index: {
+                    key: shard_tensor(name, v, self.tensor) if torch.is_tensor(v) and v.dim() > 0 else v
+                    for key, v in by_name[name].items()
+                }
+                for index, name in enumerate(names)
+                if name in by_name
+            }
+            self.optimizer.load_state_dict(state)
         if self.loss_scale is not None and loss_scale is not None:
             self.loss_scale.load_state_dict(loss_scale)
+
+    def state_names(self) -> list[str]:
+        """The whole-model names of the tensors this rank's stage holds (what `load_full_state` takes)."""
+        return list(self.runner.module.state_dict())
 
 
 # fp16's loss scale travels in the checkpoint next to the optimizer's own state (one value, the same on all stages).
 LOSS_SCALE_KEY = "loss_scale"
+BY_NAME_KEY = "by_name"  # the optimizer state keyed by the whole model's parameter names
 
 
 def peak_memory_bytes(device: torch.device) -> int:

@@ -75,7 +75,7 @@ from pathlib import Path
 import numpy as np
 
 from terapipe_cli.config.device import precision_field
-from terapipe_cli.config.model import ModelConfig
+from terapipe_cli.config.model import ModelConfig, vocab_share
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import Fields, read_json_with_schema
 from terapipe_cli.plan.partition import Partition
@@ -394,6 +394,8 @@ class CostModel:
         self.allreduce_unpriced = self._unpriced(data_parallel)
         self.allreduce_s = self._allreduce_s(data_parallel) if self.allreduce_unpriced is None else 0.0
         self.step_s += self.allreduce_s
+        self.tied_allreduce_s = self._tied_allreduce_s()
+        self.step_s += self.tied_allreduce_s
 
     @property
     def layers_per_stage(self) -> int:
@@ -410,7 +412,25 @@ class CostModel:
         if p.ends is not None:
             chunks = part.chunks_on(k)
             params += p.ends.embed_params * (0 in chunks) + p.ends.head_params * (part.chunks - 1 in chunks)
+            params += self._tied_rows_params() * (part.chunks - 1 in chunks)  # a tied matrix's copy (§6a)
         return params
+
+    def _tied_rows_params(self) -> float:
+        """Parameters of the tied embedding matrix's copy on the last device (tied embeddings whose ends are on two
+        devices, Megatron-LM's embedding group; 0 otherwise): the fullest tensor rank's rows of it."""
+        model, T = self.profile.model, self.profile.tensor_parallel
+        if not model.tie_embeddings or self.partition.devices == 1:
+            return 0.0
+        return float(vocab_share(model.vocab, T) * model.hidden)
+
+    def _tied_allreduce_s(self) -> float:
+        """The two copies' gradient sum every step (fp32 gradients between the first and the last device, over the
+        stage-to-stage link): 0 when the model does not tie its embeddings across devices."""
+        tied = self._tied_rows_params()
+        if not tied:
+            return 0.0
+        p = self.profile
+        return float(ring_allreduce_seconds(4.0 * tied, 2, latency_s=p.latency_s, bytes_per_s=p.bytes_per_s))
 
     def _update_s(self, k: int) -> float:
         """Device k's optimizer update: per layer as profiled, the ends' parameters at the same rate per parameter."""

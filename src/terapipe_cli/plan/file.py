@@ -32,7 +32,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from terapipe_cli.config.bundled import bundled_names
 from terapipe_cli.config.device import precision_field
+from terapipe_cli.config.hardware import load_hardware
 from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import Fields, read_json_with_schema, write_json_atomic
@@ -169,7 +171,6 @@ def plan_from_dict(obj: dict, where: str) -> Plan:
         raise f.fail("model", "must be an object")
     model = ModelConfig.from_dict(model_obj, where)
     stages = f.int("stages", minimum=1)
-    model.check_tied(stages, where=f"{where}: field 'stages'")
     partition = _partition(f, model, stages, where)
     batch_size = f.int("batch_size", minimum=1)
     seq_len = f.int("seq_len", minimum=1)
@@ -234,6 +235,37 @@ def _recompute(f: Fields, chunks: int) -> tuple[bool, ...]:
     if not isinstance(value, list) or len(value) != chunks or not all(isinstance(v, bool) for v in value):
         raise f.fail("recompute", f"must be a list of {chunks} booleans (one per stage), got {value!r}")
     return tuple(value)
+
+
+def replan_advice(plan: Plan, precision: str) -> str:
+    """How to get a plan made for ``precision`` instead of ``plan`` (made for another), in words that fit how its
+    profile was made: a measured one is measured again at that precision; an analytic one is estimated again from a
+    hardware file that prices it (a hardware file prices one precision, its ``[training] dtype``: `terapipe profile
+    --analytic --precision` cannot change it), a bundled one of the same device where there is one."""
+    profile = plan.raw.get("profile") if isinstance(plan.raw.get("profile"), dict) else {}
+    model = plan.model.name
+    tensor = f" --tensor-parallel {plan.tensor_parallel}" if plan.tensor_parallel > 1 else ""
+    if profile.get("source") != "analytic":
+        return f"re-profile with `terapipe profile --precision {precision} --model {model}{tensor}` and plan again"
+    hardware = _bundled_hardware(profile.get("device"), precision)
+    if hardware is None:
+        return (
+            f"plan again on an analytic profile of a hardware file whose [training] dtype is {precision} "
+            f"(`terapipe profile --analytic --hardware FILE --model {model}{tensor}`)"
+        )
+    return (
+        f"plan again on an analytic profile in {precision}: `terapipe profile --analytic --hardware {hardware} "
+        f"--model {model}{tensor}`, then `terapipe plan` on it"
+    )
+
+
+def _bundled_hardware(device: object, precision: str) -> str | None:
+    """The first bundled hardware file of the GPU named ``device`` that prices ``precision`` (None: none does)."""
+    for name in bundled_names("hardware"):
+        hardware = load_hardware(name)
+        if hardware.device.name == device and hardware.training.dtype == precision:
+            return name
+    return None
 
 
 def read_plan(path: str | Path) -> Plan:

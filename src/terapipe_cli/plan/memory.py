@@ -115,7 +115,8 @@ def stage_sizes(profile, stages: int, partition: Partition | None = None) -> lis
             stage_params += embed_params
             tile += 2 * _INDEX_BYTES + (_INDEX_BYTES + mask if split else 0.0)  # + the split's local ids and mask
         if last:
-            stage_params += 0 if model.llama and model.tie_embeddings else V * H  # tied: the embedding's table
+            # Tied: the embedding's table when both ends are on one device (K = 1), else a copy of it (§6a).
+            stage_params += 0 if model.tie_embeddings and partition.devices == 1 else V * H
             tile += 4.0 * H + compute * H + 4.0 * V + (2.0 * V if compute == 2 else 0.0) + _INDEX_BYTES + mask
         kept = _INDEX_BYTES if first else 4.0 * H
         # The re-run keeps nothing of its own output (the backward starts from it at once).

@@ -213,7 +213,6 @@ def plan_request(
             f"{stages} stages are more than the {model.layers} layers of model {model.name} (in {source})",
             where="--stages",
         )
-    model.check_tied(stages, where="--stages")  # a model's own limits (llama's tied embeddings)
     virtual, fixed = _virtual_and_partition(model.layers, stages, virtual, layers_per_stage, partition)
     L = model.seq_len if seq_len is None else seq_len
     g = profile.token_step if token_step is None else token_step

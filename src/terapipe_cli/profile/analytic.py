@@ -32,6 +32,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from terapipe_cli.arch import arch_spec
 from terapipe_cli.config.device import PRECISIONS
 from terapipe_cli.config.experiment import Experiment
 from terapipe_cli.config.hardware import Device, Hardware, hardware_from_dict, hardware_to_dict
@@ -46,15 +47,15 @@ Gemm = tuple[str, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
 
 def forward_gemms(model: ModelConfig, b, i, j, tensor_parallel: int = 1) -> list[Gemm]:
-    """The matrix products of one layer's forward pass for a tile of b sequences × i new tokens after j.
+    """The matrix products of one layer's forward pass for a tile of b sequences × i new tokens after j: the
+    architecture's own (`terapipe_cli.arch`'s ``forward_gemms``) and attention's, the same for all.
 
     Per device with tensor parallelism t: the QKV and first MLP products are split by columns, the output
     and second MLP products by rows, attention by heads.
     """
     b, i, j = (np.asarray(x, dtype=float) for x in (b, i, j))
-    H, t = float(model.hidden), tensor_parallel
+    t = tensor_parallel
     d, heads = float(model.head_dim), model.heads / t
-    inner = model.ffn_hidden / t
     rows = b * i  # tokens of the tile: the m of every weight product
     one = np.ones_like(rows)
     ctx = i + j  # every new token attends over the context and its own slice's tokens
@@ -62,25 +63,7 @@ def forward_gemms(model: ModelConfig, b, i, j, tensor_parallel: int = 1) -> list
     # the dense products that attention kernels of the time ran, so the full rectangle is counted. Grouped-query
     # attention changes neither: each query head still meets every key, its group's key/value head's.
     attention = [("scores", b * heads, i * one, ctx * one, one * d), ("values", b * heads, i * one, one * d, ctx * one)]
-    if model.llama:  # q, k, v apart (k and v of kv_heads·d features); SwiGLU's gate, up and down
-        kv = model.kv_width / t
-        return [
-            ("q", one, rows, one * H / t, one * H),
-            ("k", one, rows, one * kv, one * H),
-            ("v", one, rows, one * kv, one * H),
-            *attention,
-            ("proj", one, rows, one * H, one * H / t),
-            ("gate", one, rows, one * inner, one * H),
-            ("up", one, rows, one * inner, one * H),
-            ("down", one, rows, one * H, one * inner),
-        ]
-    return [
-        ("qkv", one, rows, one * 3 * H / t, one * H),
-        *attention,
-        ("proj", one, rows, one * H, one * H / t),
-        ("fc1", one, rows, one * inner, one * H),
-        ("fc2", one, rows, one * H, one * inner),
-    ]
+    return model.spec.forward_gemms(model, rows, one, t, attention)
 
 
 def backward_gemms(forward: Sequence[Gemm]) -> list[Gemm]:
@@ -164,12 +147,8 @@ def layer_seconds(
         attention_fwd, attention_bwd = _fused_attention_seconds(dev, e, model, b, i, j, t)
         forward, backward = forward + attention_fwd, backward + attention_bwd
 
-    # Element-wise kernels, bytes moved (read + write; a dropout mask is one byte per element).
-    mask = 1.0 / e
-    if model.llama:
-        fwd_stream, bwd_stream = _llama_streams(model, act, inner, scores, t)
-    else:
-        fwd_stream, bwd_stream = _gpt_streams(act, inner, scores, mask)
+    # Element-wise kernels, bytes moved (read + write): the architecture's (`terapipe_cli.arch`'s ``streams``).
+    fwd_stream, bwd_stream = model.spec.streams(model, act, inner, scores, t, e)
     forward = forward + sum(_stream_seconds(dev, x) for x in fwd_stream)
     backward = backward + sum(_stream_seconds(dev, x) for x in bwd_stream)
 
@@ -178,41 +157,8 @@ def layer_seconds(
     allreduce = ring_allreduce_seconds(act, t, latency_s=link.latency_s, bytes_per_s=link.bytes_per_s)
     forward, backward = forward + 2 * allreduce, backward + 2 * allreduce
     if dev.dispatch_s:
-        floor_fwd, floor_bwd = dispatch_floor_seconds(hardware, t, llama=model.llama)
+        floor_fwd, floor_bwd = dispatch_floor_seconds(hardware, t, model)
         forward, backward = np.maximum(forward, floor_fwd), np.maximum(backward, floor_bwd)
-    return forward, backward
-
-
-def _gpt_streams(act, inner, scores, mask: float) -> tuple[list, list]:
-    """The GPT layer's element-wise kernels (Megatron's layer: biases and dropout), bytes moved."""
-    return [
-        2 * act,  # layer norm 1
-        2 * scores,  # scale + causal mask + softmax (fused; dense attention only)
-        (2 + mask) * scores,  # attention dropout (dense attention only)
-        (3 + mask) * act,  # bias + dropout + residual after the projection (fused)
-        2 * act,  # layer norm 2
-        2 * inner,  # bias + GeLU
-        (3 + mask) * act,  # bias + dropout + residual after the MLP (fused)
-    ], [
-        3 * act,  # layer norm 1: read dy and x, write dx
-        3 * scores,  # softmax: read dy and y, write dx (dense attention only)
-        (2 + mask) * scores,  # attention dropout (dense attention only)
-        (2 + mask) * act,  # residual + dropout
-        3 * act,  # layer norm 2
-        3 * inner,  # GeLU: read dy and x, write dx
-        (2 + mask) * act,  # residual + dropout
-    ]
-
-
-def _llama_streams(model: ModelConfig, act, inner, scores, t: int) -> tuple[list, list]:
-    """The llama layer's element-wise kernels (engine/llama.py), bytes moved forward and backward: RMSNorm, the
-    rotation of q and k (x·cos, the rotated half: a negation and a concatenation, ·sin, the sum: 9 passes over
-    each), softmax (dense attention only), SwiGLU's silu and product, the residual adds. No biases, no dropout."""
-    rotated = act / t * (model.heads + model.kv_heads) / model.heads  # bytes of q and k together
-    forward = [2 * act, 9 * rotated, 2 * scores, 3 * act, 2 * act, 2 * inner, 3 * inner, 3 * act]
-    # Backward: a norm reads dy and x and writes dx; the rotation runs its passes again on the gradients; softmax
-    # reads dy and y and writes dx; silu reads dy and x, the product reads dy and both factors and writes two.
-    backward = [3 * act, 9 * rotated, 3 * scores, 2 * act, 3 * act, 3 * inner, 5 * inner, 2 * act]
     return forward, backward
 
 
@@ -241,7 +187,7 @@ def ends_seconds(
     act = rows * H * e
     one = np.ones_like(rows)
     embed_fwd, embed_bwd = _stream_seconds(dev, 2 * act), _stream_seconds(dev, 3 * act)  # gather; scatter-add
-    if not model.llama:  # + positions (llama's rotate inside attention); their rows' gradient
+    if model.spec.learned_positions:  # + positions (rotary ones turn inside attention); their rows' gradient
         embed_fwd, embed_bwd = embed_fwd + _stream_seconds(dev, 3 * act), embed_bwd + _stream_seconds(dev, act)
     head = ("head", one, rows, one * V, one * H)
     logits = rows * V * 4.0  # the loss works in fp32
@@ -274,105 +220,31 @@ def ends_params(model: ModelConfig, tensor_parallel: int = 1, *, vocab_parallel:
     return model.end_params(vocab_share(model.vocab, tensor_parallel if vocab_parallel else 1))
 
 
-# The kernels one tile of the runtime's decoder layer launches on CUDA (`model.Block` with a K/V cache, as
-# `engine.stage.StageRunner` runs it), op by op. Views (split, view, transpose, slicing the cache) launch none.
-FORWARD_KERNELS = (
-    ("ln_1", 1),
-    ("qkv", 1),
-    ("k, v into the K/V cache (two copies)", 2),
-    ("q.contiguous()", 1),
-    ("scaled_dot_product_attention", 1),
-    ("heads back to (b, i, H): reshape copy", 1),
-    ("attention proj", 1),
-    ("residual add", 1),
-    ("ln_2", 1),
-    ("fc", 1),
-    ("gelu", 1),
-    ("mlp proj", 1),
-    ("residual add", 1),
-)
-# Backward: every matrix product gives two (input and weight gradient), each parameter's gradient is added to
-# its .grad (the tiles of a step accumulate), a layer norm's backward is two kernels (input; weight and bias), a
-# tensor used twice sums its two gradients, and the fused attention's backward is a pre-processing kernel (the
-# output·gradient row sums) plus the main one and a zero-fill of its gradient accumulator.
-BACKWARD_KERNELS = (
-    ("residual: x's two gradients summed (twice)", 2),
-    ("mlp proj: dgrad, wgrad, .grad +=", 3),
-    ("gelu backward", 1),
-    ("fc: dgrad, wgrad, .grad +=", 3),
-    ("ln_2: dx, dweight and dbias, two .grad +=", 4),
-    ("attention proj: dgrad, wgrad, .grad +=", 3),
-    ("reshape copy backward", 1),
-    ("scaled_dot_product_attention backward", 3),
-    ("K/V hand-back: own rows + later slices' share, earlier rows into the cache's gradient", 4),
-    ("q, k, v gradients back into one (b, i, 3H) tensor", 2),
-    ("qkv: dgrad, wgrad, .grad +=", 3),
-    ("ln_1: dx, dweight and dbias, two .grad +=", 4),
-)
-# Under autocast (bf16/fp16): the two layer norms run in fp32, so the inputs of qkv and fc are cast (one kernel
-# each, and one backward each); each weight's 16-bit copy is made once per step (not per tile, StageRunner.step)
-# but its gradient is cast back to fp32 in every tile's backward (four kernels).
-AUTOCAST_KERNELS = (2, 2 + 4)
-
-# The llama layer (engine/llama.py), counted the same way from its ops (not yet timed on a GPU: the calibrated
-# dispatch_s of a hardware file was fitted to the GPT counts).
-LLAMA_FORWARD_KERNELS = (
-    ("attn_norm (RMSNorm)", 1),
-    ("q, k, v", 3),
-    ("rotary angles: two aranges, the frequencies (pow, reciprocal), their product, cat, cos, sin", 8),
-    ("rotate q and k: negation, cat, two products, sum", 10),
-    ("k, v into the K/V cache (two copies)", 2),
-    ("q.contiguous()", 1),
-    ("scaled_dot_product_attention", 1),
-    ("heads back to (b, i, H): reshape copy", 1),
-    ("o_proj", 1),
-    ("residual add", 1),
-    ("mlp_norm (RMSNorm)", 1),
-    ("gate, up", 2),
-    ("silu, product", 2),
-    ("down", 1),
-    ("residual add", 1),
-)
-LLAMA_BACKWARD_KERNELS = (
-    ("residual: x's two gradients summed (twice)", 2),
-    ("down: dgrad, wgrad, .grad +=", 3),
-    ("product and silu backward", 3),
-    ("gate, up: dgrad, wgrad, .grad += each; their input gradients summed", 7),
-    ("mlp_norm: dx, dweight, .grad +=", 3),
-    ("o_proj: dgrad, wgrad, .grad +=", 3),
-    ("reshape copy backward", 1),
-    ("scaled_dot_product_attention backward", 3),
-    ("K/V hand-back: own rows + later slices' share, earlier rows into the cache's gradient", 4),
-    ("rotation backward of q and k: two products, the half's negation and placement, the sum", 8),
-    ("q, k, v: dgrad, wgrad, .grad += each; their input gradients summed", 11),
-    ("attn_norm: dx, dweight, .grad +=", 3),
-)
-# Under autocast: the norms' fp32 outputs cast for q, k, v, gate, up (five; five backward), cos and sin cast for q
-# and k (four), and seven weight gradients cast back to fp32.
-LLAMA_AUTOCAST_KERNELS = (5 + 4, 5 + 7)
 # Tensor parallelism: two all-reduces forward and two backward, each a clone and the collective (engine/tensor.py).
 TENSOR_PARALLEL_KERNELS = (4, 4)
 
 
-def kernels_per_tile(dtype: str, tensor_parallel: int = 1, *, llama: bool = False) -> tuple[int, int]:
-    """The kernels one tile of one layer launches, forward and backward, in ``dtype`` on T tensor ranks (of the
-    llama layer with ``llama``).
+def kernels_per_tile(dtype: str, tensor_parallel: int = 1, model: ModelConfig | None = None) -> tuple[int, int]:
+    """The kernels one tile of one layer of ``model`` launches (None: the ``gpt`` layer's), forward and backward,
+    in ``dtype`` on T tensor ranks.
 
-    Counted from the runtime's layer (tables above) for the PyTorch 2.x CUDA kernels; a version that fuses or
-    splits a kernel differently moves the count by one or two of about 15 forward and 35 backward, which the
-    calibrated ``dispatch_s`` absorbs (it is fitted against these counts).
+    Counted from the runtime's layer (each architecture's tables, `terapipe_cli.arch`) for the PyTorch 2.x CUDA
+    kernels; a version that fuses or splits a kernel differently moves the count by one or two of about 15 forward
+    and 35 backward, which the calibrated ``dispatch_s`` absorbs (it is fitted against the ``gpt`` counts).
     """
-    tables = (LLAMA_FORWARD_KERNELS, LLAMA_BACKWARD_KERNELS) if llama else (FORWARD_KERNELS, BACKWARD_KERNELS)
-    fwd, bwd = (sum(n for _, n in kernels) for kernels in tables)
+    spec = arch_spec("gpt") if model is None else model.spec
+    fwd, bwd = (sum(n for _, n in kernels) for kernels in spec.kernels(model))
     if dtype in ("bf16", "fp16"):
-        extra = LLAMA_AUTOCAST_KERNELS if llama else AUTOCAST_KERNELS
+        extra = spec.autocast_kernels
         fwd, bwd = fwd + extra[0], bwd + extra[1]
     if tensor_parallel > 1:
         fwd, bwd = fwd + TENSOR_PARALLEL_KERNELS[0], bwd + TENSOR_PARALLEL_KERNELS[1]
     return fwd, bwd
 
 
-def dispatch_floor_seconds(hardware: Hardware, tensor_parallel: int = 1, *, llama: bool = False) -> tuple[float, float]:
+def dispatch_floor_seconds(
+    hardware: Hardware, tensor_parallel: int = 1, model: ModelConfig | None = None
+) -> tuple[float, float]:
     """The least time the host needs to issue one tile's forward and backward kernels.
 
     Eager PyTorch launches kernels asynchronously: the host walks the layer op by op (Python, the dispatcher,
@@ -383,37 +255,14 @@ def dispatch_floor_seconds(hardware: Hardware, tensor_parallel: int = 1, *, llam
     it is low by at most half (a GPU that idles on a few short kernels while long ones queue up); the measured
     tile times showed a flat floor and then a straight GPU line, with no wide bend to model.
     """
-    fwd, bwd = kernels_per_tile(hardware.training.dtype, tensor_parallel, llama=llama)
+    fwd, bwd = kernels_per_tile(hardware.training.dtype, tensor_parallel, model)
     return fwd * hardware.device.dispatch_s, bwd * hardware.device.dispatch_s
 
 
 def activation_bytes_per_token(model: ModelConfig, dtype_bytes: int, tensor_parallel: int = 1) -> float:
-    """Activation bytes one layer keeps for the backward per token.
-
-    Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", eq. 2, for fp16
-    with no sequence parallelism): s·b·h·(10 + 24/t) bytes per layer, plus 5·a·s²·b/t for the attention scores,
-    softmax and dropout that a plain attention stores. The runtime's attention is PyTorch's fused kernel
-    (`scaled_dot_product_attention`), which keeps the output and a log-sum-exp per query instead of any
-    (query, key) matrix, so only the first term applies; its log-sum-exp (4·a/t bytes per token) is left out.
-
-    The llama layer (engine/llama.py) is counted from what its ops save, per token, as the runtime runs it: each
-    RMSNorm keeps its fp32 input and normalised input (16H bytes for the two, replicated over the tensor ranks);
-    the norms' outputs are saved by the projections that read them — once in fp32, or under autocast one 16-bit
-    copy per projection (q, k, v, gate, up: 5·e·H); the rotation keeps cos and sin (2·d, fp32 shared by q and k,
-    or one 16-bit copy each); attention keeps q, its output and the output projection's input (3H/t), and k and v
-    (2·kv_heads·d/t: grouped-query attention keeps kv_heads/heads of a multi-head layer's); SwiGLU keeps the gate
-    and up outputs, the silu and the product (4·ffn_hidden/t). No dropout masks. It equals what `terapipe
-    profile` counts on a CPU (tests/profile/test_analytic.py); a CUDA build whose RMSNorm is one fused kernel
-    keeps less (the normalised input: 8H), so the estimate is then high by that.
-    """
-    t = tensor_parallel
-    if model.llama:
-        H, e, d = model.hidden, dtype_bytes, model.head_dim
-        low = e < 4  # a 16-bit compute type under autocast; the residual stream and the norms stay fp32
-        norms = 16 * H + (5 * e * H if low else 8 * H)
-        rope = 2 * d * (2 * e if low else 4)
-        return norms + rope + (3 * H + 2 * model.kv_width + 4 * model.ffn_hidden) / t * e
-    return model.hidden * (10 + 24 / t) * dtype_bytes / 2
+    """Activation bytes one layer keeps for the backward per token: the architecture's count (`terapipe_cli.arch`'s
+    ``activation_bytes_per_token``: Korthikanti et al.'s for ``gpt`` and ``gpt2``, llama's from its ops)."""
+    return model.spec.activation_bytes_per_token(model, dtype_bytes, tensor_parallel)
 
 
 def _context_points(

@@ -54,7 +54,10 @@ class EndsTimer:
         precision: str,
         tensor: TensorGroup | None = None,
     ) -> None:
-        one = replace(model, layers=1)
+        # The ends timed apart, so untied: a tied head runs the same products on the embedding's matrix (`params`
+        # counts that matrix once, with the embedding).
+        one = replace(model, layers=1, tie_embeddings=False)
+        self.tied = model.tie_embeddings
         part = Partition((0, 1, 0), 3)
         common = {"seed": seed, "device": device, "precision": precision, "partition": part, "tensor": tensor}
         self.runners = {"embed": StageRunner(one, 0, 3, **common), "head": StageRunner(one, 2, 3, **common)}
@@ -63,7 +66,9 @@ class EndsTimer:
         self._gen = torch.Generator(device="cpu").manual_seed(seed)
 
     def params(self, end: str) -> int:
-        return sum(p.numel() for p in self.runners[end].module.parameters())
+        module = self.runners[end].module
+        shared = module.lm_head.weight.numel() if end == "head" and self.tied else 0
+        return sum(p.numel() for p in module.parameters()) - shared
 
     def time_tile(self, end: str, b: int, i: int) -> tuple[float, float]:
         """Seconds of the forward and of the backward of one (b, i) tile of ``end``."""

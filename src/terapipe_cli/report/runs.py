@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from terapipe_cli.config.run import RunArguments
+from terapipe_cli.config.run import RunArguments, RunConfig, run_fields
 from terapipe_cli.engine.mesh import Layout
 from terapipe_cli.errors import UserError
 from terapipe_cli.plan.file import Plan, plan_from_dict
@@ -154,18 +154,15 @@ def _metrics(run_dir: Path, steps: int) -> list[dict]:
 # What must agree between a run and its baseline for the comparison to mean anything: the same model trained
 # on the same data, batches, seed, steps and process layout (only the slicing may differ).
 SAME = ("model", "stages", "batch_size", "seq_len")
-SAME_ARGS = (
-    "steps",
-    "data",
-    "seed",
-    "lr",
-    "data_parallel",
-    "tensor_parallel",
-    "precision",
-    "warmup_steps",
-    "min_lr",
-    "grad_clip",
-)
+
+
+def same_settings() -> tuple[str, ...]:
+    """The run settings a baseline must share, from their declaration (`RunConfig`, `Doc.resume`): every one a
+    resumed run keeps, since they decide the numbers (data, seed, held-out part, lr schedule, clipping, precision,
+    AdamW's settings, ...), but the schedule walked; the replicas D and tensor ranks T of its layout, but not the
+    plan (the baseline's is GPipe's slicing of the same batch); and the steps."""
+    fixed = [name for name, doc in run_fields().items() if doc.resume in ("keep", "layout")]
+    return ("steps", *(name for name in fixed if name not in ("schedule", "plan")))
 
 
 def check_comparable(run: Run, baseline: Run) -> None:
@@ -179,8 +176,10 @@ def check_comparable(run: Run, baseline: Run) -> None:
             raise UserError(
                 f"the baseline has {what} ({shown[1]!r} vs the run's {shown[0]!r}): not comparable", where=where
             )
-    for key in SAME_ARGS:
-        a, b = getattr(run.args, key), getattr(baseline.args, key)
+    # As `terapipe train` would train each again (a run from before the lr schedule: its constant lr written out).
+    ours, theirs = RunConfig.of_run(run.args), RunConfig.of_run(baseline.args)
+    for key in same_settings():
+        a, b = getattr(ours, key), getattr(theirs, key)
         if a != b:
             raise UserError(
                 f"the baseline was trained with {key} = {b!r}, the run with {a!r}: not comparable", where=where

@@ -1,9 +1,18 @@
 """Checkpoints: one file per stage, complete only when a manifest lists every file with its size and checksum.
 
-    checkpoints/step_000010/stage_000.pt      {"schema": "terapipe.checkpoint/1", "step", "stage", "stages",
-    checkpoints/step_000010/stage_001.pt       "model": state_dict, "optimizer": state_dict}
+    checkpoints/step_000010/stage_000.pt      {"schema": "terapipe.checkpoint/2", "step", "stage", "stages",
+    checkpoints/step_000010/stage_001.pt       "layout", "model_config", "model": {name: tensor},
+                                               "optimizer": {"by_name": {name: AdamW state}, ["loss_scale"]}}
     checkpoints/step_000010/complete.json     {"schema": "terapipe.checkpoint-marker/2", "step", "stages",
                                                "files": [{"name", "bytes", "sha256"}, ...]}
+
+A checkpoint is the model, not the layout (docs/design.md §6e): every tensor — weights and AdamW's moments — is
+stored under the whole model's name (``blocks.5.attn.qkv.weight``), whole over the tensor ranks, so any plan of the
+same model can continue from it: each rank reads the names it holds from whichever stage files hold them
+(`read_state`; every file memory-mapped, so a rank reads its own tensors' bytes, not the files'). ``layout`` and
+``model_config`` say what wrote it: a file of another model is named in one line, never trained on. A stage file of
+``terapipe.checkpoint/1`` (before the names: the optimizer state by index in its stage) still resumes under the
+plan that wrote it.
 
 Each stage file is written atomically (`terapipe_cli.files`), by a background thread from a copy in host memory
 (`StageWriter`, torchtitan's async mode: the next step runs while the file is written). Its size and SHA-256 are
@@ -40,7 +49,8 @@ from terapipe_cli.config.run import DEFAULT_KEEP_CHECKPOINTS
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import read_json, write_bytes_atomic, write_json_atomic
 
-CHECKPOINT_SCHEMA = "terapipe.checkpoint/1"
+CHECKPOINT_SCHEMA = "terapipe.checkpoint/2"
+OLD_CHECKPOINT_SCHEMA = "terapipe.checkpoint/1"  # the optimizer state by index: resumes under its own plan only
 MARKER_SCHEMA = "terapipe.checkpoint-marker/2"
 OLD_MARKER_SCHEMA = "terapipe.checkpoint-marker/1"  # names only: runs from before the manifest
 MARKER = "complete.json"
@@ -83,8 +93,17 @@ class WriteFailed(Exception):
     """A checkpoint file could not be written (a full disk, a quota, a folder gone): one line naming it."""
 
 
-def _record(step: int, stage: int, stages: int, model: dict, optimizer: dict) -> dict:
-    return {
+@dataclass(frozen=True)
+class Origin:
+    """What wrote a checkpoint: the model (its config as a model file gives it) and the layout (D, K, T, virtual
+    stages, layers per stage)."""
+
+    model_config: dict
+    layout: dict
+
+
+def _record(step: int, stage: int, stages: int, model: dict, optimizer: dict, origin: Origin | None) -> dict:
+    record = {
         "schema": CHECKPOINT_SCHEMA,
         "step": step,
         "stage": stage,
@@ -92,27 +111,40 @@ def _record(step: int, stage: int, stages: int, model: dict, optimizer: dict) ->
         "model": model,
         "optimizer": optimizer,
     }
+    if origin is not None:
+        record.update(model_config=origin.model_config, layout=origin.layout)
+    return record
 
 
-def encode_stage(step: int, stage: int, stages: int, model: dict, optimizer: dict) -> bytes:
+def encode_stage(
+    step: int, stage: int, stages: int, model: dict, optimizer: dict, origin: Origin | None = None
+) -> bytes:
     """A stage file's bytes."""
     buffer = io.BytesIO()
-    torch.save(_record(step, stage, stages, model, optimizer), buffer)
+    torch.save(_record(step, stage, stages, model, optimizer, origin), buffer)
     return buffer.getvalue()
 
 
 def save_stage(
-    run_dir: str | Path, step: int, stage: int, stages: int, model: dict, optimizer: dict, *, write=None
+    run_dir: str | Path,
+    step: int,
+    stage: int,
+    stages: int,
+    model: dict,
+    optimizer: dict,
+    *,
+    write=None,
+    origin: Origin | None = None,
 ) -> FileEntry:
     """Write one stage's file atomically, streamed and hashed as it is written (or encoded, then ``write(path,
     data)``); its manifest entry. Raises `WriteFailed`."""
     path = stage_file(run_dir, step, stage)
     try:
         if write is not None:
-            data = encode_stage(step, stage, stages, model, optimizer)
+            data = encode_stage(step, stage, stages, model, optimizer, origin)
             write(path, data)
             return FileEntry.of(path.name, data)
-        return _stream_atomic(path, _record(step, stage, stages, model, optimizer))
+        return _stream_atomic(path, _record(step, stage, stages, model, optimizer, origin))
     except (OSError, UserError) as e:
         raise WriteFailed(str(e) if isinstance(e, UserError) else f"{path}: cannot write ({e.strerror or e})") from None
 
@@ -199,7 +231,16 @@ class StageWriter:
         return self._thread is not None and self._thread.is_alive()
 
     def start(
-        self, run_dir: Path, step: int, stage: int, stages: int, model: dict, optimizer: dict, *, write=None
+        self,
+        run_dir: Path,
+        step: int,
+        stage: int,
+        stages: int,
+        model: dict,
+        optimizer: dict,
+        *,
+        write=None,
+        origin: Origin | None = None,
     ) -> None:
         self.wait_quietly()
         model, optimizer = host_copy(model), host_copy(optimizer)
@@ -207,7 +248,7 @@ class StageWriter:
         def write_file() -> None:
             _lower_priority()
             try:
-                self._result = save_stage(run_dir, step, stage, stages, model, optimizer, write=write)
+                self._result = save_stage(run_dir, step, stage, stages, model, optimizer, write=write, origin=origin)
             except WriteFailed as e:
                 self._result = e
             except BaseException as e:  # noqa: BLE001 - the worker raises it where it waits
@@ -390,8 +431,79 @@ def latest_verified(run_dir: str | Path, stages: list[int] | None = None) -> tup
     return None, skipped
 
 
-def load_stage(run_dir: str | Path, step: int, stage: int, map_location: str | torch.device = "cpu") -> dict:
-    obj = torch.load(stage_file(run_dir, step, stage), map_location=map_location, weights_only=True)
-    if obj.get("schema") != CHECKPOINT_SCHEMA or obj.get("step") != step or obj.get("stage") != stage:
-        raise RuntimeError(f"{stage_file(run_dir, step, stage)}: not the checkpoint of stage {stage} at step {step}")
+def load_stage(
+    run_dir: str | Path, step: int, stage: int, map_location: str | torch.device = "cpu", *, mmap: bool = False
+) -> dict:
+    """One stage file, checked to be what its name says (`CheckpointMismatch` otherwise); ``mmap``: its tensors
+    memory-mapped, read from disk only where used."""
+    path = stage_file(run_dir, step, stage)
+    try:
+        obj = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+    except Exception as e:  # not a torch file, or one holding more than tensors and plain data
+        raise CheckpointMismatch(f"{path}: not a terapipe checkpoint file ({type(e).__name__})") from None
+    schema = obj.get("schema") if isinstance(obj, dict) else None
+    if schema not in (CHECKPOINT_SCHEMA, OLD_CHECKPOINT_SCHEMA) or obj.get("step") != step or obj.get("stage") != stage:
+        raise CheckpointMismatch(f"{path}: not the checkpoint of stage {stage} at step {step}")
     return obj
+
+
+class CheckpointMismatch(Exception):
+    """A checkpoint file that is not what its run and name say (another run's, another model's, not a checkpoint):
+    one line naming it."""
+
+
+def checkpoint_stages(run_dir: str | Path, step: int) -> list[int]:
+    """The stages whose files the checkpoint of ``step`` lists in its manifest (this folder's)."""
+    files, problem = _manifest(run_dir, step)
+    if files is None:
+        raise CheckpointMismatch(f"{step_dir(run_dir, step)}: {problem}")
+    stages = []
+    for f in files:
+        name = f["name"]
+        if name.startswith("stage_") and name.endswith(".pt") and name[6:-3].isdigit():
+            stages.append(int(name[6:-3]))
+    return sorted(stages)
+
+
+@dataclass
+class Stored:
+    """What `read_state` read: tensors under whole-model names, the optimizer state by name, the fp16 loss scale,
+    and what wrote them (each stage file's ``layout``; None for a file from before the names)."""
+
+    model: dict
+    optimizer_by_name: dict
+    loss_scale: dict | None
+    layouts: list[dict | None]
+    by_index: dict[int, dict]  # terapipe.checkpoint/1 files, by stage: their whole record (the optimizer by index)
+
+
+def read_state(
+    run_dir: str | Path,
+    step: int,
+    names: set[str] | None = None,
+    *,
+    model_config: dict | None = None,
+    map_location: str | torch.device = "cpu",
+) -> Stored:
+    """The tensors ``names`` (None: all) and their optimizer state from every stage file of the checkpoint of
+    ``step`` (its manifest's), each memory-mapped. ``model_config``: the model the run trains, which every file
+    must have been written for (`CheckpointMismatch` naming the first that was not)."""
+    out = Stored({}, {}, None, [], {})
+    for stage in checkpoint_stages(run_dir, step):
+        obj = load_stage(run_dir, step, stage, map_location, mmap=True)
+        path = stage_file(run_dir, step, stage)
+        if model_config is not None and obj.get("model_config", model_config) != model_config:
+            raise CheckpointMismatch(f"{path}: written for another model ({obj['model_config'].get('name')!r})")
+        out.layouts.append(obj.get("layout"))
+        if obj["schema"] == OLD_CHECKPOINT_SCHEMA:
+            out.by_index[stage] = obj
+        optimizer = obj.get("optimizer", {})
+        by_name = optimizer.get("by_name", {}) if isinstance(optimizer, dict) else {}
+        for name, tensor in obj["model"].items():
+            if names is None or name in names:
+                out.model.setdefault(name, tensor)
+                if name in by_name:
+                    out.optimizer_by_name.setdefault(name, by_name[name])
+        if isinstance(optimizer, dict) and optimizer.get("loss_scale") is not None:
+            out.loss_scale = optimizer["loss_scale"]
+    return out

@@ -1,8 +1,8 @@
 """``terapipe export``: a run's per-stage checkpoint as ONE single-device model file.
 
 Every stage keeps its layers under their global names (``blocks.5...``, docs/design.md §6), so the stages' state
-dicts join without renaming into the state dict of the whole model, `terapipe_cli.engine.model.build_model(cfg)` (a
-`GPT`, or a `Llama` for ``arch = "llama"``).
+dicts join without renaming into the state dict of the whole model, `terapipe_cli.engine.model.build_model(cfg)` (the
+module of the architecture ``cfg.arch`` names: `GPT`, `GPT2`, `Llama`).
 
 The file (``torch.save``, ``weights_only``-loadable) holds ``{"schema": "terapipe.export/1", "model_config": {...},
 "step", "run", "state_dict"}``; `load_exported` (also ``terapipe_cli.load_exported``) rebuilds the model from it with
@@ -11,6 +11,7 @@ The file (``torch.save``, ``weights_only``-loadable) holds ``{"schema": "terapip
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
@@ -33,26 +34,50 @@ def export_state(run_dir: Path, step: int | None = None) -> tuple[ModelConfig, i
         raise UserError("not a run folder (no config.json): give the --out of a `terapipe train`", where=where)
     cfg, _ = read_config(run_dir)
     plan = plan_from_dict(cfg["plan"], f"{run_dir / 'config.json'}: field 'plan'")
-    steps = checkpoint.complete_steps(run_dir)
-    if not steps:
-        raise UserError(
-            "has no complete checkpoint yet (one is written every --checkpoint-every steps)", where=str(run_dir)
-        )
-    step = steps[-1] if step is None else step
-    if step not in steps:
-        raise UserError(
-            f"no complete checkpoint of step {step}; complete: {', '.join(map(str, steps))}", where="--step"
-        )
-    state: dict[str, torch.Tensor] = {}
-    for k in range(plan.stages):
-        state.update(checkpoint.load_stage(run_dir, step, k)["model"])
-    expected = set(single_device_model(plan.model).state_dict())
-    if set(state) != expected:
-        missing = sorted(expected ^ set(state))[:3]
+    step = verified_step(run_dir, step)
+    try:
+        state = checkpoint.read_state(run_dir, step, model_config=plan.model.to_dict()).model
+    except checkpoint.CheckpointMismatch as e:
+        raise UserError(str(e), where=str(run_dir)) from None
+    expected = single_device_model(plan.model).state_dict()
+    if set(state) != set(expected):
+        missing = sorted(set(expected) ^ set(state))[:3]
         raise UserError(
             f"the stages' weights do not make the whole model (names differ: {missing})", where=str(run_dir)
         )
+    wrong = next((n for n, t in expected.items() if state[n].shape != t.shape), None)
+    if wrong is not None:
+        raise UserError(
+            f"the checkpoint's {wrong!r} has the shape {tuple(state[wrong].shape)}, "
+            f"the model's {tuple(expected[wrong].shape)}",
+            where=str(run_dir),
+        )
     return plan.model, step, state
+
+
+def verified_step(run_dir: Path, step: int | None) -> int:
+    """The checkpoint to read, its files checked against their manifest's sizes and checksums exactly as --resume
+    checks them: ``step``'s (one line if it is damaged), or the newest that passes (one line on stderr naming each
+    newer one passed over and why)."""
+    if step is not None:
+        steps = checkpoint.step_folders(run_dir)
+        if step not in steps:
+            complete = checkpoint.complete_steps(run_dir)
+            raise UserError(
+                f"no complete checkpoint of step {step}; complete: {', '.join(map(str, complete)) or 'none'}",
+                where="--step",
+            )
+        problem = checkpoint.check_step(run_dir, step)
+        if problem is not None:
+            raise UserError(f"the checkpoint of step {step} is not usable ({problem})", where=str(run_dir))
+        return step
+    found, passed_over = checkpoint.latest_verified(run_dir)
+    if found is None:
+        why = f": {'; '.join(passed_over)}" if passed_over else " (one is written every --checkpoint-every steps)"
+        raise UserError(f"has no complete checkpoint{why}", where=str(run_dir))
+    if passed_over:
+        print(f"terapipe: {'; '.join(passed_over)}: using step {found}", file=sys.stderr, flush=True)
+    return found
 
 
 def single_device_model(cfg: ModelConfig) -> GPT:

@@ -7,8 +7,9 @@ data, an illegal schedule, more workers than this machine allows, a run director
 
 `prepare_run` reads top to bottom: the settings' own ranges, the device, the run (a new one, or the one being
 resumed), its data, the workers per machine, the run directory, and the launch settings. A new run resolves its
-settings once (`_new_arguments`: defaults, precision, lr schedule, clipping) and checks the precision against the
-plan's; a resumed run keeps what decides its numbers (``Doc.resume``) and refuses another value given again.
+settings once (`_new_arguments`: defaults, precision — the plan's unless asked —, lr schedule, clipping, AdamW's
+settings) and checks the precision against the plan's; a resumed run keeps what decides its numbers
+(``Doc.resume``) and refuses another value given again.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import dataclasses
 import math
 import os
 import platform
+import shutil
 import sys
 import uuid
 from dataclasses import dataclass
@@ -27,12 +29,15 @@ import torch
 
 import terapipe_cli
 from terapipe_cli import units
-from terapipe_cli.config.device import resolve_device, resolve_precision
+from terapipe_cli.config.device import default_precision, resolve_device, resolve_precision, runs_natively
+from terapipe_cli.config.fields import component_of, out_of_bounds
+from terapipe_cli.config.optimizer import OptimizerConfig
 from terapipe_cli.config.run import (
     DEFAULT_STEPS,
     LRSchedule,
     RunArguments,
     RunConfig,
+    as_option,
     flag,
     resolve_logs,
     run_fields,
@@ -41,7 +46,7 @@ from terapipe_cli.engine.data import TokenData, check_data, load_data, split_dat
 from terapipe_cli.engine.mesh import Layout
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import read_user_text
-from terapipe_cli.plan.file import Plan, plan_from_dict, read_plan
+from terapipe_cli.plan.file import Plan, plan_from_dict, read_plan, replan_advice
 from terapipe_cli.plan.schedule import parse_schedule
 from terapipe_cli.train import checkpoint
 from terapipe_cli.train.launch import Launch
@@ -50,7 +55,6 @@ from terapipe_cli.train.rundir import has_trained, read_config, settings_digest,
 
 DROP_KV_GRADS_ENV = "TERAPIPE_TEST_DROP_KV_GRADS"  # test-only negative control: "1" drops the K/V hand-back
 SKIP_TP_ALLREDUCE_ENV = "TERAPIPE_TEST_SKIP_TP_ALLREDUCE"  # test-only negative control: "1" skips one all-reduce
-PLAN_FIELDS_OF_A_RUN = ("model", "stages", "batch_size", "seq_len", "slices")  # a resumed run's plan keeps them
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,7 @@ class PreparedRun:
     device: str  # "cpu" or "cuda"
     backend: str  # "gloo" or "nccl"
     launch: Launch
+    data_line: str = ""  # what the data file holds, in one line (`TokenData.start_line`), printed at start
 
     @property
     def layout(self) -> Layout:
@@ -91,6 +96,7 @@ class _Run:
     out: Path
     resume_step: int | None = None  # the checkpoint a resumed run continues from
     config: dict | None = None  # a resumed run's config.json, as read
+    replanned: bool = False  # a resumed run continuing under another plan, D or T
 
     @property
     def layout(self) -> Layout:
@@ -123,8 +129,9 @@ def prepare_run(
         run = _resumed_run(config, device)
     else:
         run = _new_run(config, device, controls or NegativeControls(), joins_node_0=node_rank > 0)
-    token_data = load_data(run.args.data)
+    token_data = load_data(run.args.data, run.args.token_dtype)
     check_data(token_data, vocab=run.plan.model.vocab, seq_len=run.plan.seq_len)
+    data_line = token_data.start_line()
     token_data, _ = split_data(token_data, run.args.val_fraction, run.plan.seq_len)
     per_node = workers_per_node(run.layout, nnodes, device)
     backend = backend_for(device, per_node)
@@ -150,7 +157,7 @@ def prepare_run(
         max_restarts=run.args.max_restarts,
         grace_s=run.args.grace_s,
     )
-    return PreparedRun(run.plan, run.args, token_data, device, backend, launch)
+    return PreparedRun(run.plan, run.args, token_data, device, backend, launch, data_line)
 
 
 def check_settings(config: RunConfig, *, resume: bool) -> None:
@@ -158,13 +165,10 @@ def check_settings(config: RunConfig, *, resume: bool) -> None:
     read); errors name the field."""
     docs = run_fields()
     for name, value in config.given().items():
-        doc = docs[name]
-        if doc.minimum is not None and value < doc.minimum:
-            raise UserError(f"must be at least {doc.minimum:g}, got {value}", where=name)
-        if doc.positive and not value > 0:
-            raise UserError(f"must be positive, got {value}", where=name)
-        if doc.choices is not None and value not in doc.choices:
-            raise UserError(f"must be one of {', '.join(doc.choices)}, got {value!r}", where=name)
+        problem = out_of_bounds(value, docs[name])
+        if problem is not None:
+            raise UserError(problem, where=name)
+    component_of(OptimizerConfig, config)  # AdamW's own checks (finite values)
     nnodes, node_rank = config.value("nnodes"), config.value("node_rank")
     if not 0 <= node_rank < nnodes:
         raise UserError(
@@ -222,7 +226,7 @@ def _new_arguments(config: RunConfig, device: str, plan: Plan, controls: Negativ
         timeout_s=float(config.value("timeout_s")),
         verify=config.value("verify"),
         kv_handback=controls.kv_handback,
-        precision=resolve_precision(config.precision, device),
+        precision=_run_precision(config.precision, device, plan),
         warmup_steps=schedule.warmup_steps,
         min_lr=schedule.min_lr,
         decay_steps=config.decay_steps or steps,
@@ -237,6 +241,8 @@ def _new_arguments(config: RunConfig, device: str, plan: Plan, controls: Negativ
         keep_checkpoints=config.value("keep_checkpoints"),
         grace_s=float(config.value("grace_s")),
         max_restarts=config.value("max_restarts"),
+        token_dtype=config.token_dtype,
+        **dataclasses.asdict(component_of(OptimizerConfig, config)),
     )
 
 
@@ -263,14 +269,30 @@ def _eval_every(given: int | None, steps: int, val_fraction: float) -> int:
     return (steps // 10 if steps >= 10 else steps) if given is None else given
 
 
+def _run_precision(asked: str | None, device: str, plan: Plan) -> str:
+    """``--precision`` as given (checked for ``device``: `resolve_precision`), else the plan's, which its times
+    are for. The one precision a device cannot run (bf16 on a GPU older than Ampere, which has no native bf16;
+    CPU autocast runs bf16 and fp16 both) is one line saying which to pass instead and how to get a plan for it."""
+    if asked not in (None, "auto"):
+        return resolve_precision(asked, device)
+    if runs_natively(plan.precision, device):
+        return plan.precision
+    instead = default_precision(device)
+    raise UserError(
+        f"the plan was made for {plan.precision}, which this GPU does not compute natively (it is older than "
+        f"Ampere): pass --precision {instead} --accept-precision to train in {instead} on this plan anyway (its "
+        f"predicted times do not hold), or {replan_advice(plan, instead)}",
+        where="precision",
+    )
+
+
 def _check_plan_precision(run: _Run) -> None:
     """The plan's times are for its profile's precision: training in another one is refused unless accepted."""
     planned, used = run.plan.precision, run.args.precision
     if planned != used and not run.args.accept_precision:
         raise UserError(
-            f"the plan was made for {planned} (its profile was measured in {planned}) but this run trains in "
-            f"{used}: re-profile with `terapipe profile --precision {used}` and re-plan, or pass --accept-precision "
-            f"to train in {used} on this plan anyway",
+            f"the plan was made for {planned} but this run trains in {used}: {replan_advice(run.plan, used)}, or "
+            f"pass --accept-precision to train in {used} on this plan anyway",
             where=str(run.plan.path or "--plan"),
         )
 
@@ -293,7 +315,8 @@ def _resumed_run(config: RunConfig, device: str) -> _Run:
     """The run in ``config.out``, continued from its last complete checkpoint to the new number of steps.
 
     Everything that decides the numbers comes from the run itself: a setting the run keeps (``Doc.resume`` "keep")
-    or must agree with ("agree": the plan, the replicas) given again with another value is refused, naming it.
+    given again with another value is refused, naming it. A new plan of the same model, D or T ("layout") continue
+    the run under another layout from the same step (the checkpoint is the model, not the layout: §6e).
     """
     if config.out is None:
         raise UserError("--resume needs --out, the run directory to continue", where="resume")
@@ -302,7 +325,8 @@ def _resumed_run(config: RunConfig, device: str) -> _Run:
         raise UserError("no run to resume here (config.json is missing)", where=str(out))
     saved_config, saved = read_config(out)
     plan = plan_from_dict(saved_config["plan"], f"{out / 'config.json'}: field 'plan'")
-    conflicts = _plan_conflicts(config, plan, out) + _kept_conflicts(config, saved, plan, device)
+    new_plan = read_plan(config.plan) if config.plan is not None else None
+    conflicts = _plan_conflicts(config, new_plan, plan, out) + _kept_conflicts(config, saved, plan, device)
     steps = saved.steps if config.steps is None else config.steps
     reached = checkpoint.latest_complete(out)
     if reached is not None and steps <= reached:
@@ -320,14 +344,24 @@ def _resumed_run(config: RunConfig, device: str) -> _Run:
     if passed_over:
         print(f"terapipe: {'; '.join(passed_over)}: resuming from step {resume_step}", file=sys.stderr, flush=True)
     changes = {"steps": steps, "verify": False}
-    for name in ("checkpoint_every", "threads", "timeout_s", "keep_checkpoints", "grace_s", "max_restarts"):
-        if getattr(config, name) is not None:
+    arguments = {f.name for f in dataclasses.fields(RunArguments)}
+    for name, doc in run_fields().items():  # what else a resumed run may change, as given, where its arguments hold it
+        if doc.resume == "change" and name in arguments and name not in changes and getattr(config, name) is not None:
             changes[name] = getattr(config, name)
     if config.eval_every is not None:  # how often to evaluate may change; what is held out may not
         changes["eval_every"] = _eval_every(config.eval_every, steps, saved.val_fraction)
     changes["log"] = resolve_logs(config.log if config.log is not None else saved.log)
+    changes.update(_layout_changes(config, new_plan, saved))
     args = dataclasses.replace(saved, **changes)
-    return _Run(plan, saved_config["plan"], args, out, resume_step, saved_config)
+    checkpoint_origin(out, resume_step, plan)
+    if new_plan is not None and dict(new_plan.raw) == saved_config["plan"]:
+        new_plan = None  # the run's own plan given again
+    if new_plan is None and args.data_parallel == saved.data_parallel and args.tensor_parallel == saved.tensor_parallel:
+        return _Run(plan, saved_config["plan"], args, out, resume_step, saved_config)
+    new_plan = new_plan or plan
+    new_plan.model.check_tensor_parallel(args.tensor_parallel, where="tensor_parallel")
+    _say_what_changes(plan, saved, new_plan, args, resume_step)
+    return _Run(new_plan, dict(new_plan.raw), args, out, resume_step, saved_config, replanned=True)
 
 
 @dataclass(frozen=True)
@@ -353,28 +387,74 @@ def _refuse(conflicts: list[_Conflict], out: Path) -> None:
         )
 
 
-def _plan_conflicts(config: RunConfig, plan: Plan, out: Path) -> list[_Conflict]:
-    """A --plan given again must be the run's in everything that decides its numbers."""
-    if config.plan is None:
+def _plan_conflicts(config: RunConfig, given: Plan | None, plan: Plan, out: Path) -> list[_Conflict]:
+    """A --plan given to --resume may lay the run out anew (another K, partition, virtual stages, slicing, order,
+    D or T: docs/design.md §6e) but must be a plan of the run's model, the first differing field named."""
+    if given is None or given.model == plan.model:
         return []
-    given = read_plan(config.plan)
-    key = next((k for k in PLAN_FIELDS_OF_A_RUN if getattr(given, k) != getattr(plan, k)), None)
-    if key is None:
-        return []
-    error = UserError(f"field '{key}' differs from the plan of the run being resumed ({out})", where=str(config.plan))
-    return [_Conflict(f"--plan {config.plan}", f"its field '{key}' differs from the run's plan", error)]
+    ours, theirs = plan.model.to_dict(), given.model.to_dict()
+    key = next((k for k in {**ours, **theirs} if ours.get(k) != theirs.get(k)), "model")
+    error = UserError(
+        f"its model differs from the run's in field 'model.{key}' ({theirs.get(key)!r}, the run's {ours.get(key)!r}): "
+        f"a run continues only with its own model (a new run can start from its weights with --init-from {out})",
+        where=str(config.plan),
+    )
+    return [_Conflict(f"--plan {config.plan}", f"its field 'model.{key}' differs from the run's model", error)]
+
+
+def _layout_changes(config: RunConfig, new_plan: Plan | None, saved: RunArguments) -> dict:
+    """A resumed run's D and T: as given, else the new plan's, else the run's own."""
+    changes = {}
+    for name in ("data_parallel", "tensor_parallel"):
+        given = getattr(config, name)
+        changes[name] = given if given is not None else getattr(new_plan or saved, name)
+    if new_plan is not None and saved.schedule is not None and config.schedule is None:
+        changes["schedule"] = None  # a hand-written schedule was for the old plan's tiles
+    return changes
+
+
+def _say_what_changes(plan: Plan, saved: RunArguments, new_plan: Plan, args: RunArguments, step: int) -> None:
+    """One line saying the run continues under another layout and, where the steps' numbers change (another global
+    batch), that too: before training, so nobody compares the wrong curves."""
+    before = Layout(saved.data_parallel, plan.stages, saved.tensor_parallel)
+    after = Layout(args.data_parallel, new_plan.stages, args.tensor_parallel)
+    parts = [
+        f"D × K × T {before.data} × {before.stages} × {before.tensor} -> {after.data} × {after.stages} × {after.tensor}"
+    ]
+    if plan.virtual_stages != new_plan.virtual_stages:
+        parts.append(f"virtual stages {plan.virtual_stages} -> {new_plan.virtual_stages}")
+    if plan.partition.to_list() != new_plan.partition.to_list():
+        parts.append(f"layers {plan.partition.text()} -> {new_plan.partition.text()}")
+    print(f"terapipe: resuming step {step} under a new layout: {', '.join(parts)}", file=sys.stderr, flush=True)
+    was, now = plan.batch_size * saved.data_parallel, new_plan.batch_size * args.data_parallel
+    if was != now:
+        print(
+            f"terapipe: the global batch changes from {was} to {now} sequences per step: the steps after {step} "
+            "differ from the run continued under its old plan",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def checkpoint_origin(out: Path, step: int, plan: Plan) -> None:
+    """Every file of the checkpoint to continue from is one of this run's model (its tensors' names and origin
+    read, memory-mapped): another run's file under a valid manifest is one line here, not a worker's failure."""
+    try:
+        checkpoint.read_state(out, step, set(), model_config=plan.model.to_dict())
+    except checkpoint.CheckpointMismatch as e:
+        raise UserError(str(e), where=str(out / "checkpoints")) from None
 
 
 def _kept_conflicts(config: RunConfig, saved: RunArguments, plan: Plan, device: str) -> list[_Conflict]:
-    """A resumed run keeps its data, seed, held-out part, precision, lr schedule, clipping and schedule, and its
-    replicas: each different value given again is a conflict, naming it and the run's own."""
+    """A resumed run keeps its data, seed, held-out part, precision, lr schedule, clipping and schedule: each
+    different value given again is a conflict, naming it and the run's own."""
     conflicts = []
     for name, doc in run_fields().items():
         given = getattr(config, name)
-        if doc.resume not in ("keep", "agree") or given is None or name == "plan":
+        if doc.resume != "keep" or given is None:
             continue
         if name == "precision":
-            given = resolve_precision(given, device)
+            given = _run_precision(given, device, plan)
         elif name == "data":
             given = _data_path(config)
         elif name == "schedule":
@@ -384,18 +464,14 @@ def _kept_conflicts(config: RunConfig, saved: RunArguments, plan: Plan, device: 
             kept = saved.steps
         if given == kept:
             continue
-        option = f"{flag(name)} {'(another schedule)' if name == 'schedule' else getattr(config, name)}"
-        if doc.resume == "agree":
-            error = UserError(f"the run used {flag(name)} {kept}; resume with the same (or leave it out)", where=name)
-            conflicts.append(_Conflict(option, f"the run used {flag(name)} {kept}", error))
-            continue
+        option = f"{flag(name)} (another schedule)" if name == "schedule" else as_option(name, getattr(config, name))
         unset = {
             "data": "the embedded default data (no --data)",
             "min_lr": "no --min-lr (a constant lr)",
             "schedule": "the plan's own schedule (no --schedule)",
         }
-        shown = "its own schedule" if name == "schedule" else kept
-        was = f"{flag(name)} {shown}" if kept is not None else unset.get(name, f"no {flag(name)}")
+        shown = f"{flag(name)} its own schedule" if name == "schedule" else as_option(name, kept)
+        was = shown if kept is not None else unset.get(name, f"no {flag(name)}")
         error = UserError(
             f"the run being resumed was trained with {was}; a resumed run keeps it "
             f"(leave the option out, or start a new run with --out)",
@@ -409,7 +485,7 @@ def _config_fields(run: _Run) -> tuple[dict, dict]:
     """The plan and arguments config.json holds for this launch: a new run's own, or a resumed run's with its
     new length and settings (the plan and the numbers' arguments stay the run's own)."""
     if run.config is not None:
-        return run.config["plan"], {**run.config["arguments"], **dataclasses.asdict(run.args)}
+        return run.plan_obj, {**run.config["arguments"], **dataclasses.asdict(run.args)}
     return run.plan_obj, dataclasses.asdict(run.args)
 
 
@@ -418,7 +494,10 @@ def _write_run_dir(run: _Run, arguments: dict, *, device: str, backend: str, nno
     with a new launch id."""
     launch_id = uuid.uuid4().hex
     if run.config is not None:
-        update_arguments(run.out, run.config, launch_id, **arguments)
+        new_plan = {"plan": run.plan_obj, "world_size": run.layout.world} if run.replanned else {}
+        if run.replanned:  # the old layout's per-rank timelines describe other stages: its steps are in metrics
+            shutil.rmtree(run.out / "timelines", ignore_errors=True)
+        update_arguments(run.out, run.config, launch_id, **new_plan, **arguments)
         return
     write_config(
         run.out,

@@ -138,10 +138,16 @@ def join_run_folder(run_dir: Path, config: dict, *, node_rank: int, resuming: bo
     return False
 
 
-def update_arguments(run_dir: Path, config: dict, launch_id: str, **changes) -> None:
+def update_arguments(
+    run_dir: Path, config: dict, launch_id: str, *, plan: dict | None = None, world_size: int | None = None, **changes
+) -> None:
     """Rewrite config.json with some arguments changed (a resumed run's new length and settings) and this
-    launch's id, and run.toml to match."""
+    launch's id, and run.toml to match; ``plan``: a resumed run's new plan (another layout, docs/design.md §6e),
+    written to plan.json too, with its ``world_size``."""
     updated = {**config, "arguments": {**config["arguments"], **changes}, "launch_id": launch_id}
+    if plan is not None:
+        updated.update(plan=plan, stages=plan["stages"], world_size=world_size)
+        write_json_atomic(run_dir / "plan.json", plan)
     args = RunArguments.from_dict(updated["arguments"], str(run_dir / "config.json"))
     rendezvous = config.get("rendezvous") or {"rdzv_endpoint": None, "rdzv_timeout_s": 300.0}
     write_run_toml(run_dir, args, device=config["device"], nnodes=config["nnodes"], rendezvous=rendezvous)

@@ -5,11 +5,12 @@ same `KVCache` the pipeline's token slices use: the prompt is one slice at posit
 slice of one token at its absolute position, attending over the cached keys/values of all earlier ones — so a step
 costs one token's forward, and the logits equal a forward of the whole sequence (tested).
 
-The tokenizer is the run's own, read from its data file's kind (`engine.data.load_data`'s rule, by suffix):
-a text file (or the embedded default) is read as bytes, so its tokenizer is UTF-8 bytes (ids 0..255); a token
-file (``.bin``/``.npy``) is taken to hold GPT-2 BPE ids (tiktoken's ``gpt2`` encoding, as nanoGPT's preparation
-writes them; 50257 ids), which needs the ``tiktoken`` package. Ids the model has beyond the tokenizer's (a padded
-vocabulary) are never sampled.
+The tokenizer is the run's own, read from its data file: a corpus from ``terapipe data tokenize`` has its tokenizer
+beside it (``CORPUS.tokenizer/``, read with the ``tokenizers`` package; a prompt starts with the template's tokens,
+as every document did); a text file (or the embedded default) is read as bytes, so its tokenizer is UTF-8 bytes
+(ids 0..255); any other token file (`corpus.formats.names_token_ids`) is taken to hold GPT-2 BPE ids (tiktoken's
+``gpt2`` encoding, as nanoGPT's preparation writes them; 50257 ids), which needs the ``tiktoken`` package. Ids the
+model has beyond the tokenizer's (a padded vocabulary) are never sampled.
 """
 
 from __future__ import annotations
@@ -21,13 +22,13 @@ from pathlib import Path
 
 import torch
 
+from terapipe_cli.corpus.formats import names_token_ids
 from terapipe_cli.engine.attention import KVCache
 from terapipe_cli.errors import UserError
 from terapipe_cli.extras import require
 from terapipe_cli.train.export import run_model
 from terapipe_cli.train.rundir import read_config
 
-TOKEN_FILE_SUFFIXES = (".bin", ".npy")  # engine.data.load_data: anything else is text, read as bytes
 GPT2_VOCAB = 50257  # tiktoken's "gpt2" encoding: 50000 merges + 256 bytes + <|endoftext|>
 
 
@@ -43,7 +44,9 @@ class Tokenizer:
 def run_tokenizer(data: str | None, model_vocab: int) -> Tokenizer:
     """The tokenizer of a run whose data file is ``data`` (None: the embedded text) and whose model has
     ``model_vocab`` ids; one-line `UserError` when this model cannot be decoded with it."""
-    if data is None or Path(data).suffix not in TOKEN_FILE_SUFFIXES:
+    if data is not None and corpus_tokenizer_file(data) is not None:
+        return _corpus_tokenizer(data, model_vocab)
+    if data is None or not names_token_ids(data):
         vocab = min(256, model_vocab)
         return Tokenizer(
             "UTF-8 bytes",
@@ -71,6 +74,39 @@ def run_tokenizer(data: str | None, model_vocab: int) -> Tokenizer:
         lambda text: encoding.encode(text, allowed_special={"<|endoftext|>"}),
         encoding.decode,
         default_prompt=[encoding.eot_token],
+    )
+
+
+def corpus_tokenizer_file(data: str) -> Path | None:
+    """The tokenizer.json that ``terapipe data tokenize`` copied beside the corpus ``data``, if there is one."""
+    from terapipe_cli.corpus.tokenize import corpus_files, corpus_prefix
+
+    path = corpus_files(corpus_prefix(Path(data)))["tokenizer"] / "tokenizer.json"
+    return path if path.is_file() else None
+
+
+def _corpus_tokenizer(data: str, model_vocab: int) -> Tokenizer:
+    """The corpus's own tokenizer; a sample without --prompt starts as a document does (its template's tokens, or
+    after the EOS of the one before)."""
+    from terapipe_cli.corpus.tokenize import corpus_prefix, read_summary
+
+    path = corpus_tokenizer_file(data)
+    tokenizers = require("tokenizers", where=f"the tokenizer of the run's corpus ({path.parent})")
+    tok = tokenizers.Tokenizer.from_file(str(path))
+    tok.encode_special_tokens = True  # as when the corpus was made: special tokens written in a prompt are text
+    vocab = max(tok.get_vocab(with_added_tokens=True).values()) + 1
+    if vocab > model_vocab:
+        raise UserError(
+            f"the run's corpus tokenizer has {vocab} ids but the model only {model_vocab}", where=str(path.parent)
+        )
+    summary = read_summary(corpus_prefix(Path(data)))
+    start = tok.encode("", add_special_tokens=True).ids or ([summary["eos"]["id"]] if summary else [0])
+    return Tokenizer(
+        f"{path.parent.name}/ ({vocab:,} ids)",
+        vocab,
+        lambda text: tok.encode(text, add_special_tokens=True).ids,
+        lambda ids: tok.decode(ids, skip_special_tokens=False),
+        default_prompt=start,
     )
 
 

@@ -66,7 +66,8 @@ class Saves:
         model, optimizer = t.full_state()
         if w.writes_shard:
             write = _full_disk if self.fault(step) else None
-            self.writer.start(w.run_dir, step, t.stage, t.plan.stages, model, optimizer, write=write)
+            origin = checkpoint.Origin(t.plan.model.to_dict(), layout_of(t))
+            self.writer.start(w.run_dir, step, t.stage, t.plan.stages, model, optimizer, write=write, origin=origin)
         self.on_begin()
         self.pending = step
         largest = torch.tensor([_nbytes(model) + _nbytes(optimizer)], dtype=torch.int64, device=t.device)
@@ -115,6 +116,18 @@ class Saves:
     def close(self, timeout_s: float | None = None) -> None:
         """However the run ends: let a file being written finish (never a process gone mid-rename)."""
         self.writer.wait_quietly(timeout_s)
+
+
+def layout_of(t) -> dict:
+    """A trainer's layout as its checkpoints record it: D, K, T, virtual stages and each chunk's layers."""
+    partition = t.schedule.partition or t.plan.partition
+    return {
+        "data_parallel": t.args.data_parallel,
+        "stages": t.plan.stages,
+        "tensor_parallel": t.args.tensor_parallel,
+        "virtual_stages": partition.virtual,
+        "layers_per_stage": list(partition.to_list()),
+    }
 
 
 def _full_disk(path, data: bytes) -> None:

@@ -171,7 +171,7 @@ def single_process_run(
     ``run``: a `prepare.PreparedRun`, or anything with its plan, args, data and device; ``progress``: told the steps
     done after each."""
     plan, args = run.plan, run.args
-    optimizer = make_optimizer(model, args.lr)
+    optimizer = make_optimizer(model, args.lr, args.optimizer)
     schedule = LRSchedule.of_run(args)
     loss_scale = LossScale() if precision == "fp16" else None
     params = list(model.parameters())
@@ -186,7 +186,8 @@ def single_process_run(
         update = take_step(optimizer, params, max_norm=args.grad_clip, loss_scale=loss_scale)
         if out.grads_step is None and not update.skipped:
             out.grads_step = step
-            out.grads = {n: p.grad.detach().cpu().clone() for n, p in model.named_parameters()}
+            named = model.named_parameters(remove_duplicate=False)  # a tied matrix under both names, as the stages
+            out.grads = {n: p.grad.detach().cpu().clone() for n, p in named}
         if progress is not None:
             progress(step)
     # The state dict's names, as the run's checkpoints hold them (a tied head's matrix under both of its names).

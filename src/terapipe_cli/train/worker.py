@@ -47,7 +47,7 @@ from terapipe_cli.engine.data import check_data, load_data, split_data
 from terapipe_cli.engine.hostmem import retain_freed_memory
 from terapipe_cli.engine.mesh import Layout, gpu_of
 from terapipe_cli.engine.p2p import Links
-from terapipe_cli.engine.trainer import Comms, StepResult, Trainer
+from terapipe_cli.engine.trainer import BY_NAME_KEY, LOSS_SCALE_KEY, Comms, StepResult, Trainer
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import write_text_atomic
 from terapipe_cli.plan.file import plan_from_dict
@@ -66,7 +66,7 @@ from terapipe_cli.train.rundir import (
     verify_grads_path,
     write_summary,
 )
-from terapipe_cli.train.saving import SaveFailed, Saves
+from terapipe_cli.train.saving import SaveFailed, Saves, layout_of
 from terapipe_cli.train.stop import DIVERGED_FILE, SaveTimeout, WorkerSignals, failed_since, write_stopped
 from terapipe_cli.units import format_duration
 
@@ -270,7 +270,7 @@ def start_worker(run_dir: Path, request: NodeRequest, *, resuming: bool) -> Work
         raise RuntimeError(f"world size {world} is not {layout.shape_text()}")
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
-    groups = make_groups(layout, rank, "cuda" if request.backend == "nccl" else "cpu")
+    groups = make_groups(layout, rank, "cuda" if request.backend == "nccl" else "cpu", tied=plan.model.tie_embeddings)
     prev_rank, next_rank = layout.neighbours(rank)
     link = Links(
         prev_rank=prev_rank,
@@ -282,8 +282,8 @@ def start_worker(run_dir: Path, request: NodeRequest, *, resuming: bool) -> Work
         device=device,
         timeout_s=args.timeout_s,
     )
-    comms = Comms(DistGroup(None, world), groups.model, groups.replicas, groups.tensor, link)
-    data = load_data(args.data)
+    comms = Comms(DistGroup(None, world), groups.model, groups.replicas, groups.tensor, link, groups.tied)
+    data = load_data(args.data, args.token_dtype)
     check_data(data, vocab=plan.model.vocab, seq_len=plan.seq_len)
     data, held_out = split_data(data, args.val_fraction, plan.seq_len)
     schedule = run_schedule(plan, args, where=str(run_dir / "config.json"))
@@ -367,16 +367,33 @@ def restore(w: Worker, resume_step: int | None) -> tuple[int, list[Event]]:
         if w.rank == 0:
             keep_metrics_until(w.run_dir, 0)
         return 0, []
-    if not checkpoint.stage_file(w.run_dir, resume_step, t.stage).is_file():
-        raise RuntimeError(f"no checkpoint of stage {t.stage} at step {resume_step} in {w.run_dir}")
-    state = checkpoint.load_stage(w.run_dir, resume_step, t.stage, map_location=t.device)
-    t.load_full_state(state["model"], state["optimizer"])  # the file holds the whole stage
+    same_layout = load_checkpoint(w.run_dir, resume_step, w.trainer)
     events: list[Event] = []
-    if timeline_path(w.run_dir, w.rank).exists():
+    if same_layout and timeline_path(w.run_dir, w.rank).exists():  # another layout's ranks ran other stages
         events = [e for e in read_timeline(timeline_path(w.run_dir, w.rank))[1] if e.step <= resume_step]
     if w.rank == 0:
         keep_metrics_until(w.run_dir, resume_step)
     return resume_step, events
+
+
+def load_checkpoint(run_dir: Path, step: int, t: Trainer) -> bool:
+    """Trainer ``t``'s weights and optimizer state from the checkpoint of ``step``, whatever layout wrote it (its
+    tensors are under whole-model names: `checkpoint.read_state`); whether that layout is ``t``'s."""
+    stored = checkpoint.read_state(run_dir, step, set(t.state_names()), model_config=t.plan.model.to_dict())
+    if stored.by_index:  # terapipe.checkpoint/1: each file is its stage's, the optimizer state by index
+        if t.stage not in stored.by_index or len(stored.layouts) != t.plan.stages:
+            raise RuntimeError(
+                f"the checkpoint of step {step} is from before checkpoints held whole-model names: it continues "
+                f"only under the plan that wrote it ({len(stored.layouts)} stages)"
+            )
+        state = stored.by_index[t.stage]
+        t.load_full_state(state["model"], state["optimizer"])
+        return True
+    optimizer: dict = {BY_NAME_KEY: stored.optimizer_by_name}
+    if stored.loss_scale is not None:
+        optimizer[LOSS_SCALE_KEY] = stored.loss_scale
+    t.load_full_state(stored.model, optimizer)
+    return all(layout == layout_of(t) for layout in stored.layouts)
 
 
 def log_step(w: Worker, result: StepResult, iteration_s: list[float], val_loss: float | None) -> None:

@@ -1,0 +1,165 @@
+"""What one architecture's spec says (`Arch`), and what every spec shares: the tensor-parallel `Split` of a parameter
+and the training FLOPs per token (`flops_per_token`). No torch: the planner and the analytic profile read specs.
+
+A spec is a class with one instance in the registry (`terapipe_cli.arch.ARCHS`); the runtime's module is named, not
+imported (``module = "terapipe_cli.engine.model:GPT"``, imported by `Arch.model_class` when a model is built).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import asdict, fields, is_dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from terapipe_cli.errors import UserError
+from terapipe_cli.files import Fields
+
+if TYPE_CHECKING:
+    from terapipe_cli.config.model import ModelConfig
+
+# The fields every architecture has (`ModelConfig`'s first six); an architecture adds its own (`Arch.fields`).
+COMMON_FIELDS = ("name", "layers", "hidden", "heads", "vocab", "seq_len")
+
+# (terapipe name, transformers name, transposed): every weight of the model once; ``{n}`` is a layer's global index.
+HFKey = tuple[str, str, bool]
+# One matrix product: (name, batch count, m, n, k) with broadcastable numbers or numpy arrays; flops = 2·batch·m·n·k.
+Gemm = tuple[str, Any, Any, Any, Any]
+# The kernels one tile of one layer launches: (what, how many), op by op (`profile.analytic.kernels_per_tile`).
+Kernels = tuple[tuple[str, int], ...]
+
+
+class Split(NamedTuple):
+    """How a tensor-parallel parameter is cut along ``dim``: ``parts`` equal blocks stacked there (the fused q, k, v),
+    each cut evenly T ways; or, with ``vocab``, the vocabulary's rows cut by `config.model.vocab_rows` (unevenly
+    when T does not divide V). Cut along the output features (dim 0 of a weight, a bias): column-parallel; along the
+    input features (dim 1): row-parallel (engine/tensor.py)."""
+
+    dim: int
+    parts: int = 1
+    vocab: bool = False
+
+
+class Arch:
+    """One architecture, everything the rest of terapipe asks of it (subclasses fill it in; one instance each).
+
+    - the model: ``module`` (the torch class building a stage's part, named as ``"package.module:Class"``), its
+      settings beyond `COMMON_FIELDS` (``fields``, read and checked by `read_fields` and `check`), how many
+      parameters a layer and the two ends hold (`params_per_layer`, `end_params`);
+    - tensor parallelism: ``splits``, how each cut parameter is cut, by the end of its name (engine/tensor.py);
+    - the analytic profile: the layer's matrix products (`forward_gemms`), its element-wise byte streams
+      (`streams`), the kernels it launches (``forward_kernels``, ...), what it keeps for the backward
+      (`activation_bytes_per_token`), whether it has a position table (``learned_positions``);
+    - `transformers`: the key table (``hf_keys``), the config it exports as (`hf_config`), the classes whose
+      ``config.json`` it reads (``transformers_classes``, `from_transformers`).
+    """
+
+    name: str = ""
+    module: str = ""
+    fields: tuple[str, ...] = ()
+    ties_by_default = False  # tie_embeddings when a model does not say
+    records_arch = True  # `to_dict` writes ``arch`` (gpt's does not: its files are as before ``arch`` existed)
+    learned_positions = False  # a position table beside the token embedding (chunk 0)
+    splits: dict[str, Split] = {}
+    hf_keys: tuple[HFKey, ...] = ()
+    transformers_classes: tuple[str, ...] = ()
+    forward_kernels: Kernels = ()
+    backward_kernels: Kernels = ()
+    autocast_kernels = (0, 0)  # more kernels forward and backward under autocast (bf16, fp16)
+
+    def model_class(self) -> type:
+        """The torch module of this architecture (imports torch)."""
+        path, cls = self.module.split(":")
+        return getattr(importlib.import_module(path), cls)
+
+    # --- the model's settings -------------------------------------------------------------------------------
+    def read_fields(self, f: Fields) -> dict:
+        """This architecture's settings from a TOML table or a JSON object, defaults filled in."""
+        return {}
+
+    def check(self, cfg: ModelConfig, f: Fields) -> None:
+        """What the settings must satisfy together beyond `ModelConfig.check`'s rules (one line naming the field)."""
+
+    def to_dict(self, cfg: ModelConfig) -> dict:
+        """The fields a model file gives: the common ones, ``arch`` and this architecture's (None ones left out)."""
+        keep = {*COMMON_FIELDS, *(["arch"] if self.records_arch else []), *self.fields}
+        out = {}
+        for f in fields(cfg):
+            value = getattr(cfg, f.name)
+            if f.name in keep and value is not None:
+                out[f.name] = asdict(value) if is_dataclass(value) else value
+        return out
+
+    # --- parameters -----------------------------------------------------------------------------------------
+    def params_per_layer(self, cfg: ModelConfig, tensor_parallel: int = 1, *, bias: bool = True) -> int:
+        """Parameters of one layer on one of ``tensor_parallel`` ranks (``bias``: `ModelConfig.params_per_layer`)."""
+        raise NotImplementedError
+
+    def end_params(self, cfg: ModelConfig, vocab_rows: int) -> tuple[int, int]:
+        """Parameters of the embedding and of the head (with its final norm) holding ``vocab_rows`` vocabulary rows."""
+        raise NotImplementedError
+
+    # --- the analytic profile ---------------------------------------------------------------------------------
+    def forward_gemms(self, cfg: ModelConfig, rows, one, t: int, attention: list[Gemm]) -> list[Gemm]:
+        """The layer's matrix products in the order it runs them, for ``rows`` tokens on one of ``t`` tensor ranks
+        (``one``: ones of the tile grid's shape), with ``attention`` (the scores and the weighted sum, the same for
+        every architecture) where the layer runs it."""
+        raise NotImplementedError
+
+    def streams(self, cfg: ModelConfig, act, inner, scores, t: int, dtype_bytes: int) -> tuple[list, list]:
+        """The layer's element-wise kernels, bytes moved (read + write) forward and backward: ``act`` bytes of one
+        b × i × H activation, ``inner`` of the MLP's inner one on one rank, ``scores`` of one score matrix (zero
+        under fused attention)."""
+        raise NotImplementedError
+
+    def activation_bytes_per_token(self, cfg: ModelConfig, dtype_bytes: int, tensor_parallel: int = 1) -> float:
+        """Bytes one layer keeps for its backward per token, on one of ``tensor_parallel`` ranks."""
+        raise NotImplementedError
+
+    def kernels(self, cfg: ModelConfig | None) -> tuple[Kernels, Kernels]:
+        """The kernels one tile of one layer of ``cfg`` launches, forward and backward (None: the layer's usual)."""
+        return self.forward_kernels, self.backward_kernels
+
+    # --- transformers ---------------------------------------------------------------------------------------
+    def hf_config(self, cfg: ModelConfig) -> Any:
+        """The `transformers` config the model exports as (imports transformers)."""
+        raise UserError(f"arch = {cfg.arch!r} has no transformers counterpart", where="--format hf")
+
+    def hf_zero_tensors(self, cfg: ModelConfig) -> dict[str, int]:
+        """Tensors the `transformers` model has and this one does not, written as zeros: name -> length."""
+        return {}
+
+    def from_transformers(self, f: Fields, seq_len: int | None) -> dict:
+        """`ModelConfig`'s fields but ``name`` and ``arch`` from a `transformers` ``config.json`` (``f`` reads it;
+        ``seq_len`` as given, None: the longest the model takes), or a one-line refusal naming the setting terapipe
+        cannot compute exactly."""
+        raise f.fail("architectures", f"names no architecture terapipe reads as {self.name!r}")
+
+
+def boolean(f: Fields, key: str, default: bool) -> bool:
+    """A true/false field (``default`` when absent), or one line naming it."""
+    value = f.get(key, default)
+    if not isinstance(value, bool):
+        raise f.fail(key, f"must be true or false, got {value!r}")
+    return value
+
+
+def unsupported(f: Fields, key: str, value: Any, why: str) -> UserError:
+    """A `transformers` setting terapipe cannot compute exactly, refused in one line naming it."""
+    return f.fail(key, f"is {value!r}: {why}; terapipe cannot compute this model exactly")
+
+
+def flops_per_token(cfg: ModelConfig, *, recompute: float = 0.0) -> float:
+    """Training FLOPs per token of sequences of ``cfg.seq_len`` tokens: the numerator of MFU (PaLM, Chowdhery et
+    al. 2022, appendix B): 6·N + 12·layers·H·L.
+
+    N: the parameters that take part in a product for every token — the layers' weight matrices (the spec's
+    `Arch.forward_gemms` at one token) and the LM head (the token embedding is a lookup, biases and norms are
+    element-wise). 2·N forward, twice that backward. Attention: the scores and the weighted sum, 2·2·H per key per
+    layer forward, over the whole L × L rectangle as PaLM and the dense kernels count (a causal fused kernel does
+    about half). ``recompute``: the share of the layers whose forward runs again in the backward (1 or True: all)
+    — 0 gives the model FLOPs (MFU), the plan's recomputed share the hardware FLOPs (HFU)."""
+    matrices = sum(n * k for _, _, _, n, k in cfg.spec.forward_gemms(cfg, 1.0, 1.0, 1, []))
+    weights = cfg.layers * matrices + cfg.vocab * cfg.hidden
+    attention = 4.0 * cfg.layers * cfg.heads * cfg.head_dim * cfg.seq_len
+    layers_forward = 2.0 * cfg.layers * matrices + attention
+    return 3.0 * (2.0 * weights + attention) + float(recompute) * layers_forward

@@ -1,0 +1,203 @@
+"""``arch = "gpt"`` (the default): the plain GPT decoder of engine/model.py (nanoGPT's: LayerNorm, learned positions,
+a GELU MLP of mlp_ratio·H, no biases in the linear layers), priced as Megatron's GPT-3 layer (biases and dropout)
+so that the published settings plan as in the paper. Exported to `transformers` as a ``GPT2LMHeadModel`` that
+computes it exactly (zero biases, the erf GELU, its own LM head)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from terapipe_cli.arch.base import Arch, Gemm, HFKey, Split
+from terapipe_cli.files import Fields
+
+if TYPE_CHECKING:
+    from terapipe_cli.config.model import ModelConfig
+
+GPT2_EOT = 50256  # GPT-2 BPE's <|endoftext|>: the configs' bos/eos id, kept only where the vocabulary holds it
+
+
+def eot_token(vocab: int) -> int | None:
+    return GPT2_EOT if vocab > GPT2_EOT else None
+
+
+# GPT-2's names. Its ``Conv1D`` stores a linear layer's weight as (in, out): transposed.
+GPT2_KEYS: tuple[HFKey, ...] = (
+    ("wte.weight", "transformer.wte.weight", False),
+    ("wpe.weight", "transformer.wpe.weight", False),
+    ("blocks.{n}.ln_1.weight", "transformer.h.{n}.ln_1.weight", False),
+    ("blocks.{n}.ln_1.bias", "transformer.h.{n}.ln_1.bias", False),
+    ("blocks.{n}.attn.qkv.weight", "transformer.h.{n}.attn.c_attn.weight", True),  # q, k, v in the same order
+    ("blocks.{n}.attn.proj.weight", "transformer.h.{n}.attn.c_proj.weight", True),
+    ("blocks.{n}.ln_2.weight", "transformer.h.{n}.ln_2.weight", False),
+    ("blocks.{n}.ln_2.bias", "transformer.h.{n}.ln_2.bias", False),
+    ("blocks.{n}.mlp.fc.weight", "transformer.h.{n}.mlp.c_fc.weight", True),
+    ("blocks.{n}.mlp.proj.weight", "transformer.h.{n}.mlp.c_proj.weight", True),
+    ("ln_f.weight", "transformer.ln_f.weight", False),
+    ("ln_f.bias", "transformer.ln_f.bias", False),
+    ("lm_head.weight", "lm_head.weight", False),  # left out when tied to the embedding (gpt2)
+)
+# GPT-2's linear biases, by their width in units of the hidden size H (None: the MLP's inner width).
+GPT2_BIASES: tuple[tuple[str, str, int | None], ...] = (
+    ("blocks.{n}.attn.qkv.bias", "transformer.h.{n}.attn.c_attn.bias", 3),
+    ("blocks.{n}.attn.proj.bias", "transformer.h.{n}.attn.c_proj.bias", 1),
+    ("blocks.{n}.mlp.fc.bias", "transformer.h.{n}.mlp.c_fc.bias", None),
+    ("blocks.{n}.mlp.proj.bias", "transformer.h.{n}.mlp.c_proj.bias", 1),
+)
+
+# The kernels one tile of the runtime's decoder layer launches on CUDA (`model.Block` with a K/V cache, as
+# `engine.stage.StageRunner` runs it), op by op. Views (split, view, transpose, slicing the cache) launch none.
+FORWARD_KERNELS = (
+    ("ln_1", 1),
+    ("qkv", 1),
+    ("k, v into the K/V cache (two copies)", 2),
+    ("q.contiguous()", 1),
+    ("scaled_dot_product_attention", 1),
+    ("heads back to (b, i, H): reshape copy", 1),
+    ("attention proj", 1),
+    ("residual add", 1),
+    ("ln_2", 1),
+    ("fc", 1),
+    ("gelu", 1),
+    ("mlp proj", 1),
+    ("residual add", 1),
+)
+# Backward: every matrix product gives two (input and weight gradient), each parameter's gradient is added to
+# its .grad (the tiles of a step accumulate), a layer norm's backward is two kernels (input; weight and bias), a
+# tensor used twice sums its two gradients, and the fused attention's backward is a pre-processing kernel (the
+# output·gradient row sums) plus the main one and a zero-fill of its gradient accumulator.
+BACKWARD_KERNELS = (
+    ("residual: x's two gradients summed (twice)", 2),
+    ("mlp proj: dgrad, wgrad, .grad +=", 3),
+    ("gelu backward", 1),
+    ("fc: dgrad, wgrad, .grad +=", 3),
+    ("ln_2: dx, dweight and dbias, two .grad +=", 4),
+    ("attention proj: dgrad, wgrad, .grad +=", 3),
+    ("reshape copy backward", 1),
+    ("scaled_dot_product_attention backward", 3),
+    ("K/V hand-back: own rows + later slices' share, earlier rows into the cache's gradient", 4),
+    ("q, k, v gradients back into one (b, i, 3H) tensor", 2),
+    ("qkv: dgrad, wgrad, .grad +=", 3),
+    ("ln_1: dx, dweight and dbias, two .grad +=", 4),
+)
+
+
+class GptArch(Arch):
+    name = "gpt"
+    module = "terapipe_cli.engine.model:GPT"
+    fields = ("mlp_ratio",)
+    learned_positions = True
+    records_arch = False  # the profiles and plans of GPT models are as before ``arch`` existed
+    # The fused q/k/v weight is three matrices stacked along dim 0 (parts = 3): each rank keeps its heads' rows of
+    # each of them.
+    splits = {
+        "attn.qkv.weight": Split(0, 3),
+        "attn.proj.weight": Split(1),
+        "mlp.fc.weight": Split(0),
+        "mlp.proj.weight": Split(1),
+        "wte.weight": Split(0, vocab=True),
+        "lm_head.weight": Split(0, vocab=True),
+    }
+    hf_keys = GPT2_KEYS
+    forward_kernels = FORWARD_KERNELS
+    backward_kernels = BACKWARD_KERNELS
+    # Under autocast (bf16/fp16): the two layer norms run in fp32, so the inputs of qkv and fc are cast (one kernel
+    # each, and one backward each); each weight's 16-bit copy is made once per step (not per tile, StageRunner.step)
+    # but its gradient is cast back to fp32 in every tile's backward (four kernels).
+    autocast_kernels = (2, 2 + 4)
+
+    def read_fields(self, f: Fields) -> dict:
+        return {"mlp_ratio": f.int("mlp_ratio", minimum=1, default=4)}
+
+    def params_per_layer(self, cfg: ModelConfig, tensor_parallel: int = 1, *, bias: bool = True) -> int:
+        """Sharded: the Q/K/V and output projections and both MLP matrices (with their biases when ``bias``, as
+        in GPT-3; the runtime's own model has none, as in nanoGPT). Replicated: the two layer norms (weight and
+        bias) and the biases of the two row-parallel outputs."""
+        H, t, inner = cfg.hidden, tensor_parallel, cfg.ffn_hidden
+        sharded = 3 * H * H + H * H + H * inner + inner * H
+        replicated = 4 * H
+        if bias:
+            sharded += 3 * H + inner
+            replicated += 2 * H
+        return sharded // t + replicated
+
+    def end_params(self, cfg: ModelConfig, vocab_rows: int) -> tuple[int, int]:
+        """The token and position tables; the final LayerNorm (weight and bias) and the head's own matrix, or none
+        when it is the embedding's (tied)."""
+        H = cfg.hidden
+        return vocab_rows * H + cfg.seq_len * H, (0 if cfg.tie_embeddings else vocab_rows * H) + 2 * H
+
+    def forward_gemms(self, cfg: ModelConfig, rows, one, t: int, attention: list[Gemm]) -> list[Gemm]:
+        H, inner = float(cfg.hidden), cfg.ffn_hidden / t
+        return [
+            ("qkv", one, rows, one * 3 * H / t, one * H),
+            *attention,
+            ("proj", one, rows, one * H, one * H / t),
+            ("fc1", one, rows, one * inner, one * H),
+            ("fc2", one, rows, one * H, one * inner),
+        ]
+
+    def streams(self, cfg: ModelConfig, act, inner, scores, t: int, dtype_bytes: int) -> tuple[list, list]:
+        """Megatron's layer: biases and dropout (a dropout mask is one byte per element)."""
+        mask = 1.0 / dtype_bytes
+        return [
+            2 * act,  # layer norm 1
+            2 * scores,  # scale + causal mask + softmax (fused; dense attention only)
+            (2 + mask) * scores,  # attention dropout (dense attention only)
+            (3 + mask) * act,  # bias + dropout + residual after the projection (fused)
+            2 * act,  # layer norm 2
+            2 * inner,  # bias + GeLU
+            (3 + mask) * act,  # bias + dropout + residual after the MLP (fused)
+        ], [
+            3 * act,  # layer norm 1: read dy and x, write dx
+            3 * scores,  # softmax: read dy and y, write dx (dense attention only)
+            (2 + mask) * scores,  # attention dropout (dense attention only)
+            (2 + mask) * act,  # residual + dropout
+            3 * act,  # layer norm 2
+            3 * inner,  # GeLU: read dy and x, write dx
+            (2 + mask) * act,  # residual + dropout
+        ]
+
+    def activation_bytes_per_token(self, cfg: ModelConfig, dtype_bytes: int, tensor_parallel: int = 1) -> float:
+        """Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", eq. 2, for
+        fp16 with no sequence parallelism): s·b·h·(10 + 24/t) bytes per layer, plus 5·a·s²·b/t for the attention
+        scores, softmax and dropout that a plain attention stores. The runtime's attention is PyTorch's fused kernel
+        (`scaled_dot_product_attention`), which keeps the output and a log-sum-exp per query instead of any
+        (query, key) matrix, so only the first term applies; its log-sum-exp (4·a/t bytes per token) is left out."""
+        return cfg.hidden * (10 + 24 / tensor_parallel) * dtype_bytes / 2
+
+    def hf_zero_tensors(self, cfg: ModelConfig) -> dict[str, int]:
+        """GPT-2's linear biases, which this model does not have."""
+        return {
+            theirs.format(n=n): cfg.ffn_hidden if width is None else width * cfg.hidden
+            for _, theirs, width in GPT2_BIASES
+            for n in range(cfg.layers)
+        }
+
+    def hf_config(self, cfg: ModelConfig) -> Any:
+        """A GPT2Config made this model: the exact erf GELU (``activation_function = "gelu"``, not GPT-2's tanh
+        ``gelu_new``), zero biases (`hf_zero_tensors`) and an LM head of its own."""
+        return gpt2_config(cfg, activation="gelu", tied=False)
+
+
+def gpt2_config(cfg: ModelConfig, *, activation: str, tied: bool) -> Any:
+    from terapipe_cli.extras import require
+
+    transformers = require("transformers", where="--format hf")
+    eot = eot_token(cfg.vocab)
+    return transformers.GPT2Config(
+        vocab_size=cfg.vocab,
+        n_positions=cfg.seq_len,
+        n_embd=cfg.hidden,
+        n_layer=cfg.layers,
+        n_head=cfg.heads,
+        n_inner=cfg.ffn_hidden,
+        activation_function=activation,
+        layer_norm_epsilon=cfg.norm_eps,  # 1e-5 for gpt: torch.nn.LayerNorm's default, which its LayerNorms use
+        resid_pdrop=0.0,  # terapipe trains without dropout
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        tie_word_embeddings=tied,
+        bos_token_id=eot,
+        eos_token_id=eot,
+        architectures=["GPT2LMHeadModel"],
+    )

@@ -1,0 +1,225 @@
+"""`terapipe data tokenize` and `terapipe data inspect`, with tokenizers built here by `tokenizers` (no download)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from conftest import assert_one_line_error, local_setup, run_cli, tiny_model, train_locally
+
+from terapipe_cli.corpus import tokenize as tz
+from terapipe_cli.engine.data import generate_default_text, load_data
+
+tokenizers = pytest.importorskip("tokenizers")
+
+TEXT = generate_default_text(60_000, seed=5)
+EOT, BOS = "<|endoftext|>", "<|begin_of_text|>"
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory):
+    """A GPT-2-style byte-level BPE (1,000 ids) trained on the default text: a bare tokenizer.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=1000, special_tokens=[EOT, BOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(TEXT.splitlines(), trainer)
+    path = tmp_path_factory.mktemp("bpe") / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def llama_folder(bpe, tmp_path_factory):
+    """A transformers-style folder: the BPE with a template adding <|begin_of_text|> (as Llama 3's), and the
+    tokenizer_config.json that names its EOS."""
+    from tokenizers import Tokenizer, processors
+
+    tok = Tokenizer.from_file(str(bpe))
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, tok.token_to_id(BOS))]
+    )
+    folder = tmp_path_factory.mktemp("llama")
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": EOT}, "bos_token": BOS}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """A tokenizer of 70,258 ids whose every text id is above 65,535: a corpus of it must be int32."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {f"<unused_{i}>": i for i in range(70_000)}
+    vocab.update({ch: 70_000 + n for n, ch in enumerate(sorted(alphabet))})
+    vocab[EOT] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([EOT])
+    path = tmp_path_factory.mktemp("wide") / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+def ids_of(path, texts, *, bos=False):
+    """The ids a corpus must hold: each text's ids (its template: BOS), then the EOS."""
+    tok = tokenizers.Tokenizer.from_file(str(path))
+    out = []
+    for text in texts:
+        out += ([tok.token_to_id(BOS)] if bos else []) + tok.encode(text, add_special_tokens=False).ids
+        out.append(tok.token_to_id(EOT))
+    return out
+
+
+def test_text_by_line_jsonl_and_parquet_into_one_corpus(tmp_path, capsys, llama_folder):
+    lines = TEXT.splitlines()[:40]
+    (tmp_path / "a.txt").write_text("\n".join(lines[:20]) + "\n\n")
+    with open(tmp_path / "b.jsonl", "w") as f:
+        for n, line in enumerate(lines[20:30]):
+            f.write(json.dumps({"id": n, "text": line}) + "\n")
+    pyarrow = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pyarrow.table({"text": lines[30:40]}), tmp_path / "c.parquet")
+    inputs = [tmp_path / n for n in ("a.txt", "b.jsonl", "c.parquet")]
+    p = run_cli(
+        capsys,
+        "data",
+        "tokenize",
+        *inputs,
+        "--split",
+        "line",
+        "--tokenizer",
+        llama_folder,
+        "--out",
+        tmp_path / "out" / "corpus",
+    )
+    assert p.returncode == 0, p.stderr
+    assert "documents    │ 40" in p.stdout and f"{BOS} TEXT {EOT}" in p.stdout
+    data = load_data(tmp_path / "out" / "corpus")
+    expected = ids_of(llama_folder / "tokenizer.json", lines, bos=True)
+    assert data.format == "megatron" and data.tokens.dtype == np.uint16 and list(data.tokens) == expected
+    assert len(data.documents) == 40 and data.tokens[data.documents.starts[7]] == 1  # <|begin_of_text|> is id 1
+    summary = json.loads((tmp_path / "out" / "corpus.json").read_text())
+    assert summary["schema"] == "terapipe.corpus/1" and summary["tokens"] == len(expected)
+    assert summary["max_token"] == max(expected) and summary["eos"] == {"token": EOT, "id": 0}
+    copied = sorted(q.name for q in (tmp_path / "out" / "corpus.tokenizer").iterdir())
+    assert copied == ["tokenizer.json", "tokenizer_config.json"]
+    # inspect prints the same summary, and the start of the first document decoded with the copied tokenizer.
+    p = run_cli(capsys, "data", "inspect", tmp_path / "out" / "corpus")
+    assert p.returncode == 0, p.stderr
+    assert f"{len(expected):,} tokens, 40 documents, uint16" in p.stdout
+    assert f"begins: '{BOS}{lines[0][:20]}" in p.stdout
+
+
+def test_a_text_file_as_one_document_and_paragraphs(tmp_path, bpe):
+    """A long document is encoded in pieces over the tokenizer's threads: the ids equal the whole text's."""
+    long_text = generate_default_text(400_000, seed=9)  # over 2 x PIECE_CHARS: cut into pieces
+    (tmp_path / "story.txt").write_text(long_text)
+    tok = tz.load_tokenizer(bpe, EOT)
+    assert tok.cuttable and len(tz._pieces(long_text, True)) > 2
+    tz.tokenize_corpus([tmp_path / "story.txt"], tok, tmp_path / "whole")
+    assert list(load_data(tmp_path / "whole").tokens) == ids_of(bpe, [long_text])
+    (tmp_path / "paras.txt").write_text("One here.\nStill one.\n\n\nTwo.\n  \nThree\n")
+    tz.tokenize_corpus([tmp_path / "paras.txt"], tok, tmp_path / "paras", split="paragraph")
+    data = load_data(tmp_path / "paras")
+    assert list(data.tokens) == ids_of(bpe, ["One here.\nStill one.", "Two.", "Three"])
+
+
+def test_more_than_65536_ids_make_an_int32_corpus(tmp_path, wide):
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps({"body": t}) + "\n" for t in ("Ada sees", "a cat", "")))
+    tok = tz.load_tokenizer(wide, EOT)
+    summary = tz.tokenize_corpus([tmp_path / "t.jsonl"], tok, tmp_path / "c", field="body")
+    data = load_data(tmp_path / "c.idx")
+    assert summary.dtype == "int32" and data.tokens.dtype == np.int32 and summary.skipped == 1
+    assert list(data.tokens) == ids_of(wide, ["Ada sees", "a cat"]) and min(data.tokens) > 65_535
+
+
+def test_special_tokens_in_a_text_are_text(tmp_path, bpe):
+    (tmp_path / "t.txt").write_text(f"one{EOT}two")
+    tz.tokenize_corpus([tmp_path / "t.txt"], tz.load_tokenizer(bpe, EOT), tmp_path / "c")
+    ids = list(load_data(tmp_path / "c").tokens)
+    assert ids.count(0) == 1 and ids[-1] == 0  # the EOS only where the document ends
+
+
+@pytest.mark.parametrize(
+    "make, args, words",
+    [
+        (None, ["--eos", EOT, "--out", "c"], ["input file not found"]),
+        ("t.txt", ["--out", "c"], ["--eos", "no EOS token known"]),
+        ("t.txt", ["--eos", "<|nope|>", "--out", "c"], ["--eos", "'<|nope|>' is not a token"]),
+        ("t.txt", ["--eos", EOT, "--out", "c", "--split", "words"], ["--split", "file, line, paragraph"]),
+        ("bad.jsonl", ["--eos", EOT, "--out", "c"], ["bad.jsonl: line 2", "not a JSON object"]),
+        ("nofield.jsonl", ["--eos", EOT, "--out", "c"], ["line 1", "no field 'text'", "--field"]),
+        ("t.txt", ["--eos", EOT, "--out", "taken"], ["taken.bin exists", "--force"]),
+        ("latin1.txt", ["--eos", EOT, "--out", "c"], ["latin1.txt", "not UTF-8 text at byte 3"]),
+    ],
+)
+def test_tokenize_mistakes_are_one_line_and_write_nothing(tmp_path, capsys, bpe, make, args, words):
+    (tmp_path / "t.txt").write_text("Ada sees the cat.\n")
+    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"text": \n')
+    (tmp_path / "nofield.jsonl").write_text('{"body": "ok"}\n')
+    (tmp_path / "latin1.txt").write_bytes("café au lait".encode("latin-1"))
+    (tmp_path / "taken.bin").write_bytes(b"something else")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    p = run_cli(capsys, "data", "tokenize", tmp_path / (make or "missing.txt"), "--tokenizer", bpe, *args, cwd=tmp_path)
+    assert_one_line_error(p, *words)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # no corpus, no temporary file
+
+
+def test_inspect_checks_a_vocabulary_and_reads_every_format(tmp_path, capsys):
+    np.array([3, 70_000, 5, 6], dtype="<u4").tofile(tmp_path / "t.bin")
+    assert_one_line_error(run_cli(capsys, "data", "inspect", tmp_path / "t.bin"), "t.bin", "--token-dtype uint16")
+    p = run_cli(capsys, "data", "inspect", tmp_path / "t.bin", "--token-dtype", "uint32", "--vocab", "50257")
+    assert_one_line_error(p, "t.bin", "token id 70000 at position 1", "vocabulary of 50257", "(--vocab)")
+    p = run_cli(capsys, "data", "inspect", tmp_path / "t.bin", "--token-dtype", "uint32", "--vocab", "70001")
+    assert p.returncode == 0 and "headerless .bin, --token-dtype uint32, 4 tokens, no document index" in p.stdout
+
+
+def test_sample_decodes_a_corpus_run_with_the_corpus_tokenizer(tmp_path, llama_folder):
+    from terapipe_cli.train.sample import run_tokenizer
+
+    (tmp_path / "t.txt").write_text("Ada sees the cat.")
+    tz.tokenize_corpus([tmp_path / "t.txt"], tz.load_tokenizer(llama_folder), tmp_path / "c")
+    for data in ("c", "c.bin", "c.idx"):
+        tok = run_tokenizer(str(tmp_path / data), model_vocab=1024)
+        assert tok.name.startswith("c.tokenizer/ (") and tok.default_prompt == [1]  # <|begin_of_text|>
+        ids = tok.encode("Ada sees")
+        assert ids[0] == 1 and tok.decode(ids) == f"{BOS}Ada sees"
+
+
+def test_a_corpus_trains_through_the_workers_own_code(tmp_path, bpe):
+    """Every rank of a 2-stage run (threads of this process) reads the corpus as a worker does and trains on it."""
+    (tmp_path / "t.txt").write_text(TEXT)
+    tz.tokenize_corpus([tmp_path / "t.txt"], tz.load_tokenizer(bpe, EOT), tmp_path / "c", split="line")
+    model = tiny_model(layers=2, seq_len=32, vocab=1024)
+    setup = local_setup([(1, [16, 16])], stages=2, model=model, steps=2, data=str(tmp_path / "c"), eval_every=2)
+    assert setup.data.format == "megatron" and setup.held_out.start == len(setup.data)
+    run = train_locally(setup)
+    assert len(run.losses) == 2 and all(np.isfinite(run.losses)) and np.isfinite(run.val_losses[-1])
+
+
+def test_the_optional_packages_are_named_when_missing(tmp_path, capsys, monkeypatch, bpe):
+    import sys
+
+    (tmp_path / "t.txt").write_bytes(b"\xef\xbb\xbfAda sees the cat.")
+    pyarrow = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pyarrow.table({"text": ["Ada"]}), tmp_path / "t.parquet")
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)  # as in a Python without it
+    p = run_cli(capsys, "data", "tokenize", tmp_path / "t.parquet", "--tokenizer", bpe, "--out", tmp_path / "c")
+    assert_one_line_error(p, "t.parquet", "pip install pyarrow")
+    monkeypatch.setitem(sys.modules, "tokenizers", None)
+    p = run_cli(capsys, "data", "tokenize", tmp_path / "t.txt", "--tokenizer", bpe, "--out", tmp_path / "c")
+    assert_one_line_error(p, "--tokenizer", "pip install 'terapipe-cli[data]'")
+    monkeypatch.undo()
+    tz.tokenize_corpus([tmp_path / "t.txt"], tz.load_tokenizer(bpe, EOT), tmp_path / "c")  # the BOM is no text
+    assert list(load_data(tmp_path / "c").tokens) == ids_of(bpe, ["Ada sees the cat."])
