@@ -164,7 +164,7 @@ def test_the_same_settings_check_derives_from_the_run_settings():
     from terapipe_cli.config.run import run_fields
 
     kept = {name for name, doc in run_fields().items() if doc.resume == "keep"} - {"schedule"}
-    assert kept | {"steps", "data_parallel", "tensor_parallel"} == set(same_settings())
+    assert kept | {"steps", "data_parallel", "tensor_parallel", "precision"} == set(same_settings())
     assert {"weight_decay", "beta1", "beta2", "eps", "decay_embeddings", "decay_steps"} <= set(same_settings())
 
 

@@ -149,3 +149,17 @@ def test_a_plan_of_another_model_is_one_line(tmp_path, capsys):
     p = run_cli(capsys, "train", "--resume", "--out", run, "--plan", other, "--steps", "5", "--dry-run")
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert "field 'model.layers'" in p.stderr and "--init-from" in p.stderr
+
+
+def test_another_precision_on_resume_is_said_and_checked_against_the_plan(tmp_path, capsys):
+    """--precision may change on --resume: one line says the numbers from there differ; a precision the plan was
+    not made for needs --accept-precision, as for a new run."""
+    from fake_runs import checkpointed_run
+
+    run = checkpointed_run(tmp_path / "run", step=3)
+    p = run_cli(capsys, "train", "--resume", "--out", run, "--steps", "5", "--precision", "bf16", "--dry-run")
+    assert p.returncode == 2 and "--accept-precision" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    args = ["--precision", "bf16", "--accept-precision", "--dry-run"]
+    p = run_cli(capsys, "train", "--resume", "--out", run, "--steps", "5", *args)
+    assert p.returncode == 0, p.stderr
+    assert "the run continues in bf16 from step 3 (it trained in fp32)" in p.stderr

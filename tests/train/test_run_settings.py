@@ -177,7 +177,6 @@ def test_a_resumed_run_keeps_what_decides_its_numbers(tmp_path, capsys, plan):
         ("--seed", "7", "--seed 0"),
         ("--val-fraction", "0.2", "--val-fraction 0.1"),
         ("--data", str(other), "the embedded default data"),
-        ("--precision", "bf16", "--precision fp32"),
         ("--grad-clip", "1.0", "--grad-clip 0.5"),
         ("--warmup-steps", "2", "--warmup-steps 1"),
         ("--lr", "1e-3", f"--lr {DEFAULT_LR}"),

@@ -35,7 +35,7 @@ class Doc:
     shown: str | None = None  # the default as help shows it (default: the fallback), e.g. a computed one in words
     path: bool = False  # a file path: relative to the file that names it
     panel: str | None = None  # the group the option is listed under in ``--help``
-    resume: str | None = None  # for a resumed run (config/run.py): "keep", "change" or "layout"
+    resume: str | None = None  # for a resumed run (config/run.py): "keep", "change", "layout" or "announce"
 
     @property
     def shown_default(self) -> str | None:

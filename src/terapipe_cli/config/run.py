@@ -13,8 +13,9 @@ run.toml``; flags override the file)::
 
 Every field carries its one-line doc; the typer options of `terapipe train` (cli/train.py), the keys this file may
 hold, and what a resumed run must keep (``Doc.resume``: "keep", refused if given differently; "layout", the plan
-and its D and T, which a resumed run may change to continue under another layout; "change", free) all derive from
-the fields, and so does the report's check that a baseline trained with the same settings
+and its D and T, which a resumed run may change to continue under another layout; "announce", which may change
+with one line saying the numbers from then on differ (the precision); "change", free) all derive from the fields,
+and so does the report's check that a baseline trained with the same settings
 (`report.runs.same_settings`). A value left out (None) takes its default when the run is prepared
 (`train.prepare`): the field's ``fallback``, or one computed from the run; the run folder then keeps the resolved
 configuration as ``run.toml`` (`run_toml`), so ``terapipe train --config RUN/run.toml --out NEW`` trains the same
@@ -113,7 +114,30 @@ class RunConfig:
         panel=RUN,
         resume="keep",
     )
+    document_mask: bool | None = setting(
+        "Attend within each packed document only (block-causal across token slices; positions restart at each "
+        "document); --no-document-mask attends across them. Elsewhere than a Megatron corpus the documents end at "
+        "each --eos-id.",
+        shown="on for a Megatron corpus (it records its documents), off elsewhere",
+        panel=RUN,
+        resume="keep",
+    )
+    eos_id: int | None = setting(
+        "The id that ends each document of a file that records none, for --document-mask.",
+        minimum=0,
+        shown="the run tokenizer's: a line break in text, GPT-2's <|endoftext|> in other token files",
+        panel=RUN,
+        resume="keep",
+    )
     seed: int | None = setting("Seed of the weights and of the batches.", fallback=0, panel=RUN, resume="keep")
+    init_from: str | None = setting(
+        "Start from pretrained weights: a transformers folder (config.json + safetensors), a terapipe export "
+        "(model.pt) or a run folder (its newest checkpoint); the plan's model must be SRC's. A new run only.",
+        shown="the seed's weights",
+        path=True,
+        panel=RUN,
+        resume="keep",
+    )
     val_fraction: float | None = setting(
         "The data's last part held out for the validation loss; 0 trains on all of it.",
         minimum=0,
@@ -201,7 +225,7 @@ class RunConfig:
         choices=("auto", *PRECISIONS),
         shown="the plan's",
         panel=OPTIMIZER,
-        resume="keep",
+        resume="announce",
     )
     accept_precision: bool | None = setting(
         "Train at --precision even though the plan was profiled at another (its predicted times do not hold).",
@@ -336,6 +360,10 @@ class RunArguments:
     grace_s: float = setting("Seconds to save a checkpoint after a stop signal.", DEFAULT_GRACE_S, positive=True)
     max_restarts: int = setting("Restarts of all workers from the last checkpoint when one dies.", 0, minimum=0)
     token_dtype: str | None = setting("The type of a headerless .bin's ids (None: not given).", choices=TOKEN_DTYPES)
+    init_from: str | None = setting("The weights the run started from (`train.init_from`; None: the seed's).")
+    init_step: int | None = setting("The checkpoint of init_from read, when it is a run folder.", minimum=1)
+    document_mask: bool = setting("Block-causal attention within packed documents (`data.step_documents`).", False)
+    eos_id: int | None = setting("The id ending each document of a file that records none (document_mask).", minimum=0)
 
     @classmethod
     def from_dict(cls, obj: dict, where: str) -> RunArguments:

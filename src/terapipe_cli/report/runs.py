@@ -161,7 +161,7 @@ def same_settings() -> tuple[str, ...]:
     resumed run keeps, since they decide the numbers (data, seed, held-out part, lr schedule, clipping, precision,
     AdamW's settings, ...), but the schedule walked; the replicas D and tensor ranks T of its layout, but not the
     plan (the baseline's is GPipe's slicing of the same batch); and the steps."""
-    fixed = [name for name, doc in run_fields().items() if doc.resume in ("keep", "layout")]
+    fixed = [name for name, doc in run_fields().items() if doc.resume in ("keep", "layout", "announce")]
     return ("steps", *(name for name in fixed if name not in ("schedule", "plan")))
 
 

@@ -42,13 +42,14 @@ from terapipe_cli.config.run import (
     resolve_logs,
     run_fields,
 )
-from terapipe_cli.engine.data import TokenData, check_data, load_data, split_data
+from terapipe_cli.engine.data import TokenData, check_data, load_data, resolve_document_mask, split_data
 from terapipe_cli.engine.mesh import Layout
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import read_user_text
 from terapipe_cli.plan.file import Plan, plan_from_dict, read_plan, replan_advice
 from terapipe_cli.plan.schedule import parse_schedule
-from terapipe_cli.train import checkpoint
+from terapipe_cli.train import checkpoint, init_from
+from terapipe_cli.train.init_from import Source
 from terapipe_cli.train.launch import Launch
 from terapipe_cli.train.placement import backend_for, workers_per_node
 from terapipe_cli.train.rundir import has_trained, read_config, settings_digest, update_arguments, write_config
@@ -180,6 +181,12 @@ def check_settings(config: RunConfig, *, resume: bool) -> None:
         check_endpoint(config.rdzv_endpoint)
     if config.value("verify") and resume:
         raise UserError("--verify compares a whole run from step 1; it cannot follow --resume", where="verify")
+    if config.init_from is not None and resume:
+        raise UserError(
+            "--init-from starts a new run from pretrained weights; --resume continues a run from its own checkpoint "
+            "(give one of them)",
+            where="init_from",
+        )
     if config.value("verify") and nnodes > 1:
         raise UserError("--verify runs the reference on this machine; use it with --nnodes 1", where="verify")
     if config.eval_every is not None and config.eval_every < 0:
@@ -207,14 +214,20 @@ def check_endpoint(endpoint: str) -> None:
         )
 
 
-def _new_arguments(config: RunConfig, device: str, plan: Plan, controls: NegativeControls) -> RunArguments:
-    """A new run's settings, every default filled in and checked (docs/design.md §6a)."""
+def _new_arguments(
+    config: RunConfig, device: str, plan: Plan, controls: NegativeControls, source: Source | None = None
+) -> RunArguments:
+    """A new run's settings, every default filled in and checked (docs/design.md §6a); ``source``: the weights it
+    starts from (`init_from`)."""
     steps = config.steps or DEFAULT_STEPS
     schedule = LRSchedule.default(config.value("lr"), steps, config.warmup_steps, config.min_lr)
     data_parallel = plan.data_parallel if config.data_parallel is None else config.data_parallel
     tensor_parallel = plan.tensor_parallel if config.tensor_parallel is None else config.tensor_parallel
     plan.model.check_tensor_parallel(tensor_parallel, where="tensor_parallel")
     val_fraction = config.value("val_fraction")
+    document_mask, eos_id = resolve_document_mask(
+        load_data(_data_path(config), config.token_dtype), config.document_mask, config.eos_id
+    )
     return RunArguments(
         steps=steps,
         data=_data_path(config),
@@ -242,6 +255,10 @@ def _new_arguments(config: RunConfig, device: str, plan: Plan, controls: Negativ
         grace_s=float(config.value("grace_s")),
         max_restarts=config.value("max_restarts"),
         token_dtype=config.token_dtype,
+        init_from=None if source is None else str(source.path),
+        init_step=None if source is None else source.step,
+        document_mask=document_mask,
+        eos_id=eos_id,
         **dataclasses.asdict(component_of(OptimizerConfig, config)),
     )
 
@@ -306,9 +323,20 @@ def _new_run(config: RunConfig, device: str, controls: NegativeControls, *, join
     out = Path(config.out) if config.out is not None else Path("runs") / units.folder_stamp()
     if (out / "config.json").exists() and not joins_node_0 and has_trained(out):
         raise UserError("already holds a run: use --resume to continue it, or another --out", where=str(out))
-    run = _Run(plan, dict(plan.raw), _new_arguments(config, device, plan, controls), out)
+    source = _init_source(config, plan)
+    run = _Run(plan, dict(plan.raw), _new_arguments(config, device, plan, controls, source), out)
     _check_plan_precision(run)
     return run
+
+
+def _init_source(config: RunConfig, plan: Plan) -> Source | None:
+    """``--init-from SRC``: readable, of the plan's model, every tensor there (`init_from.check_source`), said in one
+    line before anything is written; None without it."""
+    if config.init_from is None:
+        return None
+    source = init_from.open_source(config.init_from)
+    print(init_from.check_source(source, plan.model), file=sys.stderr, flush=True)
+    return source
 
 
 def _resumed_run(config: RunConfig, device: str) -> _Run:
@@ -352,16 +380,31 @@ def _resumed_run(config: RunConfig, device: str) -> _Run:
         changes["eval_every"] = _eval_every(config.eval_every, steps, saved.val_fraction)
     changes["log"] = resolve_logs(config.log if config.log is not None else saved.log)
     changes.update(_layout_changes(config, new_plan, saved))
+    if config.precision is not None:
+        changes["precision"] = _run_precision(config.precision, device, new_plan or plan)
+    if config.accept_precision is not None:
+        changes["accept_precision"] = config.accept_precision
     args = dataclasses.replace(saved, **changes)
     checkpoint_origin(out, resume_step, plan)
     if new_plan is not None and dict(new_plan.raw) == saved_config["plan"]:
         new_plan = None  # the run's own plan given again
     if new_plan is None and args.data_parallel == saved.data_parallel and args.tensor_parallel == saved.tensor_parallel:
-        return _Run(plan, saved_config["plan"], args, out, resume_step, saved_config)
-    new_plan = new_plan or plan
-    new_plan.model.check_tensor_parallel(args.tensor_parallel, where="tensor_parallel")
-    _say_what_changes(plan, saved, new_plan, args, resume_step)
-    return _Run(new_plan, dict(new_plan.raw), args, out, resume_step, saved_config, replanned=True)
+        run = _Run(plan, saved_config["plan"], args, out, resume_step, saved_config)
+    else:
+        new_plan = new_plan or plan
+        new_plan.model.check_tensor_parallel(args.tensor_parallel, where="tensor_parallel")
+        _say_what_changes(plan, saved, new_plan, args, resume_step)
+        run = _Run(new_plan, dict(new_plan.raw), args, out, resume_step, saved_config, replanned=True)
+    if run.replanned or args.precision != saved.precision:
+        _check_plan_precision(run)  # the plan's times are for its precision, as for a new run
+    if args.precision != saved.precision:
+        print(
+            f"terapipe: the run continues in {args.precision} from step {resume_step} (it trained in "
+            f"{saved.precision}): its numbers from here differ from the run continued in {saved.precision}",
+            file=sys.stderr,
+            flush=True,
+        )
+    return run
 
 
 @dataclass(frozen=True)
@@ -446,16 +489,14 @@ def checkpoint_origin(out: Path, step: int, plan: Plan) -> None:
 
 
 def _kept_conflicts(config: RunConfig, saved: RunArguments, plan: Plan, device: str) -> list[_Conflict]:
-    """A resumed run keeps its data, seed, held-out part, precision, lr schedule, clipping and schedule: each
-    different value given again is a conflict, naming it and the run's own."""
+    """A resumed run keeps its data, seed, held-out part, lr schedule, clipping, optimizer settings and schedule:
+    each different value given again is a conflict, naming it and the run's own."""
     conflicts = []
     for name, doc in run_fields().items():
         given = getattr(config, name)
         if doc.resume != "keep" or given is None:
             continue
-        if name == "precision":
-            given = _run_precision(given, device, plan)
-        elif name == "data":
+        if name == "data":
             given = _data_path(config)
         elif name == "schedule":
             given = _schedule_text(config, plan)
