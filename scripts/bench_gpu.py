@@ -19,9 +19,10 @@ The planner's plan comes from a profile measured at the start with terapipe's pr
 from ``--profile`` files. The committed ``gpt3-1b-h100-fp32-measured.json`` of the GPU measurements is not used
 by default: it predates the K/V cache and the precision field, so its tile times are not this runtime's.
 
-Columns: ms per step; model TFLOP/s = (6·N·B·L + 6·layers·B·L²·H) / step time, where N counts the weights of
-the linear layers (attention, MLP, LM head; embeddings are lookups) and the second term is causal attention
-(QKᵀ and AV over L²/2 pairs, forward + backward = 3 × forward) — the same for every slicing; MFU against the
+Columns: ms per step; model TFLOP/s = (6·N·B·L + 12·layers·B·L²·H) / step time (`plan.mfu.step_flops`, the count
+of `terapipe plan` and `terapipe report`), where N counts the weights of the linear layers (attention, MLP, LM head;
+embeddings are lookups) and the second term is attention over the whole L × L rectangle as PaLM counts it (QKᵀ and
+AV, forward + backward = 3 × forward; a causal kernel does about half) — the same for every slicing; MFU against the
 device's bf16 dense peak (configs/hardware/h100.toml for an H100 or H200, else --peak-tflops), also for fp32
 rows; peak memory (torch.cuda.max_memory_allocated over the step, weights and AdamW state included); the
 cost model's prediction. Below the table, one layer's per-tile floor: b = 1, i = 8, forward and backward
@@ -80,10 +81,14 @@ class Cell:
     failed: str | None = None
 
 
-def model_flops(linear_params: int, layers: int, hidden: int, batch: int, seq_len: int) -> float:
-    """Model FLOPs of one training step (forward + backward) of B sequences of L tokens: 6·N·B·L for the
-    matmuls with the weights, plus 6·layers·B·L²·H for causal attention (see the module docstring)."""
-    return 6.0 * linear_params * batch * seq_len + 6.0 * layers * batch * seq_len**2 * hidden
+def model_flops(model, batch: int) -> float:
+    """Model FLOPs of one training step (forward + backward) of B sequences of the model's L tokens, by the one count
+    of `terapipe plan` and `terapipe report` (`plan.mfu.step_flops`): 6·N·B·L for the products with the weights
+    (the layers' matrices and the LM head; embeddings are lookups), plus 12·layers·B·L²·H for attention over the
+    whole L × L rectangle, as PaLM counts it (see the module docstring)."""
+    from terapipe_cli.plan.mfu import step_flops
+
+    return step_flops(model, model.seq_len, batch)
 
 
 def candidates(planned: list, batch: int, seq_len: int) -> list[tuple[str, list]]:
@@ -369,12 +374,13 @@ def main(argv: list[str] | None = None) -> int:
         floors[precision] = tile_floor(model, precision, device, a.floor_repeats)
 
     def flops_of(batch: int) -> float:
-        return model_flops(linear, model.layers, model.hidden, batch, model.seq_len)
+        return model_flops(model, batch)
 
     print()
     print(render(HEADERS, table_rows(cells, flops_of, peak, cuda=cuda), a.markdown))
     print(
-        f"\nTFLOP/s: model FLOPs 6·N·B·L + 6·layers·B·L²·H with N = {linear:,} linear weights; "
+        f"\nTFLOP/s: model FLOPs 6·N·B·L + 12·layers·B·L²·H (plan.mfu, as terapipe plan and report count them; "
+        f"the runtime's {linear:,} linear weights); "
         f"MFU against {peak / 1e12:.0f} TFLOP/s bf16 dense ({peak_source})"
         if peak
         else f"\nMFU: {peak_source}"

@@ -16,13 +16,25 @@ grouping, both orders and recomputation) must choose. Both run interleaved; the 
     python scripts/bench_planner.py                 # all rows, 3 repeats
     python scripts/bench_planner.py --repeats 1 --rows 1,2
     python scripts/bench_planner.py --memory-only   # only the long-context table with a memory limit
+    python scripts/bench_planner.py --commands      # every target case's whole `terapipe plan`, CPU seconds
+    python scripts/bench_planner.py --commands --cases paper,llama --record plans.json
+
+A third table (``--commands``, issue 38) times whole `terapipe plan` commands with every choice left to the planner
+— the 13 published settings, Llama 3 70B (analytic H100, T = 8, B = 16) at K = 8 and 16, Megatron-LM's ten settings
+(b) and (b′) and the six Table 2 rows — in CPU seconds of the command's process (user + system: the machine is
+shared), and can record each plan (scheme, order, v, partition, simulated step).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import resource
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -34,6 +46,7 @@ from rich.table import Table  # noqa: E402
 
 from terapipe_cli.config.hardware import load_hardware  # noqa: E402
 from terapipe_cli.config.model import load_model_config  # noqa: E402
+from terapipe_cli.files import write_json_atomic  # noqa: E402
 from terapipe_cli.plan.choice import plan_for_profile, smallest_peak
 from terapipe_cli.plan.costmodel import CostModel, profile_from_dict  # noqa: E402
 from terapipe_cli.plan.request import plan_request  # noqa: E402
@@ -136,6 +149,120 @@ def memory_table(repeats: int, console: Console, markdown: bool) -> None:
             print("| " + " | ".join(cells) + " |")
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Whole `terapipe plan` commands (issue 38): every choice left to the planner, CPU seconds of the command's process.
+
+DGX_A100 = ROOT / "configs" / "hardware" / "dgx-a100.toml"
+
+
+def _megatron():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import megatron_table
+
+    return megatron_table
+
+
+def command_cases() -> list[tuple[str, list[str], object]]:
+    """(label, `terapipe plan` arguments, how to write its profile or None) of every target case: the 13 published
+    settings, Llama 3 70B at K = 8 and 16, Megatron-LM's ten settings (b) and (b′) and the six Table 2 rows."""
+    cases: list[tuple[str, list[str], object]] = []
+    for path in sorted((ROOT / "configs" / "experiments").glob("paper-*.toml")):
+        cases.append((path.stem, ["--experiment", path.stem], None))
+    llama = (load_model_config("llama3-70b"), LONG_HARDWARE, 8, 8, (1, 2, 4, 8))  # model, hardware, T, g, batch sizes
+    for K in (8, 16):
+        cases.append((f"llama3-70b K={K} B=16", ["-k", str(K), "-b", "16"], llama))
+    mt = _megatron()
+    for s in mt.SETTINGS:
+        g = mt.TOKEN_STEP.get(s.number, mt.DEFAULT_TOKEN_STEP)
+        spec = (s.model(), DGX_A100, s.tensor_parallel, g, mt.BATCH_SIZES)
+        args = ["-k", str(s.pipeline), "-b", str(s.batch_per_replica), "-d", str(s.data_parallel), "-g", str(g)]
+        cases.append((f"megatron {s.number} ({s.params_b:g}B) (b)", args, spec))
+        cases.append((f"megatron {s.number} ({s.params_b:g}B) (b')", [*args, "--recompute"], spec))
+    # Narayanan et al. 2021, Table 2: data parallelism grows at a fixed global batch; microbatch 1.
+    gpt3 = mt.ModelConfig("megatron-174.6b", 96, 12288, 96, mt.VOCAB, mt.SEQ_LEN)
+    big = next(s for s in mt.SETTINGS if s.number == 9).model()
+    for model, K, batch, gpus in ((gpt3, 12, 1536, (384, 768, 1536)), (big, 35, 2240, (560, 1120, 2240))):
+        for n in gpus:
+            D = n // (8 * K)
+            args = ["-k", str(K), "-b", str(batch // D), "-d", str(D), "-g", "256", "--order", "1f1b", "--recompute",
+                    "--memory-limit", "80"]  # fmt: skip
+            cases.append((f"table 2: {model.name} on {n} GPUs", args, (model, DGX_A100, 8, 256, (1,))))
+    return cases
+
+
+def _profile_file(spec, folder: Path) -> Path:
+    model, hardware, T, g, sizes = spec
+    path = folder / f"{model.name}-T{T}-g{g}-{'_'.join(map(str, sizes))}.json"
+    if not path.exists():
+        obj = analytic_profile(model, load_hardware(hardware), tensor_parallel=T, batch_sizes=sizes, token_step=g)
+        write_json_atomic(path, obj)
+    return path
+
+
+def time_command(args: list[str], out: Path, timeout: float | None) -> tuple[float, float, int]:
+    """CPU seconds (user + system) and wall seconds of one `terapipe plan` process, and its exit code."""
+    code = "import sys; from terapipe_cli.cli import main; sys.argv[0] = 'terapipe'; main()"
+    cmd = [sys.executable, "-c", code, "plan", *args, "--out", str(out), "--force"]  # not a terminal: no status line
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        rc = p.returncode
+        if rc:
+            print(p.stderr.strip().splitlines()[-1] if p.stderr.strip() else f"exit {rc}", file=sys.stderr)
+    except subprocess.TimeoutExpired:
+        rc = -1
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return cpu, time.perf_counter() - started, rc
+
+
+def plan_record(path: Path) -> dict:
+    """What fixes a plan: its scheme, order, v, partition, recomputation and both times."""
+    plan = json.loads(path.read_text())
+    keys = ("short_form", "order", "virtual_stages", "layers_per_stage", "recompute", "simulated_s", "predicted_s")
+    return {k: plan.get(k) for k in keys} | {"gpipe_simulated_s": plan["baselines"]["gpipe"]["simulated_s"]}
+
+
+def commands_table(only: str, record: Path | None, timeout: float | None, console: Console, markdown: bool) -> None:
+    """Time each target case's whole `terapipe plan` command (CPU seconds); optionally record its plan."""
+    cases = [c for c in command_cases() if not only or any(w in c[0] for w in only.split(","))]
+    load = os.getloadavg()
+    title = f"terapipe plan, every choice left to the planner: CPU s of the command (load {load[0]:.1f} at start)"
+    table = Table(title=title)
+    columns = ("case", "CPU s", "wall s", "plan", "order; v; layers", "simulated s")
+    for col in columns:
+        table.add_column(col, justify="left" if col in ("case", "plan", "order; v; layers") else "right")
+    recorded = json.loads(record.read_text()) if record is not None and record.exists() else {}
+    rows_out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        for label, args, spec in cases:
+            full = list(args) if spec is None else ["--profile", str(_profile_file(spec, folder)), *args]
+            out = folder / "plan.json"
+            cpu, wall, rc = time_command(full, out, timeout)
+            if rc == 0:
+                rec = plan_record(out)
+                recorded[label] = {"args": args, **rec}
+                layers = " ".join(map(str, rec["layers_per_stage"] or []))
+                how = f"{rec['order']}; v={rec['virtual_stages']}; {layers[:40]}"
+                cells = [label, f"{cpu:.1f}", f"{wall:.1f}", rec["short_form"][:60], how, f"{rec['simulated_s']:.4g}"]
+            else:
+                cells = [label, f"{cpu:.1f}", f"{wall:.1f}", "timed out" if rc == -1 else f"exit {rc}", "", ""]
+            table.add_row(*cells)
+            rows_out.append(cells)
+            console.print(f"done: {label} ({cpu:.1f} s CPU)", style="dim")
+            if record is not None:
+                write_json_atomic(record, recorded)
+    console.print(table)
+    if markdown:
+        print("| " + " | ".join(columns) + " |")
+        print("|" + "---|" * len(columns))
+        for cells in rows_out:
+            print("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3)
@@ -144,9 +271,16 @@ def main() -> None:
     ap.add_argument("--no-enumerate", action="store_true", help="time only the exact default method")
     ap.add_argument("--markdown", action="store_true", help="also print the table as Markdown (for docs/results.md)")
     ap.add_argument("--memory-only", action="store_true", help="only the long-context table with a memory limit")
+    ap.add_argument("--commands", action="store_true", help="only the whole `terapipe plan` commands of the targets")
+    ap.add_argument("--cases", default="", help="with --commands: the cases whose label contains one of these words")
+    ap.add_argument("--record", type=Path, help="with --commands: add each plan to this JSON file")
+    ap.add_argument("--timeout", type=float, help="with --commands: seconds before a command is given up")
     args = ap.parse_args()
     rows = [ROWS[int(k) - 1] for k in args.rows.split(",")] if args.rows else ROWS
     console = Console(width=max(Console().width, 200))  # a wide table; piped output would wrap it unreadably
+    if args.commands:
+        commands_table(args.cases, args.record, args.timeout, console, args.markdown)
+        return
     if args.memory_only:
         memory_table(args.repeats, console, args.markdown)
         return

@@ -9,11 +9,12 @@ Same model (configs/models/tiny.toml unless --model), same batch (B sequences), 
 (gloo, one thread each), one full training step (forward, backward, AdamW) per candidate, the candidates taken in
 turn round after round so that drift in the machine's speed hits them all alike:
 
-- terapipe with B microbatches of one whole sequence (GPipe's slicing) in GPipe order, in 1F1B order, and in
-  GPipe order with every tile recomputed;
+- terapipe with B microbatches of one whole sequence (GPipe's slicing) in GPipe order, in 1F1B order, in
+  GPipe order with every tile recomputed, and in ZB-H1 order (each backward split into I and W);
 - terapipe with each sequence also cut into 4 token slices (TeraPipe's slicing), the same three ways;
-- the same six with v = 2 interleaved chunks per process (``--virtual 2``, the default: process k runs chunks k and
-  k + 2 of four; tiles wrap from the last process back to the first);
+- the same eight with v = 2 interleaved chunks per process (``--virtual 2``, the default: process k runs chunks k and
+  k + 2 of four; tiles wrap from the last process back to the first), and ZB-V on the V (process k runs chunks k
+  and 3 − k);
 - with ``--plan``, the plan `terapipe plan` chose (its slices, order, chunks and recomputation);
 - the bound: the whole model's step in one process (rank 0, terapipe's runtime, B whole sequences; the other rank
   waits), timed in the same rounds — no pipeline of K processes can take less than its time / K, so the table's
@@ -21,7 +22,8 @@ turn round after round so that drift in the machine's speed hits them all alike:
 - ``torch.distributed.pipelining``'s ``ScheduleGPipe`` and ``Schedule1F1B`` with B microbatches, on the same two
   stage modules (stage 0: embeddings and the first half of the layers; stage 1: the rest, the head and the loss),
   and its interleaved schedules ``ScheduleInterleaved1F1B``, ``ScheduleLoopedBFS`` and
-  ``ScheduleInterleavedZeroBubble`` on two stage modules per process (the same four chunks as terapipe's v = 2). A
+  ``ScheduleInterleavedZeroBubble`` on two stage modules per process (the same four chunks as terapipe's v = 2),
+  and its V schedules ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV`` (process k holds stages k and 3 − k). A
   peer schedule that refuses the setting (e.g. a batch it cannot divide) is reported and left out.
 
 Prints the median step (min–max) of each, its ratio to ScheduleGPipe, to the best peer round by round, and
@@ -48,6 +50,7 @@ from bench_train import cpu_lock, join_bench_job, time_rounds  # noqa: E402  (on
 PEERS = ("torch ScheduleGPipe", "torch Schedule1F1B")
 ONE_PROCESS = "one process, the whole model (not pipelined)"
 INTERLEAVED_PEERS = ("ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleInterleavedZeroBubble")
+V_PEERS = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")  # two stages per process in a V: k and 2K − 1 − k
 
 
 def candidates(B: int, L: int, virtual: int) -> list[dict]:
@@ -58,9 +61,12 @@ def candidates(B: int, L: int, virtual: int) -> list[dict]:
         tag = "" if v == 1 else f", v = {v}"
         for label, slices in (("microbatches", whole), ("4 token slices", sliced)):
             for what, order, recompute in (("GPipe order", "gpipe", False), ("1F1B order", "1f1b", False),
-                                           ("recomputed", "gpipe", True)):  # fmt: skip
+                                           ("recomputed", "gpipe", True), ("ZB-H1", "zb1p", False)):  # fmt: skip
                 name = f"terapipe {label}, {what}{tag}"
                 out.append({"name": name, "slices": slices, "order": order, "recompute": recompute, "virtual": v})
+            if v == 2:
+                name = f"terapipe {label}, ZB-V (the V), v = 2"
+                out.append({"name": name, "slices": slices, "order": "zbv", "recompute": False, "virtual": 2})
     return out
 
 
@@ -147,6 +153,8 @@ def _peer_steps(model, rank: int, stages: int, B: int, batch, virtual: int) -> d
     kinds = [(name, kind, 1) for name, kind in zip(PEERS, ("ScheduleGPipe", "Schedule1F1B"), strict=True)]
     if virtual > 1:
         kinds += [(f"torch {kind}, v = {virtual}", kind, virtual) for kind in INTERLEAVED_PEERS]
+    if virtual == 2:
+        kinds += [(f"torch {kind}, v = 2 (the V)", kind, 2) for kind in V_PEERS]
     for name, kind, v in kinds:
         try:
             step, _ = peer_trainer(kind, model, rank, stages, B, lr=1e-4, virtual=v)
@@ -188,7 +196,8 @@ def peer_trainer(kind: str, model, rank: int, stages: int, B: int, *, lr: float,
     def loss_fn(logits, targets):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
-    indices = [rank + k * stages for k in range(virtual)]
+    # Interleaved: process k holds stages k, k + K, …; the V schedules: stages k and 2K − 1 − k.
+    indices = [rank, 2 * stages - 1 - rank] if kind in V_PEERS else [rank + k * stages for k in range(virtual)]
     modules = torch.nn.ModuleList(Whole(i) for i in indices)
     optimizer = make_optimizer(modules, lr)
     pipe_stages = []

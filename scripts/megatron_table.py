@@ -27,11 +27,12 @@ Every scheme is priced with the runtime's fused attention (the hardware file's `
 why), not the dense attention of Megatron-LM's 2021 runs; the column "(a) dense attention" prices (a) again with it
 (its time only: the memory estimate counts the fused kernel's tensors).
 
-Per-GPU teraFLOP/s = the model FLOPs of one step / (the predicted step time × the GPUs). The model FLOPs are the
-paper's eq. 3 without its recomputation: the paper counts 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)) per step, where
-96 = 4 × 24 holds the forward pass run again by the recomputation; we count the model's FLOPs, 72 = 3 × 24, the
-same for every scheme whether it recomputes or not (`model_flops`). The "paper's count" column is (a) in the
-paper's 96, comparable with its published figures. The predicted step time is the schedule simulator's (transfers
+Per-GPU teraFLOP/s = the model FLOPs of one step / (the predicted step time × the GPUs), by the count `terapipe
+plan` and `terapipe report` use (`plan.mfu.step_flops`): 72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h)), the same for
+every scheme whether it recomputes or not (`model_flops`). The paper's eq. 3 counts 96·B·s·l·h²·(1 + s/(6h) +
+V/(16·l·h)), the forward of the layers run again by the recomputation included — exactly this count with the
+recomputed forward (`model_flops(recompute=True)`); the "paper's count" column is (a) counted so, comparable with
+its published figures. The predicted step time is the schedule simulator's (transfers
 overlapping compute, the data-parallel all-reduce and optimizer step after the last backward); the objective's
 closed formula is shown beside it.
 
@@ -67,6 +68,7 @@ from terapipe_cli.plan.configs import Configured, plan_configured  # noqa: E402
 from terapipe_cli.plan.costmodel import CostModel, Profile, profile_from_dict  # noqa: E402
 from terapipe_cli.plan.file import short_form  # noqa: E402
 from terapipe_cli.plan.memory import stage_memory  # noqa: E402
+from terapipe_cli.plan.mfu import step_flops  # noqa: E402
 from terapipe_cli.plan.partition import Partition  # noqa: E402
 from terapipe_cli.plan.request import plan_request  # noqa: E402
 from terapipe_cli.plan.schedule import CUSTOM, Action, Schedule, Tile, plan_tiles  # noqa: E402
@@ -138,15 +140,17 @@ SETTINGS = tuple(
 )
 
 
-def model_flops(setting: Setting) -> float:
-    """The model FLOPs of one training step of the global batch: Narayanan et al. 2021, eq. 3, with 72 in place of
-    its 96 (which counts the forward pass recomputation runs again): 72·B·s·l·h²·(1 + s/(6h) + V/(16·l·h))."""
-    B, s, n, h, V = setting.batch, SEQ_LEN, setting.layers, setting.hidden, VOCAB  # the paper's l is n here
-    return 72.0 * B * s * n * h * h * (1 + s / (6 * h) + V / (16 * n * h))
+def model_flops(setting: Setting, *, recompute: bool = False) -> float:
+    """The FLOPs of one training step of the global batch by the one count of plan, report and scripts
+    (`plan.mfu.step_flops`, `arch.flops_per_token`): 72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h)), the model's FLOPs.
+    With ``recompute`` the forward of the layers again: 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)), Narayanan et al.
+    2021, eq. 3, exactly (the LM head is not recomputed). Eq. 3 with 72 in place of 96, as this script counted before,
+    left out a quarter of the head's 6·V·h per token."""
+    return step_flops(setting.model(), SEQ_LEN, setting.batch, recompute=float(recompute))
 
 
-def tflops_per_gpu(setting: Setting, step_s: float) -> float:
-    return model_flops(setting) / (step_s * setting.gpus) / 1e12
+def tflops_per_gpu(setting: Setting, step_s: float, *, recompute: bool = False) -> float:
+    return model_flops(setting, recompute=recompute) / (step_s * setting.gpus) / 1e12
 
 
 def setting_profile(setting: Setting, hardware: Hardware, token_step: int) -> Profile:
@@ -284,8 +288,8 @@ class Row:
     recomputed: Scheme  # terapipe's plan with every chunk recomputing (b')
     planner_s: tuple[float, float]  # wall seconds of `plan_configured`, for (b) and (b')
 
-    def tflops(self, scheme: Scheme) -> float:
-        return tflops_per_gpu(self.setting, scheme.simulated_s)
+    def tflops(self, scheme: Scheme, *, recompute: bool = False) -> float:
+        return tflops_per_gpu(self.setting, scheme.simulated_s, recompute=recompute)
 
     def ratio(self, scheme: Scheme) -> float:
         """How much faster than (a) ``scheme`` runs a step (simulated)."""
@@ -328,8 +332,8 @@ def _cells(row: Row) -> list[str]:
         _chunks(a.partition),
         _seconds(a),
         f"{row.tflops(a):.0f}",
-        f"{row.tflops(a) * 96 / 72:.0f}",
-        f"{row.tflops(row.megatron_dense) * 96 / 72:.0f}",
+        f"{row.tflops(a, recompute=True):.0f}",
+        f"{row.tflops(row.megatron_dense, recompute=True):.0f}",
         f"{s.published_tflops:g}",
         short_form(b.slices, fold=True),
         f"{b.order}; {_chunks(b.partition)}",

@@ -199,10 +199,10 @@ class LocalSetup:
     def __init__(self, plan, args, device: str = "cpu") -> None:
         import torch
 
-        from terapipe_cli.engine.data import load_data, split_data
+        from terapipe_cli.engine.data import run_data
 
         self.plan, self.args, self.device = plan, args, torch.device(device)
-        self.data, self.held_out = split_data(load_data(args.data, args.token_dtype), args.val_fraction, plan.seq_len)
+        self.data, self.held_out, _ = run_data(args, seq_len=plan.seq_len, vocab=plan.model.vocab)
 
 
 def local_setup(
@@ -230,6 +230,10 @@ def train_locally(setup: LocalSetup, schedule=None, **world):
     from terapipe_cli.plan.schedule import Schedule
 
     schedule = schedule if schedule is not None else Schedule.of_plan(setup.plan)
+    if setup.args.init_from is not None:  # --init-from: each rank starts from its share of SRC, as a worker does
+        from terapipe_cli.train.worker import start_weights
+
+        world.setdefault("start", start_weights)
     return train_in_process(
         setup.plan, schedule, setup.args, data=setup.data, held_out=setup.held_out, device=str(setup.device), **world
     )

@@ -1,5 +1,5 @@
 """Tiny `transformers` models of random weights, saved into a test's folder (``save_pretrained``; never downloaded),
-and their weights moved into terapipe's model of the same config by the architecture's key table."""
+and their weights moved into terapipe's model of the same config by the architecture's name table."""
 
 from __future__ import annotations
 
@@ -30,13 +30,13 @@ def saved(folder: Path, cls: str, seed: int = 0, **config):
 
 
 def terapipe_model(theirs, cfg: ModelConfig):
-    """terapipe's single-device model of ``cfg`` holding ``theirs``' weights (the spec's ``hf_keys``), eval mode."""
+    """terapipe's single-device model of ``cfg`` holding ``theirs``' weights, by the architecture's table
+    (`Arch.transformers_names`, what ``--init-from`` reads a folder by), eval mode."""
     state = theirs.state_dict()
-    ours = {}
-    for name, hf_name, transposed in cfg.spec.hf_keys:
-        for n in range(cfg.layers) if "{n}" in name else [None]:
-            t = state[hf_name.format(n=n)]
-            ours[name.format(n=n)] = t.t() if transposed else t
+    ours = {
+        name: state[hf_name].t() if transposed else state[hf_name]
+        for name, (hf_name, transposed) in cfg.spec.transformers_names(cfg).items()
+    }
     model = build_model(cfg)
     model.load_state_dict(ours, strict=True)
     return model.eval()

@@ -145,6 +145,15 @@ NCCL_FAMILIES = {
         {"virtual_stages": 2, "layers_per_stage": [1] * 8, "order": "1f1b", "recompute": [False] * 8},
     ),
     "T=2, K=2, D=2": ([(1, [16, 16])], 2, {"tensor_parallel": 2, "data_parallel": 2}, {}),
+    # Zero-bubble: the gradient goes after I, so the receives follow the sender's I's, not its W's.
+    "ZB-H1, K=3, two batch slices sliced differently": ([(1, [20, 12]), (1, [5, 5, 22])], 3, {}, {"order": "zb1p"}),
+    "ZB-H1, 2 virtual stages": (
+        [(2, [16, 16]), (1, [8, 8, 16]), (1, [32])], 2, {},
+        {"virtual_stages": 2, "layers_per_stage": [1, 2, 2, 1], "order": "zb1p"},
+    ),
+    # ZB-V: activations down the V and back up, gradients the other way — every channel carries messages.
+    "ZB-V, K=3": ([(1, [20, 12]), (1, [5, 5, 22])], 3, {}, {"order": "zbv", "virtual_stages": 2,
+                                                           "recompute": [False] * 6}),
 }  # fmt: skip
 
 

@@ -16,6 +16,7 @@ from terapipe_cli.engine.stage import StageRunner
 from terapipe_cli.engine.tensor import TensorGroup
 from terapipe_cli.plan.costmodel import read_profile
 from terapipe_cli.plan.memory import stage_memory
+from terapipe_cli.plan.partition import Partition
 from terapipe_cli.plan.schedule import Schedule
 from terapipe_cli.profile.timer import TileTimer
 
@@ -49,16 +50,22 @@ def _measured_profile(cfg: ModelConfig, precision: str, tensor_parallel: int = 1
     )  # fmt: skip
 
 
-def _measured_peaks(cfg, slices, stages, order, recompute, precision, tensor_parallel: int = 1):
+def _measured_peaks(cfg, slices, stages, order, recompute, precision, tensor_parallel: int = 1, partition=None):
     """Each stage's peak of kept bytes over one step, walked by the runtime's StageRunner in one process (with T > 1
-    the fullest of the stage's T ranks, run as threads)."""
+    the fullest of the stage's T ranks, run as threads; with a ``partition``, each device's chunks)."""
     torch.manual_seed(0)
     L = cfg.seq_len
     data = torch.randint(0, cfg.vocab, (sum(b for b, _ in slices), L + 1))
-    schedule = Schedule.build(slices, stages, order)
+    schedule = Schedule.build(slices, stages, order, partition=partition)
+    chunks = schedule.chunks
 
     def walk(k, tp):
-        runner = StageRunner(cfg, k, stages, precision=precision, recompute=recompute[k], tensor=tp)
+        if partition is None:
+            runner = StageRunner(cfg, k, stages, precision=precision, recompute=recompute[k], tensor=tp)
+        else:
+            mine = schedule.partition.chunks_on(k)
+            runner = StageRunner(cfg, k, stages, precision=precision, recompute={c: recompute[c] for c in mine},
+                                 tensor=tp, partition=schedule.partition, chunks=mine)  # fmt: skip
         gen = torch.Generator().manual_seed(k)
         with runner.step():
             for a in schedule[k]:
@@ -66,12 +73,19 @@ def _measured_peaks(cfg, slices, stages, order, recompute, precision, tensor_par
                 rows = slice(t.batch_start, t.batch_start + t.batch_size)
                 cols = slice(t.token_start, t.token_start + t.tokens)
                 activation = torch.randn(t.batch_size, t.tokens, cfg.hidden, generator=gen)
+                c = a.stage if partition is not None else None
+                first, last = (
+                    (a.stage == 0, a.stage == chunks - 1) if partition is not None else (k == 0, k == stages - 1)
+                )
                 if a.phase == "F":
-                    x = data[rows, cols] if k == 0 else activation
-                    targets = data[rows, t.token_start + 1 : t.token_start + t.tokens + 1]
-                    runner.forward_tile(t.batch_slice, t.token_slice, x, targets)
+                    x = data[rows, cols] if first else activation
+                    targets = data[rows, t.token_start + 1 : t.token_start + t.tokens + 1] if last else None
+                    runner.forward_tile(t.batch_slice, t.token_slice, x, targets, chunk=c)
+                elif a.phase == "W":
+                    runner.backward_weight(t.batch_slice, t.token_slice, chunk=c)
                 else:
-                    runner.backward_tile(t.batch_slice, t.token_slice, None if k == stages - 1 else activation)
+                    backward = runner.backward_input if a.phase == "I" else runner.backward_tile
+                    backward(t.batch_slice, t.token_slice, None if last else activation, chunk=c)
         assert runner.saved.alive == 0  # everything kept was released by the backwards
         return runner.saved.peak
 
@@ -85,7 +99,11 @@ CASES = [
     ("1F1B, recomputed on stage 0", [(1, [64] * 4)] * 3, 3, "1f1b", [True, False, False]),
     # A grouping of the memory-aware search: batch slices of different sizes, each sliced its own way.
     ("unequal, 1F1B, recomputed", [(2, [32] * 8), (1, [64] * 4), (1, [96, 96, 64])], 3, "1f1b", [True] * 3),
-]
+    # Zero-bubble: each tile kept from its F to its W, with the weight consumers' output gradients from I to W.
+    ("ZB-H1", [(1, [128, 64, 64])] * 4, 2, "zb1p", [False, False]),
+    ("ZB-H1, recomputed on stage 0, unequal", [(2, [32] * 8), (1, [64] * 4), (1, [96, 96, 64])], 3, "zb1p",
+     [True, False, False]),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -111,6 +129,20 @@ def test_the_estimate_holds_with_the_vocabulary_split_over_two_tensor_ranks(
     prof = _measured_profile(cfg, precision, tensor_parallel=2)
     estimate = stage_memory(Schedule.build(slices, stages, order, recompute), prof)
     measured = _measured_peaks(cfg, slices, stages, order, recompute, precision, tensor_parallel=2)
+    for k, (est, got) in enumerate(zip(estimate, measured, strict=True)):
+        assert est.activation_bytes == pytest.approx(got, rel=0.10), f"stage {k}"
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_estimate_holds_for_zb_v_on_the_v(precision):
+    """ZB-V: each device holds chunks k and 2K − 1 − k (device 0 the embedding and the head), every tile kept from
+    its F to its W."""
+    cfg = ModelConfig(name="mem", layers=6, hidden=128, heads=4, vocab=384, seq_len=256)
+    prof = _measured_profile(cfg, precision)
+    slices, recompute = [(1, [128, 64, 64])] * 3 + [(2, [96, 96, 64])], [True, False, False, False, False, True]
+    part = Partition((1, 1, 1, 1, 1, 1), 3, "v")
+    estimate = stage_memory(Schedule.build(slices, 3, "zbv", recompute, part), prof)
+    measured = _measured_peaks(cfg, slices, 3, "zbv", recompute, precision, partition=part)
     for k, (est, got) in enumerate(zip(estimate, measured, strict=True)):
         assert est.activation_bytes == pytest.approx(got, rel=0.10), f"stage {k}"
 

@@ -153,17 +153,22 @@ def test_bench_gpu_refuses_a_machine_without_a_gpu_in_one_line():
     assert p.stderr == "bench_gpu.py needs a CUDA GPU; none here\n"
 
 
-def test_bench_gpu_model_flops_are_the_per_tile_flops_summed_whatever_the_slicing():
-    """6·N·B·L + 6·layers·B·L²·H equals the per-layer tile FLOPs 3·(24·b·i·H² + 4·b·i·(j + i/2)·H) summed over
-    the tiles of any slicing, plus the LM head's 6·H·V per token."""
+def test_bench_gpu_model_flops_are_the_plans_count():
+    """bench_gpu counts what `terapipe plan` and `terapipe report` count (`plan.mfu.step_flops`): 6·N·B·L with N the
+    layers' matrices and the LM head, plus 12·layers·B·L²·H (the whole L × L rectangle, PaLM's count) — twice the
+    causal tiles' attention summed over any slicing."""
+    from terapipe_cli.config.model import ModelConfig
+
     layers, H, V, L = 24, 2048, 50257, 2048
-    linear = layers * 12 * H * H + H * V
+    model = ModelConfig("gpt3-1b", layers, H, 16, V, L)
     for B, slices in ((1, [2048]), (8, [512] * 4), (1, [1000, 600, 448])):
-        tiles, j = 0.0, 0
+        matrices, attention, j = 0.0, 0.0, 0
         for i in slices:
-            tiles += 3 * (24 * B * i * H * H + 4 * B * i * (j + i / 2) * H)
+            matrices += 3 * 24 * B * i * H * H
+            attention += 3 * 4 * B * i * (j + i / 2) * H
             j += i
-        assert bench_gpu.model_flops(linear, layers, H, B, L) == pytest.approx(layers * tiles + 6 * H * V * B * L)
+        expected = layers * (matrices + 2 * attention) + 6 * H * V * B * L
+        assert bench_gpu.model_flops(model, B) == pytest.approx(expected, rel=1e-12)
 
 
 def test_bench_gpu_schemes_and_table(tmp_path):

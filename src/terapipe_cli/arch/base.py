@@ -128,6 +128,35 @@ class Arch:
         """Tensors the `transformers` model has and this one does not, written as zeros: name -> length."""
         return {}
 
+    def transformers_names(self, cfg: ModelConfig) -> dict[str, tuple[str, bool]]:
+        """Every tensor of ``cfg``'s model by terapipe name: (its `transformers` name, transposed) — the inverse of
+        ``hf_keys``, layers numbered. A tied head is the embedding's tensor (`transformers` writes it once)."""
+        out = {}
+        for ours, theirs, transposed in self.hf_keys:
+            for n in range(cfg.layers) if "{n}" in ours else [None]:
+                out[ours.format(n=n)] = (theirs.format(n=n), transposed)
+        if cfg.tie_embeddings and "lm_head.weight" in out:
+            out["lm_head.weight"] = out["wte.weight"]
+        return out
+
+    def tensor_shapes(self, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+        """Every tensor of ``cfg``'s single-device model (its state dict's names) with its shape, without building it
+        (no torch): a layer's by the end of its name (`shapes`)."""
+        table = self.shapes(cfg)
+        return {
+            name: table[name.split(".", 2)[2] if name.startswith("blocks.") else name]
+            for name in self.transformers_names(cfg)
+        }
+
+    def shapes(self, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+        """The shape of each tensor by its name, a layer's without ``blocks.{n}.`` (`tensor_shapes`)."""
+        raise NotImplementedError
+
+    def reads_transformers_as(self, f: Fields) -> Arch:
+        """The spec that reads this `transformers` config (``f``): this one, unless another computes it exactly (a
+        ``GPT2LMHeadModel`` with the erf GELU is an export of ``gpt``)."""
+        return self
+
     def from_transformers(self, f: Fields, seq_len: int | None) -> dict:
         """`ModelConfig`'s fields but ``name`` and ``arch`` from a `transformers` ``config.json`` (``f`` reads it;
         ``seq_len`` as given, None: the longest the model takes), or a one-line refusal naming the setting terapipe

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from terapipe_cli.arch.base import Arch, Gemm, HFKey, Split
+from terapipe_cli.arch.base import Arch, Gemm, HFKey, Split, boolean, unsupported
 from terapipe_cli.files import Fields
 
 if TYPE_CHECKING:
@@ -165,6 +165,24 @@ class GptArch(Arch):
         (query, key) matrix, so only the first term applies; its log-sum-exp (4·a/t bytes per token) is left out."""
         return cfg.hidden * (10 + 24 / tensor_parallel) * dtype_bytes / 2
 
+    def shapes(self, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+        H, F, V = cfg.hidden, cfg.ffn_hidden, cfg.vocab
+        return {
+            "wte.weight": (V, H),
+            "wpe.weight": (cfg.seq_len, H),
+            "ln_1.weight": (H,),
+            "ln_1.bias": (H,),
+            "attn.qkv.weight": (3 * H, H),
+            "attn.proj.weight": (H, H),
+            "ln_2.weight": (H,),
+            "ln_2.bias": (H,),
+            "mlp.fc.weight": (F, H),
+            "mlp.proj.weight": (H, F),
+            "ln_f.weight": (H,),
+            "ln_f.bias": (H,),
+            "lm_head.weight": (V, H),
+        }
+
     def hf_zero_tensors(self, cfg: ModelConfig) -> dict[str, int]:
         """GPT-2's linear biases, which this model does not have."""
         return {
@@ -173,10 +191,51 @@ class GptArch(Arch):
             for n in range(cfg.layers)
         }
 
+    def from_transformers(self, f: Fields, seq_len: int | None) -> dict:
+        """A ``GPT2LMHeadModel`` with the erf GELU, as ``gpt`` exports (`hf_config`): its own LM head and
+        LayerNorm's default epsilon, as this layer computes; its linear biases must be zero (checked where the weights
+        are read, `train.init_from`)."""
+        if boolean(f, "tie_word_embeddings", True):
+            raise unsupported(f, "tie_word_embeddings", True, "arch gpt (the erf GELU) has an LM head of its own")
+        eps = f.number("layer_norm_epsilon", positive=True, default=1e-5)
+        if eps != 1e-5:
+            raise unsupported(f, "layer_norm_epsilon", eps, "arch gpt's LayerNorms have torch's 1e-5")
+        return gpt2_fields(f, seq_len)
+
     def hf_config(self, cfg: ModelConfig) -> Any:
         """A GPT2Config made this model: the exact erf GELU (``activation_function = "gelu"``, not GPT-2's tanh
         ``gelu_new``), zero biases (`hf_zero_tensors`) and an LM head of its own."""
         return gpt2_config(cfg, activation="gelu", tied=False)
+
+
+def gpt2_fields(f: Fields, seq_len: int | None) -> dict:
+    """The fields a ``GPT2LMHeadModel``'s config gives both `gpt` and `gpt2` (its GELU and head apart), refused where
+    its attention or MLP computes what these layers do not. Its position table has n_positions rows: sequences no
+    longer than that."""
+    positions = f.int("n_positions", minimum=1)
+    if seq_len is not None and seq_len > positions:
+        raise f.fail("n_positions", f"is {positions}: the position table holds no place for {seq_len} tokens")
+    H = f.int("n_embd", minimum=1)
+    for key, value in (
+        ("scale_attn_by_inverse_layer_idx", False),
+        ("reorder_and_upcast_attn", False),
+        ("add_cross_attention", False),
+        ("scale_attn_weights", True),
+    ):
+        if f.get(key, value) != value:
+            raise unsupported(f, key, f.get(key), f"GPT-2's attention here has {key} = {str(value).lower()}")
+    inner = f.get("n_inner", None)
+    inner = 4 * H if inner is None else f.int("n_inner", minimum=1)
+    if inner % H:
+        raise unsupported(f, "n_inner", inner, f"the MLP's width must be a multiple of n_embd ({H})")
+    return {
+        "layers": f.int("n_layer", minimum=1),
+        "hidden": H,
+        "heads": f.int("n_head", minimum=1),
+        "vocab": f.int("vocab_size", minimum=2),
+        "seq_len": positions if seq_len is None else seq_len,
+        "mlp_ratio": inner // H,
+    }
 
 
 def gpt2_config(cfg: ModelConfig, *, activation: str, tied: bool) -> Any:

@@ -10,8 +10,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from terapipe_cli.arch.base import HFKey, Split, boolean, unsupported
-from terapipe_cli.arch.gpt import BACKWARD_KERNELS, FORWARD_KERNELS, GPT2_BIASES, GPT2_KEYS, GptArch, gpt2_config
+from terapipe_cli.arch.base import Arch, HFKey, Split, boolean, unsupported
+from terapipe_cli.arch.gpt import (
+    BACKWARD_KERNELS,
+    FORWARD_KERNELS,
+    GPT2_BIASES,
+    GPT2_KEYS,
+    GptArch,
+    gpt2_config,
+    gpt2_fields,
+)
 from terapipe_cli.files import Fields
 
 if TYPE_CHECKING:
@@ -79,41 +87,33 @@ class Gpt2Arch(GptArch):
         ]
         return forward, backward
 
+    def shapes(self, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+        H, F = cfg.hidden, cfg.ffn_hidden
+        biases = {"attn.qkv.bias": (3 * H,), "attn.proj.bias": (H,), "mlp.fc.bias": (F,), "mlp.proj.bias": (H,)}
+        return {**super().shapes(cfg), **biases}
+
     def hf_zero_tensors(self, cfg: ModelConfig) -> dict[str, int]:
         return {}
 
     def hf_config(self, cfg: ModelConfig) -> Any:
         return gpt2_config(cfg, activation="gelu_new", tied=cfg.tie_embeddings)
 
+    def reads_transformers_as(self, f: Fields) -> Arch:
+        """``gpt`` for the erf GELU (``activation_function = "gelu"``: how ``gpt`` exports), else GPT-2 itself."""
+        if f.get("activation_function", "gelu_new") == "gelu":
+            from terapipe_cli.arch import arch_spec
+
+            return arch_spec("gpt")
+        return self
+
     def from_transformers(self, f: Fields, seq_len: int | None) -> dict:
         """A ``GPT2LMHeadModel``'s config: refused where it computes what this layer does not. Its position table
         has n_positions rows: sequences no longer than that."""
-        positions = f.int("n_positions", minimum=1)
-        if seq_len is not None and seq_len > positions:
-            raise f.fail("n_positions", f"is {positions}: the position table holds no place for {seq_len} tokens")
-        H = f.int("n_embd", minimum=1)
         activation = f.get("activation_function", "gelu_new")
         if activation not in TANH_GELU:
             raise unsupported(f, "activation_function", activation, "GPT-2's layer here is the tanh GELU (gelu_new)")
-        for key, value in (
-            ("scale_attn_by_inverse_layer_idx", False),
-            ("reorder_and_upcast_attn", False),
-            ("add_cross_attention", False),
-            ("scale_attn_weights", True),
-        ):
-            if f.get(key, value) != value:
-                raise unsupported(f, key, f.get(key), f"GPT-2's attention here has {key} = {str(value).lower()}")
-        inner = f.get("n_inner", None)
-        inner = 4 * H if inner is None else f.int("n_inner", minimum=1)
-        if inner % H:
-            raise unsupported(f, "n_inner", inner, f"the MLP's width must be a multiple of n_embd ({H})")
         return {
-            "layers": f.int("n_layer", minimum=1),
-            "hidden": H,
-            "heads": f.int("n_head", minimum=1),
-            "vocab": f.int("vocab_size", minimum=2),
-            "seq_len": positions if seq_len is None else seq_len,
-            "mlp_ratio": inner // H,
+            **gpt2_fields(f, seq_len),
             "norm_eps": f.number("layer_norm_epsilon", positive=True, default=1e-5),
             "tie_embeddings": boolean(f, "tie_word_embeddings", True),
         }

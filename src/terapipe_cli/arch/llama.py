@@ -208,6 +208,23 @@ class LlamaArch(Arch):
         rope = 2 * d * (2 * e if low else 4)
         return norms + rope + (3 * H + 2 * cfg.kv_width + 4 * cfg.ffn_hidden) / t * e
 
+    def shapes(self, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+        H, F, V, kv = cfg.hidden, cfg.ffn_hidden, cfg.vocab, cfg.kv_width
+        return {
+            "wte.weight": (V, H),
+            "attn_norm.weight": (H,),
+            "attn.q_proj.weight": (H, H),
+            "attn.k_proj.weight": (kv, H),
+            "attn.v_proj.weight": (kv, H),
+            "attn.o_proj.weight": (H, H),
+            "mlp_norm.weight": (H,),
+            "mlp.gate_proj.weight": (F, H),
+            "mlp.up_proj.weight": (F, H),
+            "mlp.down_proj.weight": (H, F),
+            "norm.weight": (H,),
+            "lm_head.weight": (V, H),
+        }
+
     def hf_config(self, cfg: ModelConfig) -> Any:
         from terapipe_cli.extras import require
 

@@ -65,7 +65,7 @@ def export(
         hf.require_hf()
         hf.check_output_folder(out)
         model, done, state = exporting.export_state(run, step)
-        hf.write_hf(out, model, state, step=done, run=run)
+        hf.write_hf(out, model, state, step=done, run=run, tokenizer=hf.run_tokenizer_of(run))
     else:
         out = out or Path("model.pt")
         check_output_file(out, kind="model export", schema=None, force=force, example="model.pt")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
@@ -16,7 +17,8 @@ from terapipe_cli.errors import UserError
 from terapipe_cli.files import check_output_file, write_text_atomic
 from terapipe_cli.plan.choice import SCHEMES, Planned
 from terapipe_cli.plan.configs import plan_configured
-from terapipe_cli.plan.costmodel import profile_from_dict, read_profile
+from terapipe_cli.plan.costmodel import Profile, profile_from_dict, read_profile
+from terapipe_cli.plan.documents import AttendedContext
 from terapipe_cli.plan.domain import domain_of, provenance
 from terapipe_cli.plan.file import PLAN_SCHEMA, write_plan
 from terapipe_cli.plan.fit_quality import fit_warnings
@@ -128,8 +130,10 @@ def plan(
         typer.Option(
             "--order",
             help="Schedule order: gpipe (every forward, then every backward), 1f1b (a batch slice's backward as "
-            "soon as the pipeline allows: fewer batch slices' activations alive at once) or auto (gpipe unless the "
-            "memory limit needs 1f1b or the simulator finds it faster).",
+            "soon as the pipeline allows: fewer batch slices' activations alive at once), zb1p (ZB-H1: 1F1B with each "
+            "backward split into I and W, the W's filling the bubble), zbv (ZB-V: two chunks per device in a V, the "
+            "backward split) or auto (gpipe or 1f1b: gpipe unless the memory limit needs 1f1b or the simulator finds "
+            "it faster; the zero-bubble orders only when asked).",
         ),
     ] = "auto",
     virtual_stages: Annotated[
@@ -151,23 +155,26 @@ def plan(
         ),
     ] = None,
     partition: Annotated[
-        str,
+        str | None,
         typer.Option(
             "--partition",
             help="How the layers are cut when --layers-per-stage is not given: auto (the split the objective "
             "prices fastest, the embedding and the LM head counted) or balanced (the most even by layers alone).",
-        ),
-    ] = "auto",
-    recompute: Annotated[
-        bool | None,
-        typer.Option(
-            "--recompute/--no-recompute",
-            help="Every stage (--recompute) or none (--no-recompute) keeps only each tile's input and runs its "
-            "forward again in the backward: priced as one more forward per tile, in the memory estimate as the "
-            "activations not kept.",
-            show_default="off, or what fits the memory limit",
+            show_default="auto",
         ),
     ] = None,
+    recompute: Annotated[
+        bool,
+        typer.Option(
+            "--recompute",
+            help="Every stage keeps only each tile's input and runs its forward again in the backward: priced as one "
+            "more forward per tile, in the memory estimate as the activations not kept.",
+            show_default="off, or what fits the memory limit",
+        ),
+    ] = False,
+    no_recompute: Annotated[
+        bool, typer.Option("--no-recompute", help="No stage recomputes, whatever the memory limit.")
+    ] = False,
     rank: Annotated[
         str,
         typer.Option(
@@ -210,10 +217,24 @@ def plan(
             "baseline's, and every stage's estimated peak memory against the limit (PNG beside --out).",
         ),
     ] = False,
+    data: Annotated[
+        Path | None,
+        typer.Option(
+            "--data",
+            help="A Megatron corpus (PREFIX of .bin + .idx) the run trains on with its documents masked: each tile's "
+            "attention is priced by the context it is expected to attend, from the corpus's document lengths, "
+            "instead of the whole prefix.",
+            show_default="the whole prefix (full causal attention)",
+        ),
+    ] = None,
     out: Annotated[Path, typer.Option("--out", "-o", help="Where to write the plan JSON.")] = Path("plan.json"),
     force: Annotated[bool, typer.Option("--force", help="Overwrite --out even if it is not a plan.")] = False,
+    quiet: Annotated[
+        bool, typer.Option("--quiet", "-q", help="No progress line on stderr while the plan is searched.")
+    ] = False,
 ) -> None:
     console = make_console()
+    _refuse_contradictions(recompute, no_recompute, layers_per_stage, partition)
     if scheme not in SCHEMES:
         raise UserError(f"must be one of {', '.join(SCHEMES)}, got {scheme!r}", where="--scheme")
     check_output_file(out, kind="plan", schema=PLAN_SCHEMA, force=force, example="plan.json")
@@ -231,20 +252,25 @@ def plan(
     counts = None if layers_per_stage is None else parse_layers(layers_per_stage)
     request = setting.request(
         seq_len=seq_len, epsilon=epsilon, method=method, memory_limit_gib=memory_limit, order=order,
-        recompute=recompute, rank=rank, virtual=virtual_stages, layers_per_stage=counts, partition=partition,
+        recompute=True if recompute else False if no_recompute else None, rank=rank, virtual=virtual_stages,
+        layers_per_stage=counts, partition=partition or "auto",
     )  # fmt: skip
+    if data is not None:
+        setting = replace(setting, profile=documents_priced(setting.profile, data, request.seq_len))
     prof, r = setting.profile, request
     check_work(prof, r, available_memory_bytes())
-    with console.status(
-        f"Planning {prof.model.name}: L={r.seq_len}, B={r.batch_size}, K={r.stages}, token step {r.token_step} …"
-    ):
-        configured = plan_configured(prof, request)
+    head = f"Planning {prof.model.name}: L={r.seq_len}, B={r.batch_size}, K={r.stages}, token step {r.token_step}"
+    with _progress_line(head, quiet) as progress:
+        configured = plan_configured(prof, request, progress)
         planned = replace(configured.planned, scheme=scheme)
     schedule = planned.schedule()
     if picture is not None:
         with console.status("Drawing the plan's simulated timeline and memory …"):
             write_plan_picture(planned, picture)
-    write_plan(out, planned.to_plan_dict(setting.profile_path, setting.experiment))
+    plan_obj = planned.to_plan_dict(setting.profile_path, setting.experiment)
+    attended = planned.profile.attended
+    plan_obj["attention"] = {"context": "prefix"} if attended is None else attended.record()
+    write_plan(out, plan_obj)
     if schedule_out is not None:
         write_text_atomic(schedule_out, schedule.to_csv())
 
@@ -257,6 +283,29 @@ def plan(
     written = [p for p in (out, schedule_out, picture) if p is not None]
     what = "" if scheme == "terapipe" else f" ({_NAMES[scheme]} {planned.chosen.short_form(fold=True)})"
     console.print("wrote " + " and ".join(f"[bold]{p}[/bold]" for p in written) + what, highlight=False)
+
+
+@contextmanager
+def _progress_line(head: str, quiet: bool):
+    """A line on stderr that moves while the plan is searched — what is searched, what is left, the best so far —
+    (rich: drawn on a terminal only); nothing with --quiet. Yields the callback `plan_configured` tells."""
+    if quiet:
+        yield None
+        return
+    with make_console(stderr=True).status(head + " …") as status:
+        yield lambda text: status.update(f"{head} — {text}")
+
+
+def _refuse_contradictions(recompute: bool, no_recompute: bool, layers: str | None, partition: str | None) -> None:
+    """Options that say opposite things, refused in one line rather than the last one silently winning."""
+    if recompute and no_recompute:
+        raise UserError("and --no-recompute contradict each other: give one of them, or neither", where="--recompute")
+    if layers is not None and partition is not None:
+        raise UserError(
+            f"--partition {partition} and --layers-per-stage contradict each other: the layers are given; leave out "
+            "--partition",
+            where="--layers-per-stage",
+        )
 
 
 def _print_lines(console, planned: Planned, setting: PlanSetting, out: Path) -> None:
@@ -281,8 +330,16 @@ def _print_lines(console, planned: Planned, setting: PlanSetting, out: Path) -> 
         script = f"terapipe launch-script {out} --nodes {nodes} --gpus-per-node {per_node}"
         line += f"; on {nodes} nodes of {per_node} GPUs: `{script}`"
     console.print(line, highlight=False)
+    if prof.attended is not None:
+        a = prof.attended
+        console.print(
+            f"attention: priced by the context each tile attends over {a.documents:,} documents of {a.source} "
+            f"(mean {a.mean_tokens:,.0f} tokens; block-causal, --document-mask), not the whole prefix",
+            highlight=False,
+        )
     warnings = [planned.allreduce_warning(), *fit_warnings(prof)]
-    for line in (planned.rank_line(), planned.memory_choice()):
+    console.print(f"predicted: {planned.utilisation().text()}", highlight=False)
+    for line in (planned.rank_line(), planned.disagreement_line(), planned.memory_choice()):
         if line is not None:
             console.print(line)
     memory = planned.scheme_memory.get(planned.scheme)
@@ -324,27 +381,31 @@ def _table(planned: Planned) -> Table:
     table = Table(title=title)
     table.add_column("scheme")
     table.add_column("slicing (short form)", overflow="fold", max_width=70)
-    for column in ("predicted iteration", "simulated", "speed-up vs GPipe", "tiles", "largest tile", "peak memory"):
+    columns = ("simulated step", "speed-up vs GPipe", "formula", "(speed-up)", "tiles", "largest tile", "MFU")
+    for column in (*columns, "peak memory"):
         table.add_column(column, justify="right")
-    for key, res in planned.schemes():
+    for key, res in planned.ranked():  # one judge: the simulated step ranks the rows and gives the speed-up
         table.add_row(
             _NAMES[key] + (" *" if key == planned.scheme and key != "terapipe" else ""),
             res.short_form(fold=True),
-            format_seconds(res.predicted_s),
             format_seconds(planned.simulated_s[key]),
-            f"{planned.speedup_vs_gpipe(res):.2f}×",
+            f"{planned.speedup_vs_gpipe(key):.2f}×",
+            format_seconds(res.predicted_s),
+            f"({planned.formula_speedup_vs_gpipe(key):.2f}×)",
             str(res.tiles),
             format_seconds(res.t_max_s),
+            planned.utilisation(key).mfu_text(),
             _memory_cell(planned.scheme_memory.get(key)),
         )
+    table.caption = "ranked by the simulated step (docs/design.md §11); formula: the objective of §4"
     memory = planned.scheme_memory.get("terapipe")
     if memory is not None and memory.limit_bytes:
-        table.caption = (
-            f"peak memory: the fullest stage's estimate; (!) more than the {format_bytes(memory.limit_bytes)} "
+        table.caption += (
+            f"\npeak memory: the fullest stage's estimate; (!) more than the {format_bytes(memory.limit_bytes)} "
         )
         table.caption += f"{memory.limit_source}" + (" (all workers of the machine together)" if memory.copies else "")
     if planned.scheme != "terapipe":
-        table.caption = (table.caption + "\n" if table.caption else "") + "*: the scheme the plan file runs (--scheme)"
+        table.caption += "\n*: the scheme the plan file runs (--scheme)"
     return table
 
 
@@ -393,6 +454,21 @@ def setting_from_options(
         )
         prof = profile_from_dict(obj, f"the analytic profile of {exp.path}")
     return _within_reach(experiment_setting(exp, shape, prof, profile))
+
+
+def documents_priced(profile: Profile, corpus: Path, seq_len: int) -> Profile:
+    """``profile`` pricing attention by the context a tile attends over ``corpus``'s packed documents
+    (`plan.documents`); one line when the corpus records no documents."""
+    from terapipe_cli.corpus.formats import open_token_file
+
+    opened = open_token_file(corpus)
+    if opened.documents is None:
+        raise UserError(
+            f"{corpus} records no documents ({opened.format_name}); a Megatron corpus (`terapipe data tokenize`) does",
+            where="--data",
+        )
+    attended = AttendedContext.of_lengths(opened.documents.lengths(), seq_len, source=str(corpus))
+    return replace(profile, attended=attended)
 
 
 def _within_reach(setting: PlanSetting) -> PlanSetting:

@@ -232,6 +232,7 @@ def model_from_transformers(path: str | Path, *, seq_len: int | None = None, nam
         readable = [c for s in ARCHS.values() for c in s.transformers_classes]
         message = f"names {classes[0]}, not an architecture terapipe computes ({', '.join(readable)})"
         raise f.fail("architectures", message)
+    spec = spec.reads_transformers_as(f)
     fields = spec.from_transformers(f, seq_len)
     cfg = ModelConfig(name=name or config.resolve().parent.name, arch=spec.name, **fields)
     cfg.check(f)

@@ -66,6 +66,10 @@ MIN_LR_FRACTION = 0.1  # the default floor of the cosine decay: this share of th
 DEFAULT_GRACE_S = 60.0
 DEFAULT_KEEP_CHECKPOINTS = 2
 
+# How a step's windows are drawn (`engine.data.window_offsets`): random offsets, or shuffled non-overlapping
+# windows epoch by epoch (Megatron-LM's); a new run on token ids takes epochs, on text (bytes) random windows.
+SAMPLINGS = ("random", "epoch")
+
 # Where each step's metrics go (`--log`, train/metrics.py): metrics.jsonl always, the others when asked.
 LOGS = ("jsonl", "csv", "tensorboard")
 
@@ -100,11 +104,11 @@ class RunConfig:
         panel=RUN,
         resume="change",
     )
-    data: str | None = setting(
+    data: list[str] | None = setting(
         "Text file (read as bytes) or token ids: a Megatron corpus (PREFIX of .bin + .idx), an llm.c .bin, a .npy, "
-        "or a headerless .bin with --token-dtype.",
+        "or a headerless .bin with --token-dtype. Repeat it with weights for a mixture: --data 0.7:web --data "
+        "0.3:code (weights normalised).",
         shown="the embedded text",
-        path=True,
         panel=RUN,
         resume="keep",
     )
@@ -142,6 +146,20 @@ class RunConfig:
         "The data's last part held out for the validation loss; 0 trains on all of it.",
         minimum=0,
         fallback=DEFAULT_VAL_FRACTION,
+        panel=RUN,
+        resume="keep",
+    )
+    val_data: str | None = setting(
+        "A file of its own (any --data format) for the validation loss, instead of --val-fraction's held-out part.",
+        path=True,
+        panel=RUN,
+        resume="keep",
+    )
+    sampling: str | None = setting(
+        "How each step's windows are drawn: random (random offsets) or epoch (shuffled, non-overlapping windows, "
+        "each once per epoch, as Megatron-LM's dataset).",
+        choices=SAMPLINGS,
+        shown="epoch for token ids, random for text",
         panel=RUN,
         resume="keep",
     )
@@ -275,6 +293,7 @@ class RunConfig:
         """The settings that train a run with resolved ``args`` again (a run from before the lr schedule existed:
         its constant lr written out), with ``changes`` over them."""
         values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        values["data"] = list(args.data_mix) if args.data_mix else None if args.data is None else [args.data]
         schedule = LRSchedule.of_run(args)
         values.update(min_lr=schedule.min_lr, decay_steps=schedule.total_steps, schedule=None)
         return cls(**{**values, **changes})
@@ -305,9 +324,12 @@ def flag(name: str) -> str:
 
 
 def as_option(name: str, value) -> str:
-    """A `RunConfig` setting as a command line gives it: ``--lr 0.001``; a switch ``--verify`` or ``--no-verify``."""
+    """A `RunConfig` setting as a command line gives it: ``--lr 0.001``; a switch ``--verify`` or ``--no-verify``; a
+    list the option repeated (``--data 0.7:web --data 0.3:code``)."""
     if isinstance(value, bool):
         return flag(name) if value else f"--no-{flag(name)[2:]}"
+    if isinstance(value, list):
+        return " ".join(f"{flag(name)} {v}" for v in value)
     return f"{flag(name)} {value}"
 
 
@@ -321,8 +343,35 @@ def load_run_config(path: str | Path) -> RunConfig:
     extra = sorted(set(data) - {TABLE})
     if extra:
         raise UserError(f"unknown table [{extra[0]}] (only [{TABLE}] is read)", where=str(path))
+    if isinstance(table.get("data"), str):  # one source, as a run.toml from before mixtures wrote it
+        table = {**table, "data": [table["data"]]}
     values = read_fields(RunConfig, table, str(path), prefix=f"{TABLE}.", what="run setting", base=path.parent)
+    if values.get("data") is not None:  # relative to this file, each source's path
+        values["data"] = [_relative_source(entry, path.parent) for entry in values["data"]]
     return RunConfig(**values)
+
+
+def data_sources(given: str | Path | list[str] | None) -> list[tuple[float | None, str]]:
+    """``--data`` as given (one path, or entries of a mixture): (its weight or None, its path) per source. An entry
+    ``W:PATH`` has the weight W when W reads as a number; otherwise the whole entry is the path."""
+    if given is None:
+        return []
+    out = []
+    for entry in [given] if isinstance(given, (str, Path)) else given:
+        head, sep, tail = str(entry).partition(":")
+        try:
+            weight = float(head) if sep else None
+        except ValueError:
+            weight = None
+        out.append((weight, tail) if weight is not None else (None, str(entry)))
+    return out
+
+
+def _relative_source(entry: str, base: Path) -> str:
+    ((weight, path),) = data_sources([entry])
+    p = Path(path).expanduser()
+    p = p if p.is_absolute() else base / p
+    return str(p) if weight is None else f"{weight!r}:{p}"
 
 
 @dataclass(frozen=True)
@@ -332,7 +381,7 @@ class RunArguments:
     defaults are what a run from before each field existed did."""
 
     steps: int = setting("Training steps.", REQUIRED, minimum=1)
-    data: str | None = setting("The data file (None: the embedded text).", REQUIRED)
+    data: str | None = setting("The data file (None: the embedded text); a mixture's first source.", REQUIRED)
     seed: int = setting("Seed of the weights and of the batches.", REQUIRED)
     lr: float = setting("Peak learning rate.", REQUIRED, positive=True)
     data_parallel: int = setting("Data-parallel replicas D.", REQUIRED, minimum=1)
@@ -364,6 +413,9 @@ class RunArguments:
     init_step: int | None = setting("The checkpoint of init_from read, when it is a run folder.", minimum=1)
     document_mask: bool = setting("Block-causal attention within packed documents (`data.step_documents`).", False)
     eos_id: int | None = setting("The id ending each document of a file that records none (document_mask).", minimum=0)
+    val_data: str | None = setting("The validation loss's own file (None: the data's held-out part).")
+    sampling: str = setting("How each step's windows are drawn (`SAMPLINGS`).", "random", choices=SAMPLINGS)
+    data_mix: list[str] | None = setting("A mixture's sources, WEIGHT:PATH each, weights normalised (None: one).")
 
     @classmethod
     def from_dict(cls, obj: dict, where: str) -> RunArguments:

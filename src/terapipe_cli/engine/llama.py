@@ -44,7 +44,7 @@ from torch import nn
 
 from terapipe_cli.arch import RopeScaling
 from terapipe_cli.config.model import ModelConfig
-from terapipe_cli.engine.attention import KVCache, attend
+from terapipe_cli.engine.attention import DocumentMask, KVCache, attend
 from terapipe_cli.engine.init import EMBED_SEED, HEAD_SEED, LAYER_SEED, normal_, seeded
 from terapipe_cli.engine.model import GPT
 
@@ -54,10 +54,20 @@ def rope_angles(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin (i, head_dim) of positions start … start + i − 1, in fp32 (``transformers``' Llama: frequency
     θ^(−2k/d) for the pair (k, k + d/2), rescaled by ``scaling`` when given, the angle position · frequency)."""
+    positions = torch.arange(start, start + i, device=device, dtype=torch.int64)
+    return rope_angles_at(positions, head_dim, theta, scaling)
+
+
+def rope_angles_at(
+    positions: torch.Tensor, head_dim: int, theta: float, scaling: RopeScaling | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (..., head_dim) of the int64 ``positions`` (...), as `rope_angles`: any positions, such as each
+    token's place in its own document."""
+    device = positions.device
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.int64).float() / head_dim)
     if scaling is not None:
         inv_freq = scaled_frequencies(inv_freq, scaling)
-    angles = torch.arange(start, start + i, device=device, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
+    angles = positions.float()[..., None] * inv_freq
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos(), angles.sin()
 
@@ -101,17 +111,23 @@ class LlamaAttention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden, cfg.kv_heads * d, bias=False)
         self.o_proj = nn.Linear(cfg.heads * d, cfg.hidden, bias=False)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None, start: int = 0) -> torch.Tensor:
-        """x: (b, i, H), the tokens [start, start + i); ``cache`` as in `model.CausalSelfAttention`."""
+    def forward(
+        self, x: torch.Tensor, cache: KVCache | None = None, start: int = 0, docs: DocumentMask | None = None
+    ) -> torch.Tensor:
+        """x: (b, i, H), the tokens [start, start + i); ``cache`` and ``docs`` as in `model.CausalSelfAttention`."""
         b, i, _ = x.shape
         q = self.q_proj(x).view(b, i, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, i, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, i, self.kv_heads, self.head_dim).transpose(1, 2)
         # The slice's absolute positions: the keys it writes into the cache carry the rotation of their own place.
         position = 0 if self.rope_local else start
-        cos, sin = rope_angles(position, i, self.head_dim, self.theta, x.device, self.rope_scaling)
+        if docs is None:
+            cos, sin = rope_angles(position, i, self.head_dim, self.theta, x.device, self.rope_scaling)
+        else:  # packed documents: each token at its place in its own document, (b, 1, i, d) over the heads
+            angles = rope_angles_at(docs.positions, self.head_dim, self.theta, self.rope_scaling)
+            cos, sin = (t[:, None] for t in angles)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        y = attend(q, k, v, cache, start, gqa=self.kv_heads != self.heads)
+        y = attend(q, k, v, cache, start, gqa=self.kv_heads != self.heads, docs=docs)
         return self.o_proj(y.transpose(1, 2).reshape(b, i, self.heads * self.head_dim))
 
     def split_heads(self, tensor_parallel: int) -> None:
@@ -142,8 +158,10 @@ class LlamaBlock(nn.Module):
         self.mlp_norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
         self.mlp = SwiGLU(cfg)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None, start: int = 0) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cache, start)
+    def forward(
+        self, x: torch.Tensor, cache: KVCache | None = None, start: int = 0, docs: DocumentMask | None = None
+    ) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cache, start, docs)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -178,7 +196,7 @@ class Llama(GPT):
             elif not self.first:  # the tied matrix's copy on the last stage (`GPT.tied_copy`)
                 normal_(self.lm_head.weight, seeded(seed, EMBED_SEED))
 
-    def embed(self, tokens: torch.Tensor, token_start: int = 0) -> torch.Tensor:
+    def embed(self, tokens: torch.Tensor, token_start: int = 0, docs: DocumentMask | None = None) -> torch.Tensor:
         """Token embedding only: positions enter as rotations inside attention."""
         return self.wte(tokens)
 

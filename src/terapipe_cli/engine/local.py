@@ -351,10 +351,12 @@ def train_in_process(
     timeout_s: float = 120.0,
     rules: str = "gloo",
     group_of: Callable[[str], str] | None = None,
+    start: Callable[[Trainer], None] | None = None,
 ) -> LocalRun:
     """Train ``plan`` for ``args.steps`` steps with every rank of its D × K × T layout a thread of this process:
     the workers' own `Trainer` (and so the executor, the collectives, the update) over `LocalWorld` (``rules`` and
-    ``group_of``: how its messages pair, `LocalWorld`)."""
+    ``group_of``: how its messages pair, `LocalWorld`). ``start``: called with each rank's trainer before its first
+    step, as a worker starts its weights (`train.worker.start_weights`: ``--init-from``'s)."""
     layout = Layout(args.data_parallel, plan.stages, args.tensor_parallel)
     extra = {"group_of": group_of} if group_of is not None else {}
     world = LocalWorld(layout.world, timeout_s=timeout_s, rules=rules, **extra)
@@ -365,6 +367,8 @@ def train_in_process(
             plan, schedule, args, layout=layout, rank=rank, device=torch.device(device), comms=comms, data=data,
             held_out=held_out,
         )  # fmt: skip
+        if start is not None:
+            start(trainer)
         out = LocalRun()
         for step in range(1, args.steps + 1):
             result = trainer.step(step)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from terapipe_cli.config.model import ModelConfig
-from terapipe_cli.engine.attention import KVCache, attend
+from terapipe_cli.engine.attention import DocumentMask, KVCache, attend
 from terapipe_cli.engine.init import EMBED_SEED, HEAD_SEED, LAYER_SEED, normal_, seeded
 from terapipe_cli.plan.partition import Partition
 
@@ -36,13 +36,16 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden, bias=bias)
         self.proj = nn.Linear(cfg.hidden, cfg.hidden, bias=bias)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None, start: int = 0) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cache: KVCache | None = None, start: int = 0, docs: DocumentMask | None = None
+    ) -> torch.Tensor:
         """x: (b, i, H), the tokens [start, start + i) of a slice; ``cache`` holds the keys/values of the same
-        sequences' earlier tokens [0, start) and receives this slice's (None: the whole sequence, no cache)."""
+        sequences' earlier tokens [0, start) and receives this slice's (None: the whole sequence, no cache);
+        ``docs``: packed documents, attended block-causally (`attention.DocumentMask`)."""
         b, i, _ = x.shape
         q, k, v = self.qkv(x).split(self.hidden, dim=2)
         q, k, v = (t.view(b, i, self.heads, -1).transpose(1, 2) for t in (q, k, v))
-        y = attend(q, k, v, cache, start)
+        y = attend(q, k, v, cache, start, docs=docs)
         y = y.transpose(1, 2).reshape(b, i, self.hidden)
         return self.proj(y)
 
@@ -73,8 +76,10 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps)
         self.mlp = MLP(cfg, bias, gelu)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None, start: int = 0) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), cache, start)
+    def forward(
+        self, x: torch.Tensor, cache: KVCache | None = None, start: int = 0, docs: DocumentMask | None = None
+    ) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache, start, docs)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -176,27 +181,34 @@ class GPT(nn.Module):
         """The last chunk's final norm and LM head: the logits."""
         return self.lm_head(self.ln_f(h))
 
-    def embed(self, tokens: torch.Tensor, token_start: int = 0) -> torch.Tensor:
-        """Token + position embedding; a slice's positions are absolute (token_start + arange(i))."""
+    def embed(self, tokens: torch.Tensor, token_start: int = 0, docs: DocumentMask | None = None) -> torch.Tensor:
+        """Token + position embedding; a slice's positions are absolute (token_start + arange(i)), or with packed
+        documents each token's place in its own document."""
         pos = torch.arange(token_start, token_start + tokens.shape[1], device=tokens.device)
-        return self.wte(tokens) + self.wpe(pos)
+        return self.wte(tokens) + self.wpe(pos if docs is None else docs.positions)
 
     def forward(
-        self, x: torch.Tensor, token_start: int = 0, caches: list[KVCache] | None = None, chunk: int | None = None
+        self,
+        x: torch.Tensor,
+        token_start: int = 0,
+        caches: list[KVCache] | None = None,
+        chunk: int | None = None,
+        docs: DocumentMask | None = None,
     ) -> torch.Tensor:
         """Run this stage's part (or chunk ``chunk`` of it) on one slice: tokens [token_start, token_start + i).
 
         x: (b, i) token ids on chunk 0, else the (b, i, H) activation from the previous chunk.
         caches: one `KVCache` per layer of the chunk, holding the earlier slices' keys/values of the same
-        sequences (None: x is the whole sequence). Returns (b, i, H), or the logits (b, i, vocab) on the last chunk.
+        sequences (None: x is the whole sequence). docs: packed documents (`attention.DocumentMask`; None: one
+        sequence, causal). Returns (b, i, H), or the logits (b, i, vocab) on the last chunk.
         """
         chunk = self.chunks[0] if chunk is None else chunk
         if len(self.chunks) > 1 and chunk not in self.chunk_layers:
             raise ValueError(f"chunk {chunk} is not one of this module's {self.chunks}")
         layers = self.layer_ids if len(self.chunks) == 1 else self.chunk_layers[chunk]
-        h = self.embed(x, token_start) if chunk == 0 else x
+        h = self.embed(x, token_start, docs) if chunk == 0 else x
         for idx, n in enumerate(layers):
-            h = self.blocks[str(n)](h, caches[idx] if caches is not None else None, token_start)
+            h = self.blocks[str(n)](h, caches[idx] if caches is not None else None, token_start, docs)
         if chunk == self.stages - 1:
             h = self.head(h)
         return h

@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 import torch
 
 from terapipe_cli.config.model import ModelConfig
-from terapipe_cli.engine.attention import KVCache
+from terapipe_cli.engine import split_backward
+from terapipe_cli.engine.attention import DocumentMask, KVCache
 from terapipe_cli.engine.model import build_model
 from terapipe_cli.engine.tensor import TensorGroup, head_loss_sum, shard_module
 from terapipe_cli.plan.partition import Partition
@@ -46,6 +47,7 @@ class _TileState:
     out: torch.Tensor | None  # the output activation, or the summed token loss on the last stage (None: recompute)
     start: int = 0  # the tile's first token
     targets: torch.Tensor | None = None  # the last stage's targets, kept for the re-run of a recomputed tile
+    docs: DocumentMask | None = None  # packed documents: the tile's block-causal mask, kept for the re-run
 
 
 class SavedBytes:
@@ -118,7 +120,8 @@ class _BatchSlice:
 
     caches: list[KVCache]  # one per layer of the stage
     next_token: int = 0  # tokens already run: the next tile's start
-    open_tiles: list[int] = field(default_factory=list)  # token slices run forward and not yet backward
+    open_tiles: list[int] = field(default_factory=list)  # token slices run forward and not yet backward (B or I)
+    weights_due: int = 0  # tiles whose I ran and whose W has not
 
 
 class StageRunner:
@@ -165,6 +168,7 @@ class StageRunner:
         self.loss_scale = 1.0
         self._tiles: dict[tuple[int, int, int], _TileState] = {}  # (chunk, batch slice, token slice)
         self._slices: dict[tuple[int, int], _BatchSlice] = {}  # (chunk, batch slice)
+        self._weights: dict[tuple[int, int, int], tuple] = {}  # tiles between their I and their W
         self.saved = SavedBytes(self.module)
 
     def _chunk(self, chunk: int | None) -> int:
@@ -207,13 +211,15 @@ class StageRunner:
         *,
         grad: bool = True,
         chunk: int | None = None,
+        doc_starts: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run one tile forward; tiles of a batch slice must come in token order (per chunk).
 
         x: (b, i) int64 token ids on chunk 0, else the (b, i, H) activation from the previous chunk.
         Returns the detached (b, i, H) output to send on, or on the last chunk the tile's summed token
         loss (0-d, detached; needs ``targets`` (b, i)). ``grad=False``: an evaluation, no graph kept (no
-        backward follows; `reset` afterwards).
+        backward follows; `reset` afterwards). ``doc_starts`` (b, i), on the CPU: packed documents, where each
+        token's document begins in its sequence (`attention.DocumentMask`; None: causal over the whole sequence).
         """
         c = self._chunk(chunk)
         key = (c, batch_slice, token_slice)
@@ -232,15 +238,16 @@ class StageRunner:
             if targets is None:
                 raise ValueError("the last stage needs targets")
             targets = targets.to(self.device, non_blocking=True)
+        docs = None if doc_starts is None else DocumentMask.of(doc_starts, state.next_token, self.device)
         if grad and not self.recompute[c]:
             with torch.enable_grad(), self.autocast(), self.saved.saving(key):
-                out = self._forward(c, x, state.next_token, state.caches, targets)
+                out = self._forward(c, x, state.next_token, state.caches, targets, docs)
             self._tiles[key] = _TileState(x, out)
             self.saved.keep(key, out)
         else:  # an evaluation, or a recomputed tile: only the input is kept, the backward runs the forward again
             with torch.no_grad(), self.autocast():
-                out = self._forward(c, x, state.next_token, state.caches, targets)
-            self._tiles[key] = _TileState(x, None, state.next_token, targets)
+                out = self._forward(c, x, state.next_token, state.caches, targets, docs)
+            self._tiles[key] = _TileState(x, None, state.next_token, targets, docs)
         if grad:  # an evaluation keeps nothing for a backward
             self.saved.keep(key, x)
             for cache in state.caches if token_slice == 0 else ():
@@ -251,22 +258,73 @@ class StageRunner:
         return out.detach()
 
     def _forward(
-        self, chunk: int, x: torch.Tensor, start: int, caches: list[KVCache], targets: torch.Tensor | None
+        self,
+        chunk: int,
+        x: torch.Tensor,
+        start: int,
+        caches: list[KVCache],
+        targets: torch.Tensor | None,
+        docs: DocumentMask | None = None,
     ) -> torch.Tensor:
         """The chunk's layers on one tile, and on the last chunk its summed token loss."""
-        out = self.module(x, start, caches, chunk)
+        out = self.module(x, start, caches, chunk, docs)
         return head_loss_sum(self.module, out, targets) if chunk == self.last_chunk else out
 
     def backward_tile(
         self, batch_slice: int, token_slice: int, grad_out: torch.Tensor | None, *, chunk: int | None = None
     ) -> torch.Tensor | None:
-        """Back-propagate one tile, once; tiles of a batch slice must come in reverse token order (per chunk).
+        """Back-propagate one tile, once (B: its I and W at once); tiles of a batch slice must come in reverse token
+        order (per chunk).
 
         grad_out: gradient of this tile's output from the next chunk (None on the last chunk, where the
         tile's loss is scaled by the loss scale). Parameter gradients accumulate in ``.grad``. Returns the
         gradient for the previous chunk (None on chunk 0).
         """
         c = self._chunk(chunk)
+        key, state, tile, out = self._backward_begin(c, batch_slice, token_slice)
+        if c == self.last_chunk:
+            torch.autograd.backward(out * self.loss_scale)
+        else:
+            torch.autograd.backward(out, self._grad_in(grad_out))
+        self._backward_end(key, state)
+        return None if c == 0 else tile.x.grad
+
+    def backward_input(
+        self, batch_slice: int, token_slice: int, grad_out: torch.Tensor | None, *, chunk: int | None = None
+    ) -> torch.Tensor | None:
+        """I of one tile (`engine.split_backward`): the gradient for the previous chunk (returned; None on chunk 0)
+        and the K/V gradients handed back to the earlier token slices, as `backward_tile`; the weights' gradients
+        wait for `backward_weight`, and the tile's graph (a recomputed tile's re-run too) stays until then."""
+        c = self._chunk(chunk)
+        key, state, tile, out = self._backward_begin(c, batch_slice, token_slice)
+        last = c == self.last_chunk
+        root = out * self.loss_scale if last else out
+        inputs = [] if c == 0 else [tile.x]
+        grads, pending = split_backward.backward_input(
+            root, None if last else self._grad_in(grad_out), inputs, self._params()
+        )
+        self._weights[key] = (pending, root)  # the root keeps the tile's graph alive for W
+        for g in pending.tensors:  # the consumers' output gradients W starts from
+            self.saved.keep(key, g)
+        state.open_tiles.pop()
+        state.weights_due += 1
+        return None if c == 0 else grads[0]
+
+    def backward_weight(self, batch_slice: int, token_slice: int, *, chunk: int | None = None) -> None:
+        """W of one tile, after its I: the weights' gradients, accumulated into ``.grad``; then the tile's graph
+        goes."""
+        c = self._chunk(chunk)
+        key = (c, batch_slice, token_slice)
+        if key not in self._weights:
+            raise RuntimeError(f"tile {key[1:]}: W must follow the tile's I, once")
+        pending, _ = self._weights.pop(key)
+        split_backward.backward_weight(pending, self._params())
+        state = self._slices[(c, batch_slice)]
+        state.weights_due -= 1
+        self._backward_end(key, state, popped=True)
+
+    def _backward_begin(self, c: int, batch_slice: int, token_slice: int):
+        """The tile's key, batch slice, state and output (a recomputed tile's forward run again, with autograd)."""
         key = (c, batch_slice, token_slice)
         state = self._slices.get((c, batch_slice))
         if key not in self._tiles or state is None or state.open_tiles[-1] != token_slice:
@@ -275,28 +333,36 @@ class StageRunner:
         out = tile.out
         if out is None:  # recomputed: the forward again, with autograd, then straight back through it
             with torch.enable_grad(), self.autocast(), self.saved.saving((key, "re-run")):
-                out = self._forward(c, tile.x, tile.start, state.caches, tile.targets)
-        if c == self.last_chunk:
-            torch.autograd.backward(out * self.loss_scale)
-        else:
-            if grad_out is None:
-                raise ValueError("a stage other than the last needs the gradient of its output")
-            torch.autograd.backward(out, grad_out.to(self.device, non_blocking=True))
+                out = self._forward(c, tile.x, tile.start, state.caches, tile.targets, tile.docs)
+        return key, state, tile, out
+
+    def _grad_in(self, grad_out: torch.Tensor | None) -> torch.Tensor:
+        if grad_out is None:
+            raise ValueError("a stage other than the last needs the gradient of its output")
+        return grad_out.to(self.device, non_blocking=True)
+
+    def _backward_end(self, key: tuple[int, int, int], state: _BatchSlice, *, popped: bool = False) -> None:
+        """Release what the tile kept; after the batch slice's last backward, its keys/values too."""
+        c, batch_slice, _ = key
         self.saved.release((key, "re-run"))
         self.saved.release(key)
-        state.open_tiles.pop()
-        if not state.open_tiles:
+        if not popped:
+            state.open_tiles.pop()
+        if not state.open_tiles and not state.weights_due:
             # Every slice of this batch slice is done: its keys/values are no longer needed.
             del self._slices[(c, batch_slice)]
             self.saved.release(("kv", c, batch_slice))
-        return None if c == 0 else tile.x.grad
+
+    def _params(self) -> dict[int, torch.nn.Parameter]:
+        return {id(p): p for p in self.module.parameters() if p.requires_grad}
 
     def reset(self) -> None:
         """Forget stored tiles and keys/values (between steps or measurements)."""
         self._tiles.clear()
         self._slices.clear()
+        self._weights.clear()
         self.saved.clear()
 
     @property
     def pending_tiles(self) -> int:
-        return len(self._tiles)
+        return len(self._tiles) + len(self._weights)

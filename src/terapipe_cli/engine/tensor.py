@@ -36,6 +36,7 @@ the tensor group), so checkpoints, ``--verify`` and ``terapipe export`` see whol
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -220,17 +221,28 @@ def split_of(name: str) -> Split | None:
     return next((split for suffix, split in SPLITS.items() if name.endswith(suffix)), None)
 
 
-def shard_tensor(name: str, full: torch.Tensor, tp: TensorGroup) -> torch.Tensor:
-    """This rank's slice of the full tensor of parameter ``name`` (the tensor itself when replicated)."""
+def shard_ranges(name: str, full_shape: Sequence[int], size: int, rank: int) -> tuple[int, list[range]] | None:
+    """Where tensor rank ``rank`` of ``size`` finds its share of the full tensor of parameter ``name`` (shape
+    ``full_shape``): (the dimension, the index ranges along it, concatenated in order: one per stacked part, as the
+    fused q, k, v); None when it holds the whole tensor. A reader of a file takes just these (`train.init_from`)."""
     split = split_of(name)
-    if split is None or tp.size == 1:
-        return full
+    if split is None or size == 1:
+        return None
     dim, parts, vocab = split
     if vocab:
-        rows = vocab_rows(full.shape[dim], tp.size, tp.rank)
-        return full.narrow(dim, rows.start, len(rows)).contiguous()
-    blocks = full.unflatten(dim, (parts, -1))
-    return blocks.chunk(tp.size, dim=dim + 1)[tp.rank].flatten(dim, dim + 1).contiguous()
+        return dim, [vocab_rows(full_shape[dim], size, rank)]
+    block = full_shape[dim] // parts
+    piece = block // size
+    return dim, [range(p * block + rank * piece, p * block + (rank + 1) * piece) for p in range(parts)]
+
+
+def shard_tensor(name: str, full: torch.Tensor, tp: TensorGroup) -> torch.Tensor:
+    """This rank's slice of the full tensor of parameter ``name`` (the tensor itself when replicated)."""
+    where = shard_ranges(name, full.shape, tp.size, tp.rank)
+    if where is None:
+        return full
+    dim, ranges = where
+    return torch.cat([full.narrow(dim, r.start, len(r)) for r in ranges], dim=dim).contiguous()
 
 
 def gather_tensor(name: str, local: torch.Tensor, tp: TensorGroup) -> torch.Tensor:

@@ -23,7 +23,14 @@ import torch
 from terapipe_cli.config.run import LRSchedule, RunArguments
 from terapipe_cli.engine import peak_rss_bytes
 from terapipe_cli.engine.comm import Group, Link
-from terapipe_cli.engine.data import TokenData, step_batch, validation_batch
+from terapipe_cli.engine.data import (
+    TokenData,
+    epochs_done,
+    step_batch,
+    step_documents,
+    validation_batch,
+    validation_documents,
+)
 from terapipe_cli.engine.executor import StageExecutor
 from terapipe_cli.engine.mesh import Layout
 from terapipe_cli.engine.optim import LossScale, StepOutcome, make_optimizer, set_lr, take_step
@@ -144,7 +151,13 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.runner.set_loss_scale(self.loss_multiplier)
         loss, events = self.executor.step(
-            batch, step_start=step_start, rank=self.rank, replica=self.replica, step=step, after_forward=after_forward
+            batch,
+            step_start=step_start,
+            rank=self.rank,
+            replica=self.replica,
+            step=step,
+            after_forward=after_forward,
+            documents=self.replica_documents(step),
         )
         self.sum_tied_gradients()
         self.sum_replica_gradients()
@@ -155,7 +168,38 @@ class Trainer:
     def replica_batch(self, step: int) -> torch.Tensor:
         """This replica's B token windows (B, L + 1) of the step's global batch of B·D, on the device."""
         sequences, L = self.plan.batch_size * self.args.data_parallel, self.plan.seq_len
-        return self._replica_rows(step_batch(self.data, seed=self.args.seed, step=step, sequences=sequences, seq_len=L))
+        batch = step_batch(
+            self.data, seed=self.args.seed, step=step, sequences=sequences, seq_len=L, sampling=self.args.sampling
+        )
+        return self._replica_rows(batch)
+
+    def consumed(self, step: int) -> tuple[int, float]:
+        """(tokens trained on, epochs of the training data drawn) after step ``step``, all replicas."""
+        sequences = self.plan.batch_size * self.args.data_parallel
+        epochs = epochs_done(self.data, step=step, sequences=sequences, seq_len=self.plan.seq_len)
+        return step * self.tokens_per_step, epochs
+
+    def replica_documents(self, step: int, *, held_out: bool = False) -> torch.Tensor | None:
+        """With a document mask: where each input token's document begins, (B, L) on the CPU, for this replica's
+        windows of step ``step`` (or of the validation batch); None without one."""
+        if not self.args.document_mask:
+            return None
+        sequences, L, B = self.plan.batch_size * self.args.data_parallel, self.plan.seq_len, self.plan.batch_size
+        if held_out:
+            docs = validation_documents(
+                self.held_out, seed=self.args.seed, sequences=sequences, seq_len=L, eos=self.args.eos_id
+            )
+        else:
+            docs = step_documents(
+                self.data,
+                seed=self.args.seed,
+                step=step,
+                sequences=sequences,
+                seq_len=L,
+                eos=self.args.eos_id,
+                sampling=self.args.sampling,
+            )
+        return docs[self.replica * B : (self.replica + 1) * B]
 
     def _replica_rows(self, batch: torch.Tensor) -> torch.Tensor:
         B = self.plan.batch_size
@@ -256,7 +300,7 @@ class Trainer:
         tiles, forward only, no graph kept. Every rank takes part; one all-reduce sums the last stages' losses."""
         sequences, L = self.plan.batch_size * self.args.data_parallel, self.plan.seq_len
         held = validation_batch(self.held_out, seed=self.args.seed, sequences=sequences, seq_len=L)
-        loss = self.executor.forward_only(self._replica_rows(held))
+        loss = self.executor.forward_only(self._replica_rows(held), self.replica_documents(0, held_out=True))
         total = torch.tensor([self._loss_share(loss)], dtype=torch.float64, device=self.device)
         self.comms.world.all_reduce(total, what="the validation-loss all-reduce")
         return float(total[0])

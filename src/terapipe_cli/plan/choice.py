@@ -28,10 +28,12 @@ from terapipe_cli.plan.memory import (
     stage_memory,
     stage_sizes,
 )
+from terapipe_cli.plan.mfu import Utilisation, utilisation
+from terapipe_cli.plan.orders import order_of
 from terapipe_cli.plan.request import PlanRequest
 from terapipe_cli.plan.schedule import ORDERS, Schedule
 from terapipe_cli.plan.search import PlanResult, divisors, gpipe_baseline, solve, uniform_baseline
-from terapipe_cli.plan.simulate import simulate
+from terapipe_cli.plan.simulate import INPUT_SHARE, simulate
 from terapipe_cli.units import format_bytes, format_seconds, format_stages, utc_timestamp
 
 # The schemes a plan may run (`terapipe plan --scheme`): the TeraPipe plan, or one of its baselines.
@@ -42,6 +44,8 @@ SCHEMES = ("terapipe", "gpipe", "uniform")
 RERANK_NEIGHBOURS = 4  # thresholds on either side of the optimum's largest tile (`search.solve(neighbours=…)`)
 RERANK_WITHIN = 0.05
 RERANK_COUNT = 8
+# The plan line says so when the objective and the simulator differ by more than this on the plan's scheme.
+DISAGREE = 0.05
 
 
 @dataclass(frozen=True)
@@ -134,8 +138,39 @@ class Planned:
     def schemes(self) -> list[tuple[str, PlanResult]]:
         return [("terapipe", self.terapipe), ("gpipe", self.gpipe), ("uniform", self.uniform)]
 
-    def speedup_vs_gpipe(self, result: PlanResult) -> float:
-        return self.gpipe.predicted_s / result.predicted_s
+    def speedup_vs_gpipe(self, name: str) -> float:
+        """GPipe's step over scheme ``name``'s, both simulated: the one figure the plan ranks its schemes by."""
+        return self.simulated_s["gpipe"] / self.simulated_s[name]
+
+    def formula_speedup_vs_gpipe(self, name: str) -> float:
+        """The same by the objective (docs/design.md §4), shown beside it."""
+        return self.gpipe.predicted_s / getattr(self, name).predicted_s
+
+    def ranked(self) -> list[tuple[str, PlanResult]]:
+        """The plan's schemes, fastest in the simulator first (the plan's own first among equals)."""
+        first = {"terapipe": 0, "gpipe": 1, "uniform": 2}
+        return sorted(self.schemes(), key=lambda x: (self.simulated_s[x[0]], x[0] != self.scheme, first[x[0]]))
+
+    def utilisation(self, name: str | None = None) -> Utilisation:
+        """Predicted model TFLOP/s per device and MFU of scheme ``name`` (default: the plan's), by its simulated
+        step (`plan.mfu`)."""
+        r, prof = self.request, self.profile
+        return utilisation(
+            prof.model, seq_len=r.seq_len, sequences=r.batch_size, devices=r.stages * r.tensor_parallel,
+            step_s=self.simulated_s[name or self.scheme], device=prof.device, precision=prof.precision,
+        )  # fmt: skip
+
+    def disagreement_line(self) -> str | None:
+        """One line when the objective and the simulator differ by more than `DISAGREE` on the plan's scheme."""
+        formula, simulated = self.chosen.predicted_s, self.simulated_s[self.scheme]
+        gap = formula / simulated - 1
+        if abs(gap) <= DISAGREE:
+            return None
+        return (
+            f"the objective and the simulator disagree on this plan by {gap:+.0%} (formula {format_seconds(formula)}, "
+            f"simulated {format_seconds(simulated)}): the schemes are ranked by the simulated step "
+            "(the formula counts every transfer inside its tile and the bubble as (K − 1) · largest tile)"
+        )
 
     def allreduce_warning(self) -> str | None:
         """One line when the plan has replicas whose gradient all-reduce the profile cannot price."""
@@ -189,18 +224,22 @@ class Planned:
             sum_s=best.sum_s,
             tiles=best.tiles,
             step_s=self.cost.step_s,
-            speedup_vs_gpipe=self.speedup_vs_gpipe(best),
+            speedup_vs_gpipe=self.speedup_vs_gpipe(self.scheme),
+            speedup_vs_gpipe_formula=self.formula_speedup_vs_gpipe(self.scheme),
+            **_utilisation_record(self.utilisation()),
             baselines={
                 "gpipe": {
                     **self.gpipe.to_dict(),
                     "microbatch": self.gpipe.extra["microbatch"],
                     "simulated_s": self.simulated_s["gpipe"],
+                    **_utilisation_record(self.utilisation("gpipe")),
                     **self.memory_record("gpipe"),
                 },
                 "uniform": {
                     **self.uniform.to_dict(),
                     **self.uniform.extra,
                     "simulated_s": self.simulated_s["uniform"],
+                    **_utilisation_record(self.utilisation("uniform")),
                     **self.memory_record("uniform"),
                 },
             },
@@ -220,9 +259,18 @@ class Planned:
         )
 
 
+def _utilisation_record(u: Utilisation) -> dict:
+    """A plan file's ``model_tflops`` and ``mfu`` (null where the device's peak is unknown), and the peak used."""
+    return {"model_tflops": u.model_tflops, "mfu": u.mfu, "peak_tflops": u.peak_tflops}
+
+
 def choice_text(order: str, recompute: tuple[bool, ...]) -> str:
-    """``GPipe order``, ``1F1B order, recomputed``, ``GPipe order, recomputed on stage 0``, ``… on stages 0–33, 39``."""
-    text = "1F1B order" if order == "1f1b" else "GPipe order"
+    """``GPipe order``, ``1F1B order, recomputed``, ``GPipe order, recomputed on stage 0``, ``… on stages 0–33, 39``;
+    a split order says how its I and W are priced (profiles do not time them apart: `simulate.INPUT_SHARE`)."""
+    kind = order_of(order)
+    text = kind.title
+    if kind.split:
+        text += f" (I {INPUT_SHARE:.0%} of a tile's backward, W the rest: analytic)"
     if all(recompute):
         return text + ", recomputed"
     if any(recompute):
@@ -230,14 +278,15 @@ def choice_text(order: str, recompute: tuple[bool, ...]) -> str:
     return text
 
 
-def plan_for_profile(profile: Profile, request: PlanRequest) -> Planned:
+def plan_for_profile(profile: Profile, request: PlanRequest, *, ceiling: float = math.inf) -> Planned | None:
     """Plan ``request`` on ``profile``: the fastest scheme (`plan_one`), or, when it does not fit an enforced
-    memory limit, the fastest that does (`plan_within_memory`)."""
+    memory limit, the fastest that does (`plan_within_memory`). ``ceiling`` (seconds, by the objective): only a plan
+    faster than it is wanted within the limit; None when there is none (never without a ceiling)."""
     planned = plan_one(profile, request)
     memory = planned.memory
     if memory is None or not memory.enforced or not memory.exceeded:
         return planned
-    return plan_within_memory(profile, request, planned)
+    return plan_within_memory(profile, request, planned, ceiling=ceiling)
 
 
 def plan_one(
@@ -271,23 +320,23 @@ def plan_one(
         best = solve(cost, **shape, token_step=r.token_step, epsilon=r.epsilon, method=r.method, neighbours=near)
     if best is None:
         raise UserError(outside_profile(profile, r.batch_size, "no batch slicing"), where="--batch")
-    optimum, optimum_sim = best, None
-    if r.rank == "simulated" and best.alternatives:
-        best, optimum_sim = _rerank(profile, r, best, cost, order, recompute)
-        # The search that found both: its time and candidates stay with the plan's scheme.
-        best = replace(best, seconds=optimum.seconds, candidates=optimum.candidates)
     gpipe = gpipe_baseline(cost, **shape)
     uniform = uniform_baseline(cost, **shape, token_step=r.token_step)
     if gpipe is None or uniform is None:  # the uniform schemes include GPipe's: both or neither
         raise UserError(outside_profile(profile, r.batch_size, "no GPipe microbatch dividing it"), where="--batch")
     # The formula prices every tile's transfers inside the tile; the simulator replays the schedule with
-    # asynchronous sends, as the runtime runs it. Both are reported.
+    # asynchronous sends, as the runtime runs it. Both are reported; the simulator judges (`_rerank`).
     # All three in the same order and recomputation: they differ only in how the batch is sliced.
-    schedules = {
-        name: Schedule.build(res.slices, r.stages, order, recompute, partition)
-        for name, res in (("terapipe", best), ("gpipe", gpipe), ("uniform", uniform))
-    }
-    simulated = {name: simulate(schedule, cost).latency_s for name, schedule in schedules.items()}
+    timed = _Timed(r, cost, order, recompute)
+    optimum, optimum_sim = best, None
+    if r.rank == "simulated":
+        best, optimum_sim = _rerank(profile, r, best, timed, (gpipe, uniform))
+        # The search that found the optimum: its time and candidates stay with the plan's scheme.
+        best = replace(best, seconds=optimum.seconds, candidates=optimum.candidates, extra={}, alternatives=[])
+        if best.slices == optimum.slices:
+            best, optimum_sim = optimum, None
+    schedules = {"terapipe": timed.schedule(best), "gpipe": timed.schedule(gpipe), "uniform": timed.schedule(uniform)}
+    simulated = {"terapipe": timed(best), "gpipe": timed(gpipe), "uniform": timed(uniform)}
     copies = r.data_parallel * r.tensor_parallel
     memory = {
         name: check_memory(stage_memory(schedule, profile), profile.device, r.memory_limit_gib, copies)
@@ -310,29 +359,47 @@ def outside_profile(profile: Profile, batch_size: int, what: str) -> str:
     )
 
 
+class _Timed:
+    """Schemes simulated in one order and recomputation on one cost model, each once (by its slices)."""
+
+    def __init__(self, r: PlanRequest, cost: CostModel, order: str, recompute: tuple[bool, ...]) -> None:
+        self.r, self.cost, self.order, self.recompute = r, cost, order, recompute
+        self._seconds: dict[tuple, float] = {}
+
+    def schedule(self, res: PlanResult) -> Schedule:
+        return Schedule.build(res.slices, self.r.stages, self.order, self.recompute, self.cost.partition)
+
+    def __call__(self, res: PlanResult) -> float:
+        key = tuple((b, tuple(lengths)) for b, lengths in res.slices)
+        if key not in self._seconds:
+            self._seconds[key] = simulate(self.schedule(res), self.cost).latency_s
+        return self._seconds[key]
+
+
 def _rerank(
-    profile: Profile, r: PlanRequest, optimum: PlanResult, cost: CostModel, order: str, recompute: tuple[bool, ...]
+    profile: Profile, r: PlanRequest, optimum: PlanResult, timed: _Timed, baselines: tuple[PlanResult, ...]
 ) -> tuple[PlanResult, float]:
-    """The schedule-aware choice (`RANKS`): the fastest simulated among ``optimum`` and its alternatives within
-    `RERANK_WITHIN` by the objective, keeping only those that fit an enforced memory limit when the optimum does;
-    returns it and the optimum's simulated latency."""
+    """The schedule-aware choice (`RANKS`), one judge for the plan and its baselines: the fastest simulated among
+    ``optimum``, its alternatives within `RERANK_WITHIN` by the objective and the ``baselines`` the plan shows (GPipe
+    and the best uniform slicing are TeraPipe schemes too), keeping only those that fit an enforced memory limit when
+    the optimum does; returns it and the optimum's simulated latency. Among equal times the earlier wins (the
+    optimum first)."""
     close = [a for a in optimum.alternatives if a.predicted_s <= optimum.predicted_s * (1 + RERANK_WITHIN)]
-    candidates = [optimum, *close[:RERANK_COUNT]]
+    candidates = [optimum, *close[:RERANK_COUNT], *baselines]
 
     def fits(res: PlanResult) -> bool:
-        per_stage = stage_memory(Schedule.build(res.slices, r.stages, order, recompute, cost.partition), profile)
+        per_stage = stage_memory(timed.schedule(res), profile)
         check = check_memory(per_stage, profile.device, r.memory_limit_gib, r.data_parallel * r.tensor_parallel)
         return check is None or not (check.enforced and check.exceeded)
 
     if not fits(optimum):
         fits = lambda res: True  # noqa: E731  (the memory-aware search takes over from here)
-    timed = []
-    for res in candidates:
-        if res is optimum or fits(res):
-            schedule = Schedule.build(res.slices, r.stages, order, recompute, cost.partition)
-            timed.append((simulate(schedule, cost).latency_s, res))
-    chosen = min(timed, key=lambda x: x[0])[1]
-    return chosen, timed[0][0]
+    best_s, chosen = timed(optimum), optimum
+    for res in candidates[1:]:
+        seconds = timed(res)
+        if seconds < best_s and fits(res):
+            best_s, chosen = seconds, res
+    return chosen, timed(optimum)
 
 
 class _Forbidding:
@@ -348,7 +415,9 @@ class _Forbidding:
         return np.where(self.fits(i, j), self.cost(b, i, j), np.inf)
 
 
-def plan_within_memory(profile: Profile, request: PlanRequest, fastest: Planned) -> Planned:
+def plan_within_memory(
+    profile: Profile, request: PlanRequest, fastest: Planned, *, ceiling: float = math.inf
+) -> Planned | None:
     """The fastest scheme whose estimated peak fits the limit on every stage (docs/design.md §10), exactly:
 
     1. The fastest scheme overall without recomputation, in the other order (its price does not depend on the order).
@@ -362,7 +431,8 @@ def plan_within_memory(profile: Profile, request: PlanRequest, fastest: Planned)
     Where every batch grouping is too large a search (`groupings.MAX_GROUPING_STATES`, `MAX_GROUPING_CELLS`), the same
     search runs over equal batch slices (`_equal_slice_candidates`) and the plan says so. The order and the
     recomputation are searched only where the user left them free. Nothing fits: one line with the smallest peak
-    any scheme could reach.
+    any scheme could reach. ``ceiling``: every search prunes against it (`search.solve(ceiling=…)`, the search over
+    partitions passes its runner-up) and None is returned when something fits but nothing below it.
     """
     r, limit = request, fastest.memory.limit_bytes
     partition = r.fixed_partition(profile.model.layers)
@@ -385,6 +455,8 @@ def plan_within_memory(profile: Profile, request: PlanRequest, fastest: Planned)
     }
     shape = {"seq_len": r.seq_len, "batch_size": r.batch_size, "stages": r.stages, "token_step": r.token_step}
     search = {"epsilon": r.epsilon, "method": r.method, "neighbours": RERANK_NEIGHBOURS if r.rank == "simulated" else 0}
+    search["ceiling"] = ceiling
+    pruned = False  # a scheme fits, but none below the ceiling
     modes = [rerun for rerun, ok in ((False, plain_ok), (True, recompute_ok)) if ok]
     candidates: list[tuple[PlanResult, str, tuple[bool, ...]]] = []
     equal_only: list[str] = []
@@ -394,10 +466,15 @@ def plan_within_memory(profile: Profile, request: PlanRequest, fastest: Planned)
             grouping = grouping_search(sizes, r.batch_size, r.seq_len, r.token_step, order, limit, rerun)
             if grouping is None:
                 equal_only += [order] if order not in equal_only else []
-                candidates += _equal_slice_candidates(r, sizes, costs, order, rerun, limit, shape, search)
+                found = _equal_slice_candidates(r, sizes, costs, order, rerun, limit, shape, search)
+                pruned |= any(res.predicted_s >= ceiling for res, _, _ in found)
+                candidates += [c for c in found if c[0].predicted_s < ceiling]
                 continue
             res = solve(costs[rerun], **shape, **search, grouping=grouping) if grouping.moves else None
             if res is None:
+                continue
+            if res.predicted_s >= ceiling:
+                pruned = True
                 continue
             on = (True,) * r.stages
             if rerun and r.recompute_free:  # recompute only where the scheme does not fit without
@@ -407,6 +484,8 @@ def plan_within_memory(profile: Profile, request: PlanRequest, fastest: Planned)
                     continue
             candidates.append((res, order, on if rerun else plain))
     if not candidates:
+        if pruned:
+            return None
         raise _nothing_fits(profile, r, fastest.memory, plain_ok, recompute_ok)
     # The fastest by the formula; among equals (the same scheme in either order, say), the simulator decides.
     least = min(res.predicted_s for res, _, _ in candidates)

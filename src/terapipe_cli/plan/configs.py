@@ -21,18 +21,23 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
 
 from terapipe_cli.errors import UserError
-from terapipe_cli.plan.choice import Planned, outside_profile, plan_for_profile, plan_one
+from terapipe_cli.plan.choice import Planned, outside_profile, plan_for_profile, plan_one, smallest_peak
 from terapipe_cli.plan.costmodel import CostModel, Profile
 from terapipe_cli.plan.memory import check_memory, stage_memory
+from terapipe_cli.plan.orders import order_of
 from terapipe_cli.plan.partition import Partition
 from terapipe_cli.plan.request import PlanRequest
 from terapipe_cli.plan.schedule import ORDERS, Schedule
 from terapipe_cli.plan.search import lower_bound, solve
+
+# What the search tells as it goes (`plan_configured(progress=…)`): one line of text.
+Progress = Callable[[str], None]
 
 MAX_VIRTUAL = 4  # --virtual-stages auto tries v = 1 … 4 (Megatron-LM's runs use 2–4 chunks per device)
 # With --partition auto and at most this many partitions, every one is a candidate (small cases: exact by brute
@@ -76,6 +81,8 @@ def virtual_candidates(request: PlanRequest, layers: int) -> list[int]:
         return [request.partition.virtual]
     if request.virtual is not None:
         return [request.virtual]
+    if not request.order_free and order_of(request.order).placement == "v":
+        return [2]  # the V holds two chunks per device (ZB-V)
     K = request.stages
     return [v for v in range(1, MAX_VIRTUAL + 1) if v == 1 or (K > 1 and K * v - 2 <= layers)]
 
@@ -141,15 +148,23 @@ def _window(profile: Profile, layers: int, chunks: int) -> tuple[int, int]:
     return max(0, math.floor(even) - math.ceil(weight) - 1), math.ceil(even) + 1
 
 
-def plan_configured(profile: Profile, request: PlanRequest) -> Configured:
-    """The plan of the fastest configuration (module docstring)."""
+def plan_configured(profile: Profile, request: PlanRequest, progress: Progress | None = None) -> Configured:
+    """The plan of the fastest configuration (module docstring). ``progress`` hears, as the search goes, what is
+    being searched, how much is left and the best so far (one line each time: `terapipe plan`'s moving line)."""
     N = profile.model.layers
     best: list[Planned] = []  # per v, its best configuration
     seconds: list[Planned] = []  # per v, the next best partition planned
     refused: list[UserError] = []  # why a configuration fit nowhere (the memory limit)
     tried = 0
-    for v in virtual_candidates(request, N):
-        first, second, count = _best_partition(profile, request, v, refused)
+    report = progress or (lambda text: None)
+    vs = virtual_candidates(request, N)
+    for n, v in enumerate(vs):
+        where = f"v = {v} ({n + 1} of {len(vs)})" if len(vs) > 1 else f"v = {v}"
+        if best:
+            fastest = min(best, key=lambda p: p.simulated_s[p.scheme])
+            where += f", fastest so far {describe(fastest)}: simulated {_ms(fastest.simulated_s[fastest.scheme])}"
+        tell = lambda text, where=where: report(f"{where}: {text}")  # noqa: E731
+        first, second, count = _best_partition(profile, request, v, refused, tell)
         tried += count
         best += [first] if first is not None else []
         seconds += [second] if second is not None else []
@@ -167,7 +182,7 @@ def plan_configured(profile: Profile, request: PlanRequest) -> Configured:
 
 
 def _best_partition(
-    profile: Profile, request: PlanRequest, virtual: int, refused: list[UserError]
+    profile: Profile, request: PlanRequest, virtual: int, refused: list[UserError], progress: Progress
 ) -> tuple[Planned | None, Planned | None, int]:
     """The best plan over the partitions for one v by the objective (exact: bound order, module docstring), then in
     the order the simulator prefers when the order is free, and the next best partition planned; (None, None, n)
@@ -186,16 +201,28 @@ def _best_partition(
     def best_so_far() -> float:
         return min((t for t, _ in scored), default=math.inf) * (1 - 1e-12)
 
+    def ceiling() -> float:
+        # Only the two best partitions matter (the plan and its runner-up): a search prunes against the second.
+        values = sorted(t for t, _ in scored)
+        return values[1] if len(values) > 1 else math.inf
+
     def unconstrained(part: Partition) -> bool:
-        free, fits = _unconstrained(profile, r.with_config(part, order))
-        free_of[part] = free
+        free, fits = _unconstrained(profile, r.with_config(part, order), ceiling())
+        free_of[part] = free  # with fits None, a bound: the partition's optimum is no less
         if fits:
             scored.append((free, part))
-        return fits
+        return bool(fits)
 
-    for part in sorted(kept, key=lambda p: (bounds[p], p.layers)):
+    def tell(what: str, done: int, left: int) -> None:
+        best = min(scored, key=lambda x: x[0], default=None)
+        text = f"{what} {done + 1} of {len(candidates)} partitions ({left} left after bounds)"
+        progress(text + (f"; best {_ms(best[0])} by the objective, layers {best[1].text()}" if best else ""))
+
+    order_of_bounds = sorted(kept, key=lambda p: (bounds[p], p.layers))
+    for n, part in enumerate(order_of_bounds):
         if bounds[part] >= best_so_far():
             break
+        tell("searching partition", n, sum(1 for p in order_of_bounds[n:] if bounds[p] < best_so_far()))
         if not unconstrained(part) and part.virtual == 1:  # its optimum within the limit is no less than ``free``
             deferred.append((free_of[part], part))
     if deferred:  # the limit binds: a partition no faster anywhere may still fit where the faster ones do not
@@ -206,11 +233,18 @@ def _best_partition(
             break
         if part not in free_of and unconstrained(part):
             continue
-        optimum = _within_memory(profile, r.with_config(part, order), refused)
+        if (
+            part.virtual == 1
+            and _memory_bound(profile, r.with_config(part, order), bound, best_so_far()) >= best_so_far()
+        ):
+            continue  # only recomputation fits, and recomputed it cannot beat the best (`_memory_bound`)
+        progress(f"searching layers {part.text()} within the memory limit")
+        optimum = _within_memory(profile, r.with_config(part, order), refused, ceiling())
         scored += [(optimum, part)] if optimum is not None else []
     if not scored:
         return None, None, 0
     scored.sort(key=lambda x: x[0])  # stable: among equals, the bound's order (then the layers)
+    progress(f"simulating the best of {len(scored)} partitions searched, layers {scored[0][1].text()}, in each order")
     if order is None and virtual > 1:  # planned, re-ranked and simulated in each order; the fastest that fits
         both = [_plan_partition(profile, r.with_config(scored[0][1], o)) for o in ORDERS]
         best = min([p for p in both if not _over(p)] or both, key=lambda p: p.simulated_s[p.scheme])
@@ -253,18 +287,21 @@ def _undominated(costs: dict[Partition, CostModel], request: PlanRequest) -> tup
     return kept, dominated
 
 
-def _unconstrained(profile: Profile, request: PlanRequest) -> tuple[float, bool]:
+def _unconstrained(profile: Profile, request: PlanRequest, ceiling: float = math.inf) -> tuple[float, bool | None]:
     """The objective's optimum of one configuration without the memory limit, and whether it fits the limit (a
     search alone: the cheap first pass over the partitions). With v > 1 and the order free, it fits when it fits in
     either order (the objective prices both alike; `_best_partition` then plans both and keeps one that fits): in GPipe
     order every batch slice of a chunk stays open until the backwards start, and checking that order alone dropped
-    every v > 1 of Megatron-LM's 310.1B setting, recomputed, although it fits in 1F1B order (docs/results.md)."""
+    every v > 1 of Megatron-LM's 310.1B setting, recomputed, although it fits in 1F1B order (docs/results.md).
+    ``ceiling``: only an optimum below it is wanted (`search.solve(ceiling=…)`); (ceiling, None) when there is none."""
     r, part = request, request.partition
     cost = CostModel(profile, r.stages, r.data_parallel, recompute=r.recompute, within_profile=True, partition=part)
     shape = {"seq_len": r.seq_len, "batch_size": r.batch_size, "stages": r.stages, "token_step": r.token_step}
-    res = solve(cost, **shape, epsilon=r.epsilon, method=r.method)
+    res = solve(cost, **shape, epsilon=r.epsilon, method=r.method, ceiling=ceiling)
     if res is None:  # the same for every configuration: the profile's batch sizes cannot make up the batch
         raise UserError(outside_profile(profile, r.batch_size, "no batch slicing"), where="--batch")
+    if res.predicted_s >= ceiling:
+        return ceiling, None
     orders = ORDERS if r.order_free and part.virtual > 1 else (r.order,)
     copies = r.data_parallel * r.tensor_parallel
 
@@ -276,11 +313,40 @@ def _unconstrained(profile: Profile, request: PlanRequest) -> tuple[float, bool]
     return res.predicted_s, any(fits(order) for order in orders)
 
 
-def _within_memory(profile: Profile, request: PlanRequest, refused: list[UserError]) -> float | None:
+def _memory_bound(profile: Profile, request: PlanRequest, free: float, ceiling: float) -> float:
+    """A lower bound on one configuration's optimum (v = 1) within the memory limit, given ``free``, its optimum
+    without the limit: ``free`` itself while some scheme without recomputation may fit (`choice.smallest_peak`), else
+    — every scheme within the limit recomputes, which the objective prices with one more forward per tile — the
+    optimum of the recomputing cost model, searched only below ``ceiling`` (the best found: ``ceiling`` when nothing
+    is below it). Far tighter than ``free`` where only recomputation fits (Llama 3 70B on 8 H100s, B = 16), and a
+    partition it rules out is not searched within the limit (issue 38)."""
+    r = request
+    limit = r.memory_limit_gib * 2**30 if r.memory_limit_gib is not None else profile.device.get("memory_bytes")
+    if (
+        r.recompute
+        or not r.recompute_free
+        or not isinstance(limit, (int, float))
+        or profile.device.get("kind") == "cpu"
+    ):
+        return free  # already priced recomputed, recomputation is not the planner's to choose, or a shared limit
+    least, _ = smallest_peak(profile, r, float(limit), plain=True, recomputed=False)
+    if least <= limit:
+        return free
+    cost = CostModel(profile, r.stages, r.data_parallel, recompute=True, within_profile=True, partition=r.partition)
+    shape = {"seq_len": r.seq_len, "batch_size": r.batch_size, "stages": r.stages, "token_step": r.token_step}
+    res = solve(cost, **shape, epsilon=r.epsilon, method=r.method, ceiling=ceiling)
+    return math.inf if res is None else max(free, min(res.predicted_s, ceiling))
+
+
+def _within_memory(
+    profile: Profile, request: PlanRequest, refused: list[UserError], ceiling: float = math.inf
+) -> float | None:
     """The objective's optimum of one configuration (v = 1) within the memory limit (`plan_for_profile`'s search);
-    None when nothing fits, ``refused`` getting the one-line reason."""
+    None when nothing fits, ``refused`` getting the one-line reason, or when nothing that fits is below
+    ``ceiling``."""
     try:
-        return _objective(plan_for_profile(profile, replace(request, rank="formula")))
+        planned = plan_for_profile(profile, replace(request, rank="formula"), ceiling=ceiling)
+        return None if planned is None else _objective(planned)
     except UserError as e:
         if e.where != "--memory-limit":
             raise
@@ -307,11 +373,14 @@ def _order_by_simulation(profile: Profile, planned: Planned) -> Planned:
     r = planned.request
     if not r.order_free or planned.order == "1f1b" or planned.unfitted is not None or r.batch_size == 1:
         return planned
-    other = plan_one(profile, r, planned.terapipe, order="1f1b", recompute=planned.recompute)
+    # The other order re-ranks the same candidates (the objective's optimum, its neighbours, the baselines) in its own
+    # simulation: the scheme GPipe order preferred can be slower in 1F1B order than the optimum is there.
+    optimum = planned.formula_optimal or planned.terapipe
+    other = plan_one(profile, r, optimum, order="1f1b", recompute=planned.recompute)
     if _over(other):
         return planned
     if other.simulated_s["terapipe"] < planned.simulated_s["terapipe"] * (1 - 1e-9):
-        return replace(other, formula_optimal=planned.formula_optimal)
+        return other
     return planned
 
 

@@ -7,6 +7,8 @@
   the grid, held at the smallest measured point below it).
 * ``t_ctx(b, i, j) = a0 + a1·b·i + a2·b·j + a3·b·i·j`` for j > 0 (zero for j = 0), forward and backward
   fitted separately; clipped at zero because context never makes a layer faster.
+  With packed documents masked (``terapipe plan --data CORPUS``: `Profile.attended`, `plan.documents`), j is the
+  context a tile is expected to attend instead of its whole prefix.
 * ``comm(b, i)``: the activation sent forward and its gradient sent back, each ``latency + bytes/bandwidth``
   with ``bytes = b·i·hidden·dtype_bytes``; zero when there is one stage.
 
@@ -78,6 +80,7 @@ from terapipe_cli.config.device import precision_field
 from terapipe_cli.config.model import ModelConfig, vocab_share
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import Fields, read_json_with_schema
+from terapipe_cli.plan.documents import AttendedContext
 from terapipe_cli.plan.partition import Partition
 
 PROFILE_SCHEMA = "terapipe.profile/1"
@@ -166,6 +169,9 @@ class Profile:
     raw: dict = field(default_factory=dict, repr=False, compare=False)
     path: str | None = None
     sha256: str | None = None
+    # In memory only: attention priced by the context a tile attends over a corpus's packed documents (block-causal
+    # masking, `plan.documents`) instead of the whole prefix; None: the whole prefix (full causal attention).
+    attended: AttendedContext | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -494,8 +500,11 @@ class CostModel:
         return rows[k] + w * (rows[k + 1] - rows[k])
 
     def context(self, b: np.ndarray, i: np.ndarray, j: np.ndarray) -> np.ndarray:
-        """Per-layer extra forward + backward seconds caused by j context tokens."""
+        """Per-layer extra forward + backward seconds caused by j context tokens (over packed documents: by the
+        context the tile is expected to attend, `Profile.attended`)."""
         b, i, j = (np.asarray(x, dtype=float) for x in (b, i, j))
+        if self.profile.attended is not None:
+            j = self.profile.attended(b, j)
         return self._forwards * self.profile.context_forward(b, i, j) + self.profile.context_backward(b, i, j)
 
     def comm(self, b: np.ndarray, i: np.ndarray) -> np.ndarray:

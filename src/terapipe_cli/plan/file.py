@@ -16,7 +16,10 @@ profile's), ``provenance`` (where its numbers come from, in words, `plan.domain.
 ``grid``: the file's batch sizes; ``added``: sizes an analytic profile was priced at beyond them). Each baseline has
 ``peak_bytes`` (its fullest stage's estimated peak in the plan's order and recomputation) and ``exceeds_limit``. A
 plan that runs a baseline (`terapipe plan --scheme`, or the report's GPipe run) says ``scheme`` ("gpipe" or
-"uniform") and its ``microbatch``.
+"uniform") and its ``microbatch``. ``attention`` says how tiles' attention was priced: ``{"context": "prefix"}``
+(the whole prefix, full causal attention) or, for `terapipe plan --data CORPUS`, ``{"context": "documents",
+"corpus", "documents", "mean_document_tokens"}`` (the context a tile attends over the corpus's packed documents,
+`plan.documents`); absent in plans made before it (the prefix).
 ``layers_per_stage`` lists the decoder layers of every chunk (K·v of them, in model order) and ``virtual_stages`` is v,
 the chunks per device (`plan.partition`); a plan without them has v = 1 and N/K layers per stage. ``recompute`` then
 has one entry per chunk.
@@ -38,8 +41,9 @@ from terapipe_cli.config.hardware import load_hardware
 from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import Fields, read_json_with_schema, write_json_atomic
-from terapipe_cli.plan.partition import Partition, check_partition
-from terapipe_cli.plan.schedule import ORDERS
+from terapipe_cli.plan.orders import order_of
+from terapipe_cli.plan.partition import PLACEMENTS, Partition, check_partition
+from terapipe_cli.plan.schedule import ALL_ORDERS
 
 PLAN_SCHEMA = "terapipe.plan/1"
 
@@ -139,7 +143,7 @@ class Plan:
     data_parallel: int = 1
     precision: str = "fp32"  # the profile's: the precision `terapipe train` must run at
     tensor_parallel: int = 1  # T: processes per stage, splitting heads and the MLP (the profile's)
-    order: str = "gpipe"  # the schedule order: "gpipe" or "1f1b" (schedule.ORDERS)
+    order: str = "gpipe"  # the schedule order: "gpipe", "1f1b" or "zb1p" (schedule.ALL_ORDERS)
     recompute: tuple[bool, ...] = ()  # per chunk: recompute its tiles' forward in the backward (empty: none)
     raw: dict = field(default_factory=dict, repr=False, compare=False)
     path: str | None = None
@@ -202,16 +206,28 @@ def plan_from_dict(obj: dict, where: str) -> Plan:
 
 
 def _partition(f: Fields, model: ModelConfig, stages: int, where: str) -> Partition:
-    """``layers_per_stage`` (one count per chunk) over ``virtual_stages`` (absent: 1), or the even split."""
+    """``layers_per_stage`` (one count per chunk) over ``virtual_stages`` (absent: 1), or the even split; placed as
+    ``placement`` says (absent: the order's — the V for ZB-V — else interleaved)."""
     virtual = f.int("virtual_stages", minimum=1, default=1)
     counts = f.get("layers_per_stage", None)
+    order = f.get("order", "gpipe")
+    placement = f.get("placement", order_of(order).placement if order in ALL_ORDERS else "interleaved")
+    if placement not in PLACEMENTS:
+        raise f.fail("placement", f"must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
+    if order in ALL_ORDERS and order_of(order).placement != placement:
+        raise f.fail(
+            "placement", f"order {order!r} runs on the {order_of(order).placement} placement, not {placement!r}"
+        )
+    if placement == "v" and model.tie_embeddings:
+        raise f.fail("placement", "the V placement with tied embeddings is not supported yet (both ends on device 0)")
     if counts is None:
-        if virtual == 1:
+        if virtual == 1 and placement == "interleaved":
             return Partition.even_split(model.layers, stages, where=f"{where}: field 'stages'", name=model.name)
         counts = Partition.balanced(model.layers, stages, virtual).to_list()
     return check_partition(
-        counts, layers=model.layers, devices=stages, virtual=virtual, where=f"{where}: field 'layers_per_stage'"
-    )
+        counts, layers=model.layers, devices=stages, virtual=virtual, where=f"{where}: field 'layers_per_stage'",
+        placement=placement,
+    )  # fmt: skip
 
 
 def _tensor_parallel(f: Fields, model: ModelConfig, where: str) -> int:
@@ -222,8 +238,8 @@ def _tensor_parallel(f: Fields, model: ModelConfig, where: str) -> int:
 
 def _order(f: Fields) -> str:
     order = f.get("order", "gpipe")
-    if order not in ORDERS:
-        raise f.fail("order", f"must be one of {', '.join(ORDERS)}, got {order!r}")
+    if order not in ALL_ORDERS:
+        raise f.fail("order", f"must be one of {', '.join(ALL_ORDERS)}, got {order!r}")
     return order
 
 
@@ -319,5 +335,7 @@ def make_plan_dict(
     if partition is not None:
         obj["layers_per_stage"] = partition.to_list()
         obj["virtual_stages"] = partition.virtual
+        if partition.placement != "interleaved":
+            obj["placement"] = partition.placement
     obj.update(extra)
     return obj

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from terapipe_cli.plan.memory import StageSizes, plain_bytes, tile_fits
+from terapipe_cli.plan.orders import order_of
 from terapipe_cli.plan.search import Sequencing
 
 # Beyond these the exact search over batch groupings is not run (`grouping_search` returns None): states of the
@@ -46,7 +47,7 @@ def grouping_search(
     def fits_plain(opened: tuple[int, ...]) -> bool:
         return recompute or all(plain_bytes(s, w, L) <= limit for s, w in zip(alike, opened, strict=True))
 
-    if order == "gpipe":
+    if order_of(order).all_open:
         for placed in range(B):
             for b in range(1, B - placed + 1):
                 opened = (placed + b,) * len(alike)

@@ -8,7 +8,9 @@ on the measured side):
   compute precision) are allocated by its first forward and freed after its last backward;
 * without recomputation a tile keeps everything its forward saved, from its forward to its backward;
 * with recomputation a tile keeps only its input; its backward runs the forward again, and while it does, the
-  tile's saved tensors are back on top of everything still kept.
+  tile's saved tensors are back on top of everything still kept;
+* a split backward (I, then W; docs/design.md §11b) keeps all of that until the tile's W, and from its I the weight
+  consumers' output gradients W starts from (`StageSizes.weight_grads`); the K/V caches go after the last W.
 
 For the planner the same walk has a closed form for any batch grouping. When batch slice d (b_d sequences) runs
 its backward on stage k, the batch slices still open there hold W_kd sequences in all, d's own included: in GPipe
@@ -37,8 +39,10 @@ import numpy as np
 
 from terapipe_cli.config.device import machine_memory_bytes
 from terapipe_cli.config.model import vocab_share
+from terapipe_cli.plan.actions import Action, Phase
+from terapipe_cli.plan.orders import order_of
 from terapipe_cli.plan.partition import Partition
-from terapipe_cli.plan.schedule import Action, Schedule
+from terapipe_cli.plan.schedule import Schedule
 from terapipe_cli.units import format_bytes
 
 _INDEX_BYTES = 8  # an int64 token id or position, per token
@@ -54,6 +58,8 @@ class StageSizes:
     kept: float  # what a recomputed tile keeps: its input (token ids on stage 0, the fp32 activation elsewhere)
     rerun: float  # what the re-run of a recomputed tile saves on top of ``kept``
     copies: float = 0.0  # a 16-bit compute type's copies of the weight matrices, one per step (not per token)
+    # A split backward (I then W): the weight consumers' output gradients held from a tile's I to its W, per token
+    weight_grads: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -106,6 +112,7 @@ def stage_sizes(profile, stages: int, partition: Partition | None = None) -> lis
     kv = 2.0 * (model.kv_width / T) * compute
     embed_params = model.end_params(V)[0]
     state_per_param = float(raw.get("state_bytes_per_param", 16.0))
+    gemm_out = sum(float(g[3]) for g in model.spec.forward_gemms(model, 1.0, 1.0, T, []))  # outputs per token
     out = []
     for k, layers in enumerate(partition.layers):
         first, last = k == 0, k == partition.chunks - 1
@@ -122,7 +129,12 @@ def stage_sizes(profile, stages: int, partition: Partition | None = None) -> lis
         # The re-run keeps nothing of its own output (the backward starts from it at once).
         rerun = max(tile - kept - (0.0 if last else 4.0 * H), 0.0)
         copies = 0.0 if compute == 4 else compute * (layers * params + (V * H if last else 0.0))
-        out.append(StageSizes(stage_params * state_per_param, layers * kv, tile, kept, rerun, copies))
+        # Between I and W (engine/split_backward.py): the gradient of each weight consumer's output — the layers'
+        # matrix products (compute type) and their two norms (fp32), the embeddings' sum, the final norm and the
+        # logits (compute type).
+        grads = layers * (gemm_out * compute + 2 * 4.0 * H) + (4.0 * H if first else 0.0)
+        grads += (4.0 * H + V * compute) if last else 0.0
+        out.append(StageSizes(stage_params * state_per_param, layers * kv, tile, kept, rerun, copies, grads))
     return out
 
 
@@ -140,7 +152,7 @@ def walk_peak(
         t, s, rerun = a.tile, sizes[a.stage], recompute[a.stage]
         key = (a.stage, t.batch_slice)
         tokens = t.batch_size * t.tokens
-        if a.phase == "F":
+        if a.phase is Phase.F:
             if not open_tiles.get(key):
                 alive += t.batch_size * seq_len * s.cache
             open_tiles[key] = open_tiles.get(key, 0) + 1
@@ -149,9 +161,17 @@ def walk_peak(
             if alive > peak:
                 peak, peak_count = alive, count
             continue
-        if rerun and alive + tokens * s.rerun > peak:
+        if not a.phase.frees:  # I: the tile stays until its W
+            # A split backward keeps the tile's graph (and a re-run's) until its W: the weights' gradients need it,
+            # and the gradients of the weight consumers' outputs W starts from.
+            alive += tokens * ((s.rerun if rerun else 0.0) + s.weight_grads)
+            if alive > peak:
+                peak, peak_count = alive, count
+            continue
+        if a.phase is Phase.B and rerun and alive + tokens * s.rerun > peak:
             peak, peak_count = alive + tokens * s.rerun, count
-        alive -= tokens * (s.kept if rerun else s.tile)
+        alive -= tokens * (s.kept + (s.rerun if a.phase is Phase.W else 0.0) if rerun else s.tile)
+        alive -= tokens * s.weight_grads if a.phase is Phase.W else 0.0
         count -= 1
         open_tiles[key] -= 1
         if not open_tiles[key]:
@@ -171,18 +191,15 @@ def stage_memory(schedule: Schedule, profile) -> list[StageMemory] | None:
     out = []
     for k in range(schedule.stages):
         peak, count = walk_peak(schedule[k], sizes, seq_len, schedule.recompute)
-        state = sum(sizes[c].state for c in range(k, schedule.chunks, schedule.stages))
+        state = sum(sizes[c].state for c in range(schedule.chunks) if schedule.device(c) == k)
         out.append(StageMemory(k, state, peak, count))
     return out
 
 
 def in_flight(batch_sizes: Sequence[int], order: str, stages: int) -> list[list[int]]:
-    """``W[k][d]``: the sequences of the batch slices open on stage k while batch slice d runs its backward."""
-    prefix = np.cumsum([0, *batch_sizes])
-    D = len(batch_sizes)
-    if order == "gpipe":
-        return [[int(prefix[d + 1]) for d in range(D)] for _ in range(stages)]
-    return [[int(prefix[min(d + stages - k, D)] - prefix[d]) for d in range(D)] for k in range(stages)]
+    """``W[k][d]``: the sequences of the batch slices open on stage k while batch slice d runs its backward (the
+    order's closed form, `orders.Order.in_flight`)."""
+    return order_of(order).in_flight(batch_sizes, stages)
 
 
 def plain_bytes(s: StageSizes, open_sequences, seq_len: int):
@@ -245,7 +262,7 @@ class EqualSlices:
     limit: float
 
     def in_flight(self, k: int) -> int:
-        return self.slices if self.order == "gpipe" else min(len(self.sizes) - k, self.slices)
+        return order_of(self.order).open_slices(k, len(self.sizes), self.slices)
 
     def plain_bytes(self, k: int) -> float:
         """Stage k's peak without recomputation, for any token slicing."""

@@ -18,17 +18,27 @@ from dataclasses import dataclass
 
 from terapipe_cli.errors import UserError
 
+PLACEMENTS = ("interleaved", "v")
+
 
 @dataclass(frozen=True)
 class Partition:
-    """``layers[c]``: the decoder layers of chunk c, in model order; chunk c runs on device c mod ``devices``."""
+    """``layers[c]``: the decoder layers of chunk c, in model order; chunk c runs on `device` (c), by ``placement``:
+    ``interleaved``, device c mod ``devices`` (Megatron-LM's rounds); ``v`` (two chunks per device, ZB-V), device k
+    holds chunks k and 2K − 1 − k, so the pipeline goes down the devices and back up: the first chunk and the last
+    (the embedding and the head) share device 0, and chunks K − 1 and K, at the V's bottom, are on one device."""
 
     layers: tuple[int, ...]
     devices: int
+    placement: str = "interleaved"  # one of PLACEMENTS
 
     def __post_init__(self) -> None:
         if self.devices < 1 or not self.layers or len(self.layers) % self.devices:
             raise ValueError(f"{len(self.layers)} chunks do not fill {self.devices} devices evenly")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
+        if self.placement == "v" and len(self.layers) != 2 * self.devices:
+            raise ValueError(f"the V placement holds two chunks per device, not {len(self.layers) / self.devices:g}")
 
     @property
     def chunks(self) -> int:
@@ -49,10 +59,14 @@ class Partition:
         return len(set(self.layers)) == 1
 
     def device(self, chunk: int) -> int:
+        if self.placement == "v":
+            return chunk if chunk < self.devices else 2 * self.devices - 1 - chunk
         return chunk % self.devices
 
     def chunks_on(self, device: int) -> tuple[int, ...]:
         """The chunks device ``device`` runs, in model order."""
+        if self.placement == "v":
+            return (device, 2 * self.devices - 1 - device)
         return tuple(range(device, self.chunks, self.devices))
 
     def layer_ids(self, chunk: int) -> range:
@@ -101,7 +115,13 @@ class Partition:
 
 
 def check_partition(
-    counts: Sequence, *, layers: int, devices: int, virtual: int = 1, where: str = "layers_per_stage"
+    counts: Sequence,
+    *,
+    layers: int,
+    devices: int,
+    virtual: int = 1,
+    where: str = "layers_per_stage",
+    placement: str = "interleaved",
 ) -> Partition:
     """``counts`` (per chunk) as a `Partition` of ``layers`` over ``devices`` × ``virtual`` chunks, checked: K·v
     whole numbers summing to N, at least one layer in every chunk but the first and the last, K ≤ N. One-line
@@ -122,7 +142,10 @@ def check_partition(
             f"stage {empty[0]} holds no layer (only the first and the last may: they embed and run the head)",
             where=where,
         )
-    return Partition(tuple(int(n) for n in counts), devices)
+    if placement == "v" and virtual != 2:
+        raise UserError(f"the V placement holds two chunks per device: virtual_stages must be 2, got {virtual}",
+                        where=where)  # fmt: skip
+    return Partition(tuple(int(n) for n in counts), devices, placement)
 
 
 def parse_layers(text: str, *, where: str = "--layers-per-stage") -> list[int]:

@@ -18,7 +18,7 @@ from terapipe_cli.config.experiment import Experiment
 from terapipe_cli.errors import UserError
 from terapipe_cli.plan.costmodel import Profile
 from terapipe_cli.plan.partition import Partition, check_partition
-from terapipe_cli.plan.schedule import ORDERS
+from terapipe_cli.plan.schedule import ALL_ORDERS
 from terapipe_cli.plan.search import METHODS
 from terapipe_cli.units import format_bytes
 
@@ -139,7 +139,7 @@ class PlanRequest:
     data_parallel: int = 1
     memory_limit_gib: float | None = None
     tensor_parallel: int = 1
-    order: str = "gpipe"  # the schedule order the plan runs in (schedule.ORDERS)
+    order: str = "gpipe"  # the schedule order the plan runs in (schedule.ALL_ORDERS)
     recompute: bool = False  # every stage re-runs its tiles' forward in their backward
     # Whether the planner may choose the order and which stages recompute to fit the memory limit (the user fixed
     # neither with --order / --recompute, --no-recompute).
@@ -190,8 +190,8 @@ def plan_request(
     order = None if order == AUTO else order
     order_free, recompute_free = order is None, recompute is None
     order, recompute = order or "gpipe", bool(recompute)
-    if order not in ORDERS:
-        raise UserError(f"must be one of {', '.join(ORDERS + (AUTO,))}, got {order!r}", where="--order")
+    if order not in ALL_ORDERS:
+        raise UserError(f"must be one of {', '.join(ALL_ORDERS + (AUTO,))}, got {order!r}", where="--order")
     model = profile.model
     if stages < 1:
         raise UserError(f"must be at least 1, got {stages}", where="--stages")

@@ -2,36 +2,36 @@
 walk (`engine.executor`), the simulator replays with a cost model (`plan.simulate`), the memory estimate walks
 (`plan.memory`) and the report draws.
 
-An action is written as torch.distributed.pipelining writes it, stage, phase and batch slice (``0F3``: stage 0
-runs the forward of batch slice 3), with the token slice after a dot: ``0F3.2`` is token slice 2 of it, ``1B0.0``
-the backward of the first token slice of batch slice 0 on stage 1. (Where every batch slice is one token slice,
-GPipe's case, the dot is left out.) `Schedule.to_csv` writes one row of actions per stage, and `parse_schedule` reads
-such a file back — a hand-written schedule too — checking that it is legal (`Schedule.check`):
+An action (`plan.actions`: its kind a `Phase` — F, B, or a split backward's I and W) is written as
+torch.distributed.pipelining writes it, stage, kind and batch slice (``0F3``: stage 0 runs the forward of batch slice
+3), with the token slice after a dot: ``0F3.2`` is token slice 2 of it, ``1B0.0`` the backward of the first token
+slice of batch slice 0 on stage 1, ``0I3.2`` / ``0W3.2`` the two halves of a split backward. (Where every batch slice
+is one token slice, GPipe's case, the dot is left out: torch's own CSV form, ``0F0,0I0,0W0``.) `Schedule.to_csv`
+writes one row of actions per stage, and `parse_schedule` reads such a file back — a hand-written schedule too —
+checking that it is legal (`Schedule.check`):
 
-* each stage's row holds every tile of the plan exactly once forward and once backward, and only its own stage's
-  actions;
-* within a batch slice, forwards in token order and backwards in reverse token order, the first backward after the
-  last forward: a later token slice's backward produces the key/value gradients the earlier one's needs
-  (docs/design.md §6);
-* no deadlock: a forward on stage k needs the tile's activation from stage k − 1, a backward its gradient from
-  stage k + 1, and walking every stage's row in order with those dependencies reaches the end.
+* each stage's row holds every tile of the plan exactly once forward and once backward (a B, or an I and a W), and
+  only its own stage's actions;
+* within a batch slice, forwards in token order and backwards (B or I) in reverse token order, the first backward
+  after the last forward: a later token slice's backward produces the key/value gradients the earlier one's needs
+  (docs/design.md §6); a W after its own I;
+* no deadlock: walking every stage's row in order under the one dependency rule (`actions.waits_for`) reaches the
+  end.
 
-Two built-in orders of the batch slices (`ORDERS`, `Schedule.build`): ``gpipe``, every forward then every backward
-(last batch slice first), the same on every stage; and ``1f1b``, where stage k of K runs the forwards of at most
-K − k batch slices ahead of their backwards, then alternates a backward (the oldest open batch slice) with a
-forward, so the activations of fewer batch slices are alive at once. `Schedule.grid` prints a rank × time grid of
-the actions, each taking one time step. The timelines that walking a schedule produces are `plan.timeline`'s.
+The orders (`plan.orders`, one module each, `Schedule.build`): ``gpipe``, every forward then every backward (last
+batch slice first), the same on every stage; ``1f1b``, where stage k of K runs the forwards of at most K − k batch
+slices ahead of their backwards, then alternates a backward (the oldest open batch slice) with a forward; ``zb1p``
+(ZB-H1), 1F1B with each backward split into I and W and the W's held back to fill the bubble; ``zbv`` (ZB-V), two
+chunks per device on the V placement. `Schedule.grid` prints a rank × time grid of the actions, each taking one time
+step. The timelines that walking a schedule produces are `plan.timeline`'s.
 
 Interleaved chunks (``partition`` with v > 1, `plan.partition`): an action's number is its chunk c (a virtual
-stage, as torch.distributed.pipelining numbers them), run by device c mod K; a schedule has one row per device, and
-a forward of chunk c waits for chunk c − 1's (on the device before, or device K − 1 for the first chunk of a round),
-a backward for chunk c + 1's. ``gpipe`` order then runs the tiles in groups of K (Megatron-LM's interleaving: the
-group's tiles through the device's first chunk, then its second, …; a tile comes back round after K chunk-times,
-just when the group is done), every forward before every backward, the backwards in the exact reverse; ``1f1b``
-is Megatron-LM's interleaved 1F1B on tiles — a warm-up of forwards, then one forward and one backward in turn —
-with the backwards in groups of batch slices of at least K tiles (`_alternating_1f1b`). Within a batch slice every
-chunk runs its forwards in token order and its backwards in reverse token order (docs/design.md §6). Imports no
-torch.
+stage, as torch.distributed.pipelining numbers them), run by the partition's placement (`Schedule.device`: device
+c mod K, or on the V device k holding chunks k and 2K − 1 − k); a schedule has one row per device, and a forward of
+chunk c waits for chunk c − 1's, a backward for chunk c + 1's. ``gpipe`` order then runs the tiles in groups of K
+(Megatron-LM's interleaving), every forward before every backward, the backwards in the exact reverse; ``1f1b`` is
+Megatron-LM's interleaved 1F1B on tiles (`orders.one_f_one_b.alternating_1f1b`). Within a batch slice every chunk
+runs its forwards in token order and its backwards in reverse token order (docs/design.md §6). Imports no torch.
 """
 
 from __future__ import annotations
@@ -41,54 +41,24 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from terapipe_cli.errors import UserError
+from terapipe_cli.plan.actions import PHASES, Action, Phase, Tile, completes, plan_tiles, waits_for, walk_rows
+from terapipe_cli.plan.orders import ALL_ORDERS, ORDERS, order_of
 from terapipe_cli.plan.partition import Partition
 
-PHASES = ("F", "B")
-ORDERS = ("gpipe", "1f1b")
+__all__ = [
+    "ALL_ORDERS",
+    "CUSTOM",
+    "ORDERS",
+    "PHASES",
+    "Action",
+    "Phase",
+    "Schedule",
+    "Tile",
+    "parse_schedule",
+    "plan_tiles",
+]
+
 CUSTOM = "custom"  # the order of a schedule read from a file
-
-
-@dataclass(frozen=True)
-class Tile:
-    """One batch slice × one token slice: ``batch_size`` sequences from ``batch_start``, ``tokens`` new
-    tokens from ``token_start`` (= the context length j)."""
-
-    batch_slice: int
-    token_slice: int
-    batch_start: int
-    batch_size: int
-    token_start: int
-    tokens: int
-
-
-@dataclass(frozen=True)
-class Action:
-    """Stage ``stage`` runs the forward ("F") or backward ("B") of ``tile``."""
-
-    phase: str
-    tile: Tile
-    stage: int = 0
-
-    def label(self, token_slices: bool = True) -> str:
-        """``0F3.2`` (``0F3`` without ``token_slices``)."""
-        text = f"{self.stage}{self.phase}{self.tile.batch_slice}"
-        return f"{text}.{self.tile.token_slice}" if token_slices else text
-
-    def __str__(self) -> str:
-        return self.label()
-
-
-def plan_tiles(slices: Sequence) -> list[Tile]:
-    """All tiles of a scheme ``[(b, [l, ...]), ...]`` in pipeline (forward) order."""
-    tiles: list[Tile] = []
-    batch_start = 0
-    for d, (b, lengths) in enumerate(slices):
-        token_start = 0
-        for m, n in enumerate(lengths):
-            tiles.append(Tile(d, m, batch_start, int(b), token_start, int(n)))
-            token_start += int(n)
-        batch_start += int(b)
-    return tiles
 
 
 @dataclass(frozen=True)
@@ -124,21 +94,14 @@ class Schedule:
         """
         if stages < 1:
             raise ValueError(f"stages must be at least 1, got {stages}")
-        if order not in ORDERS:
-            raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
         if partition is not None and partition.devices != stages:
             raise ValueError(f"the partition is for {partition.devices} devices, not {stages}")
         tiles = plan_tiles(slices)
         virtual = 1 if partition is None else partition.virtual
-        if virtual > 1:
-            rows = _interleaved_rows(tiles, len(slices), stages, virtual, order)
-        elif order == "gpipe":
-            rows = [
-                [Action("F", t, k) for t in tiles] + [Action("B", t, k) for t in reversed(tiles)] for k in range(stages)
-            ]
-        else:
-            by_slice = [[t for t in tiles if t.batch_slice == d] for d in range(len(slices))]
-            rows = [_one_f_one_b(by_slice, k, warmup=min(stages - k, len(by_slice))) for k in range(stages)]
+        kind = order_of(order)
+        if partition is not None and partition.placement != kind.placement:
+            partition = replace(partition, placement=kind.placement)  # the order's placement (ZB-V: the V)
+        rows = kind.rows(tiles, len(slices), stages, virtual)
         return cls.of_rows(slices, stages, order, rows, recompute, partition)
 
     @classmethod
@@ -174,8 +137,8 @@ class Schedule:
         return self.chunks // self.stages
 
     def device(self, chunk: int) -> int:
-        """The device that runs chunk ``chunk`` (c mod K)."""
-        return chunk % self.stages
+        """The device that runs chunk ``chunk``: the partition's placement (`Partition.device`), else c mod K."""
+        return chunk % self.stages if self.partition is None else self.partition.device(chunk)
 
     def __getitem__(self, stage: int) -> tuple[Action, ...]:
         return self.actions[stage]
@@ -196,7 +159,17 @@ class Schedule:
 
     def forward_tiles(self, stage: int) -> list[Tile]:
         """The tiles stage ``stage`` runs forward, in its order (the order its activations arrive)."""
-        return [a.tile for a in self.actions[stage] if a.phase == "F"]
+        return [a.tile for a in self.actions[stage] if a.phase is Phase.F]
+
+    @property
+    def token_slice_counts(self) -> dict[int, int]:
+        """Batch slice -> its number of token slices."""
+        return {d: len(lengths) for d, (_, lengths) in enumerate(self.slices)}
+
+    @property
+    def split(self) -> bool:
+        """Whether some backward runs as I and W (a zero-bubble order)."""
+        return any(a.phase is Phase.I for row in self.actions for a in row)
 
     def with_partition(self, partition: Partition | None) -> Schedule:
         """The same actions, with the layers of each chunk known (for the memory estimate and the simulator)."""
@@ -212,23 +185,24 @@ class Schedule:
             raise UserError(f"has {len(self.actions)} rows, one per stage is needed: {self.stages}", where=where)
         for k, row in enumerate(self.actions):
             chunks = [c for c in range(self.chunks) if self.device(c) == k]
-            every = {(p, c, t) for p in PHASES for c in chunks for t in self.tiles}
-            seen: set[tuple[str, int, Tile]] = set()
-            next_forward: dict[
-                tuple[int, int], int
-            ] = {}  # (chunk, batch slice) -> the token slice whose forward is next
-            next_backward: dict[tuple[int, int], int] = {}  # (chunk, batch slice) -> the next backward's token slice
+            # Every tile of every chunk once forward and once backward, whole (B) or split (I, then W).
+            every = {(p, c, t) for p in (Phase.F, Phase.I, Phase.W) for c in chunks for t in self.tiles}
+            seen: set[tuple[Phase, int, Tile]] = set()
+            # (chunk, batch slice) -> the token slice whose forward (backward: I or B) is next
+            next_forward: dict[tuple[int, int], int] = {}
+            next_backward: dict[tuple[int, int], int] = {}
             for n, a in enumerate(row):
                 t, at = a.tile, f"row {k + 1} (stage {k}), action {n + 1} {self.label(a)!r}"
                 count = len(self.slices[t.batch_slice][1])
                 if a.stage >= self.chunks or self.device(a.stage) != k:
                     what = "stage" if self.virtual == 1 else "chunk"
                     raise UserError(f"{at}: an action of {what} {a.stage} in the row of stage {k}", where=where)
-                if (a.phase, a.stage, t) in seen:
+                parts = {(p, a.stage, t) for p in a.phase.parts}
+                if parts & seen:
                     raise UserError(f"{at}: runs twice", where=where)
-                seen.add((a.phase, a.stage, t))
+                seen.update(parts)
                 key = (a.stage, t.batch_slice)
-                if a.phase == "F":
+                if a.phase is Phase.F:
                     expected = next_forward.get(key, 0)
                     if t.token_slice != expected:
                         raise UserError(
@@ -237,6 +211,10 @@ class Schedule:
                             where=where,
                         )
                     next_forward[key] = expected + 1
+                    continue
+                if a.phase is Phase.W:
+                    if (Phase.I, a.stage, t) not in seen:
+                        raise UserError(f"{at}: the weights' backward before its own I", where=where)
                     continue
                 if next_forward.get(key, 0) < count:
                     raise UserError(
@@ -255,6 +233,8 @@ class Schedule:
             missing = sorted(every - seen, key=lambda pct: (pct[2].batch_slice, pct[2].token_slice, pct[1], pct[0]))
             if missing:
                 phase, c, t = missing[0]
+                if phase is Phase.I and (Phase.W, c, t) in every - seen:
+                    phase = Phase.B  # neither half: the backward is missing
                 first = self.label(Action(phase, t, c))
                 raise UserError(
                     f"row {k + 1} (stage {k}) lacks {first!r} ({len(missing)} actions missing)", where=where
@@ -262,9 +242,9 @@ class Schedule:
         self.walk(where=where)
 
     def walk(self, where: str = "schedule") -> list[Action]:
-        """Every action in an order the dependencies allow (forwards wait for the previous chunk's, backwards for
-        the next chunk's and their own forward); a one-line `UserError` when the schedule deadlocks."""
-        out, stuck = _walk(self.actions, self.chunks)
+        """Every action in an order the dependencies allow (`actions.waits_for`); a one-line `UserError` when the
+        schedule deadlocks."""
+        out, stuck = walk_rows(self.actions, self.chunks, self.token_slice_counts)
         if stuck:
             where_stuck = [f"stage {k} at {self.label(self.actions[k][n])!r}" for k, n in stuck]
             raise UserError(
@@ -278,19 +258,15 @@ class Schedule:
     def grid(self, *, width: int | None = None) -> str:
         """A rank × time grid: one row per stage, one column per time step, every action one step long and as
         early as its dependencies allow (``width``: at most that many steps, then ``…``)."""
-        slot: dict[tuple[int, str, Tile], int] = {}
+        slot: dict = {}  # an action's keys (`actions.completes`) -> its step
         free = [0] * self.stages
         cells: list[dict[int, str]] = [{} for _ in range(self.stages)]
+        counts = self.token_slice_counts
         for a in self.walk():
-            c, t = a.stage, a.tile
-            k = self.device(c)
-            needs = [free[k]]
-            if a.phase == "F" and c > 0:
-                needs.append(slot[(c - 1, "F", t)] + 1)
-            if a.phase == "B" and c < self.chunks - 1:
-                needs.append(slot[(c + 1, "B", t)] + 1)
-            start = max(needs)
-            slot[(c, a.phase, t)] = start
+            k = self.device(a.stage)
+            start = max([free[k]] + [slot[key] + 1 for key in waits_for(a, self.chunks, counts[a.tile.batch_slice])])
+            for key in completes(a):
+                slot[key] = start
             free[k] = start + 1
             cells[k][start] = self.label(a)
         steps = max(free)
@@ -308,130 +284,7 @@ class Schedule:
         return "".join(",".join(self.label(a) for a in row) + "\n" for row in self.actions)
 
 
-def _walk(rows: Sequence[Sequence[Action]], chunks: int) -> tuple[list[Action], list[tuple[int, int]]]:
-    """Walk the rows as far as the dependencies allow: the actions in an order they can run, and where each row is
-    stuck (device, position; empty when every action ran)."""
-    pos = [0] * len(rows)
-    done: set[tuple[int, str, Tile]] = set()
-    out: list[Action] = []
-    total = sum(len(r) for r in rows)
-    while len(out) < total:
-        progressed = False
-        for k, row in enumerate(rows):
-            while pos[k] < len(row) and _ready(row[pos[k]], done, chunks):
-                a = row[pos[k]]
-                done.add((a.stage, a.phase, a.tile))
-                out.append(a)
-                pos[k] += 1
-                progressed = True
-        if not progressed:
-            return out, [(k, pos[k]) for k, r in enumerate(rows) if pos[k] < len(r)]
-    return out, []
-
-
-def _ready(a: Action, done: set, chunks: int) -> bool:
-    c, t = a.stage, a.tile
-    if a.phase == "F":
-        return c == 0 or (c - 1, "F", t) in done
-    return (c, "F", t) in done and (c == chunks - 1 or (c + 1, "B", t) in done)
-
-
-def _interleaved_rows(tiles: list[Tile], slices: int, devices: int, virtual: int, order: str) -> list[list[Action]]:
-    """Each device's row with v chunks per device (module docstring): forwards in groups of K tiles, each group
-    through the device's chunks in turn; ``gpipe`` then every backward in the exact reverse; ``1f1b`` the order of
-    `_alternating_1f1b`."""
-    chunks = devices * virtual
-
-    def forwards(k: int, ts: list[Tile]) -> list[Action]:
-        out = []
-        for g in range(0, len(ts), devices):
-            group = ts[g : g + devices]
-            out += [Action("F", t, c) for c in range(k, chunks, devices) for t in group]
-        return out
-
-    if order == "gpipe":
-        return [(f := forwards(k, tiles)) + [Action("B", a.tile, a.stage) for a in reversed(f)] for k in range(devices)]
-    # Backwards by groups of batch slices of at least K tiles (Megatron's groups of K microbatches when every batch
-    # slice is one tile), oldest group first; within a group the device's chunks from the last, each running the
-    # group's batch slices oldest first, every batch slice in reverse token order.
-    by_slice = [[t for t in tiles if t.batch_slice == d] for d in range(slices)]
-    groups: list[list[list[Tile]]] = []
-    for ts in by_slice:
-        if not groups or sum(len(x) for x in groups[-1]) >= devices:
-            groups.append([])
-        groups[-1].append(ts)
-    backward = [
-        [
-            Action("B", t, c)
-            for group in groups
-            for c in reversed(range(k, chunks, devices))
-            for ts in group
-            for t in ts[::-1]
-        ]
-        for k in range(devices)
-    ]
-    return _alternating_1f1b([forwards(k, tiles) for k in range(devices)], backward, chunks, virtual)
-
-
-def _alternating_1f1b(
-    forward: list[list[Action]], backward: list[list[Action]], chunks: int, virtual: int
-) -> list[list[Action]]:
-    """Megatron-LM's interleaved 1F1B over these forwards and backwards: device k first runs
-    (K − k − 1)·2 + (v − 1)·K + e forwards (its warm-up, in tiles), then one forward and one backward in turn, then
-    the backwards left; e is the smallest extra warm-up, the same on every device, that leaves no deadlock (0 when
-    every batch slice is one tile and the groups are K of them — Megatron-LM's own case, whose order this then is
-    exactly; with token slices a group can hold more than K tiles, and its first backward waits for more forwards).
-    With e as large as the forwards every device runs all its forwards first, which is legal, so e exists.
-
-    It replaced a greedy replay that took any ready backward before the next batch slice's forward: backwards then
-    ran in bursts that starved the next device of forwards, and the simulator priced it 1–14% slower on every case
-    compared (the tiny model's K = 2 plans; Megatron-LM's settings 5–8 on DGX A100, v = 2–4, whole sequences and
-    token slices), 16% on the 310.1B setting (docs/results.md)."""
-    devices = len(forward)
-
-    def rows_with(extra: int) -> list[list[Action]]:
-        rows = []
-        for k in range(devices):
-            f, b = forward[k], backward[k]
-            warmup = min(len(f), base[k] + extra)
-            row = f[:warmup]
-            for n in range(len(f) - warmup):
-                row += [f[warmup + n], b[n]]
-            rows.append(row + b[len(f) - warmup :])
-        return rows
-
-    def legal(rows: list[list[Action]]) -> bool:
-        return not _walk(rows, chunks)[1]
-
-    # A backward placed before its own forward can never run: device k's n-th backward comes after its
-    # (warm-up + n)-th forward, so the warm-up must reach the forward's position less n. The smallest extra meeting
-    # that on every device is a lower bound; from it, the first extra whose rows walk to the end (one or two walks
-    # in practice: a walk per extra from zero made paper-08's plan 9 s instead of 5 s).
-    base = [(devices - k - 1) * 2 + (virtual - 1) * devices for k in range(devices)]
-    low = 0
-    for k in range(devices):
-        at = {(a.tile, a.stage): i for i, a in enumerate(forward[k])}
-        low = max([low] + [at[(b.tile, b.stage)] - n - base[k] for n, b in enumerate(backward[k])])
-    for extra in range(low, max(len(f) for f in forward) + 1):
-        rows = rows_with(extra)
-        if legal(rows):
-            return rows
-    raise AssertionError("every forward first cannot deadlock")  # unreachable: the last extra is GPipe-like
-
-
-def _one_f_one_b(by_slice: list[list[Tile]], stage: int, warmup: int) -> list[Action]:
-    """One stage's 1F1B order over batch slices, ``warmup`` forwards ahead."""
-    forward = [[Action("F", t, stage) for t in ts] for ts in by_slice]
-    backward = [[Action("B", t, stage) for t in reversed(ts)] for ts in by_slice]
-    out = [a for d in range(warmup) for a in forward[d]]
-    for d in range(warmup, len(by_slice)):
-        out += backward[d - warmup] + forward[d]
-    for d in range(len(by_slice) - warmup, len(by_slice)):
-        out += backward[d]
-    return out
-
-
-_ACTION = re.compile(r"(\d+)([FB])(\d+)(?:\.(\d+))?")
+_ACTION = re.compile(r"(\d+)([FBIW])(\d+)(?:\.(\d+))?")
 
 
 def parse_schedule(
@@ -460,7 +313,7 @@ def parse_schedule(
             m = _ACTION.fullmatch(cell)
             if m is None:
                 raise UserError(
-                    f"{at}: not an action such as 0F3.2 (stage, F or B, batch slice, .token slice)", where=where
+                    f"{at}: not an action such as 0F3.2 (stage, F, B, I or W, batch slice, .token slice)", where=where
                 )
             stage, phase, d = int(m.group(1)), m.group(2), int(m.group(3))
             token = int(m.group(4) or 0)

@@ -592,9 +592,14 @@ class _ScaledBatch:
         return self.cost(np.asarray(bb) * self.b, i, j)
 
 
-def _search_exact(tables: _Tables, stages: int, epsilon: float, copies: int = 1) -> tuple[Slices | None, float, int]:
+def _search_exact(
+    tables: _Tables, stages: int, epsilon: float, copies: int = 1, ceiling: float = math.inf
+) -> tuple[Slices | None, float, int]:
     """The best scheme, its largest tile and the candidates probed. ``copies``: the scheme runs ``copies`` times (D
-    equal batch slices, `solve(batch_slice=…)`): the objective is copies·S + (K−1)·t_max."""
+    equal batch slices, `solve(batch_slice=…)`): the objective is copies·S + (K−1)·t_max. ``ceiling``: only a scheme
+    below it matters — every t whose bound reaches it is pruned as if a scheme of that value were known, so the
+    result is the optimum when the optimum is below ``ceiling``, and otherwise some scheme, the optimum being no
+    less than ``ceiling`` (`solve(ceiling=…)`)."""
     top = _probe(tables, np.array([np.inf]))[0]
     probes = 1
     if top.slices is None:
@@ -611,15 +616,18 @@ def _search_exact(tables: _Tables, stages: int, epsilon: float, copies: int = 1)
             best_T, best_slices, best_max = T, seed, max_s
     slack = stages * epsilon
 
+    def prune() -> float:
+        return min(best_T, ceiling)
+
     def cutoff() -> float:
         # No t above this can win: T(t) ≥ copies·S*(∞) + (K−1)·t.
-        return (best_T - copies * top.total) / (stages - 1)
+        return (prune() - copies * top.total) / (stages - 1)
 
     c = tables.distinct_costs(tables.smallest_feasible_t_max(), cutoff())
     # Open intervals of candidate indices [lo, hi] with s_up = a value ≤ S*(t) for all t in them.
     open_ = [(0, len(c) - 1, top.total)]
     while open_:
-        limit = best_T - slack - _REL_TOL * abs(best_T)
+        limit = prune() - slack - _REL_TOL * abs(prune())
         hi_cut = int(np.searchsorted(c, cutoff(), side="right")) - 1
         live = []
         for lo, hi, s_up in open_:
@@ -701,6 +709,7 @@ def solve(
     batch_slice: int | None = None,
     grouping: Sequencing | None = None,
     neighbours: int = 0,
+    ceiling: float = math.inf,
 ) -> PlanResult | None:
     """Choose token and batch slicing minimising the objective of docs/design.md §4.
 
@@ -712,6 +721,9 @@ def solve(
     ``alternatives``, the cheapest schemes under the n distinct tile costs on either side of the optimum's largest
     tile (each the exact optimum for its threshold): the candidates a schedule-aware choice re-ranks. A cost with a
     ``max_batch_slice`` attribute (`CostModel(within_profile=True)`) prices no larger batch slice: none is searched.
+    ``ceiling`` (seconds, as ``predicted_s``; exact method): only a scheme faster than it is wanted — the search prunes
+    against it from the start, and a result with ``predicted_s`` ≥ ``ceiling`` only says that no scheme is faster
+    than ``ceiling`` (the search of many cost models, `plan.configs`, passes the best found so far).
     """
     _check_sizes(seq_len=seq_len, batch_size=batch_size, stages=stages, token_step=token_step)
     if not (isinstance(epsilon, (int, float)) and epsilon >= 0 and math.isfinite(epsilon)):
@@ -720,6 +732,9 @@ def solve(
         raise UserError(f"must be one of {', '.join(METHODS)}, got {method!r}", where="method")
     started = time.perf_counter()
     search = _search_exact if method == "exact" else _search_enumerate
+    if method == "exact" and ceiling < math.inf:  # in the search's units: without the per-step constant
+        high = ceiling - getattr(cost, "step_s", 0.0)
+        search = lambda *args: _search_exact(*args, ceiling=high)  # noqa: E731
     if batch_slice is not None and grouping is not None:
         raise ValueError("batch_slice and grouping exclude each other")
     if batch_slice is None:

@@ -4,9 +4,13 @@ The planner's objective (docs/design.md §4) is a closed formula, ``Σ t + (K−
 step the way the runtime executes it (`terapipe_cli.train.worker`):
 
 * every stage runs its actions (a `schedule.Schedule`) strictly in order, one at a time;
-* a forward on stage k waits for the activation of the same tile from stage k−1; a backward waits for the
-  gradient of the same tile from stage k+1 (the last stage starts a tile's backward as soon as it reaches it
-  in its order: its loss is computed in the forward);
+* an action waits for what the one dependency rule says (`actions.waits_for`): a forward on stage k for the
+  activation of the same tile from stage k−1; a backward (B, or a split backward's I) for the gradient of the same
+  tile from stage k+1 (the last stage starts a tile's backward as soon as it reaches it in its order: its loss is
+  computed in the forward); a W for its own I. The gradient is sent after B or I; I costs `INPUT_SHARE` of the
+  tile's backward, W the rest;
+* chunks sit on the devices the schedule's placement says (`Schedule.device`): a transfer between two chunks of one
+  device is free;
 * sends are asynchronous (the runtime's ``isend``): the sender moves on at once, the message travels over the
   link between the two stages, which carries one message at a time per direction, in the order sent;
 * after its last backward a stage pays the per-step constant (optimizer update and data-parallel all-reduce).
@@ -25,8 +29,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from terapipe_cli.plan.actions import COMPLETES, WAITS, Action, Phase, Tile
 from terapipe_cli.plan.costmodel import ContextFit, CostModel
-from terapipe_cli.plan.schedule import Action, Schedule, Tile
+from terapipe_cli.plan.schedule import Schedule
 from terapipe_cli.plan.timeline import Event, StageTimes, stage_times
 
 # parts(b, i, j, chunk) -> (forward_s, backward_s, send_forward_s, send_backward_s), arrays over tiles: one chunk's
@@ -123,7 +128,10 @@ def simulate(
     parts, step_s = _resolve_parts(cost_parts, stages, step_s)
     if isinstance(cost_parts, CostModel) and cost_parts.partition.chunks != schedule.chunks:
         raise ValueError(f"the cost model has {cost_parts.partition.chunks} chunks, the schedule {schedule.chunks}")
-    pipeline = _Pipeline(list(schedule.tiles), parts, stages, schedule.chunks, schedule.recompute)
+    pipeline = _Pipeline(
+        list(schedule.tiles), parts, stages, schedule.chunks, schedule.recompute, schedule.device,
+        getattr(parts, "input_share", INPUT_SHARE),
+    )  # fmt: skip
     events = pipeline.walk(schedule.actions, replica=replica, step=step)
     compute_end = max(pipeline.stage_free) if stages else 0.0
     return SimResult(
@@ -145,23 +153,43 @@ def _resolve_parts(cost_parts: CostModel | TileParts, stages: int, step_s: float
     return parts, float(step_s or 0.0)
 
 
+# The share of a tile's backward in its I (the input's and the K/V cache's gradients) when a profile does not time I
+# and W apart: every matmul's backward is two matmuls of its size, one for the input and one for the weight, and the
+# attention's own backward (no weights) goes to I; the matmuls dominate, so about half.
+INPUT_SHARE = 0.5
+# `actions.WAITS` and `actions.COMPLETES` with each kind an index (the kinds an action completes: F, I, W).
+_PHASE_INDEX = {Phase.F: 0, Phase.I: 1, Phase.W: 2}
+_WAITS = {p: tuple((dc, _PHASE_INDEX[q], dm) for dc, q, dm in WAITS[p]) for p in Phase}
+_COMPLETES = {p: tuple(_PHASE_INDEX[q] for q in COMPLETES[p]) for p in Phase}
+_KIND = {Phase.F: 0, Phase.B: 1, Phase.I: 2, Phase.W: 3}  # how `_Pipeline.run` prices and sends an action
+_LETTER = {p: p.value for p in Phase}
+
 # Each cost model's split into parts, made once: the planner simulates one cost model many times.
 _PARTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class _Pipeline:
-    """The state of the devices and links while a schedule is walked: what has arrived where, and when.
+    """The state of the devices and links while a schedule is walked: when each action ended, and when what it sends
+    arrived at the chunk that waits for it (`actions.waits_for` says who waits for what).
 
-    Chunk c runs on device c mod K (one chunk per device unless interleaved); a tile's activation goes from chunk c
-    to c + 1 over the link between their devices (free within one device), its gradient back.
+    A tile's activation goes from chunk c to c + 1 over the link between their devices (free within one device), its
+    gradient back after its I (or B). A split backward costs ``input_share`` of the backward in I (plus the re-run
+    forward of a recomputed chunk) and the rest in W.
 
     Plain Python lists and floats: the walk touches one element at a time, where numpy's scalar access costs more
     than the arithmetic."""
 
     def __init__(
-        self, tiles: list[Tile], parts: TileParts, stages: int, chunks: int, recompute: Sequence[bool]
+        self,
+        tiles: list[Tile],
+        parts: TileParts,
+        stages: int,
+        chunks: int,
+        recompute: Sequence[bool],
+        device: Callable[[int], int],
+        input_share: float = INPUT_SHARE,
     ) -> None:
-        self.index = {t: n for n, t in enumerate(tiles)}
+        self.tiles = len(tiles)
         b = np.array([t.batch_size for t in tiles], dtype=float)
         i = np.array([t.tokens for t in tiles], dtype=float)
         j = np.array([t.token_start for t in tiles], dtype=float)
@@ -177,73 +205,109 @@ class _Pipeline:
                 store.append(x)
         self.stages, self.chunks = stages, chunks
         self.recompute = list(recompute)
-        # Arrival time at chunk c of tile n's activation (forward) or gradient (backward); None until sent.
-        self.act_in: list[list[float | None]] = [[None] * len(tiles) for _ in range(chunks)]
-        self.grad_in: list[list[float | None]] = [[None] * len(tiles) for _ in range(chunks)]
-        self.forward_done = [[False] * len(tiles) for _ in range(chunks)]
-        self.link_fwd_free = [0.0] * stages  # link k -> k+1 (mod K), free from this time
-        self.link_bwd_free = [0.0] * stages  # link k -> k-1 (mod K)
+        self.device = [device(c) for c in range(chunks)]
+        self.input_share = float(input_share)
+        self.counts: dict[int, int] = {}  # batch slice -> its token slices
+        self.first_tile: dict[int, int] = {}  # batch slice -> the number of its first tile (the rest follow it)
+        for n, t in enumerate(tiles):
+            self.counts[t.batch_slice] = max(self.counts.get(t.batch_slice, 0), t.token_slice + 1)
+            self.first_tile.setdefault(t.batch_slice, n)
+        size = chunks * 3 * len(tiles)
+        self.end: list[float | None] = [None] * size  # when the action of a key ended
+        self.arrive: list[float | None] = [None] * size  # when what it sent arrived at the next (previous) chunk
+        self.link_fwd_free = [0.0] * stages  # device k's link for activations, free from this time
+        self.link_bwd_free = [0.0] * stages  # device k's link for gradients
         self.stage_free = [0.0] * stages
+
+    def compile(self, row: Sequence[Action]) -> list[tuple]:
+        """Each action as (chunk, kind, its letter, tile number, base slot, the offsets of the slots it completes,
+        what it waits for as (offset, sent)): `actions.WAITS` in slot arithmetic. A slot is (chunk, kind, tile),
+        base + offset; a batch slice's token slices are consecutive tiles. The offsets depend only on the kind and
+        where the action sits (first or last chunk, last token slice): made once per walk."""
+        out = []
+        first, counts, tiles, chunks = self.first_tile, self.counts, self.tiles, self.chunks
+        memo: dict = {}
+        for a in row:
+            t, c, phase = a.tile, a.stage, a.phase
+            n = first[t.batch_slice] + t.token_slice
+            later = t.token_slice + 1 < counts[t.batch_slice]  # a later token slice exists
+            where = (phase, c == 0, c == chunks - 1, later)
+            offsets = memo.get(where)
+            if offsets is None:
+                deps = tuple(
+                    ((dc * 3 + kind) * tiles + dm, dc != 0)
+                    for dc, kind, dm in _WAITS[phase]
+                    if 0 <= c + dc < chunks and (dm == 0 or later)
+                )
+                offsets = memo[where] = (tuple(kind * tiles for kind in _COMPLETES[phase]), deps)
+            out.append((c, _KIND[phase], _LETTER[phase], n, c * 3 * tiles + n, *offsets))
+        return out
 
     def walk(self, schedule: Sequence[Sequence[Action]], *, replica: int, step: int) -> list[Event]:
         """Run every device's actions in order, each as soon as its input is there; events sorted by start."""
         pos = [0] * self.stages
-        tile_of = [[self.index[a.tile] for a in actions] for actions in schedule]
+        rows = [self.compile(actions) for actions in schedule]
         events: list[Event] = []
         remaining = sum(len(s) for s in schedule)
         interleaved = self.chunks > self.stages
+        end, arrive = self.end, self.arrive
         while remaining:
             progressed = False
             for k in range(self.stages):
-                while pos[k] < len(schedule[k]):
-                    action, n = schedule[k][pos[k]], tile_of[k][pos[k]]
-                    t_ready = self.ready(action.stage, action.phase, n)
-                    if t_ready is None:
-                        break
-                    start, end = self.run(k, action.stage, action.phase, n, t_ready)
-                    tile = action.tile
-                    chunk = action.stage if interleaved else None
-                    events.append(
-                        Event(k, action.phase, tile.batch_slice, tile.token_slice, start, end, k, replica, step, chunk)
-                    )
-                    pos[k] += 1
-                    remaining -= 1
-                    progressed = True
+                row = rows[k]
+                while pos[k] < len(row):
+                    c, kind, letter, n, base, done, deps = row[pos[k]]
+                    t_ready = 0.0
+                    for offset, sent in deps:
+                        t = arrive[base + offset] if sent else end[base + offset]
+                        if t is None:
+                            break
+                        if t > t_ready:
+                            t_ready = t
+                    else:
+                        start, finish = self.run(k, c, kind, n, t_ready, base, done)
+                        tile = schedule[k][pos[k]].tile
+                        chunk = c if interleaved else None
+                        events.append(
+                            Event(k, letter, tile.batch_slice, tile.token_slice, start, finish, k, replica, step, chunk)
+                        )
+                        pos[k] += 1
+                        remaining -= 1
+                        progressed = True
+                        continue
+                    break
             if not progressed:
                 stuck = {k: schedule[k][pos[k]] for k in range(self.stages) if pos[k] < len(schedule[k])}
                 raise ValueError(f"the schedule deadlocks: stages waiting forever at {stuck}")
         events.sort(key=lambda e: (e.start_s, e.stage))
         return events
 
-    def ready(self, c: int, phase: str, n: int) -> float | None:
-        """When the input of tile n's ``phase`` on chunk c is there, or None while it has not been sent."""
-        if phase == "F":
-            return 0.0 if c == 0 else self.act_in[c][n]
-        if not self.forward_done[c][n]:
-            return None
-        return 0.0 if c == self.chunks - 1 else self.grad_in[c][n]
-
-    def run(self, k: int, c: int, phase: str, n: int, t_ready: float) -> tuple[float, float]:
-        """Compute tile n's ``phase`` of chunk c on device k and send its output on; returns its (start, end)."""
-        start = max(self.stage_free[k], t_ready)
-        local = self.stages == 1  # every chunk on one device: nothing travels
-        if phase == "F":
+    def run(
+        self, k: int, c: int, kind: int, n: int, t_ready: float, base: int, done: tuple[int, ...]
+    ) -> tuple[float, float]:
+        """Compute tile n's action of ``kind`` (`_KIND`) on chunk c, device k, and send its output on; returns its
+        (start, end)."""
+        start = self.stage_free[k]
+        if t_ready > start:
+            start = t_ready
+        if kind == 0:  # F
             end = start + self.fwd[c][n]
-            self.forward_done[c][n] = True
-            if c + 1 < self.chunks:
-                if local:
-                    self.act_in[c + 1][n] = end
-                else:
-                    depart = max(end, self.link_fwd_free[k])
-                    self.link_fwd_free[k] = self.act_in[c + 1][n] = depart + self.send_f[c][n]
-        else:
-            end = start + self.bwd[c][n] + (self.fwd[c][n] if self.recompute[c] else 0.0)
-            if c > 0:
-                if local:
-                    self.grad_in[c - 1][n] = end
-                else:
-                    depart = max(end, self.link_bwd_free[k])
-                    self.link_bwd_free[k] = self.grad_in[c - 1][n] = depart + self.send_b[c][n]
+        elif kind == 3:  # W
+            end = start + (1.0 - self.input_share) * self.bwd[c][n]
+        else:  # B, or I (with the re-run forward of a recomputed chunk either way)
+            share = 1.0 if kind == 1 else self.input_share
+            end = start + share * self.bwd[c][n] + (self.fwd[c][n] if self.recompute[c] else 0.0)
+        arrival = end
+        if kind == 0:
+            if c + 1 < self.chunks and self.device[c + 1] != k:
+                depart = max(end, self.link_fwd_free[k])
+                self.link_fwd_free[k] = arrival = depart + self.send_f[c][n]
+        elif kind != 3 and c > 0 and self.device[c - 1] != k:
+            depart = max(end, self.link_bwd_free[k])
+            self.link_bwd_free[k] = arrival = depart + self.send_b[c][n]
+        for offset in done:
+            self.end[base + offset] = end
+            self.arrive[base + offset] = arrival
         self.stage_free[k] = end
         return start, end
 

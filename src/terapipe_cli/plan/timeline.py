@@ -116,7 +116,7 @@ def read_timeline(path: str | Path) -> tuple[dict, list[Event]]:
         ef = Fields(e, where, f"events[{n}].")
         phase = ef.str("phase")
         if phase not in PHASES:
-            raise ef.fail("phase", f"must be 'F' or 'B', got {phase!r}")
+            raise ef.fail("phase", f"must be one of {', '.join(PHASES)}, got {phase!r}")
         start, end = ef.number("start_s"), ef.number("end_s")
         if end < start:
             raise ef.fail("end_s", f"is before start_s ({end} < {start})")

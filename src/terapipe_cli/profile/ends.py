@@ -6,8 +6,10 @@ Each end runs in a `StageRunner` holding that end alone: the first and the last 
 ``(0, 1, 0)`` (`plan.partition`), at the profile's precision, inside one ``StageRunner.step()`` as in training. A
 tile is timed as a forward of another batch slice (untimed, as in a pipeline step), then the tile's forward and
 backward; rounds visit every (b, i) in a fresh random order, medians kept, with the clock of the layer's tiles
-(`profile.timer`). The grid is the profile's batch sizes × token lengths; a few (b, i) off the grid are timed in
-the same rounds and held out, to check the interpolation the cost model uses on them (`held_out_errors`).
+(`profile.timer`). The grid is the profile's batch sizes × token lengths (cells above `Settings.ends_max_tokens`, with
+``--quick`` more than one sequence's tokens, scaled by b from the largest b timed at their length); a few (b, i) off
+the grid are timed in the same rounds and held out, to check the interpolation the cost model uses on them
+(`held_out_errors`).
 
 With tensor parallelism (``tensor``) both ends are split by vocabulary rows over the stage's T ranks, as the runtime
 runs them (engine/tensor.py), with their all-reduces: every rank of the group times the same tiles in the same
@@ -38,6 +40,11 @@ HELD_OUT = 8  # (b, i) points off the grid timed to check the interpolation
 # embedding on the tiny model, 2 runs each (docs/results.md, "The ends' held-out error"): 4–8% mean with 7 rounds,
 # 5–6% with 15; 15 rounds cost ~6 s of an 80 s profile.
 MIN_ROUNDS, QUICK_ROUNDS = 15, 7
+# A tile that takes longer than this in the warm-up round is timed only `Settings.repeats` rounds: the extra rounds are
+# for the cheap tiles' jitter, and a large vocabulary's head tiles take up to a second each (a 128,256-token head,
+# hidden 64, b·i = 1024 on one CPU thread), where the extra rounds were most of `profile --quick`'s time. Nor does
+# such a tile follow another batch slice's forward: the allocator's state that priming reproduces is noise there.
+HEAVY_S = 0.05
 
 
 class EndsTimer:
@@ -70,8 +77,9 @@ class EndsTimer:
         shared = module.lm_head.weight.numel() if end == "head" and self.tied else 0
         return sum(p.numel() for p in module.parameters()) - shared
 
-    def time_tile(self, end: str, b: int, i: int) -> tuple[float, float]:
-        """Seconds of the forward and of the backward of one (b, i) tile of ``end``."""
+    def time_tile(self, end: str, b: int, i: int, *, prime: bool = True) -> tuple[float, float]:
+        """Seconds of the forward and of the backward of one (b, i) tile of ``end``; ``prime``: after a forward of
+        another batch slice, as in a pipeline step (left out for a tile much longer than that state matters to)."""
         runner = self.runners[end]
         runner.reset()
         tokens = torch.randint(0, self.vocab, (b, i), generator=self._gen).to(self.device)
@@ -81,8 +89,9 @@ class EndsTimer:
         else:
             x, targets, grad = torch.randn(b, i, self.hidden, generator=self._gen).to(self.device), tokens, None
         runner.set_loss_scale(1.0 / (b * i))
-        runner.forward_tile(1, 0, x, targets)  # a forward of another batch slice first, as in a pipeline step
-        self._sync()
+        if prime:
+            runner.forward_tile(1, 0, x, targets)  # a forward of another batch slice first, as in a pipeline step
+            self._sync()
         t0 = self._now()
         runner.forward_tile(0, 0, x, targets)
         self._sync()
@@ -98,6 +107,12 @@ class EndsTimer:
             torch.cuda.synchronize(self.device)
 
 
+def _timed(settings: Settings, b: int, n: int) -> bool:
+    """Whether the ends are timed at (b, n) (`Settings.ends_max_tokens`); the smallest batch size always is."""
+    cap = settings.ends_max_tokens
+    return cap is None or b * n <= cap or b == min(settings.batch_sizes)
+
+
 def held_out_points(settings: Settings, seq_len: int, count: int = HELD_OUT) -> list[tuple[int, int]]:
     """``count`` (b, i) off the grid — i a multiple of the token step between the grid's lengths, b any size from
     the smallest batch size to the largest — drawn from the profile's seed."""
@@ -106,6 +121,11 @@ def held_out_points(settings: Settings, seq_len: int, count: int = HELD_OUT) -> 
     ]
     sizes = range(min(settings.batch_sizes), max(settings.batch_sizes) + 1)
     candidates = [(b, n) for b in sizes for n in lengths]
+    # Under a cap on the ends' tokens, held-out tiles of at most half of it where there are enough (a short model's
+    # are cheap whatever their size): the cells above the cap are scaled, not interpolated.
+    cap = settings.ends_max_tokens
+    small = [(b, n) for b, n in candidates if cap is None or b * n <= cap // 2]
+    candidates = small if len(small) >= count else candidates
     if not candidates:
         return []
     rng = np.random.default_rng(settings.seed + 7)
@@ -126,7 +146,7 @@ def time_ends(
     timer = EndsTimer(
         model, device, seed=settings.seed, clock=settings.clock, precision=settings.precision, tensor=tensor
     )
-    grid = [(b, n) for b in settings.batch_sizes for n in settings.token_lengths]
+    grid = [(b, n) for b in settings.batch_sizes for n in settings.token_lengths if _timed(settings, b, n)]
     held = held_out_points(settings, model.seq_len)
     points = grid + held
     samples = {(end, p): ([], []) for end in ENDS for p in points}
@@ -134,6 +154,7 @@ def time_ends(
     visits = [(end, p) for end in ENDS for p in points]
     rounds = max(settings.repeats, QUICK_ROUNDS if settings.quick else MIN_ROUNDS)
     total, done = (rounds + 1) * len(visits), 0
+    heavy: set = set()  # the visits slower than HEAVY_S in the warm-up round
     threads = torch.get_num_threads()
     if device.type == "cpu":
         torch.set_num_threads(1)
@@ -143,8 +164,13 @@ def time_ends(
         for r in range(rounds + 1):  # round 0 warms every shape up
             for k in rng.permutation(len(visits)):
                 end, (b, n) = visits[k]
+                if r > settings.repeats and visits[k] in heavy:
+                    done += 1
+                    continue
                 with timer.runners[end].step():
-                    fwd, bwd = timer.time_tile(end, b, n)
+                    fwd, bwd = timer.time_tile(end, b, n, prime=visits[k] not in heavy)
+                if r == 0 and fwd + bwd > HEAVY_S:
+                    heavy.add(visits[k])
                 if r:
                     samples[(end, (b, n))][0].append(fwd)
                     samples[(end, (b, n))][1].append(bwd)
@@ -156,6 +182,12 @@ def time_ends(
         gc.enable()
         torch.set_num_threads(threads)
     med = {key: (float(np.median(f)), float(np.median(b))) for key, (f, b) in samples.items()}
+    for b in settings.batch_sizes:  # the cells above ``ends_max_tokens``: scaled by b from the largest b timed
+        for n in settings.token_lengths:
+            if not _timed(settings, b, n):
+                timed = max(c for c in settings.batch_sizes if (c, n) in grid)
+                for end in ENDS:
+                    med[(end, (b, n))] = tuple(x * b / timed for x in med[(end, (timed, n))])
     out: dict = {}
     for end in ENDS:
         for phase, which in (("forward", 0), ("backward", 1)):

@@ -156,6 +156,12 @@ class Settings:
     quick: bool = False
     clock: str = "cpu"
     precision: str = "fp32"  # one of `terapipe_cli.config.device.PRECISIONS`, already resolved for the device
+    # The ends are timed on the grid's (b, i) of at most this many tokens; a larger cell is the cell of the same i
+    # at the largest b timed, scaled by b (`ends.time_ends`). None: every cell timed. The quick preset caps at one
+    # sequence (L tokens): an LM head's work is b·i rows against the whole vocabulary, so with a large vocabulary
+    # the grid's largest cells cost minutes (a 128,256-token head on b·i = 8 × 1024 is 8 × 1024 × 128,256 logits in
+    # fp32, 4 GiB), and at that size the time is the product's, proportional to b·i.
+    ends_max_tokens: int | None = None
 
     @staticmethod
     def make(
@@ -195,6 +201,7 @@ class Settings:
             quick=quick,
             clock=clock,
             precision=precision,
+            ends_max_tokens=L if quick else None,
         )
         # Fail now, not after the grid was timed, if the sequence is too short for the context points.
         settings.context_tiles(model.seq_len)

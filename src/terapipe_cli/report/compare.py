@@ -6,7 +6,8 @@ Every number here is recomputable from the run directories (the tests do so):
   speed-up = baseline median / run median; tokens/s = tokens per step / median latency;
 * busy and idle per stage and the bubble fraction over all compared steps and replicas, from the timelines, as
   `timeline.stage_times` defines them (the simulator's predicted step is read by the same function), next to
-  the formula ``(K−1)/(M+K−1)`` (M tiles on K stages, equal tiles, free transfers);
+  the formula ``(K−1)/(v·M+K−1)`` (M tiles on K stages of v chunks, equal tiles, free transfers);
+* model TFLOP/s per device and MFU of the median step (``model_tflops``, ``mfu``: `plan.mfu`, the plan's count);
 * predicted vs measured: the plan's ``predicted_s`` (the objective of docs/design.md §4) and, when a cost model
   is at hand, the schedule simulator's latency, each with ``(predicted − measured) / measured`` against the
   median;
@@ -28,6 +29,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
+from terapipe_cli.plan.mfu import utilisation
 from terapipe_cli.plan.simulate import SimResult, compare_timelines
 from terapipe_cli.plan.timeline import StageTimes, stage_times
 from terapipe_cli.report.runs import Run
@@ -68,9 +70,23 @@ def representative_step(run: Run, steps: Sequence[int]) -> int:
     return min(steps, key=lambda s: (abs(run.metric(s)["iteration_s"] - med), s))
 
 
-def bubble_formula(stages: int, tiles: int) -> float:
-    """The textbook bubble fraction (K−1)/(M+K−1) of M equal tiles on K stages."""
-    return (stages - 1) / (tiles + stages - 1)
+def bubble_formula(stages: int, tiles: int, virtual: int = 1) -> float:
+    """The textbook bubble fraction (K−1)/(v·M+K−1) of M equal tiles on K stages of v chunks each (Narayanan et
+    al. 2021, §2.2: interleaving shrinks the bubble by v; v = 1 is GPipe's (K−1)/(M+K−1))."""
+    return (stages - 1) / (virtual * tiles + stages - 1)
+
+
+def measured_utilisation(run: Run, median_s: float) -> dict:
+    """Measured model TFLOP/s per device and MFU of the median step (`plan.mfu`, the count the plan predicts with;
+    ``mfu`` null where the device's peak is unknown)."""
+    plan = run.plan
+    device = run.summary.get("device") or run.config.get("device")
+    precision = run.summary.get("precision") or plan.precision
+    u = utilisation(
+        plan.model, seq_len=plan.seq_len, sequences=plan.batch_size, devices=run.stages * run.args.tensor_parallel,
+        step_s=median_s, device=device if isinstance(device, str) else None, precision=precision,
+    )  # fmt: skip
+    return u.to_dict()
 
 
 def run_stage_times(run: Run, steps: Sequence[int]) -> StageTimes:
@@ -154,7 +170,9 @@ def summarize(run: Run, label: str, warmup: int, sim: SimResult | None = None) -
         "predicted_rel_err": (predicted - lat["median"]) / lat["median"] if predicted else None,
         "simulated": None,
         **times.to_dict(),
-        "bubble_formula": bubble_formula(run.stages, run.tiles),
+        "bubble_formula": bubble_formula(run.stages, run.tiles, run.plan.virtual_stages),
+        "virtual_stages": run.plan.virtual_stages,
+        **measured_utilisation(run, lat["median"]),
         "peak_memory_bytes": max(int(r["memory_bytes"]) for r in run.metrics),
         "peak_memory_bytes_per_rank": peak_per_rank,
         "memory_per_stage": memory_per_stage(run, steps),

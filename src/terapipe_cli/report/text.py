@@ -69,6 +69,8 @@ def latency_rows(report: dict) -> list[list[str]]:
         row("iteration, mean ± std", lambda s: f"{_seconds(s[lat]['mean'])} ± {_seconds(s[lat]['std'])}"),
         row("iteration, min – max", lambda s: f"{_seconds(s[lat]['min'])} – {_seconds(s[lat]['max'])}"),
         row("tokens/s", lambda s: f"{s['tokens_per_s']:,.0f}"),
+        row("model TFLOP/s per device", lambda s: f"{s['model_tflops']:.3g}" if "model_tflops" in s else "–"),
+        row("MFU", lambda s: "n/a" if s.get("mfu") is None else f"{s['mfu']:.1%}"),
         row(
             "predicted by the plan (error)", lambda s: f"{_seconds(s['predicted_s'])} ({_pct(s['predicted_rel_err'])})"
         ),
@@ -78,7 +80,7 @@ def latency_rows(report: dict) -> list[list[str]]:
         ),
         row("bubble, measured", lambda s: f"{s['bubble_fraction']:.1%}"),
         row("bubble, simulated", lambda s: f"{sim(s, 'bubble_fraction'):.1%}" if s["simulated"] else "–"),
-        row("bubble, (K−1)/(M+K−1)", lambda s: f"{s['bubble_formula']:.1%}"),
+        row("bubble, (K−1)/(v·M+K−1)", lambda s: f"{s['bubble_formula']:.1%}"),
         row("peak memory (largest rank)", lambda s: format_bytes(s["peak_memory_bytes"], "MiB")),
     ]
 
@@ -184,7 +186,7 @@ def bubble_line(report: dict) -> str:
     waits = f"{r['bubble_fraction']:.0%} of the pipelined span with {r['label']} ({_tiles(r['tiles'])})"
     waits += "".join(f" vs {s['bubble_fraction']:.0%} with {s['label']} ({_tiles(s['tiles'])})" for s in others)
     formula = " vs ".join(f"{s['bubble_formula']:.0%}" for s in (r, *others))
-    return f"Idle time: the stages wait {waits}; the formula (K−1)/(M+K−1) for equal tiles says {formula}."
+    return f"Idle time: the stages wait {waits}; the formula (K−1)/(v·M+K−1) for equal tiles says {formula}."
 
 
 def _tiles(n: int) -> str:

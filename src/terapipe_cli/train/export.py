@@ -108,15 +108,27 @@ def write_export(path: Path, run_dir: Path, model: ModelConfig, step: int, state
 def load_exported(path: str | Path, map_location: str | torch.device = "cpu") -> tuple[GPT, dict]:
     """The single-device model of an export file (``strict=True``, eval mode), and the file's record without the
     weights: ``{"schema", "model_config" (a dict: `ModelConfig`'s fields), "step", "run"}``."""
+    record = read_export(path, map_location)
+    model = single_device_model(exported_model(record, path))
+    model.load_state_dict(record.pop("state_dict"), strict=True)
+    return model.eval(), record
+
+
+def read_export(path: str | Path, map_location: str | torch.device = "cpu", *, mmap: bool = False) -> dict:
+    """An export file's record, checked to be one (one line otherwise); ``mmap``: its tensors memory-mapped, read
+    from disk only where used (`train.init_from` reads a stage's tensors so)."""
     where = str(path)
     if not Path(path).is_file():
         raise UserError("no such export file (`terapipe export RUN --out FILE` writes one)", where=where)
     try:
-        record = torch.load(path, map_location=map_location, weights_only=True)
+        record = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as e:  # not a torch file, or one holding more than tensors and plain data
         raise UserError(f"not a terapipe export ({type(e).__name__})", where=where) from None
     if not isinstance(record, dict) or record.get("schema") != EXPORT_SCHEMA:
         raise UserError(f"not a terapipe export (schema {EXPORT_SCHEMA})", where=where)
-    model = single_device_model(ModelConfig.from_dict(record["model_config"], where, prefix="model_config."))
-    model.load_state_dict(record.pop("state_dict"), strict=True)
-    return model.eval(), record
+    return record
+
+
+def exported_model(record: dict, path: str | Path) -> ModelConfig:
+    """The model config of an export's record (`read_export`)."""
+    return ModelConfig.from_dict(record["model_config"], str(path), prefix="model_config.")

@@ -2,6 +2,8 @@
 
     OUT/config.json          the model's `transformers` config (its spec's `hf_config`), by ``save_pretrained``
     OUT/model.safetensors    its weights under `transformers`' names, fp32 (metadata: terapipe's step and run)
+    OUT/tokenizer.json       a corpus run's own tokenizer (`train.tokenizer`), with tokenizer_config.json naming
+                             its BOS and EOS, which config.json's bos/eos_token_id give as ids; none for a byte run
 
 ``AutoModelForCausalLM.from_pretrained(OUT)`` loads it — a ``LlamaForCausalLM`` for ``arch = "llama"``, a
 ``GPT2LMHeadModel`` for ``arch = "gpt"`` and ``"gpt2"`` — with no missing or unexpected keys, and its logits equal
@@ -29,6 +31,8 @@ import torch
 from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.errors import UserError
 from terapipe_cli.extras import require
+from terapipe_cli.train.rundir import read_config
+from terapipe_cli.train.tokenizer import RunTokenizer, run_tokenizer_files, write_hf_tokenizer
 
 WHERE = "--format hf"
 
@@ -81,17 +85,35 @@ def check_output_folder(out: Path) -> None:
         raise UserError(f"cannot write into folder {parent}", where="--out")
 
 
-def write_hf(out: Path, cfg: ModelConfig, state: dict[str, torch.Tensor], *, step: int, run: Path) -> None:
+def run_tokenizer_of(run: Path) -> RunTokenizer | None:
+    """The tokenizer files of the run folder ``run`` (`train.tokenizer`): its own copy, or its corpus's."""
+    return run_tokenizer_files(run, read_config(run)[0]["arguments"].get("data"))
+
+
+def write_hf(
+    out: Path,
+    cfg: ModelConfig,
+    state: dict[str, torch.Tensor],
+    *,
+    step: int,
+    run: Path,
+    tokenizer: RunTokenizer | None = None,
+) -> None:
     """Write the folder: into a hidden temporary folder beside ``out``, renamed to ``out`` once whole, so a
-    failure at any point leaves nothing behind (the temporary folder is removed)."""
+    failure at any point leaves nothing behind (the temporary folder is removed). ``tokenizer``: the run's, whose
+    files and special ids go into the folder too (`run_tokenizer_of`)."""
     require_hf()
     safetensors_torch = require("safetensors.torch", where=WHERE)
     config, tensors = hf_config(cfg), hf_state(cfg, state)
+    if tokenizer is not None:  # the run's own special ids, not the architecture's defaults
+        config.bos_token_id, config.eos_token_id = tokenizer.bos_id, tokenizer.eos_id
     out = out.resolve()
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     try:
         tmp.mkdir()
         config.save_pretrained(tmp)
+        if tokenizer is not None:
+            write_hf_tokenizer(tmp, tokenizer, seq_len=cfg.seq_len)
         metadata = {"format": "pt", "terapipe_step": str(step), "terapipe_run": str(run.resolve())}
         safetensors_torch.save_file(tensors, tmp / "model.safetensors", metadata=metadata)
         if out.is_dir():

@@ -38,11 +38,12 @@ from terapipe_cli.config.run import (
     RunArguments,
     RunConfig,
     as_option,
+    data_sources,
     flag,
     resolve_logs,
     run_fields,
 )
-from terapipe_cli.engine.data import TokenData, check_data, load_data, resolve_document_mask, split_data
+from terapipe_cli.engine.data import TokenData, document_mask_note, load_data, resolve_document_mask, run_data
 from terapipe_cli.engine.mesh import Layout
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import read_user_text
@@ -130,10 +131,8 @@ def prepare_run(
         run = _resumed_run(config, device)
     else:
         run = _new_run(config, device, controls or NegativeControls(), joins_node_0=node_rank > 0)
-    token_data = load_data(run.args.data, run.args.token_dtype)
-    check_data(token_data, vocab=run.plan.model.vocab, seq_len=run.plan.seq_len)
-    data_line = token_data.start_line()
-    token_data, _ = split_data(token_data, run.args.val_fraction, run.plan.seq_len)
+    token_data, _, data_line = run_data(run.args, seq_len=run.plan.seq_len, vocab=run.plan.model.vocab)
+    data_line += document_mask_note(run.args.document_mask, run.args.eos_id)
     per_node = workers_per_node(run.layout, nnodes, device)
     backend = backend_for(device, per_node)
     plan_obj, arguments = _config_fields(run)
@@ -225,12 +224,22 @@ def _new_arguments(
     tensor_parallel = plan.tensor_parallel if config.tensor_parallel is None else config.tensor_parallel
     plan.model.check_tensor_parallel(tensor_parallel, where="tensor_parallel")
     val_fraction = config.value("val_fraction")
-    document_mask, eos_id = resolve_document_mask(
-        load_data(_data_path(config), config.token_dtype), config.document_mask, config.eos_id
-    )
+    files = [load_data(Path(p).resolve(), config.token_dtype) for _, p in data_sources(config.data)] or [
+        load_data(None)
+    ]
+    document_mask, eos_id = resolve_document_mask(files, config.document_mask, config.eos_id)
+    if config.val_data is not None and config.val_fraction is not None:
+        raise UserError(
+            "give --val-data (a file of its own) or --val-fraction (a part of --data), not both", where="val_data"
+        )
+    val_data = None if config.val_data is None else str(Path(config.val_data).resolve())
+    if val_data is not None:
+        val_fraction = 0.0  # the held-out loss comes from its own file; training takes all of --data
+    sampling = config.sampling or ("random" if files[0].kind == "text" else "epoch")
     return RunArguments(
         steps=steps,
         data=_data_path(config),
+        data_mix=_data_mix(config),
         seed=config.value("seed"),
         lr=schedule.lr,
         data_parallel=data_parallel,
@@ -248,7 +257,7 @@ def _new_arguments(
         tensor_parallel=tensor_parallel,
         tp_allreduce=controls.tp_allreduce,
         val_fraction=val_fraction,
-        eval_every=_eval_every(config.eval_every, steps, val_fraction),
+        eval_every=_eval_every(config.eval_every, steps, val_fraction > 0 or val_data is not None),
         schedule=_schedule_text(config, plan),
         log=resolve_logs(config.log),
         keep_checkpoints=config.value("keep_checkpoints"),
@@ -259,12 +268,32 @@ def _new_arguments(
         init_step=None if source is None else source.step,
         document_mask=document_mask,
         eos_id=eos_id,
+        val_data=val_data,
+        sampling=sampling,
         **dataclasses.asdict(component_of(OptimizerConfig, config)),
     )
 
 
 def _data_path(config: RunConfig) -> str | None:
-    return str(Path(config.data).resolve()) if config.data is not None else None
+    """The data file (a mixture's first source), resolved; None: the embedded text."""
+    sources = data_sources(config.data)
+    return str(Path(sources[0][1]).resolve()) if sources else None
+
+
+def _data_mix(config: RunConfig) -> list[str] | None:
+    """A mixture's sources as the run keeps them, ``WEIGHT:PATH`` with the weights normalised; None for one source.
+    Several sources each need a positive weight (one line otherwise)."""
+    sources = data_sources(config.data)
+    if len(sources) < 2:
+        return None
+    weights = [w for w, _ in sources]
+    if any(w is None or not 0 < w < float("inf") for w in weights):
+        raise UserError(
+            f"several sources each need a positive weight, e.g. --data 0.7:web --data 0.3:code; got {config.data}",
+            where="data",
+        )
+    total = sum(weights)
+    return [f"{w / total!r}:{Path(p).resolve()}" for w, p in sources]
 
 
 def _schedule_text(config: RunConfig, plan: Plan) -> str | None:
@@ -278,10 +307,10 @@ def _schedule_text(config: RunConfig, plan: Plan) -> str | None:
     ).to_csv()
 
 
-def _eval_every(given: int | None, steps: int, val_fraction: float) -> int:
+def _eval_every(given: int | None, steps: int, held_out: bool) -> int:
     """Validation every N steps: as given, else ten times a run of 10 steps or more, and once, after the last
     step, in a shorter one (never without held-out data)."""
-    if val_fraction == 0:
+    if not held_out:
         return 0
     return (steps // 10 if steps >= 10 else steps) if given is None else given
 
@@ -377,7 +406,9 @@ def _resumed_run(config: RunConfig, device: str) -> _Run:
         if doc.resume == "change" and name in arguments and name not in changes and getattr(config, name) is not None:
             changes[name] = getattr(config, name)
     if config.eval_every is not None:  # how often to evaluate may change; what is held out may not
-        changes["eval_every"] = _eval_every(config.eval_every, steps, saved.val_fraction)
+        changes["eval_every"] = _eval_every(
+            config.eval_every, steps, saved.val_fraction > 0 or saved.val_data is not None
+        )
     changes["log"] = resolve_logs(config.log if config.log is not None else saved.log)
     changes.update(_layout_changes(config, new_plan, saved))
     if config.precision is not None:
@@ -496,15 +527,19 @@ def _kept_conflicts(config: RunConfig, saved: RunArguments, plan: Plan, device: 
         given = getattr(config, name)
         if doc.resume != "keep" or given is None:
             continue
+        kept = getattr(saved, name)
         if name == "data":
-            given = _data_path(config)
+            given, kept = (_data_path(config), _data_mix(config)), (saved.data, saved.data_mix)
+        elif name == "val_data":
+            given = str(Path(given).resolve())
         elif name == "schedule":
             given = _schedule_text(config, plan)
-        kept = getattr(saved, name)
         if name == "decay_steps" and kept is None:
             kept = saved.steps
         if given == kept:
             continue
+        if name == "data":
+            kept = saved.data_mix or saved.data
         option = f"{flag(name)} (another schedule)" if name == "schedule" else as_option(name, getattr(config, name))
         unset = {
             "data": "the embedded default data (no --data)",

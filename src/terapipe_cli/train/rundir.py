@@ -12,8 +12,11 @@ runs/NAME/
   run.toml           the run's resolved settings as a [train] table: `terapipe train --config run.toml --out NEW`
                      trains it again (config.run.RunConfig)
   schedule.csv       the schedule the run was given with --schedule (only then; plan.schedule)
+  tokenizer/         a corpus run's own tokenizer: the corpus's files and its summary (train.tokenizer)
   metrics.jsonl      one JSON object per line and step (terapipe.metrics/1): {"schema", "step", "loss",
                      "lr" (this step's), "grad_norm" (global, before clipping; null on a skipped step),
+                     "tokens" (trained on so far, all replicas), "epoch" (epochs of the training data drawn so
+                     far, engine.data.epochs_done),
                      "skipped" (fp16: the step was skipped for an inf/nan gradient), "loss_scale" (fp16 only:
                      the scale for the next step), "iteration_s", "tokens_per_s",
                      "memory_bytes" (peak, largest rank), "memory_bytes_per_rank": [...] (each worker's own peak:
@@ -50,6 +53,7 @@ from terapipe_cli.errors import UserError
 from terapipe_cli.files import Fields, read_json, read_user_text, write_json_atomic, write_text_atomic
 from terapipe_cli.plan.file import Plan
 from terapipe_cli.plan.schedule import Schedule, parse_schedule
+from terapipe_cli.train.tokenizer import record_tokenizer
 
 RUN_SCHEMA = "terapipe.run/1"
 RUN_TOML = "run.toml"
@@ -81,6 +85,7 @@ def write_config(
     else:
         (run_dir / SCHEDULE_FILE).unlink(missing_ok=True)  # left by an earlier launch that never trained here
     write_run_toml(run_dir, args, device=device, nnodes=nnodes, rendezvous=rendezvous)
+    record_tokenizer(run_dir, args.data)  # RUN/tokenizer/: the corpus's tokenizer, for sample and export
     write_json_atomic(
         run_dir / "config.json",
         {

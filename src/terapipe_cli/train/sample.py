@@ -5,9 +5,10 @@ same `KVCache` the pipeline's token slices use: the prompt is one slice at posit
 slice of one token at its absolute position, attending over the cached keys/values of all earlier ones — so a step
 costs one token's forward, and the logits equal a forward of the whole sequence (tested).
 
-The tokenizer is the run's own, read from its data file: a corpus from ``terapipe data tokenize`` has its tokenizer
-beside it (``CORPUS.tokenizer/``, read with the ``tokenizers`` package; a prompt starts with the template's tokens,
-as every document did); a text file (or the embedded default) is read as bytes, so its tokenizer is UTF-8 bytes
+The tokenizer is the run's own: a run on a corpus from ``terapipe data tokenize`` recorded the corpus's tokenizer in
+its folder (``RUN/tokenizer/``, `train.tokenizer`; a run from before that reads the one beside its corpus,
+``CORPUS.tokenizer/``), read with the ``tokenizers`` package, no tiktoken; a prompt starts with the template's tokens,
+as every document did; a text file (or the embedded default) is read as bytes, so its tokenizer is UTF-8 bytes
 (ids 0..255); any other token file (`corpus.formats.names_token_ids`) is taken to hold GPT-2 BPE ids (tiktoken's
 ``gpt2`` encoding, as nanoGPT's preparation writes them; 50257 ids), which needs the ``tiktoken`` package. Ids the
 model has beyond the tokenizer's (a padded vocabulary) are never sampled.
@@ -28,6 +29,7 @@ from terapipe_cli.errors import UserError
 from terapipe_cli.extras import require
 from terapipe_cli.train.export import run_model
 from terapipe_cli.train.rundir import read_config
+from terapipe_cli.train.tokenizer import RunTokenizer, run_tokenizer_files
 
 GPT2_VOCAB = 50257  # tiktoken's "gpt2" encoding: 50000 merges + 256 bytes + <|endoftext|>
 
@@ -41,11 +43,12 @@ class Tokenizer:
     default_prompt: list[int]  # what a sample starts from without --prompt
 
 
-def run_tokenizer(data: str | None, model_vocab: int) -> Tokenizer:
-    """The tokenizer of a run whose data file is ``data`` (None: the embedded text) and whose model has
-    ``model_vocab`` ids; one-line `UserError` when this model cannot be decoded with it."""
-    if data is not None and corpus_tokenizer_file(data) is not None:
-        return _corpus_tokenizer(data, model_vocab)
+def run_tokenizer(data: str | None, model_vocab: int, run_dir: Path | None = None) -> Tokenizer:
+    """The tokenizer of a run (in ``run_dir``) whose data file is ``data`` (None: the embedded text) and whose model
+    has ``model_vocab`` ids; one-line `UserError` when this model cannot be decoded with it."""
+    files = run_tokenizer_files(run_dir, data)
+    if files is not None:
+        return _corpus_tokenizer(files, model_vocab)
     if data is None or not names_token_ids(data):
         vocab = min(256, model_vocab)
         return Tokenizer(
@@ -77,20 +80,10 @@ def run_tokenizer(data: str | None, model_vocab: int) -> Tokenizer:
     )
 
 
-def corpus_tokenizer_file(data: str) -> Path | None:
-    """The tokenizer.json that ``terapipe data tokenize`` copied beside the corpus ``data``, if there is one."""
-    from terapipe_cli.corpus.tokenize import corpus_files, corpus_prefix
-
-    path = corpus_files(corpus_prefix(Path(data)))["tokenizer"] / "tokenizer.json"
-    return path if path.is_file() else None
-
-
-def _corpus_tokenizer(data: str, model_vocab: int) -> Tokenizer:
+def _corpus_tokenizer(files: RunTokenizer, model_vocab: int) -> Tokenizer:
     """The corpus's own tokenizer; a sample without --prompt starts as a document does (its template's tokens, or
     after the EOS of the one before)."""
-    from terapipe_cli.corpus.tokenize import corpus_prefix, read_summary
-
-    path = corpus_tokenizer_file(data)
+    path = files.file
     tokenizers = require("tokenizers", where=f"the tokenizer of the run's corpus ({path.parent})")
     tok = tokenizers.Tokenizer.from_file(str(path))
     tok.encode_special_tokens = True  # as when the corpus was made: special tokens written in a prompt are text
@@ -99,8 +92,7 @@ def _corpus_tokenizer(data: str, model_vocab: int) -> Tokenizer:
         raise UserError(
             f"the run's corpus tokenizer has {vocab} ids but the model only {model_vocab}", where=str(path.parent)
         )
-    summary = read_summary(corpus_prefix(Path(data)))
-    start = tok.encode("", add_special_tokens=True).ids or ([summary["eos"]["id"]] if summary else [0])
+    start = tok.encode("", add_special_tokens=True).ids or [files.eos_id if files.eos_id is not None else 0]
     return Tokenizer(
         f"{path.parent.name}/ ({vocab:,} ids)",
         vocab,
@@ -207,7 +199,7 @@ def sample_run(
     try:
         model, done = run_model(run_dir, step)
         config, _ = read_config(run_dir)
-        tokenizer = run_tokenizer(config["arguments"].get("data"), model.cfg.vocab)
+        tokenizer = run_tokenizer(config["arguments"].get("data"), model.cfg.vocab, run_dir)
         ids = tokenizer.default_prompt if prompt is None else tokenizer.encode(prompt)
         started = time.perf_counter()
         new = generate(model.to(device), ids, sampling, vocab=tokenizer.vocab)

@@ -47,13 +47,15 @@ from dataclasses import dataclass, field
 import torch
 
 from terapipe_cli.config.run import LRSchedule
-from terapipe_cli.engine.data import step_batch
+from terapipe_cli.engine.attention import DocumentMask
+from terapipe_cli.engine.data import step_batch, step_documents
 from terapipe_cli.engine.model import build_model, token_loss_sum
 from terapipe_cli.engine.optim import LossScale, make_optimizer, set_lr, take_step
 from terapipe_cli.engine.stage import AUTOCAST_DTYPES, StageRunner
 from terapipe_cli.plan.file import Plan
 from terapipe_cli.plan.schedule import plan_tiles
 from terapipe_cli.train import checkpoint
+from terapipe_cli.train.init_from import initial_weights
 from terapipe_cli.train.prepare import PreparedRun
 from terapipe_cli.train.rundir import read_metrics, read_summary, verify_grads_path, write_summary
 
@@ -122,19 +124,22 @@ class Verification:
 StepsDone = Callable[[int], None]  # told the steps a single-process run has done
 Progress = Callable[[str, float, float], None]  # (phase, done, total), as `profile.timer.Progress`
 
-# One step's forward and backward on a single process: (model, batch (n, L + 1), loss multiplier) -> the summed
-# token loss (a float). The backward leaves the gradient of multiplier x that sum in .grad.
-StepFn = Callable[[torch.nn.Module, torch.Tensor, float], float]
+# One step's forward and backward on a single process: (model, batch (n, L + 1), loss multiplier, document starts
+# (n, L) on the CPU or None) -> the summed token loss (a float). The backward leaves the gradient of multiplier x that
+# sum in .grad.
+StepFn = Callable[[torch.nn.Module, torch.Tensor, float, torch.Tensor | None], float]
 
 
 def whole_sequence_step(precision: str) -> StepFn:
-    """The plain model on the whole batch and sequence at once, under the precision's autocast."""
+    """The plain model on the whole batch and sequence at once, under the precision's autocast (with packed
+    documents, the same block-causal mask over the whole sequence)."""
     dtype = AUTOCAST_DTYPES[precision]
 
-    def step(model: torch.nn.Module, batch: torch.Tensor, multiplier: float) -> float:
+    def step(model: torch.nn.Module, batch: torch.Tensor, multiplier: float, documents: torch.Tensor | None) -> float:
         device = batch.device.type
+        docs = None if documents is None else DocumentMask.of(documents, 0, batch.device)
         with torch.autocast(device, dtype=dtype) if dtype is not None else nullcontext():
-            loss = token_loss_sum(model(batch[:, :-1]), batch[:, 1:])
+            loss = token_loss_sum(model(batch[:, :-1], docs=docs), batch[:, 1:])
         (loss * multiplier).backward()
         return loss.item()
 
@@ -147,16 +152,18 @@ def tiled_step(runner: StageRunner, plan: Plan, replicas: int) -> StepFn:
     K/V context path and tile shapes, on one process)."""
     tiles = plan_tiles(plan.slices)
 
-    def step(model: torch.nn.Module, batch: torch.Tensor, multiplier: float) -> float:
+    def step(model: torch.nn.Module, batch: torch.Tensor, multiplier: float, documents: torch.Tensor | None) -> float:
         runner.set_loss_scale(multiplier)
         total = 0.0
         with runner.step():
             for replica in range(replicas):
-                rows = batch[replica * plan.batch_size : (replica + 1) * plan.batch_size]
+                own = slice(replica * plan.batch_size, (replica + 1) * plan.batch_size)
+                rows, doc_rows = batch[own], None if documents is None else documents[own]
                 for t in tiles:
                     b, j = slice(t.batch_start, t.batch_start + t.batch_size), t.token_start
                     x, y = rows[b, j : j + t.tokens], rows[b, j + 1 : j + t.tokens + 1]
-                    total += runner.forward_tile(t.batch_slice, t.token_slice, x, y).item()
+                    docs = None if doc_rows is None else doc_rows[b, j : j + t.tokens]
+                    total += runner.forward_tile(t.batch_slice, t.token_slice, x, y, doc_starts=docs).item()
                 for t in reversed(tiles):
                     runner.backward_tile(t.batch_slice, t.token_slice, None)
         return total
@@ -175,14 +182,16 @@ def single_process_run(
     schedule = LRSchedule.of_run(args)
     loss_scale = LossScale() if precision == "fp16" else None
     params = list(model.parameters())
-    sequences, L = plan.batch_size * args.data_parallel, plan.seq_len
+    sequences, L, eos = plan.batch_size * args.data_parallel, plan.seq_len, args.eos_id
     out = Trajectory()
     for step in range(1, args.steps + 1):
-        batch = step_batch(run.data, seed=args.seed, step=step, sequences=sequences, seq_len=L)
+        draw = dict(seed=args.seed, step=step, sequences=sequences, seq_len=L, sampling=args.sampling)
+        batch = step_batch(run.data, **draw)
+        documents = step_documents(run.data, eos=eos, **draw) if args.document_mask else None
         set_lr(optimizer, schedule(step))
         optimizer.zero_grad(set_to_none=True)
         scale = loss_scale.scale if loss_scale is not None else 1.0
-        out.losses.append(step_fn(model, batch.to(run.device), scale / (sequences * L)) / (sequences * L))
+        out.losses.append(step_fn(model, batch.to(run.device), scale / (sequences * L), documents) / (sequences * L))
         update = take_step(optimizer, params, max_norm=args.grad_clip, loss_scale=loss_scale)
         if out.grads_step is None and not update.skipped:
             out.grads_step = step
@@ -195,9 +204,16 @@ def single_process_run(
     return out
 
 
+def starting_model(run) -> torch.nn.Module:
+    """The whole model as the run starts: the seed's weights, or ``--init-from``'s (`init_from.initial_weights`)."""
+    model = build_model(run.plan.model, seed=run.args.seed)
+    initial_weights(run.args, model)
+    return model.to(run.device)
+
+
 def reference_run(run, progress: StepsDone | None = None) -> Trajectory:
     """The reference: the whole model at the run's precision, the whole sequence at once."""
-    model = build_model(run.plan.model, seed=run.args.seed).to(run.device)
+    model = starting_model(run)
     precision = run.args.precision
     return single_process_run(run, model, whole_sequence_step(precision), precision, progress)
 
@@ -206,9 +222,10 @@ def spread_run(run, progress: StepsDone | None = None) -> tuple[Trajectory, str]
     """The run whose difference from the reference is the spread (the module docstring says why this one)."""
     plan, args, precision = run.plan, run.args, run.args.precision
     if precision == "fp32":
-        model = build_model(plan.model, seed=args.seed).to(run.device).double()
+        model = starting_model(run).double()
         return single_process_run(run, model, whole_sequence_step("fp32"), "fp32", progress), "float64, whole sequence"
     runner = StageRunner(plan.model, 0, 1, seed=args.seed, device=run.device, precision=precision)
+    initial_weights(args, runner.module)
     step_fn = tiled_step(runner, plan, args.data_parallel)
     trajectory = single_process_run(run, runner.module, step_fn, precision, progress)
     return trajectory, f"{precision}, the run's own tiles on one process"

@@ -43,7 +43,7 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
 from terapipe_cli.config.run import DEFAULT_GRACE_S, RunArguments
 from terapipe_cli.engine.comm import DistGroup, PeerLost, make_groups, make_p2p_groups, short_error
-from terapipe_cli.engine.data import check_data, load_data, split_data
+from terapipe_cli.engine.data import run_data
 from terapipe_cli.engine.hostmem import retain_freed_memory
 from terapipe_cli.engine.mesh import Layout, gpu_of
 from terapipe_cli.engine.p2p import Links
@@ -53,6 +53,7 @@ from terapipe_cli.files import write_text_atomic
 from terapipe_cli.plan.file import plan_from_dict
 from terapipe_cli.plan.timeline import Event, read_timeline, write_timeline
 from terapipe_cli.train import checkpoint
+from terapipe_cli.train.init_from import initial_weights
 from terapipe_cli.train.metrics import MetricsLog
 from terapipe_cli.train.rundir import (
     append_event,
@@ -192,7 +193,7 @@ def run_steps(
             signals.done()
             if w.rank == 0:
                 w.metrics.close()  # its TensorBoard events flushed before the process ends
-            _write_boundaries(w, start_step, [*boundaries, time.perf_counter()])
+            _write_boundaries(w, start_step, [*boundaries, time.perf_counter()], run_start)
             return
         boundaries.append(time.perf_counter())
     saves.finish()
@@ -201,14 +202,16 @@ def run_steps(
     if w.rank == 0:
         write_run_summary(w, resume_step, iteration_s, wall_s=time.perf_counter() - run_start)
         w.metrics.close()
-    _write_boundaries(w, start_step, boundaries)
+    _write_boundaries(w, start_step, boundaries, run_start)
 
 
-def _write_boundaries(w: Worker, start_step: int, at_s: list[float]) -> None:
+def _write_boundaries(w: Worker, start_step: int, at_s: list[float], started_s: float) -> None:
     """`BOUNDARIES_ENV`: rank 0's `time.perf_counter` (the system's monotonic clock on Linux, comparable between
-    processes) when each step's boundary ended."""
+    processes) when each step's boundary ended, and when start-up had ended on every rank (``started_s``: after the
+    start-up all-reduce; scripts/bench_init_from.py times start-up by it)."""
     if w.rank == 0 and os.environ.get(BOUNDARIES_ENV):
-        Path(os.environ[BOUNDARIES_ENV]).write_text(json.dumps({"first_step": start_step + 1, "at_s": at_s}))
+        record = {"first_step": start_step + 1, "at_s": at_s, "started_s": started_s}
+        Path(os.environ[BOUNDARIES_ENV]).write_text(json.dumps(record))
 
 
 def _all_reduce_max(t: Trainer, values: list[int], step: int) -> list[int]:
@@ -283,9 +286,7 @@ def start_worker(run_dir: Path, request: NodeRequest, *, resuming: bool) -> Work
         timeout_s=args.timeout_s,
     )
     comms = Comms(DistGroup(None, world), groups.model, groups.replicas, groups.tensor, link, groups.tied)
-    data = load_data(args.data, args.token_dtype)
-    check_data(data, vocab=plan.model.vocab, seq_len=plan.seq_len)
-    data, held_out = split_data(data, args.val_fraction, plan.seq_len)
+    data, held_out, _ = run_data(args, seq_len=plan.seq_len, vocab=plan.model.vocab)
     schedule = run_schedule(plan, args, where=str(run_dir / "config.json"))
     trainer = Trainer(
         plan, schedule, args, layout=layout, rank=rank, device=device, comms=comms, data=data, held_out=held_out
@@ -353,8 +354,10 @@ def _use_device(device: str, threads: int) -> torch.device:
 
 
 def restore(w: Worker, resume_step: int | None) -> tuple[int, list[Event]]:
-    """(the last step done, the timeline so far): step 0 and none, or a resumed run's checkpoint."""
+    """(the last step done, the timeline so far): step 0 and none — the weights of ``--init-from`` or the seed's —, or
+    a resumed run's checkpoint."""
     if resume_step is None:
+        start_weights(w.trainer)
         return 0, []
     t = w.trainer
     # Each node's launcher found the last checkpoint complete in its own folder; all resume from the oldest.
@@ -364,6 +367,7 @@ def restore(w: Worker, resume_step: int | None) -> tuple[int, list[Event]]:
     if w.marks_stages is not None:
         checkpoint.discard_after(w.run_dir, resume_step)  # the abandoned attempt's (its steps run again)
     if resume_step == 0:  # restarted before the first checkpoint: from the start
+        start_weights(w.trainer)
         if w.rank == 0:
             keep_metrics_until(w.run_dir, 0)
         return 0, []
@@ -374,6 +378,12 @@ def restore(w: Worker, resume_step: int | None) -> tuple[int, list[Event]]:
     if w.rank == 0:
         keep_metrics_until(w.run_dir, resume_step)
     return resume_step, events
+
+
+def start_weights(t: Trainer) -> None:
+    """A new run's first weights: ``--init-from``'s when the run names one (this rank's own tensors, its tensor rank's
+    share: `init_from.initial_weights`), else the seed's, as built."""
+    initial_weights(t.args, t.runner.module, t.tensor.size, t.tensor.rank)
 
 
 def load_checkpoint(run_dir: Path, step: int, t: Trainer) -> bool:
@@ -408,6 +418,7 @@ def log_step(w: Worker, result: StepResult, iteration_s: list[float], val_loss: 
     peaks = result.memory
     record.update(iteration_s=dt, tokens_per_s=tokens / dt, memory_bytes=max(peaks), memory_bytes_per_rank=peaks)
     record["saved_bytes_per_rank"] = result.saved
+    record["tokens"], record["epoch"] = w.trainer.consumed(step)
     if val_loss is not None:
         record["val_loss"] = val_loss
     w.metrics.write(record)

@@ -1,0 +1,27 @@
+"""The schedule orders, one module each: an `Order` builds every device's row of actions and carries the closed form
+of its memory (`base.Order`). A new order is a module here and one line in `_ALL`.
+
+``ORDERS`` names the orders the planner chooses among (``--order auto``); `order_of` finds any of them by name."""
+
+from __future__ import annotations
+
+from terapipe_cli.plan.orders.base import Order
+from terapipe_cli.plan.orders.gpipe import GPIPE
+from terapipe_cli.plan.orders.one_f_one_b import ONE_F_ONE_B
+from terapipe_cli.plan.orders.zero_bubble import ZB_H1, ZB_V
+
+_ALL: dict[str, Order] = {o.name: o for o in (GPIPE, ONE_F_ONE_B, ZB_H1, ZB_V)}
+ORDERS = (GPIPE.name, ONE_F_ONE_B.name)  # the planner's choice (the zero-bubble orders are asked for by name)
+ALL_ORDERS = tuple(_ALL)
+
+
+def order_of(name: str | Order) -> Order:
+    """The order of that name (an `Order` is returned as it is); ValueError for an unknown one."""
+    if isinstance(name, Order):
+        return name
+    if name not in _ALL:
+        raise ValueError(f"order must be one of {tuple(_ALL)}, got {name!r}")
+    return _ALL[name]
+
+
+__all__ = ["ALL_ORDERS", "ORDERS", "Order", "order_of"]

@@ -1,0 +1,25 @@
+"""GPipe: every forward, then every backward in the exact reverse (the last batch slice's first), on every device.
+
+With v > 1 chunks per device the forwards go in Megatron-LM's groups of K tiles (`base.interleaved_forwards`)."""
+
+from __future__ import annotations
+
+from terapipe_cli.plan.actions import Action, Tile
+from terapipe_cli.plan.orders.base import Order, interleaved_forwards
+
+
+class GPipe(Order):
+    name, title, all_open = "gpipe", "GPipe order", True
+
+    def rows(self, tiles: list[Tile], slices: int, devices: int, virtual: int) -> list[list[Action]]:
+        if virtual == 1:
+            return [[Action("F", t, k) for t in tiles] + [Action("B", t, k) for t in reversed(tiles)]
+                    for k in range(devices)]  # fmt: skip
+        rows = []
+        for k in range(devices):
+            f = interleaved_forwards(k, tiles, devices, virtual)
+            rows.append(f + [Action("B", a.tile, a.stage) for a in reversed(f)])
+        return rows
+
+
+GPIPE = GPipe()
