@@ -47,9 +47,15 @@ def test_the_dry_run_runs_every_step_on_the_cpu_and_fits_what_is_sent_back(tmp_p
     # No GPU (as conftest hides it), this interpreter, scratch under tmp_path; no pytest state of this run leaks
     # into the script's own pytest step.
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
-    # A budget no loaded machine reaches: on a slow day a step must not be skipped for time here.
-    env.update(CUDA_VISIBLE_DEVICES="", PYTHON=sys.executable, TMPDIR=str(scratch), GPU_BRINGUP_BUDGET_S="900")
-    p = subprocess.run(["bash", str(SCRIPT), str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    # A budget and step limits (x10) no loaded machine reaches: on a slow day no step is skipped or cut for time.
+    env.update(
+        CUDA_VISIBLE_DEVICES="",
+        PYTHON=sys.executable,
+        TMPDIR=str(scratch),
+        GPU_BRINGUP_BUDGET_S="900",
+        GPU_BRINGUP_STEP_SCALE="10",
+    )
+    p = subprocess.run(["bash", str(SCRIPT), str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:] + failed_steps_output(out)
 
     summary = (out / "summary.md").read_text()
