@@ -1,9 +1,10 @@
-"""Tied embeddings across stages (SPEC §12, Megatron-LM's embedding group): the first and the last stage each hold
-the tied matrix, their gradients are summed every step, both copies take the same update and stay bit-identical,
-and the run equals single-device training with one matrix (its gradient the sum of the two uses) — for llama and
-GPT-2, at K = 1 (one matrix, two chunks on one device), K = 3, K = 2 with T = 2 (the vocabulary split), interleaved
-chunks and D = 2, with clipping by the global norm active (the tied matrix counted once: counted twice, the norm
-and so every update would differ). Without the gradient sum (the negative control) the same check fails."""
+"""Tied embeddings across stages (docs/design.md §6c, Megatron-LM's embedding group): the first and the last stage
+each hold the tied matrix, their gradients are summed every step, both copies take the same update and stay
+bit-identical, and the run equals single-device training with one matrix (its gradient the sum of the two uses) —
+for llama and GPT-2, at K = 1 (one matrix, two chunks on one device), K = 3, K = 2 with T = 2 (the vocabulary
+split), interleaved chunks and D = 2, with clipping by the global norm active (the tied matrix counted once: counted
+twice, the norm and so every update would differ). Without the gradient sum (the negative control) the same check
+fails."""
 
 from __future__ import annotations
 

@@ -173,8 +173,8 @@ TINY_GPT2 = dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32)
     ids=["gpt2", "gpt2-untied", "llama3.1-tied"],
 )  # fmt: skip
 def test_a_transformers_model_computes_here_and_exports_back_to_the_same_tensors(tmp_path, cls, config):
-    """SPEC §12: a model read from a transformers folder computes transformers' logits (fp32, 1e-4), and exported
-    again without training (`train.hf.write_hf`) the folder holds the same tensors, and reads back as the same
+    """docs/design.md §6c: a model read from a transformers folder computes transformers' logits (fp32, 1e-4), and
+    exported again without training (`train.hf.write_hf`) the folder holds the same tensors, and reads back as the same
     model. Biases and norms are made nonzero first (`hf_models.saved`), so a wrong mapping of them shows."""
     import safetensors.torch
     from hf_models import saved, terapipe_model

@@ -9,15 +9,13 @@ a dot (``0F3.2``). The kinds (`Phase`):
   earlier token slices wait for);
 * ``W`` — the backward for the chunk's weights, which nobody waits for (zero-bubble schedules put it in the gaps).
 
-`waits_for` is the dependency rule (SPEC §12 "Split backward"): F after the previous chunk's F of the tile; I (or B)
-after the tile's own F, after the next chunk's I of the tile (its output's gradient) and after this chunk's I of
-the batch slice's next token slice (which leaves this tile's K/V gradients in the cache — every later token slice
-transitively); W after its own I. A B counts as the I and the W it holds (`WAITS`, `COMPLETES`: the rule as data).
-The legality check and the walk
-(`walk_rows`), the grid (`plan.schedule`), the simulator (`plan.simulate`), the executor's messages
-(`engine.executor`) and the memory walk (`plan.memory`, by `Phase.opens`/`Phase.frees`) all ask this module. Imports
-no torch.
-"""
+`waits_for` is the dependency rule (docs/design.md §11b, the split backward): F after the previous chunk's F of the
+tile; I (or B) after the tile's own F, after the next chunk's I of the tile (its output's gradient) and after this
+chunk's I of the batch slice's next token slice (which leaves this tile's K/V gradients in the cache — every later
+token slice transitively); W after its own I. A B counts as the I and the W it holds (`WAITS`, `COMPLETES`: the rule
+as data). The legality check and the walk (`walk_rows`), the grid (`plan.schedule`), the simulator
+(`plan.simulate`), the executor's messages (`engine.executor`) and the memory walk (`plan.memory`, by
+`Phase.opens`/`Phase.frees`) all ask this module. Imports no torch."""
 
 from __future__ import annotations
 
