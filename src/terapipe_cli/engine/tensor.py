@@ -20,7 +20,7 @@ agree on every rank without a collective.
 Why not ``torch.distributed.tensor.parallel`` (``ColwiseParallel``/``RowwiseParallel`` via
 ``parallelize_module``): it turns the parameters into DTensors, and the rest of this runtime needs plain
 tensors — the data-parallel gradient all-reduce over one flat buffer, the global-norm clipping over the
-pipeline, the fused/foreach AdamW, checkpoints that hold the whole stage (`full_state`) and, on a shared GPU,
+pipeline, the fused/foreach AdamW, checkpoints that hold the whole stage (`Trainer.full_state`) and, on a shared GPU,
 collectives staged through host memory on gloo (`comm.host_all_reduce`), which DTensor's own collectives do not
 do. The split itself is two autograd functions and a weight slice per linear, written out below.
 
@@ -299,16 +299,11 @@ def parameter_names(module: nn.Module, optimizer: torch.optim.Optimizer) -> list
     return [by_id[id(p)] for group in optimizer.param_groups for p in group["params"]]
 
 
-def full_state(module: nn.Module, optimizer: torch.optim.Optimizer, tp: TensorGroup) -> tuple[dict, dict]:
-    """(model state, optimizer state) of the whole stage, gathered from the tensor ranks (a collective)."""
-    model = {name: gather_tensor(name, t, tp) for name, t in module.state_dict().items()}
-    return model, _map_optimizer_state(module, optimizer, optimizer.state_dict(), lambda n, t: gather_tensor(n, t, tp))
-
-
 def local_state(
     module: nn.Module, optimizer: torch.optim.Optimizer, model: dict, optim: dict, tp: TensorGroup
 ) -> tuple[dict, dict]:
-    """This rank's part of a whole stage's (model state, optimizer state), as `full_state` made them."""
+    """This rank's part of a whole stage's (model state, optimizer state) as a terapipe.checkpoint/1 file holds them
+    (the optimizer state by index; `Trainer.full_state` now saves it by name)."""
     local_model = {name: shard_tensor(name, t, tp) for name, t in model.items()}
     return local_model, _map_optimizer_state(module, optimizer, optim, lambda n, t: shard_tensor(n, t, tp))
 
