@@ -84,11 +84,26 @@ def train(*, config: Path | None, resume: bool, dry_run: bool, **settings) -> No
     if dry_run:
         console = make_console(highlight=False)
         console.print(prepared.data_line, soft_wrap=True)
+        console.print(_schedule_line(prepared, run_config.schedule), soft_wrap=True)
         console.print(f"process mesh (data, pipeline, tensor): {prepared.layout.shape_text()}")
         console.print(_mesh_table(prepared))
         print(launch.command_line(prepared.launch))
         return
     _launch(prepared, prepared.args.verify)
+
+
+def _schedule_line(prepared, given: str | None) -> str:
+    """What the workers will walk: the plan's own order, or the schedule file given (read, checked, as kept)."""
+    from terapipe_cli.plan.orders import order_of
+    from terapipe_cli.train.rundir import run_schedule
+
+    schedule = run_schedule(prepared.plan, prepared.args, where="--schedule")
+    kinds = sorted({a.phase.value for row in schedule.actions for a in row}, key="FIWB".index)
+    own = f"the plan's own ({order_of(prepared.plan.order).title})"
+    whose = f"{given} (a custom order)" if given is not None else own
+    split = ", every backward split into I and W" if {"I", "W"} <= set(kinds) else ""
+    counts = ", ".join(str(len(row)) for row in schedule.actions)
+    return f"schedule: {whose}, actions {'/'.join(kinds)}{split}; per device {counts}"
 
 
 def located(error: UserError, flags: dict, from_file: RunConfig, config: Path | None) -> UserError:

@@ -1,7 +1,9 @@
 """What a rank says to the others, behind two small interfaces, so the engine runs the same code between
 torchrun processes and between threads of one process (`engine.local`, for tests):
 
-* `Group` — the collectives of a set of ranks: ``all_reduce`` (in place: sum, max or min) and ``all_gather``.
+* `Group` — the collectives of a set of ranks: ``all_reduce`` (in place: sum, max or min), ``all_reduce_start``
+  (a sum started now and waited for later: a chunk's data-parallel gradient sum overlaps the rest of the step) and
+  ``all_gather``.
   `DistGroup` is a ``torch.distributed`` process group (None: all ranks).
 * `Link` — one stage's point-to-point messages to its neighbours, pre-posted from the plan's shapes
   (`engine.p2p.Links` between processes).
@@ -46,9 +48,39 @@ class Group(Protocol):
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", what: str = "an all-reduce") -> None:
         """``tensor`` becomes the reduction (``op``: sum, max or min) over the members, in place."""
 
+    def all_reduce_start(self, tensor: torch.Tensor, what: str = "an all-reduce") -> Pending:
+        """Start summing ``tensor`` over the members in place and return at once; ``wait()`` on the result before
+        reading it. Every member starts the same sums in the same order."""
+
     def all_gather(self, tensor: torch.Tensor, dim: int, sizes: Sequence[int] | None = None) -> torch.Tensor:
         """Every member's ``tensor`` concatenated along ``dim``, in member order. ``sizes``: each member's length
         along ``dim`` when they differ (the other dimensions alike; None: every member's is ``tensor``'s)."""
+
+
+class Pending(Protocol):
+    """A started collective (`Group.all_reduce_start`): ``wait`` returns once its tensor holds the result."""
+
+    def wait(self) -> None: ...
+
+
+class Done:
+    """A collective that finished when it was started."""
+
+    def wait(self) -> None:
+        return None
+
+
+class _DistPending:
+    """``torch.distributed``'s work of an asynchronous all-reduce; a lost peer becomes `PeerLost` at the wait."""
+
+    def __init__(self, work, what: str) -> None:
+        self.work, self.what = work, what
+
+    def wait(self) -> None:
+        try:
+            self.work.wait()
+        except Exception as e:
+            raise PeerLost(f"lost a peer during {self.what}: {short_error(e)}") from None
 
 
 # Posted receives of a step: per message key, whatever the link's ``wait`` takes.
@@ -115,6 +147,15 @@ class DistGroup:
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", what: str = "an all-reduce") -> None:
         try:
             host_all_reduce(tensor, group=self.group, op=OPS[op], staged=self._staged(tensor))
+        except Exception as e:
+            raise PeerLost(f"lost a peer during {what}: {short_error(e)}") from None
+
+    def all_reduce_start(self, tensor: torch.Tensor, what: str = "an all-reduce") -> Pending:
+        if self._staged(tensor):  # through host memory: copies on this thread, so it runs now
+            self.all_reduce(tensor, what=what)
+            return Done()
+        try:
+            return _DistPending(dist.all_reduce(tensor, op=OPS["sum"], group=self.group, async_op=True), what)
         except Exception as e:
             raise PeerLost(f"lost a peer during {what}: {short_error(e)}") from None
 

@@ -58,19 +58,24 @@ class StageExecutor:
         step: int = 0,
         after_forward: Callable[[], None] | None = None,
         documents: torch.Tensor | None = None,
+        chunk_done: Callable[[int], None] | None = None,
     ) -> tuple[torch.Tensor | None, list[Event]]:
         """Run one step's actions in their order. ``batch``: (B, L + 1) token windows of this replica;
         ``documents``: packed documents, (B, L) on the CPU, where each input token's document begins
         (`data.step_documents`; None: causal over the whole window).
 
         Returns the summed token loss (last chunk; unscaled) and one Event per action (times from step_start);
-        ``after_forward`` runs once this stage's last forward has been issued (fault injection in tests).
+        ``after_forward`` runs once this stage's last forward has been issued (fault injection in tests);
+        ``chunk_done(c)`` once chunk c's weight gradients are complete (after its last B or W, in this stage's order:
+        the trainer starts that chunk's data-parallel all-reduce there).
         """
         walk = _StepWalk(self, batch, after_forward, documents=documents)
         events: list[Event] = []
         interleaved = self.schedule.virtual > 1
+        last = {a.stage: n for n, a in enumerate(self.actions) if a.phase in (Phase.B, Phase.W)}
+        done_at = {n: c for c, n in last.items()} if chunk_done is not None else {}
         with self.runner.step():  # one low-precision copy of each weight for all the step's tiles
-            for action in self.actions:
+            for n, action in enumerate(self.actions):
                 t, c = action.tile, action.stage
                 if action.phase is Phase.F:
                     start = walk.forward(c, t)
@@ -84,6 +89,8 @@ class StageExecutor:
                 events.append(
                     Event(self.stage, phase, b, k, start - step_start, end - step_start, rank, replica, step, chunk)
                 )
+                if n in done_at:
+                    chunk_done(done_at[n])
         self.link.finish_sends()
         return walk.loss, events
 

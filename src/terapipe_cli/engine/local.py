@@ -192,6 +192,16 @@ _REDUCE = {
 }
 
 
+class _Deferred:
+    """`LocalGroup.all_reduce_start`'s handle: the collective runs at the wait."""
+
+    def __init__(self, run) -> None:
+        self.run = run
+
+    def wait(self) -> None:
+        self.run()
+
+
 class LocalGroup:
     """A `comm.Group` of threads: the members' n-th calls meet in the same round."""
 
@@ -206,6 +216,11 @@ class LocalGroup:
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", what: str = "an all-reduce") -> None:
         out = self.world.collective(self._round(), self.rank, tensor, _REDUCE[op], what)
         tensor.copy_(out)
+
+    def all_reduce_start(self, tensor: torch.Tensor, what: str = "an all-reduce") -> _Deferred:
+        """Deferred to its ``wait`` (members wait in the order they started, so the rounds still meet): the sum is
+        the same whenever it runs, and threads that block here could not run their pipeline meanwhile."""
+        return _Deferred(lambda: self.all_reduce(tensor, what=what))
 
     def all_gather(self, tensor: torch.Tensor, dim: int, sizes: Sequence[int] | None = None) -> torch.Tensor:
         if sizes is not None and tensor.shape[dim] != sizes[self.ranks.index(self.rank)]:

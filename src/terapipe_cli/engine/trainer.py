@@ -64,6 +64,15 @@ class Comms:
     tied: Group | None = None
 
 
+def _unflatten(params: list, flat: torch.Tensor) -> None:
+    """Each parameter's gradient from its place in ``flat`` (the order ``params`` were flattened in)."""
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+        offset += n
+
+
 @dataclass(frozen=True)
 class StepResult:
     """What one step did, as the rank that logs it needs it."""
@@ -96,6 +105,7 @@ class Trainer:
     ) -> None:
         self.plan, self.schedule, self.args, self.layout, self.rank = plan, schedule, args, layout, rank
         self.device, self.comms, self.data, self.held_out = device, comms, data, held_out
+        self._started: list = []  # the data-parallel sums started during a step (`start_chunk_sum`)
         self.stage, self.replica = layout.stage(rank), layout.replica(rank)
         self.tensor = TensorGroup(
             layout.tensor_rank(rank),
@@ -158,9 +168,10 @@ class Trainer:
             step=step,
             after_forward=after_forward,
             documents=self.replica_documents(step),
+            chunk_done=self.start_chunk_sum if self.comms.replicas is not None else None,
         )
-        self.sum_tied_gradients()
         self.sum_replica_gradients()
+        self.sum_tied_gradients()
         update = self.apply_update()
         step_loss, memory, saved = self.end_of_step(loss)
         return StepResult(step, step_loss, lr, update, events, memory, saved, time.perf_counter() - step_start)
@@ -224,22 +235,43 @@ class Trainer:
             p.grad = torch.zeros_like(p)
         self.comms.tied.all_reduce(p.grad, what="the tied embeddings' gradient all-reduce")
 
+    def start_chunk_sum(self, chunk: int) -> None:
+        """Chunk ``chunk``'s layers have their whole step's gradients (its last B or W has run): start their sum over
+        the replicas now, in one flat buffer, while the stage runs its other actions (zero-bubble's W's at the end
+        of the step, the other chunks of an interleaved device); `sum_replica_gradients` waits for it."""
+        module = self.runner.module
+        prefixes = tuple(f"blocks.{n}." for n in module.chunk_layers[chunk])
+        params = [p for name, p in module.named_parameters() if name.startswith(prefixes)]
+        if params:
+            self._started.append(self._replica_sum(params, start=True))
+
     def sum_replica_gradients(self) -> None:
-        """With data parallelism, sum this stage's gradients over its replicas in one flat buffer (the loss is
-        already scaled by the global token count, so the sum is the single-device gradient)."""
+        """With data parallelism, sum this stage's gradients over its replicas: the chunks' layers' sums started
+        as each chunk finished (`start_chunk_sum`) are waited for, and the rest (the embedding, the head, the final
+        norm) summed now, each in one flat buffer (the loss is already scaled by the global token count, so the sum
+        is the single-device gradient)."""
         if self.comms.replicas is None:
             return
-        params = list(self.runner.module.parameters())
+        started, self._started = self._started, []
+        for params, flat, pending in started:
+            pending.wait()
+            _unflatten(params, flat)
+        seen = {id(p) for params, _, _ in started for p in params}
+        rest = [p for p in self.runner.module.parameters() if id(p) not in seen]
+        if rest:
+            params, flat, _ = self._replica_sum(rest, start=False)
+            _unflatten(params, flat)
+
+    def _replica_sum(self, params: list, *, start: bool) -> tuple[list, torch.Tensor, object]:
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         flat = torch.cat([p.grad.reshape(-1) for p in params])
-        self.comms.replicas.all_reduce(flat, what="the data-parallel gradient all-reduce")
-        offset = 0
-        for p in params:
-            n = p.numel()
-            p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
-            offset += n
+        what = "the data-parallel gradient all-reduce"
+        if start:
+            return params, flat, self.comms.replicas.all_reduce_start(flat, what=what)
+        self.comms.replicas.all_reduce(flat, what=what)
+        return params, flat, None
 
     def apply_update(self) -> StepOutcome:
         """The update from the step's complete gradients (every tile, every replica): `optim.take_step`.
