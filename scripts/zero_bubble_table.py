@@ -5,8 +5,8 @@ simulator in 1F1B order, ZB-H1 (v = 1), interleaved 1F1B and ZB-H1 with v = 2, a
     python scripts/zero_bubble_table.py PROFILE.json --stages 8 --batch 16 [--token-slices 4]
 
 Each batch slice is one sequence cut into ``--token-slices`` equal token slices (1: whole sequences, GPipe's
-slicing); the split prices I as `simulate.INPUT_SHARE` of a tile's backward. Prints the simulated step, the bubble
-fraction (1 − busy / (K · span)) and the peak memory estimate of each. No torch."""
+slicing); the split prices I and W as the profile has them (`Profile.split_grids`). Prints the simulated step, the
+bubble fraction (1 − busy / (K · span)) and the peak memory estimate of each. No torch."""
 
 from __future__ import annotations
 

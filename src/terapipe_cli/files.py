@@ -17,14 +17,14 @@ from terapipe_cli.errors import UserError
 
 
 def check_output_file(
-    path: Path, *, kind: str, schema: str | None, force: bool, example: str, flag: str = "--out"
+    path: Path, *, kind: str, schema: str | tuple[str, ...] | None, force: bool, example: str, flag: str = "--out"
 ) -> None:
     """Check an output file before any work starts (one-line `UserError` naming ``flag``):
 
     - it names a file, not a folder (``example`` is the file name suggested instead);
     - at most its own folder is created: a folder further up that does not exist is an error, not made silently;
     - an existing file is overwritten only when it is of the kind being written (a JSON object whose "schema" is
-      ``schema``), or with ``force``;
+      ``schema``, or one of them), or with ``force``;
     - the nearest existing folder is writable.
     """
     text = str(path)
@@ -38,7 +38,7 @@ def check_output_file(
     if path.exists() and not force:
         if schema is None:
             raise UserError(f"{text} exists; pass --force to overwrite it", where=flag)
-        if _schema_of(path) != schema:
+        if _schema_of(path) not in ((schema,) if isinstance(schema, str) else schema):
             raise UserError(f"{text} exists and is not a {kind}; pass --force to overwrite it", where=flag)
     nearest = parent if parent.exists() else parent.parent
     if not os.access(nearest, os.W_OK):

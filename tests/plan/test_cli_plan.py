@@ -52,9 +52,10 @@ def plan_args(*extra: str, profile: Path = EXAMPLE, stages: int = 2, batch: int 
 
 
 def test_plan_writes_a_complete_plan(tmp_path: Path) -> None:
-    """As a user runs it: a real process."""
+    """As a user runs it: a real process. GPipe order, so the plan is the objective's optimum (with the order free the
+    simulator may prefer a neighbour of it in another order: tests/plan/test_zero_bubble_choice.py)."""
     out = tmp_path / "plans" / "p.json"
-    proc = terapipe(*plan_args("--out", out), cwd=tmp_path)
+    proc = terapipe(*plan_args("--out", out, "--order", "gpipe"), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     obj = json.loads(out.read_text())
     assert PLAN_KEYS <= set(obj)
@@ -105,7 +106,7 @@ def test_the_plan_copies_the_profiles_precision(tmp_path: Path, capsys) -> None:
     assert read_plan(tmp_path / "plan.json").precision == "bf16"
     assert json.loads((tmp_path / "plan.json").read_text())["precision"] == "bf16"
     title = next(line for line in proc.stdout.splitlines() if "L=" in line and "K=2" in line)
-    assert title.strip().endswith("bf16"), title
+    assert ", bf16" in title, title
 
 
 def test_default_out_is_plan_json_in_the_current_folder(tmp_path: Path, capsys) -> None:
@@ -116,16 +117,15 @@ def test_default_out_is_plan_json_in_the_current_folder(tmp_path: Path, capsys) 
 
 
 def test_options_reach_the_plan(tmp_path: Path, capsys) -> None:
-    exact = run_cli(capsys, *plan_args("--seq-len", "512", "--token-step", "16", "--out", "exact.json"), cwd=tmp_path)
+    # GPipe order: the objective's optimum is compared (a split order may re-rank to a neighbour of it).
+    shape = ("--seq-len", "512", "--token-step", "16", "--order", "gpipe")
+    exact = run_cli(capsys, *plan_args(*shape, "--out", "exact.json"), cwd=tmp_path)
     assert exact.returncode == 0, exact.stderr
     eps = 1e-3
     approx = run_cli(
         capsys,
         *plan_args(
-            "--seq-len",
-            "512",
-            "--token-step",
-            "16",
+            *shape,
             "--method",
             "enumerate",
             "--epsilon",

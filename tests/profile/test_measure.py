@@ -191,6 +191,12 @@ def test_quick_profile_of_a_micro_model_is_a_valid_profile_the_planner_reads(tmp
         assert np.isfinite(ctx["heldout_rel_err_mean"]) and ctx["heldout_rel_err_max"] >= ctx["heldout_rel_err_mean"]
         assert ctx["heldout_points"] == 8
     assert raw["optimizer_s_per_layer"] > 0 and raw["activation_bytes_per_token_per_layer"] > 0
+    # Schema /2: the grid's backward timed split too, I then W, as the zero-bubble executor runs it.
+    assert raw["schema"] == "terapipe.profile/2" and prof.split_source == "measured"
+    for key in ("backward_input_s", "backward_weight_s"):
+        grid = np.asarray(raw[key])
+        assert grid.shape == np.asarray(raw["backward_s"]).shape and np.all(grid > 0)
+        assert np.all(np.asarray(raw["grid"][f"{key[:-2]}_min_s"]) <= grid)
     # The embedding and the head, timed on the grid through the runtime's own chunks, and held out off it.
     ends = raw["ends"]
     for key in ("embed_forward_s", "embed_backward_s", "head_forward_s", "head_backward_s"):

@@ -13,7 +13,7 @@ Adding an architecture: a spec module here (an `Arch` subclass), its torch modul
 
 from __future__ import annotations
 
-from terapipe_cli.arch.base import COMMON_FIELDS, Arch, Split, flops_per_token
+from terapipe_cli.arch.base import COMMON_FIELDS, Arch, Split, backward_input_share, flops_per_token
 from terapipe_cli.arch.gpt import GptArch
 from terapipe_cli.arch.gpt2 import Gpt2Arch
 from terapipe_cli.arch.llama import LlamaArch, RopeScaling
@@ -53,6 +53,7 @@ __all__ = [
     "Split",
     "all_splits",
     "arch_spec",
+    "backward_input_share",
     "flops_per_token",
     "transformers_arch",
 ]

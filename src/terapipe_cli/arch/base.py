@@ -11,6 +11,8 @@ import importlib
 from dataclasses import asdict, fields, is_dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+import numpy as np
+
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import Fields
 
@@ -47,7 +49,8 @@ class Arch:
       parameters a layer and the two ends hold (`params_per_layer`, `end_params`);
     - tensor parallelism: ``splits``, how each cut parameter is cut, by the end of its name (engine/tensor.py);
     - the analytic profile: the layer's matrix products (`forward_gemms`), its element-wise byte streams
-      (`streams`), the kernels it launches (``forward_kernels``, ...), what it keeps for the backward
+      (`streams`), the kernels it launches (``forward_kernels``, ..., ``weight_kernels``: a split backward's W's),
+      what it keeps for the backward
       (`activation_bytes_per_token`), whether it has a position table (``learned_positions``);
     - `transformers`: the key table (``hf_keys``), the config it exports as (`hf_config`), the classes whose
       ``config.json`` it reads (``transformers_classes``, `from_transformers`).
@@ -65,6 +68,10 @@ class Arch:
     forward_kernels: Kernels = ()
     backward_kernels: Kernels = ()
     autocast_kernels = (0, 0)  # more kernels forward and backward under autocast (bf16, fp16)
+    # Of the backward's kernels, those a split backward's W runs (each weight's gradient product and its .grad +=, a
+    # norm's weight (and bias) gradient and theirs), and of autocast's backward ones (the weights' gradients cast back
+    # to fp32); the rest are I's (`profile.analytic.weight_kernels_per_tile`).
+    weight_kernels = (0, 0)
 
     def model_class(self) -> type:
         """The torch module of this architecture (imports torch)."""
@@ -192,3 +199,63 @@ def flops_per_token(cfg: ModelConfig, *, recompute: float = 0.0) -> float:
     attention = 4.0 * cfg.layers * cfg.heads * cfg.head_dim * cfg.seq_len
     layers_forward = 2.0 * cfg.layers * matrices + attention
     return 3.0 * (2.0 * weights + attention) + float(recompute) * layers_forward
+
+
+# The products of attention multiply two activations (Q·Kᵀ, P·V): both of their backward products are activations'
+# gradients (dQ and dK, dP and dV, the K/V hand-back's too), so a split backward runs them all in I.
+ACTIVATION_PRODUCTS = ("scores", "values")
+
+
+def layer_gemms(cfg: ModelConfig, b, i, j, tensor_parallel: int = 1) -> list[Gemm]:
+    """The matrix products of one layer's forward pass for a tile of b sequences × i new tokens after j: the
+    architecture's own (`Arch.forward_gemms`) and attention's, the same for all.
+
+    Per device with tensor parallelism t: the QKV and first MLP products are split by columns, the output
+    and second MLP products by rows, attention by heads.
+    """
+    b, i, j = (np.asarray(x, dtype=float) for x in (b, i, j))
+    t = tensor_parallel
+    d, heads = float(cfg.head_dim), cfg.heads / t
+    rows = b * i  # tokens of the tile: the m of every weight product
+    one = np.ones_like(rows)
+    ctx = i + j  # every new token attends over the context and its own slice's tokens
+    # Scores Q·Kᵀ and the weighted sum P·V run over i × (i + j) per query head: causal masking does not shrink
+    # the dense products that attention kernels of the time ran, so the full rectangle is counted. Grouped-query
+    # attention changes neither: each query head still meets every key, its group's key/value head's.
+    attention = [("scores", b * heads, i * one, ctx * one, one * d), ("values", b * heads, i * one, one * d, ctx * one)]
+    return cfg.spec.forward_gemms(cfg, rows, one, t, attention)
+
+
+def backward_gemms(forward: list[Gemm]) -> list[Gemm]:
+    """Each forward product C = A·B needs dA = dC·Bᵀ (m × n · n × k) and dB = Aᵀ·dC (k × m · m × n).
+
+    For attention, dB is the gradient of the keys/values — of the context slices too, which is what the
+    runtime hands back to earlier slices.
+    """
+    out: list[Gemm] = []
+    for name, batch, m, n, k in forward:
+        out.append((f"{name}.dgrad", batch, m, k, n))
+        out.append((f"{name}.wgrad", batch, k, n, m))
+    return out
+
+
+def is_weight_gradient(gemm: Gemm) -> bool:
+    """Whether a backward product (`backward_gemms`) is a weight's gradient, W's in a split backward: a ``wgrad`` of
+    a product with a weight (attention's are activations' gradients, `ACTIVATION_PRODUCTS`)."""
+    name, kind = gemm[0].rsplit(".", 1)
+    return kind == "wgrad" and name not in ACTIVATION_PRODUCTS
+
+
+def backward_input_share(cfg: ModelConfig, b, i, j, tensor_parallel: int = 1) -> np.ndarray:
+    """The architecture's analytic I : W ratio: the share of one layer's backward FLOPs in I (the input's and the
+    K/V cache's gradients) for tiles (b, i, j), the rest W (the weights').
+
+    Every product with a weight gives I its input's gradient and W its weight's, of the same FLOPs; attention's two
+    products give I both of theirs (`ACTIVATION_PRODUCTS`), which grow with the context j, so the share does too.
+    Element-wise kernels are not FLOPs and are left out (nearly all of them are I's: the norms', the activation's,
+    the softmax's input gradients), so on a device where they cost time I's real share is a little higher. What a
+    profile of schema /1, which timed the backward whole, is split by (`plan.costmodel.Profile.split_grids`)."""
+    grads = backward_gemms(layer_gemms(cfg, b, i, j, tensor_parallel))
+    weight = sum(2.0 * g[1] * g[2] * g[3] * g[4] for g in grads if is_weight_gradient(g))
+    total = sum(2.0 * g[1] * g[2] * g[3] * g[4] for g in grads)
+    return 1.0 - weight / total

@@ -104,6 +104,9 @@ class GptArch(Arch):
     # each, and one backward each); each weight's 16-bit copy is made once per step (not per tile, StageRunner.step)
     # but its gradient is cast back to fp32 in every tile's backward (four kernels).
     autocast_kernels = (2, 2 + 4)
+    # W's backward kernels: the four weights' wgrad and .grad += (8), the two layer norms' dweight-and-dbias and their
+    # two .grad += (6); under autocast the four weight gradients' casts to fp32.
+    weight_kernels = (8 + 6, 4)
 
     def read_fields(self, f: Fields) -> dict:
         return {"mlp_ratio": f.int("mlp_ratio", minimum=1, default=4)}

@@ -44,6 +44,7 @@ class Gpt2Arch(GptArch):
     forward_kernels = FORWARD_KERNELS
     backward_kernels = (*BACKWARD_KERNELS, ("four biases: the gradient's sum over the tokens, .grad +=", 8))
     autocast_kernels = (2, 2 + 4 + 4)  # and the four bias gradients cast back to fp32
+    weight_kernels = (8 + 6 + 8, 4 + 4)  # gpt's and the four biases' (their sums, .grad += and casts)
 
     def read_fields(self, f: Fields) -> dict:
         return {

@@ -134,6 +134,9 @@ class LlamaArch(Arch):
     # Under autocast: the norms' fp32 outputs cast for q, k, v, gate, up (five; five backward), cos and sin cast for q
     # and k (four), and seven weight gradients cast back to fp32.
     autocast_kernels = (5 + 4, 5 + 7)
+    # W's backward kernels: the seven weights' wgrad and .grad += (14), the two RMSNorms' dweight and .grad += (4);
+    # under autocast the seven weight gradients' casts to fp32.
+    weight_kernels = (14 + 4, 7)
 
     def read_fields(self, f: Fields) -> dict:
         """ffn_hidden required; the rest with defaults (kv_heads: heads; RoFormer's base 10000; no rescaling)."""

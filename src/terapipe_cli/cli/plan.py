@@ -58,7 +58,7 @@ def plan(
         Path | None,
         typer.Option(
             "--profile",
-            help="Profile JSON (terapipe.profile/1) from `terapipe profile` (required without --experiment).",
+            help="Profile JSON (terapipe.profile/2, or /1) from `terapipe profile` (required without --experiment).",
         ),
     ] = None,
     stages: Annotated[
@@ -132,8 +132,8 @@ def plan(
             help="Schedule order: gpipe (every forward, then every backward), 1f1b (a batch slice's backward as "
             "soon as the pipeline allows: fewer batch slices' activations alive at once), zb1p (ZB-H1: 1F1B with each "
             "backward split into I and W, the W's filling the bubble), zbv (ZB-V: two chunks per device in a V, the "
-            "backward split) or auto (gpipe or 1f1b: gpipe unless the memory limit needs 1f1b or the simulator finds "
-            "it faster; the zero-bubble orders only when asked).",
+            "backward split) or auto (the searches in gpipe and 1f1b order, then the result split into zb1p, and "
+            "zbv as a configuration of its own: the fastest in the simulator whose memory estimate fits).",
         ),
     ] = "auto",
     virtual_stages: Annotated[

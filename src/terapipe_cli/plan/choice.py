@@ -9,6 +9,7 @@ the memory estimate checked against a limit — within which the fastest scheme 
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass, field, replace
 
@@ -32,8 +33,8 @@ from terapipe_cli.plan.mfu import Utilisation, utilisation
 from terapipe_cli.plan.orders import order_of
 from terapipe_cli.plan.request import PlanRequest
 from terapipe_cli.plan.schedule import ORDERS, Schedule
-from terapipe_cli.plan.search import PlanResult, divisors, gpipe_baseline, solve, uniform_baseline
-from terapipe_cli.plan.simulate import INPUT_SHARE, simulate
+from terapipe_cli.plan.search import PlanResult, divisors, gpipe_baseline, grid_tiles, solve, uniform_baseline
+from terapipe_cli.plan.simulate import simulate
 from terapipe_cli.units import format_bytes, format_seconds, format_stages, utc_timestamp
 
 # The schemes a plan may run (`terapipe plan --scheme`): the TeraPipe plan, or one of its baselines.
@@ -90,8 +91,10 @@ class Planned:
         return self.cost.partition
 
     def choice_text(self) -> str:
-        """``GPipe order`` / ``1F1B order, recomputed on stages 0, 1``: how the plan's steps run."""
-        return choice_text(self.order, self.recompute)
+        """``GPipe order`` / ``1F1B order, recomputed on stages 0, 1``: how the plan's steps run (a split order: how
+        its I and W are priced, `split_text`)."""
+        split = split_text(self.profile, self.chosen.slices) if order_of(self.order).split else None
+        return choice_text(self.order, self.recompute, split)
 
     def memory_choice(self) -> str | None:
         """One line when the plan was chosen to fit the memory limit; None otherwise."""
@@ -264,18 +267,49 @@ def _utilisation_record(u: Utilisation) -> dict:
     return {"model_tflops": u.model_tflops, "mfu": u.mfu, "peak_tflops": u.peak_tflops}
 
 
-def choice_text(order: str, recompute: tuple[bool, ...]) -> str:
+def choice_text(order: str, recompute: tuple[bool, ...], split: str | None = None) -> str:
     """``GPipe order``, ``1F1B order, recomputed``, ``GPipe order, recomputed on stage 0``, ``… on stages 0–33, 39``;
-    a split order says how its I and W are priced (profiles do not time them apart: `simulate.INPUT_SHARE`)."""
+    a split order says how its I and W are priced where ``split`` says it (`split_text`)."""
     kind = order_of(order)
     text = kind.title
-    if kind.split:
-        text += f" (I {INPUT_SHARE:.0%} of a tile's backward, W the rest: analytic)"
+    if kind.split and split:
+        text += f" ({split})"
     if all(recompute):
         return text + ", recomputed"
     if any(recompute):
         text += f", recomputed on {format_stages(recompute)}"
     return text
+
+
+# How a profile of schema /2 has its I and W (`Profile.split_source`).
+_SPLIT_SOURCES = {"measured": "timed apart (measured)", "analytic": "estimated apart (analytic)", "example": "example"}
+
+
+def split_text(profile: Profile, slices) -> str:
+    """How a split order's I and W are priced, as shares of the backward of the tiles of ``slices`` (one layer,
+    their context included): ``I 61%, W 47% of the tiles' backward, timed apart (measured)`` (a profile of schema /2,
+    whose split can cost more than the whole backward), or ``I 58% of the tiles' backward by the architecture's
+    analytic ratio: a profile of schema /1`` (W the rest)."""
+    b, i, j = (np.array(x, dtype=float) for x in zip(*_tiles(slices), strict=True))
+    whole, inputs, weights = (
+        float(np.sum(cost.no_context(b, i) + cost.context(b, i, j)))
+        for cost in (CostModel(profile.only(part), 1) for part in ("backward", "input", "weight"))
+    )
+    share_i, share_w = inputs / whole, weights / whole
+    if profile.split_source == "ratio":
+        return f"I {share_i:.0%} of the tiles' backward by the architecture's analytic ratio: a profile of schema /1"
+    return f"I {share_i:.0%}, W {share_w:.0%} of the tiles' backward, {_SPLIT_SOURCES[profile.split_source]}"
+
+
+def _tiles(slices) -> list[tuple[int, int, int]]:
+    """(b, i, j) of every tile of ``slices``."""
+    out = []
+    for b, lengths in slices:
+        j = 0
+        for i in lengths:
+            out.append((b, i, j))
+            j += i
+    return out
 
 
 def plan_for_profile(profile: Profile, request: PlanRequest, *, ceiling: float = math.inf) -> Planned | None:
@@ -403,16 +437,26 @@ def _rerank(
 
 
 class _Forbidding:
-    """A cost model under which tiles that do not fit the memory limit cost +inf (`planner.solve` skips them)."""
+    """A cost model under which tiles that do not fit the memory limit cost +inf (`planner.solve` skips them).
+    ``key`` (hashable) names the tiles that fit, on the grid searched: the search shares its prices, tables and
+    answers within one plan (`plan.memo`, `CostModel.price_key`) with every other search of the same cost and fit."""
 
-    def __init__(self, cost: CostModel, fits) -> None:
+    def __init__(self, cost: CostModel, fits, key: tuple) -> None:
         self.cost, self.fits, self.step_s, self.max_batch_slice = cost, fits, cost.step_s, cost.max_batch_slice
         self.virtual = cost.virtual
         inner = cost.bubble
         self.bubble = None if inner is None else (lambda b, i, j: np.where(fits(i, j), inner(b, i, j), np.inf))
+        self.price_key = (*cost.price_key, "fitting", key)
 
     def __call__(self, b, i, j):
         return np.where(self.fits(i, j), self.cost(b, i, j), np.inf)
+
+    def grid_prices(self, sizes, i, j, grid: tuple) -> tuple[np.ndarray, np.ndarray]:
+        """`CostModel.grid_prices`, +inf where a tile does not fit."""
+        allowed = np.asarray(self.fits(i, j))
+        total, bubble = self.cost.grid_prices(sizes, i, j, grid)
+        fitted = np.where(allowed, total, np.inf)
+        return fitted, (fitted if bubble is total else np.where(allowed, bubble, np.inf))
 
 
 def plan_within_memory(
@@ -515,7 +559,10 @@ def _equal_slice_candidates(
             if not any(on):
                 continue
             fits = lambda i, j, eq=eq, on=on: eq.tile_fits(i, j, stages=on)  # noqa: E731
-            res = solve(_Forbidding(costs[True], fits), **shape, **search, batch_slice=b)
+            # Named by the tiles that fit: in either order, alike fits share one search (`_Forbidding`).
+            allowed = np.asarray(fits(*grid_tiles(r.seq_len // r.token_step, r.token_step)))
+            key = (allowed.shape, hashlib.sha256(np.packbits(allowed)).hexdigest())
+            res = solve(_Forbidding(costs[True], fits, key), **shape, **search, batch_slice=b)
         if res is not None:
             out.append((res, order, on))
     return out

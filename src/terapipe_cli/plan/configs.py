@@ -27,14 +27,15 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from terapipe_cli.errors import UserError
+from terapipe_cli.plan import memo
 from terapipe_cli.plan.choice import Planned, outside_profile, plan_for_profile, plan_one, smallest_peak
-from terapipe_cli.plan.costmodel import CostModel, Profile
+from terapipe_cli.plan.costmodel import CostModel, GridKinds, Profile
 from terapipe_cli.plan.memory import check_memory, stage_memory
-from terapipe_cli.plan.orders import order_of
+from terapipe_cli.plan.orders import SPLIT_ORDERS, order_of
 from terapipe_cli.plan.partition import Partition
 from terapipe_cli.plan.request import PlanRequest
 from terapipe_cli.plan.schedule import ORDERS, Schedule
-from terapipe_cli.plan.search import lower_bound, solve
+from terapipe_cli.plan.search import grid_kinds, grid_prices, lower_bound, solve
 
 # What the search tells as it goes (`plan_configured(progress=…)`): one line of text.
 Progress = Callable[[str], None]
@@ -95,21 +96,22 @@ def partition_candidates(profile: Profile, request: PlanRequest, virtual: int) -
     N, K = profile.model.layers, request.stages
     if request.partition is not None:
         return [request.partition]
-    balanced = Partition.balanced(N, K, virtual)
+    place = request.placement
+    balanced = replace(Partition.balanced(N, K, virtual), placement=place)
     S = K * virtual
     if request.partition_mode != "auto" or S == 1:
         return [balanced]
     if count_partitions(N, S) <= ALL_PARTITIONS:
-        return [Partition(c, K) for c in _compositions(N, S)]
+        return [Partition(c, K, place) for c in _compositions(N, S)]
     lo, hi = _window(profile, N, S)
     out = {balanced}
     for a in range(lo, hi + 1):
         for c in range(lo, hi + 1) if S > 2 else [N - a]:
             rest = N - a - c
             if S == 2 and 0 <= c <= N:
-                out.add(Partition((a, c), K))
+                out.add(Partition((a, c), K, place))
             elif S > 2 and rest >= S - 2:
-                out.add(Partition((a, *Partition.balanced(rest, S - 2).layers, c), K))
+                out.add(Partition((a, *Partition.balanced(rest, S - 2).layers, c), K, place))
     return sorted(out, key=lambda p: p.layers)
 
 
@@ -148,6 +150,7 @@ def _window(profile: Profile, layers: int, chunks: int) -> tuple[int, int]:
     return max(0, math.floor(even) - math.ceil(weight) - 1), math.ceil(even) + 1
 
 
+@memo.sharing()  # the tile prices and tables of the many configurations compared, each made once (`plan.memo`)
 def plan_configured(profile: Profile, request: PlanRequest, progress: Progress | None = None) -> Configured:
     """The plan of the fastest configuration (module docstring). ``progress`` hears, as the search goes, what is
     being searched, how much is left and the best so far (one line each time: `terapipe plan`'s moving line)."""
@@ -158,13 +161,15 @@ def plan_configured(profile: Profile, request: PlanRequest, progress: Progress |
     tried = 0
     report = progress or (lambda text: None)
     vs = virtual_candidates(request, N)
-    for n, v in enumerate(vs):
-        where = f"v = {v} ({n + 1} of {len(vs)})" if len(vs) > 1 else f"v = {v}"
+    configs = [(v, request) for v in vs] + [(2, r) for r in _on_the_v(profile, request, vs)]
+    for n, (v, r) in enumerate(configs):
+        where = f"v = {v}" + (", ZB-V" if r is not request else "")
+        where += f" ({n + 1} of {len(configs)})" if len(configs) > 1 else ""
         if best:
             fastest = min(best, key=lambda p: p.simulated_s[p.scheme])
             where += f", fastest so far {describe(fastest)}: simulated {_ms(fastest.simulated_s[fastest.scheme])}"
         tell = lambda text, where=where: report(f"{where}: {text}")  # noqa: E731
-        first, second, count = _best_partition(profile, request, v, refused, tell)
+        first, second, count = _best_partition(profile, r, v, refused, tell)
         tried += count
         best += [first] if first is not None else []
         seconds += [second] if second is not None else []
@@ -179,6 +184,15 @@ def plan_configured(profile: Profile, request: PlanRequest, progress: Progress |
     ranked = sorted(best, key=simulated)
     others = ranked[1:] or sorted(seconds, key=simulated)
     return Configured(ranked[0], others[0] if others else None, tried)
+
+
+def _on_the_v(profile: Profile, request: PlanRequest, vs: list[int]) -> list[PlanRequest]:
+    """With the order free: ZB-V's configuration (two chunks per device in a V: a placement, hence partitions, of its
+    own) beside those of ``vs``, when two chunks per device are among them, no partition is given and the head is
+    not tied to the embedding (the V puts both ends on device 0, which the tied copy's gradient sum does not know)."""
+    if not request.order_free or 2 not in vs or request.partition is not None or profile.model.tie_embeddings:
+        return []
+    return [replace(request, order="zbv", order_free=False)]
 
 
 def _best_partition(
@@ -228,16 +242,26 @@ def _best_partition(
     if deferred:  # the limit binds: a partition no faster anywhere may still fit where the faster ones do not
         for part, by in dominated.items():
             deferred.append((free_of.get(by, bounds.get(by, -math.inf)), part))
+    recomputing = _Prices({}, r)  # the recomputing cost models of the partitions that only fit recomputed
+    passed: list[Partition] = []  # of those, the ones found unable to beat the best found at the time
     for bound, part in sorted(deferred, key=lambda x: (x[0], x[1].layers)):
         if bound >= best_so_far():
             break
-        if part not in free_of and unconstrained(part):
+        # Where only recomputation fits, the search without the limit (priced without it) finds nothing that fits.
+        recomputed = part.virtual == 1 and _only_recomputed(profile, r.with_config(part, order))
+        if part not in free_of and not recomputed and unconstrained(part):
             continue
-        if (
-            part.virtual == 1
-            and _memory_bound(profile, r.with_config(part, order), bound, best_so_far()) >= best_so_far()
-        ):
-            continue  # only recomputation fits, and recomputed it cannot beat the best (`_memory_bound`)
+        if recomputed:
+            cost = CostModel(profile, r.stages, r.data_parallel, recompute=True, within_profile=True, partition=part)
+            recomputing.add(part, cost)
+            # Recomputed, no cheaper on any tile nor per step than one that could not beat the best (which only
+            # falls): it cannot either. Else its bound (`_memory_bound`).
+            no_cheaper = (q for q in passed if recomputing.costs[q].step_s <= cost.step_s)
+            if any(recomputing.dominates(q, part) for q in no_cheaper) or (
+                _memory_bound(profile, r.with_config(part, order), cost, bound, best_so_far()) >= best_so_far()
+            ):
+                passed.append(part)
+                continue
         progress(f"searching layers {part.text()} within the memory limit")
         optimum = _within_memory(profile, r.with_config(part, order), refused, ceiling())
         scored += [(optimum, part)] if optimum is not None else []
@@ -246,8 +270,9 @@ def _best_partition(
     scored.sort(key=lambda x: x[0])  # stable: among equals, the bound's order (then the layers)
     progress(f"simulating the best of {len(scored)} partitions searched, layers {scored[0][1].text()}, in each order")
     if order is None and virtual > 1:  # planned, re-ranked and simulated in each order; the fastest that fits
-        both = [_plan_partition(profile, r.with_config(scored[0][1], o)) for o in ORDERS]
-        best = min([p for p in both if not _over(p)] or both, key=lambda p: p.simulated_s[p.scheme])
+        orders = ORDERS + tuple(o for o in SPLIT_ORDERS if order_of(o).placement == "interleaved")
+        each = [_plan_partition(profile, r.with_config(scored[0][1], o)) for o in orders]
+        best = min([p for p in each if not _over(p)] or each, key=lambda p: p.simulated_s[p.scheme])
         runner_order = best.order
     else:
         best = _order_by_simulation(profile, _plan_partition(profile, r.with_config(scored[0][1], order)))
@@ -262,29 +287,103 @@ def _best_partition(
 def _undominated(costs: dict[Partition, CostModel], request: PlanRequest) -> tuple[list[Partition], dict]:
     """The partitions no other prices lower or equal on every tile a scheme may use (what the objective sums, and
     what its bubble takes the largest of), and each dominated one with a partition that dominates it: the
-    objective is non-decreasing in every tile's cost, so a dominated partition's optimum is no better (§11a)."""
-    r = request
-    n, g = r.seq_len // r.token_step, r.token_step
-    ends, lengths = np.nonzero(np.tri(n + 1, dtype=bool) & (np.arange(n + 1) >= 1)[None, :])
-    i, j = (lengths * g)[None, :], ((ends - lengths) * g)[None, :]
-    some = next(iter(costs.values()))
-    rows = min(r.batch_size, some.max_batch_slice or r.batch_size)
-    b = np.arange(1, rows + 1)[:, None]
-    parts = some.parts(b, i, j)  # one layer's time, the ends, the transfers: the same for every partition
-    shape = (rows, i.shape[1])
-    priced = {part: tuple(np.broadcast_to(x, shape) for x in cost.prices(parts)) for part, cost in costs.items()}
-    kept: list[Partition] = []
+    objective is non-decreasing in every tile's cost, so a dominated partition's optimum is no better (§11a).
+    Taken in the order of their prices' sums (then layers), each is checked against those kept before it
+    (`_Prices.dominates`)."""
+    prices = _Prices(costs, request)
+    sums = {part: prices.finite_sum(part) for part in costs}
+    kept: list[tuple[Partition, list[np.ndarray]]] = []
     dominated: dict[Partition, Partition] = {}
-    for part in sorted(
-        costs, key=lambda p: (float(np.sum(np.where(np.isfinite(priced[p][0]), priced[p][0], 0))), p.layers)
-    ):
-        total, bubble = priced[part]
-        by = next((k for k in kept if np.all(priced[k][0] <= total) and np.all(priced[k][1] <= bubble)), None)
+    for part in sorted(costs, key=lambda p: (sums[p], p.layers)):
+        by = next((k for k, theirs in kept if prices.dominates(k, part, theirs)), None)
         if by is None:
-            kept.append(part)
+            kept.append((part, prices.prices(part)))
         else:
             dominated[part] = by
-    return kept, dominated
+    return [part for part, _ in kept], dominated
+
+
+class _Prices:
+    """The tile prices of several partitions' cost models of one profile and request, on every tile a scheme may
+    use: what the objective sums, and what its bubble takes the largest of. Each is the slowest of the partition's
+    kinds of device (and chunk) (`CostModel.grid_kinds`, shared within the plan), so one partition is no dearer than
+    another where each of its kinds is no dearer than one of the other's — by their makings (`GridKinds.below`), else
+    by their times — and only where that fails are the two partitions' prices compared tile by tile."""
+
+    def __init__(self, costs: dict[Partition, CostModel], request: PlanRequest) -> None:
+        r = request
+        self.units, self.token_step, self.batch_size = r.seq_len // r.token_step, r.token_step, r.batch_size
+        self.costs: dict[Partition, CostModel] = {}
+        self.kinds: dict[Partition, GridKinds] = {}
+        self.below: dict[tuple, bool] = {}  # (parts, kind, kind', devices or chunks) → no dearer on every tile
+        self.sizes: np.ndarray | None = None
+        self.room: np.ndarray | None = None  # a partition's prices, while they are summed
+        for part, cost in costs.items():
+            self.add(part, cost)
+
+    def add(self, part: Partition, cost: CostModel) -> None:
+        if self.sizes is None:
+            self.sizes = np.arange(1, min(self.batch_size, cost.max_batch_slice or self.batch_size) + 1)
+        self.costs[part] = cost
+        self.kinds[part] = grid_kinds(cost, self.sizes, self.units, self.token_step)
+
+    def _alike(self, *parts: Partition) -> bool:
+        """Whether these partitions' kinds are priced from one set of parts, for every batch slice asked."""
+        kinds = [self.kinds[p] for p in parts]
+        return len({k.key for k in kinds}) == 1 and all(np.array_equal(k.span, self.sizes) for k in kinds)
+
+    def prices(self, part: Partition) -> list[np.ndarray]:
+        """[cost] or [cost, bubble], a row per batch-slice size."""
+        if not self._alike(part):  # rows outside the profile: the prices themselves
+            return grid_prices(self.costs[part], self.sizes, self.units, self.token_step)
+        k = self.kinds[part]
+        return [k.slowest(list(times.values())) for times in (k.devices, k.chunks) if times is not None]
+
+    def finite_sum(self, part: Partition) -> float:
+        """The sum of the partition's finite costs."""
+        k = self.kinds[part]
+        if self._alike(part) and k.nonnegative:  # every price finite: the sum of the prices as they are
+            if self.room is None:
+                self.room = np.empty((len(self.sizes), self.units * (self.units + 1) // 2))
+            return float(np.sum(k.slowest(list(k.devices.values()), out=self.room)))
+        total = self.prices(part)[0]
+        return float(np.sum(np.where(np.isfinite(total), total, 0)))
+
+    def dominates(self, cheap: Partition, dear: Partition, cheap_prices: list[np.ndarray] | None = None) -> bool:
+        """Whether ``cheap``'s prices are no greater than ``dear``'s on every tile (``cheap_prices``: its prices, when
+        at hand)."""
+        theirs = self.kinds[dear]
+        if self._alike(cheap, dear):
+            mine = self.kinds[cheap]
+            if all(
+                all(any(self._kind_below(a, b, which, mine, theirs) for b in getattr(theirs, which)) for a in times)
+                for which, times in (("devices", mine.devices), ("chunks", mine.chunks))
+                if times is not None
+            ):
+                return True
+        cheap_prices = self.prices(cheap) if cheap_prices is None else cheap_prices
+        if not self._alike(dear):
+            return _no_dearer(cheap_prices, lambda at: [x[at] for x in self.prices(dear)])
+        slowest = [[*times.values()] for times in (theirs.devices, theirs.chunks) if times is not None]
+        return _no_dearer(cheap_prices, lambda at: [theirs.slowest([x[at] for x in t]) for t in slowest])
+
+    def _kind_below(self, a: tuple, b: tuple, which: str, mine: GridKinds, theirs: GridKinds) -> bool:
+        if mine.below(a, b):
+            return True
+        key = (mine.key, a, b, which)
+        if key not in self.below:
+            times = getattr(theirs, which)[b]
+            self.below[key] = _no_dearer([getattr(mine, which)[a]], lambda at: [times[at]])
+        return self.below[key]
+
+
+def _no_dearer(cheap: list[np.ndarray], dear) -> bool:
+    """Whether every array of ``cheap`` is ≤ the same of ``dear(at)`` (the arrays at index ``at``) on every tile:
+    first on a sample of the tiles, which usually finds a dearer one at once, then on all of them."""
+    sample = (slice(None), slice(None, None, 61))
+    if not all(np.all(c[sample] <= d) for c, d in zip(cheap, dear(sample), strict=True)):
+        return False
+    return all(np.all(c <= d) for c, d in zip(cheap, dear(...), strict=True))
 
 
 def _unconstrained(profile: Profile, request: PlanRequest, ceiling: float = math.inf) -> tuple[float, bool | None]:
@@ -313,13 +412,10 @@ def _unconstrained(profile: Profile, request: PlanRequest, ceiling: float = math
     return res.predicted_s, any(fits(order) for order in orders)
 
 
-def _memory_bound(profile: Profile, request: PlanRequest, free: float, ceiling: float) -> float:
-    """A lower bound on one configuration's optimum (v = 1) within the memory limit, given ``free``, its optimum
-    without the limit: ``free`` itself while some scheme without recomputation may fit (`choice.smallest_peak`), else
-    — every scheme within the limit recomputes, which the objective prices with one more forward per tile — the
-    optimum of the recomputing cost model, searched only below ``ceiling`` (the best found: ``ceiling`` when nothing
-    is below it). Far tighter than ``free`` where only recomputation fits (Llama 3 70B on 8 H100s, B = 16), and a
-    partition it rules out is not searched within the limit (issue 38)."""
+def _only_recomputed(profile: Profile, request: PlanRequest) -> bool:
+    """Whether every scheme of one configuration (v = 1) within its enforced limit per device must recompute: no
+    scheme without recomputation reaches a peak within it (`choice.smallest_peak`), while recomputation is the
+    planner's to choose (not already ``--recompute``, nor ruled out by ``--no-recompute``)."""
     r = request
     limit = r.memory_limit_gib * 2**30 if r.memory_limit_gib is not None else profile.device.get("memory_bytes")
     if (
@@ -328,12 +424,22 @@ def _memory_bound(profile: Profile, request: PlanRequest, free: float, ceiling: 
         or not isinstance(limit, (int, float))
         or profile.device.get("kind") == "cpu"
     ):
-        return free  # already priced recomputed, recomputation is not the planner's to choose, or a shared limit
+        return False  # already priced recomputed, recomputation is not the planner's to choose, or a shared limit
     least, _ = smallest_peak(profile, r, float(limit), plain=True, recomputed=False)
-    if least <= limit:
-        return free
-    cost = CostModel(profile, r.stages, r.data_parallel, recompute=True, within_profile=True, partition=r.partition)
+    return least > limit
+
+
+def _memory_bound(profile: Profile, request: PlanRequest, cost: CostModel, free: float, ceiling: float) -> float:
+    """A lower bound on the optimum within the memory limit of one configuration whose schemes must recompute there
+    (`_only_recomputed`), given ``free``, its optimum without the limit (or a bound on it): the optimum of ``cost``,
+    its recomputing cost model (the objective prices recomputation with one more forward per tile), searched only
+    below ``ceiling`` (the best found: ``ceiling`` when nothing is below it, and when its bound, one DP pass, says
+    so). Far tighter than ``free`` (Llama 3 70B on 8 H100s, B = 16), and a partition it rules out is not searched
+    within the limit (issue 38)."""
+    r = request
     shape = {"seq_len": r.seq_len, "batch_size": r.batch_size, "stages": r.stages, "token_step": r.token_step}
+    if lower_bound(cost, **shape) * (1 - 1e-12) >= ceiling:  # (the bound sums in another order than a scheme)
+        return max(free, ceiling)
     res = solve(cost, **shape, epsilon=r.epsilon, method=r.method, ceiling=ceiling)
     return math.inf if res is None else max(free, min(res.predicted_s, ceiling))
 
@@ -368,19 +474,24 @@ def _objective(planned: Planned) -> float:
 
 
 def _order_by_simulation(profile: Profile, planned: Planned) -> Planned:
-    """With the order left free and no memory limit binding (v = 1): the same scheme in 1F1B order when the
-    simulator finds it faster (the objective prices both orders alike)."""
+    """With the order left free (v = 1): the same scheme in another order when the simulator finds it faster and it
+    fits — 1F1B order where no memory limit chose the order (the objective prices GPipe and 1F1B alike), and ZB-H1
+    (the plan's order of forwards with every backward split into I and W, W filling the bubble) with the plan's
+    recomputation, where its estimate fits (W keeps a tile's tensors longer)."""
     r = planned.request
-    if not r.order_free or planned.order == "1f1b" or planned.unfitted is not None or r.batch_size == 1:
+    if not r.order_free:
         return planned
-    # The other order re-ranks the same candidates (the objective's optimum, its neighbours, the baselines) in its own
-    # simulation: the scheme GPipe order preferred can be slower in 1F1B order than the optimum is there.
+    others = []
+    if planned.order != "1f1b" and planned.unfitted is None and r.batch_size > 1:
+        others.append("1f1b")
+    others += [o for o in SPLIT_ORDERS if order_of(o).placement == "interleaved"]
+    # Each other order re-ranks the same candidates (the objective's optimum, its neighbours, the baselines) in its
+    # own simulation: the scheme GPipe order preferred can be slower in 1F1B order than the optimum is there.
     optimum = planned.formula_optimal or planned.terapipe
-    other = plan_one(profile, r, optimum, order="1f1b", recompute=planned.recompute)
-    if _over(other):
-        return planned
-    if other.simulated_s["terapipe"] < planned.simulated_s["terapipe"] * (1 - 1e-9):
-        return other
+    for order in others:
+        other = plan_one(profile, r, optimum, order=order, recompute=planned.recompute)
+        if not _over(other) and other.simulated_s["terapipe"] < planned.simulated_s["terapipe"] * (1 - 1e-9):
+            planned = replace(other, unfitted=planned.unfitted, equal_slices_only=planned.equal_slices_only)
     return planned
 
 

@@ -1,4 +1,5 @@
-"""The cost model t(b, i, j) of docs/design.md §3, built from a ``terapipe.profile/1`` file. Imports no torch.
+"""The cost model t(b, i, j) of docs/design.md §3, built from a ``terapipe.profile/2`` (or ``/1``) file. Imports no
+torch.
 
     t(b, i, j) = ℓ · [ t_nc(b, i) + t_ctx(b, i, j) ] + comm(b, i)
 
@@ -15,7 +16,8 @@
 The profile format (every field is checked by `read_profile`):
 
     {
-      "schema": "terapipe.profile/1",
+      "schema": "terapipe.profile/2",                 or "terapipe.profile/1": the same without the two
+                                                       backward_*_s grids below
       "source": "measured" | "analytic" | "example",   how the numbers were obtained
       "note": "...",                                   free text (e.g. how an example was made)
       "created": "2026-11-21T20:00:00Z",
@@ -31,6 +33,15 @@ The profile format (every field is checked by `read_profile`):
       "token_lengths": [8, 16, ...],                   ascending
       "forward_s":  [[per-layer seconds per token length] per batch size],
       "backward_s": [[...] per batch size],
+      "backward_input_s":  [[...] per batch size],    schema /2: a tile's backward as the runtime's split runs it
+      "backward_weight_s": [[...] per batch size],    (docs/design.md §11b): I (the input's and the K/V cache's
+                                                       gradients) and W (the weights'), per layer, no context; the
+                                                       split's two calls can cost more than backward_s together.
+                                                       A tile's context adds to its I alone (the context term of
+                                                       "backward": attention's backward and the K/V hand-back; W's
+                                                       products run over the tile's own rows). A /1 profile's
+                                                       backward is split by the architecture's analytic I : W
+                                                       ratio (`Profile.split_grids`)
       "context": {"forward":  {"coef": [a0, a1, a2, a3], "heldout_rel_err_mean": e, "heldout_rel_err_max": e},
                   "backward": {...}},
       "comm": {"latency_s": s, "bytes_per_s": x},
@@ -76,14 +87,28 @@ from pathlib import Path
 
 import numpy as np
 
+from terapipe_cli.arch import backward_input_share
 from terapipe_cli.config.device import precision_field
 from terapipe_cli.config.model import ModelConfig, vocab_share
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import Fields, read_json_with_schema
+from terapipe_cli.plan import memo
 from terapipe_cli.plan.documents import AttendedContext
 from terapipe_cli.plan.partition import Partition
 
-PROFILE_SCHEMA = "terapipe.profile/1"
+PROFILE_SCHEMA = "terapipe.profile/2"  # what `terapipe profile` writes
+PROFILE_SCHEMAS = ("terapipe.profile/1", PROFILE_SCHEMA)  # what the reader takes: /1 has no I and W grids
+# The LM head's share of its backward in I: its one product's input gradient, of the same FLOPs as its weight's (the
+# loss's element-wise backward is I's too, left out as the layers' element-wise kernels are from their ratio). The
+# ends are timed whole in every schema.
+HEAD_INPUT_SHARE = 0.5
+# Of each end's backward, the share in each part of `Profile.only` (embedding, head).
+_END_BACKWARDS = {
+    "forward": (0.0, 0.0),
+    "backward": (1.0, 1.0),
+    "input": (0.0, HEAD_INPUT_SHARE),
+    "weight": (1.0, 1.0 - HEAD_INPUT_SHARE),
+}
 PROFILE_SOURCES = ("measured", "analytic", "example")
 
 
@@ -141,7 +166,7 @@ class ContextFit:
 
 @dataclass(frozen=True)
 class Profile:
-    """A validated ``terapipe.profile/1``."""
+    """A validated ``terapipe.profile/2`` (or ``/1``)."""
 
     model: ModelConfig
     source: str
@@ -166,12 +191,64 @@ class Profile:
     tensor_parallel: int = 1  # device.tensor_parallel: the T the times are for, per device of a stage's T
     vocab_parallel: bool = False  # the embedding and the head split over the T ranks by vocabulary rows
     ends: Ends | None = None  # the embedding and the head (None: a profile from before they were timed)
+    # Schema /2: I's and W's seconds per layer, no context (None: a /1 profile, split by `split_grids`' ratio).
+    backward_input_s: np.ndarray | None = None
+    backward_weight_s: np.ndarray | None = None
     raw: dict = field(default_factory=dict, repr=False, compare=False)
     path: str | None = None
     sha256: str | None = None
     # In memory only: attention priced by the context a tile attends over a corpus's packed documents (block-causal
     # masking, `plan.documents`) instead of the whole prefix; None: the whole prefix (full causal attention).
     attended: AttendedContext | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def split_source(self) -> str:
+        """How a tile's backward splits into I and W: "measured", "analytic" or "example" (schema /2: I and W as the
+        profile's source has them), or "ratio" (schema /1, timed whole: by the architecture's analytic I : W ratio)."""
+        return "ratio" if self.backward_input_s is None else self.source
+
+    def split_grids(self) -> tuple[np.ndarray, np.ndarray]:
+        """I's and W's seconds per layer on the grid, for tiles without context: the profile's own (schema /2), or
+        its backward split by the architecture's analytic I : W ratio (/1, `arch.backward_input_share`)."""
+        if self.backward_input_s is not None and self.backward_weight_s is not None:
+            return self.backward_input_s, self.backward_weight_s
+        b, i = np.meshgrid(self.batch_sizes, self.token_lengths, indexing="ij")
+        share = backward_input_share(self.model, b, i, 0, self.tensor_parallel)
+        return share * self.backward_s, (1.0 - share) * self.backward_s
+
+    def only(self, part: str) -> Profile:
+        """This profile with every time but ``part``'s zero — "forward", "backward" (whole), or a split backward's
+        "input" (I) or "weight" (W) — so that a `CostModel` of it prices that part alone, with the cost model's own
+        interpolation (`simulate.cost_model_parts`). A tile's context adds to its forward and to its I, never to its
+        W (the module docstring). The ends: the embedding's backward is W's (the first chunk's input is token ids,
+        with no gradient), the head's is split by `HEAD_INPUT_SHARE`."""
+        if part not in _END_BACKWARDS:
+            raise ValueError(f"part must be one of {', '.join(_END_BACKWARDS)}, got {part!r}")
+        zeros, none = np.zeros_like(self.forward_s), ContextFit((0.0, 0.0, 0.0, 0.0))
+        if part == "forward":
+            return replace(self, backward_s=zeros, context_backward=none, ends=self._ends_only(1.0, 0.0, 0.0))
+        backward = self.backward_s if part == "backward" else self.split_grids()[part == "weight"]
+        return replace(
+            self,
+            forward_s=zeros,
+            context_forward=none,
+            backward_s=backward,
+            context_backward=none if part == "weight" else self.context_backward,
+            ends=self._ends_only(0.0, *_END_BACKWARDS[part]),
+        )
+
+    def _ends_only(self, forward: float, embed_backward: float, head_backward: float) -> Ends | None:
+        """The ends with their forwards and backwards scaled (by 0 or 1, or the head's backward by its share)."""
+        e = self.ends
+        if e is None:
+            return None
+        return replace(
+            e,
+            embed_forward_s=forward * e.embed_forward_s,
+            head_forward_s=forward * e.head_forward_s,
+            embed_backward_s=embed_backward * e.embed_backward_s,
+            head_backward_s=head_backward * e.head_backward_s,
+        )
 
 
 @dataclass(frozen=True)
@@ -233,9 +310,13 @@ def _ascending_ints(f: Fields, key: str) -> tuple[int, ...]:
 
 
 def profile_from_dict(obj: dict, where: str) -> Profile:
-    """Validate a profile object; every error names ``where`` and the field."""
-    if obj.get("schema") != PROFILE_SCHEMA:
-        raise UserError(f"field 'schema' is {obj.get('schema')!r}, expected {PROFILE_SCHEMA!r}", where=where)
+    """Validate a profile object (schema /2, or /1: `PROFILE_SCHEMAS`); every error names ``where`` and the field."""
+    if obj.get("schema") not in PROFILE_SCHEMAS:
+        raise UserError(
+            f"field 'schema' is {obj.get('schema')!r}, expected {PROFILE_SCHEMA!r} (or the older "
+            f"{PROFILE_SCHEMAS[0]!r})",
+            where=where,
+        )
     f = Fields(obj, where)
     source = f.str("source")
     if source not in PROFILE_SOURCES:
@@ -248,6 +329,10 @@ def profile_from_dict(obj: dict, where: str) -> Profile:
     token_lengths = _ascending_ints(f, "token_lengths")
     forward = _grid(f, "forward_s", len(batch_sizes), len(token_lengths))
     backward = _grid(f, "backward_s", len(batch_sizes), len(token_lengths))
+    split = None
+    if obj["schema"] != PROFILE_SCHEMAS[0]:  # /2: the backward timed as I and W too
+        rows, cols = len(batch_sizes), len(token_lengths)
+        split = [_grid(f, key, rows, cols) for key in ("backward_input_s", "backward_weight_s")]
     ctx = f.sub("context")
     comm = f.sub("comm")
     device = f.get("device", {})
@@ -293,6 +378,8 @@ def profile_from_dict(obj: dict, where: str) -> Profile:
         tensor_parallel=tensor_parallel,
         vocab_parallel=vocab_parallel,
         ends=_ends(f, len(batch_sizes), len(token_lengths)),
+        backward_input_s=None if split is None else split[0],
+        backward_weight_s=None if split is None else split[1],
         raw=obj,
     )
 
@@ -314,6 +401,46 @@ def _interp_linear(x: np.ndarray, xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
     slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
     above = ys[-1] + slope * (x - xs[-1])
     return np.where(x > xs[-1], above, inside)
+
+
+def _add_into(t, x):
+    """t + x, into t where t is an array of the sum's shape."""
+    if isinstance(t, np.ndarray) and t.shape == np.broadcast_shapes(t.shape, np.shape(x)):
+        return np.add(t, x, out=t)
+    return t + x
+
+
+@dataclass(frozen=True)
+class GridKinds:
+    """The time of every kind of device of one partition (and of chunk, ``chunks``; None with one chunk per device) on
+    a grid of tiles, one row per batch slice of ``span`` (`CostModel.grid_kinds`), keyed by kind: (layers, runs the
+    embedding, runs the head, hops). The partition's ``cost`` there is the slowest of its ``devices``' times, its
+    ``bubble`` the slowest of its ``chunks``'. ``nonnegative``: every part of a time is finite and ≥ 0, so that a kind
+    no greater in each of the four (`below`) takes no longer on any tile. ``key``: the parts' (the kinds of models
+    of equal keys are comparable)."""
+
+    span: np.ndarray
+    devices: dict
+    chunks: dict | None
+    nonnegative: bool
+    key: tuple
+
+    def below(self, kind: tuple, other: tuple) -> bool:
+        """Whether ``kind`` takes no longer than ``other`` on every tile, by their makings alone (`nonnegative`):
+        rounding is monotone, so fewer layers and hops, and ends only where ``other`` has them, never cost more."""
+        return self.nonnegative and all(a <= b for a, b in zip(kind, other, strict=True))
+
+    @staticmethod
+    def slowest(times: list[np.ndarray], out: np.ndarray | None = None) -> np.ndarray:
+        """The slowest of ``times`` per tile (into ``out``, or a new array)."""
+        if len(times) == 1:
+            out = np.empty_like(times[0]) if out is None else out
+            np.copyto(out, times[0])
+            return out
+        out = np.maximum(times[0], times[1], out=out)
+        for more in times[2:]:
+            np.maximum(out, more, out=out)
+        return out
 
 
 class CostModel:
@@ -534,33 +661,97 @@ class CostModel:
 
     def parts(self, b, i, j) -> dict:
         """What every tile price here is made of, for tiles (b, i, j): one layer's time, and ``b``, ``i`` (the ends
-        and transfers are read from them lazily). `prices` combines them for this cost model's partition: the
-        planner prices many partitions of one profile from one set of parts (`plan.configs`)."""
+        and transfers are read from them lazily)."""
         return {"layer": self.no_context(b, i) + self.context(b, i, j), "b": b, "i": i}
+
+    @property
+    def price_key(self) -> tuple:
+        """What this model's tile prices depend on besides the tiles: its profile (by identity, `memo.identity`), the
+        forwards a tile runs, the transfers, the batch slices it prices and the kinds of its devices and chunks. Two
+        cost models with one key price every tile alike (`search._Tables` shares their tables)."""
+        kinds = (tuple(self._devices), None if self.bubble is None else tuple(self._chunks))
+        limits = (self.min_batch_slice, self.max_batch_slice)
+        return (memo.identity(self.profile), self._forwards, self._comm_latency, self._comm_per_token, limits, kinds)
+
+    def grid_prices(self, sizes, i, j, grid: tuple) -> tuple[np.ndarray, np.ndarray]:
+        """``cost`` and ``bubble`` (``cost`` again with one chunk per device) of the tiles (b, i, j) for b in
+        ``sizes`` (a row each) and the tiles of the rows ``i``, ``j``, which ``grid`` names (`search._Tables`' key of
+        them): the arrays ``cost(sizes[:, None], i, j)`` gives, from `grid_kinds` — the slowest of the partition's
+        kinds, a row outside the profile's +inf."""
+        sizes = np.asarray(sizes).reshape(-1)
+        kinds = self.grid_kinds(sizes, i, j, grid)
+
+        def slowest(times: dict) -> np.ndarray:
+            t = kinds.slowest(list(times.values()))
+            if len(kinds.span) == len(sizes) and np.array_equal(kinds.span, sizes):
+                return t
+            out = np.full((len(sizes), t.shape[1]), np.inf)
+            rows = np.isin(sizes, kinds.span)
+            if rows.any():
+                out[rows] = t[sizes[rows] - kinds.span[0]]
+            return out
+
+        total = slowest(kinds.devices)
+        return total, (total if kinds.chunks is None else slowest(kinds.chunks))
+
+    def grid_kinds(self, sizes, i, j, grid: tuple) -> GridKinds:
+        """The time of each kind of device (and, with v > 1, of chunk) of this partition — its layers, ends and
+        hops (`_combine`) — on the tiles of `grid_prices`, for the batch slices from the least to the largest of
+        ``sizes`` the profile prices. Within `memo.sharing` the parts of one profile's tiles are priced once per grid,
+        and each kind once: the planner prices many partitions (`plan.configs`)."""
+        sizes = np.asarray(sizes).reshape(-1)
+        span = sizes
+        if self.within_profile:
+            inside = sizes[(sizes >= self.min_batch_slice) & (sizes <= self.max_batch_slice)]
+            span = np.arange(inside.min(), inside.max() + 1) if len(inside) else inside
+        b = span[:, None]
+        common = (memo.identity(self.profile), grid, tuple(int(s) for s in span), *self._priced_by)
+        parts = memo.remembered(("parts", *common), lambda: self._all_parts(b, i, j))
+
+        def times(kinds) -> dict:
+            return {k: memo.remembered(("kind", *common, k), lambda k=k: self._combine(k, parts)) for k in kinds}
+
+        chunks = None if self.bubble is None else times(self._chunks)
+        return GridKinds(span, times(self._devices), chunks, parts["nonnegative"], common)
+
+    @property
+    def _priced_by(self) -> tuple:
+        """What the parts of a tile's price depend on besides the profile: the forwards it runs, its transfers."""
+        return (self._forwards, self._comm_latency, self._comm_per_token)
+
+    def _all_parts(self, b, i, j) -> dict:
+        """`parts` with the transfers and the ends priced too (shared parts are never added to), and whether every
+        part is finite and non-negative (`GridKinds.nonnegative`)."""
+        parts = self.parts(b, i, j)
+        parts.update(comm=self.comm(b, i), embedding=self.embedding(b, i), head=self.head(b, i))
+        arrays = [parts[k] for k in ("layer", "comm", "embedding", "head")]
+        parts["nonnegative"] = all(bool(np.all(np.isfinite(x)) and np.all(x >= 0)) for x in arrays)
+        return parts
 
     def _combine(self, kind: tuple[int, bool, bool, int], parts: dict) -> np.ndarray:
         layers, embeds, heads, hops = kind
         b, i = parts["b"], parts["i"]
         if "comm" not in parts:
             parts["comm"] = self.comm(b, i)
-        t = layers * parts["layer"] + hops * parts["comm"]
+        # layers·ℓ + hops·comm + the ends, summed in this order (in place: the same sums, fewer arrays).
+        t = _add_into(layers * parts["layer"], parts["comm"] if hops == 1 else hops * parts["comm"])
         for flag, name, price in ((embeds, "embedding", self.embedding), (heads, "head", self.head)):
             if flag:
                 if name not in parts:
                     parts[name] = price(b, i)
-                t = t + parts[name]
+                t = _add_into(t, parts[name])
         return t
 
-    def prices(self, parts: dict) -> tuple[np.ndarray, np.ndarray]:
-        """(``cost``, ``bubble`` — or ``cost`` again with one chunk per device) of the tiles of ``parts``."""
-        total = self._slowest_of(self._devices, parts)
-        return total, (total if self.bubble is None else self._slowest_of(self._chunks, parts))
-
     def _slowest_of(self, kinds, parts: dict) -> np.ndarray:
-        t = np.max(np.stack(np.broadcast_arrays(*(self._combine(kind, parts) for kind in kinds))), axis=0)
+        return self._slowest([self._combine(kind, parts) for kind in kinds], parts["b"])
+
+    def _slowest(self, times: list[np.ndarray], b) -> np.ndarray:
+        """The slowest of ``times`` per tile (a new array), +inf outside the profile's batch sizes (with
+        ``within_profile``)."""
+        t = np.max(np.stack(np.broadcast_arrays(*times)), axis=0)
         if not self.within_profile:
             return t
-        b = np.asarray(parts["b"])
+        b = np.asarray(b)
         return np.where((b >= self.min_batch_slice) & (b <= self.max_batch_slice), t, np.inf)
 
     def __call__(self, b, i, j) -> np.ndarray:

@@ -1,7 +1,7 @@
 """How far to trust a profile's fitted parts: one warning line per fit that is off, for `terapipe profile` to print
 after it writes a profile and for `terapipe plan` to print about the profile it plans from. Pure Python, no torch.
 
-Two fits of a ``terapipe.profile/1`` (`costmodel`) are checked:
+Two fits of a ``terapipe.profile/2`` or ``/1`` (`costmodel`) are checked:
 
 * **The context term** t_ctx(b, i, j) of either pass: its mean relative error on the held-out tiles
   (``context.forward|backward.heldout_rel_err_mean``, the error of the whole tile time the planner adds up) above

@@ -41,9 +41,6 @@ def grouping_search(
         key = (b, opened) if recompute else (b,)
         return rows.setdefault(key, len(rows))
 
-    def most(opened: tuple[int, ...]) -> tuple[int, ...]:
-        return tuple(max(opened[k] for k in ks) for ks in members)
-
     def fits_plain(opened: tuple[int, ...]) -> bool:
         return recompute or all(plain_bytes(s, w, L) <= limit for s, w in zip(alike, opened, strict=True))
 
@@ -57,10 +54,16 @@ def grouping_search(
     else:
         index: dict[tuple[int, tuple[int, ...]], int] = {(0, ()): 0}
         todo = [(0, ())]
+        fitting: dict[tuple[int, ...], bool] = {}
         for placed, after in todo:  # breadth-first: a state's moves lead to states placed later in `todo`
+            # Stage k has b + Σ after[:K − k − 1] sequences open: the sum only grows with fewer stages before the
+            # last, so of the stages of one size (which bind alike) the first has the most, whatever b.
+            before = [sum(after[: K - ks[0] - 1]) for ks in members]
             for b in range(1, B - placed + 1):
-                opened = most(tuple(b + sum(after[: K - k - 1]) for k in range(K)))
-                if not fits_plain(opened):
+                opened = tuple(b + n for n in before)
+                if opened not in fitting:
+                    fitting[opened] = fits_plain(opened)
+                if not fitting[opened]:
                     continue
                 nxt = (placed + b, ((b,) + after)[: K - 1])
                 if nxt not in index:

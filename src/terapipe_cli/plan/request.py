@@ -18,7 +18,7 @@ from terapipe_cli.config.experiment import Experiment
 from terapipe_cli.errors import UserError
 from terapipe_cli.plan.costmodel import Profile
 from terapipe_cli.plan.partition import Partition, check_partition
-from terapipe_cli.plan.schedule import ALL_ORDERS
+from terapipe_cli.plan.schedule import ALL_ORDERS, order_of
 from terapipe_cli.plan.search import METHODS
 from terapipe_cli.units import format_bytes
 
@@ -161,7 +161,13 @@ class PlanRequest:
         """The partition of a request whose configuration is fixed: the given one, or the most even split."""
         if self.partition is not None:
             return self.partition
-        return Partition.balanced(layers, self.stages, self.virtual or 1)
+        balanced = Partition.balanced(layers, self.stages, self.virtual or 1)
+        return replace(balanced, placement=self.placement) if balanced.virtual == 2 else balanced
+
+    @property
+    def placement(self) -> str:
+        """Where the chunks go: the order's placement when the order is fixed (ZB-V: the V), else interleaved."""
+        return "interleaved" if self.order_free else order_of(self.order).placement
 
 
 def plan_request(

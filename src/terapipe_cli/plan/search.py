@@ -29,6 +29,7 @@ the optimum.
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -37,6 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from terapipe_cli.errors import UserError
+from terapipe_cli.plan import memo
 from terapipe_cli.plan.file import Slices, short_form
 
 Cost = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
@@ -166,9 +168,10 @@ def evaluate(cost: Cost, slices: Sequence, stages: int) -> float:
 
 
 def _result(
-    cost: Cost, slices: Slices, *, stages: int, seq_len: int, batch_size: int, token_step: int, **kw
+    cost: Cost, slices: Slices, *, stages: int, seq_len: int, batch_size: int, token_step: int, priced=None, **kw
 ) -> PlanResult:
-    t, m = tile_costs(cost, slices), bubble_costs(cost, slices)
+    """The scheme priced by ``cost`` (``priced``: its tiles' costs and bubble costs, already at hand)."""
+    t, m = (tile_costs(cost, slices), bubble_costs(cost, slices)) if priced is None else priced
     return PlanResult(
         slices=slices,
         predicted_s=float(
@@ -184,6 +187,32 @@ def _result(
     )
 
 
+def _results(cost: Cost, schemes: list[Slices], **kw) -> list[PlanResult]:
+    """`_result` of every scheme; a cost model's (`CostModel.price_key`: every tile priced alone) tiles priced in one
+    call — each scheme's costs then the same values, summed alike."""
+    if getattr(cost, "price_key", None) is None or len(schemes) < 2:
+        return [_result(cost, slices, **kw) for slices in schemes]
+    tiles = [_tile_arrays(slices) for slices in schemes]
+    b, i, j = (np.concatenate([x[k] for x in tiles]) for k in range(3))
+    t = np.asarray(cost(b, i, j), dtype=float)
+    bubble = getattr(cost, "bubble", None)
+    m = t if bubble is None else np.asarray(bubble(b, i, j), dtype=float)
+    ends = np.cumsum([len(x[0]) for x in tiles])
+    return [
+        _result(cost, slices, priced=(t[end - len(x[0]) : end], m[end - len(x[0]) : end]), **kw)
+        for slices, x, end in zip(schemes, tiles, ends, strict=True)
+    ]
+
+
+def _baseline(name: str, cost: Cost, shape: tuple, find):
+    """``find()``, shared within one plan by the cost models that price alike (`memo`; a copy each time)."""
+    key = getattr(cost, "price_key", None)
+    if key is None:
+        return find()
+    step = (getattr(cost, "step_s", 0.0), getattr(cost, "virtual", 1))
+    return copy.deepcopy(memo.remembered((name, key, step, *shape), find))
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Baselines
 
@@ -196,16 +225,19 @@ def gpipe_baseline(cost: Cost, *, seq_len: int, batch_size: int, stages: int) ->
     """GPipe: whole sequences, microbatch size m among the divisors of B, the best m by the same objective (None
     when the cost forbids every m: +inf)."""
     _check_sizes(seq_len=seq_len, batch_size=batch_size, stages=stages, token_step=1)
-    best = None
-    for m in divisors(batch_size):
-        slices = [(m, [seq_len])] * (batch_size // m)
-        res = _result(
-            cost, slices, stages=stages, seq_len=seq_len, batch_size=batch_size, token_step=seq_len, method="gpipe"
-        )
-        res.extra["microbatch"] = m
-        if math.isfinite(res.predicted_s) and (best is None or res.predicted_s < best.predicted_s):
-            best = res
-    return best
+
+    def find() -> PlanResult | None:
+        sizes = divisors(batch_size)
+        schemes = [[(m, [seq_len])] * (batch_size // m) for m in sizes]
+        shape = {"stages": stages, "seq_len": seq_len, "batch_size": batch_size, "token_step": seq_len}
+        best = None
+        for res, m in zip(_results(cost, schemes, **shape, method="gpipe"), sizes, strict=True):
+            res.extra["microbatch"] = m
+            if math.isfinite(res.predicted_s) and (best is None or res.predicted_s < best.predicted_s):
+                best = res
+        return best
+
+    return _baseline("gpipe", cost, (seq_len, batch_size, stages), find)
 
 
 def _uniform_schemes(seq_len: int, batch_size: int, token_step: int):
@@ -228,15 +260,20 @@ def uniform_baseline(
     """The best uniform slicing: n equal token slices (n a power of two dividing L/g), batch slices all of size m
     (None when the cost forbids every one: +inf)."""
     _check_sizes(seq_len=seq_len, batch_size=batch_size, stages=stages, token_step=token_step)
-    best = None
-    for slices, n, m in _uniform_schemes(seq_len, batch_size, token_step):
-        res = _result(
-            cost, slices, stages=stages, seq_len=seq_len, batch_size=batch_size, token_step=token_step, method="uniform"
-        )
-        res.extra.update(token_slices=n, microbatch=m)
-        if math.isfinite(res.predicted_s) and (best is None or res.predicted_s < best.predicted_s):
-            best = res
-    return best
+
+    def find() -> PlanResult | None:
+        uniform = list(_uniform_schemes(seq_len, batch_size, token_step))
+        shape = {"stages": stages, "seq_len": seq_len, "batch_size": batch_size, "token_step": token_step}
+        best = None
+        for res, (_, n, m) in zip(
+            _results(cost, [x[0] for x in uniform], **shape, method="uniform"), uniform, strict=True
+        ):
+            res.extra.update(token_slices=n, microbatch=m)
+            if math.isfinite(res.predicted_s) and (best is None or res.predicted_s < best.predicted_s):
+                best = res
+        return best
+
+    return _baseline("uniform", cost, (seq_len, batch_size, stages, token_step), find)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -247,9 +284,11 @@ class _Tables:
     """Tile costs laid out for the DP, in units of the token step, one *row* per batch-slice size (rows b = 1 … B
     for the knapsack) or per row of a `Sequencing`.
 
-    ``by_end[r, p, i]`` is the cost of the tile of row r's batch slice that ends at prefix ``p`` (units) and is ``i``
-    units long, so its context is ``p − i``. Entries with ``i > p`` or ``i == 0`` are +inf, and so are the tiles a
-    row may not use.
+    ``cost[r, start[p] + i − 1]`` is the cost of the tile of row r's batch slice that ends at prefix ``p`` (units)
+    and is ``i`` units long (1 ≤ i ≤ p), so its context is ``p − i``: the tiles ending at p lie together, in the
+    order of `grid_tiles`. +inf marks the tiles a row may not use. ``cost_max`` is what the objective's bubble takes
+    the largest of (`bubble_costs`): ``cost`` itself but for interleaved chunks, where the threshold t_max is on the
+    bubble's cost and the DP sums the other.
     """
 
     def __init__(
@@ -265,53 +304,67 @@ class _Tables:
         self.row_sizes, self.rows = sizes, len(sizes)
         self.combine = _Knapsack(batch_size) if grouping is None else _Paths(grouping)
         # Only the valid (prefix, length) pairs are priced: half the cube, and the cost model's time.
-        ends, lengths = np.nonzero(np.tri(n + 1, dtype=bool) & (np.arange(n + 1) >= 1)[None, :])
-        i = (lengths * token_step)[None, :]
-        j = ((ends - lengths) * token_step)[None, :]
+        self.start = np.arange(n + 1) * (np.arange(n + 1) - 1) // 2  # where prefix p's tiles begin
         distinct, at = np.unique(sizes, return_inverse=True)
-        # What the objective sums, and what its bubble takes the largest of (`bubble_costs`): the same array but
-        # for interleaved chunks, where the threshold t_max is on the bubble's cost and the DP sums the other.
-        bubble = getattr(cost, "bubble", None)
-        raws = [cost] if bubble is None else [cost, bubble]
-        raws = [self._priced(f, distinct, at, i, j, len(ends), grouping) for f in raws]
-        tables = []
-        for raw in raws:
-            by_end = np.full((self.rows, n + 1, n + 1), np.inf)
-            offset = 0
-            for p in range(1, n + 1):  # np.nonzero is row-major: prefix p's lengths 1..p are contiguous in `raw`
-                by_end[:, p, 1 : p + 1] = raw[:, offset : offset + p]
-                offset += p
-            tables.append(by_end)
-        self.by_end, self.by_end_max = tables[0], tables[-1]
-        self._valid = raws[-1]
-        # Reversed suffix minimum: _longer_min[b, p, k] = the cheapest slice of length ≥ n − k ending at p. Under a
-        # threshold t the entries ≤ t count the lengths 0..w up to the longest slice that fits, so the DP can skip
-        # longer ones. (Stored reversed and contiguous because the accumulation is then 4× faster.)
-        self._longer_min = np.ascontiguousarray(self.by_end_max[:, :, ::-1])
-        np.minimum.accumulate(self._longer_min, axis=2, out=self._longer_min)
+        raws = [self._priced(raw, at, n, grouping) for raw in grid_prices(cost, distinct, n, token_step)]
+        self.cost, self.cost_max = raws[0], raws[-1]
+        self._longer = None  # `_longer_min`, made when a search first needs it (a bound does not)
+        self._distinct = None  # every distinct cost of `cost_max`, sorted (`distinct_costs`)
+        self._top = None  # the probe at t_max = ∞ (`top`)
         self.bottleneck = self._bottleneck()
 
-    def _priced(self, cost: Cost, distinct, at, i, j, count: int, grouping: Sequencing | None) -> np.ndarray:
-        """``cost`` of every valid (prefix, length) pair per row; +inf marks a tile no scheme may use (the
-        memory-aware search forbids tiles that do not fit)."""
-        raw = np.broadcast_to(np.asarray(cost(distinct[:, None], i, j), dtype=float), (len(distinct), count))
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tables' arrays once every lazy one is made (`memo`)."""
+        return self.cost.nbytes * (2 if self.cost_max is self.cost else 3) + self.cost_max.nbytes
+
+    def at(self, ends: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """The columns of the tiles of ``lengths`` units ending at prefixes ``ends``."""
+        return self.start[ends] + lengths - 1
+
+    @property
+    def _longer_min(self) -> np.ndarray:
+        """Suffix minimum: _longer_min[r, start[p] + i − 1] = the cheapest tile (of ``cost_max``) of length ≥ i ending
+        at p. Under a threshold t the entries ≤ t are the lengths 1..w up to the longest tile that fits, so the DP
+        can skip longer ones."""
+        if self._longer is None:
+            out = np.empty_like(self.cost_max)
+            for p in range(1, self.units + 1):
+                at = slice(self.start[p], self.start[p] + p)
+                out[:, at] = np.minimum.accumulate(self.cost_max[:, at][:, ::-1], axis=1)[:, ::-1]
+            self._longer = out
+        return self._longer
+
+    def top(self) -> _Probe:
+        """The probe at t_max = ∞: S*(∞) and its scheme (every search and bound starts from it)."""
+        if self._top is None:
+            self._top = _probe(self, np.array([np.inf]))[0]
+        t = self._top
+        slices = None if t.slices is None else [(b, list(lengths)) for b, lengths in t.slices]
+        return _Probe(t.t_max, t.total, slices, t.realised)
+
+    def _priced(self, raw: np.ndarray, at, units: int, grouping: Sequencing | None) -> np.ndarray:
+        """``raw`` (the prices of every tile per distinct row size, `grid_prices`) per row; +inf marks a tile no
+        scheme may use (the memory-aware search forbids tiles that do not fit)."""
         if np.any(np.isnan(raw)) or np.any(raw == -np.inf):
             raise UserError("the cost function returned a non-finite time", where="cost")
-        if grouping is not None:  # one row per Sequencing row, its forbidden tiles at +inf
-            raw = raw[at.reshape(-1)]
-            allowed = [
-                np.ones(count, dtype=bool) if f is None else np.asarray(f(i[0], j[0])) for f in grouping.row_fits
-            ]
-            raw = np.where(np.stack(allowed), raw, np.inf)
-        return raw
+        if grouping is None:
+            return np.ascontiguousarray(raw)
+        i, j = grid_tiles(units, self.token_step)  # one row per Sequencing row, its forbidden tiles at +inf
+        raw = raw[at.reshape(-1)]
+        allowed = [
+            np.ones(raw.shape[1], dtype=bool) if f is None else np.asarray(f(i[0], j[0])) for f in grouping.row_fits
+        ]
+        return np.where(np.stack(allowed), raw, np.inf)
 
     def _bottleneck(self) -> np.ndarray:
         """For each row: the smallest possible largest tile over all token slicings of its batch slice."""
-        n = self.units
+        n, top = self.units, self.cost_max
         worst = np.full((self.rows, n + 1), np.inf)
         worst[:, 0] = -np.inf
         for p in range(1, n + 1):
-            worst[:, p] = np.maximum(worst[:, p - 1 :: -1][:, :p], self.by_end_max[:, p, 1 : p + 1]).min(axis=1)
+            tiles = top[:, self.start[p] : self.start[p] + p]  # lengths 1..p ending at p
+            worst[:, p] = np.maximum(worst[:, p - 1 :: -1][:, :p], tiles).min(axis=1)
         return worst[:, n]
 
     def smallest_feasible_t_max(self) -> float:
@@ -320,12 +373,64 @@ class _Tables:
 
     def widths(self, t_max: float) -> np.ndarray:
         """``w[r, p]``: the longest slice ending at p whose cost in row r is ≤ t_max (0 if none)."""
-        fits = (self._longer_min <= t_max).sum(axis=2)  # longest fitting length + 1 (length 0 counts), or 0
-        return np.maximum(fits - 1, 0)
+        w = np.zeros((self.rows, self.units + 1), dtype=np.int64)
+        if t_max == np.inf:  # every entry is ≤ ∞ (no NaN): every length
+            w[:, 1:] = np.arange(1, self.units + 1)
+            return w
+        fits = self._longer_min <= t_max  # the lengths 1..w of each prefix, w the longest that fits
+        w[:, 1:] = np.add.reduceat(fits, self.start[1:], axis=1, dtype=np.int64)
+        return w
 
     def distinct_costs(self, lo: float, hi: float) -> np.ndarray:
-        c = self._valid[(self._valid >= lo) & (self._valid <= hi)]
-        return np.unique(c)
+        """The distinct tile costs in [lo, hi], ascending."""
+        if self._distinct is None:
+            self._distinct = np.unique(self.cost_max)
+        c = self._distinct
+        return c[np.searchsorted(c, lo, side="left") : np.searchsorted(c, hi, side="right")]
+
+
+def _tables(cost: Cost, *, seq_len: int, batch_size: int, token_step: int, grouping: Sequencing | None = None):
+    """`_Tables` of ``cost``, shared within one plan (`memo`) by the bounds and searches of cost models that price
+    every tile alike (`CostModel.price_key`): a partition's bound, its search and its searches within the memory
+    limit. A `Sequencing`'s tables (their rows by place) are made afresh, from shared prices."""
+    key = getattr(cost, "price_key", None)
+    shape = {"seq_len": seq_len, "batch_size": batch_size, "token_step": token_step}
+    if key is None or grouping is not None:
+        return _Tables(cost, **shape, grouping=grouping)
+    return memo.remembered(("tables", key, seq_len, batch_size, token_step), lambda: _Tables(cost, **shape))
+
+
+def grid_tiles(units: int, token_step: int) -> tuple[np.ndarray, np.ndarray]:
+    """The tiles the search prices, as rows ``i`` (new tokens) and ``j`` (context) of one column per valid (prefix,
+    length) pair of ``units`` token steps — prefix p's lengths 1..p together, p ascending (`_Tables.cost`)."""
+
+    def make() -> tuple[np.ndarray, np.ndarray]:
+        ends, lengths = np.nonzero(np.tri(units + 1, dtype=bool) & (np.arange(units + 1) >= 1)[None, :])
+        return (lengths * token_step)[None, :], ((ends - lengths) * token_step)[None, :]
+
+    return memo.remembered(("tiles", units, token_step), make)
+
+
+def grid_kinds(cost: Cost, sizes: np.ndarray, units: int, token_step: int):
+    """The times of a cost model's kinds of device and chunk on the tiles of `grid_tiles` (`CostModel.grid_kinds`,
+    shared within one plan), for the batch slices of ``sizes`` it prices."""
+    i, j = grid_tiles(units, token_step)
+    return cost.grid_kinds(sizes, i, j, ("grid", units, token_step))
+
+
+def grid_prices(cost: Cost, sizes: np.ndarray, units: int, token_step: int) -> list[np.ndarray]:
+    """What the objective sums for every tile of `grid_tiles` and batch slice of ``sizes`` (a row each), and, where
+    the cost has a ``bubble``, what the bubble takes the largest of. A cost with ``grid_prices`` (`CostModel`) prices
+    them shared within one plan (`memo`); any other is called."""
+    i, j = grid_tiles(units, token_step)
+    shape = (len(sizes), i.shape[1])
+    bubble = getattr(cost, "bubble", None)
+    if hasattr(cost, "grid_prices"):
+        total, over = cost.grid_prices(sizes, i, j, ("grid", units, token_step))
+        raws = [total] if bubble is None else [total, over]
+    else:
+        raws = [f(sizes[:, None], i, j) for f in ([cost] if bubble is None else [cost, bubble])]
+    return [np.broadcast_to(np.asarray(raw, dtype=float), shape) for raw in raws]
 
 
 def _width_groups(b_alive: np.ndarray, widest: np.ndarray) -> list[np.ndarray]:
@@ -348,34 +453,37 @@ def _batched_dp(tables: _Tables, t_max: np.ndarray) -> tuple[np.ndarray, np.ndar
     """Token-slicing DP for every candidate t_max and every batch-slice size at once.
 
     Returns ``best[m, r, p]`` (least total tile time covering the first p units of row r's batch slice with every
-    tile ≤ t_max[m]; +inf if impossible) and ``choice[m, r, p]`` (the length of the last slice).
+    tile ≤ t_max[m]; +inf if impossible) and ``choice[m, r, p]`` (the length of the last slice, less one).
     """
     n, B, M = tables.units, tables.rows, len(t_max)
     best = np.full((M, B, n + 1), np.inf)
     best[:, :, 0] = 0.0
-    choice = np.zeros((M, B, n + 1), dtype=np.int32)
+    choice = np.zeros((M, B, n + 1), dtype=np.intp)
     t_top = float(np.max(t_max))
     widths = np.minimum(tables.widths(t_top), np.arange(n + 1)[None, :])  # (B, n+1)
     alive = np.nonzero(tables.bottleneck <= t_top)[0]  # the others cannot be sliced under any t_max here
     limit = t_max[:, None, None]
+    separate = tables.cost_max is not tables.cost
+    start = tables.start.tolist()
     for group in _width_groups(alive, widths.max(axis=1)):
         contiguous = group[-1] - group[0] + 1 == len(group)
         rows = slice(int(group[0]), int(group[-1]) + 1) if contiguous else group
-        by_end, by_end_max = tables.by_end[rows], tables.by_end_max[rows]
-        separate = tables.by_end_max is not tables.by_end
+        cost, cost_max = tables.cost[rows], tables.cost_max[rows]
         sub = best[:, rows]
         sub_choice = choice[:, rows]
-        group_widths = widths[rows].max(axis=0)
+        group_widths = widths[rows].max(axis=0).tolist()
+        room = np.empty((M, len(group), max(group_widths)))
         for p in range(1, n + 1):
-            w = int(group_widths[p])
+            w = group_widths[p]
             if w == 0:
                 continue
-            c = by_end[:, p, 1 : w + 1]  # (G, w): slice lengths 1..w ending at p
-            c_max = by_end_max[:, p, 1 : w + 1] if separate else c
+            c = cost[:, start[p] : start[p] + w]  # (G, w): slice lengths 1..w ending at p
+            c_max = cost_max[:, start[p] : start[p] + w] if separate else c
             prev = sub[:, :, p - 1 :: -1][:, :, :w] if p - 1 - w < 0 else sub[:, :, p - 1 : p - 1 - w : -1]
-            vals = np.where(c_max <= limit, prev + c, np.inf)  # (M, G, w)
-            sub[:, :, p] = vals.min(axis=2)
-            sub_choice[:, :, p] = vals.argmin(axis=2) + 1
+            vals = np.add(prev, c, out=room[:, :, :w])  # (M, G, w), +inf where a slice is over the candidate
+            np.copyto(vals, np.inf, where=c_max > limit)
+            np.minimum.reduce(vals, axis=2, out=sub[:, :, p])
+            vals.argmin(axis=2, out=sub_choice[:, :, p])
         if not contiguous:  # fancy indexing copied the rows: write them back
             best[:, rows] = sub
             choice[:, rows] = sub_choice
@@ -489,10 +597,10 @@ def _scheme(tables: _Tables, choice: np.ndarray, rows: Sequence[int], m: int) ->
     for r in set(rows):
         units, p = [], tables.units
         while p > 0:
-            units.append(int(choice[m, r, p]))
+            units.append(int(choice[m, r, p]) + 1)
             p -= units[-1]
         units = units[::-1]
-        worst = float(tables.by_end_max[r, np.cumsum(units), units].max())
+        worst = float(tables.cost_max[r, tables.at(np.cumsum(units), np.asarray(units))].max())
         paths[r] = ([i * g for i in units], worst)
     slices = [(int(tables.row_sizes[r]), list(paths[r][0])) for r in rows]
     return slices, max(paths[r][1] for r in rows)
@@ -509,8 +617,8 @@ def _scheme_sum_max(tables: _Tables, slices: Slices) -> tuple[float, float]:
     for (b, lengths), count in counts.items():
         units = np.asarray(lengths) // g
         ends = np.cumsum(units)
-        total += count * float(tables.by_end[b - 1, ends, units].sum())
-        worst = max(worst, float(tables.by_end_max[b - 1, ends, units].max()))
+        total += count * float(tables.cost[b - 1, tables.at(ends, units)].sum())
+        worst = max(worst, float(tables.cost_max[b - 1, tables.at(ends, units)].max()))
     return total, worst
 
 
@@ -587,6 +695,9 @@ class _ScaledBatch:
         self.cost, self.b, self.virtual = cost, b, getattr(cost, "virtual", 1)
         inner = getattr(cost, "bubble", None)
         self.bubble = None if inner is None else (lambda bb, i, j: inner(np.asarray(bb) * b, i, j))
+        if hasattr(cost, "grid_prices"):  # a cost model's shared prices (`grid_prices`), of b times the sizes
+            self.grid_prices = lambda sizes, i, j, grid: cost.grid_prices(np.asarray(sizes) * b, i, j, grid)
+            self.price_key = (*cost.price_key, "batch slices of", b)
 
     def __call__(self, bb, i, j):
         return self.cost(np.asarray(bb) * self.b, i, j)
@@ -600,7 +711,7 @@ def _search_exact(
     below it matters — every t whose bound reaches it is pruned as if a scheme of that value were known, so the
     result is the optimum when the optimum is below ``ceiling``, and otherwise some scheme, the optimum being no
     less than ``ceiling`` (`solve(ceiling=…)`)."""
-    top = _probe(tables, np.array([np.inf]))[0]
+    top = tables.top()
     probes = 1
     if top.slices is None:
         return None, math.inf, probes
@@ -730,6 +841,29 @@ def solve(
         raise UserError(f"must be a non-negative number of seconds, got {epsilon!r}", where="epsilon")
     if method not in METHODS:
         raise UserError(f"must be one of {', '.join(METHODS)}, got {method!r}", where="method")
+    args = (seq_len, batch_size, stages, token_step, epsilon, method, batch_slice, grouping, neighbours, ceiling)
+    key = getattr(cost, "price_key", None)
+    if key is None or grouping is not None:
+        return _solve(cost, *args)
+    # The same search of a cost model that prices alike, within one plan (`memo`): its answer, a copy each time.
+    step = (getattr(cost, "step_s", 0.0), getattr(cost, "virtual", 1))
+    res = memo.remembered(("solve", key, step, *args), lambda: _solve(cost, *args))
+    return copy.deepcopy(res)
+
+
+def _solve(
+    cost: Cost,
+    seq_len: int,
+    batch_size: int,
+    stages: int,
+    token_step: int,
+    epsilon: float,
+    method: str,
+    batch_slice: int | None,
+    grouping: Sequencing | None,
+    neighbours: int,
+    ceiling: float,
+) -> PlanResult | None:
     started = time.perf_counter()
     search = _search_exact if method == "exact" else _search_enumerate
     if method == "exact" and ceiling < math.inf:  # in the search's units: without the per-step constant
@@ -738,14 +872,14 @@ def solve(
     if batch_slice is not None and grouping is not None:
         raise ValueError("batch_slice and grouping exclude each other")
     if batch_slice is None:
-        tables = _Tables(cost, seq_len=seq_len, batch_size=batch_size, token_step=token_step, grouping=grouping)
+        tables = _tables(cost, seq_len=seq_len, batch_size=batch_size, token_step=token_step, grouping=grouping)
         slices, t_max, probes = search(tables, stages, float(epsilon))
         whole = lambda sl: sl  # noqa: E731
     else:
         if batch_size % batch_slice:
             raise UserError(f"{batch_slice} does not divide the batch of {batch_size}", where="batch_slice")
         one = _ScaledBatch(cost, batch_slice)
-        tables = _Tables(one, seq_len=seq_len, batch_size=1, token_step=token_step)
+        tables = _tables(one, seq_len=seq_len, batch_size=1, token_step=token_step)
         slices, t_max, probes = search(tables, stages, float(epsilon), batch_size // batch_slice)
         whole = lambda sl: [(batch_slice, sl[0][1])] * (batch_size // batch_slice)  # noqa: E731
     if slices is None:
@@ -768,8 +902,8 @@ def lower_bound(cost: Cost, *, seq_len: int, batch_size: int, stages: int, token
     scheme. Used to search several cost models (one per partition of the layers, `plan.configs`) exactly: a model
     whose bound reaches the best objective found need not be solved."""
     _check_sizes(seq_len=seq_len, batch_size=batch_size, stages=stages, token_step=token_step)
-    tables = _Tables(cost, seq_len=seq_len, batch_size=batch_size, token_step=token_step)
-    top = _probe(tables, np.array([np.inf]))[0]
+    tables = _tables(cost, seq_len=seq_len, batch_size=batch_size, token_step=token_step)
+    top = tables.top()
     if top.slices is None:
         return math.inf
     least = tables.smallest_feasible_t_max()  # the stall term is left out: it only adds (a bound stays a bound)

@@ -7,8 +7,9 @@ step the way the runtime executes it (`terapipe_cli.train.worker`):
 * an action waits for what the one dependency rule says (`actions.waits_for`): a forward on stage k for the
   activation of the same tile from stage k−1; a backward (B, or a split backward's I) for the gradient of the same
   tile from stage k+1 (the last stage starts a tile's backward as soon as it reaches it in its order: its loss is
-  computed in the forward); a W for its own I. The gradient is sent after B or I; I costs `INPUT_SHARE` of the
-  tile's backward, W the rest;
+  computed in the forward); a W for its own I. The gradient is sent after B or I; I and W cost what the profile
+  says of the tile (`TileParts.split`: timed apart in a profile of schema /2, a /1 profile's backward split by the
+  architecture's analytic ratio), a recomputing chunk's re-run forward in I;
 * chunks sit on the devices the schedule's placement says (`Schedule.device`): a transfer between two chunks of one
   device is free;
 * sends are asynchronous (the runtime's ``isend``): the sender moves on at once, the message travels over the
@@ -25,17 +26,18 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
 from terapipe_cli.plan.actions import COMPLETES, WAITS, Action, Phase, Tile
-from terapipe_cli.plan.costmodel import ContextFit, CostModel
+from terapipe_cli.plan.costmodel import CostModel
 from terapipe_cli.plan.schedule import Schedule
 from terapipe_cli.plan.timeline import Event, StageTimes, stage_times
 
 # parts(b, i, j, chunk) -> (forward_s, backward_s, send_forward_s, send_backward_s), arrays over tiles: one chunk's
-# compute of the tile's forward and backward, and the transfer of its activation / gradient to the neighbour.
+# compute of the tile's forward and backward, and the transfer of its activation / gradient to the neighbour. Its
+# ``split`` attribute, split(b, i, j, chunk) -> (input_s, weight_s), prices a split backward's I and W.
 TileParts = Callable[..., tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]
 
 
@@ -56,56 +58,65 @@ class SimResult:
 
 def cost_model_parts(cost: CostModel) -> TileParts:
     """Split a `CostModel` into forward, backward and one-way transfer times per tile, for any of its chunks
-    (``chunk``, default 0; its layers and, on the first and last chunks, the embedding and the head).
+    (``chunk``, default 0; its layers and, on the first and last chunks, the embedding and the head), and a split
+    backward's I and W (``parts.split``).
 
-    Built from two copies of the cost model that keep only the forward (resp. backward) measurements, so the
-    interpolation is the cost model's own; their sum plus the two transfers is exactly the chunk's time
-    (`CostModel.chunk_time`) of a cost model without recomputation. A recomputing chunk's backward holds the forward
-    a second time (`simulate`).
+    Built from copies of the cost model that keep one part of the profile each (`Profile.only`: the forward, the
+    backward, its I, its W), so the interpolation is the cost model's own; forward and backward plus the two
+    transfers is exactly the chunk's time (`CostModel.chunk_time`) of a cost model without recomputation. A
+    recomputing chunk's backward (or I) holds the forward a second time (`simulate`).
     """
-    p = cost.profile
-    zero_fit = ContextFit((0.0, 0.0, 0.0, 0.0))
-    zeros = np.zeros_like(p.forward_s)
-    ends = p.ends
-    fwd_ends = bwd_ends = None
-    if ends is not None:
-        fwd_ends = replace(ends, embed_backward_s=zeros, head_backward_s=zeros)
-        bwd_ends = replace(ends, embed_forward_s=zeros, head_forward_s=zeros)
-    keep = {"partition": cost.partition}
-    fwd_only = CostModel(replace(p, backward_s=zeros, context_backward=zero_fit, ends=fwd_ends), cost.stages, **keep)
-    bwd_only = CostModel(replace(p, forward_s=zeros, context_forward=zero_fit, ends=bwd_ends), cost.stages, **keep)
+    p, keep = cost.profile, {"partition": cost.partition}
+    only: dict[str, CostModel] = {}  # by part, made when first asked for (I and W only for a split schedule)
     part, last = cost.partition, cost.partition.chunks - 1
 
     def kind(chunk: int) -> tuple[int, bool, bool]:
         """Chunks of one kind cost alike: the same layers, and the same ends."""
         return part.layers[chunk], chunk == 0, chunk == last
 
+    def priced(which: str, b, i, j, chunk: int) -> np.ndarray:
+        """One chunk's seconds of ``which`` part of tiles (b, i, j) (already broadcast)."""
+        model = only.get(which)
+        if model is None:
+            model = only[which] = CostModel(p.only(which), cost.stages, **keep)
+        t = part.layers[chunk] * (model.no_context(b, i) + model.context(b, i, j))
+        if chunk == 0:
+            t = t + model.embedding(b, i)
+        if chunk == last:
+            t = t + model.head(b, i)
+        return np.broadcast_to(t, b.shape)
+
+    def tiles(b, i, j) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return np.broadcast_arrays(*(np.asarray(x, dtype=float) for x in (b, i, j)))
+
     def parts(b, i, j, chunk: int = 0):
-        b, i, j = np.broadcast_arrays(*(np.asarray(x, dtype=float) for x in (b, i, j)))
-        layers = part.layers[chunk]
-        out = []
-        for only in (fwd_only, bwd_only):
-            t = layers * (only.no_context(b, i) + only.context(b, i, j))
-            if chunk == 0:
-                t = t + only.embedding(b, i)
-            if chunk == last:
-                t = t + only.head(b, i)
-            out.append(np.broadcast_to(t, b.shape))
+        b, i, j = tiles(b, i, j)
         # comm() is the round trip (activation forward + gradient back), each one latency + bytes/bandwidth.
         one_way = np.broadcast_to(cost.comm(b, i) / 2.0, b.shape)
-        return out[0], out[1], one_way, one_way
+        return priced("forward", b, i, j, chunk), priced("backward", b, i, j, chunk), one_way, one_way
+
+    def split(b, i, j, chunk: int = 0):
+        b, i, j = tiles(b, i, j)
+        return priced("input", b, i, j, chunk), priced("weight", b, i, j, chunk)
 
     parts.kind = kind
+    parts.split = split
     return parts
 
 
-def uniform_parts(forward_s: float, backward_s: float, send_s: float = 0.0) -> TileParts:
-    """Every tile costs the same on every stage (for checks against the closed formula)."""
+def uniform_parts(forward_s: float, backward_s: float, send_s: float = 0.0, input_share: float = 0.5) -> TileParts:
+    """Every tile costs the same on every stage (for checks against the closed formula); a split backward's I is
+    ``input_share`` of the backward, W the rest."""
 
     def parts(b, i, j, chunk: int = 0):
         shape = np.broadcast(np.asarray(b), np.asarray(i), np.asarray(j)).shape
         return (np.full(shape, forward_s), np.full(shape, backward_s), np.full(shape, send_s), np.full(shape, send_s))
 
+    def split(b, i, j, chunk: int = 0):
+        shape = np.broadcast(np.asarray(b), np.asarray(i), np.asarray(j)).shape
+        return np.full(shape, input_share * backward_s), np.full(shape, (1.0 - input_share) * backward_s)
+
+    parts.split = split
     return parts
 
 
@@ -128,10 +139,11 @@ def simulate(
     parts, step_s = _resolve_parts(cost_parts, stages, step_s)
     if isinstance(cost_parts, CostModel) and cost_parts.partition.chunks != schedule.chunks:
         raise ValueError(f"the cost model has {cost_parts.partition.chunks} chunks, the schedule {schedule.chunks}")
+    if schedule.split and getattr(parts, "split", None) is None:
+        raise ValueError("the schedule splits its backward into I and W, and the tile costs do not price them")
     pipeline = _Pipeline(
-        list(schedule.tiles), parts, stages, schedule.chunks, schedule.recompute, schedule.device,
-        getattr(parts, "input_share", INPUT_SHARE),
-    )  # fmt: skip
+        list(schedule.tiles), parts, stages, schedule.chunks, schedule.recompute, schedule.device, schedule.split
+    )
     events = pipeline.walk(schedule.actions, replica=replica, step=step)
     compute_end = max(pipeline.stage_free) if stages else 0.0
     return SimResult(
@@ -153,10 +165,6 @@ def _resolve_parts(cost_parts: CostModel | TileParts, stages: int, step_s: float
     return parts, float(step_s or 0.0)
 
 
-# The share of a tile's backward in its I (the input's and the K/V cache's gradients) when a profile does not time I
-# and W apart: every matmul's backward is two matmuls of its size, one for the input and one for the weight, and the
-# attention's own backward (no weights) goes to I; the matmuls dominate, so about half.
-INPUT_SHARE = 0.5
 # `actions.WAITS` and `actions.COMPLETES` with each kind an index (the kinds an action completes: F, I, W).
 _PHASE_INDEX = {Phase.F: 0, Phase.I: 1, Phase.W: 2}
 _WAITS = {p: tuple((dc, _PHASE_INDEX[q], dm) for dc, q, dm in WAITS[p]) for p in Phase}
@@ -173,8 +181,8 @@ class _Pipeline:
     arrived at the chunk that waits for it (`actions.waits_for` says who waits for what).
 
     A tile's activation goes from chunk c to c + 1 over the link between their devices (free within one device), its
-    gradient back after its I (or B). A split backward costs ``input_share`` of the backward in I (plus the re-run
-    forward of a recomputed chunk) and the rest in W.
+    gradient back after its I (or B). A split backward costs its I (plus the re-run forward of a recomputed chunk)
+    and its W as ``parts.split`` prices them (`TileParts`); a schedule without I and W needs no ``split``.
 
     Plain Python lists and floats: the walk touches one element at a time, where numpy's scalar access costs more
     than the arithmetic."""
@@ -187,26 +195,26 @@ class _Pipeline:
         chunks: int,
         recompute: Sequence[bool],
         device: Callable[[int], int],
-        input_share: float = INPUT_SHARE,
+        split: bool = False,
     ) -> None:
         self.tiles = len(tiles)
         b = np.array([t.batch_size for t in tiles], dtype=float)
         i = np.array([t.tokens for t in tiles], dtype=float)
         j = np.array([t.token_start for t in tiles], dtype=float)
-        self.fwd, self.bwd, self.send_f, self.send_b = [], [], [], []
+        self.fwd, self.bwd, self.send_f, self.send_b, self.inp, self.wgt = [], [], [], [], [], []
         kind = getattr(parts, "kind", lambda c: c)  # chunks of one kind cost alike: priced once
+        split = parts.split if split else None  # I and W priced only for a schedule that runs them
         priced: dict = {}
         for c in range(chunks):
             if kind(c) not in priced:
-                priced[kind(c)] = [
-                    np.broadcast_to(np.asarray(x, dtype=float), b.shape).tolist() for x in parts(b, i, j, chunk=c)
-                ]
-            for store, x in zip((self.fwd, self.bwd, self.send_f, self.send_b), priced[kind(c)], strict=True):
+                every = [*parts(b, i, j, chunk=c), *(split(b, i, j, chunk=c) if split is not None else (0.0, 0.0))]
+                priced[kind(c)] = [np.broadcast_to(np.asarray(x, dtype=float), b.shape).tolist() for x in every]
+            stores = (self.fwd, self.bwd, self.send_f, self.send_b, self.inp, self.wgt)
+            for store, x in zip(stores, priced[kind(c)], strict=True):
                 store.append(x)
         self.stages, self.chunks = stages, chunks
         self.recompute = list(recompute)
         self.device = [device(c) for c in range(chunks)]
-        self.input_share = float(input_share)
         self.counts: dict[int, int] = {}  # batch slice -> its token slices
         self.first_tile: dict[int, int] = {}  # batch slice -> the number of its first tile (the rest follow it)
         for n, t in enumerate(tiles):
@@ -293,10 +301,10 @@ class _Pipeline:
         if kind == 0:  # F
             end = start + self.fwd[c][n]
         elif kind == 3:  # W
-            end = start + (1.0 - self.input_share) * self.bwd[c][n]
+            end = start + self.wgt[c][n]
         else:  # B, or I (with the re-run forward of a recomputed chunk either way)
-            share = 1.0 if kind == 1 else self.input_share
-            end = start + share * self.bwd[c][n] + (self.fwd[c][n] if self.recompute[c] else 0.0)
+            own = self.bwd[c][n] if kind == 1 else self.inp[c][n]
+            end = start + own + (self.fwd[c][n] if self.recompute[c] else 0.0)
         arrival = end
         if kind == 0:
             if c + 1 < self.chunks and self.device[c + 1] != k:

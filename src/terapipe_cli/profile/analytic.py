@@ -33,6 +33,8 @@ from dataclasses import replace
 import numpy as np
 
 from terapipe_cli.arch import arch_spec
+from terapipe_cli.arch.base import Gemm, backward_gemms, is_weight_gradient
+from terapipe_cli.arch.base import layer_gemms as forward_gemms
 from terapipe_cli.config.device import PRECISIONS
 from terapipe_cli.config.experiment import Experiment
 from terapipe_cli.config.hardware import Device, Hardware, hardware_from_dict, hardware_to_dict
@@ -41,42 +43,6 @@ from terapipe_cli.errors import UserError
 from terapipe_cli.plan.costmodel import PROFILE_SCHEMA, Profile, profile_from_dict, ring_allreduce_seconds
 from terapipe_cli.profile.fit import fit_context
 from terapipe_cli.units import utc_timestamp
-
-# One matrix product: (name, batch count, m, n, k) with broadcastable numpy arrays; flops = 2·batch·m·n·k.
-Gemm = tuple[str, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
-
-
-def forward_gemms(model: ModelConfig, b, i, j, tensor_parallel: int = 1) -> list[Gemm]:
-    """The matrix products of one layer's forward pass for a tile of b sequences × i new tokens after j: the
-    architecture's own (`terapipe_cli.arch`'s ``forward_gemms``) and attention's, the same for all.
-
-    Per device with tensor parallelism t: the QKV and first MLP products are split by columns, the output
-    and second MLP products by rows, attention by heads.
-    """
-    b, i, j = (np.asarray(x, dtype=float) for x in (b, i, j))
-    t = tensor_parallel
-    d, heads = float(model.head_dim), model.heads / t
-    rows = b * i  # tokens of the tile: the m of every weight product
-    one = np.ones_like(rows)
-    ctx = i + j  # every new token attends over the context and its own slice's tokens
-    # Scores Q·Kᵀ and the weighted sum P·V run over i × (i + j) per query head: causal masking does not shrink
-    # the dense products that attention kernels of the time ran, so the full rectangle is counted. Grouped-query
-    # attention changes neither: each query head still meets every key, its group's key/value head's.
-    attention = [("scores", b * heads, i * one, ctx * one, one * d), ("values", b * heads, i * one, one * d, ctx * one)]
-    return model.spec.forward_gemms(model, rows, one, t, attention)
-
-
-def backward_gemms(forward: Sequence[Gemm]) -> list[Gemm]:
-    """Each forward product C = A·B needs dA = dC·Bᵀ (m × n · n × k) and dB = Aᵀ·dC (k × m · m × n).
-
-    For attention, dB is the gradient of the keys/values — of the context slices too, which is what the
-    runtime hands back to earlier slices.
-    """
-    out: list[Gemm] = []
-    for name, batch, m, n, k in forward:
-        out.append((f"{name}.dgrad", batch, m, k, n))
-        out.append((f"{name}.wgrad", batch, k, n, m))
-    return out
 
 
 def gemm_flops(gemms: Iterable[Gemm]) -> np.ndarray:
@@ -128,6 +94,22 @@ def layer_seconds(
     model: ModelConfig, hardware: Hardware, b, i, j, tensor_parallel: int = 1
 ) -> tuple[np.ndarray, np.ndarray]:
     """Forward and backward seconds of one layer on one device for tiles (b, i, j) (broadcast arrays)."""
+    forward, backward, _, _ = layer_seconds_split(model, hardware, b, i, j, tensor_parallel)
+    return forward, backward
+
+
+def layer_seconds_split(
+    model: ModelConfig, hardware: Hardware, b, i, j, tensor_parallel: int = 1
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Forward, backward, and the backward split into I and W (docs/design.md §11b): seconds of one layer on one
+    device for tiles (b, i, j) (broadcast arrays).
+
+    I holds every product's input gradient (``dgrad``), both of attention's backward products (the gradients of the
+    queries and of the keys and values, the context's too: `arch.base.ACTIVATION_PRODUCTS`), the fused attention's
+    backward, every element-wise kernel (the norms', the activation's, the softmax's, the residuals') and the
+    tensor-parallel all-reduces, which sit on the activations' path; W the weights' gradient products (``wgrad``).
+    Each is held at its own dispatch floor (its kernels: `weight_kernels_per_tile`), so where the floor binds,
+    I + W is more than the whole backward, as the split's two calls launch their kernels in two runs."""
     dev, e = hardware.device, hardware.training.dtype_bytes
     b, i, j = np.broadcast_arrays(*(np.asarray(x, dtype=float) for x in (b, i, j)))
     t = tensor_parallel
@@ -142,24 +124,30 @@ def layer_seconds(
         fwd_gemms = [g for g in fwd_gemms if g[0] not in ("scores", "values")]
         scores = 0.0 * scores  # never written to memory
     forward = sum(_gemm_seconds(dev, e, g) for g in fwd_gemms)
-    backward = sum(_gemm_seconds(dev, e, g) for g in backward_gemms(fwd_gemms))
+    bwd_gemms = backward_gemms(fwd_gemms)
+    backward = sum(_gemm_seconds(dev, e, g) for g in bwd_gemms)
+    weight = sum(_gemm_seconds(dev, e, g) for g in bwd_gemms if is_weight_gradient(g))
+    inputs = sum(_gemm_seconds(dev, e, g) for g in bwd_gemms if not is_weight_gradient(g))
     if fused:
         attention_fwd, attention_bwd = _fused_attention_seconds(dev, e, model, b, i, j, t)
-        forward, backward = forward + attention_fwd, backward + attention_bwd
+        forward, backward, inputs = forward + attention_fwd, backward + attention_bwd, inputs + attention_bwd
 
     # Element-wise kernels, bytes moved (read + write): the architecture's (`terapipe_cli.arch`'s ``streams``).
     fwd_stream, bwd_stream = model.spec.streams(model, act, inner, scores, t, e)
     forward = forward + sum(_stream_seconds(dev, x) for x in fwd_stream)
-    backward = backward + sum(_stream_seconds(dev, x) for x in bwd_stream)
+    bwd_streams = sum(_stream_seconds(dev, x) for x in bwd_stream)
+    backward, inputs = backward + bwd_streams, inputs + bwd_streams
 
     # Megatron's f/g operators: two all-reduces of the activation forward, two of its gradient backward.
     link = hardware.intra_node
     allreduce = ring_allreduce_seconds(act, t, latency_s=link.latency_s, bytes_per_s=link.bytes_per_s)
-    forward, backward = forward + 2 * allreduce, backward + 2 * allreduce
+    forward, backward, inputs = forward + 2 * allreduce, backward + 2 * allreduce, inputs + 2 * allreduce
     if dev.dispatch_s:
         floor_fwd, floor_bwd = dispatch_floor_seconds(hardware, t, model)
+        floor_w = weight_kernels_per_tile(hardware.training.dtype, model) * dev.dispatch_s
         forward, backward = np.maximum(forward, floor_fwd), np.maximum(backward, floor_bwd)
-    return forward, backward
+        inputs, weight = np.maximum(inputs, floor_bwd - floor_w), np.maximum(weight, floor_w)
+    return forward, backward, inputs, weight
 
 
 def ends_seconds(
@@ -242,6 +230,14 @@ def kernels_per_tile(dtype: str, tensor_parallel: int = 1, model: ModelConfig | 
     return fwd, bwd
 
 
+def weight_kernels_per_tile(dtype: str, model: ModelConfig | None = None) -> int:
+    """Of `kernels_per_tile`'s backward kernels, those a split backward's W launches (each architecture's
+    ``weight_kernels``: the weights' gradient products, their ``.grad +=`` and, under autocast, their casts)."""
+    spec = arch_spec("gpt") if model is None else model.spec
+    plain, autocast = spec.weight_kernels
+    return plain + (autocast if dtype in ("bf16", "fp16") else 0)
+
+
 def dispatch_floor_seconds(
     hardware: Hardware, tensor_parallel: int = 1, model: ModelConfig | None = None
 ) -> tuple[float, float]:
@@ -296,7 +292,7 @@ def analytic_profile(
     token_step: int = 8,
     vocab_parallel: bool = True,
 ) -> dict:
-    """A ``terapipe.profile/1`` object (``"source": "analytic"``) for ``model`` on ``hardware``.
+    """A ``terapipe.profile/2`` object (``"source": "analytic"``) for ``model`` on ``hardware``.
 
     Times are per layer on one device of a tensor-parallel group of ``tensor_parallel`` GPUs, on the grid
     (``batch_sizes``) × (every multiple of ``token_step`` up to the model's seq_len). The profile's precision is
@@ -314,7 +310,7 @@ def analytic_profile(
     t, e = tensor_parallel, hardware.training.dtype_bytes
     lengths = token_grid(model.seq_len, token_step)
     bb, ii = np.meshgrid(np.array(sizes, dtype=float), np.array(lengths, dtype=float), indexing="ij")
-    fwd, bwd = layer_seconds(model, hardware, bb, ii, 0.0, t)
+    fwd, bwd, bwd_input, bwd_weight = layer_seconds_split(model, hardware, bb, ii, 0.0, t)
     ends = ends_seconds(model, hardware, bb, ii, t, vocab_parallel=vocab_parallel)
     embed_params, head_params = ends_params(model, t, vocab_parallel=vocab_parallel)
     params = model.params_per_layer(t)
@@ -340,6 +336,9 @@ def analytic_profile(
         "token_lengths": lengths,
         "forward_s": fwd.tolist(),
         "backward_s": bwd.tolist(),
+        # I and W from the kernel tables (`layer_seconds_split`); a tile's context adds to I alone (the costmodel).
+        "backward_input_s": bwd_input.tolist(),
+        "backward_weight_s": bwd_weight.tolist(),
         "context": _fit_context_term(model, hardware, t, sizes, token_step),
         "ends": {
             **{f"{name}_s": value.tolist() for name, value in ends.items()},

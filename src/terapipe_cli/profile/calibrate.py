@@ -7,7 +7,7 @@ and, where it shows, the GPU's shortest kernel (``kernel_launch_s``). `calibrate
 times with ``scipy.optimize.least_squares`` on log errors, log(predicted / measured) — relative errors, so a
 2 ms tile counts as much as a 100 ms one — and returns the calibrated hardware with its error on every tile.
 
-Measured tile times come from a measured ``terapipe.profile/1`` (its no-context grid and its context tiles,
+Measured tile times come from a measured ``terapipe.profile/2`` or ``/1`` (its no-context grid and its context tiles,
 forward and backward each; `from_profile`) or from a tile table (`read_tile_table`: CSV rows
 ``model,hidden,heads,b,i,j,eager_ms[,graphed_ms]``, totals of forward + backward, eager as the runtime runs
 and optionally CUDA-graphed, which no host dispatches). Graphed tiles are priced with ``dispatch_s = 0``: fitted

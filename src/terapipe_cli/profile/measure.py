@@ -1,7 +1,7 @@
 """Measure a profile on the local device (docs/design.md §3): the tiles of `profile.tiles` timed through the runtime's
 own code path (`profile.timer`, or by T torchrun processes with tensor parallelism, `profile.tensor_parallel`), the
 context term fitted, the link and the gradient all-reduce measured (`profile.comm`), assembled into a
-``terapipe.profile/1`` and checked against tiles off its grids (`check_against`, `recheck_profile`).
+``terapipe.profile/2`` and checked against tiles off its grids (`check_against`, `recheck_profile`).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def measure_profile(
     measure_allreduce: bool = True,
     tensor_parallel: int = 1,
 ) -> dict:
-    """Measure everything and return a ``terapipe.profile/1`` dict (validated before it is returned).
+    """Measure everything and return a ``terapipe.profile/2`` dict (validated before it is returned).
     ``measure_comm`` / ``measure_allreduce`` False: skip the stage-to-stage link (recorded as free) / the
     data-parallel all-reduce (no ``data_parallel_link``: plans with replicas leave it unpriced).
     ``tensor_parallel`` T > 1: the layer is timed as one of a stage's T tensor ranks, by T torchrun processes
@@ -76,7 +76,9 @@ def measure_profile(
             f"Measured by `terapipe profile{' --quick' if settings.quick else ''}` through the runtime's StageRunner "
             f"(one decoder layer{_tensor_note(tensor_parallel)}) in {settings.precision}, median of "
             f"{settings.repeats} interleaved rounds. token_lengths is a geometric subset of the multiples of "
-            "token_step; the cost model interpolates between them piecewise-linearly."
+            "token_step; the cost model interpolates between them piecewise-linearly. backward_input_s and "
+            "backward_weight_s: the backward of the same grid tiles split as the zero-bubble executor runs it "
+            "(StageRunner.backward_input, then backward_weight), timed in the same visits."
         ),
         "created": utc_timestamp(),
         "device": dict(device_info(device), clock=CLOCK_NAMES[layer["clock"]], tensor_parallel=tensor_parallel),
@@ -88,6 +90,8 @@ def measure_profile(
         "token_lengths": list(settings.token_lengths),
         "forward_s": tables["forward_s"],
         "backward_s": tables["backward_s"],
+        "backward_input_s": tables["input_s"],
+        "backward_weight_s": tables["weight_s"],
         "context": context,
         "ends": {k: v for k, v in ends.items() if k != "heldout"},
         "comm": comm,
@@ -101,6 +105,7 @@ def measure_profile(
             "interpolation": "piecewise-linear in tokens, then in batch size (terapipe_cli.plan.costmodel)",
             "repeats": settings.repeats,
             **{f"{w}_{s}_s": tables[f"{w}_{s}_s"] for w in ("forward", "backward") for s in ("min", "max")},
+            **{f"backward_{w}_{s}_s": tables[f"{w}_{s}_s"] for w in ("input", "weight") for s in ("min", "max")},
         },
         "context_points": [dict(rows[p], role=p.role) for p in tiles.context],
         "activation_method": layer["activation_method"],
@@ -123,10 +128,10 @@ def _tensor_note(tensor_parallel: int) -> str:
 
 
 def _grid_tables(timings: Timings, settings: Settings) -> dict[str, list[list[float]]]:
-    """The no-context tables [batch size][token length]: ``forward_s``/``backward_s`` (medians) and their
-    ``_min_s`` and ``_max_s``."""
+    """The no-context tables [batch size][token length]: ``forward_s``/``backward_s`` and the split backward's
+    ``input_s``/``weight_s`` (medians), and their ``_min_s`` and ``_max_s``."""
     tables = {}
-    for which in ("forward", "backward"):
+    for which in ("forward", "backward", "input", "weight"):
         for stat, suffix in enumerate(("s", "min_s", "max_s")):
             value = timings.by_point(which, stat)
             tables[f"{which}_{suffix}"] = [

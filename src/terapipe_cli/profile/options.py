@@ -17,7 +17,7 @@ from terapipe_cli.config.hardware import Hardware, load_hardware
 from terapipe_cli.config.model import ModelConfig, load_model_config
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import check_output_file, read_user_text
-from terapipe_cli.plan.costmodel import PROFILE_SCHEMA, Profile, read_profile
+from terapipe_cli.plan.costmodel import PROFILE_SCHEMAS, Profile, read_profile
 from terapipe_cli.profile.analytic import analytic_profile
 from terapipe_cli.profile.calibrate import Measurement, check_matches, from_profile, read_tile_table
 from terapipe_cli.profile.tiles import Settings
@@ -54,7 +54,7 @@ def check_writable(out: Path, force: bool = False) -> None:
     """Fail before minutes of measuring, not after: ``out`` must be a profile file we may write
     (`files.check_output_file`)."""
 
-    check_output_file(out, kind="profile", schema=PROFILE_SCHEMA, force=force, example="profile.json")
+    check_output_file(out, kind="profile", schema=PROFILE_SCHEMAS, force=force, example="profile.json")
 
 
 def model_to_profile(

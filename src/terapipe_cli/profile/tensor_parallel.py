@@ -75,7 +75,8 @@ def time_layer_tensor_parallel(
     points = [Point(**p) for p in data["points"]]
     if points != tiles.all:
         raise RuntimeError("the tensor-parallel workers timed other tiles than the ones asked for")
-    return Timings(points, data["forward"], data["backward"]), data["layer"], data["ends"]
+    timings = Timings(points, data["forward"], data["backward"], data["input"], data["weight"])
+    return timings, data["layer"], data["ends"]
 
 
 @contextmanager
@@ -142,7 +143,8 @@ def _worker(args: argparse.Namespace) -> None:
     dist.barrier()
     if rank == 0:
         result = {"points": [asdict(p) for p in timings.points], "forward": timings.forward}
-        write_json_atomic(args.out, dict(result, backward=timings.backward, layer=layer, ends=ends))
+        result.update(backward=timings.backward, input=timings.input, weight=timings.weight)
+        write_json_atomic(args.out, dict(result, layer=layer, ends=ends))
     dist.destroy_process_group()
 
 

@@ -14,6 +14,15 @@ A tile (b, i, j) is timed as: forward a context tile of j tokens (token slice 0,
 (timed) and backward (timed) the tile of i tokens as token slice 1, then reset. With j = 0 the tile is token
 slice 0 itself, and an untimed forward of another batch slice goes first, as in a pipeline step.
 
+The split backward (schema /2's I and W, docs/design.md §11b): on the tiles without context (the grid), that other
+batch slice's tile — the same (b, i) — then runs its backward as the zero-bubble executor runs it, I
+(`StageRunner.backward_input`) then W (`StageRunner.backward_weight`), each timed. So a grid visit times the
+whole backward and the split one of the same tile, and I + W is the split's own cost, not a share of B's: on a
+CPU the split's two calls cost more than B (its graph walk and its per-consumer autograd calls are Python: +40% on
+the tiny model's 8-token tiles, 0–5% on its 1024-token ones), and timing it adds 20–30% to the tiles' timing. The
+context tiles are not split: a tile's context adds to its I alone (attention's backward and the K/V hand-back), the
+context term of the whole backward.
+
 Timing discipline: one thread on CPU (a stage owns one core), timed by default with the process's CPU
 clock: time the OS gives to other processes on a shared machine is not the stage's cost (with both cores
 of this machine kept busy by others, a tile's wall time tripled while its CPU time moved by 1–4%). CUDA
@@ -86,7 +95,7 @@ class TileTimer:
         self._gen = torch.Generator(device="cpu").manual_seed(seed)
         self._inputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         if device.type == "cuda":
-            self._events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+            self._events = [torch.cuda.Event(enable_timing=True) for _ in range(5)]
 
     def _tensors(self, b: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """An input activation and an output gradient of shape (b, n, H), made once per shape, outside timing."""
@@ -101,6 +110,16 @@ class TileTimer:
 
     def time_tile(self, b: int, i: int, j: int) -> tuple[float, float]:
         """Seconds of the forward and of the backward of tile (b, i, j) on one layer."""
+        fwd, bwd, _, _ = self._time_tile(b, i, j, split=False)
+        return fwd, bwd
+
+    def time_tile_split(self, b: int, i: int) -> tuple[float, float, float, float]:
+        """Seconds of the forward and of the backward of tile (b, i, 0) on one layer, and of its backward split: I,
+        then W (the module docstring), on another batch slice's copy of the tile."""
+        fwd, bwd, inp, wgt = self._time_tile(b, i, 0, split=True)
+        return fwd, bwd, inp, wgt
+
+    def _time_tile(self, b: int, i: int, j: int, *, split: bool) -> tuple[float, float, float, float]:
         runner = self.runner
         runner.reset()
         token_slice = 0
@@ -111,16 +130,24 @@ class TileTimer:
         else:
             # In a pipeline step forwards run back to back, and the first forward after a backward is slower
             # on a CPU (~0.4 ms on a 1-ms tile: caches, allocator). So every timed forward follows an untimed
-            # one: the context tile, or here the same tile of another batch slice.
+            # one: the context tile, or here the same tile of another batch slice (whose split backward follows).
             runner.forward_tile(1, 0, x)
+        inp = wgt = 0.0
         if self.device.type == "cuda":
-            start, mid, end = self._events
+            start, mid, end, input_end, weight_end = self._events
             torch.cuda.synchronize(self.device)
             start.record()
             runner.forward_tile(0, token_slice, x)
             mid.record()
             runner.backward_tile(0, token_slice, grad)
             end.record()
+            if split:
+                runner.backward_input(1, 0, grad)
+                input_end.record()
+                runner.backward_weight(1, 0)
+                weight_end.record()
+                weight_end.synchronize()
+                inp, wgt = end.elapsed_time(input_end) / 1e3, input_end.elapsed_time(weight_end) / 1e3
             end.synchronize()
             fwd, bwd = start.elapsed_time(mid) / 1e3, mid.elapsed_time(end) / 1e3
         else:
@@ -130,10 +157,15 @@ class TileTimer:
             t1 = now()
             runner.backward_tile(0, token_slice, grad)
             t2 = now()
+            if split:
+                runner.backward_input(1, 0, grad)
+                t3 = now()
+                runner.backward_weight(1, 0)
+                inp, wgt = t3 - t2, now() - t3
             fwd, bwd = t1 - t0, t2 - t1
         # The context tile's own backward is not timed; reset() frees its graph, so it is not run at all.
         runner.reset()
-        return fwd, bwd
+        return fwd, bwd, inp, wgt
 
     def optimizer_step_s(self, repeats: int) -> float:
         """Median seconds of one AdamW step (the runtime's optimizer) over one layer's parameters.
@@ -205,26 +237,28 @@ class TileTimer:
 
 @dataclass
 class Timings:
-    """Per point: the forward and backward samples of every visit over the repeat rounds."""
+    """Per point: the forward and backward samples of every visit over the repeat rounds, and on the split points
+    (`time_points`' ``split``) the split backward's I and W of every visit (empty elsewhere)."""
 
     points: list[Point]
     forward: list[list[float]]  # [point][visit] seconds
     backward: list[list[float]]
+    input: list[list[float]] | None = None  # [point][visit] seconds; None: no point split
+    weight: list[list[float]] | None = None
 
     def stats(self, which: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Median, min and max per point of "forward", "backward" or "total"."""
+        """Median, min and max per point of "forward", "backward", "total", or the split's "input" and "weight"
+        (nan at the points not split)."""
         if which == "total":
             samples = [np.add(f, b) for f, b in zip(self.forward, self.backward, strict=True)]
         else:
-            samples = [np.asarray(s) for s in {"forward": self.forward, "backward": self.backward}[which]]
-        return (
-            np.array([np.median(s) for s in samples]),
-            np.array([s.min() for s in samples]),
-            np.array([s.max() for s in samples]),
-        )
+            kept = {"forward": self.forward, "backward": self.backward, "input": self.input, "weight": self.weight}
+            samples = [np.asarray(s) for s in kept[which] or [[] for _ in self.points]]
+        return tuple(np.array([f(s) if s.size else np.nan for s in samples]) for f in (np.median, np.min, np.max))
 
     def by_point(self, which: str, stat: int = 0) -> dict[Point, float]:
-        """One statistic per point (0 median, 1 min, 2 max) of "forward", "backward" or "total"."""
+        """One statistic per point (0 median, 1 min, 2 max) of "forward", "backward", "total", "input" or
+        "weight"."""
         values = self.stats(which)[stat]
         return {p: values[k] for k, p in enumerate(self.points)}
 
@@ -263,11 +297,13 @@ def time_points(
     seed: int,
     progress: Progress | None = None,
     phase: str = "timing tiles",
+    split: bool = False,
 ) -> Timings:
     """Warm up, then ``repeats`` rounds over all points, each round in a fresh random order.
 
     ``warmup_all``: warm up on every point (first-call costs per shape: allocator, kernels, masks) instead
-    of on one small and one large tile per batch size.
+    of on one small and one large tile per batch size. ``split``: every visit of a grid point (no context) times
+    the split backward too (`TileTimer.time_tile_split`).
     """
     points = list(points)
     rng = np.random.default_rng(seed)
@@ -284,19 +320,30 @@ def time_points(
     done = 0.0
     fwd: list[list[float]] = [[] for _ in points]
     bwd: list[list[float]] = [[] for _ in points]
+    inp: list[list[float]] = [[] for _ in points]
+    wgt: list[list[float]] = [[] for _ in points]
+    splits = [split and p.role == "grid" for p in points]
     gc_was_enabled = gc.isenabled()
     gc.collect()
     gc.disable()
     try:
         for p in warm:
-            timer.time_tile(p.b, p.i, p.j)
+            if split and p.role == "grid":
+                timer.time_tile_split(p.b, p.i)
+            else:
+                timer.time_tile(p.b, p.i, p.j)
             done += p.work
             if progress:
                 progress(f"{phase} (warm-up)", done, total)
         for r in range(repeats):
             for k in rng.permutation(order):
                 p = points[k]
-                f, b = timer.time_tile(p.b, p.i, p.j)
+                if splits[k]:
+                    f, b, i, w = timer.time_tile_split(p.b, p.i)
+                    inp[k].append(i)
+                    wgt[k].append(w)
+                else:
+                    f, b = timer.time_tile(p.b, p.i, p.j)
                 fwd[k].append(f)
                 bwd[k].append(b)
                 done += p.work
@@ -306,7 +353,7 @@ def time_points(
     finally:
         if gc_was_enabled:
             gc.enable()
-    return Timings(points, fwd, bwd)
+    return Timings(points, fwd, bwd, inp if split else None, wgt if split else None)
 
 
 @contextmanager
@@ -345,6 +392,7 @@ def time_layer(
                 warmup_all=settings.warmup_all,
                 seed=settings.seed,
                 progress=progress,
+                split=True,
             )
             if progress:
                 progress("optimizer step and activation memory", 0, 1)

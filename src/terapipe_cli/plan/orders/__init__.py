@@ -1,7 +1,11 @@
 """The schedule orders, one module each: an `Order` builds every device's row of actions and carries the closed form
 of its memory (`base.Order`). A new order is a module here and one line in `_ALL`.
 
-``ORDERS`` names the orders the planner chooses among (``--order auto``); `order_of` finds any of them by name."""
+``ORDERS`` names the orders the planner's searches consider (the objective prices them alike; the memory-aware search
+has closed forms for them); ``--order auto`` then also tries each configuration in ``SPLIT_ORDERS`` — the same
+scheme with every backward split into I and W (ZB-H1 on the configuration's own partition; ZB-V as a configuration of
+its own, two chunks per device in a V) — and the simulator keeps the fastest that fits (`plan.configs`). `order_of`
+finds any of them by name."""
 
 from __future__ import annotations
 
@@ -11,7 +15,8 @@ from terapipe_cli.plan.orders.one_f_one_b import ONE_F_ONE_B
 from terapipe_cli.plan.orders.zero_bubble import ZB_H1, ZB_V
 
 _ALL: dict[str, Order] = {o.name: o for o in (GPIPE, ONE_F_ONE_B, ZB_H1, ZB_V)}
-ORDERS = (GPIPE.name, ONE_F_ONE_B.name)  # the planner's choice (the zero-bubble orders are asked for by name)
+ORDERS = (GPIPE.name, ONE_F_ONE_B.name)  # the searches' orders
+SPLIT_ORDERS = (ZB_H1.name, ZB_V.name)  # tried by `--order auto` on the searches' result (module docstring)
 ALL_ORDERS = tuple(_ALL)
 
 
@@ -24,4 +29,4 @@ def order_of(name: str | Order) -> Order:
     return _ALL[name]
 
 
-__all__ = ["ALL_ORDERS", "ORDERS", "Order", "order_of"]
+__all__ = ["ALL_ORDERS", "ORDERS", "SPLIT_ORDERS", "Order", "order_of"]
