@@ -14,7 +14,7 @@ import pytest
 from conftest import ROOT, run_cli
 
 RECORDED = {p["name"]: p for p in json.loads((ROOT / "tests" / "data" / "plans_issue38.json").read_text())["plans"]}
-PLANNED_HERE = ["paper-04-gpt3-13b", "paper-05-gpt3-13b-L6144", "paper-06-gpt3-44b", "paper-09-gpt3-175b",
+PLANNED_HERE = ["paper-01-gpt3-1b", "paper-05-gpt3-13b-L6144", "paper-06-gpt3-44b", "paper-09-gpt3-175b",
                 "paper-10-gpt3-175b"]  # fmt: skip
 
 
