@@ -70,8 +70,10 @@ def test_the_dry_run_runs_every_step_on_the_cpu_and_fits_what_is_sent_back(tmp_p
         assert status != "ok" or result, (name, "no result line")
         assert float(seconds) >= 0
     results = {r[1]: r[5] for r in rows}
+    statuses = {r[1]: r[3] for r in rows}
     assert results["verify-k1"].startswith("verified") and "bf16" in results["verify-k1"]
     assert "K=2" in results["verify-k2-shared"] and "K=1 T=2" in results["t2-shared"]
+    assert statuses["verify-k2-v2"].startswith("skipped: no CUDA")  # v = 2 verifies in tests/engine
     assert "held-out context-fit error" in results["profile"]
     assert "whole sequence" in results["bench-gpt"] and "no CUDA" in results["bench-gpt"]
     assert "llama-tiny-2l-L64" in results["bench-llama-short"] and "L=128" in results["bench-llama-long"]
