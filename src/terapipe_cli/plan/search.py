@@ -155,6 +155,8 @@ def objective(sum_s: float, t_max_s: float, stages: int, step_s: float = 0.0, vi
     """
     if stages == 1:  # no pipeline: nothing waits (and an unpriceable tile's +inf stays +inf, not 0·inf)
         return sum_s + step_s
+    if sum_s == math.inf or t_max_s == math.inf:  # an unpriceable tile: +inf (not the stall's inf − inf)
+        return math.inf
     stall = (virtual - 1) * max(0.0, stages * t_max_s - sum_s / virtual) if virtual > 1 else 0.0
     return sum_s + (stages - 1) * t_max_s + stall + step_s
 
