@@ -9,8 +9,9 @@ The choice is `branch`'s, by the tensor's device, and `forced_branch("cuda")` ma
 the CUDA code's arithmetic is then tested on the CPU against the CPU's own (tests/engine/test_cuda_branches.py),
 so a GPU run has only kernels and speed left to check.
 
-Packed documents (`DocumentMask`, spec §12): a token attends only to earlier tokens of its own document, in its
-slice and in the cache alike, and a slice reads the cache only from the earliest document start of its queries.
+Packed documents (`DocumentMask`, docs/design.md §6): a token attends only to earlier tokens of its own document,
+in its slice and in the cache alike, and a slice reads the cache only from the earliest document start of its
+queries.
 Both branches then take one explicit boolean mask of (i, start + i − lo) per tile, shared by the tile's layers: on
 the CPU PyTorch's flash kernel takes it, on CUDA the memory-efficient kernel (the flash kernel takes no mask).
 """
@@ -63,7 +64,7 @@ def unmasked_cache() -> Iterator[None]:
 
 @dataclass(frozen=True)
 class DocumentMask:
-    """Block-causal attention of one tile over packed documents (spec §12): which keys its queries may see.
+    """Block-causal attention of one tile over packed documents (docs/design.md §6): which keys its queries may see.
 
     ``doc_starts[r, t]`` is where the document of query t of row r begins, in the sequence's positions (0 for a
     document that began before the window). Query t sees key s iff doc_starts[t] ≤ s ≤ t, so the tile reads the

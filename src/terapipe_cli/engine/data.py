@@ -14,10 +14,10 @@ builds them: the data cut into non-overlapping windows of L tokens (each with th
 last target), shuffled once per epoch (seeded with ``[seed, EPOCH_SEED, epoch]``) and taken in that order, sample
 g = (s − 1)·B·D + r being window g mod W of epoch g div W (W windows); every window once per epoch.
 
-Packed documents (`step_documents`, spec §12): with a document mask each window also carries, per input token, where
-its document begins in the window (0 for one that began before it): from the corpus's own document index (a
-Megatron corpus), or after every EOS id of the run's tokenizer (any other file). The attention then masks across
-documents and positions restart at each (`attention.DocumentMask`).
+Packed documents (`step_documents`, docs/design.md §6): with a document mask each window also carries, per input
+token, where its document begins in the window (0 for one that began before it): from the corpus's own document
+index (a Megatron corpus), or after every EOS id of the run's tokenizer (any other file). The attention then masks
+across documents and positions restart at each (`attention.DocumentMask`).
 
 Held-out data: `run_data` reads the run's data and its held-out part: ``--val-data FILE`` (a file of its own, any
 format), or `split_data`, which keeps the file's last ``val_fraction`` for validation. Training windows are drawn

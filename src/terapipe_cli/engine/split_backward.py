@@ -1,4 +1,4 @@
-"""A tile's backward in two calls (docs/design.md §11, spec §12 "Split backward"): I, the gradient of the tile's input
+"""A tile's backward in two calls (docs/design.md §11b): I, the gradient of the tile's input
 and of the K/V cache rows it read, now — what the previous chunk and the earlier token slices wait for — and W, the
 weights' gradients, later, where a zero-bubble schedule has a gap.
 
