@@ -47,6 +47,9 @@ class StageExecutor:
         self.runner, self.schedule, self.stage, self.link = runner, schedule, stage, link
         self.actions = schedule[stage]
         self.tiles = list(schedule.tiles)
+        # Where each chunk's weight gradients are complete: the position of its last B or W -> the chunk.
+        last = {a.stage: n for n, a in enumerate(self.actions) if a.phase in (Phase.B, Phase.W)}
+        self.chunk_ends = {n: c for c, n in last.items()}
 
     def step(
         self,
@@ -72,8 +75,7 @@ class StageExecutor:
         walk = _StepWalk(self, batch, after_forward, documents=documents)
         events: list[Event] = []
         interleaved = self.schedule.virtual > 1
-        last = {a.stage: n for n, a in enumerate(self.actions) if a.phase in (Phase.B, Phase.W)}
-        done_at = {n: c for c, n in last.items()} if chunk_done is not None else {}
+        done_at = self.chunk_ends if chunk_done is not None else {}
         with self.runner.step():  # one low-precision copy of each weight for all the step's tiles
             for n, action in enumerate(self.actions):
                 t, c = action.tile, action.stage

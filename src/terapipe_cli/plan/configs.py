@@ -31,7 +31,7 @@ from terapipe_cli.plan import memo
 from terapipe_cli.plan.choice import Planned, outside_profile, plan_for_profile, plan_one, smallest_peak
 from terapipe_cli.plan.costmodel import CostModel, GridKinds, Profile
 from terapipe_cli.plan.memory import check_memory, stage_memory
-from terapipe_cli.plan.orders import SPLIT_ORDERS, order_of
+from terapipe_cli.plan.orders import SPLIT_INTERLEAVED, order_of
 from terapipe_cli.plan.partition import Partition
 from terapipe_cli.plan.request import PlanRequest
 from terapipe_cli.plan.schedule import ORDERS, Schedule
@@ -97,7 +97,7 @@ def partition_candidates(profile: Profile, request: PlanRequest, virtual: int) -
     if request.partition is not None:
         return [request.partition]
     place = request.placement
-    balanced = replace(Partition.balanced(N, K, virtual), placement=place)
+    balanced = Partition.balanced(N, K, virtual, place)
     S = K * virtual
     if request.partition_mode != "auto" or S == 1:
         return [balanced]
@@ -270,7 +270,7 @@ def _best_partition(
     scored.sort(key=lambda x: x[0])  # stable: among equals, the bound's order (then the layers)
     progress(f"simulating the best of {len(scored)} partitions searched, layers {scored[0][1].text()}, in each order")
     if order is None and virtual > 1:  # planned, re-ranked and simulated in each order; the fastest that fits
-        orders = ORDERS + tuple(o for o in SPLIT_ORDERS if order_of(o).placement == "interleaved")
+        orders = ORDERS + SPLIT_INTERLEAVED
         each = [_plan_partition(profile, r.with_config(scored[0][1], o)) for o in orders]
         best = min([p for p in each if not _over(p)] or each, key=lambda p: p.simulated_s[p.scheme])
         runner_order = best.order
@@ -484,7 +484,7 @@ def _order_by_simulation(profile: Profile, planned: Planned) -> Planned:
     others = []
     if planned.order != "1f1b" and planned.unfitted is None and r.batch_size > 1:
         others.append("1f1b")
-    others += [o for o in SPLIT_ORDERS if order_of(o).placement == "interleaved"]
+    others += SPLIT_INTERLEAVED
     # Each other order re-ranks the same candidates (the objective's optimum, its neighbours, the baselines) in its
     # own simulation: the scheme GPipe order preferred can be slower in 1F1B order than the optimum is there.
     optimum = planned.formula_optimal or planned.terapipe

@@ -87,16 +87,16 @@ class Partition:
         return " | ".join(_folded(r, ", " if self.virtual == 1 else " ") for r in rounds)
 
     @classmethod
-    def balanced(cls, layers: int, devices: int, virtual: int = 1) -> Partition:
+    def balanced(cls, layers: int, devices: int, virtual: int = 1, placement: str = "interleaved") -> Partition:
         """The most even split of ``layers`` over K·v chunks: the layers left over go to the middle chunks first (the
-        first and last chunks also embed and run the head), then to the first, then to the last."""
+        first and last chunks also embed and run the head), then to the first, then to the last; on ``placement``."""
         chunks = devices * virtual
         base, extra = divmod(layers, chunks)
         counts = [base] * chunks
         order = list(range(1, chunks - 1)) + [0] + ([chunks - 1] if chunks > 1 else [])
         for c in order[:extra]:
             counts[c] += 1
-        return cls(tuple(counts), devices)
+        return cls(tuple(counts), devices, placement)
 
     @classmethod
     def even_split(cls, layers: int, devices: int, *, where: str = "stages", name: str = "model") -> Partition:

@@ -161,8 +161,8 @@ class PlanRequest:
         """The partition of a request whose configuration is fixed: the given one, or the most even split."""
         if self.partition is not None:
             return self.partition
-        balanced = Partition.balanced(layers, self.stages, self.virtual or 1)
-        return replace(balanced, placement=self.placement) if balanced.virtual == 2 else balanced
+        virtual = self.virtual or 1
+        return Partition.balanced(layers, self.stages, virtual, self.placement if virtual == 2 else "interleaved")
 
     @property
     def placement(self) -> str:

@@ -17,6 +17,8 @@ from terapipe_cli.plan.orders.zero_bubble import ZB_H1, ZB_V
 _ALL: dict[str, Order] = {o.name: o for o in (GPIPE, ONE_F_ONE_B, ZB_H1, ZB_V)}
 ORDERS = (GPIPE.name, ONE_F_ONE_B.name)  # the searches' orders
 SPLIT_ORDERS = (ZB_H1.name, ZB_V.name)  # tried by `--order auto` on the searches' result (module docstring)
+# Those that run on a configuration's own partition (ZB-V's V is a configuration of its own).
+SPLIT_INTERLEAVED = tuple(o.name for o in (ZB_H1, ZB_V) if o.placement == "interleaved")
 ALL_ORDERS = tuple(_ALL)
 
 
@@ -29,4 +31,4 @@ def order_of(name: str | Order) -> Order:
     return _ALL[name]
 
 
-__all__ = ["ALL_ORDERS", "ORDERS", "SPLIT_ORDERS", "Order", "order_of"]
+__all__ = ["ALL_ORDERS", "ORDERS", "SPLIT_INTERLEAVED", "SPLIT_ORDERS", "Order", "order_of"]
