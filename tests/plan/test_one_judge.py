@@ -60,6 +60,7 @@ SHAPES = {  # every shipped profile at three shapes (stages, batch), the whole c
     "tiny-cpu-measured.json": [(2, 1), (2, 4), (4, 8)],
     "example-tiny-cpu.json": [(2, 1), (2, 4), (4, 4)],
     "gpt3-1b-h100-fp32-measured.json": [(2, 1), (4, 2), (8, 4)],
+    "gpt3-1b-h100-bf16-measured.json": [(2, 1), (4, 2), (8, 4)],
 }
 
 

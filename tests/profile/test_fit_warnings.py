@@ -20,6 +20,9 @@ from terapipe_cli.profile.fit import fit_link
 
 ROOT = Path(__file__).resolve().parents[2]
 PROFILES = sorted((ROOT / "configs" / "profiles").glob("*.json"))
+# Measured on an H100 through the eager runtime, whose small tiles are host-bound: their times jump by ~20% from
+# visit to visit (docs/results.md, "GPU bring-up"), more than the context term the fit looks for. It warns, truly.
+NOISY = ROOT / "configs" / "profiles" / "gpt3-1b-h100-bf16-measured.json"
 MEASURED = json.loads((ROOT / "configs" / "profiles" / "tiny-cpu-measured.json").read_text())
 SIZES = [8192, 19972, 48692, 118716, 289432]  # a quick profile's five message sizes for the tiny model
 
@@ -56,12 +59,17 @@ def fitted_link(seconds: list[float]) -> dict:
 # ------------------------------------------------------------------------------------------------ the shipped ones
 
 
-@pytest.mark.parametrize("path", PROFILES, ids=[p.name for p in PROFILES])
+@pytest.mark.parametrize("path", [p for p in PROFILES if p != NOISY], ids=[p.name for p in PROFILES if p != NOISY])
 def test_no_shipped_profile_warns(path: Path):
     # gpt3-1b-h100-fp32-measured: context 7.7% / 6.1% held out, link 9.6 µs + bytes / 1975 GB/s with 8.6% error;
     # tiny-cpu-measured: 3.2% / 2.7%, link 30.5 µs + bytes / 3.48 GB/s with 3.3%; example-tiny-cpu records no
     # held-out error and its link is not a measured one.
     assert fit_warnings(read_profile(path)) == []
+
+
+def test_the_noisy_gpu_profile_says_so():
+    (warning,) = fit_warnings(read_profile(NOISY))
+    assert "forward 13.1% and backward 14.2%" in warning
 
 
 @pytest.mark.parametrize("name", ["paper-01-gpt3-1b", "paper-05-gpt3-13b-L8192", "paper-10-gpt3-175b"])

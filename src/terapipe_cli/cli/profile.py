@@ -28,7 +28,7 @@ Times one decoder layer through the runtime's own per-slice code path (forward a
 
 --check also times tiles off the measured grids and compares them with the profile's prediction; --check-profile does that for an existing profile, at its precision: a measured one on the kind of device it was measured on, an analytic one only on the device and in the precision it describes (the same GPU model, e.g. the hardware file's "NVIDIA H100-SXM5-80GB" and CUDA's "NVIDIA H100 80GB HBM3"; elsewhere it is refused: measure a profile instead). --analytic estimates a profile for hardware you do not have.
 
---calibrate fits a hardware file's dispatch floor and matrix-product efficiency to a measured profile of the same device and precision (or to a CSV tile table, with --precision), writes the calibrated hardware TOML and prints the fit's error per tile size; --analytic with that file then predicts what the runtime measures.
+--calibrate fits a hardware file's dispatch floor and matrix-product efficiency to a measured profile of the same device and precision (or to a CSV tile table, with --precision), writes the calibrated hardware TOML and prints the fit's error per tile size; --analytic with that file then predicts what the runtime measures. Given more than once, the files are fitted together; a tile table's eager rows (a stand-alone layer) then give way to the profile's (the runtime's own code path), and its CUDA-graphed rows pin the GPU's own constants.
 
 Examples:
 
@@ -43,6 +43,8 @@ Examples:
     terapipe profile --analytic --hardware configs/hardware/v100.toml --model configs/models/gpt3-175b.toml -t 8
 
     terapipe profile --calibrate profile.json --hardware h100-fp32 --out h100-fp32-calibrated.toml
+
+    terapipe profile --calibrate profile.json --calibrate tiles.csv --precision bf16 --hardware h100-bf16
 """  # noqa: E501
 
 
@@ -103,11 +105,12 @@ def profile(
         typer.Option("--hardware", help="Hardware TOML for --analytic or --calibrate (configs/hardware/NAME.toml)."),
     ] = None,
     calibrate: Annotated[
-        Path | None,
+        list[Path] | None,
         typer.Option(
             "--calibrate",
             help="Fit --hardware's dispatch floor and matrix-product efficiency to this measured profile (or CSV "
-            "tile table, with --precision) of the same device and precision; writes the calibrated hardware TOML.",
+            "tile table, with --precision) of the same device and precision; writes the calibrated hardware TOML. "
+            "Repeat to fit several files together.",
         ),
     ] = None,
     tensor_parallel: Annotated[
@@ -133,7 +136,7 @@ def profile(
     ] = False,
 ) -> None:
     console = make_console()
-    if calibrate is not None:
+    if calibrate:
         others = {
             "--model": model is not None, "--analytic": analytic, "--check": check, "--quick": quick,
             "--check-profile": check_profile is not None, "--batch-sizes": batch_sizes is not None,
@@ -308,18 +311,23 @@ def _render_analytic(console: Console, prof: dict) -> None:
     )
 
 
-def _calibrate(console: Console, measured: Path, *, hardware, precision, out, force: bool, others: dict) -> None:
+def _calibrate(console: Console, measured: list[Path], *, hardware, precision, out, force: bool, others: dict) -> None:
     """``--calibrate``: fit, write the calibrated hardware TOML, show the error per tile size."""
-    measurement, hw, text, out = options.calibration_request(
+    measurement, left_out, hw, text, out = options.calibration_request(
         measured, hardware=hardware, precision=precision, out=out, force=force, others=others
     )
     result = calibrate(measurement, hw)
-    write_text_atomic(out, calibrated_toml(text, result, str(measured)))
-    _render_calibration(console, result, measured)
+    write_text_atomic(out, calibrated_toml(text, result, measurement.source))
+    _render_calibration(console, result, measurement.source)
+    if left_out:
+        console.print(
+            f"left out: the tile tables' {left_out} eager tiles (a stand-alone layer; the profile times the runtime's "
+            "own code path, host dispatch included); their CUDA-graphed tiles are fitted"
+        )
     console.print(f"wrote [bold]{out}[/bold]")
 
 
-def _render_calibration(console: Console, result, measured: Path) -> None:
+def _render_calibration(console: Console, result, measured: str) -> None:
     before, after = result.uncalibrated.device, result.hardware.device
     t = Table(
         title=f"calibration of {result.uncalibrated.path} on {measured}: tile time (forward + backward of one layer), "

@@ -216,6 +216,45 @@ def read_tile_table(path: str | Path, precision: str) -> Measurement:
     return Measurement(where, None, precision, tuple(tiles))
 
 
+def combine(measurements: Sequence[Measurement]) -> tuple[Measurement, int]:
+    """One measurement of several files of one device and precision, and how many tiles were left out.
+
+    A measured profile times the layer through the runtime's own code path, host dispatch included; a tile table's
+    eager rows time a stand-alone block, whose host pays less per kernel. Where a profile is among the files, the
+    tables' eager rows are left out (the profile prices the host), and their CUDA-graphed rows, which no host
+    dispatches, still pin the GPU's own constants.
+    """
+    if len(measurements) == 1:
+        return measurements[0], 0
+    precisions = {m.precision for m in measurements}
+    if len(precisions) > 1:
+        first, other = measurements[0], next(m for m in measurements if m.precision != measurements[0].precision)
+        raise UserError(
+            f"was measured in {other.precision}, but {first.source} in {first.precision}", where=other.source
+        )
+    names = {m.device_name for m in measurements if m.device_name is not None}
+    named = [m for m in measurements if m.device_name is not None]
+    for m in named[1:]:
+        if not same_device_name(named[0].device_name, m.device_name):
+            raise UserError(
+                f"was measured on {m.device_name!r}, but {named[0].source} on {named[0].device_name!r}", where=m.source
+            )
+    profiled = bool(named)
+    tiles: list[TileTimes] = []
+    left_out = 0
+    for m in measurements:
+        for t in m.tiles:
+            if profiled and m.device_name is None and not t.graphed:
+                left_out += t.b.size
+                continue
+            tiles.append(t)
+    return (
+        Measurement(" and ".join(m.source for m in measurements), min(names) if names else None, precisions.pop(),
+                    tuple(tiles)),
+        left_out,
+    )  # fmt: skip
+
+
 def _check_positive(tiles: Sequence[TileTimes], where: str) -> None:
     for t in tiles:
         for arr in (t.total_s, t.forward_s, t.backward_s):

@@ -19,7 +19,7 @@ from terapipe_cli.errors import UserError
 from terapipe_cli.files import check_output_file, read_user_text
 from terapipe_cli.plan.costmodel import PROFILE_SCHEMAS, Profile, read_profile
 from terapipe_cli.profile.analytic import analytic_profile
-from terapipe_cli.profile.calibrate import Measurement, check_matches, from_profile, read_tile_table
+from terapipe_cli.profile.calibrate import Measurement, check_matches, combine, from_profile, read_tile_table
 from terapipe_cli.profile.tiles import Settings
 
 if TYPE_CHECKING:
@@ -251,18 +251,19 @@ def check_tensor_parallel(cfg: ModelConfig, tensor_parallel: int, device: str, c
 
 
 def calibration_request(
-    measured: Path,
+    measured: Sequence[Path],
     *,
     hardware: Path | None,
     precision: str | None,
     out: Path | None,
     force: bool,
     others: dict[str, bool],
-) -> tuple[Measurement, Hardware, str, Path]:
-    """For ``--calibrate``: the measured tile times (a measured profile, or a CSV tile table whose precision
-    ``--precision`` names), the hardware file to fit, its text, and a writable ``out`` (default
-    ``NAME-calibrated.toml`` here). ``others``: flag -> whether it was given, for the flags that do not apply.
-    The measurement's device and precision must be the hardware file's."""
+) -> tuple[Measurement, int, Hardware, str, Path]:
+    """For ``--calibrate``: the measured tile times (measured profiles and CSV tile tables, whose precision
+    ``--precision`` names; several are fitted together, `calibrate.combine`), how many tiles that left out, the
+    hardware file to fit, its text, and a writable ``out`` (default ``NAME-calibrated.toml`` here). ``others``:
+    flag -> whether it was given, for the flags that do not apply. The measurement's device and precision must
+    be the hardware file's."""
 
     given = [flag for flag, on in others.items() if on]
     if given:
@@ -275,24 +276,28 @@ def calibration_request(
     hw = load_hardware(hardware)
     text = read_user_text(Path(hw.path), name="hardware file", expected="a hardware TOML file")
     asked = None if precision in (None, "auto") else precision
-    if measured.suffix.lower() == ".csv":
-        if asked is None:
-            raise UserError(
-                f"a tile table does not record its precision; name it with --precision ({hw.path} prices "
-                f"{hw.training.dtype})",
-                where=str(measured),
-            )
-        measurement = read_tile_table(measured, asked)
-    else:
-        measurement = from_profile(read_profile(measured))
-        if asked is not None and asked != measurement.precision:
-            raise UserError(
-                f"{asked} asked for, but {measured} was measured in {measurement.precision}; leave --precision out",
-                where="--precision",
-            )
+    measurements = []
+    for path in measured:
+        if path.suffix.lower() == ".csv":
+            if asked is None:
+                raise UserError(
+                    f"a tile table does not record its precision; name it with --precision ({hw.path} prices "
+                    f"{hw.training.dtype})",
+                    where=str(path),
+                )
+            measurements.append(read_tile_table(path, asked))
+        else:
+            measurements.append(from_profile(read_profile(path)))
+            if asked is not None and asked != measurements[-1].precision:
+                raise UserError(
+                    f"{asked} asked for, but {path} was measured in {measurements[-1].precision}; leave --precision "
+                    "out",
+                    where="--precision",
+                )
+    measurement, left_out = combine(measurements)
     check_matches(measurement, hw)
     out = out if out is not None else Path(f"{Path(hw.path).stem}-calibrated.toml")
     if out.exists() and out.resolve() == Path(hw.path).resolve():
         raise UserError(f"is the --hardware file {hw.path} itself; write the calibrated file elsewhere", where="--out")
     check_output_file(out, kind="hardware file", schema=None, force=force, example="h100-calibrated.toml")
-    return measurement, hw, text, out
+    return measurement, left_out, hw, text, out
