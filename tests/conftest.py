@@ -245,3 +245,38 @@ def verify_locally(setup: LocalSetup, schedule=None, **world):
 
     run = train_locally(setup, schedule, **world)
     return verify_trajectory(Trajectory(run.losses, run.grads_step, run.grads, run.weights), setup), run
+
+
+def without_accumulation(hardware):
+    """``hardware`` priced as before the analytic model counted each tile's pass over the weight gradients
+    (`config.hardware.Training.grad_accumulate_bytes_per_param` = 0): the plans recorded before it plan again."""
+    from dataclasses import replace
+
+    return replace(hardware, training=replace(hardware.training, grad_accumulate_bytes_per_param=0.0))
+
+
+def experiment_without_accumulation(name: str, folder: Path) -> Path:
+    """A copy of the experiment file ``name`` in ``folder`` whose hardware file prices no gradient accumulation
+    pass (`without_accumulation`), for `terapipe plan --experiment`."""
+    import tomllib
+
+    from terapipe_cli.config.bundled import find_config
+
+    source = Path(find_config(name, "experiments", "experiment", prefix=True))
+    text = source.read_text()
+    table = tomllib.loads(text)["experiment"]
+    hardware = (source.parent / table["hardware"]).resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    copy = folder / hardware.name
+    copy.write_text(hardware.read_text().replace("[training]", "[training]\ngrad_accumulate_bytes_per_param = 0", 1))
+    lines = []
+    for line in text.splitlines():
+        key = line.split("=", 1)[0].strip()
+        if key == "hardware":
+            line = f'hardware = "{copy}"'
+        elif key == "model":
+            line = f'model = "{(source.parent / table["model"]).resolve()}"'
+        lines.append(line)
+    out = folder / source.name
+    out.write_text("\n".join(lines) + "\n")
+    return out

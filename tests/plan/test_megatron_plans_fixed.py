@@ -1,6 +1,7 @@
 """Megatron-LM's settings plan the same before and after the planner's speed-ups of issue 38 (a ceiling on each
 partition's search, one judge over the plan and its baselines): the plans of settings 1 and 4 (b) and (b′), recorded
-at a58f813 before those changes, come out again — scheme, order, recomputation, v, partition and simulated step. The
+at a58f813 before those changes, come out again — scheme, order, recomputation, v, partition and simulated step
+(priced as then: without the pass over the weight gradients on every tile, `conftest.without_accumulation`). The
 pipelined settings take minutes each on this machine: `python scripts/bench_planner.py --commands --cases megatron
 --record FILE` records and times them all (docs/results.md)."""
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 import sys
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, without_accumulation
 
 sys.path.insert(0, str(ROOT / "scripts"))
 from megatron_table import DEFAULT_TOKEN_STEP, SETTINGS, TOKEN_STEP, setting_profile, terapipe_plan  # noqa: E402
@@ -32,7 +33,8 @@ RECORDED = {
 def test_megatron_settings_plan_as_recorded(number):
     setting = next(s for s in SETTINGS if s.number == number)
     g = TOKEN_STEP.get(number, DEFAULT_TOKEN_STEP)
-    profile = setting_profile(setting, load_hardware(ROOT / "configs" / "hardware" / "dgx-a100.toml"), g)
+    hardware = without_accumulation(load_hardware(ROOT / "configs" / "hardware" / "dgx-a100.toml"))
+    profile = setting_profile(setting, hardware, g)
     for recompute in (None, True):
         planned = terapipe_plan(profile, setting, g, recompute)[0].planned
         form, order, chunks, v, layers, simulated = RECORDED[(number, recompute)]

@@ -6,15 +6,16 @@ Since then the planner also chooses the partition of the layers and the virtual 
 the head (issue 25): the plans are made with those pinned to what the recording had (`--virtual-stages 1 --partition
 balanced`, GPipe order where the memory limit did not choose the order and 1F1B where it did), and the published
 settings are priced by their analytic profile as it was then, without its ``ends`` (a profile without them is priced
-as before) and without ``vocab_parallel`` (the embedding and the head counted whole on every tensor rank, as
-before)."""
+as before), without ``vocab_parallel`` (the embedding and the head counted whole on every tensor rank, as
+before) and without the pass over the weight gradients on every tile (issue 38: `conftest.without_accumulation`)."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
-from conftest import ROOT, run_cli
+from conftest import ROOT, run_cli, without_accumulation
 
 from terapipe_cli.config.experiment import load_experiment
 from terapipe_cli.files import write_json_atomic
@@ -28,6 +29,7 @@ def _args(record: dict, tmp_path) -> list[str]:
     args = list(record["args"])
     if "--experiment" in args and "--profile" not in args:
         exp = load_experiment(args[args.index("--experiment") + 1])
+        exp = replace(exp, hardware=without_accumulation(exp.hardware))
         overrides = dict(zip(args[::2], args[1::2], strict=False))
         batch = int(overrides.get("-b", exp.batch_size // exp.data_parallel))
         obj = experiment_profile(exp, batch_size=batch, tensor_parallel=exp.tensor_parallel, token_step=exp.token_step)

@@ -210,3 +210,26 @@ def test_an_old_profile_priced_again_keeps_its_whole_vocabulary():
         4,
     )
     assert new.vocab_parallel and new.ends.head_params == ends_params(MODELS["gpt3-1b"], 8, vocab_parallel=True)[1]
+
+
+def test_every_tiles_backward_adds_its_weight_gradients_into_the_steps():
+    """The pass over the stage's weight gradients (`w.grad += grad_w`; AccumulateGrad): bytes per parameter over
+    the memory bandwidth on every tile's backward, whatever its length, in W of the split backward, not in I; the
+    ends' tables too; 3 × dtype_bytes unless the file says otherwise."""
+    from terapipe_cli.profile.analytic import layer_seconds_split
+
+    hw, model = HW["v100"], MODELS["gpt3-175b"]
+    assert hw.training.grad_accumulate_bytes_per_param == 3 * hw.training.dtype_bytes
+    plain = replace(hw, training=replace(hw.training, grad_accumulate_bytes_per_param=0.0))
+    bandwidth = hw.device.memory_bytes_per_s * hw.device.memory_efficiency
+    b, i, j = np.array([1, 1, 2]), np.array([8, 72, 2048]), np.array([0, 1024, 0])
+    with_pass, without = layer_seconds_split(model, hw, b, i, j, 4), layer_seconds_split(model, plain, b, i, j, 4)
+    expected = 3 * hw.training.dtype_bytes * model.params_per_layer(4) / bandwidth
+    for part, before, added in zip(with_pass, without, (0.0, expected, 0.0, expected), strict=True):  # F, B, I, W
+        assert np.allclose(part, before + added, rtol=1e-12)
+    embed, head = ends_params(model, 4, vocab_parallel=True)
+    ends, ends_plain = (ends_seconds(model, h, b, i, 4, vocab_parallel=True) for h in (hw, plain))
+    per = 3 * hw.training.dtype_bytes / bandwidth
+    assert np.allclose(ends["embed_backward"] - ends_plain["embed_backward"], embed * per, rtol=1e-9)
+    assert np.allclose(ends["head_backward"] - ends_plain["head_backward"], head * per, rtol=1e-9)
+    assert np.array_equal(ends["head_forward"], ends_plain["head_forward"])

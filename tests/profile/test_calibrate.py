@@ -109,8 +109,10 @@ def test_calibration_recovers_known_constants_from_a_synthetic_measured_profile(
 
 
 def test_calibration_recovers_the_gpu_floor_from_graphed_tiles(tmp_path: Path):
-    """Eager and CUDA-graphed totals together pin the dispatch floor and the GPU's own shortest kernel."""
-    truth = with_constants(H100_BF16, {**TRUE, "kernel_launch_s": 12e-6})
+    """Eager and CUDA-graphed totals together pin the dispatch floor and the GPU's own shortest kernel (a tile
+    table's stand-alone timing adds no gradients into standing ones: `TileTimes.accumulates`)."""
+    plain = replace(H100_BF16, training=replace(H100_BF16.training, grad_accumulate_bytes_per_param=0.0))
+    truth = with_constants(plain, {**TRUE, "kernel_launch_s": 12e-6})
     graphed = with_constants(truth, {"dispatch_s": 0.0})
     rows = ["model,hidden,heads,b,i,j,eager_ms,graphed_ms"]
     for b in (1, 4):
@@ -236,12 +238,13 @@ def test_options_that_do_not_apply_are_refused(tmp_path: Path, capsys):
 
 def test_calibrated_h100_fp32_fits_the_measured_profile():
     """configs/hardware/h100-fp32-calibrated.toml against the measured GPT3-1B profile it was fitted to: the mean
-    relative error of its tiles' forward + backward (148 tiles) is what the file's header reports, 7.0%."""
+    relative error of its tiles' forward + backward (148 tiles) is what the file's header reports, 8.0% (7.0% before the
+    analytic model counted the pass over the weight gradients on every tile)."""
     hw = load_hardware(HARDWARE / "h100-fp32-calibrated.toml")
     measurement = from_profile(read_profile(MEASURED_FP32))
     errors = np.concatenate([e for _, _, e in tile_errors(hw, measurement)])
     assert errors.size == 148
-    assert errors.mean() <= 0.071
+    assert errors.mean() <= 0.081
     before = np.concatenate([e for _, _, e in tile_errors(load_hardware(HARDWARE / "h100.toml"), measurement)])
     assert before.mean() > 0.8  # the fp16 file without a floor: off by several times on every tile
 
@@ -254,7 +257,7 @@ def bf16_measurement():
 
 def test_calibrated_h100_bf16_fits_the_runtime_profile_and_the_graphed_tiles():
     """configs/hardware/h100-bf16-calibrated.toml against what it was fitted to: the runtime's grid and context
-    tiles and both shapes' graphed tiles (priced without the dispatch floor), 11.9% mean over 228 tiles."""
+    tiles and both shapes' graphed tiles (priced without the dispatch floor), 11.6% mean over 228 tiles."""
     measurement, left_out = bf16_measurement()
     assert left_out == 52  # the table's eager rows
     hw = load_hardware(HARDWARE / "h100-bf16-calibrated.toml")

@@ -39,6 +39,8 @@ measurements; the file's comments give the source of each.
     optimizer_bytes_per_param = 28 # memory traffic of one optimizer update per parameter
     attention = "fused"            # optional: "dense" (the default; Megatron's scores, softmax and dropout
                                    # kernels) or "fused" (one scaled_dot_product_attention kernel, as the runtime)
+    grad_accumulate_bytes_per_param = 6  # optional: memory traffic of adding one tile's weight gradients into
+                                   # the step's (``.grad +=``: read both, write one; default 3 × dtype_bytes)
 
 Files fitted to measurements by `terapipe profile --calibrate` (`profile.calibrate`) say so in ``constants``, in
 their header and in the comment of every fitted constant; an analytic profile and every plan priced by it carry
@@ -91,6 +93,12 @@ class Training:
     dtype_bytes: int
     state_bytes_per_param: float
     optimizer_bytes_per_param: float
+    # Every tile's backward adds its weights' gradients into the step's gradient buffers: a memory-bound pass over all
+    # of a stage's parameters, whatever the tile's length (PyTorch's AccumulateGrad, `variable_grad += new_grad`, in
+    # terapipe's runtime; `w.grad += grad_w` in the published TeraPipe runs' runner). Bytes per parameter: read the
+    # sum and the new gradient, write the sum — 3 × dtype_bytes for gradients in the training type (the file's
+    # default). A step's first tile writes without reading; the model prices every tile alike.
+    grad_accumulate_bytes_per_param: float
     # "dense" (the default, Megatron-LM of the published runs): scores Q·Kᵀ over the whole i × (i + j) rectangle
     # are written to memory, then softmax and dropout kernels read them. "fused" (the runtime's
     # scaled_dot_product_attention, FlashAttention-style): one kernel keeps the scores on chip, skips the blocks
@@ -181,16 +189,22 @@ def hardware_from_dict(obj: dict, where: str) -> Hardware:
     )
 
     tr, tr_obj = _table(top, obj, "training")
-    _check_keys(tr, tr_obj, ("dtype", "dtype_bytes", "state_bytes_per_param", "optimizer_bytes_per_param", "attention"))
+    known = ("dtype", "dtype_bytes", "state_bytes_per_param", "optimizer_bytes_per_param", "attention",
+             "grad_accumulate_bytes_per_param")  # fmt: skip
+    _check_keys(tr, tr_obj, known)
     attention = tr.str("attention", default="dense")
     if attention not in ATTENTION:
         raise tr.fail("attention", f"must be {' or '.join(ATTENTION)}, got {attention!r}")
+    dtype_bytes = tr.int("dtype_bytes", minimum=1)
     training = Training(
         dtype=tr.str("dtype"),
-        dtype_bytes=tr.int("dtype_bytes", minimum=1),
+        dtype_bytes=dtype_bytes,
         state_bytes_per_param=tr.number("state_bytes_per_param", minimum=0),
         optimizer_bytes_per_param=tr.number("optimizer_bytes_per_param", minimum=0),
         attention=attention,
+        grad_accumulate_bytes_per_param=tr.number(
+            "grad_accumulate_bytes_per_param", minimum=0, default=3 * dtype_bytes
+        ),
     )
     return Hardware(
         name=hw.str("name"),

@@ -142,12 +142,23 @@ def layer_seconds_split(
     link = hardware.intra_node
     allreduce = ring_allreduce_seconds(act, t, latency_s=link.latency_s, bytes_per_s=link.bytes_per_s)
     forward, backward, inputs = forward + 2 * allreduce, backward + 2 * allreduce, inputs + 2 * allreduce
+    # The tile's weight gradients added into the step's (`config.hardware.Training.grad_accumulate_bytes_per_param`):
+    # a pass over the layer's parameters whatever the tile's length, in W where the backward is split. GPU work like
+    # the rest, so under the dispatch floor below where the host sets the pace.
+    accumulate = _accumulate_seconds(hardware, model.params_per_layer(t))
+    backward, weight = backward + accumulate, weight + accumulate
     if dev.dispatch_s:
         floor_fwd, floor_bwd = dispatch_floor_seconds(hardware, t, model)
         floor_w = weight_kernels_per_tile(hardware.training.dtype, model) * dev.dispatch_s
         forward, backward = np.maximum(forward, floor_fwd), np.maximum(backward, floor_bwd)
         inputs, weight = np.maximum(inputs, floor_bwd - floor_w), np.maximum(weight, floor_w)
     return forward, backward, inputs, weight
+
+
+def _accumulate_seconds(hardware: Hardware, params: float) -> float:
+    """One tile's weight gradients of ``params`` parameters added into the step's gradient buffers."""
+    nbytes = hardware.training.grad_accumulate_bytes_per_param * params
+    return float(_stream_seconds(hardware.device, np.asarray(nbytes))) if nbytes else 0.0
 
 
 def ends_seconds(
@@ -166,6 +177,7 @@ def ends_seconds(
     its backward scatters the gradient into the table (read b·i·H, read and write the rows touched). Head: the norm
     (2·b·i·H), the product (b·i) × H × V forward and its two products backward, and the cross-entropy's
     log-softmax over b·i × V (the logits read and written twice forward, three times backward, fp32).
+    Each backward also adds its tables' gradients into the step's (as a layer does, `layer_seconds_split`).
     """
     dev, e = hardware.device, hardware.training.dtype_bytes
     b, i = np.broadcast_arrays(*(np.asarray(x, dtype=float) for x in (b, i)))
@@ -190,6 +202,10 @@ def ends_seconds(
         )
         head_fwd = head_fwd + top + sums
         head_bwd = head_bwd + ring_allreduce_seconds(act, t, latency_s=link.latency_s, bytes_per_s=link.bytes_per_s)
+    # Each tile's gradients of the tables added into the step's, as a layer's (`layer_seconds_split`).
+    embed_params, head_params = ends_params(model, tensor_parallel, vocab_parallel=vocab_parallel)
+    embed_bwd = embed_bwd + _accumulate_seconds(hardware, embed_params)
+    head_bwd = head_bwd + _accumulate_seconds(hardware, head_params)
     if dev.dispatch_s:  # a handful of kernels each way (gather/add; norm, product, loss): no tile is shorter
         embed_fwd, embed_bwd = np.maximum(embed_fwd, 3 * dev.dispatch_s), np.maximum(embed_bwd, 4 * dev.dispatch_s)
         head_fwd, head_bwd = np.maximum(head_fwd, 6 * dev.dispatch_s), np.maximum(head_bwd, 10 * dev.dispatch_s)
