@@ -143,6 +143,75 @@ def token_slice_counts(rows: Sequence[Sequence[Action]]) -> dict[int, int]:
     return counts
 
 
+class KeyCodes:
+    """The keys an action completes and waits for (`completes`, `waits_for`) as small integers, for a pipeline of
+    ``chunks`` chunks whose batch slices have ``token_slices`` token slices each: key (c, kind, d, m) is
+    (3c + kind)·tiles + the tile's number (kinds F, I, W; a batch slice's tiles consecutive). A walk then marks keys in
+    a `bytearray` instead of hashing tuples, several times faster (`walk_rows`; `least_extra` of 1F1B walks one set of
+    actions in many orders). Every action's chunk must lie in the pipeline."""
+
+    _KINDS = {Phase.F: 0, Phase.I: 1, Phase.W: 2}
+
+    def __init__(self, chunks: int, token_slices: dict[int, int]) -> None:
+        self.chunks, self.counts = chunks, token_slices
+        self.first: dict[int, int] = {}  # batch slice -> the number of its first tile
+        tiles = 0
+        for d in sorted(token_slices):
+            self.first[d] = tiles
+            tiles += token_slices[d]
+        self.tiles, self.size = tiles, 3 * chunks * tiles
+        self._offsets: dict[tuple, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+
+    def of(self, a: Action) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(what ``a`` waits for, what it completes), in `waits_for`'s and `completes`' order."""
+        t, c = a.tile, a.stage
+        later = t.token_slice + 1 < self.counts[t.batch_slice]
+        where = (a.phase, c, later)
+        offsets = self._offsets.get(where)
+        if offsets is None:
+            n = self.tiles
+            waits = tuple(
+                (dc * 3 + self._KINDS[p]) * n + dm
+                for dc, p, dm in WAITS[a.phase]
+                if 0 <= c + dc < self.chunks and (dm == 0 or later)
+            )
+            offsets = self._offsets[where] = (waits, tuple(self._KINDS[p] * n for p in COMPLETES[a.phase]))
+        base = 3 * c * self.tiles + self.first[t.batch_slice] + t.token_slice
+        return tuple(base + o for o in offsets[0]), tuple(base + o for o in offsets[1])
+
+
+def walk_codes(rows: Sequence[Sequence[tuple[tuple[int, ...], tuple[int, ...]]]], size: int) -> tuple[list, list[int]]:
+    """`walk_rows` on actions given as their `KeyCodes`: the (row, position) of every action in the order walked,
+    and each row's position where it stuck (its length when it ran to the end)."""
+    pos = [0] * len(rows)
+    done = bytearray(size)
+    out: list[tuple[int, int]] = []
+    waiting: dict[int, list[int]] = {}  # a key not yet completed -> the rows whose next action waits for it
+    ready = deque(range(len(rows)))
+    while ready:
+        k = ready.popleft()
+        row, p, end = rows[k], pos[k], len(rows[k])
+        while p < end:
+            waits, completed = row[p]
+            for key in waits:
+                if not done[key]:
+                    waiting.setdefault(key, []).append(k)
+                    break
+            else:
+                for key in completed:
+                    if not done[key]:
+                        done[key] = 1
+                        woken = waiting.pop(key, None)
+                        if woken:
+                            ready.extend(woken)
+                out.append((k, p))
+                p += 1
+                continue
+            break
+        pos[k] = p
+    return out, pos
+
+
 def walk_rows(
     rows: Sequence[Sequence[Action]], chunks: int, token_slices: dict[int, int] | None = None
 ) -> tuple[list[Action], list[tuple[int, int]]]:
@@ -151,25 +220,6 @@ def walk_rows(
     for completes, so the walk looks at each action a bounded number of times (a pass over every row until none moves
     looked at each row's head once per action run: the square of the actions, minutes for Megatron-LM's largest
     plans). Where the rows end does not depend on the order they are walked in: what can run only grows."""
-    counts = token_slices if token_slices is not None else token_slice_counts(rows)
-    pos = [0] * len(rows)
-    done: set[Key] = set()
-    out: list[Action] = []
-    waiting: dict[Key, list[int]] = {}  # a key not yet completed -> the rows whose next action waits for it
-    ready = deque(range(len(rows)))
-    while ready:
-        k = ready.popleft()
-        row = rows[k]
-        while pos[k] < len(row):
-            a = row[pos[k]]
-            missing = next((key for key in waits_for(a, chunks, counts[a.tile.batch_slice]) if key not in done), None)
-            if missing is not None:
-                waiting.setdefault(missing, []).append(k)
-                break
-            for key in completes(a):
-                if key not in done:
-                    done.add(key)
-                    ready.extend(waiting.pop(key, ()))
-            out.append(a)
-            pos[k] += 1
-    return out, [(k, pos[k]) for k, r in enumerate(rows) if pos[k] < len(r)]
+    codes = KeyCodes(chunks, token_slices if token_slices is not None else token_slice_counts(rows))
+    order, pos = walk_codes([[codes.of(a) for a in row] for row in rows], codes.size)
+    return [rows[k][p] for k, p in order], [(k, pos[k]) for k, r in enumerate(rows) if pos[k] < len(r)]

@@ -8,7 +8,8 @@ forward and one backward in turn — with the backwards in groups of batch slice
 
 from __future__ import annotations
 
-from terapipe_cli.plan.actions import Action, Tile, walk_rows
+from terapipe_cli.plan import memo
+from terapipe_cli.plan.actions import Action, KeyCodes, Tile, token_slice_counts, walk_codes
 from terapipe_cli.plan.orders.base import Order, by_slice, interleaved_forwards
 
 
@@ -19,12 +20,14 @@ class OneFOneB(Order):
         groups = by_slice(tiles, slices)
         if virtual == 1:
             return [one_f_one_b(groups, k, warmup=min(devices - k, slices)) for k in range(devices)]
-        return alternating_1f1b(
-            [interleaved_forwards(k, tiles, devices, virtual) for k in range(devices)],
-            interleaved_backwards(groups, devices, virtual),
-            devices * virtual,
-            virtual,
-        )
+        forward = [interleaved_forwards(k, tiles, devices, virtual) for k in range(devices)]
+        backward = interleaved_backwards(groups, devices, virtual)
+        # The extra warm-up depends only on how many token slices each batch slice has, not on their lengths: the
+        # schemes a plan compares share it (`plan.memo`), and finding it takes hundreds of walks where the batch
+        # slices do not make whole groups of K tiles (Table 2 of Megatron-LM's paper, docs/results.md).
+        key = ("1f1b extra warm-up", devices, virtual, tuple(len(ts) for ts in groups))
+        extra = memo.remembered(key, lambda: least_extra(forward, backward, devices * virtual, virtual))
+        return alternating_1f1b(forward, backward, virtual, extra)
 
 
 ONE_F_ONE_B = OneFOneB()
@@ -54,34 +57,43 @@ def interleaved_backwards(by_slice: list[list[Tile]], devices: int, virtual: int
 
 
 def alternating_1f1b(
-    forward: list[list[Action]], backward: list[list[Action]], chunks: int, virtual: int
+    forward: list[list[Action]], backward: list[list[Action]], virtual: int, extra: int
 ) -> list[list[Action]]:
     """Megatron-LM's interleaved 1F1B over these forwards and backwards: device k first runs
     (K − k − 1)·2 + (v − 1)·K + e forwards (its warm-up, in tiles), then one forward and one backward in turn, then
-    the backwards left; e is the smallest extra warm-up, the same on every device, that leaves no deadlock (0 when
-    every batch slice is one tile and the groups are K of them — Megatron-LM's own case, whose order this then is
-    exactly; with token slices a group can hold more than K tiles, and its first backward waits for more forwards).
-    With e as large as the forwards every device runs all its forwards first, which is legal, so e exists.
+    the backwards left; e = ``extra`` is the smallest extra warm-up, the same on every device, that leaves no deadlock
+    (`least_extra`: 0 when every batch slice is one tile and the groups are K of them — Megatron-LM's own case, whose
+    order this then is exactly; with token slices a group can hold more than K tiles, and its first backward waits for
+    more forwards).
 
     It replaced a greedy replay that took any ready backward before the next batch slice's forward: backwards then
     ran in bursts that starved the next device of forwards, and the simulator priced it 1–14% slower on every case
     compared (the tiny model's K = 2 plans; Megatron-LM's settings 5–8 on DGX A100, v = 2–4, whole sequences and
     token slices), 16% on the 310.1B setting (docs/results.md)."""
     devices = len(forward)
+    rows = []
+    for k in range(devices):
+        f, b = forward[k], backward[k]
+        warmup = min(len(f), (devices - k - 1) * 2 + (virtual - 1) * devices + extra)
+        both = [None] * (2 * (len(f) - warmup))  # one forward and one backward in turn
+        both[::2], both[1::2] = f[warmup:], b[: len(f) - warmup]
+        rows.append(f[:warmup] + both + b[len(f) - warmup :])
+    return rows
 
-    def rows_with(extra: int) -> list[list[Action]]:
-        rows = []
-        for k in range(devices):
-            f, b = forward[k], backward[k]
-            warmup = min(len(f), base[k] + extra)
-            row = f[:warmup]
-            for n in range(len(f) - warmup):
-                row += [f[warmup + n], b[n]]
-            rows.append(row + b[len(f) - warmup :])
-        return rows
 
-    def legal(rows: list[list[Action]]) -> bool:
-        return not walk_rows(rows, chunks)[1]
+def least_extra(forward: list[list[Action]], backward: list[list[Action]], chunks: int, virtual: int) -> int:
+    """The smallest extra warm-up e of `alternating_1f1b` whose rows never deadlock. With e as large as the forwards
+    every device runs all its forwards first, which is legal, so e exists."""
+    devices = len(forward)
+    # The same actions are walked in the order of every extra tried: their keys are coded once.
+    codes = KeyCodes(chunks, token_slice_counts(forward))
+    forward_codes = [[codes.of(a) for a in f] for f in forward]
+    backward_codes = [[codes.of(a) for a in b] for b in backward]
+
+    def legal(extra: int) -> bool:
+        rows = alternating_1f1b(forward_codes, backward_codes, virtual, extra)
+        _, pos = walk_codes(rows, codes.size)
+        return all(p == len(row) for p, row in zip(pos, rows, strict=True))
 
     # A backward placed before its own forward can never run: device k's n-th backward comes after its
     # (warm-up + n)-th forward, so the warm-up must reach the forward's position less n. The smallest extra meeting
@@ -93,9 +105,8 @@ def alternating_1f1b(
         at = {(a.tile, a.stage): i for i, a in enumerate(forward[k])}
         low = max([low] + [at[(b.tile, b.stage)] - n - base[k] for n, b in enumerate(backward[k])])
     for extra in range(low, max(len(f) for f in forward) + 1):
-        rows = rows_with(extra)
-        if legal(rows):
-            return rows
+        if legal(extra):
+            return extra
     raise AssertionError("every forward first cannot deadlock")  # unreachable: the last extra is GPipe-like
 
 
