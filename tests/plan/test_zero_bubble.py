@@ -144,3 +144,50 @@ def test_the_memory_walk_keeps_a_tile_until_its_w():
         sizes = stage_sizes(PROFILE, 3)
         for m, o, size in zip(stage_memory(same, PROFILE), one_f, sizes, strict=True):
             assert o.activation_bytes <= m.activation_bytes <= o.activation_bytes + 256 * size.weight_grads
+
+
+def _walk_by_passes(rows, chunks):
+    """The legality walk by its definition: pass over every row, running each row's head while what it waits for
+    is done, until no row moves; the rows' stuck positions."""
+    from terapipe_cli.plan.actions import completes, token_slice_counts
+
+    counts, done, pos = token_slice_counts(rows), set(), [0] * len(rows)
+    moved = True
+    while moved:
+        moved = False
+        for k, row in enumerate(rows):
+            while pos[k] < len(row) and all(
+                key in done for key in waits_for(row[pos[k]], chunks, counts[row[pos[k]].tile.batch_slice])
+            ):
+                done.update(completes(row[pos[k]]))
+                pos[k], moved = pos[k] + 1, True
+    return [(k, pos[k]) for k, row in enumerate(rows) if pos[k] < len(row)]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_coded_walk_stops_where_the_walk_by_its_definition_does(seed):
+    """`walk_rows` (keys coded as integers, rows woken by what they wait for) against the plain walk, on every
+    order's rows and on the same rows with two actions of a row swapped (mostly illegal): the same stuck points,
+    and every action walked once where none sticks."""
+    import random
+
+    rng = random.Random(seed)
+    devices, virtual = rng.choice([(2, 1), (3, 1), (2, 2), (3, 2), (4, 2)])
+    slices = [(1, [8] * rng.randint(1, 3)) for _ in range(rng.randint(1, 4))]
+    for name in ALL_ORDERS:
+        placement = "v" if name == "zbv" else "interleaved"
+        if name == "zbv" and virtual != 2:
+            continue
+        part = Partition.balanced(devices * virtual, devices, virtual, placement) if virtual > 1 else None
+        rows = Schedule.build(slices, devices, name, partition=part).actions
+        chunks = devices * virtual
+        for trial in range(3):
+            rows = [list(r) for r in rows]
+            if trial:
+                row = rng.choice([r for r in rows if len(r) > 1])
+                i, j = sorted(rng.sample(range(len(row)), 2))
+                row[i], row[j] = row[j], row[i]
+            walked, stuck = walk_rows(rows, chunks)
+            assert stuck == _walk_by_passes(rows, chunks), (name, trial)
+            if not stuck:
+                assert sorted(map(str, walked)) == sorted(str(a) for r in rows for a in r)
