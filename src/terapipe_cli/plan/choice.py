@@ -34,7 +34,7 @@ from terapipe_cli.plan.orders import order_of
 from terapipe_cli.plan.request import PlanRequest
 from terapipe_cli.plan.schedule import ORDERS, Schedule
 from terapipe_cli.plan.search import PlanResult, divisors, gpipe_baseline, grid_tiles, solve, uniform_baseline
-from terapipe_cli.plan.simulate import simulate
+from terapipe_cli.plan.simulate import simulated_latency
 from terapipe_cli.units import format_bytes, format_seconds, format_stages, utc_timestamp
 
 # The schemes a plan may run (`terapipe plan --scheme`): the TeraPipe plan, or one of its baselines.
@@ -369,12 +369,11 @@ def plan_one(
         best = replace(best, seconds=optimum.seconds, candidates=optimum.candidates, extra={}, alternatives=[])
         if best.slices == optimum.slices:
             best, optimum_sim = optimum, None
-    schedules = {"terapipe": timed.schedule(best), "gpipe": timed.schedule(gpipe), "uniform": timed.schedule(uniform)}
     simulated = {"terapipe": timed(best), "gpipe": timed(gpipe), "uniform": timed(uniform)}
     copies = r.data_parallel * r.tensor_parallel
     memory = {
-        name: check_memory(stage_memory(schedule, profile), profile.device, r.memory_limit_gib, copies)
-        for name, schedule in schedules.items()
+        name: check_memory(timed.memory(res, profile), profile.device, r.memory_limit_gib, copies)
+        for name, res in (("terapipe", best), ("gpipe", gpipe), ("uniform", uniform))
     }
     return Planned(
         profile, r, cost, best, gpipe, uniform, simulated, memory["terapipe"], recompute, order,
@@ -394,20 +393,40 @@ def outside_profile(profile: Profile, batch_size: int, what: str) -> str:
 
 
 class _Timed:
-    """Schemes simulated in one order and recomputation on one cost model, each once (by its slices)."""
+    """Schemes scheduled, simulated and walked for memory in one order and recomputation on one cost model, each
+    once (by its slices): the re-ranking, the memory checks and the plan ask for the same schemes (building
+    Megatron-LM's 1008B schedules again took a third of its plan)."""
 
     def __init__(self, r: PlanRequest, cost: CostModel, order: str, recompute: tuple[bool, ...]) -> None:
         self.r, self.cost, self.order, self.recompute = r, cost, order, recompute
+        self._schedules: dict[tuple, Schedule] = {}
         self._seconds: dict[tuple, float] = {}
+        self._memory: dict[tuple, list] = {}
 
     def schedule(self, res: PlanResult) -> Schedule:
-        return Schedule.build(res.slices, self.r.stages, self.order, self.recompute, self.cost.partition)
+        key = _key(res)
+        if key not in self._schedules:
+            self._schedules[key] = Schedule.build(
+                res.slices, self.r.stages, self.order, self.recompute, self.cost.partition
+            )
+        return self._schedules[key]
+
+    def memory(self, res: PlanResult, profile: Profile) -> list:
+        """`stage_memory` of the scheme's schedule."""
+        key = _key(res)
+        if key not in self._memory:
+            self._memory[key] = stage_memory(self.schedule(res), profile)
+        return self._memory[key]
 
     def __call__(self, res: PlanResult) -> float:
-        key = tuple((b, tuple(lengths)) for b, lengths in res.slices)
+        key = _key(res)
         if key not in self._seconds:
-            self._seconds[key] = simulate(self.schedule(res), self.cost).latency_s
+            self._seconds[key] = simulated_latency(self.schedule(res), self.cost)
         return self._seconds[key]
+
+
+def _key(res: PlanResult) -> tuple:
+    return tuple((b, tuple(lengths)) for b, lengths in res.slices)
 
 
 def _rerank(
@@ -422,7 +441,7 @@ def _rerank(
     candidates = [optimum, *close[:RERANK_COUNT], *baselines]
 
     def fits(res: PlanResult) -> bool:
-        per_stage = stage_memory(timed.schedule(res), profile)
+        per_stage = timed.memory(res, profile)
         check = check_memory(per_stage, profile.device, r.memory_limit_gib, r.data_parallel * r.tensor_parallel)
         return check is None or not (check.enforced and check.exceeded)
 
@@ -571,7 +590,7 @@ def _equal_slice_candidates(
 def _simulated(profile: Profile, r: PlanRequest, res: PlanResult, order: str, recompute: tuple[bool, ...]) -> float:
     partition = r.fixed_partition(profile.model.layers)
     cost = CostModel(profile, r.stages, r.data_parallel, within_profile=True, partition=partition)
-    return simulate(Schedule.build(res.slices, r.stages, order, recompute, partition), cost).latency_s
+    return simulated_latency(Schedule.build(res.slices, r.stages, order, recompute, partition), cost)
 
 
 def _fits(profile: Profile, slices, partition, order: str, recompute: tuple[bool, ...], limit: float) -> bool:
