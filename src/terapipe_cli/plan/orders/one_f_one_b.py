@@ -84,30 +84,100 @@ def alternating_1f1b(
 def least_extra(forward: list[list[Action]], backward: list[list[Action]], chunks: int, virtual: int) -> int:
     """The smallest extra warm-up e of `alternating_1f1b` whose rows never deadlock. With e as large as the forwards
     every device runs all its forwards first, which is legal, so e exists."""
-    devices = len(forward)
-    # The same actions are walked in the order of every extra tried: their keys are coded once.
-    codes = KeyCodes(chunks, token_slice_counts(forward))
-    forward_codes = [[codes.of(a) for a in f] for f in forward]
-    backward_codes = [[codes.of(a) for a in b] for b in backward]
-
-    def legal(extra: int) -> bool:
-        rows = alternating_1f1b(forward_codes, backward_codes, virtual, extra)
-        _, pos = walk_codes(rows, codes.size)
-        return all(p == len(row) for p, row in zip(pos, rows, strict=True))
-
+    rows = _Rows(forward, backward, chunks, virtual)
     # A backward placed before its own forward can never run: device k's n-th backward comes after its
     # (warm-up + n)-th forward, so the warm-up must reach the forward's position less n. The smallest extra meeting
     # that on every device is a lower bound; from it, the first extra whose rows walk to the end (one or two walks
     # in practice: a walk per extra from zero made paper-08's plan 9 s instead of 5 s).
-    base = [(devices - k - 1) * 2 + (virtual - 1) * devices for k in range(devices)]
     low = 0
-    for k in range(devices):
+    for k in range(len(forward)):
         at = {(a.tile, a.stage): i for i, a in enumerate(forward[k])}
-        low = max([low] + [at[(b.tile, b.stage)] - n - base[k] for n, b in enumerate(backward[k])])
-    for extra in range(low, max(len(f) for f in forward) + 1):
-        if legal(extra):
+        low = max([low] + [at[(b.tile, b.stage)] - n - rows.base[k] for n, b in enumerate(backward[k])])
+    # Where the batch slices do not make whole groups of K tiles the first legal extra can lie hundreds above the
+    # bound (992 for one of Table 2's 529.6B builds on 560 GPUs: 993 walks, 19 s). A deadlock's cycle often stays a
+    # cycle for the next extras, which are then skipped without a walk (372 walks there).
+    extra, top = low, max(len(f) for f in forward)
+    while extra <= top:
+        found = rows.deadlock(extra)
+        if found is None:
             return extra
+        extra += 1
+        while extra <= top and rows.still_cycle(found, extra):
+            extra += 1
     raise AssertionError("every forward first cannot deadlock")  # unreachable: the last extra is GPipe-like
+
+
+# An action of `least_extra`'s rows: (device, 0 for a forward or 1 for a backward, its number among them).
+Place = tuple[int, int, int]
+
+
+class _Rows:
+    """The rows of `alternating_1f1b` for every extra, their actions coded once (`KeyCodes`), and what a deadlock
+    among them is."""
+
+    def __init__(self, forward: list[list[Action]], backward: list[list[Action]], chunks: int, virtual: int) -> None:
+        devices = len(forward)
+        self.codes = KeyCodes(chunks, token_slice_counts(forward))
+        self.forward = [[self.codes.of(a) for a in f] for f in forward]
+        self.backward = [[self.codes.of(a) for a in b] for b in backward]
+        self.virtual = virtual
+        self.base = [(devices - k - 1) * 2 + (virtual - 1) * devices for k in range(devices)]
+        self.by_key: dict[int, Place] = {}  # the action that completes each key
+        for kind, rows in enumerate((self.forward, self.backward)):
+            for k, row in enumerate(rows):
+                for n, (_, done) in enumerate(row):
+                    for key in done:
+                        self.by_key[key] = (k, kind, n)
+
+    def at(self, place: Place, extra: int) -> int:
+        """Where the action lies in its device's row with this extra."""
+        k, kind, n = place
+        total = len(self.forward[k])
+        warmup = min(total, self.base[k] + extra)
+        if kind == 0:
+            return n if n < warmup else 2 * n - warmup
+        return warmup + 2 * n + 1 if n < total - warmup else total + n
+
+    def place(self, k: int, at: int, extra: int) -> Place:
+        """The action at place ``at`` of device k's row with this extra (`at`'s inverse)."""
+        total = len(self.forward[k])
+        warmup = min(total, self.base[k] + extra)
+        if at < warmup:
+            return (k, 0, at)
+        if at >= 2 * total - warmup:
+            return (k, 1, at - total)
+        q = at - warmup
+        return (k, 0, warmup + q // 2) if q % 2 == 0 else (k, 1, q // 2)
+
+    def deadlock(self, extra: int) -> list[tuple[Place, Place]] | None:
+        """None when the rows with this extra walk to the end. Else a cycle of waits that stops them: pairs (the
+        next action of a stuck device, an action it waits for, not run), each waited-for action on the device of
+        the next pair, at or after its next action — none of them can ever run."""
+        rows = alternating_1f1b(self.forward, self.backward, self.virtual, extra)
+        _, pos = walk_codes(rows, self.codes.size)
+        if all(p == len(row) for p, row in zip(pos, rows, strict=True)):
+            return None
+        # Every stuck device waits for an action of a stuck device: following the waits from one comes round.
+        waits: dict[int, tuple[Place, Place]] = {}
+        k = next(k for k, row in enumerate(rows) if pos[k] < len(row))
+        while k not in waits:
+            waited = next(
+                self.by_key[key]
+                for key in rows[k][pos[k]][0]
+                if self.at(self.by_key[key], extra) >= pos[self.by_key[key][0]]
+            )
+            waits[k] = (self.place(k, pos[k], extra), waited)
+            k = waited[0]
+        devices = list(waits)
+        return [waits[d] for d in devices[devices.index(k) :]]
+
+    def still_cycle(self, cycle: list[tuple[Place, Place]], extra: int) -> bool:
+        """Whether the cycle of `deadlock` is one with this extra too (what waits for what does not change; where
+        the actions lie in their rows does)."""
+        return all(
+            self.at(waited, extra) >= self.at(cycle[(n + 1) % len(cycle)][0], extra)
+            for n, (_, waited) in enumerate(cycle)
+        )
 
 
 def one_f_one_b(by_slice: list[list[Tile]], stage: int, warmup: int) -> list[Action]:
