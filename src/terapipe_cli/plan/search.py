@@ -484,8 +484,9 @@ def _batched_dp(tables: _Tables, t_max: np.ndarray) -> tuple[np.ndarray, np.ndar
             prev = sub[:, :, p - 1 :: -1][:, :, :w] if p - 1 - w < 0 else sub[:, :, p - 1 : p - 1 - w : -1]
             vals = np.add(prev, c, out=room[:, :, :w])  # (M, G, w), +inf where a slice is over the candidate
             np.copyto(vals, np.inf, where=c_max > limit)
-            np.minimum.reduce(vals, axis=2, out=sub[:, :, p])
-            vals.argmin(axis=2, out=sub_choice[:, :, p])
+            # The least is the value at the first least (no NaN): read there, not reduced again.
+            arg = vals.argmin(axis=2, out=sub_choice[:, :, p])
+            sub[:, :, p] = np.take_along_axis(vals, arg[:, :, None], axis=2)[:, :, 0]
         if not contiguous:  # fancy indexing copied the rows: write them back
             best[:, rows] = sub
             choice[:, rows] = sub_choice
