@@ -475,18 +475,22 @@ def _batched_dp(tables: _Tables, t_max: np.ndarray) -> tuple[np.ndarray, np.ndar
         sub_choice = choice[:, rows]
         group_widths = widths[rows].max(axis=0).tolist()
         room = np.empty((M, len(group), max(group_widths)))
+        # ``sub`` backwards, back[..., n − q] = sub[..., q]: the prefixes a slice ending at p starts from, p − 1
+        # down to p − w, lie in order there (a contiguous read instead of a reversed one).
+        back = np.ascontiguousarray(sub[:, :, ::-1])
+        each_m, each_g = np.arange(M)[:, None], np.arange(len(group))[None, :]
         for p in range(1, n + 1):
             w = group_widths[p]
             if w == 0:
                 continue
             c = cost[:, start[p] : start[p] + w]  # (G, w): slice lengths 1..w ending at p
             c_max = cost_max[:, start[p] : start[p] + w] if separate else c
-            prev = sub[:, :, p - 1 :: -1][:, :, :w] if p - 1 - w < 0 else sub[:, :, p - 1 : p - 1 - w : -1]
+            prev = back[:, :, n - p + 1 : n - p + 1 + w]
             vals = np.add(prev, c, out=room[:, :, :w])  # (M, G, w), +inf where a slice is over the candidate
             np.copyto(vals, np.inf, where=c_max > limit)
             # The least is the value at the first least (no NaN): read there, not reduced again.
             arg = vals.argmin(axis=2, out=sub_choice[:, :, p])
-            sub[:, :, p] = np.take_along_axis(vals, arg[:, :, None], axis=2)[:, :, 0]
+            sub[:, :, p] = back[:, :, n - p] = vals[each_m, each_g, arg]
         if not contiguous:  # fancy indexing copied the rows: write them back
             best[:, rows] = sub
             choice[:, rows] = sub_choice
