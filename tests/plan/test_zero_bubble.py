@@ -191,3 +191,25 @@ def test_the_coded_walk_stops_where_the_walk_by_its_definition_does(seed):
             assert stuck == _walk_by_passes(rows, chunks), (name, trial)
             if not stuck:
                 assert sorted(map(str, walked)) == sorted(str(a) for r in rows for a in r)
+
+
+# (K, v, batch slices of one tile): the first legal extra lies far above `least_extra`'s bound there, and extras
+# are skipped on an earlier deadlock's cycle (as on Table 2's 529.6B rows).
+@pytest.mark.parametrize("devices, virtual, tiles", [(8, 3, 20), (8, 3, 28), (10, 3, 24), (10, 3, 34), (12, 3, 28)])
+def test_interleaved_1f1bs_extra_warm_up_is_the_first_that_walks_by_its_definition(devices, virtual, tiles):
+    """`least_extra` skips extras where an earlier deadlock's cycle still stands: the first legal extra scanned one
+    by one with the walk by its definition is the same."""
+    from terapipe_cli.plan.orders.base import by_slice, interleaved_forwards
+    from terapipe_cli.plan.orders.one_f_one_b import alternating_1f1b, interleaved_backwards, least_extra
+
+    slices = [(1, [8])] * tiles
+    every = list(Schedule.build(slices, devices, "gpipe").tiles)
+    forward = [interleaved_forwards(k, every, devices, virtual) for k in range(devices)]
+    backward = interleaved_backwards(by_slice(every, tiles), devices, virtual)
+    chunks = devices * virtual
+    legal = (
+        e
+        for e in range(len(forward[0]) + 1)
+        if not _walk_by_passes(alternating_1f1b(forward, backward, virtual, e), chunks)
+    )
+    assert least_extra(forward, backward, chunks, virtual) == next(legal)
