@@ -268,7 +268,9 @@ def experiment_without_accumulation(name: str, folder: Path) -> Path:
     hardware = (source.parent / table["hardware"]).resolve()
     folder.mkdir(parents=True, exist_ok=True)
     copy = folder / hardware.name
-    copy.write_text(hardware.read_text().replace("[training]", "[training]\ngrad_accumulate_bytes_per_param = 0", 1))
+    kept = [ln for ln in hardware.read_text().splitlines() if not ln.startswith("grad_accumulate_bytes_per_param")]
+    priced = "\n".join(kept).replace("[training]", "[training]\ngrad_accumulate_bytes_per_param = 0", 1)
+    copy.write_text(priced + "\n")
     lines = []
     for line in text.splitlines():
         key = line.split("=", 1)[0].strip()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import run_cli
+from conftest import run_cli, without_accumulation
 
 from terapipe_cli.config.hardware import hardware_from_dict, load_hardware
 from terapipe_cli.config.model import load_model_config
@@ -111,8 +111,7 @@ def test_calibration_recovers_known_constants_from_a_synthetic_measured_profile(
 def test_calibration_recovers_the_gpu_floor_from_graphed_tiles(tmp_path: Path):
     """Eager and CUDA-graphed totals together pin the dispatch floor and the GPU's own shortest kernel (a tile
     table's stand-alone timing adds no gradients into standing ones: `TileTimes.accumulates`)."""
-    plain = replace(H100_BF16, training=replace(H100_BF16.training, grad_accumulate_bytes_per_param=0.0))
-    truth = with_constants(plain, {**TRUE, "kernel_launch_s": 12e-6})
+    truth = with_constants(without_accumulation(H100_BF16), {**TRUE, "kernel_launch_s": 12e-6})
     graphed = with_constants(truth, {"dispatch_s": 0.0})
     rows = ["model,hidden,heads,b,i,j,eager_ms,graphed_ms"]
     for b in (1, 4):

@@ -38,7 +38,7 @@ Examples:
     terapipe data tokenize notes.txt --split line --tokenizer llama3/ --out data/notes
 """
 
-INSPECT_HELP = """Print what a data file holds, read as terapipe train reads it: format, tokens, documents, type, \
+CONTENTS_HELP = """Print what a data file holds, read as terapipe train reads it: format, tokens, documents, type, \
 largest id.
 
 Every format train reads: a Megatron corpus (PREFIX, or its .bin or .idx), an llm.c .bin (256-int32 header), a .npy \
@@ -130,7 +130,7 @@ def _template_text(tok) -> str:
     return " ".join([*names, "TEXT", *after])
 
 
-@app.command("inspect", help=INSPECT_HELP)
+@app.command("inspect", help=CONTENTS_HELP)
 def inspect_data(
     corpus: Annotated[Path, typer.Argument(help="A data file or Megatron corpus prefix.", show_default=False)],
     token_dtype: Annotated[
