@@ -8,6 +8,7 @@ real torchrun run proves the command's path."""
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import replace
 
 import pytest
@@ -214,6 +215,48 @@ def test_a_wrong_source_is_one_line_before_anything_is_written(tmp_path, capsys)
                 llama_dir)  # fmt: skip
     assert p.returncode == 0, p.stderr
     assert "starting from the weights of transformers folder" in p.stderr and "seq_len 32 -> 64" in p.stderr
+
+
+@pytest.fixture(scope="module")
+def llama_folders(tmp_path_factory):
+    """A tiny llama folder whole and sharded, with a plan of its model (copied by each test that damages one)."""
+    tmp = tmp_path_factory.mktemp("sources")
+    source_folder(tmp, "LlamaForCausalLM", LLAMA)
+    whole = tmp / "LlamaForCausalLM"
+    source_folder(tmp / "sharded", "LlamaForCausalLM", LLAMA, "20KB")
+    plan = write_plan_file(tmp / "plan.json", [(1, [32])], stages=2, model=load_model_config(whole))
+    return whole, tmp / "sharded" / "LlamaForCausalLM", plan
+
+
+def cut(path, keep):
+    """The file's first ``keep`` bytes (negative: all but the last -keep), as a download stopped there leaves it."""
+    data = path.read_bytes()
+    path.write_bytes(data[:keep])
+
+
+@pytest.mark.parametrize(
+    ("sharded", "damage", "words"),
+    [
+        (False, lambda f: cut(f, -1000), ["model.safetensors:", "is cut short", "its header's tensors end at byte"]),
+        (False, lambda f: cut(f, 100), ["model.safetensors:", "is cut short", "fewer than its header's"]),
+        (False, lambda f: cut(f, 5), ["model.safetensors:", "not a safetensors file"]),
+        (False, lambda f: f.write_bytes(f.read_bytes() + b"x"), ["model.safetensors:", "1 bytes after its last"]),
+        (True, lambda f: cut(f, -1), ["-of-0", ".safetensors: is cut short"]),
+    ],
+    ids=["data-cut", "header-cut", "no-header", "bytes-after", "one-shard-cut"],
+)
+def test_a_damaged_safetensors_file_is_one_line_before_the_launch(tmp_path, capsys, llama_folders, sharded, damage,
+                                                                  words):  # fmt: skip
+    """`terapipe train --init-from DIR` whose safetensors file a download cut short: found by its header and its size
+    before any worker starts (no checksum read), one line naming the file, exit 2, no run folder."""
+    whole, shards, plan = llama_folders
+    folder = tmp_path / "model"
+    shutil.copytree(shards if sharded else whole, folder)
+    damage(sorted(folder.glob("*.safetensors"))[-1 if sharded else 0])
+    out = tmp_path / "run"
+    p = run_cli(capsys, "train", "--plan", plan, "--init-from", folder, "--steps", "1", "--out", out, "--device", "cpu")
+    assert_one_line_error(p, *words)
+    assert not out.exists()
 
 
 def test_init_from_and_resume_are_one_line(tmp_path, capsys):

@@ -25,6 +25,7 @@ which ``gpt`` has not, must be zero (`check_zero_biases`).
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -248,15 +249,71 @@ def safe_open(path: Path, framework: str):
 
 
 def safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """Every tensor's shape in a safetensors file, from its header alone (8 bytes of length, then JSON)."""
+    """Every tensor's shape in a safetensors file, from its header alone (8 bytes of length, then JSON), checked
+    against the file's size: each tensor's bytes inside the file, as many as its shape and type need, and the file
+    ending where its last tensor does. A download or copy cut short is named here, before any worker reads it, by
+    the header and one ``stat`` (no checksum: a 70B model's files are read only by the workers that need them)."""
+    start, size, header = _safetensors_header(path)
+    shapes, end = {}, start
     try:
+        for name, entry in header.items():
+            shapes[name] = tuple(int(n) for n in entry["shape"])
+            begin, stop = (int(n) for n in entry["data_offsets"])
+            item = SAFETENSORS_DTYPE_BYTES.get(entry["dtype"])  # None: a type packed below a byte (F4, F6)
+            if not 0 <= begin <= stop or (item is not None and stop - begin != item * math.prod(shapes[name])):
+                raise ValueError(
+                    f"tensor {name!r}: data_offsets [{begin}, {stop}] do not fit {entry['dtype']} {shapes[name]}"
+                )
+            end = max(end, start + stop)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise UserError(f"not a readable safetensors file ({type(e).__name__}: {e})", where=str(path)) from None
+    if size < end:
+        raise UserError(
+            f"is cut short (an unfinished download or copy?): {size:,} bytes, its header's tensors end at byte {end:,}",
+            where=str(path),
+        )
+    if size > end:
+        raise UserError(f"has {size - end:,} bytes after its last tensor: not a safetensors file", where=str(path))
+    return shapes
+
+
+SAFETENSORS_MAX_HEADER = 100_000_000  # safetensors' own limit on the header's bytes
+
+
+def _safetensors_header(path: Path) -> tuple[int, int, dict]:
+    """(the byte where its tensors' data_offsets count from, the file's bytes, its header less ``__metadata__``)."""
+    try:
+        size = path.stat().st_size
         with open(path, "rb") as f:
             length = int.from_bytes(f.read(8), "little")
+            if size < 8 or length > SAFETENSORS_MAX_HEADER:
+                raise UserError("not a safetensors file (no header length in its first 8 bytes)", where=str(path))
+            if 8 + length > size:
+                raise UserError(
+                    f"is cut short (an unfinished download or copy?): {size:,} bytes, fewer than its header's "
+                    f"{8 + length:,}",
+                    where=str(path),
+                )
             header = json.loads(f.read(length))
-        header.pop("__metadata__", None)
-        return {name: tuple(entry["shape"]) for name, entry in header.items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise UserError(f"not a readable safetensors file ({type(e).__name__})", where=str(path)) from None
+    except OSError as e:
+        raise UserError(f"cannot read ({e.strerror or e})", where=str(path)) from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError (a UserError is one too)
+        if isinstance(e, UserError):
+            raise
+        raise UserError(
+            f"not a safetensors file: its header is not JSON ({type(e).__name__})", where=str(path)
+        ) from None
+    if not isinstance(header, dict):
+        raise UserError("not a safetensors file: its header is not a JSON object", where=str(path))
+    header.pop("__metadata__", None)
+    return 8 + length, size, header
+
+
+# The bytes of one element of each safetensors dtype (its format's names) that is a whole number of bytes.
+SAFETENSORS_DTYPE_BYTES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8, "C64": 8,
+}  # fmt: skip
 
 
 def load_weights(source: Source, module: nn.Module, tensor_size: int = 1, tensor_rank: int = 0) -> None:
