@@ -19,6 +19,7 @@ from terapipe_cli.plan.search import evaluate, gpipe_baseline, solve, uniform_ba
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "configs" / "profiles" / "example-tiny-cpu.json"
 RAW = json.loads(EXAMPLE.read_text())
+MEASURED = ROOT / "configs" / "profiles" / "tiny-cpu-measured.json"
 
 PLAN_KEYS = {
     "schema",
@@ -221,7 +222,51 @@ BAD = [
     ("L longer than the model", lambda t: plan_args("--seq-len", "2048"), "--seq-len"),
     ("stages not a number", lambda t: plan_args("--stages", "two"), "--stages"),
     ("missing --batch", lambda t: ["plan", "--profile", str(EXAMPLE), "--stages", "2"], "--batch"),
+    # ZB-V runs two chunks per device in a V: what does not fit that is refused before planning, naming the option.
+    (
+        "zbv with one chunk per device",
+        lambda t: plan_args("--order", "zbv", "--virtual-stages", "1"),
+        "--virtual-stages",
+    ),
+    ("zbv with three chunks per device", lambda t: plan_args("--order", "zbv", "--virtual-stages", "3"), "must be 2"),
+    (
+        "zbv on too few layers",
+        lambda t: plan_args("--order", "zbv", "--virtual-stages", "auto", stages=4),
+        "--stages 3",
+    ),
+    ("zbv given K layer counts", lambda t: plan_args("--order", "zbv", "--layers-per-stage", "2,2"), "4 layer counts"),
+    (
+        "zbv with tied embeddings",
+        lambda t: plan_args("--order", "zbv", "--virtual-stages", "auto", profile=_tied(t)),
+        "--order: zbv",
+    ),  # fmt: skip
+    # With more than one chunk per device nothing is searched within the limit: the advice names what is.
+    (
+        "zbv over the memory limit",
+        lambda t: _over_memory("--order", "zbv", "--virtual-stages", "auto"),
+        "use --order auto or 1f1b",
+    ),
+    (
+        "v = 2 over the memory limit",
+        lambda t: _over_memory("--order", "1f1b", "--virtual-stages", "2"),
+        "use --virtual-stages 1",
+    ),
+    (
+        "K·v layer counts over the memory limit",
+        lambda t: _over_memory("--order", "1f1b", "--layers-per-stage", "1,1,1,1"),
+        "give one layer count per stage",
+    ),  # fmt: skip
 ]
+
+
+def _tied(tmp_path: Path) -> Path:
+    """The example profile of a GPT-2 model (its head tied to the embedding by default)."""
+    return _profile_file(tmp_path, json.dumps({**RAW, "model": {**RAW["model"], "arch": "gpt2"}}))
+
+
+def _over_memory(*options: str) -> list[str]:
+    """A plan of the measured profile (it has the sizes to estimate memory) under a limit nothing meets."""
+    return plan_args(*options, "--memory-limit", "0.001", profile=MEASURED)
 
 
 @pytest.mark.parametrize("make_args, word", [b[1:] for b in BAD], ids=[b[0] for b in BAD])

@@ -176,14 +176,36 @@ def plan_configured(profile: Profile, request: PlanRequest, progress: Progress |
     if not best:
         if refused:  # every partition fits nowhere: the one whose smallest peak is the least
             raise min(refused, key=lambda e: getattr(e, "least_bytes", math.inf))
-        raise UserError(
-            "no configuration with more than one virtual stage fits the memory limit; use --virtual-stages 1",
-            where="--virtual-stages",
-        )
+        raise _none_fits(request)
     simulated = lambda p: p.simulated_s[p.scheme]  # noqa: E731
     ranked = sorted(best, key=simulated)
     others = ranked[1:] or sorted(seconds, key=simulated)
     return Configured(ranked[0], others[0] if others else None, tried)
+
+
+def _none_fits(request: PlanRequest) -> UserError:
+    """Why nothing was planned when no configuration fits the memory limit and none was refused with its smallest
+    peak: each has more than one chunk per device, whose plans are searched without the limit and then checked (the
+    memory-aware search, §10, is for one chunk per device), and the way round (which options allow one chunk)."""
+    if request.placement == "v":
+        return UserError(
+            "zbv runs two chunks per device, and none of its plans fits the memory limit (plans with more than one "
+            "chunk per device are searched without the limit, then checked); use --order auto or 1f1b, whose plans "
+            "with one chunk per device are searched within the limit",
+            where="--order",
+        )
+    if request.partition is not None:
+        return UserError(
+            f"no plan of these {request.partition.chunks} chunks ({request.partition.virtual} per device) fits the "
+            "memory limit (plans with more than one chunk per device are searched without the limit, then "
+            "checked); give one layer count per stage, whose plans are searched within the limit",
+            where="--layers-per-stage",
+        )
+    return UserError(
+        "no configuration with more than one virtual stage fits the memory limit (they are searched without the "
+        "limit, then checked); use --virtual-stages 1, whose plans are searched within the limit",
+        where="--virtual-stages",
+    )
 
 
 def _on_the_v(profile: Profile, request: PlanRequest, vs: list[int]) -> list[PlanRequest]:

@@ -219,7 +219,10 @@ def plan_request(
             f"{stages} stages are more than the {model.layers} layers of model {model.name} (in {source})",
             where="--stages",
         )
-    virtual, fixed = _virtual_and_partition(model.layers, stages, virtual, layers_per_stage, partition)
+    placement = "interleaved" if order_free else order_of(order).placement
+    if placement == "v":
+        virtual = _check_on_the_v(profile, stages, virtual)
+    virtual, fixed = _virtual_and_partition(model.layers, stages, virtual, layers_per_stage, partition, placement)
     L = model.seq_len if seq_len is None else seq_len
     g = profile.token_step if token_step is None else token_step
     if L < 1:
@@ -252,11 +255,49 @@ def plan_request(
     )
 
 
+def _check_on_the_v(profile: Profile, stages: int, virtual) -> int | str | None:
+    """``--order zbv`` checked against the model and the other options: ZB-V runs two chunks per device in a V (device
+    k holds chunks k and 2K − 1 − k), so device 0 holds both the embedding and the head. ``virtual`` as given, once
+    it is 2 or auto."""
+    model = profile.model
+    if model.tie_embeddings:
+        raise UserError(
+            f"zbv puts the embedding and the LM head on device 0 (the V), which a model with tied embeddings "
+            f"({model.name}, in {profile.path or 'the profile'}) cannot run yet; use --order zb1p (the split "
+            "backward on one chunk per device), 1f1b or gpipe",
+            where="--order",
+        )
+    if virtual not in (None, AUTO) and _whole(virtual) not in (2, None):
+        raise UserError(
+            f"must be 2 (or auto) with --order zbv, which runs two chunks per device in a V, got {virtual}; for "
+            "another number of chunks per device use --order zb1p, 1f1b or gpipe",
+            where="--virtual-stages",
+        )
+    if 2 * stages - 2 > model.layers:
+        most = (model.layers + 2) // 2
+        raise UserError(
+            f"{stages} stages with --order zbv make {2 * stages} chunks (two per device, in a V), which need at least "
+            f"{2 * stages - 2} layers (every chunk but the first and the last holds one); model {model.name} has "
+            f"{model.layers}: use --stages {most} or fewer, or --order zb1p, 1f1b or gpipe",
+            where="--stages",
+        )
+    return virtual
+
+
+def _whole(value) -> int | None:
+    """``value`` as a whole number; None when it is none (`_virtual_and_partition` says so in its line)."""
+    try:
+        return int(value)
+    except ValueError:
+        return None
+
+
 def _virtual_and_partition(
-    layers: int, stages: int, virtual, layers_per_stage, partition: str
+    layers: int, stages: int, virtual, layers_per_stage, partition: str, placement: str = "interleaved"
 ) -> tuple[int | None, Partition | None]:
     """``--virtual-stages`` (a whole number, or "auto": None) and ``--layers-per-stage`` checked against each other:
-    v and the fixed partition (None: chosen as ``partition`` says)."""
+    v and the fixed partition (None: chosen as ``partition`` says), on ``placement`` (the V: the layers of ZB-V's
+    chunks, in model order)."""
     if partition not in PARTITIONS:
         raise UserError(f"must be one of {', '.join(PARTITIONS)}, got {partition!r}", where="--partition")
     if virtual in (None, AUTO):
@@ -278,8 +319,10 @@ def _virtual_and_partition(
         return virtual, None
     counts = list(layers_per_stage)
     if virtual is None:
-        virtual = max(len(counts) // stages, 1)
-    fixed = check_partition(counts, layers=layers, devices=stages, virtual=virtual, where="--layers-per-stage")
+        virtual = 2 if placement == "v" else max(len(counts) // stages, 1)
+    fixed = check_partition(
+        counts, layers=layers, devices=stages, virtual=virtual, where="--layers-per-stage", placement=placement
+    )
     return virtual, fixed
 
 
