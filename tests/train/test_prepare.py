@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -126,3 +127,33 @@ def test_a_live_run_folder_is_refused(tmp_path, capsys):
             assert_one_line_error(p, f"a `terapipe train` is running in this folder (pid {os.getpid()}): {what}")
     p = run_cli(capsys, "report", run)  # the lock is gone with its holder: the report finds an unfinished run
     assert_one_line_error(p, "the run did not finish")
+
+
+def test_resume_if_present_starts_a_fresh_folder_and_continues_a_run(tmp_path, capsys):
+    """For a job script that may run again: a new folder starts; a folder holding a run continues it from its last
+    complete checkpoint (--init-from, which only starts a run, left aside); a run already at --steps has nothing to
+    train (exit 0); a plan of another model is one line."""
+    from fake_runs import SEQ, checkpointed_run
+
+    from terapipe_cli.train.prepare import start_or_continue
+
+    plan = write_plan_file(tmp_path / "plan.json", [(1, [8, 8, 8, 8])], stages=2, seq_len=SEQ, layers=4)
+    fresh = RunConfig(plan=str(plan), out=str(tmp_path / "new"), resume_if_present=True, init_from="model.pt")
+    assert start_or_continue(fresh, resume=False) == (fresh, False)
+    run = checkpointed_run(tmp_path / "run", step=3)
+    given = RunConfig(plan=str(plan), out=str(run), steps=5, device="cpu", init_from="model.pt")
+    config, resume = start_or_continue(replace(given, resume_if_present=True), resume=False)
+    assert resume and config.init_from is None
+    assert start_or_continue(given, resume=False) == (given, False)  # without the flag: as before
+
+    p = run_cli(capsys, "train", "--plan", plan, "--out", run, "--steps", 5, "--resume-if-present", "--dry-run")
+    assert p.returncode == 0, p.stderr
+    assert "--resume-step 3" in p.stdout
+    p = run_cli(capsys, "train", "--plan", plan, "--out", run, "--resume-if-present", "--device", "cpu")
+    assert p.returncode == 0 and p.stderr == ""
+    assert f"{run}: the run already reached step 3 (--steps 3): nothing to train" in p.stdout
+    other = write_plan_file(tmp_path / "other.json", [(1, [8, 8, 8, 8])], stages=2, seq_len=SEQ, layers=6)
+    p = run_cli(capsys, "train", "--plan", other, "--out", run, "--steps", 5, "--resume-if-present", "--dry-run")
+    assert_one_line_error(p, str(other), "its model differs from the run's", "its own model")
+    p = run_cli(capsys, "train", "--plan", plan, "--resume-if-present", "--dry-run")
+    assert_one_line_error(p, "--resume-if-present", "needs --out")

@@ -51,6 +51,8 @@ Examples:
 
     terapipe train --config runs/exp1/run.toml --out runs/exp1-again  # the same run again
 
+    terapipe train --plan plan.json --steps 2000 --out runs/exp1 --resume-if-present  # a job script: start or continue
+
     terapipe train --plan plan.json --schedule my-order.csv --verify  # walk a hand-written schedule
 
 Every setting can also come from a TOML file (--config FILE, a \\[train] table whose keys are the options' names \
@@ -73,11 +75,16 @@ def train(*, config: Path | None, resume: bool, dry_run: bool, **settings) -> No
     try:
         if run_config.value("node_rank") == 0:  # other nodes join node 0's run, which holds the lock of a shared folder
             out = None if run_config.out is None else Path(run_config.out)
-            check_not_live(out, "resume it" if resume else "use another --out, or --resume it")
+            again = resume or run_config.value("resume_if_present")
+            check_not_live(out, "resume it" if again else "use another --out, or --resume it")
+        run_config, resume = prepare.start_or_continue(run_config, resume=resume)
         controls = prepare.NegativeControls.from_environment()
         prepared = prepare.prepare_run(run_config, resume=resume, write=not dry_run, controls=controls)
     except UserError as e:
         raise located(e, flags, from_file, config) from None
+    except prepare.RunComplete as e:
+        make_console(highlight=False).print(str(e), soft_wrap=True, markup=False)
+        return
     note = LRSchedule.of_run(prepared.args).note(prepared.args.steps)
     if note is not None:
         make_console(highlight=False).print(f"note: {note}", soft_wrap=True)

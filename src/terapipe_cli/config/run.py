@@ -97,6 +97,13 @@ class RunConfig:
         resume="keep",
     )
     out: str | None = setting("Run directory.", shown="runs/<timestamp>", path=True, panel=RUN)
+    resume_if_present: bool | None = setting(
+        "Continue the run in --out as --resume does when it holds one, else start it there: for a job script that "
+        "may run again (requeued or resubmitted). A run of another model there is refused; one already at --steps "
+        "has nothing to train (exit 0).",
+        fallback=False,
+        panel=RUN,
+    )
     steps: int | None = setting(
         "Training steps (with --resume: the new total).",
         minimum=1,

@@ -160,6 +160,30 @@ def prepare_run(
     return PreparedRun(run.plan, run.args, token_data, device, backend, launch, data_line)
 
 
+class RunComplete(Exception):
+    """``--resume-if-present`` found the run in --out at the steps asked already: nothing to train (the message)."""
+
+
+def start_or_continue(config: RunConfig, *, resume: bool) -> tuple[RunConfig, bool]:
+    """The settings and whether this launch continues the run in --out: with --resume it does; with
+    --resume-if-present it does where a step of a run completed there (`has_trained`), and starts in a new folder or
+    one a launch left before its first step (as a new run does). A continued run comes from its own checkpoint, so
+    --init-from, which starts one, is dropped. Raises `RunComplete` when the run already reached the steps asked."""
+    if resume or not config.value("resume_if_present"):
+        return config, resume
+    if config.out is None:
+        raise UserError("needs --out, the run directory to start or continue", where="resume_if_present")
+    out = Path(config.out)
+    if not ((out / "config.json").is_file() and has_trained(out)):
+        return config, False
+    _, saved = read_config(out)
+    steps = saved.steps if config.steps is None else config.steps
+    reached = checkpoint.latest_complete(out)
+    if reached is not None and reached >= steps:
+        raise RunComplete(f"{out}: the run already reached step {reached} (--steps {steps}): nothing to train")
+    return dataclasses.replace(config, init_from=None), True
+
+
 def check_settings(config: RunConfig, *, resume: bool) -> None:
     """Each setting given within its field's bounds, and the combinations that cannot work (before any file is
     read); errors name the field."""
