@@ -7,13 +7,16 @@ command never leaves a half-written output.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from terapipe_cli.errors import UserError
+from terapipe_cli.units import format_bytes
 
 
 def check_output_file(
@@ -54,6 +57,37 @@ def _schema_of(path: Path) -> str | None:
     return obj.get("schema") if isinstance(obj, dict) else None
 
 
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # no space left, or none left to this user (a quota)
+
+
+def why_not_written(e: OSError) -> str:
+    """A failed write's cause in words: "disk full (No space left on device)" for a full disk or quota, else the
+    system's own."""
+    reason = e.strerror or str(e)
+    return f"disk full ({reason})" if e.errno in DISK_FULL else reason
+
+
+def check_free_space(path: str | os.PathLike, needed: int, *, estimate: str = "") -> None:
+    """A one-line `UserError` naming ``path`` and saying "disk full" when its file system (asked at its nearest
+    existing folder) has fewer than ``needed`` bytes free; ``estimate``: how ``needed`` was estimated, said too."""
+    folder = Path(path)
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return  # nothing to ask (a folder gone meanwhile): the write itself will say what is wrong
+    if free < needed:
+        how = f" ({estimate})" if estimate else ""
+        raise UserError(
+            f"disk full: needs about {_size(needed)}{how}, {folder} has {_size(free)} free", where=str(path)
+        )
+
+
+def _size(n: int) -> str:
+    return format_bytes(n) if n >= 2**20 else f"{n:,} bytes"
+
+
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     """Write ``text`` to ``path`` via a temporary file and a rename."""
     return write_bytes_atomic(path, text.encode())
@@ -84,7 +118,7 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> Path:
         except OSError:
             pass
         if isinstance(e, OSError):
-            raise UserError(f"cannot write ({e.strerror or e})", where=str(path)) from None
+            raise UserError(f"cannot write: {why_not_written(e)}", where=str(path)) from None
         raise
     return path
 

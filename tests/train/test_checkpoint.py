@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -76,12 +77,14 @@ def test_keep_checkpoints_removes_older_ones_only_once_a_newer_one_is_complete(t
 
 
 def test_a_full_disk_fails_the_write_and_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    """The disk fills part-way through a stage file: torch.save's own error ("[enforce fail at inline_container.cc]
+    unexpected pos") gives way to the file's, said as "disk full" with the path; nothing of the file is left."""
     write_checkpoint(tmp_path, 2)
     real_fdopen = os.fdopen
 
     class FullDisk:
         def __init__(self, f):
-            self.f = f
+            self.f, self.room = f, 600  # the first of torch.save's writes fit, a later one does not
 
         def __enter__(self):
             return self
@@ -90,13 +93,18 @@ def test_a_full_disk_fails_the_write_and_leaves_the_previous_checkpoint(tmp_path
             self.f.close()
 
         def write(self, data):
-            self.f.write(data[: len(data) // 2])
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            if len(data) > self.room:
+                self.f.write(bytes(data[: self.room]))
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            self.room -= len(data)
+            return self.f.write(data)
 
     monkeypatch.setattr(os, "fdopen", lambda fd, mode: FullDisk(real_fdopen(fd, mode)))
-    with pytest.raises(WriteFailed, match="No space left on device"):
+    with pytest.raises(WriteFailed) as failed:
         checkpoint.save_stage(tmp_path, 4, 1, 2, {"w": torch.ones(1000)}, {})
     monkeypatch.undo()
+    path = checkpoint.stage_file(tmp_path, 4, 1)
+    assert str(failed.value) == f"{path}: cannot write: disk full (No space left on device)"
     assert list(checkpoint.step_dir(tmp_path, 4).iterdir()) == []  # no temporary file left behind
     assert checkpoint.latest_verified(tmp_path) == (
         2,
@@ -104,6 +112,22 @@ def test_a_full_disk_fails_the_write_and_leaves_the_previous_checkpoint(tmp_path
     )
     checkpoint.discard(tmp_path, 4)
     assert checkpoint.step_folders(tmp_path) == [2]
+
+
+def test_free_disk_is_checked_before_a_checkpoint_file_is_written(tmp_path, monkeypatch):
+    """Less room than the stage's state (4,000 bytes of weights, 8,000 of AdamW moments): "disk full" with the path
+    and both sizes before a byte is written."""
+    free = {"bytes": 11_999}
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=free["bytes"]))
+    moments = {"exp_avg": torch.zeros(1000), "exp_avg_sq": torch.zeros(1000)}
+    with pytest.raises(WriteFailed) as failed:
+        checkpoint.save_stage(tmp_path, 4, 1, 2, {"w": torch.ones(1000)}, {"by_name": {"w": moments}})
+    path = checkpoint.stage_file(tmp_path, 4, 1)
+    assert str(failed.value) == f"{path}: disk full: needs about 12,000 bytes, {tmp_path} has 11,999 bytes free"
+    assert not checkpoint.step_dir(tmp_path, 4).exists()
+    free["bytes"] = 13_000  # the file's few hundred bytes of structure beyond its tensors are not counted
+    checkpoint.save_stage(tmp_path, 4, 1, 2, {"w": torch.ones(1000)}, {"by_name": {"w": moments}})
 
 
 def test_the_writer_saves_a_copy_taken_before_the_weights_change(tmp_path):

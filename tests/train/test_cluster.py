@@ -111,7 +111,7 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint_and_the_run_res
     assert p.returncode == 1, p.stdout + p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("terapipe: error: worker rank 1 "), p.stderr
-    assert "the checkpoint of step 4 was not saved" in lines[0] and "No space left on device" in lines[0]
+    assert "the checkpoint of step 4 was not saved" in lines[0] and "disk full (No space left on device)" in lines[0]
     assert "the last complete checkpoint, step 2, is kept" in lines[0]
     assert checkpoint.complete_steps(out) == [2] and not checkpoint.step_dir(out, 4).exists()
 

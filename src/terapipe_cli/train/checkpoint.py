@@ -47,7 +47,7 @@ import torch
 
 from terapipe_cli.config.run import DEFAULT_KEEP_CHECKPOINTS
 from terapipe_cli.errors import UserError
-from terapipe_cli.files import read_json, write_bytes_atomic, write_json_atomic
+from terapipe_cli.files import check_free_space, read_json, why_not_written, write_bytes_atomic, write_json_atomic
 
 CHECKPOINT_SCHEMA = "terapipe.checkpoint/2"
 OLD_CHECKPOINT_SCHEMA = "terapipe.checkpoint/1"  # the optimizer state by index: resumes under its own plan only
@@ -137,16 +137,31 @@ def save_stage(
     origin: Origin | None = None,
 ) -> FileEntry:
     """Write one stage's file atomically, streamed and hashed as it is written (or encoded, then ``write(path,
-    data)``); its manifest entry. Raises `WriteFailed`."""
+    data)``); its manifest entry. Raises `WriteFailed`: "disk full" when the disk has less room than the state's
+    bytes (checked first) or fills during the write, naming the file."""
     path = stage_file(run_dir, step, stage)
     try:
+        check_free_space(path, state_bytes((model, optimizer)))
         if write is not None:
             data = encode_stage(step, stage, stages, model, optimizer, origin)
             write(path, data)
             return FileEntry.of(path.name, data)
         return _stream_atomic(path, _record(step, stage, stages, model, optimizer, origin))
     except (OSError, UserError) as e:
-        raise WriteFailed(str(e) if isinstance(e, UserError) else f"{path}: cannot write ({e.strerror or e})") from None
+        raise WriteFailed(
+            str(e) if isinstance(e, UserError) else f"{path}: cannot write: {why_not_written(e)}"
+        ) from None
+
+
+def state_bytes(obj: object) -> int:
+    """The bytes of every tensor in a (nested) state: about its checkpoint file's size."""
+    if torch.is_tensor(obj):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(state_bytes(v) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return sum(state_bytes(v) for v in obj)
+    return 0
 
 
 class _Hashing:
@@ -186,8 +201,12 @@ def _stream_atomic(path: Path, obj: object) -> FileEntry:
             os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600 files; checkpoints get the usual permissions
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        # torch.save's zip writer reports a write that failed as "[enforce fail at inline_container.cc] unexpected
+        # pos"; the file's own error (a full disk) is its context.
+        if isinstance(e, RuntimeError) and isinstance(e.__context__, OSError):
+            raise e.__context__ from None
         raise
     return FileEntry(path.name, out.bytes, out.sha256.hexdigest())
 

@@ -70,7 +70,7 @@ class Saves:
             self.writer.start(w.run_dir, step, t.stage, t.plan.stages, model, optimizer, write=write, origin=origin)
         self.on_begin()
         self.pending = step
-        largest = torch.tensor([_nbytes(model) + _nbytes(optimizer)], dtype=torch.int64, device=t.device)
+        largest = torch.tensor([checkpoint.state_bytes((model, optimizer))], dtype=torch.int64, device=t.device)
         t.comms.world.all_reduce(largest, op="max", what=f"the checkpoint of step {step}")
         if largest.item() < ASYNC_MIN_BYTES or os.environ.get(SYNC_ENV) == "1":
             self.finish()  # alike on every rank: small stages' checkpoints are complete at once
@@ -133,14 +133,3 @@ def layout_of(t) -> dict:
 def _full_disk(path, data: bytes) -> None:
     """Test-only (`worker.FAULT_ENV` "nospace"): the write of a disk that is full."""
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-
-
-def _nbytes(obj: object) -> int:
-    """The bytes of every tensor in a (nested) state dict."""
-    if torch.is_tensor(obj):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(_nbytes(v) for v in obj.values())
-    if isinstance(obj, list | tuple):
-        return sum(_nbytes(v) for v in obj)
-    return 0
