@@ -112,12 +112,13 @@ def make_run(
     return path
 
 
-def write_timelines(path: Path, step_events, layout: Layout, *, steps: int) -> None:
-    """Every rank's timeline file: the same simulated step, repeated for each step (a stage's tensor ranks alike)."""
+def write_timelines(path: Path, step_events, layout: Layout, *, steps: int, first: int = 1) -> None:
+    """Every rank's timeline file: the same simulated step, repeated for each step ``first``..``steps`` (a stage's
+    tensor ranks alike)."""
     for rank in range(layout.world):
         stage, replica = layout.stage(rank), layout.replica(rank)
         events = []
-        for s in range(steps):
+        for s in range(first - 1, steps):
             for e in step_events:
                 if e.stage == stage:
                     events.append(
@@ -176,4 +177,31 @@ def checkpointed_run(path: Path, model=None, *, stages: int = 2, step: int = 3, 
         names = build_model(model, k, stages).state_dict()
         checkpoint.save_stage(path, step, k, stages, {n: whole[n] for n in names}, {})
     checkpoint.mark_complete(path, step, stages)
+    return path
+
+
+def resumed_run(path: Path, *, slices=((1, [16, 16]),), stages: int = 4, saved: int = 3, steps: int = 6) -> Path:
+    """A run resumed under another plan as `terapipe train --resume --out PATH --plan NEW --steps STEPS` leaves it:
+    `checkpointed_run`'s steps 1..``saved`` under K = 2, the launcher's own preparation of the resume under a plan
+    of ``stages`` stages over ``slices`` (`prepare_run`), then the steps after ``saved`` as its workers write them
+    (metrics, the new ranks' timelines, the summary)."""
+    from terapipe_cli.config.run import RunConfig
+    from terapipe_cli.files import write_json_atomic
+    from terapipe_cli.train.prepare import prepare_run
+
+    checkpointed_run(path, step=saved)
+    model = tiny_model(seq_len=SEQ)
+    plan = make_plan_dict(
+        model=model, stages=stages, batch_size=1, seq_len=SEQ, token_step=1, slices=slices, predicted_s=0.05
+    )
+    write_json_atomic(path.parent / f"{path.name}-new-plan.json", plan)
+    config = RunConfig(out=str(path), plan=str(path.parent / f"{path.name}-new-plan.json"), steps=steps)
+    prepare_run(config, resume=True)
+    sim = simulate(Schedule.build(slices, stages), per_token_parts(0.01 / SEQ), step_s=0.002)
+    for s in range(saved, steps):
+        record = {"step": s + 1, "loss": 5.0 - 0.1 * s, "iteration_s": sim.latency_s, "memory_bytes": 2000 + s}
+        record.update(tokens_per_s=SEQ / sim.latency_s, memory_bytes_per_rank=[2000 + s - r for r in range(stages)])
+        append_metrics(path, record)
+    write_timelines(path, sim.events, Layout(1, stages, 1), steps=steps, first=saved + 1)
+    write_summary(path, {"status": "complete", "steps": steps})
     return path

@@ -23,6 +23,7 @@ from terapipe_cli.plan.baseline import gpipe_plan_dict
 from terapipe_cli.report.build import find_baseline, find_cost_model, write_report
 from terapipe_cli.report.compare import LOSS_RTOL, bubble_formula, compare, latency_stats
 from terapipe_cli.report.runs import baseline_dir, check_comparable, load_run, same_settings
+from terapipe_cli.report.text import segments_line
 from terapipe_cli.report.trace import TraceRun, chrome_trace
 from terapipe_cli.train.rundir import timeline_path
 
@@ -242,3 +243,67 @@ def test_the_plans_profile_is_found_beside_the_run_and_checked(tmp_path, monkeyp
     (tmp_path / "profile.json").unlink()
     cost, info = find_cost_model(run, None)
     assert cost is None and "not here" in info["why"]
+
+
+# A run resumed under another plan, D or T (`terapipe train --resume --plan NEW`): steps 1–3 under K = 2 over 4 tiles,
+# steps 4–6 under K = 4 over 2 tiles. Each plan's steps are read under that plan: its own ranks' timelines.
+RESUMED_BUBBLES = [bubble_formula(2, 4), bubble_formula(4, 2)]
+
+
+def test_a_run_resumed_under_another_plan_is_reported_plan_by_plan(tmp_path, capsys):
+    """`terapipe report RUN` (the sibling RUN-gpipe as an earlier report left it), `--no-baseline`, `--warmup N`."""
+    from fake_runs import resumed_run
+
+    run = resumed_run(tmp_path / "run")
+    make_run(tmp_path / "run-gpipe", GPIPE, stages=4)
+    for flags, compared in (((), [6, 6]), (("--no-baseline",), [6, 6]), (("--no-baseline", "--warmup", "1"), [5, 6])):
+        p = report_cli(capsys, str(run), *flags)
+        assert p.returncode == 0, p.stdout + p.stderr
+        assert "Resumed under another plan: steps 1–3 under D × K × T 1 × 2 × 1" in p.stdout
+        rep = json.loads((run / "report" / "report.json").read_text())
+        assert rep["run"]["compared_steps"] == compared and rep["run"]["stages"] == 4
+        assert len(rep["run"]["losses"]) == 6 and (rep["loss"] is None) == ("--no-baseline" in flags)
+    segments = rep["run"]["segments"]
+    assert [(s["steps"], s["stages"]) for s in segments] == [([1, 3], 2), ([4, 6], 4)]
+    assert [s["bubble_fraction"] for s in segments] == pytest.approx(RESUMED_BUBBLES)
+    assert rep["run"]["bubble_fraction"] == pytest.approx(RESUMED_BUBBLES[1])
+    names = {
+        e["args"]["name"].split(" · ")[0]
+        for e in json.loads((run / "report" / "trace.json").read_text())["traceEvents"]
+        if e["name"] == "process_name"
+    }
+    assert names == {"TeraPipe steps 1–3", "TeraPipe steps 4–6"}
+
+
+def test_a_run_resumed_before_segments_were_kept_is_reported(tmp_path):
+    """A run folder resumed under another plan by an earlier terapipe: its timelines start after the resume (the old
+    plan's were removed); the report times the steps it has and says the others' plan was not recorded."""
+    run = make_run(tmp_path / "run", TERAPIPE)
+    for rank in range(2):
+        path = timeline_path(run, rank)
+        obj = json.loads(path.read_text())
+        obj["events"] = [e for e in obj["events"] if e["step"] > 2]
+        path.write_text(json.dumps(obj))
+    rep = compare(load_run(run), None, warmup=2)
+    assert "steps 1–2 under a plan this run folder did not record" in segments_line(rep)
+    assert rep["run"]["compared_steps"] == [5, 6]
+
+
+def test_a_resume_keeps_each_plans_steps_up_to_the_checkpoint(tmp_path):
+    """Resumed from an earlier checkpoint, the steps after it are trained again: a segment ends there at the latest,
+    one that starts later is dropped; a resume under the same plan keeps the run's timelines where they are."""
+    from terapipe_cli.train.rundir import close_segment, segment_dirs
+
+    run = make_run(tmp_path / "run", TERAPIPE)
+    config = json.loads((run / "config.json").read_text())
+    close_segment(run, config, 4, replanned=True)
+    make_run(run, GPIPE, steps=6)  # the next plan's timelines (steps 5–6 are the ones read)
+    close_segment(run, config, 6, replanned=True)
+    assert [(f.name, a, b) for f, a, b in segment_dirs(run)] == [
+        ("steps_from_000001", 1, 4), ("steps_from_000005", 5, 6)
+    ]  # fmt: skip
+    make_run(run, GPIPE, steps=6)
+    close_segment(run, config, 3, replanned=False)
+    assert [(a, b) for _, a, b in segment_dirs(run)] == [(1, 3)] and timeline_path(run, 0).exists()
+    close_segment(run, config, 2, replanned=True)
+    assert [(a, b) for _, a, b in segment_dirs(run)] == [(1, 2)] and not (run / "timelines").exists()

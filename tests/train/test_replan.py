@@ -115,7 +115,8 @@ def test_dropping_the_optimizer_state_fails_the_comparison(saved):
 
 def test_resume_under_a_new_plan_through_the_workers(tmp_path, capsys):
     """`terapipe train --resume --plan NEW`: K = 2 saved at step 3, continued as 2 stages of 2 virtual stages each
-    with another partition (real torchrun workers), the losses of steps 4–6 those of the run uninterrupted."""
+    with another partition (real torchrun workers), the losses of steps 4–6 those of the run uninterrupted; then
+    `terapipe report RUN --no-baseline --warmup 1` on it."""
     old = write_plan_file(tmp_path / "k2.json", SLICES, stages=2)
     new = write_plan_file(tmp_path / "v2.json", SLICES, stages=2, virtual_stages=2, layers_per_stage=[2, 1, 2, 1])
     out = tmp_path / "run"
@@ -132,6 +133,10 @@ def test_resume_under_a_new_plan_through_the_workers(tmp_path, capsys):
     whole = train_locally(LocalSetup(read_plan(old), args)).losses
     assert resumed == pytest.approx(whole, rel=1e-5)
     assert read_plan(out / "plan.json").virtual_stages == 2  # the run's plan is the new one from now on
+    # The report reads each plan's steps under that plan: steps 1–3 from the old ranks' timelines, kept aside.
+    p = run_cli(capsys, "report", out, "--no-baseline", "--warmup", "1")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "Resumed under another plan: steps 1–3 under D × K × T 1 × 2 × 1" in p.stdout
 
 
 def _run_args(out) -> dict:

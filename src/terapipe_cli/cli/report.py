@@ -34,6 +34,7 @@ from terapipe_cli.report.text import (
     latency_rows,
     loss_line,
     memory_table,
+    segments_line,
     stage_rows,
     tile_speed_line,
     title,
@@ -180,6 +181,8 @@ def render(console: Console, result: dict) -> None:
             m.add_row(*row)
         console.print(m)
     console.print(f"[bold]{headline(result)}[/]")
+    if segments_line(result):
+        console.print(segments_line(result), markup=False)
     console.print(bubble_line(result))
     if tile_speed_line(result):
         console.print(tile_speed_line(result))

@@ -194,22 +194,32 @@ def write_report(
     draw_losses(
         [(report[key]["label"], report[key]["losses"]) for key in runs],
         out / "loss.png",
-        warmup=report["warmup_steps"],
+        untimed=report["run"]["compared_steps"][0] - 1,
         title=_loss_title(report),
         held_out=[(report[key]["label"], _held_out(r)) for key, r in runs.items()],
     )
     step("trace.json")
-    trace = chrome_trace(
-        [
-            TraceRun(report[key]["label"], r.events, [m["iteration_s"] for m in r.metrics], r.layout, r.plan.slices)
-            for key, r in runs.items()
-        ]
-    )
+    trace = chrome_trace([part for key, r in runs.items() for part in _trace_runs(report[key]["label"], r)])
     write_json_atomic(out / "trace.json", trace)
     step("report.md")
     write_text_atomic(out / "report.md", to_markdown(report))
     write_json_atomic(out / "report.json", report)  # last: its presence means the report is complete
     return report
+
+
+def _trace_runs(label: str, run: Run) -> list[TraceRun]:
+    """A run in the trace: each plan it trained under, one group of processes (its own ranks) per plan."""
+    iteration_s = [m["iteration_s"] for m in run.metrics]
+    if not run.earlier:
+        return [TraceRun(label, run.events, iteration_s, run.layout, run.plan.slices)]
+    parts = [
+        TraceRun(f"{label} steps {s.first_step}–{s.last_step}", s.events, iteration_s, s.layout, s.plan.slices,
+                 steps=(s.first_step, s.last_step))
+        for s in run.earlier if s.plan is not None
+    ]  # fmt: skip
+    last = (run.first_step, run.steps[-1])
+    own = TraceRun(f"{label} steps {last[0]}–{last[1]}", run.events, iteration_s, run.layout, run.plan.slices, last)
+    return [*parts, own]
 
 
 def _timeline_title(report: dict) -> str:

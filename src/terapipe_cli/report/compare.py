@@ -59,8 +59,64 @@ def latency_stats(values: Sequence[float]) -> dict:
 
 
 def compared_steps(run: Run, warmup: int) -> list[int]:
-    """The steps after the first ``warmup`` (at least one is always left)."""
-    return run.steps[min(warmup, len(run.steps) - 1) :]
+    """The steps after the first ``warmup`` of those trained under the run's own plan (at least one is always
+    left): a run resumed under another plan warms up again under its new one."""
+    own = run.own_steps
+    return own[warmup_left_out(run, warmup) :]
+
+
+def warmup_left_out(run: Run, warmup: int) -> int:
+    """The warm-up steps left out of the run's own plan's steps: ``warmup``, leaving at least one."""
+    return min(warmup, len(run.own_steps) - 1)
+
+
+def segments(run: Run, warmup: int) -> list[dict]:
+    """Each plan the run trained under, in step order (one for a run never resumed under another plan): its
+    steps, layout and scheme, and the median of its steps after ``warmup`` and its measured bubble, from its own
+    timelines read under its own plan; an earlier plan that a run from before segments were kept did not record
+    has its steps alone."""
+    out = []
+    for seg in run.earlier:
+        entry = {"steps": [seg.first_step, seg.last_step], "short_form": None}
+        if seg.plan is not None:
+            steps = list(range(seg.first_step, seg.last_step + 1))
+            steps = steps[min(warmup, len(steps) - 1) :]
+            layout = seg.layout
+            per_step = (
+                sorted(
+                    (e for rank, evs in seg.events.items() for e in evs
+                     if e.step == s and layout.tensor_rank(rank) == 0 and layout.replica(rank) == r),
+                    key=lambda e: (e.stage, e.start_s),
+                )
+                for s in steps for r in range(layout.data)
+            )  # fmt: skip
+            entry.update(
+                _scheme(seg.plan, seg.args),
+                latency_median_s=statistics.median(run.metric(s)["iteration_s"] for s in steps),
+                bubble_fraction=stage_times(per_step, seg.plan.stages).bubble_fraction,
+            )
+        out.append(entry)
+    steps = compared_steps(run, warmup)
+    out.append(
+        {
+            "steps": [run.first_step, run.steps[-1]],
+            **_scheme(run.plan, run.args),
+            "latency_median_s": statistics.median(run.metric(s)["iteration_s"] for s in steps),
+            "bubble_fraction": run_stage_times(run, steps).bubble_fraction,
+        }
+    )
+    return out
+
+
+def _scheme(plan, args) -> dict:
+    return {
+        "short_form": plan.short_form(),
+        "stages": plan.stages,
+        "data_parallel": args.data_parallel,
+        "tensor_parallel": args.tensor_parallel,
+        "virtual_stages": plan.virtual_stages,
+        "order": plan.order,
+    }
 
 
 def representative_step(run: Run, steps: Sequence[int]) -> int:
@@ -144,7 +200,8 @@ def summarize(run: Run, label: str, warmup: int, sim: SimResult | None = None) -
     times = run_stage_times(run, steps)
     rep = representative_step(run, steps)
     predicted = run.plan.predicted_s
-    per_rank = [r.get("memory_bytes_per_rank") for r in run.metrics]
+    own = [run.metric(s) for s in run.own_steps]  # another plan's steps ran on other ranks
+    per_rank = [r.get("memory_bytes_per_rank") for r in own]
     peak_per_rank = None
     if all(isinstance(p, list) and len(p) == run.world_size for p in per_rank):
         peak_per_rank = [max(int(p[k]) for p in per_rank) for k in range(run.world_size)]
@@ -173,10 +230,11 @@ def summarize(run: Run, label: str, warmup: int, sim: SimResult | None = None) -
         "bubble_formula": bubble_formula(run.stages, run.tiles, run.plan.virtual_stages),
         "virtual_stages": run.plan.virtual_stages,
         **measured_utilisation(run, lat["median"]),
-        "peak_memory_bytes": max(int(r["memory_bytes"]) for r in run.metrics),
+        "peak_memory_bytes": max(int(r["memory_bytes"]) for r in own),
         "peak_memory_bytes_per_rank": peak_per_rank,
         "memory_per_stage": memory_per_stage(run, steps),
         "representative_step": rep,
+        "segments": segments(run, warmup),
         "losses": [float(r["loss"]) for r in run.metrics],
     }
     if sim is not None:
@@ -228,7 +286,7 @@ def compare(
     r = summarize(run, "TeraPipe", warmup, sims.get("run"))
     report = {
         "schema": REPORT_SCHEMA,
-        "warmup_steps": min(warmup, len(run.steps) - 1),
+        "warmup_steps": warmup_left_out(run, warmup),
         "model": run.plan.model.name,
         "run": r,
         "baseline": None,

@@ -197,7 +197,7 @@ def draw_losses(
     series: Sequence[tuple[str, Sequence[float]]],
     path: str | Path,
     *,
-    warmup: int = 0,
+    untimed: int = 0,
     title: str = "",
     held_out: Sequence[tuple[str, Sequence[tuple[int, float]]]] = (),
 ) -> Path:
@@ -236,8 +236,8 @@ def draw_losses(
     for ax in (top, bottom):
         if ax is None:
             continue
-        if warmup:
-            ax.axvspan(0.5, warmup + 0.5, color="#eeeeee", zorder=0, label="warm-up (not timed)" if ax is top else None)
+        if untimed:  # the warm-up (and, in a run resumed under another plan, the steps of its earlier plans)
+            ax.axvspan(0.5, untimed + 0.5, color="#eeeeee", zorder=0, label="not timed" if ax is top else None)
         ax.grid(color="#dddddd", linewidth=0.6)
     top.set_ylabel("loss" if any(points for _, points in held_out) else "training loss")
     top.legend(frameon=False)

@@ -8,7 +8,7 @@ one `UserError` naming the file.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from terapipe_cli.config.run import RunArguments, RunConfig, run_fields
@@ -17,20 +17,58 @@ from terapipe_cli.errors import UserError
 from terapipe_cli.plan.file import Plan, plan_from_dict
 from terapipe_cli.plan.schedule import Schedule, plan_tiles
 from terapipe_cli.plan.timeline import Event, read_timeline
-from terapipe_cli.train.rundir import read_config, read_metrics, read_summary, run_schedule, timeline_path
+from terapipe_cli.train.rundir import (
+    read_config,
+    read_metrics,
+    read_summary,
+    run_schedule,
+    segment_dirs,
+    timeline_path,
+)
+
+
+@dataclass
+class Segment:
+    """Steps ``first_step``..``last_step`` of a run resumed under another plan, D or T, trained under an earlier
+    one: its plan, arguments and ranks' events (`rundir.close_segment`). ``plan`` is None for steps whose plan a
+    run from before segments were kept did not record (their timelines were removed at the resume)."""
+
+    first_step: int
+    last_step: int
+    plan: Plan | None
+    args: RunArguments | None
+    events: dict[int, list[Event]]
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.args.data_parallel, self.plan.stages, self.args.tensor_parallel)
 
 
 @dataclass
 class Run:
-    """One complete training run: its plan and arguments, one metrics record per step, every rank's events."""
+    """One complete training run: its plan and arguments, one metrics record per step, every rank's events.
+
+    ``plan``, ``args`` and ``events`` are those of the plan the run finished under; a run resumed under another
+    plan, D or T trained its steps before ``first_step`` under the ``earlier`` segments'."""
 
     path: Path
     config: dict
     args: RunArguments
     plan: Plan
     metrics: list[dict]  # one per step, in step order, steps 1..args.steps
-    events: dict[int, list[Event]]  # rank -> events of every step
+    events: dict[int, list[Event]]  # rank -> events of its steps under this plan (first_step..)
     summary: dict
+    earlier: list[Segment] = field(default_factory=list)
+
+    @property
+    def first_step(self) -> int:
+        """The first step trained under the run's own (last) plan."""
+        return self.earlier[-1].last_step + 1 if self.earlier else 1
+
+    @property
+    def own_steps(self) -> list[int]:
+        """The steps trained under the run's own plan: those its timings describe."""
+        return [s for s in self.steps if s >= self.first_step]
 
     @property
     def stages(self) -> int:
@@ -65,8 +103,9 @@ class Run:
         return [int(r["step"]) for r in self.metrics]
 
     def step_events(self, step: int, replica: int | None = None) -> list[Event]:
-        """The events of one step (optionally of one replica), times from that step's start: every stage's, as
-        its tensor rank 0 ran them (a stage's T ranks run the same tiles together, so one stands for the stage)."""
+        """The events of one step of the run's own plan (optionally of one replica), times from that step's start:
+        every stage's, as its tensor rank 0 ran them (a stage's T ranks run the same tiles together, so one stands
+        for the stage)."""
         layout, out = self.layout, []
         for rank, events in self.events.items():
             if layout.tensor_rank(rank) != 0 or (replica is not None and layout.replica(rank) != replica):
@@ -87,10 +126,7 @@ def load_run(path: str | Path) -> Run:
         raise UserError("is not a run directory (a file, not a folder)", where=str(run_dir))
     if not (run_dir / "config.json").exists():
         raise UserError("is not a run directory of `terapipe train` (no config.json)", where=str(run_dir))
-    config, args = read_config(run_dir)
-    if not isinstance(config.get("plan"), dict):
-        raise UserError("field 'plan' must be an object", where=str(run_dir / "config.json"))
-    plan = plan_from_dict(config["plan"], f"{run_dir / 'config.json'}: field 'plan'")
+    config, args, plan = _config(run_dir)
     if not (run_dir / "summary.json").exists():
         raise UserError(
             "the run did not finish (no summary.json); finish it with `terapipe train --resume`", where=str(run_dir)
@@ -101,24 +137,65 @@ def load_run(path: str | Path) -> Run:
             f"field 'status' is {summary.get('status')!r}, expected 'complete'", where=str(run_dir / "summary.json")
         )
     metrics = _metrics(run_dir, args.steps)
-    events: dict[int, list[Event]] = {}
+    earlier = []
+    for folder, first, last in segment_dirs(run_dir):  # each earlier plan's steps, read under that plan
+        _, seg_args, seg_plan = _config(folder)
+        layout = Layout(seg_args.data_parallel, seg_plan.stages, seg_args.tensor_parallel)
+        earlier.append(Segment(first, last, seg_plan, seg_args, _events(folder, layout, first, last)))
+    first = earlier[-1].last_step + 1 if earlier else 1
     layout = Layout(args.data_parallel, plan.stages, args.tensor_parallel)
+    if not earlier:
+        # A run resumed under another plan before segments were kept: its timelines start after the resume.
+        start = _unrecorded_start(run_dir, layout, args.steps)
+        if start > 1:
+            earlier, first = [Segment(1, start - 1, None, None, {})], start
+    events = _events(run_dir, layout, first, args.steps)
+    return Run(run_dir, config, args, plan, metrics, events, summary, earlier)
+
+
+def _config(run_dir: Path) -> tuple[dict, RunArguments, Plan]:
+    config, args = read_config(run_dir)
+    if not isinstance(config.get("plan"), dict):
+        raise UserError("field 'plan' must be an object", where=str(run_dir / "config.json"))
+    return config, args, plan_from_dict(config["plan"], f"{run_dir / 'config.json'}: field 'plan'")
+
+
+def _events(run_dir: Path, layout: Layout, first: int, last: int) -> dict[int, list[Event]]:
+    """Every rank's events of steps ``first``..``last`` (each step's, checked: busy/idle and the bubble are per
+    step, and a step without this rank's actions would read as all idle)."""
+    events: dict[int, list[Event]] = {}
     for rank in range(layout.world):
         tl = timeline_path(run_dir, rank)
         if not tl.exists():
             raise UserError(f"timeline of rank {rank} not found (the run has {layout.world} ranks)", where=str(tl))
         _, evs = read_timeline(tl)
+        evs = [e for e in evs if first <= e.step <= last]
         stage = layout.stage(rank)
         wrong = next((e for e in evs if e.stage != stage), None)
         if wrong is not None:
             raise UserError(f"holds an event of stage {wrong.stage}, but rank {rank} runs stage {stage}", where=str(tl))
-        # Busy/idle and the bubble are per step: a step without this rank's actions would read as all idle.
         have = {e.step for e in evs}
-        lacking = next((s for s in range(1, args.steps + 1) if s not in have), None)
+        lacking = next((s for s in range(first, last + 1) if s not in have), None)
         if lacking is not None:
-            raise UserError(f"has no events of step {lacking} (the run has {args.steps} steps)", where=str(tl))
+            steps = f"the run has {last} steps" if first == 1 else f"its plan trained steps {first}–{last}"
+            raise UserError(f"has no events of step {lacking} ({steps})", where=str(tl))
         events[rank] = evs
-    return Run(run_dir, config, args, plan, metrics, events, summary)
+    return events
+
+
+def _unrecorded_start(run_dir: Path, layout: Layout, steps: int) -> int:
+    """The first step of every rank's timeline when all of them hold exactly the steps from there to the end and
+    none before (how a run resumed under another plan by a terapipe that kept no segments looks); else 1."""
+    starts = set()
+    for rank in range(layout.world):
+        tl = timeline_path(run_dir, rank)
+        if not tl.exists():
+            return 1
+        have = {e.step for e in read_timeline(tl)[1]}
+        if not have or have != set(range(min(have), steps + 1)):
+            return 1
+        starts.add(min(have))
+    return starts.pop() if len(starts) == 1 else 1
 
 
 def _metrics(run_dir: Path, steps: int) -> list[dict]:

@@ -189,6 +189,29 @@ def bubble_line(report: dict) -> str:
     return f"Idle time: the stages wait {waits}; the formula (K−1)/(v·M+K−1) for equal tiles says {formula}."
 
 
+def segments_line(report: dict) -> str | None:
+    """For a run resumed under another plan, D or T: each plan's steps, layout and median step, and that the
+    report's timings are of its last plan's steps; None for a run trained under one plan."""
+    segs = report["run"].get("segments") or []
+    if len(segs) < 2:
+        return None
+
+    def one(seg: dict) -> str:
+        steps = f"steps {seg['steps'][0]}–{seg['steps'][1]}"
+        if seg["short_form"] is None:
+            return f"{steps} under a plan this run folder did not record"
+        layout = f"D × K × T {seg['data_parallel']} × {seg['stages']} × {seg['tensor_parallel']}"
+        return (
+            f"{steps} under {layout} `{seg['short_form']}` (median {_seconds(seg['latency_median_s'])}, "
+            f"bubble {seg['bubble_fraction']:.0%})"
+        )
+
+    return (
+        f"Resumed under another plan: {'; '.join(one(seg) for seg in segs)}. The timings above are of the last "
+        "plan's steps."
+    )
+
+
 def _tiles(n: int) -> str:
     return f"{n} tile" + ("" if n == 1 else "s")
 
@@ -207,6 +230,7 @@ def to_markdown(report: dict) -> str:
         "",
         headline(report),
         "",
+        *([segments_line(report), ""] if segments_line(report) else []),
         *_runs_list(report),
         "",
         "## Iteration latency",

@@ -26,6 +26,7 @@ class TraceRun:
     iteration_s: Sequence[float]  # per step, steps 1..n
     layout: Layout  # where each rank sits (stage, replica, tensor rank)
     slices: Sequence  # to name tiles by their sizes
+    steps: tuple[int, int] | None = None  # the first and last step of these events (None: every step)
 
 
 def chrome_trace(runs: Sequence[TraceRun]) -> dict:
@@ -51,7 +52,10 @@ def chrome_trace(runs: Sequence[TraceRun]) -> dict:
             out.append({"ph": "M", "pid": pid, "tid": 0, "name": "process_sort_index", "args": {"sort_index": pid}})
             out.append({"ph": "M", "pid": pid, "tid": 0, "name": "thread_name", "args": {"name": "compute"}})
             out.append({"ph": "M", "pid": pid, "tid": 1, "name": "thread_name", "args": {"name": "steps"}})
+            first, last = run.steps or (1, len(run.iteration_s))
             for step, dt in enumerate(run.iteration_s, 1):
+                if not first <= step <= last:
+                    continue
                 out.append(
                     {
                         "ph": "X",
@@ -65,7 +69,7 @@ def chrome_trace(runs: Sequence[TraceRun]) -> dict:
                     }
                 )
             for e in run.events[rank]:
-                if not 1 <= e.step <= len(run.iteration_s):
+                if not first <= e.step <= min(last, len(run.iteration_s)):
                     continue
                 n, tile = tiles.get((e.batch_slice, e.token_slice), (None, None))
                 args = {"step": e.step, "batch_slice": e.batch_slice, "token_slice": e.token_slice}

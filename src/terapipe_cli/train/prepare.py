@@ -18,7 +18,6 @@ import dataclasses
 import math
 import os
 import platform
-import shutil
 import sys
 import uuid
 from dataclasses import dataclass
@@ -53,7 +52,14 @@ from terapipe_cli.train import checkpoint, init_from
 from terapipe_cli.train.init_from import Source
 from terapipe_cli.train.launch import Launch
 from terapipe_cli.train.placement import backend_for, workers_per_node
-from terapipe_cli.train.rundir import has_trained, read_config, settings_digest, update_arguments, write_config
+from terapipe_cli.train.rundir import (
+    close_segment,
+    has_trained,
+    read_config,
+    settings_digest,
+    update_arguments,
+    write_config,
+)
 
 DROP_KV_GRADS_ENV = "TERAPIPE_TEST_DROP_KV_GRADS"  # test-only negative control: "1" drops the K/V hand-back
 SKIP_TP_ALLREDUCE_ENV = "TERAPIPE_TEST_SKIP_TP_ALLREDUCE"  # test-only negative control: "1" skips one all-reduce
@@ -595,8 +601,7 @@ def _write_run_dir(run: _Run, arguments: dict, *, device: str, backend: str, nno
     launch_id = uuid.uuid4().hex
     if run.config is not None:
         new_plan = {"plan": run.plan_obj, "world_size": run.layout.world} if run.replanned else {}
-        if run.replanned:  # the old layout's per-rank timelines describe other stages: its steps are in metrics
-            shutil.rmtree(run.out / "timelines", ignore_errors=True)
+        close_segment(run.out, run.config, run.resume_step, replanned=run.replanned)  # the old plan's steps
         update_arguments(run.out, run.config, launch_id, **new_plan, **arguments)
         return
     write_config(

@@ -26,6 +26,9 @@ runs/NAME/
   metrics.csv        the same numbers, a row per step (only with --log csv; train/metrics.py names the columns)
   tensorboard/       the same numbers as TensorBoard event files (only with --log tensorboard)
   timelines/rank_00000.json   terapipe.timeline/1 (see plan/timeline.py): every tile of every step, F and B
+  segments/steps_from_000001/  a run resumed under another plan, D or T: the steps it trained under each earlier
+                     one (`close_segment`): that plan's config.json, its ranks' timelines/, and segment.json
+                     (terapipe.run-segment/1: {"first_step", "last_step"}); the run's own files hold the steps after
   checkpoints/step_000010/...  see checkpoint.py (the optimizer state carries the fp16 loss scale)
   errors/rank_00001.txt       the traceback of a worker that failed (only then)
   errors/torchrun.log         torchrun's own log of a launch that failed or was interrupted (only then); a launch
@@ -43,6 +46,7 @@ import fcntl
 import hashlib
 import json
 import os
+import shutil
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
@@ -225,6 +229,56 @@ def append_event(run_dir: Path, record: dict) -> None:
 
 def read_events(run_dir: Path) -> list[dict]:
     return [r for r in _records(run_dir) if r.get("schema") == EVENT_SCHEMA]
+
+
+SEGMENT_SCHEMA = "terapipe.run-segment/1"
+SEGMENTS = "segments"
+
+
+def segment_dirs(run_dir: Path) -> list[tuple[Path, int, int]]:
+    """The run's earlier segments in step order: (folder, first step, last step). A folder without its
+    segment.json (written last) is not one."""
+    out = []
+    for folder in sorted((run_dir / SEGMENTS).glob("steps_from_*")):
+        path = folder / "segment.json"
+        if path.is_file():
+            f = Fields(read_json(path, schema=SEGMENT_SCHEMA, what="run segment"), str(path))
+            first, last = f.int("first_step", minimum=1), f.int("last_step", minimum=1)
+            out.append((folder, first, last))
+    return out
+
+
+def close_segment(run_dir: Path, config: dict, resume_step: int, *, replanned: bool) -> None:
+    """On ``--resume`` from ``resume_step``: the steps after it are trained again, so an earlier segment ends there
+    at the latest (one that starts later is dropped). Under another plan, D or T (``replanned``), the steps trained
+    under the old one become a segment: its ``config`` (plan and arguments) and its ranks' timelines, which
+    describe other stages than the new ranks run, moved to ``segments/steps_from_N/`` for the report."""
+    first = 1
+    for folder, start, last in segment_dirs(run_dir):
+        if start > resume_step:
+            shutil.rmtree(folder)
+            continue
+        if last > resume_step:
+            write_json_atomic(folder / "segment.json", _segment(start, resume_step))
+        first = min(last, resume_step) + 1
+    for folder in (run_dir / SEGMENTS).glob("steps_from_*"):  # left by a launch stopped while closing one
+        if not (folder / "segment.json").is_file():
+            shutil.rmtree(folder)
+    if not replanned:
+        return
+    timelines = run_dir / "timelines"
+    if first > resume_step or not timelines.is_dir():  # nothing trained under the old plan is kept
+        shutil.rmtree(timelines, ignore_errors=True)
+        return
+    folder = run_dir / SEGMENTS / f"steps_from_{first:06d}"
+    folder.mkdir(parents=True, exist_ok=True)
+    os.replace(timelines, folder / "timelines")
+    write_json_atomic(folder / "config.json", config)
+    write_json_atomic(folder / "segment.json", _segment(first, resume_step))
+
+
+def _segment(first: int, last: int) -> dict:
+    return {"schema": SEGMENT_SCHEMA, "first_step": first, "last_step": last}
 
 
 def timeline_path(run_dir: Path, rank: int) -> Path:
