@@ -213,6 +213,7 @@ BAD = [
     ("zero stages", lambda t: plan_args(stages=0), "--stages"),
     ("negative batch", lambda t: plan_args(batch=-1), "--batch"),
     ("zero batch", lambda t: plan_args(batch=0), "--batch"),
+    ("zero replicas", lambda t: plan_args("-d", "0"), "--data-parallel"),
     ("L not a multiple of g", lambda t: plan_args("--seq-len", "100"), "multiple"),
     ("more stages than layers", lambda t: plan_args(stages=5), "more than the 4 layers"),
     ("layers of the stages not summing to N", lambda t: plan_args("--layers-per-stage", "1,1"), "--layers-per-stage"),

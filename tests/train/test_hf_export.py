@@ -118,16 +118,19 @@ def test_the_folder_is_new_and_written_whole(tmp_path, capsys, monkeypatch):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
-    out = tmp_path / "out" / "hf"
-    (tmp_path / "out").mkdir()
+    out = tmp_path / "out" / "hf"  # its folder is made, as for the .pt export (and removed again here)
     p = run_cli(capsys, "export", str(run), "--format", "hf", "--out", str(out))
     assert_one_line_error(p, "--out", "No space left on device", "nothing was written")
-    assert list((tmp_path / "out").iterdir()) == []
-    # An empty folder is accepted, and filled.
+    assert not (tmp_path / "out").exists()
+    deeper = tmp_path / "a" / "b" / "hf"
+    assert_one_line_error(run_cli(capsys, "export", str(run), "--format", "hf", "--out", str(deeper)), "does not exist")
     monkeypatch.undo()
-    out.mkdir()
     assert run_cli(capsys, "export", str(run), "--format", "hf", "--out", str(out)).returncode == 0
     assert (out / "model.safetensors").is_file()
+    # An empty folder is accepted, and filled.
+    (tmp_path / "empty").mkdir()
+    assert run_cli(capsys, "export", str(run), "--format", "hf", "--out", str(tmp_path / "empty")).returncode == 0
+    assert (tmp_path / "empty" / "model.safetensors").is_file()
 
 
 @pytest.mark.parametrize("missing", ["transformers", "safetensors"])

@@ -114,7 +114,8 @@ def test_sample_draws_depend_on_the_seed_only(tmp_path, capsys):
     "args, words",
     [
         (["--tokens", "0"], ["--tokens", "at least 1"]),
-        (["--temperature", "-1"], ["--temperature", "0 (greedy) or positive"]),
+        (["--temperature", "-1"], ["--temperature", "0 (greedy) or a finite positive number"]),
+        (["--temperature", "inf"], ["--temperature", "finite", "got inf"]),
         (["--top-k", "0"], ["--top-k", "at least 1"]),
         (["--threads", "0"], ["--threads", "at least 1"]),
         (["--step", "2"], ["--step", "no complete checkpoint of step 2"]),

@@ -444,8 +444,8 @@ def setting_from_options(
             if value is None:
                 raise UserError(f"is required ({what}), unless --experiment names a setting", where=flag)
         prof = read_profile(profile)
-        T, g = tensor_parallel, token_step
-        return _within_reach(PlanSetting(prof, stored_path(profile), stages, batch_size, data_parallel or 1, T, g))
+        D, T, g = 1 if data_parallel is None else data_parallel, tensor_parallel, token_step  # -d 0 is refused
+        return _within_reach(PlanSetting(prof, stored_path(profile), stages, batch_size, D, T, g))
     exp = load_experiment(experiment, flag="--experiment")
     shape = experiment_shape(
         exp, stages=stages, batch_size=batch_size, data_parallel=data_parallel, tensor_parallel=tensor_parallel,

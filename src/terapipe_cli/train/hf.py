@@ -22,6 +22,7 @@ the single-device model's (tests/train/test_hf_export.py). The names are one tab
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -72,17 +73,20 @@ def hf_config(cfg: ModelConfig):
 
 
 def check_output_folder(out: Path) -> None:
-    """``--out`` must be a new folder (or an empty one) whose parent exists and is writable: one line otherwise,
-    before anything is read."""
+    """``--out`` must be a new folder (or an empty one) in a writable folder that exists or, as for the .pt export
+    (`files.check_output_file`), is made itself: one line otherwise, before anything is read."""
     if out.exists() and not out.is_dir():
         raise UserError(f"{out} is a file; --format hf writes a folder (config.json, model.safetensors)", where="--out")
     if out.is_dir() and any(out.iterdir()):
         raise UserError(f"folder {out} is not empty; give a new or an empty folder", where="--out")
     parent = out.resolve().parent
-    if not parent.is_dir():
-        raise UserError(f"folder {parent} does not exist", where="--out")
-    if not os.access(parent, os.W_OK):
-        raise UserError(f"cannot write into folder {parent}", where="--out")
+    if parent.exists() and not parent.is_dir():
+        raise UserError(f"{parent} is a file, not a folder", where="--out")
+    if not parent.exists() and not parent.parent.is_dir():
+        raise UserError(f"folder {parent.parent} does not exist (only {parent.name}/ would be created)", where="--out")
+    nearest = parent if parent.exists() else parent.parent
+    if not os.access(nearest, os.W_OK):
+        raise UserError(f"cannot write into folder {nearest}", where="--out")
 
 
 def run_tokenizer_of(run: Path) -> RunTokenizer | None:
@@ -109,7 +113,9 @@ def write_hf(
         config.bos_token_id, config.eos_token_id = tokenizer.bos_id, tokenizer.eos_id
     out = out.resolve()
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    made = not out.parent.exists()  # its folder, made here (`check_output_folder`), goes again on a failure
     try:
+        out.parent.mkdir(exist_ok=True)
         tmp.mkdir()
         config.save_pretrained(tmp)
         if tokenizer is not None:
@@ -120,8 +126,15 @@ def write_hf(
             out.rmdir()  # empty (checked); a folder that filled since makes this fail, and tmp goes
         tmp.rename(out)
     except OSError as e:  # a full disk, a folder made meanwhile: one line, nothing left behind
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove(tmp, out.parent if made else None)
         raise UserError(f"cannot write {out} ({e.strerror or e}); nothing was written", where="--out") from None
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove(tmp, out.parent if made else None)
         raise
+
+
+def _remove(tmp: Path, made: Path | None) -> None:
+    shutil.rmtree(tmp, ignore_errors=True)
+    if made is not None:
+        with contextlib.suppress(OSError):
+            made.rmdir()  # only if still empty

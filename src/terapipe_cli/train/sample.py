@@ -16,6 +16,7 @@ model has beyond the tokenizer's (a padded vocabulary) are never sampled.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -129,8 +130,10 @@ class Sampling:
     def check(self) -> None:
         if self.tokens < 1:
             raise UserError(f"must be at least 1, got {self.tokens}", where="--tokens")
-        if not self.temperature >= 0:  # also refuses nan
-            raise UserError(f"must be 0 (greedy) or positive, got {self.temperature}", where="--temperature")
+        if not 0 <= self.temperature < math.inf:  # also refuses nan; inf would divide every logit to 0 or nan
+            raise UserError(
+                f"must be 0 (greedy) or a finite positive number, got {self.temperature}", where="--temperature"
+            )
         if self.top_k is not None and self.top_k < 1:
             raise UserError(f"must be at least 1 (or left out: all tokens), got {self.top_k}", where="--top-k")
 
