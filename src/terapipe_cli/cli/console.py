@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from terapipe_cli.units import format_duration
 
 # Piped output has no terminal to measure, and rich would then fit every table into 80 columns, wrapping a
 # plan's slicing one word per line. A file or a pager can take long lines; the widest table (the plan's) fits.
@@ -68,3 +74,57 @@ class ProgressBar:
 
     def __exit__(self, *exc) -> None:
         self.bar.__exit__(*exc)
+
+
+class PlainProgress:
+    """Progress where stderr is not a terminal (a pipe, a log file), which a moving line cannot reach: once the work
+    has run ``after_s`` seconds, a plain line every ``every_s`` seconds saying the latest news and the time so far,
+    as pip and torchrun write into logs. ``update(text)`` is told the news; ``tick()`` writes when a line is due
+    (`plain_progress` calls it every second; tests call it with their own ``clock``)."""
+
+    def __init__(
+        self,
+        head: str,
+        stream,
+        *,
+        after_s: float = 5.0,
+        every_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.head, self.stream, self.after_s, self.every_s, self.clock = head, stream, after_s, every_s, clock
+        self.start, self.last = clock(), None
+        self.text: str | None = None
+        self.lock = threading.Lock()
+
+    def update(self, text: str) -> None:
+        with self.lock:
+            self.text = text
+        self.tick()
+
+    def tick(self) -> None:
+        with self.lock:
+            now = self.clock()
+            elapsed = now - self.start
+            if elapsed < self.after_s or (self.last is not None and now - self.last < self.every_s):
+                return
+            self.last = now
+            news = f" — {self.text}" if self.text else " …"
+            print(f"{self.head}{news} ({format_duration(elapsed)} so far)", file=self.stream, flush=True)
+
+
+@contextmanager
+def plain_progress(progress: PlainProgress) -> Iterator[PlainProgress]:
+    """``progress`` ticked every second while the body runs (a search can go long between two pieces of news)."""
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.wait(1.0):
+            progress.tick()
+
+    thread = threading.Thread(target=loop, name="terapipe-progress", daemon=True)
+    thread.start()
+    try:
+        yield progress
+    finally:
+        stop.set()
+        thread.join()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -10,7 +11,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from terapipe_cli.cli.console import make_console
+from terapipe_cli.cli.console import PlainProgress, make_console, plain_progress
 from terapipe_cli.config.device import available_memory_bytes
 from terapipe_cli.config.experiment import load_experiment
 from terapipe_cli.engine.hostmem import retain_freed_memory
@@ -293,11 +294,17 @@ def plan(
 @contextmanager
 def _progress_line(head: str, quiet: bool):
     """A line on stderr that moves while the plan is searched — what is searched, what is left, the best so far —
-    (rich: drawn on a terminal only); nothing with --quiet. Yields the callback `plan_configured` tells."""
+    (rich, on a terminal); where stderr is not one (a pipe, a log), a plain line every few seconds once the search
+    has run a few (`PlainProgress`); nothing with --quiet. Yields the callback `plan_configured` tells."""
     if quiet:
         yield None
         return
-    with make_console(stderr=True).status(head + " …") as status:
+    console = make_console(stderr=True)
+    if not console.is_terminal:
+        with plain_progress(PlainProgress(head, sys.stderr)) as plain:
+            yield plain.update
+        return
+    with console.status(head + " …") as status:
         yield lambda text: status.update(f"{head} — {text}")
 
 
