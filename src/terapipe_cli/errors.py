@@ -6,6 +6,11 @@ one line on stderr and exit code 2 — never a traceback.
 
 from __future__ import annotations
 
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 
 class UserError(ValueError):
     """A mistake in the user's input, reported as one line: ``<where>: <what is wrong>``.
@@ -42,3 +47,43 @@ class Stopped(Interrupted):
     def __init__(self, message: str, signum: int) -> None:
         super().__init__(message)
         self.exit_code = 128 + signum
+
+
+class StopSignal(BaseException):
+    """A signal that ends a command — Ctrl-C's SIGINT, SIGTERM (``kill``, a scheduler), SIGHUP (the terminal gone),
+    SIGUSR1 (Slurm's warning) — raised where the command is: every ``with`` and ``finally`` on the way out runs, so no
+    temporary file is left behind. A ``BaseException``, as ``KeyboardInterrupt`` is, so that no ``except Exception``
+    stops it (and not a ``KeyboardInterrupt``, which the CLI's framework turns into a bare exit code). The CLI ends
+    with one line and exit 128 + the signal's number (130 for Ctrl-C, 143 for SIGTERM)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__("interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+        self.exit_code = 128 + signum
+
+
+ENDING_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
+_DEFAULTS = (signal.SIG_DFL, signal.default_int_handler)  # what Python leaves them at: a handler set is kept
+
+
+@contextmanager
+def signals_raise() -> Iterator[None]:
+    """Within: `ENDING_SIGNALS` raise `StopSignal` in the main thread (one ignored, as ``nohup`` leaves SIGHUP, or
+    handled otherwise stays so); the handlers before are restored after. ``terapipe train``'s launcher handles them
+    itself while its workers run (train/stop.py)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def raise_stop(signum: int, frame) -> None:
+        raise StopSignal(signum)
+
+    before = {s: signal.getsignal(s) for s in ENDING_SIGNALS}
+    replaced = [s for s, handler in before.items() if any(handler is d for d in _DEFAULTS)]
+    for s in replaced:
+        signal.signal(s, raise_stop)
+    try:
+        yield
+    finally:
+        for s in replaced:
+            signal.signal(s, before[s])

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -223,3 +229,95 @@ def test_the_optional_packages_are_named_when_missing(tmp_path, capsys, monkeypa
     monkeypatch.undo()
     tz.tokenize_corpus([tmp_path / "t.txt"], tz.load_tokenizer(bpe, EOT), tmp_path / "c")  # the BOM is no text
     assert list(load_data(tmp_path / "c").tokens) == ids_of(bpe, ["Ada sees the cat."])
+
+
+def full_disk_before(monkeypatch):
+    from terapipe_cli import files
+
+    real = files.shutil.disk_usage
+    monkeypatch.setattr(files.shutil, "disk_usage", lambda path: real(path)._replace(free=19_999))
+
+
+def full_disk_during(monkeypatch):
+    """The corpus's .bin opened on a disk that fills at its first write."""
+    real_fdopen = os.fdopen
+
+    class FullDisk:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    monkeypatch.setattr(os, "fdopen", lambda fd, mode: FullDisk(real_fdopen(fd, mode)))
+
+
+@pytest.mark.parametrize(
+    ("fault", "words"),
+    [
+        (full_disk_before, ["c.bin: disk full: needs about 20,000 bytes", "6 bytes a token, uint16 ids", "19,999"]),
+        (full_disk_during, ["c.bin: disk full (No space left on device)", "nothing was written"]),
+    ],
+    ids=["free-space-checked-first", "filled-while-writing"],
+)
+def test_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, capsys, monkeypatch, bpe, fault, words):
+    """`terapipe data tokenize` onto a full disk: the free space checked before the corpus (60,000 bytes of text at
+    6 bytes a token, 2 bytes an id), and a disk that fills while it is written, each one line saying "disk full"."""
+    (tmp_path / "t.txt").write_text(TEXT)
+    fault(monkeypatch)
+    p = run_cli(
+        capsys, "data", "tokenize", tmp_path / "t.txt", "--tokenizer", bpe, "--eos", EOT, "--out", tmp_path / "c"
+    )
+    assert_one_line_error(p, *words)
+    assert [q.name for q in tmp_path.iterdir()] == ["t.txt"]  # no corpus, no temporary file
+
+
+def test_ctrl_c_during_tokenize_leaves_no_temporary_file(tmp_path, capsys, monkeypatch, bpe):
+    """SIGINT while the first batch is written (raised in this process, where the CLI runs): exit 130, one line."""
+    (tmp_path / "t.txt").write_text(TEXT)
+    write = tz._Assembler.write
+
+    def interrupted(self, *args):
+        write(self, *args)
+        assert list(tmp_path.glob(".c.bin.*.tmp"))  # the corpus is being written
+        signal.raise_signal(signal.SIGINT)
+
+    monkeypatch.setattr(tz._Assembler, "write", interrupted)
+    p = run_cli(
+        capsys, "data", "tokenize", tmp_path / "t.txt", "--tokenizer", bpe, "--eos", EOT, "--out", tmp_path / "c"
+    )
+    assert p.returncode == 130 and p.stderr.strip() == "terapipe: interrupted", (p.stdout, p.stderr)
+    assert [q.name for q in tmp_path.iterdir()] == ["t.txt"]
+
+
+def test_sigterm_during_tokenize_leaves_no_temporary_file(tmp_path, bpe):
+    """A real `terapipe data tokenize` process reading a pipe that is kept open: SIGTERM while it waits there for
+    more text (its .bin's temporary file written) ends it with exit 143, one line, and no file left."""
+    from conftest import ROOT
+
+    fifo = tmp_path / "in.txt"
+    os.mkfifo(fifo)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "COLUMNS": "200", "NO_COLOR": "1", "TERM": "dumb"}
+    argv = ["data", "tokenize", fifo, "--tokenizer", bpe, "--eos", EOT, "--out", tmp_path / "c"]
+    command = [sys.executable, "-m", "terapipe_cli", *map(str, argv)]
+    p = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        writer = None
+        while writer is None and p.poll() is None:  # the command opens the pipe once its .bin's temporary file exists
+            try:
+                writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:
+                time.sleep(0.05)
+        assert writer is not None, p.communicate()
+        os.write(writer, b"Ada sees the cat.\n")
+        assert [q.name for q in tmp_path.glob(".c.bin.*.tmp")]
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=60)
+        os.close(writer)
+    finally:
+        p.kill()
+    assert p.returncode == 143 and err.strip() == "terapipe: stopped by SIGTERM", err
+    assert [q.name for q in tmp_path.iterdir()] == ["in.txt"]

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
-from terapipe_cli.train.launch import Launch, describe_failure, describe_unreadable_failure
+from terapipe_cli.train.launch import Launch, describe_failure, describe_unreadable_failure, stopped_at_once
+from terapipe_cli.train.rundir import has_trained
 from terapipe_cli.train.worker import ERROR_FILE_ENV, record_for_torchrun
 
 
@@ -61,3 +63,41 @@ def test_an_unreadable_error_file_still_names_the_rank_and_cause(tmp_path: Path)
     assert "JSONDecodeError" not in line
     (tmp_path / "errors" / "rank_00001.txt").unlink()
     assert "torchrun.log" in describe_unreadable_failure(spec)
+
+
+def test_a_worker_ended_by_sigterm_during_start_up_is_a_stop_not_a_crash(tmp_path: Path, capsys, monkeypatch):
+    """`terapipe train` whose worker a SIGTERM ended before its handler was installed (torchrun reports exit code
+    -15, no error file): one line saying it was stopped, exit 143; the folder, never trained, takes the same command.
+    torchrun itself is replaced by its answer (no workers start)."""
+    from conftest import run_cli, write_plan_file
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from terapipe_cli.train import launch as launching
+
+    def stopped_at_start_up(args):
+        raise ChildFailedError("worker", {1: ProcessFailure(1, 4242, -signal.SIGTERM, "<N/A>")})
+
+    monkeypatch.setattr(launching.torchrun, "run", stopped_at_start_up)
+    plan, out = write_plan_file(tmp_path / "plan.json", [(1, [16, 16])], stages=2), tmp_path / "run"
+    p = run_cli(capsys, "train", "--plan", plan, "--out", out, "--device", "cpu", "--steps", "2")
+    assert p.returncode == 143, p.stdout + p.stderr
+    assert p.stderr.strip() == (
+        "terapipe: stopped by SIGTERM during start-up: worker rank 1 (stage 1, replica 0) ended on it before the "
+        f"first step; nothing was trained, and the same command starts the run again in {out}"
+    )
+    assert not has_trained(out)
+
+
+def test_workers_ended_by_a_stop_signal_are_a_stop_naming_the_checkpoint_kept(tmp_path: Path):
+    from fake_runs import checkpointed_run
+
+    run = checkpointed_run(tmp_path / "run", step=3)
+    spec = Launch(run_dir=run, nproc_per_node=2, stages=2)
+    stopped = stopped_at_once({0: Failure(-signal.SIGUSR1, "", 2), 1: Failure(-signal.SIGTERM, "", 1)}, spec)
+    assert stopped.exit_code == 143 and str(stopped) == (
+        "stopped by SIGTERM: worker rank 1 (stage 1, replica 0) ended on it at once (during start-up, or at a second "
+        f"signal); the last complete checkpoint is step 3; continue with: terapipe train --resume --out {run} --steps 3"
+    )
+    # A rank that raised, or one killed otherwise (SIGKILL: the kernel's OOM killer), is a failure with a cause.
+    assert stopped_at_once({0: Failure(1, "RuntimeError: boom", 1), 1: Failure(-signal.SIGTERM, "", 2)}, spec) is None
+    assert stopped_at_once({0: Failure(-signal.SIGKILL, "", 1)}, spec) is None

@@ -11,7 +11,7 @@ import sys
 import typer
 
 from terapipe_cli import __version__
-from terapipe_cli.errors import Interrupted, UserError
+from terapipe_cli.errors import Interrupted, StopSignal, UserError, signals_raise
 
 app = typer.Typer(
     name="terapipe",
@@ -78,10 +78,11 @@ _exceptions = _click.exceptions
 def main(argv: list[str] | None = None) -> None:
     command = typer.main.get_command(app)
     try:
-        code = command.main(args=argv, prog_name="terapipe", standalone_mode=False)
+        with signals_raise():  # SIGTERM unwinds like Ctrl-C: no temporary file is left behind
+            code = command.main(args=argv, prog_name="terapipe", standalone_mode=False)
     except UserError as e:
         fail(str(e))
-    except Interrupted as e:
+    except (Interrupted, StopSignal) as e:
         sys.stdout.flush()
         sys.stderr.write(f"terapipe: {e}\n")
         raise SystemExit(e.exit_code) from None

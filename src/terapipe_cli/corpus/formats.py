@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from terapipe_cli.errors import UserError
-from terapipe_cli.files import _umask
+from terapipe_cli.files import DISK_FULL, _umask, why_not_written
 
 TOKEN_DTYPES = ("uint16", "uint32")  # what --token-dtype names: the ids of a headerless .bin
 
@@ -499,5 +499,8 @@ class MegatronWriter:
     def __enter__(self) -> MegatronWriter:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, kind, error, traceback) -> None:
         self.discard()  # after commit: nothing left to remove
+        if isinstance(error, OSError) and error.errno in DISK_FULL:  # the files are gone: one line, not a traceback
+            raise UserError(f"{why_not_written(error)} while the corpus was written; nothing was written",
+                            where=str(self.bin_path)) from None  # fmt: skip

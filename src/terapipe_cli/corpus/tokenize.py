@@ -44,7 +44,7 @@ from terapipe_cli import units
 from terapipe_cli.corpus.formats import MegatronWriter, megatron_dtype
 from terapipe_cli.errors import UserError
 from terapipe_cli.extras import require
-from terapipe_cli.files import Fields, _umask, read_json, write_json_atomic
+from terapipe_cli.files import Fields, _umask, check_free_space, read_json, write_json_atomic
 
 SUMMARY_SCHEMA = "terapipe.corpus/1"
 SPLITS = ("file", "line", "paragraph")  # what one document of a text file is
@@ -384,6 +384,20 @@ def check_corpus_out(out: Path, *, force: bool) -> Path:
     return prefix
 
 
+# More input bytes per token than BPE tokenizers average on English text (GPT-2's about 4.3, Llama 3's about 4.6):
+# the corpus's size estimated from it is low, so a disk refused by it is too small for any likely corpus.
+INPUT_BYTES_PER_TOKEN = 6
+
+
+def check_corpus_room(prefix: Path, input_bytes: int, dtype: np.dtype) -> None:
+    """Free disk for the corpus of ``input_bytes`` of input before any is written: "disk full" in one line naming
+    the .bin when its folder has less room than the ids at `INPUT_BYTES_PER_TOKEN` (a disk that fills anyway is said
+    as full when it does, `MegatronWriter`, and nothing is left)."""
+    needed = input_bytes // INPUT_BYTES_PER_TOKEN * dtype.itemsize
+    estimate = f"{units.format_bytes(input_bytes)} of input at {INPUT_BYTES_PER_TOKEN} bytes a token, {dtype.name} ids"
+    check_free_space(corpus_files(prefix)["bin"], needed, estimate=estimate)
+
+
 def read_summary(prefix: Path) -> dict | None:
     """A corpus's ``PREFIX.json`` (validated), or None when there is none or it is not a corpus summary."""
     path = corpus_files(prefix)["summary"]
@@ -420,6 +434,7 @@ def tokenize_corpus(
     total = sum(p.stat().st_size for p in inputs)
     counter = _Counter()
     dtype = megatron_dtype(tok.vocab)
+    check_corpus_room(prefix, total, dtype)
     summary = CorpusSummary(prefix, dtype=dtype.name, vocab=tok.vocab, eos=tok.eos, eos_id=tok.eos_id)
     summary.prefix_ids = list(tok.prefix)
     summary.inputs = [str(p) for p in inputs]

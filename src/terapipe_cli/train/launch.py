@@ -45,7 +45,7 @@ from terapipe_cli.engine.torchrun import package_env, rendezvous_args, torchrun_
 from terapipe_cli.errors import Interrupted, Stopped, UserError
 from terapipe_cli.files import write_text_atomic
 from terapipe_cli.train import checkpoint, stop
-from terapipe_cli.train.rundir import read_config, read_metrics
+from terapipe_cli.train.rundir import has_trained, read_config, read_metrics
 from terapipe_cli.train.stop import LauncherSignals, SaveTimeout
 
 WORKER_MODULE = "terapipe_cli.train.worker"
@@ -144,6 +144,9 @@ def launch(spec: Launch) -> None:
         timeout = [r for r, f in e.failures.items() if _message(f).startswith(SaveTimeout.__name__)]
         if timeout:  # a worker's own --grace-s ran out (it received the signal itself)
             raise not_saved(spec, signal.SIGTERM) from None
+        stopped = stopped_at_once(e.failures, spec)
+        if stopped is not None:
+            raise stopped from None
         raise WorkerFailed(describe_failure(e.failures, spec)) from None
     except SignalException as e:
         if signals.received:  # a second signal, or --grace-s ran out: stopped at once
@@ -259,6 +262,33 @@ def saved_line(run_dir: Path, *, restart: str | None = None, steps: int | None =
             steps = None
     command = ["terapipe", "train", "--resume", "--out", str(run_dir)] + (["--steps", str(steps)] if steps else [])
     return f"the last complete checkpoint is step {saved}; continue with: {shlex.join(command)}"
+
+
+# The signals a scheduler or a user stops a job with: a worker ended by one (exit code -signum) was stopped, not broken.
+STOP_EXIT_CODES = {-s for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)}
+
+
+def stopped_at_once(failures: dict, spec: Launch) -> Stopped | None:
+    """Workers that a stop signal ended at once — one received before a worker's handler is installed (its first
+    seconds: the interpreter, torch's import) or a second one — are a stop, not a crash: when every failed rank was
+    ended by SIGTERM, SIGUSR1, SIGHUP or SIGINT (none raised), the one line names the first and the signal, and what
+    is kept (exit 128 + the signal's number, as when the workers saved first); else None."""
+    if not failures or any(f.exitcode not in STOP_EXIT_CODES for f in failures.values()):
+        return None
+    rank = min(failures, key=lambda r: (failures[r].timestamp, r))
+    signum = signal.Signals(-failures[rank].exitcode)
+    who = f"worker rank {rank} ({spec.layout.describe(rank)})"
+    if not has_trained(spec.run_dir):
+        return Stopped(
+            f"stopped by {signum.name} during start-up: {who} ended on it before the first step; nothing was "
+            f"trained, and the same command starts the run again in {spec.run_dir}",
+            signum,
+        )
+    return Stopped(
+        f"stopped by {signum.name}: {who} ended on it at once (during start-up, or at a second signal); "
+        f"{saved_line(spec.run_dir)}",
+        signum,
+    )
 
 
 def describe_rendezvous_failure(error: Exception, spec: Launch) -> str:
