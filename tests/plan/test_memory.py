@@ -11,7 +11,14 @@ from conftest import ROOT
 
 from terapipe_cli.config.model import vocab_share
 from terapipe_cli.plan.costmodel import read_profile
-from terapipe_cli.plan.memory import EqualSlices, grouping_peaks, stage_memory, stage_sizes
+from terapipe_cli.plan.memory import (
+    LOSS_BYTES_PER_LOGIT,
+    EqualSlices,
+    grouping_peaks,
+    loss_chunk_tokens,
+    stage_memory,
+    stage_sizes,
+)
 from terapipe_cli.plan.schedule import Schedule, plan_tiles
 
 PROFILE = read_profile(ROOT / "configs" / "profiles" / "tiny-cpu-measured.json")
@@ -84,9 +91,9 @@ def test_order_and_recomputation_shrink_the_peak_and_slicing_alone_does_not():
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_a_vocab_parallel_profile_splits_the_embedding_and_the_head(precision):
     """With ``vocab_parallel`` the first and the last stage count the fullest tensor rank's ⌈V/T⌉ rows of the token
-    embedding and of the LM head — their parameters' state, the head's 16-bit copy, the logits — plus the masks of
-    the split; a profile without it (made before the runtime split them) counts them whole, as before. The middle
-    stages are the same either way, and with T = 1 nothing changes."""
+    embedding and of the LM head — their parameters' state, the head's 16-bit copy, the logits of a chunk — plus the
+    mask of the split; a profile without it (made before the runtime split them) counts them whole, as before. The
+    middle stages are the same either way, and with T = 1 nothing changes."""
     V, T = 1001, 4  # 251 rows on the fullest rank
     base = replace(PROFILE, model=replace(PROFILE.model, vocab=V), tensor_parallel=T, precision=precision)
     old, new = stage_sizes(base, 4), stage_sizes(replace(base, vocab_parallel=True), 4)
@@ -96,8 +103,12 @@ def test_a_vocab_parallel_profile_splits_the_embedding_and_the_head(precision):
     for k in (0, 3):
         assert old[k].state - new[k].state == gone * H * state_per_param
     assert old[1:3] == new[1:3]
-    logits = 4 + (2 if precision == "bf16" else 0)  # fp32 log-probabilities (+ 16-bit logits), per row and token
-    assert old[3].tile - new[3].tile == pytest.approx(logits * gone - 1)  # + the mask of the targets held elsewhere
+    # The chunked head keeps nothing of size V for the backward: its logits are one chunk's, for a moment.
+    assert old[3].tile == new[3].tile
+    L = base.model.seq_len
+    chunks = [min(loss_chunk_tokens(rows), L) for rows in (V, vocab_share(V, T))]
+    logits = chunks[0] * V * LOSS_BYTES_PER_LOGIT - chunks[1] * vocab_share(V, T) * LOSS_BYTES_PER_LOGIT
+    assert old[3].transient - new[3].transient == pytest.approx(logits + (2 * gone * H if precision == "bf16" else 0))
     assert new[0].tile - old[0].tile == 9  # the local token ids and the mask of those held elsewhere
     assert old[3].copies - new[3].copies == (2 * gone * H if precision == "bf16" else 0)
     schedule = Schedule.build([(1, [256] * 4)] * 2, 4, "gpipe")

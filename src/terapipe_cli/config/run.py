@@ -211,6 +211,14 @@ class RunConfig:
     verify: bool | None = setting(
         "Compare with a single-process reference; exit 1 on a mismatch.", fallback=False, panel=RUN
     )
+    loss_chunk_tokens: int | None = setting(
+        "Tokens the last stage's LM head and loss run at a time, forward and backward (their logits never all at "
+        "once); 0 makes a tile's whole logits at once.",
+        minimum=0,
+        shown="the plan's",
+        panel=RUN,
+        resume="change",
+    )
     lr: float | None = setting(
         "Peak AdamW learning rate, e.g. --lr 6e-4. The default (the demo's too) lies between GPT-3's peaks for its "
         "125M-1.3B shapes and trains the tiny model without a spike; bigger models want less.",
@@ -423,6 +431,10 @@ class RunArguments:
     val_data: str | None = setting("The validation loss's own file (None: the data's held-out part).")
     sampling: str = setting("How each step's windows are drawn (`SAMPLINGS`).", "random", choices=SAMPLINGS)
     data_mix: list[str] | None = setting("A mixture's sources, WEIGHT:PATH each, weights normalised (None: one).")
+    loss_chunk_tokens: int | None = setting(
+        "The last stage's head and loss tokens at a time (None: the plan's; 0: a tile's whole logits at once).",
+        minimum=0,
+    )
 
     @classmethod
     def from_dict(cls, obj: dict, where: str) -> RunArguments:

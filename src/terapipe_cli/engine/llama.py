@@ -200,5 +200,5 @@ class Llama(GPT):
         """Token embedding only: positions enter as rotations inside attention."""
         return self.wte(tokens)
 
-    def head(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(h))
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        return self.norm(h)

@@ -177,9 +177,13 @@ class GPT(nn.Module):
             return None
         return "wte.weight" if self.first else "lm_head.weight"
 
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        """The last chunk's final norm: the LM head's input."""
+        return self.ln_f(h)
+
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """The last chunk's final norm and LM head: the logits."""
-        return self.lm_head(self.ln_f(h))
+        return self.lm_head(self.final_norm(h))
 
     def embed(self, tokens: torch.Tensor, token_start: int = 0, docs: DocumentMask | None = None) -> torch.Tensor:
         """Token + position embedding; a slice's positions are absolute (token_start + arange(i)), or with packed
@@ -194,13 +198,16 @@ class GPT(nn.Module):
         caches: list[KVCache] | None = None,
         chunk: int | None = None,
         docs: DocumentMask | None = None,
+        *,
+        logits: bool = True,
     ) -> torch.Tensor:
         """Run this stage's part (or chunk ``chunk`` of it) on one slice: tokens [token_start, token_start + i).
 
         x: (b, i) token ids on chunk 0, else the (b, i, H) activation from the previous chunk.
         caches: one `KVCache` per layer of the chunk, holding the earlier slices' keys/values of the same
         sequences (None: x is the whole sequence). docs: packed documents (`attention.DocumentMask`; None: one
-        sequence, causal). Returns (b, i, H), or the logits (b, i, vocab) on the last chunk.
+        sequence, causal). Returns (b, i, H), or on the last chunk the logits (b, i, vocab) — with ``logits=False`` the
+        final norm's output (b, i, H), for a loss that makes the logits itself a chunk at a time (`engine.loss`).
         """
         chunk = self.chunks[0] if chunk is None else chunk
         if len(self.chunks) > 1 and chunk not in self.chunk_layers:
@@ -210,7 +217,7 @@ class GPT(nn.Module):
         for idx, n in enumerate(layers):
             h = self.blocks[str(n)](h, caches[idx] if caches is not None else None, token_start, docs)
         if chunk == self.stages - 1:
-            h = self.head(h)
+            h = self.head(h) if logits else self.final_norm(h)
         return h
 
 

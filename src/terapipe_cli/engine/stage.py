@@ -31,11 +31,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from terapipe_cli.config.model import ModelConfig
+from terapipe_cli.config.model import ModelConfig, vocab_share
 from terapipe_cli.engine import split_backward
 from terapipe_cli.engine.attention import DocumentMask, KVCache
+from terapipe_cli.engine.loss import drop_compute_weights
 from terapipe_cli.engine.model import build_model
 from terapipe_cli.engine.tensor import TensorGroup, head_loss_sum, shard_module
+from terapipe_cli.plan.memory import loss_chunk_tokens as default_loss_chunk_tokens
 from terapipe_cli.plan.partition import Partition
 
 AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -132,7 +134,9 @@ class StageRunner:
     ``kv_handback=False`` drops the earlier slices' K/V gradients: a test-only negative control that must
     make verification fail. With ``tensor`` (T > 1), the stage keeps only its tensor rank's heads and MLP
     columns (`tensor.shard_module`); a tile's input and output are still the whole (b, i, H) activation.
-    ``recompute``: every chunk, or per chunk (a mapping).
+    ``recompute``: every chunk, or per chunk (a mapping). ``loss_chunk_tokens``: the last chunk's head and loss run
+    that many tokens at a time (`engine.loss`; 0: the whole tile's logits at once; None: the default of
+    `plan.memory.loss_chunk_tokens`).
     """
 
     def __init__(
@@ -149,6 +153,7 @@ class StageRunner:
         recompute: bool | Mapping[int, bool] = False,
         partition: Partition | None = None,
         chunks: tuple[int, ...] | None = None,
+        loss_chunk_tokens: int | None = None,
     ) -> None:
         if precision not in AUTOCAST_DTYPES:
             raise ValueError(f"precision must be one of {sorted(AUTOCAST_DTYPES)}, got {precision!r}")
@@ -165,6 +170,10 @@ class StageRunner:
         self.seq_len = model.seq_len
         self.kv_handback = kv_handback
         self.precision = precision
+        if loss_chunk_tokens is None:
+            rows = vocab_share(model.vocab, tensor.size if tensor is not None else 1)
+            loss_chunk_tokens = default_loss_chunk_tokens(rows)
+        self.loss_chunk_tokens = int(loss_chunk_tokens)
         self.loss_scale = 1.0
         self._tiles: dict[tuple[int, int, int], _TileState] = {}  # (chunk, batch slice, token slice)
         self._slices: dict[tuple[int, int], _BatchSlice] = {}  # (chunk, batch slice)
@@ -198,9 +207,18 @@ class StageRunner:
 
         Autocast keeps the low-precision copy of each weight until its outermost context ends. Entered once
         per step, every tile shares one copy per weight, as the whole sequence would; tile by tile, each tile's
-        graph would keep a copy of its own (measured: +64% saved bytes for 8 slices of the tiny model in bf16).
+        graph would keep a copy of its own (measured: +64% saved bytes for 8 slices of the tiny model in bf16). The
+        chunked head keeps its own copy of its weight (`loss.compute_weight`), dropped here at the end too.
         """
-        return self.autocast()
+        return self._step()
+
+    @contextmanager
+    def _step(self):
+        try:
+            with self.autocast():
+                yield
+        finally:
+            drop_compute_weights(self.module)
 
     def forward_tile(
         self,
@@ -267,8 +285,10 @@ class StageRunner:
         docs: DocumentMask | None = None,
     ) -> torch.Tensor:
         """The chunk's layers on one tile, and on the last chunk its summed token loss."""
-        out = self.module(x, start, caches, chunk, docs)
-        return head_loss_sum(self.module, out, targets) if chunk == self.last_chunk else out
+        if chunk != self.last_chunk:
+            return self.module(x, start, caches, chunk, docs)
+        h = self.module(x, start, caches, chunk, docs, logits=False)
+        return head_loss_sum(self.module, h, targets, self.loss_chunk_tokens)
 
     def backward_tile(
         self, batch_slice: int, token_slice: int, grad_out: torch.Tensor | None, *, chunk: int | None = None

@@ -13,9 +13,10 @@ The vocabulary is split too (Megatron's vocab-parallel embedding and cross-entro
 T). The embedding looks up the tokens it holds, zeros the others' rows and sums over the ranks
 (`VocabParallelEmbedding`); the head is column-parallel over the vocabulary (`VocabParallelHead`), and the loss is
 the exact cross-entropy over the whole vocabulary from each rank's share of the logits
-(`vocab_parallel_loss_sum`: the max and the sums all-reduced in the forward, nothing in the backward). The layer
-norms and the position embedding are replicated: every rank computes them on the same inputs, so their gradients
-agree on every rank without a collective.
+(`vocab_parallel_loss_sum`: the max and the sums all-reduced in the forward, nothing in the backward; the runtime
+runs it chunk by chunk, `engine.loss`, never holding the whole logits). The layer norms and the position embedding
+are replicated: every rank computes them on the same inputs, so their gradients agree on every rank without a
+collective.
 
 Why not ``torch.distributed.tensor.parallel`` (``ColwiseParallel``/``RowwiseParallel`` via
 ``parallelize_module``): it turns the parameters into DTensors, and the rest of this runtime needs plain
@@ -46,6 +47,7 @@ from torch import nn
 from terapipe_cli.arch import Split, all_splits
 from terapipe_cli.config.model import vocab_rows
 from terapipe_cli.engine.comm import Group
+from terapipe_cli.engine.loss import chunked_loss_sum, compute_weight
 from terapipe_cli.engine.model import token_loss_sum
 
 
@@ -203,13 +205,25 @@ def vocab_parallel_loss_sum(
     return _VocabParallelCrossEntropy.apply(logits_local, targets, tp, lo, hi)
 
 
-def head_loss_sum(module: nn.Module, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The last chunk's summed token loss of ``module`` (a `model.GPT`): over the whole vocabulary from this rank's
-    logits when its head is vocab-parallel (`shard_module`), else ``model.token_loss_sum``."""
+def head_loss_sum(module: nn.Module, h: torch.Tensor, targets: torch.Tensor, chunk: int = 0) -> torch.Tensor:
+    """The last chunk's summed token loss of ``module`` (a `model.GPT`) from its final norm's output ``h``: the LM head
+    and the cross-entropy ``chunk`` tokens at a time (`engine.loss`; 0: the whole logits at once), over the whole
+    vocabulary from this rank's rows when the head is vocab-parallel (`shard_module`)."""
     head = module.lm_head
-    if isinstance(head, VocabParallelHead):
-        return vocab_parallel_loss_sum(logits, targets, head.tp, head.lo, head.hi)
-    return token_loss_sum(logits, targets)
+    split = isinstance(head, VocabParallelHead)
+    if chunk <= 0:
+        logits = head(h)
+        if split:
+            return vocab_parallel_loss_sum(logits, targets, head.tp, head.lo, head.hi)
+        return token_loss_sum(logits, targets)
+    device = h.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    wc = compute_weight(head, head.weight, dtype)
+    if not split:
+        return chunked_loss_sum(h, targets, head.weight, wc, chunk)
+    # The input's gradient is summed over the ranks, as the column-parallel head's (`_CopyToRanks`).
+    x = _CopyToRanks.apply(h, head.tp)
+    return chunked_loss_sum(x, targets, head.weight, wc, chunk, head.tp, head.lo, head.hi)
 
 
 # How each sharded parameter is cut, by the end of its name: every architecture's spec's (`terapipe_cli.arch`).

@@ -131,6 +131,7 @@ class Trainer:
             recompute={c: schedule.recompute[c] for c in chunks},
             partition=partition,
             chunks=chunks,
+            loss_chunk_tokens=args.loss_chunk_tokens if args.loss_chunk_tokens is not None else plan.loss_chunk_tokens,
         )
         self.optimizer = make_optimizer(self.runner.module, args.lr, args.optimizer)
         self.executor = StageExecutor(self.runner, schedule, self.stage, comms.link)

@@ -26,6 +26,7 @@ from terapipe_cli.plan.memory import (
     MemoryCheck,
     check_memory,
     grouping_peaks,
+    planned_loss_chunk_tokens,
     stage_memory,
     stage_sizes,
 )
@@ -222,6 +223,7 @@ class Planned:
             order=self.order,
             recompute=list(self.recompute),
             partition=self.partition,
+            loss_chunk_tokens=planned_loss_chunk_tokens(prof),
             simulated_s=self.simulated_s[self.scheme],
             t_max_s=best.t_max_s,
             sum_s=best.sum_s,

@@ -23,6 +23,9 @@ plan that runs a baseline (`terapipe plan --scheme`, or the report's GPipe run) 
 ``layers_per_stage`` lists the decoder layers of every chunk (K·v of them, in model order) and ``virtual_stages`` is v,
 the chunks per device (`plan.partition`); a plan without them has v = 1 and N/K layers per stage. ``recompute`` then
 has one entry per chunk.
+``loss_chunk_tokens`` is the tokens the last stage's LM head and cross-entropy run at a time, forward and backward
+(their logits never all at once: `engine.loss`), chosen by the memory plan (`plan.memory.planned_loss_chunk_tokens`;
+``terapipe train --loss-chunk-tokens`` overrides it; 0: a tile's whole logits at once; absent: the runtime's default).
 ``order`` is the schedule order every stage walks, ``"gpipe"`` (all forwards, then all backwards; the default) or
 ``"1f1b"`` (one batch slice's backward as soon as the pipeline allows, `schedule.Schedule.build`); ``recompute``
 lists, per stage, whether its tiles re-run their forward inside their backward instead of keeping activations
@@ -148,6 +151,9 @@ class Plan:
     raw: dict = field(default_factory=dict, repr=False, compare=False)
     path: str | None = None
     partition: Partition | None = None  # the layers of each chunk (None: N/K each, v = 1)
+    # The tokens the last stage's head and loss run at a time (`engine.loss`; 0: a tile's whole logits at once; None:
+    # a plan from before it, the runtime's default)
+    loss_chunk_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.partition is None:
@@ -202,6 +208,7 @@ def plan_from_dict(obj: dict, where: str) -> Plan:
         raw=obj,
         path=where,
         partition=partition,
+        loss_chunk_tokens=f.int("loss_chunk_tokens", minimum=0) if obj.get("loss_chunk_tokens") is not None else None,
     )
 
 

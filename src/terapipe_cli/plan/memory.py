@@ -22,9 +22,9 @@ tile keeps, ``kept`` a recomputed tile's input, ``rerun`` what its re-run saves 
     recomputation:     peak_k = max over d and d's tiles (i, j) of
                                 W_kd·L·cache + (W_kd − b_d)·L·kept + b_d·(j + i)·kept + b_d·i·rerun
 
-(`in_flight`, `plain_bytes`, `recomputed_bytes`; plus the stage's state and weight copies). The planner searches
-batch groupings with it (`plan.groupings`); for D equal batch slices of b (`EqualSlices`) the largest W is
-D·b in GPipe order and min(K − k, D)·b in 1F1B. The tests check the closed form against the walk.
+(`in_flight`, `plain_bytes`, `recomputed_bytes`; plus the stage's state, weight copies and the head's transient). The
+planner searches batch groupings with it (`plan.groupings`); for D equal batch slices of b (`EqualSlices`) the largest
+W is D·b in GPipe order and min(K − k, D)·b in 1F1B. The tests check the closed form against the walk.
 
 `check_memory` holds the estimate against a limit (`MemoryCheck`): ``--memory-limit`` or a GPU's memory per device,
 a CPU's memory shared by the workers on it.
@@ -33,7 +33,7 @@ a CPU's memory shared by the workers on it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -47,6 +47,36 @@ from terapipe_cli.units import format_bytes
 
 _INDEX_BYTES = 8  # an int64 token id or position, per token
 
+# The chunked head and loss (engine/loss.py): while a chunk of the last stage's tile runs its head, its logits live for
+# a moment, at most two fp32 arrays of them at once (the logits and the log-sum-exp's or the softmax's temporary).
+LOSS_BYTES_PER_LOGIT = 8.0
+# The chunk is the largest power of two (at least MIN, at most MAX tokens) whose logits' transient fits this share of
+# the device's memory — or, on a device that records none (a CPU), this many bytes. Fewer, larger chunks run the head's
+# products at full speed and add each chunk's 16-bit weight gradient into the fp32 one fewer times.
+LOSS_CHUNK_SHARE = 1 / 32
+LOSS_CHUNK_BUDGET_BYTES = 2**29
+MIN_LOSS_CHUNK_TOKENS, MAX_LOSS_CHUNK_TOKENS = 128, 2**16
+
+
+def loss_chunk_tokens(vocab_rows: int, limit_bytes: float | None = None) -> int:
+    """The tokens the last stage's head and loss run at a time (`engine.loss`) for ``vocab_rows`` rows of the
+    vocabulary on a device of ``limit_bytes`` (None: unknown): see `LOSS_CHUNK_SHARE`."""
+    budget = LOSS_CHUNK_SHARE * limit_bytes if limit_bytes else LOSS_CHUNK_BUDGET_BYTES
+    chunk = MIN_LOSS_CHUNK_TOKENS
+    while chunk < MAX_LOSS_CHUNK_TOKENS and 2 * chunk * vocab_rows * LOSS_BYTES_PER_LOGIT <= budget:
+        chunk *= 2
+    return chunk
+
+
+def planned_loss_chunk_tokens(profile) -> int:
+    """`loss_chunk_tokens` for a profile's fullest tensor rank's rows and its device's memory (a GPU's; a CPU profile
+    records none): what a plan records and the estimate prices."""
+    model, T = profile.model, profile.tensor_parallel
+    split = bool(getattr(profile, "vocab_parallel", False)) and T > 1
+    rows = vocab_share(model.vocab, T) if split else model.vocab
+    memory = (getattr(profile, "device", None) or {}).get("memory_bytes")
+    return loss_chunk_tokens(rows, float(memory) if isinstance(memory, (int, float)) else None)
+
 
 @dataclass(frozen=True)
 class StageSizes:
@@ -58,6 +88,8 @@ class StageSizes:
     kept: float  # what a recomputed tile keeps: its input (token ids on stage 0, the fp32 activation elsewhere)
     rerun: float  # what the re-run of a recomputed tile saves on top of ``kept``
     copies: float = 0.0  # a 16-bit compute type's copies of the weight matrices, one per step (not per token)
+    # For a moment, not per token: the chunked head's logits of one chunk (and a 16-bit weight gradient), last stage
+    transient: float = 0.0
     # A split backward (I then W): the weight consumers' output gradients held from a tile's I to its W, per token
     weight_grads: float = 0.0
 
@@ -70,10 +102,11 @@ class StageMemory:
     state_bytes: float  # weights, gradients and optimizer state of the stage's parameters
     activation_bytes: float  # the most kept for the backward at once, walking the stage's actions
     tiles_in_flight: int  # tiles run forward and not yet backward at that moment
+    transient_bytes: float = 0.0  # for a moment on top: the chunked head's logits of one chunk (`StageSizes.transient`)
 
     @property
     def total_bytes(self) -> float:
-        return self.state_bytes + self.activation_bytes
+        return self.state_bytes + self.activation_bytes + self.transient_bytes
 
 
 def stage_sizes(profile, stages: int, partition: Partition | None = None) -> list[StageSizes] | None:
@@ -83,17 +116,18 @@ def stage_sizes(profile, stages: int, partition: Partition | None = None) -> lis
     ``activation_bytes_per_token_per_layer`` (a) is what `terapipe profile` measured for one layer: the tensors it
     saves (its input among them) and its own rows of the K/V cache. Over ℓ layers each layer's input is the output
     of the one before, so a tile keeps ℓ·(a − kv) per token besides the caches, plus the stage's output (4H, fp32)
-    — except on the last stage, which keeps its final norm's input and output and the logits instead (fp32
-    log-probabilities for the loss; with a 16-bit compute type also the 16-bit logits and the head's 16-bit
-    input), and its targets. Stage 0 also keeps the token ids and positions its embeddings index. The layers'
-    numbers are the profile's, already per tensor rank. With a 16-bit compute type the step also keeps one 16-bit
-    copy of each weight matrix (the layers' and the head's; `StageRunner.step`) while tiles are in flight.
+    — except on the last stage, which keeps its final norm's input and output, one log-sum-exp per token (fp32) and
+    its targets instead: the chunked head (engine/loss.py) keeps no logits for the backward, it makes each chunk's
+    again, so its logits are a ``transient`` of one chunk (`planned_loss_chunk_tokens`). Stage 0 also keeps the
+    token ids and positions its embeddings index. The layers' numbers are the profile's, already per tensor rank.
+    With a 16-bit compute type the step also keeps one 16-bit copy of each weight matrix (the layers' and the head's;
+    `StageRunner.step`) while tiles are in flight.
 
     The token embedding and the head: a profile that says ``vocab_parallel`` (the runtime's Megatron split,
     engine/tensor.py) counts the fullest tensor rank's share of their rows, ⌈V/T⌉ (`config.model.vocab_share`),
-    in their parameters, their 16-bit copy and the logits, plus what the split keeps besides: the local token ids
-    and the mask of the tokens another rank holds (stage 0), the mask of the targets another rank holds (last
-    stage). A profile without it (made before the split) counts them whole on every tensor rank, as before.
+    in their parameters, their 16-bit copy and the logits' transient, plus what the split keeps besides: the local
+    token ids and the mask of the tokens another rank holds (stage 0). A profile without it (made before the split)
+    counts them whole on every tensor rank, as before.
     """
     raw = getattr(profile, "raw", {}) or {}
     per_layer = profile.activation_bytes_per_token_per_layer
@@ -113,6 +147,7 @@ def stage_sizes(profile, stages: int, partition: Partition | None = None) -> lis
     embed_params = model.end_params(V)[0]
     state_per_param = float(raw.get("state_bytes_per_param", 16.0))
     gemm_out = sum(float(g[3]) for g in model.spec.forward_gemms(model, 1.0, 1.0, T, []))  # outputs per token
+    chunk = planned_loss_chunk_tokens(profile)
     out = []
     for k, layers in enumerate(partition.layers):
         first, last = k == 0, k == partition.chunks - 1
@@ -121,20 +156,28 @@ def stage_sizes(profile, stages: int, partition: Partition | None = None) -> lis
         if first:
             stage_params += embed_params
             tile += 2 * _INDEX_BYTES + (_INDEX_BYTES + mask if split else 0.0)  # + the split's local ids and mask
+        transient = 0.0
         if last:
             # Tied: the embedding's table when both ends are on one device (K = 1), else a copy of it (§6a).
             stage_params += 0 if model.tie_embeddings and partition.devices == 1 else V * H
-            tile += 4.0 * H + compute * H + 4.0 * V + (2.0 * V if compute == 2 else 0.0) + _INDEX_BYTES + mask
+            # What the head keeps now (a reader of a traced estimate beside this: the hand formula's last stage):
+            # the final norm's input and output (fp32), one log-sum-exp per token (fp32) and the targets; nothing of
+            # size V. The logits live one chunk at a time, in the forward and again in the backward, with a 16-bit
+            # compute type also the chunk's 16-bit weight gradient before it joins the fp32 one (engine/loss.py).
+            tile += 2 * 4.0 * H + 4.0 + _INDEX_BYTES
+            # A chunk is at most a tile: counted up to one sequence (a tile of b sequences may hold more, rarely).
+            transient = min(chunk, model.seq_len) * V * LOSS_BYTES_PER_LOGIT + (compute * V * H if compute == 2 else 0)
         kept = _INDEX_BYTES if first else 4.0 * H
         # The re-run keeps nothing of its own output (the backward starts from it at once).
         rerun = max(tile - kept - (0.0 if last else 4.0 * H), 0.0)
         copies = 0.0 if compute == 4 else compute * (layers * params + (V * H if last else 0.0))
         # Between I and W (engine/split_backward.py): the gradient of each weight consumer's output — the layers'
-        # matrix products (compute type) and their two norms (fp32), the embeddings' sum, the final norm and the
-        # logits (compute type).
+        # matrix products (compute type) and their two norms (fp32), the embeddings' sum, the final norm (the head's
+        # weight gradient is I's: engine/loss.py).
         grads = layers * (gemm_out * compute + 2 * 4.0 * H) + (4.0 * H if first else 0.0)
-        grads += (4.0 * H + V * compute) if last else 0.0
-        out.append(StageSizes(stage_params * state_per_param, layers * kv, tile, kept, rerun, copies, grads))
+        grads += 4.0 * H if last else 0.0
+        sizes = StageSizes(stage_params * state_per_param, layers * kv, tile, kept, rerun, copies, weight_grads=grads)
+        out.append(replace(sizes, transient=transient))
     return out
 
 
@@ -191,8 +234,9 @@ def stage_memory(schedule: Schedule, profile) -> list[StageMemory] | None:
     out = []
     for k in range(schedule.stages):
         peak, count = walk_peak(schedule[k], sizes, seq_len, schedule.recompute)
-        state = sum(sizes[c].state for c in range(schedule.chunks) if schedule.device(c) == k)
-        out.append(StageMemory(k, state, peak, count))
+        own = [c for c in range(schedule.chunks) if schedule.device(c) == k]
+        state, transient = sum(sizes[c].state for c in own), sum(sizes[c].transient for c in own)
+        out.append(StageMemory(k, state, peak, count, transient))
     return out
 
 
@@ -204,7 +248,7 @@ def in_flight(batch_sizes: Sequence[int], order: str, stages: int) -> list[list[
 
 def plain_bytes(s: StageSizes, open_sequences, seq_len: int):
     """A stage's peak without recomputation while batch slices of ``open_sequences`` sequences are open."""
-    return s.state + s.copies + np.asarray(open_sequences, dtype=float) * seq_len * (s.cache + s.tile)
+    return s.state + s.copies + s.transient + np.asarray(open_sequences, dtype=float) * seq_len * (s.cache + s.tile)
 
 
 def recomputed_bytes(s: StageSizes, open_sequences, b, seq_len: int, i, j):
@@ -213,7 +257,12 @@ def recomputed_bytes(s: StageSizes, open_sequences, b, seq_len: int, i, j):
     W, b = np.asarray(open_sequences, dtype=float), np.asarray(b, dtype=float)
     i, j = np.asarray(i, dtype=float), np.asarray(j, dtype=float)
     return (
-        s.state + s.copies + W * seq_len * s.cache + (W - b) * seq_len * s.kept + b * ((j + i) * s.kept + i * s.rerun)
+        s.state
+        + s.copies
+        + s.transient
+        + W * seq_len * s.cache
+        + (W - b) * seq_len * s.kept
+        + b * ((j + i) * s.kept + i * s.rerun)
     )
 
 

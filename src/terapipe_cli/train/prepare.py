@@ -277,6 +277,7 @@ def _new_arguments(
         threads=config.value("threads"),
         timeout_s=float(config.value("timeout_s")),
         verify=config.value("verify"),
+        loss_chunk_tokens=config.loss_chunk_tokens,
         kv_handback=controls.kv_handback,
         precision=_run_precision(config.precision, device, plan),
         warmup_steps=schedule.warmup_steps,

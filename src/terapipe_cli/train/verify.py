@@ -224,7 +224,10 @@ def spread_run(run, progress: StepsDone | None = None) -> tuple[Trajectory, str]
     if precision == "fp32":
         model = starting_model(run).double()
         return single_process_run(run, model, whole_sequence_step("fp32"), "fp32", progress), "float64, whole sequence"
-    runner = StageRunner(plan.model, 0, 1, seed=args.seed, device=run.device, precision=precision)
+    chunk = args.loss_chunk_tokens if args.loss_chunk_tokens is not None else plan.loss_chunk_tokens
+    runner = StageRunner(
+        plan.model, 0, 1, seed=args.seed, device=run.device, precision=precision, loss_chunk_tokens=chunk
+    )
     initial_weights(args, runner.module)
     step_fn = tiled_step(runner, plan, args.data_parallel)
     trajectory = single_process_run(run, runner.module, step_fn, precision, progress)
