@@ -182,3 +182,19 @@ def test_resume_passes_over_a_truncated_checkpoint_in_one_line(tmp_path, capsys)
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert "no complete checkpoint to resume from: the checkpoint of step 3 is not usable" in p.stderr
     assert "the checkpoint of step 2 is not usable (stage_000.pt has 0 bytes" in p.stderr
+
+
+def test_a_disk_without_room_for_one_checkpoint_is_one_line_before_the_launch(tmp_path, capsys, monkeypatch):
+    """`terapipe train` onto a disk with less free than one checkpoint (12 bytes a parameter): exit 2, no folder."""
+    from conftest import assert_one_line_error, write_plan_file
+
+    from terapipe_cli import files
+
+    real = shutil.disk_usage
+    monkeypatch.setattr(files.shutil, "disk_usage", lambda path: real(path)._replace(free=1000))
+    plan, out = write_plan_file(tmp_path / "plan.json", [(1, [16, 16])], stages=2), tmp_path / "run"
+    p = run_cli(capsys, "train", "--plan", plan, "--out", out, "--device", "cpu", "--steps", "2")
+    assert_one_line_error(
+        p, f"{out / 'checkpoints'}: disk full: needs about", "parameters: fp32 weights", "1,000 bytes"
+    )
+    assert not out.exists()

@@ -45,7 +45,7 @@ from terapipe_cli.config.run import (
 from terapipe_cli.engine.data import TokenData, document_mask_note, load_data, resolve_document_mask, run_data
 from terapipe_cli.engine.mesh import Layout
 from terapipe_cli.errors import UserError
-from terapipe_cli.files import read_user_text
+from terapipe_cli.files import check_free_space, read_user_text
 from terapipe_cli.plan.file import Plan, plan_from_dict, read_plan, replan_advice
 from terapipe_cli.plan.schedule import parse_schedule
 from terapipe_cli.train import checkpoint, init_from
@@ -143,6 +143,8 @@ def prepare_run(
     backend = backend_for(device, per_node)
     plan_obj, arguments = _config_fields(run)
     rendezvous = {"rdzv_endpoint": config.rdzv_endpoint, "rdzv_timeout_s": config.value("rdzv_timeout_s")}
+    if write:
+        check_checkpoint_room(run.out, run.plan)
     if write and node_rank == 0:
         _write_run_dir(run, arguments, device=device, backend=backend, nnodes=nnodes, rendezvous=rendezvous)
     launch = Launch(
@@ -594,6 +596,15 @@ def _config_fields(run: _Run) -> tuple[dict, dict]:
     if run.config is not None:
         return run.plan_obj, {**run.config["arguments"], **dataclasses.asdict(run.args)}
     return run.plan_obj, dataclasses.asdict(run.args)
+
+
+def check_checkpoint_room(out: Path, plan: Plan) -> None:
+    """Room for one checkpoint on ``out``'s disk before a launch: its stage files hold every parameter in fp32 with
+    AdamW's two moments (12 bytes a parameter); "disk full" in one line, exit 2, when the disk has less free (each
+    file checks again before it is written, `checkpoint.save_stage`)."""
+    parameters = sum(math.prod(shape) for shape in plan.model.spec.tensor_shapes(plan.model).values())
+    estimate = f"a checkpoint of {parameters:,} parameters: fp32 weights and AdamW's two moments"
+    check_free_space(out / "checkpoints", 12 * parameters, estimate=estimate)
 
 
 def _write_run_dir(run: _Run, arguments: dict, *, device: str, backend: str, nnodes: int, rendezvous: dict) -> None:
