@@ -154,6 +154,7 @@ def profile(
             cfg, hardware=hardware, tensor_parallel=tensor_parallel, batch_sizes=sizes, token_step=token_step,
             check=check, quick=quick, no_comm=no_comm, no_allreduce=no_allreduce, precision=precision,
         )  # fmt: skip
+        prof["model_source"] = options.model_source(model)  # for the advice to profile it again
         _write(console, out, prof)
         return
     settings, dev = options.measurement_request(
@@ -161,11 +162,13 @@ def profile(
         clock=clock, hardware=hardware, tensor_parallel=tensor_parallel, precision=precision,
     )  # fmt: skip
     measure = {"measure_comm": not no_comm, "measure_allreduce": not no_allreduce, "tensor_parallel": tensor_parallel}
-    _measure(console, cfg, settings, dev, measure, out=out)
+    source = options.model_source(model)
+    _measure(console, cfg, settings, dev, measure, out=out, model_source=source)
 
 
-def _measure(console: Console, cfg, settings, dev, measure: dict, *, out: Path) -> None:
-    """``measure``: the keyword arguments of `measure_profile` that say what to measure."""
+def _measure(console: Console, cfg, settings, dev, measure: dict, *, out: Path, model_source=None) -> None:
+    """``measure``: the keyword arguments of `measure_profile` that say what to measure; ``model_source``: how
+    ``--model`` named the model (`options.model_source`), recorded for the advice to profile it again."""
     from terapipe_cli.profile.measure import measure_profile  # PyTorch: loaded by the commands that time
 
     T = measure["tensor_parallel"]
@@ -182,6 +185,8 @@ def _measure(console: Console, cfg, settings, dev, measure: dict, *, out: Path) 
     started = time.perf_counter()
     with ProgressBar(console) as update:
         prof = measure_profile(cfg, settings, dev, progress=update, **measure)
+    if model_source is not None:
+        prof["model_source"] = model_source
     _write(console, out, prof, seconds=time.perf_counter() - started)
 
 

@@ -9,7 +9,8 @@ the rest: when a worker exits non-zero or is killed, it stops the others and rai
 with each failed rank's exit code and error file (written by the worker), which `launch` reduces to the
 root cause: a rank that raised or was killed; else one that lost contact with a neighbour (`PeerLost`, which
 names the neighbour and says whether the connection closed or a wait timed out, as when a rank hangs);
-last, one merely stopped with SIGTERM by torchrun after the first failure.
+last, one merely stopped with SIGTERM by torchrun after the first failure. Workers that only a stop signal ended
+(one that came before a worker could note it: its first seconds) were stopped, not broken: `stopped_at_once`.
 
 Ctrl-C, SIGTERM, SIGUSR1: a terminal sends SIGINT to its foreground process group, which is this launcher alone
 (torchrun's agent runs in it; torchrun starts every worker in its own session); a scheduler sends SIGTERM to the
