@@ -6,6 +6,7 @@ a model is named. The folders are tiny random models written by ``save_pretraine
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 from conftest import assert_one_line_error, run_cli
@@ -74,6 +75,12 @@ def test_a_gpt2_folder(tmp_path):
         name="gpt2-tiny", layers=2, hidden=32, heads=4, vocab=64, seq_len=48, arch="gpt2", tie_embeddings=True
     )
     assert model_from_transformers(tmp_path / "gpt2-tiny", seq_len=32).seq_len == 32
+    # A model is its architecture and shapes, not its folder's name: a copy elsewhere is the same model.
+    shutil.copytree(tmp_path / "gpt2-tiny", tmp_path / "copy")
+    copy = load_model_config(tmp_path / "copy")
+    assert copy.name == "copy" and copy == cfg and copy.difference(cfg) is None
+    untied = ModelConfig(**{**cfg.__dict__, "tie_embeddings": False})
+    assert untied != cfg and cfg.difference(untied) == ("tie_embeddings", False, True)
     with pytest.raises(UserError, match="field 'n_positions' is 48: the position table holds no place for 64"):
         model_from_transformers(tmp_path / "gpt2-tiny", seq_len=64)
 

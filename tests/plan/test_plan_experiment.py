@@ -78,8 +78,11 @@ def test_a_profile_given_is_used_and_must_be_of_the_experiments_model(tmp_path: 
     path = write_json_atomic(tmp_path / "mine.json", obj)
     setting = setting_from_options(**options(profile=path))
     assert setting.profile_path == str(path) and setting.profile.path == str(path)
-    with pytest.raises(UserError, match=f"{EXAMPLE}: is a profile of model 'tiny', but {QUICK} trains"):
+    with pytest.raises(UserError, match=f"{EXAMPLE}: is a profile of model 'tiny', but {QUICK} trains .*: its field"):
         setting_from_options(**options(profile=EXAMPLE))
+    # The same model profiled from a folder of another name is the experiment's model.
+    renamed = write_json_atomic(tmp_path / "renamed.json", {**obj, "model": {**obj["model"], "name": "elsewhere"}})
+    assert setting_from_options(**options(profile=renamed)).profile.model.name == "elsewhere"
 
 
 def test_a_unique_start_of_a_bundled_name_finds_it():
@@ -102,7 +105,10 @@ def test_a_unique_start_of_a_bundled_name_finds_it():
         (["--experiment", "paper-05"], ["--experiment", "paper-05-gpt3-13b-L4096"]),
         (["--experiment", "paper-04", "-d", "3"], ["--data-parallel", "3 does not divide", "--batch"]),
         (["--experiment", QUICK, "-t", "5"], ["--tensor-parallel", "5 does not divide the 48 heads"]),
-        (["--experiment", QUICK, "--profile", str(EXAMPLE)], ["example-tiny-cpu.json", "trains 'gpt3-44b'"]),
+        (
+            ["--experiment", QUICK, "--profile", str(EXAMPLE)],
+            ["example-tiny-cpu.json", "trains 'gpt3-44b'", "field 'model.layers' is 4"],
+        ),
         (["--stages", "2", "--batch", "1"], ["--profile", "is required", "--experiment"]),
         (
             ["--experiment", "paper-10", "--partition", "balanced", "--virtual-stages", "1", "--memory-limit", "8"],

@@ -90,6 +90,10 @@ def test_the_request_takes_the_profiles_t_and_refuses_another():
     assert plan_request(prof, stages=2, batch_size=1, tensor_parallel=2).tensor_parallel == 2
     with pytest.raises(UserError, match="--tensor-parallel: 1 asked for, but .* estimated at tensor parallelism 2"):
         plan_request(prof, stages=2, batch_size=1, tensor_parallel=1)
+    # The advice names what `terapipe profile --model` takes: the model's file or folder as the profile records it.
+    made = profile_from_dict({**analytic_tiny(2), "model_source": "/models/my gpt2"}, "analytic")
+    with pytest.raises(UserError, match="`terapipe profile --model '/models/my gpt2' --tensor-parallel 1`"):
+        plan_request(made, stages=2, batch_size=1, tensor_parallel=1)
     planned = plan_for_profile(prof, plan_request(prof, stages=2, batch_size=1))
     assert planned.to_plan_dict("p.json")["tensor_parallel"] == 2
 

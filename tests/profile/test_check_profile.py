@@ -47,17 +47,16 @@ def test_an_h100_estimate_is_refused_on_this_cpu_in_one_line(tmp_path: Path, cap
         "--hardware",
         ROOT / "configs/hardware/h100.toml",
         "--model",
-        "tiny",
+        ROOT / "configs/models/tiny.toml",
         "--out",
         out,
     )
     assert made.returncode == 0, made.stdout + made.stderr
     before = sorted(tmp_path.iterdir())
     p = run_cli(capsys, "profile", "--check-profile", out)
-    # Both devices and both precisions, and what to do instead.
-    assert_one_line_error(
-        p, str(out), "analytic", "NVIDIA H100-SXM5-80GB (cuda) in fp16", f"{CPU_NAME} (cpu)", "terapipe profile"
-    )
+    # Both devices and both precisions, and what to do instead: the model's file to profile, as it was given.
+    model = f"terapipe profile --model {ROOT / 'configs/models/tiny.toml'} --check"
+    assert_one_line_error(p, str(out), "analytic", "NVIDIA H100-SXM5-80GB (cuda) in fp16", f"{CPU_NAME} (cpu)", model)
     assert "measured profile" in p.stderr and p.stdout == ""
     assert sorted(tmp_path.iterdir()) == before  # nothing written
 

@@ -6,14 +6,16 @@ and read by the workers' own functions), then once through `terapipe train --res
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
-from conftest import LocalSetup, local_setup, run_cli, terapipe, train_locally, write_plan_file
+from conftest import LocalSetup, local_setup, run_cli, terapipe, tiny_model, train_locally, write_plan_file
 
 from terapipe_cli.engine.local import LocalWorld, local_comms
 from terapipe_cli.engine.mesh import Layout
 from terapipe_cli.engine.trainer import Trainer
+from terapipe_cli.files import write_json_atomic
 from terapipe_cli.plan.file import read_plan
 from terapipe_cli.plan.schedule import Schedule
 from terapipe_cli.train import checkpoint
@@ -146,14 +148,30 @@ def _run_args(out) -> dict:
     return {k: getattr(args, k) for k in ("lr", "warmup_steps", "min_lr", "decay_steps", "grad_clip", "val_fraction")}
 
 
-def test_a_plan_of_another_model_is_one_line(tmp_path, capsys):
-    from fake_runs import checkpointed_run
+@pytest.mark.parametrize(
+    ("model", "refused"),
+    [
+        ({"layers": 2}, "field 'model.layers' (2, the run's 4)"),
+        ({"tie_embeddings": False}, "field 'model.tie_embeddings' (False, the run's True)"),
+        ({"name": "another-folder"}, None),  # the same model under another name (a transformers folder's is its own)
+    ],
+)
+def test_a_plan_of_another_model_is_one_line_naming_the_field(tmp_path, capsys, model, refused):
+    """`terapipe train --resume --plan OTHER`: a plan of another model is refused naming the field that differs (a
+    GPT-2 whose head is tied to its embedding, and one whose is not, differ); one of the same model is not."""
+    from fake_runs import SEQ, checkpointed_run
 
-    run = checkpointed_run(tmp_path / "run", step=3)
-    other = write_plan_file(tmp_path / "other.json", [(1, [16, 16])], stages=2, layers=2, seq_len=32)
+    gpt2 = dataclasses.replace(tiny_model(seq_len=SEQ), arch="gpt2", tie_embeddings=True)
+    run = checkpointed_run(tmp_path / "run", gpt2, step=3)
+    plan = json.loads((run / "plan.json").read_text())
+    plan["model"].update(model)
+    other = write_json_atomic(tmp_path / "other.json", plan)
     p = run_cli(capsys, "train", "--resume", "--out", run, "--plan", other, "--steps", "5", "--dry-run")
+    if refused is None:
+        assert p.returncode == 0, p.stderr
+        return
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
-    assert "field 'model.layers'" in p.stderr and "--init-from" in p.stderr
+    assert refused in p.stderr and "--init-from" in p.stderr
 
 
 def test_another_precision_on_resume_is_said_and_checked_against_the_plan(tmp_path, capsys):

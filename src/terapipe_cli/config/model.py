@@ -29,7 +29,7 @@ whose ``transformers_classes`` name its architecture (`model_from_transformers`)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from terapipe_cli.arch import ARCHS, COMMON_FIELDS, Arch, RopeScaling, arch_spec, transformers_arch
@@ -40,7 +40,11 @@ from terapipe_cli.files import Fields, read_json
 
 @dataclass(frozen=True)
 class ModelConfig:
-    name: str
+    """A model's architecture and shapes: what decides its tensors and numbers, and so which plans, profiles,
+    checkpoints and weights are its own. ``name`` labels it (a transformers folder's is the folder's) and is no part
+    of that identity: two models equal when every other field does (`difference` names the first that does not)."""
+
+    name: str = field(compare=False)
     layers: int
     hidden: int
     heads: int
@@ -104,6 +108,15 @@ class ModelConfig:
         inner = self.ffn_hidden
         if inner % t:
             raise UserError(f"{t} does not divide the MLP's {inner} inner features of model '{self.name}'", where=where)
+
+    def difference(self, other: ModelConfig) -> tuple[str, object, object] | None:
+        """The first field of the identity (every field but ``name``, each resolved: ``tie_embeddings`` is the
+        architecture's default when not given) in which ``other`` differs: (field, other's value, this one's);
+        None for the same model."""
+        for f in fields(self):
+            if f.compare and getattr(self, f.name) != getattr(other, f.name):
+                return f.name, getattr(other, f.name), getattr(self, f.name)
+        return None
 
     def to_dict(self) -> dict:
         """The fields a TOML or JSON file gives: the common ones, ``arch`` and the architecture's own (a GPT model's

@@ -82,6 +82,7 @@ left out of the price (zero), and `CostModel.allreduce_unpriced` says why, for t
 from __future__ import annotations
 
 import hashlib
+import shlex
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -200,6 +201,12 @@ class Profile:
     # In memory only: attention priced by the context a tile attends over a corpus's packed documents (block-causal
     # masking, `plan.documents`) instead of the whole prefix; None: the whole prefix (full causal attention).
     attended: AttendedContext | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def model_argument(self) -> str:
+        """What to give ``terapipe profile --model`` to profile this model again: the file or folder the profile was
+        made from (its ``model_source``), else (a profile from before that was recorded) the model's name."""
+        return shlex.quote(str(self.raw.get("model_source") or self.model.name))
 
     @property
     def split_source(self) -> str:

@@ -114,9 +114,12 @@ def experiment_setting(
 ) -> PlanSetting:
     """The setting of an experiment's ``shape`` on ``profile`` (a file at ``profile_path``, which must be of the
     experiment's model, or None: the analytic estimate for its hardware)."""
-    if profile_path is not None and profile.model != exp.model:
+    differs = None if profile_path is None else exp.model.difference(profile.model)
+    if differs is not None:
+        key, theirs, ours = differs
         raise UserError(
-            f"is a profile of model {profile.model.name!r}, but {exp.name} trains {exp.model.name!r}",
+            f"is a profile of model {profile.model.name!r}, but {exp.name} trains {exp.model.name!r}: its field "
+            f"'model.{key}' is {theirs!r}, the experiment's {ours!r}",
             where=str(profile_path),
         )
     s = shape
@@ -339,9 +342,9 @@ def check_tensor_parallel(profile: Profile, tensor_parallel: int | None) -> int:
         hardware = profile.device.get("hardware_file") or "HARDWARE.toml"
         raise UserError(
             f"{tensor_parallel} asked for, but {profile.path or 'the profile'} was {how} at tensor parallelism "
-            f"{have}; make a profile at {tensor_parallel}: `terapipe profile --model {model.name} --tensor-parallel "
-            f"{tensor_parallel}` (measured here) or `terapipe profile --analytic --hardware {hardware} --model "
-            f"{model.name} --tensor-parallel {tensor_parallel}`",
+            f"{have}; make a profile at {tensor_parallel}: `terapipe profile --model {profile.model_argument} "
+            f"--tensor-parallel {tensor_parallel}` (measured here) or `terapipe profile --analytic --hardware "
+            f"{hardware} --model {profile.model_argument} --tensor-parallel {tensor_parallel}`",
             where="--tensor-parallel",
         )
     return have

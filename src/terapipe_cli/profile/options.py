@@ -70,6 +70,12 @@ def model_to_profile(
     return cfg, sizes
 
 
+def model_source(model: Path) -> str:
+    """How ``--model`` named the model, for a profile to record (`Profile.model_argument`): a file or folder by its
+    absolute path, a bundled model by its name."""
+    return str(model.resolve()) if model.exists() else str(model)
+
+
 def profile_to_check(
     path: Path, device: str, *, precision: str | None, model: Path | None, analytic: bool
 ) -> tuple[Profile, torch.device]:
@@ -143,7 +149,7 @@ def check_analytic_device(prof: Profile, dev: torch.device, path: Path) -> None:
     raise UserError(
         f"is an analytic estimate for {described} ({kind}) in {prof.precision}, but this check would time "
         f"{local} ({dev.type}) in {here}; an estimate is checked only on the device and in the precision it "
-        f"describes: make a measured profile of this machine with `terapipe profile --model {prof.model.name} "
+        f"describes: make a measured profile of this machine with `terapipe profile --model {prof.model_argument} "
         "--check`",
         where=str(path),
     )

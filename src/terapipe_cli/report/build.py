@@ -121,9 +121,13 @@ def find_cost_model(run: Run, profile: Path | None):
             return None, {"used": False, "why": why}
     else:
         prof = read_profile(profile)
-        if prof.model != run.plan.model:
+        differs = run.plan.model.difference(prof.model)
+        if differs is not None:
+            key, theirs, ours = differs
             raise UserError(
-                f"is a profile of model {prof.model.name!r}, the run trains {run.plan.model.name!r}", where=str(profile)
+                f"is a profile of model {prof.model.name!r}, the run trains {run.plan.model.name!r}: its field "
+                f"'model.{key}' is {theirs!r}, the run's {ours!r}",
+                where=str(profile),
             )
         if prof.tensor_parallel != run.args.tensor_parallel:
             raise UserError(

@@ -245,14 +245,18 @@ def same_settings() -> tuple[str, ...]:
 def check_comparable(run: Run, baseline: Run) -> None:
     """Raise UserError (naming the baseline's config) when the baseline is not the same training as the run."""
     where = str(baseline.path / "config.json")
-    for key in SAME:
+    differs = run.plan.model.difference(baseline.plan.model)
+    if differs is not None:
+        key, theirs, ours = differs
+        raise UserError(
+            f"the baseline has a different model (its field 'model.{key}' is {theirs!r}, the run's {ours!r}): "
+            "not comparable",
+            where=where,
+        )
+    for key in SAME[1:]:
         a, b = getattr(run.plan, key), getattr(baseline.plan, key)
         if a != b:
-            shown = (a.name, b.name) if key == "model" and a.name != b.name else (a, b)
-            what = f"a different {key}" if key == "model" else f"{key} {shown[1]}"
-            raise UserError(
-                f"the baseline has {what} ({shown[1]!r} vs the run's {shown[0]!r}): not comparable", where=where
-            )
+            raise UserError(f"the baseline has {key} {b} ({b!r} vs the run's {a!r}): not comparable", where=where)
     # As `terapipe train` would train each again (a run from before the lr schedule: its constant lr written out).
     ours, theirs = RunConfig.of_run(run.args), RunConfig.of_run(baseline.args)
     for key in same_settings():

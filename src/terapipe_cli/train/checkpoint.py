@@ -93,6 +93,15 @@ class WriteFailed(Exception):
     """A checkpoint file could not be written (a full disk, a quota, a folder gone): one line naming it."""
 
 
+def _model_difference(stored: dict, ours: dict) -> str | None:
+    """The first field but ``name`` (a label: a transformers folder's is the folder's) in which the model a file was
+    written for differs from ``ours``, as a phrase; None for the same model."""
+    for key in {**ours, **stored}:
+        if key != "name" and stored.get(key) != ours.get(key):
+            return f"its field 'model.{key}' is {stored.get(key)!r}, the run's {ours.get(key)!r}"
+    return None
+
+
 @dataclass(frozen=True)
 class Origin:
     """What wrote a checkpoint: the model (its config as a model file gives it) and the layout (D, K, T, virtual
@@ -511,8 +520,11 @@ def read_state(
     for stage in checkpoint_stages(run_dir, step):
         obj = load_stage(run_dir, step, stage, map_location, mmap=True)
         path = stage_file(run_dir, step, stage)
-        if model_config is not None and obj.get("model_config", model_config) != model_config:
-            raise CheckpointMismatch(f"{path}: written for another model ({obj['model_config'].get('name')!r})")
+        differs = (
+            None if model_config is None else _model_difference(obj.get("model_config", model_config), model_config)
+        )
+        if differs is not None:
+            raise CheckpointMismatch(f"{path}: written for another model: {differs}")
         out.layouts.append(obj.get("layout"))
         if obj["schema"] == OLD_CHECKPOINT_SCHEMA:
             out.by_index[stage] = obj

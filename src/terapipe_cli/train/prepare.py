@@ -497,12 +497,12 @@ def _refuse(conflicts: list[_Conflict], out: Path) -> None:
 def _plan_conflicts(config: RunConfig, given: Plan | None, plan: Plan, out: Path) -> list[_Conflict]:
     """A --plan given to --resume may lay the run out anew (another K, partition, virtual stages, slicing, order,
     D or T: docs/design.md §6e) but must be a plan of the run's model, the first differing field named."""
-    if given is None or given.model == plan.model:
+    differs = None if given is None else plan.model.difference(given.model)  # the name is a label, not the model
+    if differs is None:
         return []
-    ours, theirs = plan.model.to_dict(), given.model.to_dict()
-    key = next((k for k in {**ours, **theirs} if ours.get(k) != theirs.get(k)), "model")
+    key, theirs, ours = differs
     error = UserError(
-        f"its model differs from the run's in field 'model.{key}' ({theirs.get(key)!r}, the run's {ours.get(key)!r}): "
+        f"its model differs from the run's in field 'model.{key}' ({theirs!r}, the run's {ours!r}): "
         f"a run continues only with its own model (a new run can start from its weights with --init-from {out})",
         where=str(config.plan),
     )
