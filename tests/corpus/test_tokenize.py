@@ -15,6 +15,7 @@ import pytest
 from conftest import assert_one_line_error, local_setup, run_cli, tiny_model, train_locally
 
 from terapipe_cli.corpus import tokenize as tz
+from terapipe_cli.corpus.identity import fingerprint, tokenizer_digest
 from terapipe_cli.engine.data import generate_default_text, load_data
 
 tokenizers = pytest.importorskip("tokenizers")
@@ -116,6 +117,8 @@ def test_text_by_line_jsonl_and_parquet_into_one_corpus(tmp_path, capsys, llama_
     summary = json.loads((tmp_path / "out" / "corpus.json").read_text())
     assert summary["schema"] == "terapipe.corpus/1" and summary["tokens"] == len(expected)
     assert summary["max_token"] == max(expected) and summary["eos"] == {"token": EOT, "id": 0}
+    assert summary["fingerprint"] == fingerprint(tmp_path / "out" / "corpus")  # what a run keeps and checks
+    assert summary["tokenizer_sha256"] == tokenizer_digest(llama_folder / "tokenizer.json")
     copied = sorted(q.name for q in (tmp_path / "out" / "corpus.tokenizer").iterdir())
     assert copied == ["tokenizer.json", "tokenizer_config.json"]
     # inspect prints the same summary, and the start of the first document decoded with the copied tokenizer.
@@ -166,6 +169,9 @@ def test_special_tokens_in_a_text_are_text(tmp_path, bpe):
         ("nofield.jsonl", ["--eos", EOT, "--out", "c"], ["line 1", "no field 'text'", "--field"]),
         ("t.txt", ["--eos", EOT, "--out", "taken"], ["taken.bin exists", "--force"]),
         ("latin1.txt", ["--eos", EOT, "--out", "c"], ["latin1.txt", "not UTF-8 text at byte 3"]),
+        ("empty.jsonl", ["--eos", EOT, "--out", "new/c"], ["empty.jsonl", "no text to tokenize: no document"]),
+        ("nulls.jsonl", ["--eos", EOT, "--out", "c"], ["nulls.jsonl", "only empty documents (2, left out)"]),
+        ("/dev/null", ["--eos", EOT, "--out", "c"], ["/dev/null", "no text", "nothing written"]),
     ],
 )
 def test_tokenize_mistakes_are_one_line_and_write_nothing(tmp_path, capsys, bpe, make, args, words):
@@ -174,6 +180,8 @@ def test_tokenize_mistakes_are_one_line_and_write_nothing(tmp_path, capsys, bpe,
     (tmp_path / "nofield.jsonl").write_text('{"body": "ok"}\n')
     (tmp_path / "latin1.txt").write_bytes("café au lait".encode("latin-1"))
     (tmp_path / "taken.bin").write_bytes(b"something else")
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "nulls.jsonl").write_text('{"text": null}\n{"text": ""}\n')
     before = sorted(p.name for p in tmp_path.iterdir())
     p = run_cli(capsys, "data", "tokenize", tmp_path / (make or "missing.txt"), "--tokenizer", bpe, *args, cwd=tmp_path)
     assert_one_line_error(p, *words)
@@ -305,13 +313,14 @@ def test_sigterm_during_tokenize_leaves_no_temporary_file(tmp_path, bpe):
     command = [sys.executable, "-m", "terapipe_cli", *map(str, argv)]
     p = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        writer = None
-        while writer is None and p.poll() is None:  # the command opens the pipe once its .bin's temporary file exists
+        # The command opens the pipe once its .bin's temporary file exists (one that never does fails the test).
+        writer, deadline = None, time.monotonic() + 120
+        while writer is None and p.poll() is None and time.monotonic() < deadline:
             try:
                 writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
             except OSError:
                 time.sleep(0.05)
-        assert writer is not None, p.communicate()
+        assert writer is not None, p.communicate() if p.poll() is not None else "it never opened its input"
         os.write(writer, b"Ada sees the cat.\n")
         assert [q.name for q in tmp_path.glob(".c.bin.*.tmp")]
         p.send_signal(signal.SIGTERM)

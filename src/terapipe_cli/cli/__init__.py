@@ -77,6 +77,7 @@ _exceptions = _click.exceptions
 
 def main(argv: list[str] | None = None) -> None:
     command = typer.main.get_command(app)
+    _refuse_both_switches(command, sys.argv[1:] if argv is None else [str(a) for a in argv])
     try:
         with signals_raise():  # SIGTERM unwinds like Ctrl-C: no temporary file is left behind
             code = command.main(args=argv, prog_name="terapipe", standalone_mode=False)
@@ -99,3 +100,17 @@ def main(argv: list[str] | None = None) -> None:
         sys.stderr.write("terapipe: interrupted\n")
         raise SystemExit(Interrupted.exit_code) from None
     raise SystemExit(code if isinstance(code, int) else 0)
+
+
+def _refuse_both_switches(command, argv: list[str]) -> None:
+    """A switch given with its negation (``--document-mask --no-document-mask``) is one line, not the last one
+    silently winning: the command's own flag pairs are looked up (click's ``opts`` and ``secondary_opts``)."""
+    args = argv[: argv.index("--")] if "--" in argv else argv
+    while args and args[0] in getattr(command, "commands", {}):  # a group: down to the command named
+        command, args = command.commands[args[0]], args[1:]
+    given = set(args)
+    for param in getattr(command, "params", ()):
+        on = [o for o in getattr(param, "opts", ()) if o in given]
+        off = [o for o in getattr(param, "secondary_opts", ()) if o in given]
+        if on and off:
+            fail(f"{on[0]} and {off[0]} contradict each other: give one of them")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Annotated
 
@@ -101,10 +102,18 @@ def tokenize(
         f"({tok.vocab:,} ids) -> {prefix}.bin + .idx",
         soft_wrap=True,
     )
-    with ProgressBar(console) as update:
-        summary = tokenizing.tokenize_corpus(
-            inputs, tok, prefix, field=field, split=split, progress=lambda done, all_: update("tokenizing", done, all_)
-        )
+    made_folder = not prefix.parent.exists()
+    try:
+        with ProgressBar(console) as update:
+            summary = tokenizing.tokenize_corpus(
+                inputs, tok, prefix, field=field, split=split,
+                progress=lambda done, all_: update("tokenizing", done, all_),
+            )  # fmt: skip
+    except BaseException:
+        if made_folder:  # nothing left behind, not even the folder made for the corpus (rmdir: only when empty)
+            with contextlib.suppress(OSError):
+                prefix.parent.rmdir()
+        raise
     table = Table(title=f"corpus {prefix}", show_header=False)
     rate = summary.input_bytes / summary.seconds / 1e6 if summary.seconds > 0 else 0.0
     rows = [

@@ -220,13 +220,14 @@ def plan(
         ),
     ] = False,
     data: Annotated[
-        Path | None,
+        list[str] | None,
         typer.Option(
             "--data",
             help="A Megatron corpus (PREFIX of .bin + .idx) the run trains on with its documents masked: each tile's "
             "attention is priced by the context it is expected to attend, from the corpus's document lengths, "
-            "instead of the whole prefix.",
+            "instead of the whole prefix. A mixture as train takes it: --data 0.7:web --data 0.3:code.",
             show_default="the whole prefix (full causal attention)",
+            metavar="[W:]CORPUS",
         ),
     ] = None,
     out: Annotated[Path, typer.Option("--out", "-o", help="Where to write the plan JSON.")] = Path("plan.json"),
@@ -468,19 +469,40 @@ def setting_from_options(
     return _within_reach(experiment_setting(exp, shape, prof, profile))
 
 
-def documents_priced(profile: Profile, corpus: Path, seq_len: int) -> Profile:
-    """``profile`` pricing attention by the context a tile attends over ``corpus``'s packed documents
-    (`plan.documents`); one line when the corpus records no documents."""
+def documents_priced(profile: Profile, data: list[str], seq_len: int) -> Profile:
+    """``profile`` pricing attention by the context a tile attends over the packed documents of ``data`` (``--data``
+    as train takes it: one corpus, or a weighted mixture; `plan.documents`); one line when a corpus records no
+    documents, holds none, or the sources are not ids of one tokenizer."""
+    from terapipe_cli.config.run import data_sources
     from terapipe_cli.corpus.formats import open_token_file
+    from terapipe_cli.corpus.identity import check_together, vocabulary_of
 
-    opened = open_token_file(corpus)
-    if opened.documents is None:
+    sources = data_sources(data, where="--data")
+    if len(sources) > 1 and any(w is None for w, _ in sources):
         raise UserError(
-            f"{corpus} records no documents ({opened.format_name}); a Megatron corpus (`terapipe data tokenize`) does",
-            where="--data",
+            f"several sources each need a weight, e.g. --data 0.7:web --data 0.3:code; got {data}", where="--data"
         )
-    attended = AttendedContext.of_lengths(opened.documents.lengths(), seq_len, source=str(corpus))
-    return replace(profile, attended=attended)
+    parts, vocabularies = [], []
+    for _, corpus in sources:
+        opened = open_token_file(corpus)
+        if opened.documents is None:
+            raise UserError(
+                f"{corpus} records no documents ({opened.format_name}); a Megatron corpus (`terapipe data tokenize`) "
+                "does",
+                where="--data",
+            )
+        lengths = opened.documents.lengths()
+        if not lengths.size or lengths.max() <= 0:
+            raise UserError(
+                f"{corpus} holds no tokens ({len(lengths):,} documents): nothing to train on", where="--data"
+            )
+        parts.append(AttendedContext.of_lengths(lengths, seq_len, source=corpus))
+        vocabularies.append(vocabulary_of(opened.path, opened.format))
+    check_together(vocabularies, where="--data")
+    if len(parts) == 1:
+        return replace(profile, attended=parts[0])
+    source = ", ".join(f"{w:g}:{p}" for w, p in sources)
+    return replace(profile, attended=AttendedContext.mixed(parts, [w for w, _ in sources], source=source))
 
 
 def _within_reach(setting: PlanSetting) -> PlanSetting:

@@ -362,28 +362,53 @@ def load_run_config(path: str | Path) -> RunConfig:
         table = {**table, "data": [table["data"]]}
     values = read_fields(RunConfig, table, str(path), prefix=f"{TABLE}.", what="run setting", base=path.parent)
     if values.get("data") is not None:  # relative to this file, each source's path
-        values["data"] = [_relative_source(entry, path.parent) for entry in values["data"]]
+        where = f"{path}: field '{TABLE}.data'"
+        values["data"] = [_relative_source(entry, path.parent, where) for entry in values["data"]]
     return RunConfig(**values)
 
 
-def data_sources(given: str | Path | list[str] | None) -> list[tuple[float | None, str]]:
+def data_sources(
+    given: str | Path | list[str] | None, *, where: str = "data", base: Path | None = None
+) -> list[tuple[float | None, str]]:
     """``--data`` as given (one path, or entries of a mixture): (its weight or None, its path) per source. An entry
-    ``W:PATH`` has the weight W when W reads as a number; otherwise the whole entry is the path."""
+    ``W:PATH`` has the weight W when W reads as a number, which must be positive and finite (one source's too);
+    when W is no number, the whole entry is a path if a file (or Megatron corpus) of that name exists (relative to
+    ``base``), and otherwise W is refused as a weight that is no number, unless it looks like a folder (a "/" in
+    it). Errors name ``where``."""
     if given is None:
         return []
     out = []
     for entry in [given] if isinstance(given, (str, Path)) else given:
-        head, sep, tail = str(entry).partition(":")
+        entry = str(entry)
+        head, sep, tail = entry.partition(":")
+        if not sep:
+            out.append((None, entry))
+            continue
         try:
-            weight = float(head) if sep else None
+            weight = float(head)
         except ValueError:
-            weight = None
-        out.append((weight, tail) if weight is not None else (None, str(entry)))
+            if "/" in head or _names_data(entry, base):
+                out.append((None, entry))
+                continue
+            raise UserError(
+                f"the weight {head!r} of {entry!r} is not a number (a source is PATH, or WEIGHT:PATH as in 0.7:web)",
+                where=where,
+            ) from None
+        if not 0 < weight < math.inf:  # NaN too
+            raise UserError(f"the weight of {entry!r} must be a positive number, got {head}", where=where)
+        out.append((weight, tail))
     return out
 
 
-def _relative_source(entry: str, base: Path) -> str:
-    ((weight, path),) = data_sources([entry])
+def _names_data(entry: str, base: Path | None) -> bool:
+    """Whether a data file, or a Megatron corpus's .bin or .idx, is named by ``entry`` (relative to ``base``)."""
+    path = Path(entry).expanduser()
+    path = path if base is None or path.is_absolute() else base / path
+    return any(Path(f"{path}{suffix}").exists() for suffix in ("", ".bin", ".idx"))
+
+
+def _relative_source(entry: str, base: Path, where: str) -> str:
+    ((weight, path),) = data_sources([entry], where=where, base=base)
     p = Path(path).expanduser()
     p = p if p.is_absolute() else base / p
     return str(p) if weight is None else f"{weight!r}:{p}"
@@ -434,6 +459,10 @@ class RunArguments:
     loss_chunk_tokens: int | None = setting(
         "The last stage's head and loss tokens at a time (None: the plan's; 0: a tile's whole logits at once).",
         minimum=0,
+    )
+    data_fingerprints: dict | None = setting(
+        "Each data file's fingerprint, path -> `corpus.identity.fingerprint`, checked by --resume (None: a run from "
+        "before runs kept them; the embedded text has none)."
     )
 
     @classmethod

@@ -28,7 +28,7 @@ import codecs
 import os
 import struct
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -167,6 +167,13 @@ def _locate(p: Path) -> tuple[str, Path, Path | None]:
     if len(head) == 4 and struct.unpack("<i", head)[0] in LLMC_FORMATS:
         return "llm.c", p, None
     return "bin", p, None
+
+
+def files_of(path: str | Path) -> tuple[str, dict[str, Path]]:
+    """(the format of the data file ``path``, the files holding it: its ids as "tokens", and a Megatron corpus's
+    index as "index")."""
+    kind, bin_path, idx_path = _locate(Path(path))
+    return kind, {"tokens": bin_path} if idx_path is None else {"index": idx_path, "tokens": bin_path}
 
 
 def names_token_ids(path: str | Path) -> bool:
@@ -455,7 +462,9 @@ class MegatronWriter:
         self.lengths.append(np.asarray(lengths, dtype=np.int64))
         self.tokens += int(ids.shape[0])
 
-    def commit(self) -> None:
+    def commit(self, written: Callable[[Path, Path], None] | None = None) -> None:
+        """Write the index and rename both files into place; ``written(bin, idx)`` is called with the complete
+        temporary files before that (what describes the corpus, such as its fingerprint, is written there first)."""
         lengths = np.concatenate(self.lengths) if self.lengths else np.zeros(0, np.int64)
         if int(lengths.sum()) != self.tokens:
             raise ValueError(
@@ -475,6 +484,8 @@ class MegatronWriter:
             f.write(pointers.astype("<i8").tobytes())
             f.write(documents.astype("<i8").tobytes())
             self._finish(f)
+        if written is not None:
+            written(Path(self._bin_tmp), Path(self._idx_tmp))
         mode = 0o666 & ~_umask()
         for tmp in (self._bin_tmp, self._idx_tmp):
             os.chmod(tmp, mode)

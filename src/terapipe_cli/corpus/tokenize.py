@@ -42,6 +42,7 @@ import numpy as np
 
 from terapipe_cli import units
 from terapipe_cli.corpus.formats import MegatronWriter, megatron_dtype
+from terapipe_cli.corpus.identity import fingerprint_files, tokenizer_digest
 from terapipe_cli.errors import UserError
 from terapipe_cli.extras import require
 from terapipe_cli.files import Fields, _umask, check_free_space, read_json, write_json_atomic
@@ -324,6 +325,8 @@ class CorpusSummary:
     eos_id: int = -1
     prefix_ids: list[int] = field(default_factory=list)
     tokenizer: str = ""  # the copied tokenizer's folder, beside the corpus
+    tokenizer_sha256: str = ""  # "sha256:HEX" of its tokenizer.json (`identity.tokenizer_digest`)
+    fingerprint: dict = field(default_factory=dict)  # of the .bin and .idx (`identity.fingerprint_files`)
     inputs: list[str] = field(default_factory=list)
     input_bytes: int = 0
     skipped: int = 0  # empty documents
@@ -339,6 +342,8 @@ class CorpusSummary:
             "dtype": self.dtype,
             "vocab": self.vocab,
             "tokenizer": self.tokenizer,
+            "tokenizer_sha256": self.tokenizer_sha256,
+            "fingerprint": self.fingerprint,
             "eos": {"token": self.eos, "id": self.eos_id},
             "prefix_ids": self.prefix_ids,
             "inputs": self.inputs,
@@ -471,13 +476,22 @@ def tokenize_corpus(
             assembler.write(waiting[0], waiting[1].result(), writer, summary)
         if progress is not None:
             progress(total, total)
+        if writer.tokens == 0:
+            empty = f"only empty documents ({counter.skipped:,}, left out)" if counter.skipped else "no document"
+            where = str(inputs[0]) if len(inputs) == 1 else f"{inputs[0]} and the {len(inputs) - 1} other inputs"
+            raise UserError(f"no text to tokenize: {empty}; nothing written", where=where)
         summary.tokens, summary.input_bytes, summary.skipped = writer.tokens, counter.done, counter.skipped
         files = corpus_files(prefix)
         summary.tokenizer = files["tokenizer"].name
+        summary.tokenizer_sha256 = tokenizer_digest(tok.files[0]) or ""
         _copy_tokenizer(tok.files, files["tokenizer"])
         summary.seconds = time.perf_counter() - started
-        write_json_atomic(files["summary"], summary.to_dict())
-        writer.commit()
+
+        def write_summary(bin_path: Path, idx_path: Path) -> None:  # the corpus's files written, not yet in place
+            summary.fingerprint = fingerprint_files("megatron", {"index": idx_path, "tokens": bin_path})
+            write_json_atomic(files["summary"], summary.to_dict())
+
+        writer.commit(write_summary)
     return summary
 
 

@@ -100,19 +100,52 @@ TEXT_EOS = ord("\n")  # text read as bytes: a line is a document (the embedded s
 
 
 def resolve_document_mask(
-    data: TokenData | list[TokenData], asked: bool | None, eos_id: int | None
+    data: TokenData | list[TokenData], asked: bool | None, eos_id: int | None, *, vocab: int | None = None
 ) -> tuple[bool, int | None]:
     """(whether the run masks across documents, the EOS id that ends them where a file records none) for its data (a
     mixture: every source): on by default when every file records its documents, off otherwise unless asked, where
     the documents of a file that records none end at ``eos_id`` or the run tokenizer's EOS (`TEXT_EOS` in text,
-    `GPT2_EOS` in other token files)."""
+    `GPT2_EOS` in other token files).
+
+    An EOS id that would change nothing is one line (``where="eos_id"``), never ignored: one given while the mask is
+    off, or given for files that all record their documents (a Megatron corpus: from its index); and one outside the
+    model's ``vocab``, given or the default (no id of the data could end a document: the mask would mask nothing)."""
     files = data if isinstance(data, list) else [data]
     recorded = all(d.documents is not None for d in files)
     if asked is False or (asked is None and not recorded):
+        if eos_id is not None:
+            off = (
+                "--no-document-mask turns the mask off"
+                if asked is False
+                else f"the mask is off: {files[0].path} records no documents (add --document-mask to end them at it)"
+            )
+            raise UserError(f"ends each document for the document mask, but {off}", where="eos_id")
         return False, None
     if recorded:
+        if eos_id is not None:
+            whose = f"{files[0].path} records" if len(files) == 1 else "every source records"
+            raise UserError(
+                f"{whose} its documents in its index (a Megatron corpus), so no id ends them: leave --eos-id out "
+                "(it is for files that record none)",
+                where="eos_id",
+            )
         return True, None
-    return True, eos_id if eos_id is not None else (TEXT_EOS if files[0].kind == "text" else GPT2_EOS)
+    given = eos_id is not None
+    if not given:
+        eos_id = TEXT_EOS if files[0].kind == "text" else GPT2_EOS
+    if vocab is not None and eos_id >= vocab:
+        if given:
+            raise UserError(
+                f"must be an id of the model's vocabulary of {vocab:,} ids (plan field 'model.vocab'), got {eos_id}",
+                where="eos_id",
+            )
+        raise UserError(
+            f"the document mask ends each document at GPT-2's <|endoftext|> (id {eos_id}) by default, outside the "
+            f"model's vocabulary of {vocab:,} ids: give the id that ends the data's documents with --eos-id, or "
+            "leave the mask off (--no-document-mask)",
+            where="eos_id",
+        )
+    return True, eos_id
 
 
 def document_mask_note(document_mask: bool, eos_id: int | None) -> str:

@@ -48,6 +48,16 @@ class AttendedContext:
         at_least = (suffix[first] - ages * (n.size - first)) / float(n.sum())
         return cls(at_least, int(n.size), float(n.mean()), source)
 
+    @classmethod
+    def mixed(cls, parts: list[AttendedContext], weights: list[float], source: str = "") -> AttendedContext:
+        """Over a mixture that draws each sequence's window from part k with probability ``weights[k]`` (normalised
+        here): an age's law is the parts' laws so weighted, and the b sequences' ages stay independent."""
+        w = np.asarray(weights, dtype=float) / float(np.sum(weights))
+        at_least = np.sum([p * part.at_least for p, part in zip(w, parts, strict=True)], axis=0)
+        documents = sum(part.documents for part in parts)
+        mean = sum(part.documents * part.mean_tokens for part in parts) / documents
+        return cls(at_least, documents, mean, source)
+
     def expected(self, b: int) -> np.ndarray:
         """E[attended context] for context j = 0 .. seq_len of a tile of ``b`` sequences (float64)."""
         table = self._tables.get(b)

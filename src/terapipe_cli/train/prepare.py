@@ -42,6 +42,7 @@ from terapipe_cli.config.run import (
     resolve_logs,
     run_fields,
 )
+from terapipe_cli.corpus.identity import check_unchanged, identify_sources
 from terapipe_cli.engine.data import TokenData, document_mask_note, load_data, resolve_document_mask, run_data
 from terapipe_cli.engine.mesh import Layout
 from terapipe_cli.errors import UserError
@@ -259,12 +260,15 @@ def _new_arguments(
     files = [load_data(Path(p).resolve(), config.token_dtype) for _, p in data_sources(config.data)] or [
         load_data(None)
     ]
-    document_mask, eos_id = resolve_document_mask(files, config.document_mask, config.eos_id)
+    document_mask, eos_id = resolve_document_mask(files, config.document_mask, config.eos_id, vocab=plan.model.vocab)
     if config.val_data is not None and config.val_fraction is not None:
         raise UserError(
             "give --val-data (a file of its own) or --val-fraction (a part of --data), not both", where="val_data"
         )
     val_data = None if config.val_data is None else str(Path(config.val_data).resolve())
+    held_out = [] if val_data is None else [load_data(val_data, config.token_dtype)]
+    # One tokenizer's ids, every file's contents kept for --resume to check (the embedded text: nothing to keep).
+    fingerprints = identify_sources([*(files if config.data is not None else []), *held_out])
     if val_data is not None:
         val_fraction = 0.0  # the held-out loss comes from its own file; training takes all of --data
     sampling = config.sampling or ("random" if files[0].kind == "text" else "epoch")
@@ -303,6 +307,7 @@ def _new_arguments(
         eos_id=eos_id,
         val_data=val_data,
         sampling=sampling,
+        data_fingerprints=fingerprints,
         **dataclasses.asdict(component_of(OptimizerConfig, config)),
     )
 
@@ -425,6 +430,10 @@ def _resumed_run(config: RunConfig, device: str) -> _Run:
         error = UserError(f"the run already reached step {reached}; {more}", where="steps")
         conflicts.append(_Conflict(option, f"the run already reached step {reached}: ask for more", error))
     _refuse(conflicts, out)
+    sources = [p for _, p in data_sources(saved.data_mix or saved.data)] + [p for p in [saved.val_data] if p]
+    warning = check_unchanged(saved.data_fingerprints, sources)
+    if warning is not None:
+        print(f"terapipe: {warning}", file=sys.stderr, flush=True)
     resume_step, passed_over = checkpoint.latest_verified(out)  # checksums checked: a damaged one is passed over
     if resume_step is None and not has_trained(out):
         raise UserError("never completed a step: start it with the same command without --resume", where=str(out))
