@@ -88,6 +88,7 @@ def test_sources_of_one_tokenizer_or_unknown_ones_that_fit_pass(tmp_path):
     check_together([vocab("t.txt", "bytes", 256, 120), vocab("n.npy", largest=255)])
     check_together([vocab("a", "sha256:1", 50257), vocab("g.bin", "llm.c:GPT-2", 50257)])  # two kinds of identity
     check_together([vocab("n.npy", largest=10**6), vocab("m.npy", largest=3)])  # nothing known: the model's vocab
+    check_together([vocab("g.bin", "llm.c:GPT-2", 50257, 60_000)])  # one source: its header's guess is no check
     header = np.zeros(256, dtype="<i4")
     header[:3] = 20240801, 7, 2
     (tmp_path / "l.bin").write_bytes(header.tobytes() + np.array([1, 2], dtype="<u4").tobytes())

@@ -162,6 +162,8 @@ def check_together(vocabularies: list[Vocabulary], *, where: str = "data") -> No
         return
     least = min(declared, key=lambda v: v.size)
     for v in vocabularies:
+        if v is least or (v.tokenizer is not None and v.tokenizer == least.tokenizer):
+            continue  # ids beyond a file's own header's tokenizer: only the model's vocabulary judges them
         if v.largest is not None and v.largest >= least.size:
             raise UserError(
                 f"{v.path} holds id {v.largest:,}, outside the {least.size:,} ids of {least.path}'s tokenizer "
