@@ -10,7 +10,14 @@ import pytest
 
 from terapipe_cli.corpus import identity
 from terapipe_cli.corpus.formats import MegatronWriter
-from terapipe_cli.corpus.identity import Vocabulary, check_together, fingerprint, fingerprint_change, vocabulary_of
+from terapipe_cli.corpus.identity import (
+    Vocabulary,
+    check_together,
+    check_unchanged,
+    fingerprint,
+    fingerprint_change,
+    vocabulary_of,
+)
 from terapipe_cli.errors import UserError
 
 
@@ -94,3 +101,15 @@ def test_sources_of_one_tokenizer_or_unknown_ones_that_fit_pass(tmp_path):
     (tmp_path / "l.bin").write_bytes(header.tobytes() + np.array([1, 2], dtype="<u4").tobytes())
     assert vocabulary_of(str(tmp_path / "l.bin"), "llm.c").tokenizer == "llm.c:Llama 3"
     assert vocabulary_of(str(tmp_path / "l.bin"), "llm.c").size == 128256
+
+
+def test_a_resume_checks_the_fingerprints_kept_or_starts_keeping_them(tmp_path):
+    np.arange(100, dtype="<u2").tofile(tmp_path / "t.bin")
+    path = str(tmp_path / "t.bin")
+    warning, kept = check_unchanged(None, [path])  # a run from before runs kept fingerprints
+    assert "keeps no fingerprint" in warning and kept == {path: fingerprint(path)}
+    assert check_unchanged(kept, [path]) == (None, kept)
+    np.arange(101, dtype="<u2").tofile(tmp_path / "t.bin")
+    with pytest.raises(UserError, match="t.bin: is not the data the run trained on: its file holds 202 bytes"):
+        check_unchanged(kept, [path])
+    assert check_unchanged(None, []) == (None, {})  # the embedded text: nothing to check

@@ -187,5 +187,5 @@ def test_a_corpus_replaced_under_a_run_is_refused_at_resume(tmp_path, capsys, pl
     p = run_cli(capsys, "train", "--resume", "--out", out)
     warning, error = p.stderr.strip().splitlines()
     assert warning.startswith("terapipe: the run keeps no fingerprint of its data (it began before runs kept one)")
-    assert warning.endswith(f": {corpus} not checked to be the data it trained on")
+    assert warning.endswith(f": {corpus} not checked to be the data it trained on (kept from now on)")
     assert error.startswith("terapipe: error: ") and "never completed a step" in error

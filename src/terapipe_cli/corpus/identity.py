@@ -181,16 +181,18 @@ def identify_sources(files: list) -> dict[str, dict]:
     return prints
 
 
-def check_unchanged(kept: dict[str, dict] | None, paths: list[str]) -> str | None:
+def check_unchanged(kept: dict[str, dict] | None, paths: list[str]) -> tuple[str | None, dict[str, dict]]:
     """A resumed run's data files (``paths``) against the fingerprints it ``kept``: one line naming the first that
-    differs; a warning to print (returned) when the run kept none (it began before runs kept them)."""
+    differs. (a warning to print or None, the fingerprints the run keeps from now on): a run that kept none (it began
+    before runs kept them) is warned about and keeps the files' fingerprints as found, for the resumes after."""
     if kept is None:
         if not paths:
-            return None
-        return (
+            return None, {}
+        warning = (
             f"the run keeps no fingerprint of its data (it began before runs kept one): {', '.join(paths)} not "
-            "checked to be the data it trained on"
+            "checked to be the data it trained on (kept from now on)"
         )
+        return warning, {path: fingerprint(path) for path in paths}
     for path, was in kept.items():
         change = fingerprint_change(was, fingerprint(path))
         if change is not None:
@@ -199,4 +201,4 @@ def check_unchanged(kept: dict[str, dict] | None, paths: list[str]) -> str | Non
                 "or start a new run with --out)",
                 where=path,
             )
-    return None
+    return None, kept

@@ -431,7 +431,7 @@ def _resumed_run(config: RunConfig, device: str) -> _Run:
         conflicts.append(_Conflict(option, f"the run already reached step {reached}: ask for more", error))
     _refuse(conflicts, out)
     sources = [p for _, p in data_sources(saved.data_mix or saved.data)] + [p for p in [saved.val_data] if p]
-    warning = check_unchanged(saved.data_fingerprints, sources)
+    warning, fingerprints = check_unchanged(saved.data_fingerprints, sources)
     if warning is not None:
         print(f"terapipe: {warning}", file=sys.stderr, flush=True)
     resume_step, passed_over = checkpoint.latest_verified(out)  # checksums checked: a damaged one is passed over
@@ -442,7 +442,7 @@ def _resumed_run(config: RunConfig, device: str) -> _Run:
         raise UserError(f"no complete checkpoint to resume from{why}", where=str(out / "checkpoints"))
     if passed_over:
         print(f"terapipe: {'; '.join(passed_over)}: resuming from step {resume_step}", file=sys.stderr, flush=True)
-    changes = {"steps": steps, "verify": False}
+    changes = {"steps": steps, "verify": False, "data_fingerprints": fingerprints}
     arguments = {f.name for f in dataclasses.fields(RunArguments)}
     for name, doc in run_fields().items():  # what else a resumed run may change, as given, where its arguments hold it
         if doc.resume == "change" and name in arguments and name not in changes and getattr(config, name) is not None:
