@@ -68,6 +68,8 @@ def test_a_headerless_bin_needs_token_dtype_which_the_run_keeps(tmp_path, capsys
     assert prepared.data_line.endswith("largest id 199")
     saved = json.loads((tmp_path / "r" / "config.json").read_text())["arguments"]
     assert saved["token_dtype"] == "uint32" and 'token_dtype = "uint32"' in (tmp_path / "r" / "run.toml").read_text()
+    # run.toml says what a setting left out means, never beside one given: --data is this file, not the embedded text.
+    assert f'data = ["{tokens}"]\n' in (tmp_path / "r" / "run.toml").read_text()
     p = run_cli(capsys, "train", "--resume", "--out", tmp_path / "r", "--token-dtype", "uint16", "--dry-run")
     assert_one_line_error(p, "--token-dtype", "trained with --token-dtype uint32")
 

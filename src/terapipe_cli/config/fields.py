@@ -196,16 +196,16 @@ def check_value(f: Fields, name: str, value: Any, kind: type, doc: Doc, base: Pa
 
 
 def to_toml(table: str, values: dict[str, Any], comments: dict[str, str] | None = None) -> str:
-    """One TOML table of plain values (numbers, strings, booleans; None is left out, with its comment if any)."""
+    """One TOML table of plain values (numbers, strings, booleans). None is left out, with ``comments[key]`` (what
+    leaving it out means) as a comment line if there is one; a value given has no such comment."""
     comments = comments or {}
     lines = [f"[{table}]"]
     for key, value in values.items():
-        note = f"  # {comments[key]}" if key in comments else ""
         if value is None:
-            if note:
-                lines.append(f"# {key} is not set:{note[3:]}")
+            if key in comments:
+                lines.append(f"# {key} is not set: {comments[key]}")
             continue
-        lines.append(f"{key} = {_toml_value(value)}{note}")
+        lines.append(f"{key} = {_toml_value(value)}")
     return "\n".join(lines) + "\n"
 
 

@@ -492,7 +492,7 @@ def run_toml(args: RunArguments, *, plan: str, device: str, nnodes: int, rdzv_en
         "#   terapipe train --config run.toml --out NEW_FOLDER\n"
         "# (paths are relative to this file; on several machines add --node-rank on each).\n"
     )
-    comments = {"data": "the embedded text", "rdzv_endpoint": "one machine"}
+    comments = {"data": "the embedded text", "rdzv_endpoint": "one machine"}  # what each left out means
     return header + to_toml(TABLE, values, comments)
 
 
