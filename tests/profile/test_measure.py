@@ -192,7 +192,7 @@ def test_quick_profile_of_a_micro_model_is_a_valid_profile_the_planner_reads(tmp
         assert ctx["heldout_points"] == 8
     assert raw["optimizer_s_per_layer"] > 0 and raw["activation_bytes_per_token_per_layer"] > 0
     # Schema /2: the grid's backward timed split too, I then W, as the zero-bubble executor runs it.
-    assert raw["schema"] == "terapipe.profile/2" and prof.split_source == "measured"
+    assert raw["schema"] == "terapipe.profile/3" and prof.split_source == "measured"
     for key in ("backward_input_s", "backward_weight_s"):
         grid = np.asarray(raw[key])
         assert grid.shape == np.asarray(raw["backward_s"]).shape and np.all(grid > 0)

@@ -88,7 +88,7 @@ def test_an_analytic_profile_splits_i_and_w_by_the_kernel_tables(hardware, name)
     hw = load_hardware(ROOT / "configs" / "hardware" / f"{hardware}.toml")
     obj = analytic_profile(model, hw, batch_sizes=(1, 2), token_step=256)
     prof = profile_from_dict(obj, "analytic")
-    assert obj["schema"] == "terapipe.profile/2" and prof.split_source == "analytic"
+    assert obj["schema"] == "terapipe.profile/3" and prof.split_source == "analytic"
     inputs, weights = prof.split_grids()
     assert inputs.shape == weights.shape == prof.backward_s.shape
     assert np.all(inputs > 0) and np.all(weights > 0)

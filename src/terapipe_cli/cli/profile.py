@@ -49,7 +49,15 @@ Examples:
 
 
 def profile(
-    model: Annotated[Path | None, typer.Option("--model", "-m", help="Model TOML (configs/models/NAME.toml).")] = None,
+    model: Annotated[
+        Path | None,
+        typer.Option(
+            "--model",
+            "-m",
+            help="The model: a TOML file, a bundled name (`terapipe configs`), or a transformers folder (Llama, "
+            "Mistral, GPT-2: its config.json is read).",
+        ),
+    ] = None,
     batch_sizes: Annotated[
         str | None,
         typer.Option(
@@ -134,6 +142,15 @@ def profile(
     force: Annotated[
         bool, typer.Option("--force", help="Overwrite --out even if it is not a profile (--calibrate: any file).")
     ] = False,
+    memory_trace: Annotated[
+        bool,
+        typer.Option(
+            "--memory-trace",
+            help="Also trace a stage's memory through the runtime's code on fake tensors (what a tile keeps and the "
+            "peaks of its actions, per stage kind; a CUDA profile with the caching allocator's blocks) and store it "
+            "for `terapipe plan`'s memory estimate (a minute or two on a CPU, whatever the model's size).",
+        ),
+    ] = False,
 ) -> None:
     console = make_console()
     if calibrate:
@@ -155,6 +172,8 @@ def profile(
             check=check, quick=quick, no_comm=no_comm, no_allreduce=no_allreduce, precision=precision,
         )  # fmt: skip
         prof["model_source"] = options.model_source(model)  # for the advice to profile it again
+        if memory_trace:
+            _trace_memory(console, prof, cfg)
         _write(console, out, prof)
         return
     settings, dev = options.measurement_request(
@@ -163,10 +182,31 @@ def profile(
     )  # fmt: skip
     measure = {"measure_comm": not no_comm, "measure_allreduce": not no_allreduce, "tensor_parallel": tensor_parallel}
     source = options.model_source(model)
-    _measure(console, cfg, settings, dev, measure, out=out, model_source=source)
+    _measure(console, cfg, settings, dev, measure, out=out, memory_trace=memory_trace, model_source=source)
 
 
-def _measure(console: Console, cfg, settings, dev, measure: dict, *, out: Path, model_source=None) -> None:
+def _trace_memory(console: Console, prof: dict, cfg) -> None:
+    """Add the memory traced on fake tensors (`profile.memtrace`) to ``prof``, for its precision, T and device."""
+    from terapipe_cli.profile.memtrace import trace_memory  # PyTorch: only when asked
+
+    started = time.perf_counter()
+    with console.status("tracing a stage's memory on fake tensors"):
+        prof["memory"] = trace_memory(
+            cfg,
+            precision=prof.get("precision", "fp32"),
+            tensor_parallel=int(prof["device"].get("tensor_parallel", 1)),
+            cuda=prof["device"].get("kind") == "cuda",
+            token_step=int(prof["token_step"]),
+        )
+    err = prof["memory"]["heldout_rel_err_max"]
+    console.print(
+        f"memory traced in {time.perf_counter() - started:.0f} s: the fit within {100 * err:.1f}% on held-out tiles"
+    )
+
+
+def _measure(
+    console: Console, cfg, settings, dev, measure: dict, *, out: Path, memory_trace: bool = False, model_source=None
+) -> None:
     """``measure``: the keyword arguments of `measure_profile` that say what to measure; ``model_source``: how
     ``--model`` named the model (`options.model_source`), recorded for the advice to profile it again."""
     from terapipe_cli.profile.measure import measure_profile  # PyTorch: loaded by the commands that time
@@ -187,6 +227,8 @@ def _measure(console: Console, cfg, settings, dev, measure: dict, *, out: Path, 
         prof = measure_profile(cfg, settings, dev, progress=update, **measure)
     if model_source is not None:
         prof["model_source"] = model_source
+    if memory_trace:
+        _trace_memory(console, prof, cfg)
     _write(console, out, prof, seconds=time.perf_counter() - started)
 
 

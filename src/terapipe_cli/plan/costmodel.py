@@ -1,5 +1,5 @@
-"""The cost model t(b, i, j) of docs/design.md §3, built from a ``terapipe.profile/2`` (or ``/1``) file. Imports no
-torch.
+"""The cost model t(b, i, j) of docs/design.md §3, built from a ``terapipe.profile/3`` (or ``/2``, ``/1``) file.
+Imports no torch.
 
     t(b, i, j) = ℓ · [ t_nc(b, i) + t_ctx(b, i, j) ] + comm(b, i)
 
@@ -16,7 +16,8 @@ torch.
 The profile format (every field is checked by `read_profile`):
 
     {
-      "schema": "terapipe.profile/2",                 or "terapipe.profile/1": the same without the two
+      "schema": "terapipe.profile/3",                 or "terapipe.profile/2": the same without "memory";
+                                                       "terapipe.profile/1": also without the two
                                                        backward_*_s grids below
       "source": "measured" | "analytic" | "example",   how the numbers were obtained
       "note": "...",                                   free text (e.g. how an example was made)
@@ -66,6 +67,10 @@ The profile format (every field is checked by `read_profile`):
                                                        plan` can price it again at other batch sizes; device.
                                                        ``hardware_file`` and ``constants`` ("estimated" or
                                                        "calibrated") say where it came from (`plan.domain`)
+      "memory": {...}                                  schema /3, optional: what a stage keeps and the peaks of
+                                                       its actions, traced from the runtime's code on fake tensors
+                                                       (`terapipe profile --memory-trace`; the format: `plan.traced`);
+                                                       without it the memory estimate uses `plan.memory`'s formulas
       "extended": {"from_batch_sizes": [...], "added": [...]}
                                                        only in memory: a profile priced again beyond its file's
                                                        grid (`profile.analytic.extended_for_batch`)
@@ -96,13 +101,15 @@ from terapipe_cli.files import Fields, read_json_with_schema
 from terapipe_cli.plan import memo
 from terapipe_cli.plan.documents import AttendedContext
 from terapipe_cli.plan.partition import Partition
+from terapipe_cli.plan.traced import TracedMemory, traced_from_dict
 
-PROFILE_SCHEMA = "terapipe.profile/2"  # what `terapipe profile` writes
-PROFILE_SCHEMAS = ("terapipe.profile/1", PROFILE_SCHEMA)  # what the reader takes: /1 has no I and W grids
-# The LM head's share of its backward in I: its one product's input gradient, of the same FLOPs as its weight's (the
-# loss's element-wise backward is I's too, left out as the layers' element-wise kernels are from their ratio). The
-# ends are timed whole in every schema.
-HEAD_INPUT_SHARE = 0.5
+PROFILE_SCHEMA = "terapipe.profile/3"  # what `terapipe profile` writes
+# What the reader takes: /1 has no I and W grids, /2 no traced memory (``memory``, which /3 may hold).
+PROFILE_SCHEMAS = ("terapipe.profile/1", "terapipe.profile/2", PROFILE_SCHEMA)
+# The LM head's share of its backward in I: all of it. The chunked head (engine/loss.py) makes each chunk's logits
+# again and computes its input's and its weight's gradient from them in the same pass, in I; its W has nothing left
+# (making the logits again in W would repeat the head's largest product). The ends are timed whole in every schema.
+HEAD_INPUT_SHARE = 1.0
 # Of each end's backward, the share in each part of `Profile.only` (embedding, head).
 _END_BACKWARDS = {
     "forward": (0.0, 0.0),
@@ -167,7 +174,7 @@ class ContextFit:
 
 @dataclass(frozen=True)
 class Profile:
-    """A validated ``terapipe.profile/2`` (or ``/1``)."""
+    """A validated ``terapipe.profile/3`` (or ``/2``, ``/1``)."""
 
     model: ModelConfig
     source: str
@@ -195,6 +202,8 @@ class Profile:
     # Schema /2: I's and W's seconds per layer, no context (None: a /1 profile, split by `split_grids`' ratio).
     backward_input_s: np.ndarray | None = None
     backward_weight_s: np.ndarray | None = None
+    # Schema /3: the memory traced from the runtime's code (`plan.traced`; None: the hand formulas of `plan.memory`).
+    memory: TracedMemory | None = field(default=None, repr=False)
     raw: dict = field(default_factory=dict, repr=False, compare=False)
     path: str | None = None
     sha256: str | None = None
@@ -317,11 +326,12 @@ def _ascending_ints(f: Fields, key: str) -> tuple[int, ...]:
 
 
 def profile_from_dict(obj: dict, where: str) -> Profile:
-    """Validate a profile object (schema /2, or /1: `PROFILE_SCHEMAS`); every error names ``where`` and the field."""
+    """Validate a profile object (schema /3, or /2, /1: `PROFILE_SCHEMAS`); every error names ``where`` and the
+    field."""
     if obj.get("schema") not in PROFILE_SCHEMAS:
         raise UserError(
             f"field 'schema' is {obj.get('schema')!r}, expected {PROFILE_SCHEMA!r} (or the older "
-            f"{PROFILE_SCHEMAS[0]!r})",
+            f"{PROFILE_SCHEMAS[1]!r} or {PROFILE_SCHEMAS[0]!r})",
             where=where,
         )
     f = Fields(obj, where)
@@ -387,6 +397,7 @@ def profile_from_dict(obj: dict, where: str) -> Profile:
         ends=_ends(f, len(batch_sizes), len(token_lengths)),
         backward_input_s=None if split is None else split[0],
         backward_weight_s=None if split is None else split[1],
+        memory=traced_from_dict(obj["memory"], where) if "memory" in obj and obj["schema"] == PROFILE_SCHEMA else None,
         raw=obj,
     )
 

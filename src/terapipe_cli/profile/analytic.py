@@ -175,7 +175,8 @@ def ends_seconds(
 
     Embedding: a gather of b·i rows of H (memory-bound: read and write b·i·H) plus the position rows and their sum;
     its backward scatters the gradient into the table (read b·i·H, read and write the rows touched). Head: the norm
-    (2·b·i·H), the product (b·i) × H × V forward and its two products backward, and the cross-entropy's
+    (2·b·i·H), the product (b·i) × H × V forward and again in the backward (the chunked head makes its logits again)
+    with its two products, and the cross-entropy's
     log-softmax over b·i × V (the logits read and written twice forward, three times backward, fp32).
     Each backward also adds its tables' gradients into the step's (as a layer does, `layer_seconds_split`).
     """
@@ -192,7 +193,8 @@ def ends_seconds(
     head = ("head", one, rows, one * V, one * H)
     logits = rows * V * 4.0  # the loss works in fp32
     head_fwd = _stream_seconds(dev, 2 * act) + _gemm_seconds(dev, e, head) + 2 * _stream_seconds(dev, 2 * logits)
-    head_bwd = _stream_seconds(dev, 3 * act) + sum(_gemm_seconds(dev, e, g) for g in backward_gemms([head]))
+    # The backward makes each chunk's logits again (the chunked head, engine/loss.py): the forward's product, its two.
+    head_bwd = _stream_seconds(dev, 3 * act) + sum(_gemm_seconds(dev, e, g) for g in [head, *backward_gemms([head])])
     head_bwd = head_bwd + 3 * _stream_seconds(dev, 2 * logits)
     if t > 1:  # the embedding's partial rows summed, the loss's per-token max and sum of exponentials
         link = hardware.intra_node
@@ -308,7 +310,7 @@ def analytic_profile(
     token_step: int = 8,
     vocab_parallel: bool = True,
 ) -> dict:
-    """A ``terapipe.profile/2`` object (``"source": "analytic"``) for ``model`` on ``hardware``.
+    """A ``terapipe.profile/3`` object (``"source": "analytic"``) for ``model`` on ``hardware``.
 
     Times are per layer on one device of a tensor-parallel group of ``tensor_parallel`` GPUs, on the grid
     (``batch_sizes``) × (every multiple of ``token_step`` up to the model's seq_len). The profile's precision is

@@ -1,7 +1,7 @@
 """Measure a profile on the local device (docs/design.md §3): the tiles of `profile.tiles` timed through the runtime's
 own code path (`profile.timer`, or by T torchrun processes with tensor parallelism, `profile.tensor_parallel`), the
 context term fitted, the link and the gradient all-reduce measured (`profile.comm`), assembled into a
-``terapipe.profile/2`` and checked against tiles off its grids (`check_against`, `recheck_profile`).
+``terapipe.profile/3`` and checked against tiles off its grids (`check_against`, `recheck_profile`).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def measure_profile(
     measure_allreduce: bool = True,
     tensor_parallel: int = 1,
 ) -> dict:
-    """Measure everything and return a ``terapipe.profile/2`` dict (validated before it is returned).
+    """Measure everything and return a ``terapipe.profile/3`` dict (validated before it is returned).
     ``measure_comm`` / ``measure_allreduce`` False: skip the stage-to-stage link (recorded as free) / the
     data-parallel all-reduce (no ``data_parallel_link``: plans with replicas leave it unpriced).
     ``tensor_parallel`` T > 1: the layer is timed as one of a stage's T tensor ranks, by T torchrun processes
