@@ -21,3 +21,21 @@ def test_configs_lists_the_bundled_names():
     for kind in ("models", "hardware", "experiments"):
         for name in bundled_names(kind):
             assert name in p.stdout, (kind, name)
+
+
+def test_each_commands_line_in_the_help_is_a_whole_sentence():
+    """`terapipe --help` shows each command's first paragraph: it must end a sentence, not stop at a colon."""
+    import typer
+
+    from terapipe_cli.cli import app
+
+    for name, command in typer.main.get_command(app).commands.items():
+        first = " ".join(command.help.split("\n\n")[0].split())
+        assert first.endswith("."), (name, first)
+
+
+def test_profile_help_says_model_takes_a_transformers_folder(capsys):
+    from conftest import run_cli
+
+    p = run_cli(capsys, "profile", "--help")
+    assert p.returncode == 0 and "transformers folder" in " ".join(p.stdout.replace("│", " ").split()), p.stdout

@@ -12,7 +12,10 @@ from terapipe_cli.engine import require_torch
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import check_output_file
 
-HELP = """Join a run's per-stage checkpoint into one single-device model file, loadable without terapipe's runtime:
+HELP = """Join a run's per-stage checkpoint into one single-device model file (or, with --format hf, a Hugging Face \
+folder), loadable without terapipe's runtime.
+
+A model file loads with:
 
     from terapipe_cli import load_exported
     model, info = load_exported("model.pt")     # GPT or Llama (engine.model.build_model), strict=True, eval mode
