@@ -6,8 +6,9 @@
     pyarrow                     terapipe data tokenize of Parquet    pip install pyarrow
     tiktoken                    terapipe sample on a GPT-2 BPE run   pip install tiktoken
 
-The test set-up (``pip install -e '.[test]'``) installs the first three extras and pyarrow; tiktoken is needed only
-to read the GPT-2 BPE token files that nanoGPT-style preparation writes.
+In a checkout an extra installs as ``pip install -e '.[data]'``. The set-up (``scripts/setup.sh``: ``pip install -e
+'.[test]'``) installs the first three extras and pyarrow; tiktoken is needed only to read the GPT-2 BPE token files
+that nanoGPT-style preparation writes.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ from terapipe_cli.errors import UserError
 
 # Module -> what installs it.
 INSTALL = {
-    "transformers": "pip install 'terapipe-cli[hf]'",
-    "safetensors": "pip install 'terapipe-cli[hf]'",
-    "tensorboard": "pip install 'terapipe-cli[tensorboard]'",
-    "tokenizers": "pip install 'terapipe-cli[data]'",
+    "transformers": "pip install 'terapipe-cli[hf]' (in a checkout: pip install -e '.[hf]')",
+    "safetensors": "pip install 'terapipe-cli[hf]' (in a checkout: pip install -e '.[hf]')",
+    "tensorboard": "pip install 'terapipe-cli[tensorboard]' (in a checkout: pip install -e '.[tensorboard]')",
+    "tokenizers": "pip install 'terapipe-cli[data]' (in a checkout: pip install -e '.[data]')",
     "pyarrow": "pip install pyarrow",
     "tiktoken": "pip install tiktoken",
 }

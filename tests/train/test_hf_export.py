@@ -139,7 +139,7 @@ def test_a_missing_extra_is_one_line_and_nothing_is_written(tmp_path, capsys, mo
     monkeypatch.setitem(sys.modules, missing, None)  # as in a Python without it
     out = tmp_path / "hf"
     p = run_cli(capsys, "export", str(run), "--format", "hf", "--out", str(out))
-    assert_one_line_error(p, "--format hf", repr(missing), "pip install 'terapipe-cli[hf]'")
+    assert_one_line_error(p, "--format hf", repr(missing), "pip install 'terapipe-cli[hf]'", "pip install -e '.[hf]'")
     assert not out.exists()
     assert run_cli(capsys, "export", str(run), "--out", str(tmp_path / "m.pt")).returncode == 0  # pt needs neither
 
