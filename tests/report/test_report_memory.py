@@ -82,3 +82,19 @@ def test_a_run_without_saved_bytes_still_reports(run_dir, tmp_path, capsys):
         assert m["measured_saved_bytes"] is None and m["rel_err"] is None
         assert m["estimated_activation_bytes"] > 0 and m["measured_peak_bytes"] > 0
     assert "estimated kept for backward" in md and "measured kept" not in md
+
+
+def test_an_estimate_more_than_ten_percent_off_gets_a_line():
+    from terapipe_cli.report.text import memory_mismatch_lines
+
+    def stage(k, est, got):
+        rel = (est - got) / got
+        return {"stage": k, "estimated_activation_bytes": est, "measured_saved_bytes": got, "rel_err": rel}
+
+    run = {
+        "label": "terapipe",
+        "memory_per_stage": [stage(0, 105 * 2**20, 100 * 2**20), stage(1, 80 * 2**20, 100 * 2**20)],
+    }
+    lines = memory_mismatch_lines({"run": run, "baseline": None})
+    assert len(lines) == 1 and lines[0].startswith("terapipe stage 1: the plan estimated 80") and "-20" in lines[0]
+    assert memory_mismatch_lines({"run": {"label": "x", "memory_per_stage": [stage(0, 1.0, 1.0)]}}) == []

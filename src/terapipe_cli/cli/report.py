@@ -33,6 +33,7 @@ from terapipe_cli.report.text import (
     latency_header,
     latency_rows,
     loss_line,
+    memory_mismatch_lines,
     memory_table,
     segments_line,
     stage_rows,
@@ -180,6 +181,8 @@ def render(console: Console, result: dict) -> None:
         for row in memory[1]:
             m.add_row(*row)
         console.print(m)
+        for line in memory_mismatch_lines(result):
+            console.print(f"[yellow]{line}[/]", markup=True, highlight=False)
     console.print(f"[bold]{headline(result)}[/]")
     if segments_line(result):
         console.print(segments_line(result), markup=False)

@@ -122,6 +122,26 @@ def memory_table(report: dict) -> tuple[list[str], list[list[str]]] | None:
     return ["schedule", "stage", *shown], rows
 
 
+MEMORY_TOLERANCE = 0.10  # an estimate further than this from what the run kept is worth a line
+
+
+def memory_mismatch_lines(report: dict) -> list[str]:
+    """One line per stage whose estimate of what it keeps for the backward is more than `MEMORY_TOLERANCE` from what
+    the run kept (``memory_per_stage``)."""
+    lines = []
+    for s in summaries(report):
+        for st in s.get("memory_per_stage") or []:
+            err, est, got = st.get("rel_err"), st.get("estimated_activation_bytes"), st.get("measured_saved_bytes")
+            if err is None or abs(err) <= MEMORY_TOLERANCE:
+                continue
+            lines.append(
+                f"{s['label']} stage {st['stage']}: the plan estimated {format_bytes(est, 'MiB')} kept for the "
+                f"backward, the run kept {format_bytes(got, 'MiB')} ({_pct(err)}, more than "
+                f"{MEMORY_TOLERANCE:.0%} off)"
+            )
+    return lines
+
+
 def headline(report: dict) -> str:
     """The report's verdict in one sentence: the speed-up, or without a baseline the run's own time."""
     r, b, sp = report["run"], report["baseline"], report["speedup"]
@@ -273,7 +293,8 @@ def _memory_section(report: dict) -> list[str]:
         "backward, estimated by the plan and measured by the runtime's saved-tensor hooks; error = (estimated − "
         "measured) / measured."
     )
-    return ["## Memory per stage", "", note, "", _table(*table), ""]
+    mismatches = [f"- {line}" for line in memory_mismatch_lines(report)]
+    return ["## Memory per stage", "", note, "", _table(*table), "", *mismatches, *([""] if mismatches else [])]
 
 
 def _runs_list(report: dict) -> list[str]:
