@@ -126,6 +126,8 @@ BAD = [
     ("model not an object", _tamper(model="tiny"), "model"),
     ("unknown precision", _tamper(precision="fp8"), "field 'precision' must be fp32, bf16 or fp16"),
     ("precision not a string", _tamper(precision=16), "field 'precision'"),
+    ("negative loss_chunk_tokens", _tamper(loss_chunk_tokens=-1), "field 'loss_chunk_tokens' must be at least 0"),
+    ("loss_chunk_tokens not an integer", _tamper(loss_chunk_tokens=2.5), "'loss_chunk_tokens' must be an integer"),
 ]
 
 
