@@ -5,6 +5,7 @@ Every command lives in its own module here and registers itself through ``regist
 
 from __future__ import annotations
 
+import functools
 import importlib
 import sys
 
@@ -75,8 +76,15 @@ _click = getattr(typer.main, "_click", None) or importlib.import_module("click")
 _exceptions = _click.exceptions
 
 
+@functools.cache
+def _command():
+    """The click command typer builds from ``app`` (built once: a process that runs many commands in turn, as the
+    tests do, would otherwise rebuild the whole tree for each)."""
+    return typer.main.get_command(app)
+
+
 def main(argv: list[str] | None = None) -> None:
-    command = typer.main.get_command(app)
+    command = _command()
     _refuse_both_switches(command, sys.argv[1:] if argv is None else [str(a) for a in argv])
     try:
         with signals_raise():  # SIGTERM unwinds like Ctrl-C: no temporary file is left behind
