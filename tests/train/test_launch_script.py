@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 from conftest import ROOT, assert_one_line_error, run_cli, write_plan_file
@@ -96,12 +99,14 @@ def test_the_sbatch_file_starts_one_train_per_node(tmp_path, capsys):
                                    'printf "gpu07\\ngpu08\\n"\n')  # fmt: skip
     for tool in bin_.iterdir():
         tool.chmod(0o755)
-    env = node_env(PATH=f"{bin_}:{os.environ['PATH']}", SLURM_JOB_NODELIST="gpu[07-08]")
+    env = node_env(PATH=f"{bin_}:{os.environ['PATH']}", SLURM_JOB_NODELIST="gpu[07-08]", SLURM_JOB_ID="1234")
     job = subprocess.run(["bash", scripts / "launch.sbatch"], env=env, capture_output=True, text=True, cwd=tmp_path)
     assert job.returncode == 0, job.stderr
     tasks = [t.strip().splitlines() for t in job.stdout.split("---")[:2]]
-    common = ["train", "--plan", str(plan), "--nnodes", "2", "--rdzv-endpoint", "gpu07:29500", "--out", str(run)]
-    assert tasks == [[*common, "--steps", "3", "--precision", "fp32", "--node-rank", str(node)] for node in (0, 1)]
+    # The rendezvous port comes from the job id: 29500 + 1234 % 2000.
+    common = ["train", "--plan", str(plan), "--nnodes", "2", "--rdzv-endpoint", "gpu07:30734", "--out", str(run)]
+    settings = ["--steps", "3", "--precision", "fp32", "--resume-if-present"]
+    assert tasks == [[*common, *settings, "--node-rank", str(node)] for node in (0, 1)]
 
     # Outside the allocation a node script says why it cannot find the rendezvous, in one line.
     alone = subprocess.run(["bash", scripts / "node-1.sh"], env=node_env(), capture_output=True, text=True)
@@ -130,6 +135,12 @@ def test_the_sbatch_file_starts_one_train_per_node(tmp_path, capsys):
         ),
         (["-n", 2, "-g", 1, "--slurm", "--terapipe", ""], ["--terapipe"]),
         (["-n", 2, "-g", 1, "--slurm", "--config", "absent.toml"], ["absent.toml", "not found"]),
+        (["-n", 2, "-g", 1, "--slurm", "--time", "2h"], ["--time", "a Slurm time limit", "'2h'"]),
+        (["-n", 2, "-g", 1, "--slurm", "--time", "0"], ["--time", "a Slurm time limit", "'0'"]),
+        (["-n", 2, "-g", 1, "--slurm", "--partition", "gpu\nx"], ["--partition", "a Slurm name"]),
+        (["-n", 2, "-g", 1, "--slurm", "--account", "a b"], ["--account", "a Slurm name"]),
+        (["-n", 2, "-g", 1, "--rdzv-endpoint", "h:1", "--time", "60"], ["--time", "is for the sbatch file", "--slurm"]),
+        (["-n", 2, "-g", 1, "--slurm", "--grace-s", 0], ["--grace-s", "positive"]),
     ],
 )
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, plan, capsys, args, words):
@@ -214,3 +225,80 @@ def test_every_node_command_names_the_precision(tmp_path, capsys):
     config.write_text('[train]\nprecision = "bf16"\n')
     p = run_cli(capsys, "launch-script", plan, "-n", 2, "-g", 1, "--slurm", "--config", config, "--out", out, "--force")
     assert_one_line_error(p, f"{config}: field 'train.precision'", "made for fp16", "accept_precision = true")
+
+
+def test_the_sbatch_file_asks_for_gpus_only_for_a_gpu_run_and_takes_the_sites_settings(tmp_path, capsys):
+    """GPUs (one per process) for --device cuda, or under auto for a plan made for a GPU; none for a plan made on a
+    CPU or --device cpu (a cluster without GPUs refuses the request). --time, --partition and --account become
+    #SBATCH lines; Slurm warns the job --grace-s, one predicted step and a margin before --time."""
+    made = tmp_path / "cpu.json"
+    p = run_cli(capsys, "plan", "--profile", ROOT / "configs/profiles/example-tiny-cpu.json", "-k", 2, "-b", 1,
+                "--out", made)  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    gpu = write_plan_file(tmp_path / "gpu.json", [(2, [8, 8, 16])], stages=2, profile={"kind": "cuda"})
+    unsaid = write_plan_file(tmp_path / "unsaid.json", [(2, [8, 8, 16])], stages=2, predicted_s=2.5)
+    out = tmp_path / "launch"
+
+    def sbatch(plan, *args) -> list[str]:
+        p = run_cli(capsys, "launch-script", plan, "-n", 2, "-g", 1, "--slurm", "--out", out, "--force", *args)
+        assert p.returncode == 0, p.stderr
+        return [line for line in (out / "launch.sbatch").read_text().splitlines() if line.startswith("#SBATCH")]
+
+    asks = "#SBATCH --gpus-per-node=1"
+    assert asks not in sbatch(made) and asks in sbatch(made, "--device", "cuda")
+    assert asks in sbatch(gpu) and asks not in sbatch(gpu, "--device", "cpu")
+    lines = sbatch(unsaid, "--time", "1-00:00:00", "--partition", "gpu", "--account", "proj", "--grace-s", 120)
+    assert asks in lines  # a plan that does not say is taken for a GPU's
+    for line in ("--time=1-00:00:00", "--partition=gpu", "--account=proj", "--requeue", "--signal=B:USR1@133"):
+        assert f"#SBATCH {line}" in lines
+    assert "--grace-s 120" in (out / "launch.sbatch").read_text()
+
+
+def test_the_sbatch_file_forwards_the_warning_and_requeues_the_job_after_a_stop(tmp_path, capsys):
+    """The job's shell under stand-ins for srun (a task that ends on SIGUSR1 or SIGTERM as a stopped train does:
+    138, 143), scancel, squeue and scontrol: SIGUSR1 to the shell alone is forwarded to the steps; SIGTERM, which
+    Slurm sends the steps itself, is not, and the shell outlives it; after a stop the job requeues itself while it
+    is RUNNING, and not once Slurm is ending it (a cancel)."""
+    plan = write_plan_file(tmp_path / "plan.json", [(1, [16, 16])], stages=2)
+    scripts = tmp_path / "launch"
+    p = run_cli(capsys, "launch-script", plan, "-n", 2, "-g", 1, "--slurm", "--device", "cpu", "--out", scripts)
+    assert p.returncode == 0, p.stderr
+    bin_, calls = tmp_path / "bin", tmp_path / "calls"
+    bin_.mkdir()
+    tools = {
+        "srun": 'echo $$ > "$CALLS/srun.pid"; trap "exit 138" USR1; trap "exit 143" TERM; while :; do sleep 0.05; done',
+        "scancel": 'echo "scancel $*" >> "$CALLS/log"; [[ $1 == --signal=USR1 ]] && kill -USR1 $(< "$CALLS/srun.pid")',
+        "squeue": 'echo "$STATE"',
+        "scontrol": '[[ $1 == show ]] && echo node0 || echo "scontrol $*" >> "$CALLS/log"',
+    }
+    for name, body in tools.items():
+        (bin_ / name).write_text(f"#!/usr/bin/env bash\n{body}\n")
+        (bin_ / name).chmod(0o755)
+
+    def job(state: str, *signals: signal.Signals) -> tuple[int, list[str]]:
+        """Run the sbatch file; once its srun runs, send ``signals`` to the shell, then end srun with SIGTERM."""
+        calls.mkdir()
+        env = node_env(PATH=f"{bin_}:{os.environ['PATH']}", SLURM_JOB_NODELIST="node0", SLURM_JOB_ID="7",
+                       CALLS=str(calls), STATE=state)  # fmt: skip
+        proc = subprocess.Popen(["bash", scripts / "launch.sbatch"], env=env, cwd=tmp_path, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+        try:
+            deadline = time.monotonic() + 60
+            while not (calls / "srun.pid").exists() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.02)
+            srun = int((calls / "srun.pid").read_text())
+            for s in signals:
+                proc.send_signal(s)
+            if signal.SIGUSR1 not in signals:
+                os.kill(srun, signal.SIGTERM)  # Slurm's own TERM to the steps
+            proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        log = (calls / "log").read_text().splitlines() if (calls / "log").exists() else []
+        shutil.rmtree(calls)
+        return proc.returncode, log
+
+    assert job("RUNNING", signal.SIGUSR1) == (138, ["scancel --signal=USR1 7", "scontrol requeue 7"])
+    assert job("RUNNING", signal.SIGTERM) == (143, ["scontrol requeue 7"])  # scancel --signal=TERM, pre-emption
+    assert job("COMPLETING", signal.SIGTERM) == (143, [])  # scancel: the job ends for good

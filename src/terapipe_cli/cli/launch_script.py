@@ -19,7 +19,9 @@ from terapipe_cli.train import cluster
 
 HELP = """Write the commands that train a plan on several machines: node-0.sh … node-{N-1}.sh, each the \
 `terapipe train` of one node with --nnodes, --node-rank and the rendezvous filled in, and with --slurm an sbatch \
-file that starts them all (one task per node, its rank from $SLURM_NODEID).
+file that starts them all (one task per node, its rank from $SLURM_NODEID). The sbatch file survives pre-emption \
+and its time limit: the run saves the step it is at (SIGTERM; SIGUSR1 ahead of --time), the job requeues itself \
+and continues the run (train's --resume-if-present). It asks for GPUs only for a GPU run.
 
 --nodes × --gpus-per-node must be the plan's D × K × T workers, and T must divide --gpus-per-node: a stage's T \
 tensor-parallel processes all-reduce in every layer, so they stay inside one machine. Ranks fill the nodes in \
@@ -31,6 +33,8 @@ Examples:
     terapipe launch-script plan.json --nodes 2 --gpus-per-node 8 --rdzv-endpoint node0:29500
 
     terapipe launch-script plan.json --nodes 4 --gpus-per-node 8 --slurm --steps 2000   # then: sbatch ...
+
+    terapipe launch-script plan.json -n 4 -g 8 --slurm --time 12:00:00 --partition gpu --account proj --grace-s 120
 
     terapipe launch-script plan.json -n 2 -g 4 --rdzv-endpoint 10.0.0.1:29500 --config run.toml --run-out /shared/exp1
 
@@ -60,7 +64,7 @@ def launch_script(
         typer.Option(
             "--rdzv-endpoint",
             help="HOST:PORT of the rendezvous on node 0, as the other nodes reach it (required without --slurm).",
-            show_default=f"with --slurm: the allocation's first host, port {cluster.DEFAULT_RDZV_PORT}",
+            show_default=f"with --slurm: the allocation's first host, port {cluster.JOB_PORT}",
         ),
     ] = None,
     run_out: Annotated[
@@ -92,6 +96,23 @@ def launch_script(
     rdzv_timeout_s: Annotated[
         float | None, typer.Option("--rdzv-timeout", help=_passed("rdzv_timeout_s"), show_default=False)
     ] = None,
+    grace_s: Annotated[
+        float | None,
+        typer.Option(
+            "--grace-s",
+            help=f"{_passed('grace_s')} With --slurm, Slurm warns the job (SIGUSR1) this long, one predicted step and "
+            f"{cluster.STOP_MARGIN_S} s before --time.",
+            show_default=f"the --config file's, else {_DOCS['grace_s'].shown_default}",
+        ),
+    ] = None,
+    time: Annotated[
+        str | None,
+        typer.Option(
+            "--time", help="Slurm's time limit of the job: minutes (90), HH:MM:SS or D-HH:MM:SS.", show_default=False
+        ),
+    ] = None,
+    partition: Annotated[str | None, typer.Option("--partition", help="Slurm partition.", show_default=False)] = None,
+    account: Annotated[str | None, typer.Option("--account", help="Slurm account charged.", show_default=False)] = None,
     cpus_per_task: Annotated[
         int | None,
         typer.Option(
@@ -113,10 +134,16 @@ def launch_script(
         raise UserError(
             "required without --slurm: HOST:PORT of node 0, as the other nodes reach it", where="--rdzv-endpoint"
         )
-    passed = RunConfig(steps=steps, device=device, rdzv_timeout_s=rdzv_timeout_s, precision=precision)
+    passed = RunConfig(steps=steps, device=device, rdzv_timeout_s=rdzv_timeout_s, precision=precision, grace_s=grace_s)
     _check_settings(passed)
     if cpus_per_task is not None and cpus_per_task < 1:
         raise UserError(f"must be at least 1, got {cpus_per_task}", where="--cpus-per-task")
+    time = None if time is None else cluster.parse_time(time)
+    partition = None if partition is None else cluster.parse_slurm_name(partition, "--partition")
+    account = None if account is None else cluster.parse_slurm_name(account, "--account")
+    if not slurm and (time, partition, account) != (None, None, None):
+        given = next(f for f, v in (("--time", time), ("--partition", partition), ("--account", account)) if v)
+        raise UserError("is for the sbatch file: add --slurm", where=given)
     from_file = load_run_config(config) if config is not None else RunConfig()
     the_plan = read_plan(plan)
     layout = cluster.run_layout(the_plan, from_file, nodes=nodes, where=str(config))
@@ -135,15 +162,19 @@ def launch_script(
         out=str((run_out if run_out is not None else Path("runs") / plan.stem).absolute()),
         settings=tuple(settings),
     )
-    threads = from_file.value("threads")
-    files = cluster.launch_files(
-        command,
-        layout,
-        gpus_per_node=gpus_per_node,
-        slurm=slurm,
-        job_name=f"terapipe-{plan.stem}",
-        cpus_per_task=cpus_per_task or gpus_per_node * (threads + 1),
-    )
+    job = None
+    if slurm:
+        on_gpus = cluster.runs_on_gpus(the_plan, passed.device or from_file.value("device"))
+        job = cluster.SlurmJob(
+            name=f"terapipe-{plan.stem}",
+            cpus_per_task=cpus_per_task or gpus_per_node * (from_file.value("threads") + 1),
+            gpus_per_node=gpus_per_node if on_gpus else 0,
+            warn_s=cluster.warn_seconds(the_plan, passed.grace_s or from_file.value("grace_s")),
+            time=time,
+            partition=partition,
+            account=account,
+        )
+    files = cluster.launch_files(command, layout, gpus_per_node=gpus_per_node, slurm=job)
     written = cluster.write_launch_folder(out, files)
     _render(command, layout, gpus_per_node, out, written, slurm)
 
@@ -191,9 +222,10 @@ def _render(command: cluster.TrainCommand, layout: Layout, gpus_per_node: int, o
         console.print(f"node {node}: {command.line(node)}", markup=False, soft_wrap=True)
     if command.rdzv_endpoint is None:
         console.print(
-            f"${cluster.RDZV_VARIABLE}: port {cluster.DEFAULT_RDZV_PORT} of the allocation's first host, found when "
-            "the job runs",
+            f"${cluster.RDZV_VARIABLE}: port {cluster.JOB_PORT} of the allocation's first host, found when the job "
+            "runs",
             markup=False,
+            soft_wrap=True,
         )
     console.print(f"wrote {', '.join(str(p) for p in written)}", markup=False, soft_wrap=True)
     if slurm:

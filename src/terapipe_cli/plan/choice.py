@@ -256,6 +256,7 @@ class Planned:
                 "sha256": prof.sha256,
                 "source": prof.source,
                 "device": prof.device.get("name"),
+                "kind": prof.device.get("kind"),
                 **provenance_record(prof),
             },
             created=utc_timestamp(),

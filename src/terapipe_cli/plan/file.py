@@ -10,9 +10,10 @@ A plan with ``data_parallel`` > 1 made by `terapipe plan` also has ``data_parall
 true, "seconds": s, "link": {...}}`` when the profile priced the replicas' gradient all-reduce, or ``{"priced":
 false, "seconds": null, "why": "unknown — not priced: ..."}`` when the profile has no ``data_parallel_link``
 (or no ``params_per_layer``) and the plan was made without it (docs/design.md §8).
-``profile`` names the profile the plan was priced by: ``path``, ``sha256``, ``source``, ``device``, ``created`` (the
-profile's), ``provenance`` (where its numbers come from, in words, `plan.domain.provenance`), for analytic profiles
-``hardware_file`` and ``constants``, and ``domain`` (``batch_slices``: the smallest and largest batch slice priced;
+``profile`` names the profile the plan was priced by: ``path``, ``sha256``, ``source``, ``device``, ``kind`` (cpu or
+cuda), ``created`` (the profile's), ``provenance`` (where its numbers come from, in words,
+`plan.domain.provenance`), for analytic profiles ``hardware_file`` and ``constants``, and ``domain``
+(``batch_slices``: the smallest and largest batch slice priced;
 ``grid``: the file's batch sizes; ``added``: sizes an analytic profile was priced at beyond them). Each baseline has
 ``peak_bytes`` (its fullest stage's estimated peak in the plan's order and recomputation) and ``exceeds_limit``. A
 plan that runs a baseline (`terapipe plan --scheme`, or the report's GPipe run) says ``scheme`` ("gpipe" or

@@ -12,6 +12,7 @@ no I/O), so the scripts can be written on a laptop. Every word put into a script
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shlex
@@ -27,6 +28,9 @@ from terapipe_cli.errors import UserError
 from terapipe_cli.plan.file import Plan
 
 DEFAULT_RDZV_PORT = 29500  # torchrun's own default port
+# In a Slurm job the rendezvous port is DEFAULT_RDZV_PORT + the job id modulo this: two jobs that share a node do not
+# collide (but for 1 in RDZV_PORTS), and every port stays below Linux's ephemeral range (32768 on).
+RDZV_PORTS = 2000
 COMMON_GPUS_PER_NODE = (1, 2, 4, 8)  # what machines usually have: the layouts an error suggests
 MARK = "# Written by `terapipe launch-script`"  # every file carries it: --force replaces only such folders
 SBATCH_FILE = "launch.sbatch"
@@ -195,6 +199,9 @@ def _comment(text: str) -> str:
     return "".join(c if c.isprintable() else "?" for c in text)
 
 
+JOB_PORT = f"{DEFAULT_RDZV_PORT} + the Slurm job id modulo {RDZV_PORTS}"  # in words: where the rendezvous listens
+
+
 def endpoint_lines(command: TrainCommand) -> list[str]:
     """The lines that set the endpoint when it is found at job time (none when it was given)."""
     if command.rdzv_endpoint is not None:
@@ -202,8 +209,10 @@ def endpoint_lines(command: TrainCommand) -> list[str]:
     nodelist = '"${SLURM_JOB_NODELIST:?not in a Slurm job: write the scripts again with --rdzv-endpoint HOST:PORT}"'
     # sed, not head: head stops reading at the first line, and under pipefail scontrol's SIGPIPE would end the job.
     return [
-        f"# The rendezvous: port {DEFAULT_RDZV_PORT} on the first host of the allocation (node 0).",
-        f'{RDZV_VARIABLE}="$(scontrol show hostnames {nodelist} | sed -n 1p):{DEFAULT_RDZV_PORT}"',
+        f"# The rendezvous: on the first host of the allocation (node 0), at port {JOB_PORT}, so that",
+        "# two jobs sharing a node do not collide.",
+        f'{RDZV_VARIABLE}="$(scontrol show hostnames {nodelist} | sed -n 1p):'
+        f'$(( {DEFAULT_RDZV_PORT} + SLURM_JOB_ID % {RDZV_PORTS} ))"',
     ]
 
 
@@ -213,7 +222,7 @@ def node_script(command: TrainCommand, layout: Layout, place: NodePlace) -> str:
     where = (
         f"the rendezvous at {command.rdzv_endpoint}"
         if command.rdzv_endpoint is not None
-        else f"the rendezvous at port {DEFAULT_RDZV_PORT} of the first host of the Slurm allocation"
+        else f"the rendezvous at port {JOB_PORT} of the first host of the Slurm allocation"
     )
     header = [
         "#!/usr/bin/env bash",
@@ -229,56 +238,143 @@ def node_script(command: TrainCommand, layout: Layout, place: NodePlace) -> str:
     return "\n".join([*header, *endpoint_lines(command), *body]) + "\n"
 
 
-def sbatch_script(
-    command: TrainCommand, layout: Layout, *, job_name: str, gpus_per_node: int, cpus_per_task: int
-) -> str:
-    """``launch.sbatch``: one Slurm task per node, each its node's `terapipe train` (``$SLURM_NODEID`` its rank)."""
+@dataclass(frozen=True)
+class SlurmJob:
+    """What the sbatch file asks of Slurm besides the nodes: the site's own lines and when to warn of the end."""
+
+    name: str
+    cpus_per_task: int
+    gpus_per_node: int  # 0: a CPU run asks for none (a cluster without GPUs refuses a GPU request)
+    warn_s: int  # SIGUSR1 this long before the time limit: the step in progress and the save fit in it
+    time: str | None = None  # --time, as Slurm reads it (minutes, or [D-]HH:MM:SS, ...)
+    partition: str | None = None
+    account: str | None = None
+
+
+TIME_FORMAT = re.compile(r"\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+|\d+-\d+:\d{1,2}|\d+-\d+:\d{1,2}:\d{1,2}")
+SLURM_NAME = re.compile(r"[A-Za-z0-9._-]+")  # a partition or account: written into an #SBATCH line, unquoted
+
+
+def parse_time(text: str, where: str = "--time") -> str:
+    """A Slurm time limit as sbatch reads it: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS."""
+    if not TIME_FORMAT.fullmatch(text) or not any(c != "0" for c in text if c.isdigit()):
+        raise UserError(
+            f"expected a Slurm time limit: minutes (90), HH:MM:SS (01:30:00) or D-HH:MM:SS (1-12:00:00), got {text!r}",
+            where=where,
+        )
+    return text
+
+
+def parse_slurm_name(text: str, where: str) -> str:
+    if not SLURM_NAME.fullmatch(text):
+        raise UserError(f"expected a Slurm name (letters, digits, . _ -), got {text!r}", where=where)
+    return text
+
+
+STOP_MARGIN_S = 10  # after the save: the processes end and the job requeues itself
+
+
+def warn_seconds(plan: Plan, grace_s: float) -> int:
+    """How long before the time limit Slurm warns the job (SIGUSR1): the step in progress (the plan's predicted
+    step), then the save, which train allows ``grace_s`` (--grace-s), and the end of the processes."""
+    return math.ceil((plan.predicted_s or 0.0) + grace_s) + STOP_MARGIN_S
+
+
+def runs_on_gpus(plan: Plan, device: str) -> bool:
+    """Whether a run asks Slurm for GPUs: ``cuda``, or under ``auto`` a plan made for a GPU (its profile's
+    ``kind``). A plan that does not say is taken for a GPU's: asking for GPUs on a cluster without them fails at
+    once, where training a GPU plan on CPUs would run, slowly."""
+    if device != "auto":
+        return device == "cuda"
+    profile = plan.raw.get("profile") if isinstance(plan.raw.get("profile"), dict) else {}
+    if profile.get("kind") in ("cpu", "cuda"):
+        return profile["kind"] == "cuda"
+    return True
+
+
+# The exit codes of a `terapipe train` stopped by a signal after saving (train/stop.py: 128 + the signal).
+STOPPED_EXITS = {"SIGUSR1": 128 + 10, "SIGTERM": 128 + 15}
+
+
+def sbatch_script(command: TrainCommand, layout: Layout, job: SlurmJob, *, gpus_per_node: int) -> str:
+    """``launch.sbatch``: one Slurm task per node, each its node's `terapipe train` (``$SLURM_NODEID`` its rank),
+    started with --resume-if-present so that the job, requeued after a stop, continues the run.
+
+    Stopping: train saves the step it is at on SIGTERM or SIGUSR1 and exits 128 + the signal (train/stop.py).
+    SIGUSR1 comes ``warn_s`` before the time limit to the job's shell alone (``--signal=B:``), which forwards it to
+    the steps. SIGTERM (pre-emption, scancel, the time limit itself) reaches every process of the job from Slurm, so
+    the shell does not send it again: a second signal stops train at once, without saving. bash runs a trap only
+    between commands, so srun runs in the background and the shell waits for it, again after each trap. Once srun
+    has ended with a stop, the job requeues itself if it is still running (not cancelled, and not requeued by Slurm
+    itself, as pre-emption with PreemptMode=REQUEUE does)."""
     n = command.nnodes
-    name = re.sub(r"[^A-Za-z0-9._-]", "-", job_name)  # an #SBATCH line is not a shell line: nothing to quote
-    train = "\n".join("  " + " ".join(g) for g in command.groups(""))
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", job.name)  # an #SBATCH line is not a shell line: nothing to quote
+    groups = command.groups("")
+    groups[-1] = [*groups[-1], "--resume-if-present"]
+    train = "\n".join("  " + " ".join(g) for g in groups)
     srun = (
-        f"srun --nodes={n} --ntasks-per-node=1 --cpus-per-task={cpus_per_task} --kill-on-bad-exit=1 "
-        """bash -c 'exec "$@" --node-rank "$SLURM_NODEID"' terapipe-node "${train[@]}\""""
+        f"srun --nodes={n} --ntasks-per-node=1 --cpus-per-task={job.cpus_per_task} --kill-on-bad-exit=1 "
+        """bash -c 'exec "$@" --node-rank "$SLURM_NODEID"' terapipe-node "${train[@]}" &"""
     )
+    asked = (("time", job.time), ("partition", job.partition), ("account", job.account))
+    site = [f"#SBATCH --{key}={value}" for key, value in asked if value is not None]
+    gpus = [f"#SBATCH --gpus-per-node={job.gpus_per_node}"] if job.gpus_per_node else []
+    usr1, term = STOPPED_EXITS["SIGUSR1"], STOPPED_EXITS["SIGTERM"]
+    running = '[[ "$(squeue -h -j "$SLURM_JOB_ID" -o %T)" == RUNNING ]]'
     lines = [
         "#!/usr/bin/env bash",
         f"{MARK}: a run of {_comment(command.plan)}",
         f"# ({layout.shape_text()}) on {machines(n, gpus_per_node)}. Submit it with",
         f"#   sbatch {SBATCH_FILE}",
         "# adding what your site asks for (--partition, --account, --time) as #SBATCH lines below. One task per",
-        "# node: each is a `terapipe train` that starts its node's workers through torchrun.",
+        "# node: each is a `terapipe train` that starts its node's workers through torchrun. Stopped by pre-emption",
+        "# or ahead of the time limit, the run saves the step it is at and the job requeues itself to continue it.",
         f"#SBATCH --job-name={name}",
         f"#SBATCH --nodes={n}",
         "#SBATCH --ntasks-per-node=1",
-        f"#SBATCH --gpus-per-node={gpus_per_node}",
-        f"#SBATCH --cpus-per-task={cpus_per_task}",
+        *gpus,
+        f"#SBATCH --cpus-per-task={job.cpus_per_task}",
+        *site,
+        "#SBATCH --requeue",
+        "#SBATCH --open-mode=append",
+        f"#SBATCH --signal=B:USR1@{job.warn_s}",
         "set -euo pipefail",
         *endpoint_lines(command),
         "train=(",
         train,
         ")",
+        f"# SIGUSR1 ({job.warn_s} s before the time limit, to this shell alone): forwarded to the steps, which",
+        "# save and stop. SIGTERM (pre-emption, scancel, the time limit) reaches the steps from Slurm itself: sent",
+        "# again, it would stop them at once, without saving. KILL follows after the site's KillWait (30 s default).",
+        "trap 'scancel --signal=USR1 \"$SLURM_JOB_ID\" || true' USR1",
+        "trap ':' TERM",
         "# Each task's own shell expands $SLURM_NODEID (0 … N-1, its node) into --node-rank: hence the single quotes.",
         # srun is given --cpus-per-task again: since Slurm 22.05 a step no longer takes the job's from sbatch.
         srun,
+        "srun_pid=$!",
+        "# A trap ends `wait` early (bash runs traps only between commands): wait until srun has ended; a last wait",
+        "# gives its exit status if a trap came just as it ended (127: it was already taken).",
+        "status=0",
+        'while kill -0 "$srun_pid" 2>/dev/null; do wait "$srun_pid" && status=0 || status=$?; done',
+        'wait "$srun_pid" 2>/dev/null && status=0 || { last=$?; (( last == 127 )) || status=$last; }',
+        f"# Stopped by a signal after saving ({term}: SIGTERM, {usr1}: SIGUSR1): continue in a requeued job,",
+        "# unless the job is ending for good (cancelled) or Slurm requeues it itself (PreemptMode=REQUEUE).",
+        f"if (( status == {term} || status == {usr1} )) && {running}; then",
+        '  echo "terapipe: the run stopped and saved; requeueing job $SLURM_JOB_ID to continue it" >&2',
+        '  scontrol requeue "$SLURM_JOB_ID"',
+        "fi",
+        'exit "$status"',
     ]
     return "\n".join(lines) + "\n"
 
 
 def launch_files(
-    command: TrainCommand,
-    layout: Layout,
-    *,
-    gpus_per_node: int,
-    slurm: bool,
-    job_name: str,
-    cpus_per_task: int,
+    command: TrainCommand, layout: Layout, *, gpus_per_node: int, slurm: SlurmJob | None
 ) -> dict[str, str]:
     """Every file of the launch folder: name -> text (the node scripts, and with ``slurm`` the sbatch file)."""
     files = {node_script_name(p.node): node_script(command, layout, p) for p in node_places(layout, gpus_per_node)}
-    if slurm:
-        files[SBATCH_FILE] = sbatch_script(
-            command, layout, job_name=job_name, gpus_per_node=gpus_per_node, cpus_per_task=cpus_per_task
-        )
+    if slurm is not None:
+        files[SBATCH_FILE] = sbatch_script(command, layout, slurm, gpus_per_node=gpus_per_node)
     return files
 
 
