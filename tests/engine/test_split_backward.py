@@ -56,7 +56,6 @@ def run(cfg, stage, stages, slices, *, split, weights_late=True, **kwargs):
 CASES = {
     "gpt, first of 2": (tiny_model(seq_len=32), 0, 2, {}),
     "gpt, last of 2": (tiny_model(seq_len=32), 1, 2, {}),
-    "gpt, last of 2, the head in chunks of 5 tokens": (tiny_model(seq_len=32), 1, 2, {"loss_chunk_tokens": 5}),
     "gpt, middle of 3, recomputed": (tiny_model(layers=3, seq_len=32), 1, 3, {"recompute": True}),
     "gpt, one stage, bf16": (tiny_model(seq_len=32), 0, 1, {"precision": "bf16"}),
     "llama, first of 2, recomputed": (llama(), 0, 2, {"recompute": True}),
