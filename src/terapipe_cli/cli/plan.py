@@ -14,6 +14,7 @@ from rich.table import Table
 from terapipe_cli.cli.console import PlainProgress, make_console, plain_progress
 from terapipe_cli.config.device import available_memory_bytes
 from terapipe_cli.config.experiment import load_experiment
+from terapipe_cli.engine import require_torch
 from terapipe_cli.engine.hostmem import retain_freed_memory
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import check_output_file, write_text_atomic
@@ -52,6 +53,8 @@ Examples:
     terapipe plan --experiment paper-04 --data-parallel 4 --out plan-13b-d4.json
 
     terapipe plan --profile p.json -k 4 -b 2 --show-schedule --schedule-out my-order.csv
+
+    terapipe plan --profile configs/profiles/tiny-cpu-measured.json -k 2 -b 4 --tune 2   # train the best 2 here
 """
 
 
@@ -235,6 +238,16 @@ def plan(
     quiet: Annotated[
         bool, typer.Option("--quiet", "-q", help="No progress line on stderr while the plan is searched.")
     ] = False,
+    tune: Annotated[
+        int | None,
+        typer.Option(
+            "--tune",
+            help="Train the simulator's N best plans and the GPipe scheme a few steps each, in rounds, on this "
+            "machine (the profile's device, measured here) and write the measured fastest; the plan records "
+            "predicted and measured for each (plan.tune).",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     # The search allocates and frees price arrays of tens of megabytes over and over; with glibc's defaults each
     # comes back from the kernel as fresh pages. Kept for reuse: Llama 3 70B at K = 16 planned in 27.7 s of CPU
@@ -256,6 +269,7 @@ def plan(
         profile=profile, experiment=experiment, stages=stages, batch_size=batch, data_parallel=data_parallel,
         tensor_parallel=tensor_parallel, token_step=token_step,
     )  # fmt: skip
+    tuner = None if tune is None else _tuner(setting.profile, tune, scheme)  # refused before planning
     counts = None if layers_per_stage is None else parse_layers(layers_per_stage)
     request = setting.request(
         seq_len=seq_len, epsilon=epsilon, method=method, memory_limit_gib=memory_limit, order=order,
@@ -270,13 +284,15 @@ def plan(
     with _progress_line(head, quiet) as progress:
         configured = plan_configured(prof, request, progress)
         planned = replace(configured.planned, scheme=scheme)
+    tuned = None if tuner is None else tuner(configured, lambda p: _plan_object(p, setting), _told(quiet))
+    planned = planned if tuned is None else tuned.chosen.planned
     schedule = planned.schedule()
     if picture is not None:
         with console.status("Drawing the plan's simulated timeline and memory …"):
             write_plan_picture(planned, picture)
-    plan_obj = planned.to_plan_dict(setting.profile_path, setting.experiment)
-    attended = planned.profile.attended
-    plan_obj["attention"] = {"context": "prefix"} if attended is None else attended.record()
+    plan_obj = _plan_object(planned, setting)
+    if tuned is not None:
+        plan_obj["tuning"] = tuned.record()
     write_plan(out, plan_obj)
     if schedule_out is not None:
         write_text_atomic(schedule_out, schedule.to_csv())
@@ -287,9 +303,32 @@ def plan(
     _print_lines(console, planned, setting, out)
     if request.virtual is None or request.partition_mode == "auto" or configured.runner_up is not None:
         console.print(configured.line(), highlight=False)
+    for line in [] if tuned is None else tuned.lines():
+        console.print(line, highlight=False)
     written = [p for p in (out, schedule_out, picture) if p is not None]
     what = "" if scheme == "terapipe" else f" ({_NAMES[scheme]} {planned.chosen.short_form(fold=True)})"
     console.print("wrote " + " and ".join(f"[bold]{p}[/bold]" for p in written) + what, highlight=False)
+
+
+def _plan_object(planned: Planned, setting: PlanSetting) -> dict:
+    """The plan file's object of ``planned``, with how its attention was priced."""
+    obj = planned.to_plan_dict(setting.profile_path, setting.experiment)
+    attended = planned.profile.attended
+    obj["attention"] = {"context": "prefix"} if attended is None else attended.record()
+    return obj
+
+
+def _tuner(profile: Profile, count: int, scheme: str):
+    """``--tune``'s trainer (`train.tune.tuner`), checked now; PyTorch is imported only here."""
+    require_torch("--tune")
+    from terapipe_cli.train.tune import tuner
+
+    return tuner(profile, count, scheme)
+
+
+def _told(quiet: bool):
+    """Where ``--tune`` tells each run it timed: a line on stderr, or nowhere with --quiet."""
+    return None if quiet else lambda text: make_console(stderr=True).print(f"tuning: {text}", highlight=False)
 
 
 @contextmanager

@@ -53,6 +53,8 @@ class Configured:
     planned: Planned
     runner_up: Planned | None
     tried: int  # configurations planned (partitions whose bound ruled them out are not counted)
+    # Every configuration planned (each v's best and next best partition), fastest simulated first (`plan.tune`).
+    considered: tuple[Planned, ...] = ()
 
     def line(self) -> str:
         """What was chosen, and what the runner-up would cost (simulated)."""
@@ -180,7 +182,7 @@ def plan_configured(profile: Profile, request: PlanRequest, progress: Progress |
     simulated = lambda p: p.simulated_s[p.scheme]  # noqa: E731
     ranked = sorted(best, key=simulated)
     others = ranked[1:] or sorted(seconds, key=simulated)
-    return Configured(ranked[0], others[0] if others else None, tried)
+    return Configured(ranked[0], others[0] if others else None, tried, tuple(sorted(best + seconds, key=simulated)))
 
 
 def _none_fits(request: PlanRequest) -> UserError:
