@@ -76,6 +76,7 @@ REFUSED = [
 REFUSED_OPTIONS = [
     ("no candidate", ("--tune", "0"), ("--tune", "at least 1")),
     ("a fixed scheme", ("--tune", "2", "--scheme", "gpipe"), ("--tune", "--scheme gpipe")),
+    ("a corpus's documents", ("--tune", "2", "--data", "corpus"), ("--tune", "--data", "embedded text")),
 ]
 
 

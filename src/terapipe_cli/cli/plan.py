@@ -269,7 +269,7 @@ def plan(
         profile=profile, experiment=experiment, stages=stages, batch_size=batch, data_parallel=data_parallel,
         tensor_parallel=tensor_parallel, token_step=token_step,
     )  # fmt: skip
-    tuner = None if tune is None else _tuner(setting.profile, tune, scheme)  # refused before planning
+    tuner = None if tune is None else _tuner(setting.profile, tune, scheme, data)  # refused before planning
     counts = None if layers_per_stage is None else parse_layers(layers_per_stage)
     request = setting.request(
         seq_len=seq_len, epsilon=epsilon, method=method, memory_limit_gib=memory_limit, order=order,
@@ -318,12 +318,12 @@ def _plan_object(planned: Planned, setting: PlanSetting) -> dict:
     return obj
 
 
-def _tuner(profile: Profile, count: int, scheme: str):
+def _tuner(profile: Profile, count: int, scheme: str, data: list[str] | None):
     """``--tune``'s trainer (`train.tune.tuner`), checked now; PyTorch is imported only here."""
     require_torch("--tune")
     from terapipe_cli.train.tune import tuner
 
-    return tuner(profile, count, scheme)
+    return tuner(profile, count, scheme, data=data is not None)
 
 
 def _told(quiet: bool):

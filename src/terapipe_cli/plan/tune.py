@@ -33,14 +33,21 @@ Measure = Callable[[dict, int], list[float]]
 _SCHEMES = {"terapipe": "TeraPipe", "gpipe": "GPipe", "uniform": "uniform"}
 
 
-def check_tunable(profile: Profile, here: dict, *, count: int, scheme: str) -> None:
-    """Refuse, in one line, what cannot be tuned here: a count below 1, a fixed ``--scheme``, a profile that was not
+def check_tunable(profile: Profile, here: dict, *, count: int, scheme: str, data: bool = False) -> None:
+    """Refuse, in one line, what cannot be tuned here: a count below 1, a fixed ``--scheme``, ``--data`` (``data``:
+    the candidates train on the embedded text, whose attention is not what the plan prices), a profile that was not
     measured (an analytic or example one predicts a device it never timed) or one measured on another device than
     ``here`` (this machine's device of the profile's kind: ``{"kind", "name"}``, as a profile records it)."""
     if count < 1:
         raise UserError(f"must be at least 1 (the simulator's best plans to train), got {count}", where="--tune")
     if scheme != "terapipe":
         raise UserError(f"and --scheme {scheme} contradict each other: --tune chooses the scheme", where="--tune")
+    if data:
+        raise UserError(
+            "and --data contradict each other: the candidates train on the embedded text, not on the corpus whose "
+            "documents price the plan's attention; tune without --data",
+            where="--tune",
+        )
     where = profile.path or "the profile"
     if profile.source != "measured":
         raise UserError(

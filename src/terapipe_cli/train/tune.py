@@ -10,7 +10,7 @@ from functools import partial
 from pathlib import Path
 
 from terapipe_cli.config.run import RunConfig
-from terapipe_cli.errors import UserError
+from terapipe_cli.errors import Interrupted, Stopped, UserError
 from terapipe_cli.files import write_json_atomic
 from terapipe_cli.plan import tune
 from terapipe_cli.plan.choice import Planned
@@ -24,12 +24,12 @@ from terapipe_cli.train.rundir import read_metrics
 Tuner = Callable[[Configured, Callable[[Planned], dict], Callable[[str], None] | None], tune.Tuned]
 
 
-def tuner(profile: Profile, count: int, scheme: str) -> Tuner:
+def tuner(profile: Profile, count: int, scheme: str, *, data: bool = False) -> Tuner:
     """``terapipe plan --tune count``, checked before anything is planned (`plan.tune.check_tunable`): the function
     that trains the simulator's best ``count`` plans of a configured plan (`plan.tune.candidates`) in rounds here
     and returns them measured (`plan.tune.tune`)."""
     here = this_device(profile)
-    tune.check_tunable(profile, here, count=count, scheme=scheme)
+    tune.check_tunable(profile, here, count=count, scheme=scheme, data=data)
     measure = partial(train_steps, device=here["kind"])
 
     def run(configured: Configured, to_dict: Callable[[Planned], dict], progress=None) -> tune.Tuned:
@@ -65,4 +65,10 @@ def train_steps(plan: dict, steps: int, *, device: str) -> list[float]:
                 launch(prepared.launch)
         except WorkerFailed as e:
             raise UserError(f"training a candidate plan failed: {e}", where="--tune") from None
+        except Stopped as e:  # the run's own line names a folder about to be removed
+            raise Stopped(
+                "--tune: stopped while a candidate plan trained; no plan written", e.exit_code - 128
+            ) from None
+        except Interrupted:
+            raise Interrupted("--tune: interrupted while a candidate plan trained; no plan written") from None
         return [float(r["iteration_s"]) for r in read_metrics(out)]
