@@ -48,6 +48,22 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     || { log "installation failed"; exit 1; }
   echo "$want" > "$stamp"
 fi
+# A real Slurm for tests/train/test_slurm.py, which skips without it: Debian's packages, installed where this runs as
+# root with apt-get (CI), quietly left out elsewhere; nothing is done where the programs are already there. The
+# tests start their own daemons on a private socket and ports: an installed Slurm is never configured or started.
+SLURM_PACKAGES=(slurmctld slurmd slurm-client munge)
+has_slurm() {
+  local program
+  for program in slurmctld slurmd sbatch munged; do PATH="$PATH:/usr/sbin:/sbin" command -v "$program" || return 1; done
+}
+if ! has_slurm >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  log "installing Slurm and munge for the Slurm tests: ${SLURM_PACKAGES[*]}"
+  apt_install() { DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${SLURM_PACKAGES[@]}"; }
+  if ! apt_install >/dev/null 2>&1; then
+    apt-get update -q >/dev/null 2>&1 && apt_install >/dev/null 2>&1 || log "could not install them: the Slurm tests will skip"
+  fi
+fi
+
 .venv/bin/python - <<'PY' >&2
 import torch
 gpu = torch.cuda.is_available()
