@@ -3,7 +3,11 @@
 
 It stands in for `terapipe profile` in tests and examples. The formula is a plausible single-thread CPU:
 a fixed per-slice overhead (Python, kernel dispatch, K/V concatenation) plus FLOPs over a throughput,
-attention over context from its 4·b·i·j·H FLOPs. Backward costs about twice the forward.
+attention over context from its 4·b·i·j·H FLOPs. Backward costs about twice the forward. Split as the runtime
+runs it (schema /2), I is the input's gradients (one product per weight, attention's backward) and W the weights'
+(one product per weight), each a call of its own with the backward's overhead: I + W costs one overhead more than
+the whole backward. Being made up, its split is an estimate: `terapipe plan --order auto` plans no split order
+from it (only from a measured profile).
 
     python scripts/make_example_profile.py [--model configs/models/tiny.toml] [--out PATH]
 """
@@ -41,8 +45,14 @@ def main() -> None:
         flops = b * i * (24 * H * H + 2 * i * H)
         return OVERHEAD_FWD_S + flops / FLOPS_PER_S
 
+    def projections(b: int, i: int) -> float:
+        return b * i * 24 * H * H / FLOPS_PER_S  # one product per weight matrix, forward or one gradient
+
+    def backward_input(b: int, i: int) -> float:
+        return OVERHEAD_BWD_S + 2 * (fwd(b, i) - OVERHEAD_FWD_S) - projections(b, i)
+
     profile = {
-        "schema": "terapipe.profile/1",
+        "schema": "terapipe.profile/2",
         "source": "example",
         "note": "MADE UP from a formula by scripts/make_example_profile.py, not measured: a single-thread CPU at "
         f"{FLOPS_PER_S / 1e9:.0f} GFLOP/s with {OVERHEAD_FWD_S * 1e3:.2f}/{OVERHEAD_BWD_S * 1e3:.2f} ms "
@@ -56,6 +66,8 @@ def main() -> None:
         "token_lengths": lengths,
         "forward_s": [[fwd(b, i) for i in lengths] for b in batches],
         "backward_s": [[OVERHEAD_BWD_S + 2 * (fwd(b, i) - OVERHEAD_FWD_S) for i in lengths] for b in batches],
+        "backward_input_s": [[backward_input(b, i) for i in lengths] for b in batches],
+        "backward_weight_s": [[OVERHEAD_BWD_S + projections(b, i) for i in lengths] for b in batches],
         "context": {
             # Attention over j context tokens: 4·b·i·j·H FLOPs forward (scores and values), twice that backward,
             # plus the cost of concatenating the context keys/values (~b·j·H copies).

@@ -63,7 +63,7 @@ def test_bad_memory_limit_is_one_line(gpt3_1b_profile: Path, tmp_path: Path, cap
 
 def test_a_cpu_profile_warns_against_the_machine_all_workers_share(tmp_path: Path, capsys) -> None:
     """On a CPU every worker shares the machine's memory: the check adds up all of them (D x T x K)."""
-    obj = json.loads((ROOT / "configs" / "profiles" / "tiny-cpu-measured.json").read_text())
+    obj = json.loads((ROOT / "tests" / "data" / "tiny-cpu-measured-schema1.json").read_text())
     profile = tmp_path / "profile.json"
     plan = [str(x) for x in ("plan", "--profile", profile, "-k", "2", "-b", "8", "--out", tmp_path / "p.json")]
     write_json_atomic(profile, obj)

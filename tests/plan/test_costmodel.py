@@ -239,8 +239,8 @@ def test_single_grid_point_profiles(tmp_path: Path) -> None:
     obj = copy.deepcopy(RAW)
     obj["batch_sizes"] = [2]
     obj["token_lengths"] = [64]
-    obj["forward_s"] = [[RAW["forward_s"][1][3]]]
-    obj["backward_s"] = [[RAW["backward_s"][1][3]]]
+    for grid in ("forward_s", "backward_s", "backward_input_s", "backward_weight_s"):
+        obj[grid] = [[RAW[grid][1][3]]]
     cost = CostModel.from_profile(write_profile(tmp_path, obj), stages=1)
     base = NC[1, 3]
     assert float(cost.no_context(2, 64)) == pytest.approx(base, rel=1e-12)

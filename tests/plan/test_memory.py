@@ -21,7 +21,7 @@ from terapipe_cli.plan.memory import (
 )
 from terapipe_cli.plan.schedule import Schedule, plan_tiles
 
-PROFILE = read_profile(ROOT / "configs" / "profiles" / "tiny-cpu-measured.json")
+PROFILE = read_profile(ROOT / "tests" / "data" / "tiny-cpu-measured-schema1.json")
 
 
 @pytest.mark.parametrize("order", ["gpipe", "1f1b"])

@@ -25,7 +25,7 @@ from terapipe_cli.plan.schedule import ORDERS, Schedule
 from terapipe_cli.plan.search import evaluate
 from terapipe_cli.units import format_bytes
 
-MEASURED = read_profile(ROOT / "configs" / "profiles" / "tiny-cpu-measured.json")
+MEASURED = read_profile(ROOT / "tests" / "data" / "tiny-cpu-measured-schema1.json")
 
 
 def _peak(slices, stages, order, recompute) -> float:

@@ -11,7 +11,7 @@ from conftest import ROOT, assert_one_line_error, run_cli, write_plan_file
 from terapipe_cli.errors import UserError
 from terapipe_cli.plan.file import read_plan
 
-PROFILE = ROOT / "configs" / "profiles" / "tiny-cpu-measured.json"
+PROFILE = ROOT / "tests" / "data" / "tiny-cpu-measured-schema1.json"
 
 
 def _plan_file(tmp_path, slices, stages, **keys):

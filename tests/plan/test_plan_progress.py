@@ -17,7 +17,7 @@ from terapipe_cli.plan.configs import plan_configured
 from terapipe_cli.plan.costmodel import read_profile
 from terapipe_cli.plan.request import plan_request
 
-TINY = ROOT / "configs" / "profiles" / "tiny-cpu-measured.json"
+TINY = ROOT / "tests" / "data" / "tiny-cpu-measured-schema1.json"
 
 
 def test_the_search_tells_what_it_searches_what_is_left_and_the_best_so_far():

@@ -21,11 +21,13 @@ from terapipe_cli.plan.simulate import cost_model_parts, simulate, uniform_parts
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "profiles" / "tiny-cpu-measured.json"
-RAW = json.loads(TINY.read_text())
+# The tiny measured profile as one of schema /1 (its backward timed whole), the older kind a user may still have.
+RAW = {k: v for k, v in json.loads(TINY.read_text()).items() if k not in ("backward_input_s", "backward_weight_s")}
+RAW["schema"] = "terapipe.profile/1"
 
 
 def schema_2(input_share: float, weight_share: float) -> dict:
-    """The tiny /1 profile as a /2 one whose I and W are these shares of its backward (their sum may pass 1: the
+    """The tiny profile as a /2 one whose I and W are these shares of its backward (their sum may pass 1: the
     split's two calls may cost more than the whole backward)."""
     backward = np.asarray(RAW["backward_s"])
     return {
@@ -52,13 +54,15 @@ def test_a_schema_2_profile_round_trips_and_a_missing_grid_is_one_line(tmp_path)
             profile_from_dict(missing, "p.json")
     with pytest.raises(UserError, match="field 'backward_input_s' must have shape"):
         profile_from_dict({**obj, "backward_input_s": obj["backward_input_s"][:1]}, "p.json")
-    with pytest.raises(UserError, match=r"expected 'terapipe.profile/2' \(or the older 'terapipe.profile/1'\)"):
-        profile_from_dict({**obj, "schema": "terapipe.profile/3"}, "p.json")
+    with pytest.raises(
+        UserError, match=r"expected 'terapipe.profile/3' \(or the older 'terapipe.profile/2' or 'terapipe"
+    ):
+        profile_from_dict({**obj, "schema": "terapipe.profile/4"}, "p.json")
 
 
 def test_a_schema_1_profile_is_split_by_the_architectures_analytic_ratio():
-    prof = read_profile(TINY)
-    assert RAW["schema"] == "terapipe.profile/1" and prof.backward_input_s is None and prof.split_source == "ratio"
+    prof = profile_from_dict(RAW, "tiny-1.json")
+    assert prof.backward_input_s is None and prof.split_source == "ratio"
     inputs, weights = prof.split_grids()
     b, i = np.meshgrid(prof.batch_sizes, prof.token_lengths, indexing="ij")
     share = backward_input_share(prof.model, b, i, 0)
@@ -84,19 +88,26 @@ def test_a_schema_1_profile_is_split_by_the_architectures_analytic_ratio():
 
 def test_the_plan_line_says_how_i_and_w_are_priced(tmp_path, capsys):
     slices = [(2, [512, 256, 256])]
-    v1, v2 = read_profile(TINY), profile_from_dict(schema_2(0.6, 0.55), "p2.json")
+    v1, v2 = profile_from_dict(RAW, "tiny-1.json"), profile_from_dict(schema_2(0.6, 0.55), "p2.json")
     text = split_text(v1, slices)
-    assert text.endswith("of the tiles' backward by the architecture's analytic ratio: a profile of schema /1")
+    estimate = "an estimate by the architecture's analytic ratio (a profile of schema /1, not timed apart)"
+    assert text.endswith(f"of the tiles' backward, {estimate}")
     assert split_text(v2, [(2, [1024])]) == "I 60%, W 55% of the tiles' backward, timed apart (measured)"
     # A tile's context adds to its I alone: token slices after the first have more of their backward in I.
-    assert split_text(v2, slices) == "I 67%, W 45% of the tiles' backward, timed apart (measured)"
+    assert split_text(v2, slices) == "I 68%, W 44% of the tiles' backward, timed apart (measured)"
     assert choice_text("zb1p", (False, False), text) == f"ZB-H1 order ({text})"
     assert choice_text("1f1b", (False, False), text) == "1F1B order"  # a whole backward needs no split
-    # The plan line of `terapipe plan` on the /1 profile.
-    p = run_cli(capsys, "plan", "--profile", TINY, "-k", "2", "-b", "2", "--order", "zb1p", "--out", tmp_path / "p")
+    # The plan line of `terapipe plan` on the /1 profile: the split asked for, and said to be an estimate.
+    v1_file = write_json_atomic(tmp_path / "tiny-1.json", RAW)
+    asked = ("--order", "zb1p", "--virtual-stages", "1")
+    p = run_cli(capsys, "plan", "--profile", v1_file, "-k", "2", "-b", "2", *asked, "--out", tmp_path / "p")
     assert p.returncode == 0, p.stderr
     line = " ".join(p.stdout.split())
-    assert "ZB-H1 order (I " in line and "by the architecture's analytic ratio: a profile of schema /1)" in line
+    assert "ZB-H1 order (I " in line and f"{estimate})" in line
+    # With every choice left to the planner (the side-by-side's K = 2, B = 4), no split order from this profile.
+    p = run_cli(capsys, "plan", "--profile", v1_file, "-k", "2", "-b", "4", "--out", tmp_path / "auto.json")
+    assert p.returncode == 0, p.stderr
+    assert json.loads((tmp_path / "auto.json").read_text())["order"] in ("gpipe", "1f1b"), p.stdout
 
 
 def test_the_simulator_prices_each_tiles_i_and_w_from_the_profile():

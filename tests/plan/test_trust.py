@@ -24,7 +24,7 @@ from terapipe_cli.profile.analytic import analytic_profile, experiment_profile, 
 
 ROOT = Path(__file__).resolve().parents[2]
 PROFILES = sorted((ROOT / "configs" / "profiles").glob("*.json"))
-TINY = ROOT / "configs" / "profiles" / "tiny-cpu-measured.json"
+TINY = ROOT / "tests" / "data" / "tiny-cpu-measured-schema1.json"
 EXAMPLE = ROOT / "configs" / "profiles" / "example-tiny-cpu.json"
 
 
@@ -109,8 +109,8 @@ def test_a_batch_the_profiles_sizes_cannot_make_is_one_line(tmp_path, capsys):
     obj = json.loads(EXAMPLE.read_text())
     keep = [1, 2]  # batch sizes 2 and 4 only
     obj["batch_sizes"] = [obj["batch_sizes"][k] for k in keep]
-    obj["forward_s"] = [obj["forward_s"][k] for k in keep]
-    obj["backward_s"] = [obj["backward_s"][k] for k in keep]
+    for grid in ("forward_s", "backward_s", "backward_input_s", "backward_weight_s"):
+        obj[grid] = [obj[grid][k] for k in keep]
     path = tmp_path / "p.json"
     path.write_text(json.dumps(obj))
     out = tmp_path / "plan.json"

@@ -23,7 +23,11 @@ PROFILES = sorted((ROOT / "configs" / "profiles").glob("*.json"))
 # Measured on an H100 through the eager runtime, whose small tiles are host-bound: their times jump by ~20% from
 # visit to visit (docs/results.md, "GPU bring-up"), more than the context term the fit looks for. It warns, truly.
 NOISY = ROOT / "configs" / "profiles" / "gpt3-1b-h100-bf16-measured.json"
-MEASURED = json.loads((ROOT / "configs" / "profiles" / "tiny-cpu-measured.json").read_text())
+# Measured at schema /2 on the shared CPU machine while other jobs ran (load 5-10 on 2 cores): its backward's context
+# fit (10.1% held out) and its link fit (27%) are off, and it says so (docs/results.md).
+LOADED = ROOT / "configs" / "profiles" / "tiny-cpu-measured.json"
+# The tiny model's earlier measurement (schema /1, a quieter machine), whose fits are good: the base made bad below.
+MEASURED = json.loads((ROOT / "tests" / "data" / "tiny-cpu-measured-schema1.json").read_text())
 SIZES = [8192, 19972, 48692, 118716, 289432]  # a quick profile's five message sizes for the tiny model
 
 
@@ -59,17 +63,25 @@ def fitted_link(seconds: list[float]) -> dict:
 # ------------------------------------------------------------------------------------------------ the shipped ones
 
 
-@pytest.mark.parametrize("path", [p for p in PROFILES if p != NOISY], ids=[p.name for p in PROFILES if p != NOISY])
+QUIET = [p for p in PROFILES if p not in (NOISY, LOADED)]
+
+
+@pytest.mark.parametrize("path", QUIET, ids=[p.name for p in QUIET])
 def test_no_shipped_profile_warns(path: Path):
     # gpt3-1b-h100-fp32-measured: context 7.7% / 6.1% held out, link 9.6 µs + bytes / 1975 GB/s with 8.6% error;
-    # tiny-cpu-measured: 3.2% / 2.7%, link 30.5 µs + bytes / 3.48 GB/s with 3.3%; example-tiny-cpu records no
-    # held-out error and its link is not a measured one.
+    # example-tiny-cpu records no held-out error and its link is not a measured one.
     assert fit_warnings(read_profile(path)) == []
 
 
 def test_the_noisy_gpu_profile_says_so():
     (warning,) = fit_warnings(read_profile(NOISY))
     assert "forward 13.1% and backward 14.2%" in warning
+
+
+def test_the_cpu_profile_measured_on_a_loaded_machine_says_so():
+    context, link = fit_warnings(read_profile(LOADED))
+    assert "backward 10.1%" in context and "degenerate" in link and "idle machine" in link
+    assert fit_warnings(profile_from_dict(MEASURED, "the earlier measurement")) == []
 
 
 @pytest.mark.parametrize("name", ["paper-01-gpt3-1b", "paper-05-gpt3-13b-L8192", "paper-10-gpt3-175b"])
@@ -166,7 +178,8 @@ def test_both_problems_are_two_lines():
 def test_terapipe_profile_prints_the_warnings_on_stderr_after_writing(tmp_path: Path, capsys, monkeypatch):
     import terapipe_cli.profile.measure as measure
 
-    # What `measure_profile` returns, without the half minute of timing: tiny-cpu-measured.json with its fits made bad.
+    # What `measure_profile` returns, without the half minute of timing: the earlier tiny profile with its fits made
+    # bad.
     good = {**MEASURED, "precision": "fp32"}  # (recorded since that file was measured)
     bad = {**measured(forward=0.213, backward=0.34, quick=True), "precision": "fp32"}
     bad["comm"] = fitted_link([600e-6, 450e-6, 300e-6, 200e-6, 150e-6])

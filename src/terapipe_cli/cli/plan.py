@@ -137,8 +137,10 @@ def plan(
             help="Schedule order: gpipe (every forward, then every backward), 1f1b (a batch slice's backward as "
             "soon as the pipeline allows: fewer batch slices' activations alive at once), zb1p (ZB-H1: 1F1B with each "
             "backward split into I and W, the W's filling the bubble), zbv (ZB-V: two chunks per device in a V, the "
-            "backward split) or auto (the searches in gpipe and 1f1b order, then the result split into zb1p, and "
-            "zbv as a configuration of its own: the fastest in the simulator whose memory estimate fits).",
+            "backward split) or auto (the searches in gpipe and 1f1b order, then, where the profile timed I and W "
+            "apart (measured, schema /2), the result split into zb1p, and zbv as a configuration of its own: the "
+            "fastest in the simulator whose memory estimate fits; another profile's split is an estimate, planned "
+            "only when asked).",
         ),
     ] = "auto",
     virtual_stages: Annotated[

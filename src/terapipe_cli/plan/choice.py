@@ -284,15 +284,21 @@ def choice_text(order: str, recompute: tuple[bool, ...], split: str | None = Non
     return text
 
 
-# How a profile of schema /2 has its I and W (`Profile.split_source`).
-_SPLIT_SOURCES = {"measured": "timed apart (measured)", "analytic": "estimated apart (analytic)", "example": "example"}
+# How a profile of schema /2 has its I and W (`Profile.split_source`): only a measured one timed them
+# (`plan.configs.split_timed`).
+_SPLIT_SOURCES = {
+    "measured": "timed apart (measured)",
+    "analytic": "an estimate, not timed (analytic profile)",
+    "example": "an estimate, not timed (example profile)",
+}
 
 
 def split_text(profile: Profile, slices) -> str:
     """How a split order's I and W are priced, as shares of the backward of the tiles of ``slices`` (one layer,
-    their context included): ``I 61%, W 47% of the tiles' backward, timed apart (measured)`` (a profile of schema /2,
-    whose split can cost more than the whole backward), or ``I 58% of the tiles' backward by the architecture's
-    analytic ratio: a profile of schema /1`` (W the rest)."""
+    their context included): ``I 61%, W 47% of the tiles' backward, timed apart (measured)`` (a measured profile of
+    schema /2, whose split can cost more than the whole backward), ``…, an estimate, not timed (analytic profile)``,
+    or ``I 58% of the tiles' backward, an estimate by the architecture's analytic ratio (a profile of schema /1, not
+    timed apart)`` (W the rest). Only the first is planned by ``--order auto`` (`plan.configs.split_timed`)."""
     b, i, j = (np.array(x, dtype=float) for x in zip(*_tiles(slices), strict=True))
     whole, inputs, weights = (
         float(np.sum(cost.no_context(b, i) + cost.context(b, i, j)))
@@ -300,7 +306,10 @@ def split_text(profile: Profile, slices) -> str:
     )
     share_i, share_w = inputs / whole, weights / whole
     if profile.split_source == "ratio":
-        return f"I {share_i:.0%} of the tiles' backward by the architecture's analytic ratio: a profile of schema /1"
+        return (
+            f"I {share_i:.0%} of the tiles' backward, an estimate by the architecture's analytic ratio (a profile of "
+            "schema /1, not timed apart)"
+        )
     return f"I {share_i:.0%}, W {share_w:.0%} of the tiles' backward, {_SPLIT_SOURCES[profile.split_source]}"
 
 

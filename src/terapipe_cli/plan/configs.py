@@ -210,11 +210,28 @@ def _none_fits(request: PlanRequest) -> UserError:
     )
 
 
+def split_timed(profile: Profile) -> bool:
+    """Whether the profile timed I and W apart as the runtime runs them (measured, schema /2 on): only then does
+    ``--order auto`` plan the split orders. Split by the architecture's ratio (/1) or estimated (analytic, example),
+    the split's price is an estimate, which the runtime's two calls can exceed by more than the bubble W fills (the
+    tiny model on a CPU: I + W about 40% dearer than B); such a profile plans them only when asked."""
+    return profile.split_source == "measured"
+
+
+def split_orders(profile: Profile) -> tuple[str, ...]:
+    """The split orders on a configuration's own partition that ``--order auto`` tries: none unless the profile
+    timed I and W apart (`split_timed`)."""
+    return SPLIT_INTERLEAVED if split_timed(profile) else ()
+
+
 def _on_the_v(profile: Profile, request: PlanRequest, vs: list[int]) -> list[PlanRequest]:
     """With the order free: ZB-V's configuration (two chunks per device in a V: a placement, hence partitions, of its
-    own) beside those of ``vs``, when two chunks per device are among them, no partition is given and the head is
-    not tied to the embedding (the V puts both ends on device 0, which the tied copy's gradient sum does not know)."""
+    own) beside those of ``vs``, when two chunks per device are among them, no partition is given, the head is not
+    tied to the embedding (the V puts both ends on device 0, which the tied copy's gradient sum does not know) and the
+    profile timed I and W apart (`split_timed`)."""
     if not request.order_free or 2 not in vs or request.partition is not None or profile.model.tie_embeddings:
+        return []
+    if not split_timed(profile):
         return []
     return [replace(request, order="zbv", order_free=False)]
 
@@ -294,7 +311,7 @@ def _best_partition(
     scored.sort(key=lambda x: x[0])  # stable: among equals, the bound's order (then the layers)
     progress(f"simulating the best of {len(scored)} partitions searched, layers {scored[0][1].text()}, in each order")
     if order is None and virtual > 1:  # planned, re-ranked and simulated in each order; the fastest that fits
-        orders = ORDERS + SPLIT_INTERLEAVED
+        orders = ORDERS + split_orders(profile)
         each = [_plan_partition(profile, r.with_config(scored[0][1], o)) for o in orders]
         best = min([p for p in each if not _over(p)] or each, key=lambda p: p.simulated_s[p.scheme])
         runner_order = best.order
@@ -501,14 +518,15 @@ def _order_by_simulation(profile: Profile, planned: Planned) -> Planned:
     """With the order left free (v = 1): the same scheme in another order when the simulator finds it faster and it
     fits — 1F1B order where no memory limit chose the order (the objective prices GPipe and 1F1B alike), and ZB-H1
     (the plan's order of forwards with every backward split into I and W, W filling the bubble) with the plan's
-    recomputation, where its estimate fits (W keeps a tile's tensors longer)."""
+    recomputation, where its estimate fits (W keeps a tile's tensors longer) and the profile timed I and W apart
+    (`split_orders`)."""
     r = planned.request
     if not r.order_free:
         return planned
     others = []
     if planned.order != "1f1b" and planned.unfitted is None and r.batch_size > 1:
         others.append("1f1b")
-    others += SPLIT_INTERLEAVED
+    others += split_orders(profile)
     # Each other order re-ranks the same candidates (the objective's optimum, its neighbours, the baselines) in its
     # own simulation: the scheme GPipe order preferred can be slower in 1F1B order than the optimum is there.
     optimum = planned.formula_optimal or planned.terapipe

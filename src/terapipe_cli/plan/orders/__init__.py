@@ -4,8 +4,9 @@ of its memory (`base.Order`). A new order is a module here and one line in `_ALL
 ``ORDERS`` names the orders the planner's searches consider (the objective prices them alike; the memory-aware search
 has closed forms for them); ``--order auto`` then also tries each configuration in ``SPLIT_ORDERS`` — the same
 scheme with every backward split into I and W (ZB-H1 on the configuration's own partition; ZB-V as a configuration of
-its own, two chunks per device in a V) — and the simulator keeps the fastest that fits (`plan.configs`). `order_of`
-finds any of them by name."""
+its own, two chunks per device in a V) — and the simulator keeps the fastest that fits (`plan.configs`), when the
+profile timed I and W apart as the runtime runs them (`plan.configs.split_timed`; from other profiles only when
+asked). `order_of` finds any of them by name."""
 
 from __future__ import annotations
 
