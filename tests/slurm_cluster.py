@@ -5,10 +5,11 @@ installs them where it can).
 Everything lives in one private folder: a ``munged`` on its own socket with a key of its own, a ``slurmctld`` and two
 ``slurmd -N NODE`` on free loopback ports, with their state, spool, pid and log files. The daemons run in the
 foreground of processes started here and are stopped by those pids; a Slurm the machine already has (its
-/etc/slurm, its munge socket, its ports) is never read or touched, and the clients reach this one through
-``SLURM_CONF`` in the environment `env` gives them. Node 0 is named ``localhost``, so that the rendezvous on the
-allocation's first host (`train.cluster.endpoint_lines`) resolves to 127.0.0.1 without an /etc/hosts line; node 1
-has a name of its own, its address 127.0.0.1 too. Tracking and tasks are the plain ones (``proctrack/linuxproc``,
+/etc/slurm, its munge socket, its ports) is never read or touched: the clients reach this one through ``SLURM_CONF``
+in the environment `LoopbackSlurm.env` gives them. The first job id is drawn so that the jobs' rendezvous ports
+(which come from their ids) are free. Node 0 is named as this machine, which resolves here, so that the rendezvous on
+the allocation's first host (`train.cluster.endpoint_lines`) needs no /etc/hosts line; node 1 has a name of its own.
+Both have the address 127.0.0.1 (``NodeAddr``). Tracking and tasks are the plain ones (``proctrack/linuxproc``,
 ``task/none``): no cgroups.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import getpass
 import os
+import random
 import shutil
 import signal
 import socket
@@ -46,6 +48,10 @@ def skip_reason() -> str | None:
         return f"needs Slurm and munge (slurmctld, slurmd, slurm-client, munge: scripts/setup.sh): no {missing[0]}"
     if os.geteuid() != 0:
         return "needs root: slurmd starts the tasks of a job as its user"
+    try:
+        socket.getaddrinfo(HOST, None)
+    except OSError:
+        return f"needs this machine's name {HOST!r} to resolve (node 0 is named so)"
     return None
 
 
@@ -53,6 +59,25 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def first_job_id(jobs: int = 10) -> int:
+    """A first job id whose next ``jobs`` jobs' rendezvous ports (`train.cluster.endpoint_lines`: from the job id)
+    are free now, drawn at random: two clusters at once (the tests on two workers) do not share a port."""
+    from terapipe_cli.train.cluster import DEFAULT_RDZV_PORT, RDZV_PORTS
+
+    def free(port: int) -> bool:
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                return False
+            return True
+
+    for offset in random.sample(range(RDZV_PORTS - jobs), 200):
+        if all(free(DEFAULT_RDZV_PORT + offset + i) for i in range(jobs)):
+            return RDZV_PORTS + offset
+    raise RuntimeError(f"no {jobs} free ports in a row from {DEFAULT_RDZV_PORT}")
 
 
 class LoopbackSlurm:
@@ -65,7 +90,9 @@ class LoopbackSlurm:
         self._path = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin", "/usr/local/sbin"])
 
     def env(self, **extra: str) -> dict[str, str]:
-        return {**os.environ, "PATH": self._path, "SLURM_CONF": str(self.conf), **extra}
+        """This process's environment for the clients and the jobs, without a surrounding Slurm job's variables."""
+        own = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+        return {**own, "PATH": self._path, "SLURM_CONF": str(self.conf), **extra}
 
     def _program(self, name: str) -> str:
         return shutil.which(name, path=self._path) or name
@@ -107,6 +134,7 @@ class LoopbackSlurm:
         ]
         return "\n".join([
             "ClusterName=terapipe-test",
+            f"FirstJobId={first_job_id()}",
             f"SlurmctldHost={socket.gethostname()}(127.0.0.1)",
             f"SlurmctldPort={controller_port}",
             "AuthType=auth/munge",
