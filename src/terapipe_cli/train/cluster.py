@@ -272,12 +272,13 @@ def parse_slurm_name(text: str, where: str) -> str:
 
 
 STOP_MARGIN_S = 10  # after the save: the processes end and the job requeues itself
+MAX_SIGNAL_S = 65535  # the longest lead sbatch's --signal takes
 
 
 def warn_seconds(plan: Plan, grace_s: float) -> int:
     """How long before the time limit Slurm warns the job (SIGUSR1): the step in progress (the plan's predicted
     step), then the save, which train allows ``grace_s`` (--grace-s), and the end of the processes."""
-    return math.ceil((plan.predicted_s or 0.0) + grace_s) + STOP_MARGIN_S
+    return min(math.ceil((plan.predicted_s or 0.0) + grace_s) + STOP_MARGIN_S, MAX_SIGNAL_S)
 
 
 def runs_on_gpus(plan: Plan, device: str) -> bool:
@@ -326,9 +327,10 @@ def sbatch_script(command: TrainCommand, layout: Layout, job: SlurmJob, *, gpus_
         f"{MARK}: a run of {_comment(command.plan)}",
         f"# ({layout.shape_text()}) on {machines(n, gpus_per_node)}. Submit it with",
         f"#   sbatch {SBATCH_FILE}",
-        "# adding what your site asks for (--partition, --account, --time) as #SBATCH lines below. One task per",
-        "# node: each is a `terapipe train` that starts its node's workers through torchrun. Stopped by pre-emption",
-        "# or ahead of the time limit, the run saves the step it is at and the job requeues itself to continue it.",
+        "# adding what else your site asks for as #SBATCH lines below (launch-script writes --time, --partition and",
+        "# --account). One task per node: each is a `terapipe train` that starts its node's workers through torchrun.",
+        "# Stopped by pre-emption or ahead of the time limit, the run saves the step it is at and the job requeues",
+        "# itself to continue it.",
         f"#SBATCH --job-name={name}",
         f"#SBATCH --nodes={n}",
         "#SBATCH --ntasks-per-node=1",
