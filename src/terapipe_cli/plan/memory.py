@@ -43,6 +43,7 @@ from terapipe_cli.plan.actions import Action, Phase
 from terapipe_cli.plan.orders import order_of
 from terapipe_cli.plan.partition import Partition
 from terapipe_cli.plan.schedule import Schedule
+from terapipe_cli.plan.traced import TracedStage
 from terapipe_cli.units import format_bytes
 
 _INDEX_BYTES = 8  # an int64 token id or position, per token
@@ -92,6 +93,10 @@ class StageSizes:
     transient: float = 0.0
     # A split backward (I then W): the weight consumers' output gradients held from a tile's I to its W, per token
     weight_grads: float = 0.0
+    # A traced profile (`plan.traced`): the chunk's sizes as functions of the tile, with its actions' transients. The
+    # walk then reads them (its peak holds the transients); the closed forms read the per-token fields above, taken
+    # at a tile of one whole sequence, and ``transient``, the largest action's peak there.
+    traced: TracedStage | None = None
 
 
 @dataclass(frozen=True)
@@ -132,8 +137,11 @@ def stage_sizes(profile, stages: int, partition: Partition | None = None) -> lis
     raw = getattr(profile, "raw", {}) or {}
     per_layer = profile.activation_bytes_per_token_per_layer
     params = profile.params_per_layer
-    if per_layer is None or params is None:
+    traced = getattr(profile, "memory", None)
+    if params is None or (per_layer is None and traced is None):
         return None
+    if per_layer is None:
+        per_layer = 0.0  # unused: the traced sizes replace the formulas
     model = profile.model
     H, T = model.hidden, profile.tensor_parallel
     split = bool(getattr(profile, "vocab_parallel", False)) and T > 1
@@ -176,9 +184,27 @@ def stage_sizes(profile, stages: int, partition: Partition | None = None) -> lis
         # weight gradient is I's: engine/loss.py).
         grads = layers * (gemm_out * compute + 2 * 4.0 * H) + (4.0 * H if first else 0.0)
         grads += 4.0 * H if last else 0.0
-        sizes = StageSizes(stage_params * state_per_param, layers * kv, tile, kept, rerun, copies, weight_grads=grads)
+        state = stage_params * state_per_param
+        if traced is not None:  # the trace replaces the formulas above (kept as the fallback)
+            out.append(_traced_sizes(traced.stage(layers, first, last), state, model.seq_len))
+            continue
+        sizes = StageSizes(state, layers * kv, tile, kept, rerun, copies, weight_grads=grads)
         out.append(replace(sizes, transient=transient))
     return out
+
+
+TRANSIENTS = ("forward", "backward", "input", "weight")
+
+
+def _traced_sizes(ts: TracedStage, state: float, seq_len: int) -> StageSizes:
+    """A chunk's sizes from its traces (`plan.traced`); per token at a tile of one whole sequence for the closed
+    forms, with the largest of its actions' transients there."""
+    per_token = lambda f: max(float(f(1, seq_len, 0)), 0.0) / seq_len  # noqa: E731
+    transient = max(max(float(ts.transient(q, 1, seq_len, 0)) for q in TRANSIENTS), 0.0)
+    return StageSizes(
+        state, ts.cache, per_token(ts.tile), per_token(ts.kept), per_token(ts.rerun), ts.copies,
+        transient=transient, weight_grads=per_token(ts.weight_grads), traced=ts,
+    )  # fmt: skip
 
 
 def walk_peak(
@@ -193,6 +219,12 @@ def walk_peak(
         alive = peak = sum(sizes[c].copies for c in {a.stage for a in actions})
     for a in actions:
         t, s, rerun = a.tile, sizes[a.stage], recompute[a.stage]
+        if s.traced is not None:
+            alive, at = _traced_step(a, s.traced, rerun, open_tiles, alive, seq_len)
+            count += 1 if a.phase is Phase.F else -1 if a.phase.frees else 0
+            if at > peak:
+                peak, peak_count = at, count + (1 if a.phase.frees else 0)
+            continue
         key = (a.stage, t.batch_slice)
         tokens = t.batch_size * t.tokens
         if a.phase is Phase.F:
@@ -222,6 +254,43 @@ def walk_peak(
     return peak, peak_count
 
 
+def _traced_step(
+    a: Action, ts: TracedStage, rerun: bool, open_tiles: dict, alive: float, seq_len: int
+) -> tuple[float, float]:
+    """One action of a traced chunk: what is live after it, and the most live during it (what is kept, plus the
+    action's own transient: `plan.traced`). ``open_tiles`` also keeps, per batch slice, the K/V gradients its last
+    backward handed back to its earlier tiles (under ``("handback", key)``)."""
+    t = a.tile
+    b, i, j = t.batch_size, t.tokens, t.token_start
+    key = (a.stage, t.batch_slice)
+    kept = float(ts.kept(b, i, j)) if rerun else float(ts.tile(b, i, j))
+    if a.phase is Phase.F:
+        if not open_tiles.get(key):
+            alive += b * seq_len * ts.cache
+        open_tiles[key] = open_tiles.get(key, 0) + 1
+        alive += kept
+        return alive, alive + max(float(ts.transient("forward", b, i, j)), 0.0)
+    # A recomputed tile's re-run holds its saved tensors again (on top of its input) until its B, or its W.
+    held = float(ts.tile(b, i, j)) - kept if rerun else 0.0
+    if a.phase is Phase.W:  # the earlier hand-back goes at this W, this tile's stays until the next W
+        handback = float(ts.handback(b, i, j, split=True))
+        at = alive + max(float(ts.transient("weight", b, i, j)), 0.0)
+        alive -= kept + held + float(ts.weight_grads(b, i, j)) - handback + open_tiles.pop(("handback", key), 0.0)
+        open_tiles[("handback", key)] = handback
+    else:  # B or I: a B consumes the later tile's hand-back while it runs and leaves its own for the earlier ones
+        during = ts.rerun(b, i, j) if rerun else ts.transient("input" if a.phase is Phase.I else "backward", b, i, j)
+        at = alive + max(float(during), 0.0)
+        if a.phase is Phase.I:  # the tile stays until its W, with the gradients W starts from
+            return alive + held + float(ts.weight_grads(b, i, j)), at
+        handback = float(ts.handback(b, i, j))
+        alive += handback - open_tiles.pop(("handback", key), 0.0) - kept
+        open_tiles[("handback", key)] = handback
+    open_tiles[key] -= 1
+    if not open_tiles[key]:
+        alive -= b * seq_len * ts.cache + open_tiles.pop(("handback", key), 0.0)
+    return alive, at
+
+
 def stage_memory(schedule: Schedule, profile) -> list[StageMemory] | None:
     """Peak memory per device of a schedule, walking each device's actions (`walk_peak`) over the chunks it holds,
     recomputing where the schedule says. None when the profile lacks the sizes."""
@@ -235,7 +304,8 @@ def stage_memory(schedule: Schedule, profile) -> list[StageMemory] | None:
     for k in range(schedule.stages):
         peak, count = walk_peak(schedule[k], sizes, seq_len, schedule.recompute)
         own = [c for c in range(schedule.chunks) if schedule.device(c) == k]
-        state, transient = sum(sizes[c].state for c in own), sum(sizes[c].transient for c in own)
+        state = sum(sizes[c].state for c in own)
+        transient = sum(sizes[c].transient for c in own if sizes[c].traced is None)  # a traced walk's peak holds it
         out.append(StageMemory(k, state, peak, count, transient))
     return out
 
@@ -418,6 +488,11 @@ def check_memory(
     shared = copies if device.get("kind") == "cpu" else 0
     if isinstance(device.get("memory_bytes"), (int, float)):
         limit, source = float(device["memory_bytes"]), f"of the profile's device ({device.get('name', '?')})"
+        reserved = device.get("reserved_bytes")
+        if isinstance(reserved, (int, float)) and reserved > 0:  # the CUDA context's and NCCL's, never usable
+            limit -= float(reserved)
+            name = device.get("name", "?")
+            source = f"a process can use of the profile's device ({name}: its memory less {format_bytes(reserved)})"
     elif device.get("kind") == "cpu" and machine_memory_bytes():
         limit, source = float(machine_memory_bytes()), "of this machine's memory"
     else:

@@ -20,7 +20,10 @@ backward meets one layer at a time), a recomputed tile's re-run holding ℓ − 
 
 QUANTITY: ``tile`` (kept from F to B), ``kept`` (a recomputed tile's), ``weight_grads`` (kept from I to W),
 ``forward`` (F's peak over what is live after it), ``backward`` / ``input`` / ``weight`` (B's / I's / W's peak over
-what was live before it), ``rerun`` (a recomputed tile's B, the re-run included, over what was live before it).
+what was live before it), ``rerun`` (a recomputed tile's B, the re-run included, over what was live before it),
+``handback`` (what a tile's B or I leaves for the batch slice's earlier tiles: the K/V gradients of their rows, kept
+until the next earlier tile's backward), ``handback_split`` (the same under the split backward: left by a tile's W
+until the batch slice's next W; in ``weight_grads``, which W frees but for it).
 """
 
 from __future__ import annotations
@@ -31,8 +34,11 @@ import numpy as np
 
 from terapipe_cli.errors import UserError
 
-QUANTITIES = ("tile", "kept", "rerun", "forward", "backward", "weight_grads", "input", "weight")
-LAYER_QUANTITIES = ("tile", "kept", "weight_grads")
+QUANTITIES = ("tile", "kept", "rerun", "forward", "backward", "weight_grads", "input", "weight", "handback",
+              "handback_split")  # fmt: skip
+LAYER_QUANTITIES = ("tile", "kept", "weight_grads", "handback", "handback_split")
+_OPTIONAL = ("handback", "handback_split")
+_ZERO = np.zeros((1, 4))
 STAGE_KINDS = ("middle", "first", "last", "only")
 GROUPS = ("no_context", "context")
 ALLOCATORS = ("cpu", "cuda")
@@ -93,6 +99,9 @@ class TracedStage:
     def weight_grads(self, b, i, j) -> np.ndarray:
         return self._sum("weight_grads", b, i, j)
 
+    def handback(self, b, i, j, *, split: bool = False) -> np.ndarray:
+        return self._sum("handback_split" if split else "handback", b, i, j) * (np.asarray(j) > 0)
+
     def transient(self, quantity: str, b, i, j) -> np.ndarray:
         """``forward``, ``backward``, ``input`` or ``weight``: the action's peak over its reference."""
         return self.traced.stages[self.kind][quantity](b, i, j)
@@ -113,7 +122,9 @@ class TracedStage:
         return self.layers * self.traced.copies.get("layer", 0.0) + self.traced.copies.get(self.kind, 0.0)
 
 
-def _forms(obj, where: str) -> Forms:
+def _forms(obj, where: str, *, optional: bool = False) -> Forms:
+    if obj is None and optional:  # a quantity traces made before it did not record: none
+        return Forms(_ZERO, _ZERO)
     if not isinstance(obj, dict):
         raise UserError("must be an object with 'no_context' and 'context'", where=where)
     out = []
@@ -148,13 +159,15 @@ def traced_from_dict(obj, where: str) -> TracedMemory:
     layer_obj, stages_obj = obj.get("layer"), obj.get("stages")
     if not isinstance(layer_obj, dict) or not isinstance(stages_obj, dict):
         raise UserError("must hold 'layer' and 'stages' objects", where=field(""))
-    layer = {q: _forms(layer_obj.get(q), field(f"layer.{q}")) for q in LAYER_QUANTITIES}
+    layer = {q: _forms(layer_obj.get(q), field(f"layer.{q}"), optional=q in _OPTIONAL) for q in LAYER_QUANTITIES}
     stages = {}
     for kind in STAGE_KINDS:
         entry = stages_obj.get(kind)
         if not isinstance(entry, dict):
             raise UserError("must be an object of quantities", where=field(f"stages.{kind}"))
-        stages[kind] = {q: _forms(entry.get(q), field(f"stages.{kind}.{q}")) for q in QUANTITIES}
+        stages[kind] = {
+            q: _forms(entry.get(q), field(f"stages.{kind}.{q}"), optional=q in _OPTIONAL) for q in QUANTITIES
+        }
     err = obj.get("heldout_rel_err_max")
     return TracedMemory(
         allocator,

@@ -34,7 +34,7 @@ from unittest import mock
 
 import numpy as np
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, _BypassDispatchCache
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from terapipe_cli.config.model import ModelConfig
@@ -105,11 +105,15 @@ class LiveBytes(TorchDispatchMode):
         return self.alive
 
 
-def _release_cached_storages() -> None:
-    """Fake tensors' dispatch cache keys an op by its arguments, a storage among them (`Tensor.set_`, which the K/V
-    cache's row views use), and so keeps that storage alive: emptied after each action, the K/V caches go when the
-    runtime lets them go, as they do on a real device."""
-    FakeTensorMode.cache_clear()
+class _FakeMode(FakeTensorMode):
+    """Fake tensors whose dispatch cache never keys an op by a storage: it would keep that storage alive (the K/V
+    caches' row views, `Tensor.set_` on the cache's storage), so that the K/V caches would never go as the runtime
+    lets them go."""
+
+    def _cache_key(self, state, func, args, kwargs):
+        if any(isinstance(a, torch.UntypedStorage) for a in (*args, *kwargs.values())):
+            raise _BypassDispatchCache("a storage argument")  # no key made, none kept
+        return super()._cache_key(state, func, args, kwargs)
 
 
 def _tensors(args, kwargs) -> list[torch.Tensor]:
@@ -182,7 +186,7 @@ class _Tracer:
         self.config, self.model = config, model
         self.stack = ExitStack()
         self.stack.enter_context(forced_branch("cuda" if cuda else "cpu"))
-        self.stack.enter_context(FakeTensorMode())
+        self.stack.enter_context(_FakeMode())
         self.runner = config.runner(model, precision, tensor_parallel)
         self.live = LiveBytes(cuda_block_bytes if cuda else None)
         self.stack.enter_context(self.live)
@@ -208,7 +212,6 @@ class _Tracer:
         it, as in any step but the first tile of the first. Returns the copies' bytes."""
         self.runner.forward_tile(self._slice, 0, *self._inputs(1, 1))
         self.runner.backward_tile(self._slice, 0, self._grad(1, 1))
-        _release_cached_storages()
         self._slice += 1
         grads = [p.grad for p in self.runner.module.parameters() if p.grad is not None]
         return float(self.live.alive - sum(self.live.block(g.untyped_storage().nbytes()) for g in grads))
@@ -219,7 +222,6 @@ class _Tracer:
         before, live.timeline = live.alive, []
         try:
             run()
-            _release_cached_storages()
             return live.timeline + [live.alive], before
         finally:
             live.timeline = None
@@ -250,18 +252,21 @@ class _Tracer:
                 out["tile"] = [kept]
                 out["forward"] = [v - after for v in series]
             if way == "split":
-                series, before = self._window(lambda: runner.backward_input(s, token, self._grad(b, i)))  # noqa: B023
-                out["input"] = [v - before for v in series]
-                out["weight_grads"] = [series[-1] - before]
+                series, before_i = self._window(lambda: runner.backward_input(s, token, self._grad(b, i)))  # noqa: B023
+                out["input"] = [v - before_i for v in series]
+                out["weight_grads"] = [series[-1] - before_i]
                 series, before = self._window(lambda: runner.backward_weight(s, token))  # noqa: B023
                 out["weight"] = [v - before for v in series]
+                # Left behind after W: the K/V gradients of the earlier rows, until the earlier tile's W.
+                out["handback_split"] = [series[-1] - before_i + out["tile"][0]]
             else:
                 series, before = self._window(lambda: runner.backward_tile(s, token, self._grad(b, i)))  # noqa: B023
                 out["rerun" if way == "recompute" else "backward"] = [v - before for v in series]
+                if way == "plain":  # left behind: the K/V gradients of the earlier rows, for the earlier slices
+                    out["handback"] = [series[-1] - before + out["tile"][0]]
             if j:
                 runner.backward_tile(s, 0, self._grad(b, j))
-                _release_cached_storages()
-        runner.recompute[c] = False
+            runner.recompute[c] = False
         return out
 
 
@@ -396,7 +401,7 @@ def tracked_step_peaks(
         mine = part.chunks_on(k)
         with ExitStack() as stack:
             stack.enter_context(forced_branch("cuda" if cuda else "cpu"))
-            stack.enter_context(FakeTensorMode())
+            stack.enter_context(_FakeMode())
             tensor = TensorGroup(0, tensor_parallel, _FakeGroup(tensor_parallel)) if tensor_parallel > 1 else None
             with mock.patch.object(torch.nn.Module, "to", lambda module, *a, **kw: module):
                 runner = StageRunner(
@@ -424,6 +429,5 @@ def tracked_step_peaks(
                     backward = runner.backward_input if a.phase == "I" else runner.backward_tile
                     backward(t.batch_slice, t.token_slice, grad, chunk=c)
                     del grad
-                _release_cached_storages()
             out.append(float(live.peak))
     return out
