@@ -134,6 +134,16 @@ def memory_line(path: Path) -> str:
     return f"{run['short_form']} B={run['batch_size']} L={run['seq_len']}: " + ("; ".join(parts) or "no estimate")
 
 
+def memory_trace_line(path: Path) -> str:
+    """scripts/bench_memory.py --part device's table in one line: the estimate's errors, and the cases that ran."""
+    rows = [r.strip("|").split("|") for r in path.read_text().splitlines()[2:] if r.startswith("|")]
+    errors = [float(r[3].strip().rstrip("%")) for r in rows if r[3].strip() not in ("-", "")]
+    ran = sum(r[4].strip() == "ran" for r in rows)
+    broken = sum(r[5].strip() == "yes" and r[4].strip() != "ran" for r in rows)
+    spread = f"estimate {min(errors):+.1f}% to {max(errors):+.1f}% of measured" if errors else "nothing measured"
+    return f"{len(rows)} cases: {spread}; {ran} ran, {broken} estimated to fit but did not"
+
+
 def pytest_line(path: Path, device: str) -> str:
     """pytest's closing counts, or, when it was stopped before them, the tests' own result lines so far."""
     text = path.read_text(errors="replace")
@@ -171,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     cut.add_argument("out", type=Path)
     cut.add_argument("--layers", type=int)
     cut.add_argument("--seq-len", type=int)
-    for name in ("verify", "profile", "memory"):
+    for name in ("verify", "profile", "memory", "memory-trace"):
         sub.add_parser(name).add_argument("path", type=Path)
     bench = sub.add_parser("bench")
     bench.add_argument("path", type=Path)
@@ -194,7 +204,13 @@ def main(argv: list[str] | None = None) -> int:
     elif a.what == "pytest":
         print(pytest_line(a.path, a.device))
     else:
-        print({"verify": verify_line, "profile": profile_line, "memory": memory_line}[a.what](a.path))
+        lines = {
+            "verify": verify_line,
+            "profile": profile_line,
+            "memory": memory_line,
+            "memory-trace": memory_trace_line,
+        }
+        print(lines[a.what](a.path))
     return 0
 
 

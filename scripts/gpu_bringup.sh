@@ -5,13 +5,14 @@
 #
 # Runs the steps below in order, each under its own `timeout` and all under one budget (GPU_BRINGUP_BUDGET_S,
 # default 285 s: a step gets the smaller of its own limit and what is left, and is skipped when under 20 s are
-# left), going on after a step that fails. Writes into OUTDIR (flat, 6 files, so that it fits what a lent
+# left), going on after a step that fails. Writes into OUTDIR (flat, 7 files, so that it fits what a lent
 # GPU machine sends back: 8 files, names of letters, digits, '.', '_', '-'):
 #   summary.md                     one row per step: status, seconds, the step's result in one line
 #   steps.log                      every step's commands and output, one after the other, under a header
 #   profile-MODEL-bf16.json        the bf16 profile of GPT3-1B (step 4), for `terapipe plan` and docs/results.md
 #   bench-MODEL.md, bench-CUT.md   scripts/bench_gpu.py's tables (steps 5, 8, 9)
 #   memory-report.md               `terapipe report` of step 7's run (the memory table among the rest)
+#   memory-trace.md                step 8's table: the traced memory estimate against max_memory_allocated
 # summary.md and steps.log are written after every step, so a run stopped from outside still leaves what was done.
 #
 # Without CUDA (torch.cuda.is_available() False) the same steps run the same commands with --device cpu on the
@@ -36,10 +37,14 @@
 #   7    the memory estimate against measured peaks: GPT3-1B, K = 2 sharing the GPU, B = 4, planned from step 4's
 #        profile, trained 3 steps, then `terapipe report` (estimated kept-for-backward and total per stage next to
 #        the saved-tensor count and CUDA max allocated). Skipped without step 4's profile.
-#   8-9  bench_gpu.py on a 2-layer cut of llama3-8b (same widths, heads, K/V heads, vocabulary) written here:
+#   8    the memory estimate traced from the runtime (scripts/bench_memory.py --part device): six shapes, one of them
+#        Llama 3 8B's widths at L = 32K with the 128K vocabulary, whole sequence and sliced, each one step on the GPU
+#        against the estimate of a profile traced on fake tensors with the caching allocator modelled (target: within
+#        5%, never 2% under), and whether a case estimated to fit the usable memory ran without running out of it.
+#   9-10 bench_gpu.py on a 2-layer cut of llama3-8b (same widths, heads, K/V heads, vocabulary) written here:
 #        L = 2048 (B = 8) and L = 8192 (B = 2), bf16. Planned from the analytic profile of the calibrated H100
 #        bf16 hardware file (a second of CPU) instead of a measured one (a minute of GPU each).
-#   10   the tests marked `gpu` (tests/train/test_placement.py: K = 2 sharing the GPU with --verify in fp32, bf16
+#   11   the tests marked `gpu` (tests/train/test_placement.py: K = 2 sharing the GPU with --verify in fp32, bf16
 #        and D = 2, the demo twice). Last: they repeat 1-3's check in other precisions and the demos take
 #        minutes, so they get what is left of the budget; "skipped: pytest not installed" where it is missing.
 # shellcheck disable=SC2329 # the steps' functions run by name in child shells (run_step), not called here
@@ -234,6 +239,12 @@ step_memory() {
 }
 result_memory() { line memory "$SCRATCH/memory-report/report.json"; }
 
+step_memory_trace() {
+    py scripts/bench_memory.py --part device --device "$DEVICE" --hardware "$HARDWARE" \
+        --markdown "$OUT/memory-trace.md"
+}
+result_memory_trace() { line memory-trace "$OUT/memory-trace.md"; }
+
 bench_llama() { # L:B
     local L=${1%%:*} B=${1##*:}
     local model=$SCRATCH/llama-cut-L$L.toml profile=$SCRATCH/llama-cut-L$L-profile.json name
@@ -282,7 +293,7 @@ summarize() {
 # The steps in order (the header says why this order) and each one's own time limit, seconds.
 STEPS=(
     "verify-k1 60" "verify-k2-shared 75" "verify-k2-v2 75" "profile 100" "bench-gpt 100" "t2-shared 75"
-    "memory 100" "bench-llama-short 90" "bench-llama-long 90" "gpu-tests 300"
+    "memory 100" "memory-trace 240" "bench-llama-short 90" "bench-llama-long 90" "gpu-tests 300"
 )
 TOTAL=${#STEPS[@]}
 N=0

@@ -62,7 +62,7 @@ def test_the_dry_run_runs_every_step_on_the_cpu_and_fits_what_is_sent_back(tmp_p
     assert "no CUDA" in summary
     rows = table_rows(summary)
     steps = script_steps()
-    assert len(steps) == 10 and [r[1] for r in rows] == steps, summary
+    assert len(steps) == 11 and [r[1] for r in rows] == steps, summary
     for _, name, device, status, seconds, result in rows:
         assert device == "cpu (no CUDA)", (name, device)
         # ok with a result line, or skipped with its reason; never failed or timed out
@@ -78,6 +78,10 @@ def test_the_dry_run_runs_every_step_on_the_cpu_and_fits_what_is_sent_back(tmp_p
     assert "whole sequence" in results["bench-gpt"] and "no CUDA" in results["bench-gpt"]
     assert "llama-tiny-2l-L64" in results["bench-llama-short"] and "L=128" in results["bench-llama-long"]
     assert "kept for backward est." in results["memory"] and "process RSS" in results["memory"]
+    assert (
+        results["memory-trace"].startswith("6 cases: estimate")
+        and "6 ran, 0 estimated to fit" in results["memory-trace"]
+    )
     assert re.match(r"^\d+ skipped \(no CUDA\)", results["gpu-tests"]) or rows[-1][3].startswith("skipped")
 
     log = (out / "steps.log").read_text()

@@ -23,6 +23,8 @@ measurements; the file's comments give the source of each.
     dispatch_s = 30e-6             # optional (default 0: no floor): host seconds per kernel eager PyTorch issues;
                                    # a tile takes at least (kernels it launches) × dispatch_s (profile/analytic.py);
                                    # 0 also prices a CUDA-graphed layer, which no host dispatches kernel by kernel
+    reserved_bytes = 2147483648    # optional (default 0): what a training process cannot use of memory_bytes (the
+                                   # CUDA context, NCCL's buffers): plans are held to memory_bytes − reserved_bytes
 
     [intra_node]                   # GPU-to-GPU inside a node (NVLink): tensor-parallel all-reduces
     bytes_per_s = 150e9
@@ -72,6 +74,8 @@ class Device:
     # whose kernels are shorter than that (docs/design.md §12). 0, the default: no floor, the pure roofline of
     # the files written before it; 0 also prices a CUDA-graphed layer, which the host does not dispatch.
     dispatch_s: float = 0.0
+    # Of memory_bytes, what a training process cannot use: the CUDA context, NCCL's buffers (`plan.memory`).
+    reserved_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -174,6 +178,7 @@ def hardware_from_dict(obj: dict, where: str) -> Hardware:
         "memory_efficiency",
         "kernel_launch_s",
         "dispatch_s",
+        "reserved_bytes",
     )
     _check_keys(dev, dev_obj, device_keys)
     device = Device(
@@ -186,6 +191,7 @@ def hardware_from_dict(obj: dict, where: str) -> Hardware:
         memory_efficiency=_fraction(dev, "memory_efficiency"),
         kernel_launch_s=dev.number("kernel_launch_s", minimum=0),
         dispatch_s=dev.number("dispatch_s", minimum=0, default=0.0),
+        reserved_bytes=dev.number("reserved_bytes", minimum=0, default=0.0),
     )
 
     tr, tr_obj = _table(top, obj, "training")
@@ -223,7 +229,8 @@ def hardware_to_dict(hardware: Hardware) -> dict:
     file it was estimated from, so that `terapipe plan` can price it again at other batch sizes."""
     return {
         "hardware": {"name": hardware.name, "gpus_per_node": hardware.gpus_per_node, "constants": hardware.constants},
-        "device": asdict(hardware.device),
+        # reserved_bytes only where a file sets it: the profiles of every other file stay as they were
+        "device": {k: v for k, v in asdict(hardware.device).items() if k != "reserved_bytes" or v},
         "intra_node": asdict(hardware.intra_node),
         "network": asdict(hardware.network),
         "training": asdict(hardware.training),

@@ -434,6 +434,7 @@ def _device_entry(hardware: Hardware, tensor_parallel: int) -> dict:
         "hardware_file": hardware.path,
         "constants": hardware.constants,
         "memory_bytes": dev.memory_bytes,
+        **({"reserved_bytes": dev.reserved_bytes} if dev.reserved_bytes else {}),
         "gpus_per_node": hardware.gpus_per_node,
         "tensor_parallel": tensor_parallel,
     }
