@@ -10,7 +10,7 @@ in the environment `LoopbackSlurm.env` gives them. The first job id is drawn so 
 (which come from their ids) are free. Node 0 is named as this machine, which resolves here, so that the rendezvous on
 the allocation's first host (`train.cluster.endpoint_lines`) needs no /etc/hosts line; node 1 has a name of its own.
 Both have the address 127.0.0.1 (``NodeAddr``). Tracking and tasks are the plain ones (``proctrack/linuxproc``,
-``task/none``): no cgroups.
+``task/none``): no cgroups. A job in partition ``urgent`` pre-empts the default partition's, which Slurm requeues.
 """
 
 from __future__ import annotations
@@ -162,7 +162,11 @@ class LoopbackSlurm:
             "ReturnToService=2",
             "SlurmdParameters=config_overrides",
             *nodes,
-            f"PartitionName=main Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP",
+            # A job in "urgent" pre-empts one in "main" (the default) and Slurm requeues it, as sites pre-empt.
+            "PreemptType=preempt/partition_prio",
+            "PreemptMode=REQUEUE",
+            f"PartitionName=main Nodes={','.join(NODES)} Default=YES PriorityTier=1 MaxTime=INFINITE State=UP",
+            f"PartitionName=urgent Nodes={','.join(NODES)} PriorityTier=2 MaxTime=INFINITE State=UP",
         ]) + "\n"  # fmt: skip
 
     def _nodes_idle(self) -> bool:

@@ -80,3 +80,27 @@ def test_a_save_past_the_grace_period_is_one_line_naming_the_checkpoint_kept(tmp
         f"stopped by SIGTERM before a checkpoint was saved within --grace-s 30 s; the last complete checkpoint is "
         f"step 3; continue with: terapipe train --resume --out {run} --steps 3"
     )
+
+
+def test_a_repeated_sigterm_is_the_same_request_and_another_signal_stops_at_once(tmp_path):
+    """Slurm pre-empts with SIGTERM twice within milliseconds (a notice, then its kill sequence): the launcher and a
+    worker take the repeat as the same request and go on saving; another signal after it still stops at once."""
+    signals = stop.LauncherSignals(tmp_path, grace_s=60)
+    with pytest.raises(SignalException) as e:
+        with signals.handled():
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert signals.received == signal.SIGTERM and (tmp_path / stop.REQUEST_FILE).read_text() == "SIGTERM\n"
+            os.kill(os.getpid(), signal.SIGUSR1)
+    assert e.value.sigval == signal.SIGKILL and not signals.expired
+    worker = stop.WorkerSignals(tmp_path, 60, on_expiry=print, failed=lambda: False)
+    before = {s: signal.getsignal(s) for s in stop.STOP_SIGNALS}
+    try:
+        worker.install()
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)  # the default action would end this process
+        assert worker.requested() == signal.SIGTERM
+    finally:
+        worker.done()
+        for s, handler in before.items():
+            signal.signal(s, handler)

@@ -304,7 +304,8 @@ def sbatch_script(command: TrainCommand, layout: Layout, job: SlurmJob, *, gpus_
     Stopping: train saves the step it is at on SIGTERM or SIGUSR1 and exits 128 + the signal (train/stop.py).
     SIGUSR1 comes ``warn_s`` before the time limit to the job's shell alone (``--signal=B:``), which forwards it to
     the steps. SIGTERM (pre-emption, scancel, the time limit itself) reaches every process of the job from Slurm, so
-    the shell does not send it again: a second signal stops train at once, without saving. bash runs a trap only
+    the shell does not send it again (train takes a repeat as the same request; another signal after it would stop
+    train at once, without saving). bash runs a trap only
     between commands, so srun runs in the background and the shell waits for it, again after each trap. Once srun
     has ended with a stop, the job requeues itself if it is still running (not cancelled, and not requeued by Slurm
     itself, as pre-emption with PreemptMode=REQUEUE does)."""
@@ -346,8 +347,8 @@ def sbatch_script(command: TrainCommand, layout: Layout, job: SlurmJob, *, gpus_
         train,
         ")",
         f"# SIGUSR1 ({job.warn_s} s before the time limit, to this shell alone): forwarded to the steps, which",
-        "# save and stop. SIGTERM (pre-emption, scancel, the time limit) reaches the steps from Slurm itself: sent",
-        "# again, it would stop them at once, without saving. KILL follows after the site's KillWait (30 s default).",
+        "# save and stop. SIGTERM (pre-emption, scancel, the time limit) reaches the steps from Slurm itself, and",
+        "# the shell only outlives it. KILL follows after the site's KillWait (30 s by default).",
         "trap 'scancel --signal=USR1 \"$SLURM_JOB_ID\" || true' USR1",
         "trap ':' TERM",
         "# Each task's own shell expands $SLURM_NODEID (0 … N-1, its node) into --node-rank: hence the single quotes.",

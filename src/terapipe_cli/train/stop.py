@@ -16,7 +16,9 @@ process, or to one of them; a user presses Ctrl-C in the launcher's terminal. Ei
 ``--grace-s`` bounds the save: the launcher stops the workers with SIGKILL when it has not ended by then (a timer
 armed with the first signal), and a worker that received the signal itself ends on its own (`WorkerSignals`'
 timer). Files are written atomically and the manifest last, so the previous complete checkpoint stays intact.
-A second signal stops at once. torchrun itself stops the workers with SIGTERM once one of them has failed: a
+A second signal stops at once, unless it is the first one again and not Ctrl-C (`repeated`): schedulers repeat
+their request (Slurm pre-empts with SIGTERM as a notice and again as its kill sequence, milliseconds apart), and
+their own SIGKILL bounds the wait. torchrun itself stops the workers with SIGTERM once one of them has failed: a
 worker that finds the run failed (an error file written since it started, train/worker.py) then exits at once,
 as before, instead of waiting for a step boundary that will not come.
 """
@@ -62,6 +64,12 @@ def write_stopped(run_dir: Path, signum: int, step: int) -> None:
     write_json_atomic(Path(run_dir) / STOPPED_FILE, {"signal": signal.Signals(signum).name, "step": step})
 
 
+def repeated(signum: int, first: int) -> bool:
+    """Whether ``signum`` repeats the stop signal received first (SIGTERM or SIGUSR1 again): the same request, which
+    does not stop at once as a second signal does. Ctrl-C twice does."""
+    return signum == first and signum != signal.SIGINT
+
+
 class SaveTimeout(Exception):
     """The checkpoint after a stop signal was not saved within --grace-s (the launcher names it in one line)."""
 
@@ -84,6 +92,8 @@ class WorkerSignals:
                 signal.signal(signum, self._on_signal)
 
     def _on_signal(self, signum: int, frame) -> None:
+        if repeated(signum, self.received) and not self.failed():
+            return
         if self.received or self.failed():
             # A second signal, or torchrun stopping the workers after a failure: end at once, by the signal itself
             # (the launcher ranks a rank it stopped below the one that failed first).
@@ -139,6 +149,8 @@ class LauncherSignals:
             return
 
         def on_signal(signum, frame) -> None:
+            if repeated(signum, self.received):
+                return
             if self.received:
                 for s in (signal.SIGINT, *STOP_SIGNALS):
                     signal.signal(s, signal.SIG_IGN)  # the agent's clean-up is not cut short again
