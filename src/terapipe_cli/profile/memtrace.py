@@ -185,7 +185,10 @@ class _Tracer:
     def __init__(self, config: _Config, model: ModelConfig, precision: str, tensor_parallel: int, cuda: bool):
         self.config, self.model = config, model
         self.stack = ExitStack()
-        self.stack.enter_context(forced_branch("cuda" if cuda else "cpu"))
+        # The CPU's attention path, also for a CUDA profile: the CUDA branch's mask is a tensor subclass fake tensors
+        # cannot make (`causal_lower_right`); both fused paths keep the output and a log-sum-exp per query, and the
+        # CPU's mask is a strided view of O(L) bytes, so what a tile holds is the same up to the allocator's blocks.
+        self.stack.enter_context(forced_branch("cpu"))
         self.stack.enter_context(_FakeMode())
         self.runner = config.runner(model, precision, tensor_parallel)
         self.live = LiveBytes(cuda_block_bytes if cuda else None)
@@ -400,7 +403,7 @@ def tracked_step_peaks(
     for k in range(schedule.stages):
         mine = part.chunks_on(k)
         with ExitStack() as stack:
-            stack.enter_context(forced_branch("cuda" if cuda else "cpu"))
+            stack.enter_context(forced_branch("cpu"))  # as `_Tracer`
             stack.enter_context(_FakeMode())
             tensor = TensorGroup(0, tensor_parallel, _FakeGroup(tensor_parallel)) if tensor_parallel > 1 else None
             with mock.patch.object(torch.nn.Module, "to", lambda module, *a, **kw: module):
