@@ -26,9 +26,10 @@ step) are constants. A CUDA profile's trace rounds each storage as the CUDA cach
 
 from __future__ import annotations
 
+import warnings
 import weakref
-from collections.abc import Callable
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from unittest import mock
 
@@ -127,6 +128,14 @@ def _tensors(args, kwargs) -> list[torch.Tensor]:
     return out
 
 
+@contextmanager
+def _no_data_pointer_warning() -> Iterator[None]:
+    """`SavedBytes` reads its parameters' data pointers (0 for fake tensors, a warning each: unused here)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+        yield
+
+
 class _FakeGroup:
     """A tensor-parallel group of T ranks on fake tensors: every rank holds the same shapes, so a reduction keeps its
     tensor and a gather concatenates T tensors like this rank's (as the real collective allocates them)."""
@@ -164,7 +173,7 @@ class _Config:
         tensor = TensorGroup(0, tensor_parallel, _FakeGroup(tensor_parallel)) if tensor_parallel > 1 else None
         # Parameters are fake already, on the runner's device: `Module.to` would try to swap them (refused for
         # fake tensors, which carry weak references).
-        with mock.patch.object(torch.nn.Module, "to", lambda module, *a, **k: module):
+        with mock.patch.object(torch.nn.Module, "to", lambda module, *a, **k: module), _no_data_pointer_warning():
             return StageRunner(
                 cfg, stage, stages, precision=precision, tensor=tensor, partition=Partition(tuple(counts), stages)
             )
@@ -406,7 +415,7 @@ def tracked_step_peaks(
             stack.enter_context(forced_branch("cpu"))  # as `_Tracer`
             stack.enter_context(_FakeMode())
             tensor = TensorGroup(0, tensor_parallel, _FakeGroup(tensor_parallel)) if tensor_parallel > 1 else None
-            with mock.patch.object(torch.nn.Module, "to", lambda module, *a, **kw: module):
+            with mock.patch.object(torch.nn.Module, "to", lambda module, *a, **kw: module), _no_data_pointer_warning():
                 runner = StageRunner(
                     model, k, schedule.stages, precision=precision, tensor=tensor, partition=part, chunks=mine,
                     recompute={c: schedule.recompute[c] for c in mine},
