@@ -17,7 +17,7 @@ from terapipe_cli.plan.costmodel import CostModel, profile_from_dict, ring_allre
 from terapipe_cli.profile.comm import allreduce_from_samples, message_sizes
 from terapipe_cli.report.runs import baseline_dir
 
-MEASURED = ROOT / "configs/profiles/tiny-cpu-measured.json"
+MEASURED = ROOT / "tests/data/tiny-cpu-measured-schema1.json"
 EXAMPLE = ROOT / "configs/profiles/example-tiny-cpu.json"
 
 
@@ -57,7 +57,7 @@ def test_allreduce_fit_recovers_the_ring_link(replicas: int) -> None:
 
 
 def test_a_profile_without_the_allreduce_plans_replicas_without_it(tmp_path: Path, capsys) -> None:
-    """The committed measured profile predates the all-reduce measurement: it plans with one warning line,
+    """The tiny model's earlier measured profile predates the all-reduce measurement: it plans with one warning line,
     the same scheme and price as one replica, and the plan records that the all-reduce is not priced."""
     raw = json.loads(MEASURED.read_text())
     assert "params_per_layer" in raw and "data_parallel_link" not in raw
