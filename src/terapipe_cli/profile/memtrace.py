@@ -303,15 +303,19 @@ def envelope(coefs, b, i, j) -> np.ndarray:
 
 def _fit_envelope(points, series: list[list[float]], seq_len: int) -> list[list[float]]:
     """The linear forms of a quantity over a group of tiles: where every tile ran the same ops, one form per moment
-    of the window, fitted exactly through the tiles, kept where it is the largest at some tile a plan may run; else
-    (the op sequences differ) one form through the tiles' peaks, raised to bound them all."""
+    of the window, fitted through the tiles (raised to bound them), kept where it is the largest at some tile a plan
+    may run; else (the op sequences differ) one form through the tiles' peaks, raised to bound them all."""
     b, i, j = (np.array(x, dtype=float) for x in zip(*points, strict=True))
     X = terms(b, i, j)
-    cols = [0, 1, 3] if not j.any() else [0, 1, 2, 3]
+    # Without context no term in i²: nothing of a tile's own (i, i) grows so on the runtime's paths (the fused
+    # attention keeps no scores, the CPU's mask is a strided view), and fitted on three tiles it would extrapolate
+    # a count of chunks (the chunked head's) quadratically to a whole sequence.
+    cols = [0, 1] if not j.any() else [0, 1, 2, 3]
     if len({len(s) for s in series}) == 1:
         Y = np.array(series, dtype=float)  # (tiles, moments)
         coef = np.zeros((Y.shape[1], 4))
         coef[:, cols] = np.linalg.lstsq(X[:, cols], Y, rcond=None)[0].T
+        coef[:, 0] += np.maximum(np.max(Y - X @ coef.T, axis=0), 0.0)  # each form bounds its moment's tiles
     else:
         peaks = np.array([max(s) for s in series])
         coef = np.zeros((1, 4))
