@@ -63,7 +63,7 @@ def plan(
         Path | None,
         typer.Option(
             "--profile",
-            help="Profile JSON (terapipe.profile/3, or /2, /1) from `terapipe profile` (required without --experiment).",
+            help="Profile JSON (terapipe.profile/1-3) from `terapipe profile` (required without --experiment).",
         ),
     ] = None,
     stages: Annotated[
