@@ -68,6 +68,21 @@ def hide_gpus():
         yield
 
 
+@pytest.fixture(scope="session", autouse=True)
+def no_plain_progress():
+    """An in-process plan whose stderr is captured (not a terminal) would print a plain progress line once it has run
+    a few seconds, which a loaded machine reaches: tests that count stderr's lines must not depend on the machine's
+    speed. The progress tests put the real class back with their own timings (tests/plan/test_plan_progress.py)."""
+    import functools
+
+    from terapipe_cli.cli import plan as plan_command
+    from terapipe_cli.cli.console import PlainProgress
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(plan_command, "PlainProgress", functools.partial(PlainProgress, after_s=float("inf")))
+        yield
+
+
 @pytest.fixture(autouse=True)
 def show_gpus(request, monkeypatch):
     """A test marked ``gpu`` sees the GPUs again, in its own process and in the ones it starts."""
