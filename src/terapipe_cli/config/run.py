@@ -60,7 +60,7 @@ DEFAULT_VAL_FRACTION = 0.1  # the data's last tenth held out for the validation 
 WARMUP_FRACTION = 0.1  # the default warm-up: this share of the run's steps ...
 MIN_WARMUP_STEPS = 3  # ... but at least this many (a third of the run, at least one, when it is shorter than 9)
 MIN_LR_FRACTION = 0.1  # the default floor of the cosine decay: this share of the peak lr (as nanoGPT)
-# Stopping on a signal: the default time to save (issue 27; Slurm's KillWait and Kubernetes' grace period default
+# Stopping on a signal: the default time to save (Slurm's KillWait and Kubernetes' grace period default
 # to 30 s, so a job that must save large stages sets its scheduler's grace and --grace-s together), and the complete
 # checkpoints kept (2: the previous one survives while the newest is written and checked; torchtitan's keep_latest_k).
 DEFAULT_GRACE_S = 60.0

@@ -476,7 +476,7 @@ def _memory_bound(profile: Profile, request: PlanRequest, cost: CostModel, free:
     its recomputing cost model (the objective prices recomputation with one more forward per tile), searched only
     below ``ceiling`` (the best found: ``ceiling`` when nothing is below it, and when its bound, one DP pass, says
     so). Far tighter than ``free`` (Llama 3 70B on 8 H100s, B = 16), and a partition it rules out is not searched
-    within the limit (issue 38)."""
+    within the limit."""
     r = request
     shape = {"seq_len": r.seq_len, "batch_size": r.batch_size, "stages": r.stages, "token_step": r.token_step}
     if lower_bound(cost, **shape) * (1 - 1e-12) >= ceiling:  # (the bound sums in another order than a scheme)

@@ -1,4 +1,4 @@
-"""Document-aware pricing of attention (issue 36 item 6): the context a tile really attends under block-causal masking,
+"""Document-aware pricing of attention: the context a tile really attends under block-causal masking,
 from a corpus's measured document lengths. Pure numpy, no torch.
 
 With packed documents masked (`engine.attention.DocumentMask`), a tile of ``i`` tokens at offset ``j`` of its window

@@ -1,4 +1,4 @@
-"""Work shared within one plan (issue 38). Choosing a partition and v compares many cost models of one profile on one
+"""Work shared within one plan. Choosing a partition and v compares many cost models of one profile on one
 grid of tiles, and each is bounded, searched and searched again within the memory limit: the tile prices and the
 search's tables would be computed again every time. Inside `sharing()` they are computed once — `remembered(key,
 make)` — and kept while the plan is made, at most `BUDGET_BYTES` of arrays, the least recently used dropped first.

@@ -1,5 +1,5 @@
 """A run's own tokenizer: recorded in its folder at the start, read by ``terapipe sample`` and written into the
-``transformers`` folder of ``terapipe export --format hf`` (issue 36 item 5).
+``transformers`` folder of ``terapipe export --format hf``.
 
 A run on a corpus made by ``terapipe data tokenize`` copies the corpus's tokenizer (``CORPUS.tokenizer/``: its
 ``tokenizer.json`` and the config files beside it) and the corpus summary (``CORPUS.json``: the EOS id, the template's
