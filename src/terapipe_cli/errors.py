@@ -87,3 +87,24 @@ def signals_raise() -> Iterator[None]:
     finally:
         for s in replaced:
             signal.signal(s, before[s])
+
+
+@contextmanager
+def signals_held() -> Iterator[None]:
+    """Within: an ending signal with a Python handler (`signals_raise`'s, Ctrl-C's) waits until the block is done, then
+    goes to that handler: a cleanup that removes temporary files is not cut short by a second Ctrl-C or a SIGTERM."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    before = {s: signal.getsignal(s) for s in ENDING_SIGNALS}
+    held = [s for s, handler in before.items() if callable(handler)]
+    for s in held:
+        signal.signal(s, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        for s in held:
+            signal.signal(s, before[s])
+        if caught:
+            before[caught[0]](caught[0], None)

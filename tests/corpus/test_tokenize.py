@@ -142,6 +142,37 @@ def test_a_text_file_as_one_document_and_paragraphs(tmp_path, bpe):
     assert list(data.tokens) == ids_of(bpe, ["One here.\nStill one.", "Two.", "Three"])
 
 
+def test_a_named_pipe_is_read_to_its_end_without_seeking(tmp_path, bpe):
+    """An input that cannot seek (a named pipe, as /dev/stdin is) tokenizes like the same text in a file, a
+    byte-order mark and lines shorter than it included."""
+    import threading
+
+    tok = tz.load_tokenizer(bpe, EOT)
+    for split, text in (("line", "\ufeffA\nBe.\nSee the cat.\n"), ("file", "\ufeffOne story.\n")):
+        fifo = tmp_path / f"{split}.txt"
+        os.mkfifo(fifo)
+        feeder = threading.Thread(target=lambda f=fifo, t=text: f.write_bytes(t.encode()))
+        feeder.start()
+        tz.tokenize_corpus([fifo], tok, tmp_path / split, split=split)
+        feeder.join()
+        (tmp_path / f"{split}.plain").write_text(text)
+        tz.tokenize_corpus([tmp_path / f"{split}.plain"], tok, tmp_path / f"{split}-plain", split=split)
+        assert list(load_data(tmp_path / split).tokens) == list(load_data(tmp_path / f"{split}-plain").tokens)
+    assert list(load_data(tmp_path / "line").tokens) == ids_of(bpe, ["A", "Be.", "See the cat."])
+
+
+def test_a_signal_during_the_cleanup_waits_for_it():
+    """Within `signals_held` a SIGTERM (handled by `signals_raise`) is kept until the block ends, then raised."""
+    from terapipe_cli.errors import StopSignal, signals_held, signals_raise
+
+    done = []
+    with pytest.raises(StopSignal) as stopped, signals_raise():
+        with signals_held():
+            signal.raise_signal(signal.SIGTERM)
+            done.append("cleaned up")
+    assert done == ["cleaned up"] and stopped.value.exit_code == 143
+
+
 def test_more_than_65536_ids_make_an_int32_corpus(tmp_path, wide):
     (tmp_path / "t.jsonl").write_text("".join(json.dumps({"body": t}) + "\n" for t in ("Ada sees", "a cat", "")))
     tok = tz.load_tokenizer(wide, EOT)

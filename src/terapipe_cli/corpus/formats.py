@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from terapipe_cli.errors import UserError
+from terapipe_cli.errors import UserError, signals_held
 from terapipe_cli.files import DISK_FULL, _umask, why_not_written
 
 TOKEN_DTYPES = ("uint16", "uint32")  # what --token-dtype names: the ids of a headerless .bin
@@ -495,11 +495,12 @@ class MegatronWriter:
         self._bin_tmp = self._idx_tmp = None
 
     def discard(self) -> None:
-        if not self._bin.closed:
-            self._bin.close()
-        for tmp in (self._bin_tmp, self._idx_tmp):
-            if tmp is not None:
-                Path(tmp).unlink(missing_ok=True)
+        with signals_held():  # a signal now (the one that stopped the writing, again) waits for the files to go
+            if not self._bin.closed:
+                self._bin.close()
+            for tmp in (self._bin_tmp, self._idx_tmp):
+                if tmp is not None:
+                    Path(tmp).unlink(missing_ok=True)
 
     @staticmethod
     def _finish(f) -> None:

@@ -26,6 +26,7 @@ inputs.
 from __future__ import annotations
 
 import codecs
+import io
 import json
 import os
 import shutil
@@ -260,16 +261,19 @@ def _parquet_documents(path: Path, field: str, counter: _Counter) -> Iterator[st
 def _text_documents(path: Path, split: str, counter: _Counter) -> Iterator[str]:
     decoder = codecs.getincrementaldecoder("utf-8")()
     with open(path, "rb") as f:
-        if f.read(len(codecs.BOM_UTF8)) == codecs.BOM_UTF8:  # a byte-order mark (Windows editors) is no text
-            counter.done += len(codecs.BOM_UTF8)
-        else:
-            f.seek(0)
+        # Read on, never seek back: the input may be a pipe (a named one, /dev/stdin).
+        head = f.read(len(codecs.BOM_UTF8))
+        if head == codecs.BOM_UTF8:  # a byte-order mark (Windows editors) is no text
+            counter.done += len(head)
+            head = b""
         if split == "file":
-            text = "".join(_decode(decoder, chunk, counter, path) for chunk in iter(lambda: f.read(READ_BYTES), b""))
+            chunks = chain([head], iter(lambda: f.read(READ_BYTES), b""))
+            text = "".join(_decode(decoder, chunk, counter, path) for chunk in chunks)
             yield text + _decode(decoder, b"", counter, path, final=True)
             return
         paragraph: list[str] = []
-        for raw in f:
+        first = io.BytesIO(head + f.readline()) if head else io.BytesIO()  # the head's lines, split as f's are
+        for raw in chain(first, f):
             line = _decode(decoder, raw, counter, path)
             if split == "line":
                 if line.strip():
