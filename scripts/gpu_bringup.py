@@ -144,6 +144,14 @@ def memory_trace_line(path: Path) -> str:
     return f"{len(rows)} cases: {spread}; {ran} ran, {broken} estimated to fit but did not"
 
 
+def reference_line(path: Path) -> str:
+    """scripts/bench_reference.py's table in one line: each mode's median step, MFU and peak."""
+    rows = [[c.strip() for c in r.strip().strip("|").split("|")] for r in path.read_text().splitlines()]
+    cells = [f"{r[0]} {r[1].split(' ')[0]} ms, {r[3]} MFU, {r[4]} GiB" for r in rows if len(r) == 6 and r[0] in
+             ("eager", "compiled")]  # fmt: skip
+    return "plain PyTorch: " + "; ".join(cells) if cells else "no table (see steps.log)"
+
+
 def pytest_line(path: Path, device: str) -> str:
     """pytest's closing counts, or, when it was stopped before them, the tests' own result lines so far."""
     text = path.read_text(errors="replace")
@@ -181,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     cut.add_argument("out", type=Path)
     cut.add_argument("--layers", type=int)
     cut.add_argument("--seq-len", type=int)
-    for name in ("verify", "profile", "memory", "memory-trace"):
+    for name in ("verify", "profile", "memory", "memory-trace", "reference"):
         sub.add_parser(name).add_argument("path", type=Path)
     bench = sub.add_parser("bench")
     bench.add_argument("path", type=Path)
@@ -209,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
             "profile": profile_line,
             "memory": memory_line,
             "memory-trace": memory_trace_line,
+            "reference": reference_line,
         }
         print(lines[a.what](a.path))
     return 0

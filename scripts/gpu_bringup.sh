@@ -207,6 +207,20 @@ step_bench_gpt() {
 }
 result_bench_gpt() { line bench "$SCRATCH/bench-gpt.md" --target-mfu 40; }
 
+step_reference() {
+    # The plain PyTorch GPT of the same shape, eager and compiled per block (the dry run: eager, fp32, seconds; the
+    # CPU's compile takes minutes). Appended to step 5's file: the files sent back are few.
+    local modes=eager,compiled precision=bf16
+    ((CUDA)) || modes=eager precision=fp32
+    # shellcheck disable=SC2086 # BENCH_ARGS is a list of words
+    py scripts/bench_reference.py --device "$DEVICE" --model "$GPT_MODEL" --batch "$GPT_BATCH" --modes "$modes" \
+        --precision "$precision" $(((CUDA)) && echo --rounds 5 --warmup 2) --markdown | tee "$SCRATCH/reference.md"
+    local rc=${PIPESTATUS[0]}
+    cat "$SCRATCH/reference.md" >>"$OUT/bench-$GPT_NAME.md"
+    return "$rc"
+}
+result_reference() { line reference "$SCRATCH/reference.md"; }
+
 step_t2_shared() {
     local run=$SCRATCH/t2 rc
     tp plan --profile "$TINY_PROFILE" --stages 1 --batch 2 --seq-len "$VERIFY_L" --out "$run.plan.json" || return
@@ -292,9 +306,22 @@ summarize() {
 
 # The steps in order (the header says why this order) and each one's own time limit, seconds.
 STEPS=(
-    "verify-k1 60" "verify-k2-shared 75" "verify-k2-v2 75" "profile 100" "bench-gpt 100" "t2-shared 75"
-    "memory 100" "memory-trace 240" "bench-llama-short 90" "bench-llama-long 90" "gpu-tests 300"
+    "verify-k1 60" "verify-k2-shared 75" "profile 100" "bench-gpt 100" "memory-trace 240" "reference 150"
+    "verify-k2-v2 75" "t2-shared 75" "memory 100" "bench-llama-short 90" "bench-llama-long 90" "gpu-tests 300"
 )
+# GPU_BRINGUP_STEPS="NAME ...": only these steps, in the order above (each one runs alone; a step that reads another's
+# files says so and is skipped without them).
+if [[ -n ${GPU_BRINGUP_STEPS:-} ]]; then
+    chosen=()
+    for step in "${STEPS[@]}"; do
+        [[ " $GPU_BRINGUP_STEPS " == *" ${step%% *} "* ]] && chosen+=("$step")
+    done
+    if ((${#chosen[@]} == 0)); then
+        echo "gpu_bringup: GPU_BRINGUP_STEPS names none of: ${STEPS[*]%% *}" >&2
+        exit 2
+    fi
+    STEPS=("${chosen[@]}")
+fi
 TOTAL=${#STEPS[@]}
 N=0
 FAILED=0
