@@ -95,19 +95,29 @@ def test_verify_passes_with_a_chunk_smaller_than_a_tile(name):
     assert result.ok, [(c.what, c.max_rel, c.tolerance) for c in result.checks]
 
 
-def test_dropping_one_chunks_gradient_fails_verification(monkeypatch):
-    """Negative control: the second chunk of every tile back-propagates nothing (neither its input's gradient nor its
-    share of the head's weight gradient); the same check fails, its gradients by far more than their tolerance."""
-    backward = loss._chunk_backward
+def test_dropping_one_blocks_gradient_fails_verification(monkeypatch):
+    """Negative control: the backward's blocks of vocabulary rows after the first back-propagate nothing (neither
+    their part of the input's gradient nor their rows of the head's weight gradient); the same check fails, its
+    gradients by far more than their tolerance."""
+    backward = loss._block_backward
+    dropped = []
 
-    def dropping(x, targets, wc, lse, grad, r, lo, hi, grad_x, weight):
-        if r.start == CHUNK:
-            grad_x[r.start : r.stop] = 0
+    def dropping(xc, local, lse, grad, wc, v0, v1, grad_x, weight):
+        if v0 > 0:
+            dropped.append(v0)
             return
-        backward(x, targets, wc, lse, grad, r, lo, hi, grad_x, weight)
+        backward(xc, local, lse, grad, wc, v0, v1, grad_x, weight)
 
-    monkeypatch.setattr(loss, "_chunk_backward", dropping)
+    monkeypatch.setattr(loss, "_block_backward", dropping)
     result, _ = verify_locally(local_setup([(2, [8, 8, 16])], stages=2, loss_chunk_tokens=CHUNK))
-    assert not result.ok
+    assert dropped and not result.ok
     grads = next(c for c in result.checks if c.what.startswith("gradients"))
     assert grads.max_rel > 10 * grads.tolerance
+
+
+def test_the_backward_takes_as_many_logits_at_a_time_as_the_forward():
+    """A tile of n tokens walks the vocabulary in blocks of chunk · V / n rows: the logits made at a time are at most a
+    forward chunk's, all the rows when the tile fits one chunk."""
+    assert loss.vocab_block_rows(4096, 131072, 1024) == 32768
+    assert loss.vocab_block_rows(512, 131072, 1024) == 131072
+    assert loss.vocab_block_rows(10**6, 100, 5) == 1

@@ -8,15 +8,17 @@ PyTorch form of it):
 
 * forward: per chunk, its logits → the per-token log-sum-exp and the target's logit → the loss sum. The forward keeps
   only the head's input, the targets and one log-sum-exp per token (fp32), nothing of size V;
-* backward: per chunk, its logits made again, softmax − onehot (times the incoming gradient) in fp32, then its input
-  gradient and its share of the head's weight gradient.
+* backward: over blocks of the vocabulary's rows with as many logits as a forward chunk, the block's logits of the
+  whole tile made again, softmax − onehot (times the incoming gradient) in fp32, then its part of the input's
+  gradient and its rows of the head's weight gradient — each row once per tile, in one product over the tile.
 
-So the head holds O(chunk × V) for a moment, never O(n × V). Exact: each chunk's loss and gradients are those of the
+So the head holds O(chunk × V) logits for a moment, never O(n × V). Exact: each chunk's loss and gradients are those of the
 whole tile's rows, so the sums equal the unchunked computation up to the order of additions (tests compare them).
 
 Precision. As ``F.linear`` then ``F.cross_entropy`` run under autocast: the product in the compute type (the weight's
 16-bit copy, one per step: `compute_weight`), the softmax and the loss in fp32, the logits' gradient cast back to the
-compute type for the two products of the backward. The weight's gradient is summed over the chunks in fp32.
+compute type for the two products of the backward. The input's gradient is summed over the vocabulary's blocks in
+fp32; each row of the weight's gradient is one product over the tile, added into the fp32 gradient.
 
 The head's weight gradient is accumulated into ``weight.grad`` by the backward itself (Megatron-LM's gradient
 accumulation fusion does the same), not handed to autograd: it needs each chunk's logits' gradient, which exists only
@@ -26,8 +28,8 @@ its W has nothing of the head left to do: making every chunk's logits again in W
 product. The graph has no edge to the weight, so the split finds no weight consumer here.
 
 With the vocabulary split over tensor ranks (engine/tensor.py) each rank makes its own rows' logits of the chunk; the
-max and the two sums are all-reduced per chunk (Megatron's vocab-parallel cross-entropy, chunk by chunk), the
-backward needs no collective.
+max and the two sums are all-reduced per chunk (Megatron's vocab-parallel cross-entropy, chunk by chunk); the
+backward, over this rank's rows, needs no collective.
 """
 
 from __future__ import annotations
@@ -91,11 +93,10 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, targets, wc, lse = ctx.saved_tensors
-        grad_x = torch.empty_like(x) if ctx.needs_input_grad[0] else None
         weight = ctx.weight if ctx.weight.requires_grad else None
         with torch.autocast(x.device.type, enabled=False):
-            for r in chunk_ranges(x.shape[0], ctx.chunk):
-                _chunk_backward(x, targets, wc, lse, grad, r, ctx.lo, ctx.hi, grad_x, weight)
+            grad_x = _backward_by_rows(x, targets, wc, lse, grad, ctx.chunk, ctx.lo, ctx.hi, ctx.needs_input_grad[0],
+                                       weight)  # fmt: skip
         return grad_x, None, None, None, None, None, None, None
 
 
@@ -121,25 +122,46 @@ def _vocab_parallel_lse(logits, t, tp, lo: int, hi: int) -> tuple[torch.Tensor, 
     return top + total.log(), top + target
 
 
-def _chunk_backward(x, targets, wc, lse, grad, r: range, lo: int, hi: int, grad_x, weight) -> None:
-    """One chunk's backward: its logits made again, softmax − onehot times ``grad`` (fp32), its rows of ``grad_x``
-    and its share of the weight's gradient, summed into ``weight.grad`` in fp32."""
-    xc = x[r.start : r.stop]
-    probs = _logits(xc, wc).sub_(lse[r.start : r.stop].unsqueeze(-1)).exp_()
-    t = targets[r.start : r.stop]
-    held = (t >= lo) & (t < hi)
-    local = (t - lo).masked_fill(~held, 0)
-    probs.scatter_add_(-1, local.unsqueeze(-1), -held.unsqueeze(-1).to(probs.dtype))
+def vocab_block_rows(n: int, rows: int, chunk: int) -> int:
+    """The vocabulary rows the backward takes at a time for a tile of ``n`` tokens over ``rows`` rows: as many logits
+    as a forward chunk of ``chunk`` tokens makes (``chunk · rows``), so the backward's transient is the forward's."""
+    return max(1, min(rows, chunk * rows // max(n, 1)))
+
+
+def _backward_by_rows(x, targets, wc, lse, grad, chunk: int, lo: int, hi: int, input_grad: bool, weight):
+    """The backward over blocks of the vocabulary's rows (`vocab_block_rows`): per block, the tile's logits of those
+    rows made again, softmax − onehot times ``grad`` (fp32), the block's rows of the weight's gradient in one product
+    over all the tile's tokens (added into ``weight.grad`` in fp32 once per tile, as the unchunked backward does: a
+    split over tokens would add a whole (V, H) gradient per chunk, on a GPU the slowest part of the head), and its
+    part of the input's gradient summed in fp32. Returns the input's gradient (None unless ``input_grad``)."""
+    n, rows = x.shape[0], wc.shape[0]
+    step = vocab_block_rows(n, rows, chunk)
+    xc = x.to(wc.dtype)
+    held = (targets >= lo) & (targets < hi)
+    local = (targets - lo).masked_fill(~held, -1)  # -1: the target is another rank's row
+    grad_x = torch.zeros(x.shape, dtype=torch.float32, device=x.device) if input_grad else None
+    if weight is not None and weight.grad is None:
+        weight.grad = torch.zeros_like(weight)
+    for v0 in range(0, rows, step):
+        _block_backward(xc, local, lse, grad, wc, v0, min(v0 + step, rows), grad_x, weight)
+    return None if grad_x is None else grad_x.to(x.dtype)
+
+
+def _block_backward(xc, local, lse, grad, wc, v0: int, v1: int, grad_x, weight) -> None:
+    """Rows [v0, v1) of the vocabulary in `_backward_by_rows`: ``xc`` the tile's input in the compute type, ``local``
+    each token's target row on this rank (-1: another rank's)."""
+    w = wc[v0:v1]
+    probs = F.linear(xc, w).float().sub_(lse.unsqueeze(-1)).exp_()
+    mine = (local >= v0) & (local < v1)
+    probs.scatter_add_(-1, (local - v0).clamp(0, v1 - v0 - 1).unsqueeze(-1), -mine.unsqueeze(-1).to(probs.dtype))
     g = probs.mul_(grad).to(wc.dtype)
     if grad_x is not None:
-        grad_x[r.start : r.stop] = (g @ wc).to(grad_x.dtype)
+        grad_x.add_(g @ w)
     if weight is not None:
-        if weight.grad is None:
-            weight.grad = torch.zeros_like(weight)
         if g.dtype == weight.grad.dtype:
-            weight.grad.addmm_(g.t(), xc.to(g.dtype))
-        else:  # 16-bit products, summed over the chunks in fp32
-            weight.grad += (g.t() @ xc.to(g.dtype)).to(weight.grad.dtype)
+            weight.grad[v0:v1].addmm_(g.t(), xc)
+        else:  # a 16-bit product over the whole tile, added in fp32
+            weight.grad[v0:v1] += (g.t() @ xc).to(weight.grad.dtype)
 
 
 def chunked_loss_sum(

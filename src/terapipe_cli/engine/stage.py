@@ -136,7 +136,7 @@ class StageRunner:
     columns (`tensor.shard_module`); a tile's input and output are still the whole (b, i, H) activation.
     ``recompute``: every chunk, or per chunk (a mapping). ``loss_chunk_tokens``: the last chunk's head and loss run
     that many tokens at a time (`engine.loss`; 0: the whole tile's logits at once; None: the default of
-    `plan.memory.loss_chunk_tokens`).
+    `plan.memory.loss_chunk_tokens` for the device's memory, a CUDA device's or a CPU's fixed budget).
     """
 
     def __init__(
@@ -172,7 +172,8 @@ class StageRunner:
         self.precision = precision
         if loss_chunk_tokens is None:
             rows = vocab_share(model.vocab, tensor.size if tensor is not None else 1)
-            loss_chunk_tokens = default_loss_chunk_tokens(rows)
+            memory = torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else None
+            loss_chunk_tokens = default_loss_chunk_tokens(rows, memory)
         self.loss_chunk_tokens = int(loss_chunk_tokens)
         self.loss_scale = 1.0
         self._tiles: dict[tuple[int, int, int], _TileState] = {}  # (chunk, batch slice, token slice)
