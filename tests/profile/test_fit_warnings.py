@@ -23,9 +23,9 @@ PROFILES = sorted((ROOT / "configs" / "profiles").glob("*.json"))
 # Measured on an H100 through the eager runtime, whose small tiles are host-bound: their times jump by ~20% from
 # visit to visit (docs/results.md, "GPU bring-up"), more than the context term the fit looks for. It warns, truly.
 NOISY = ROOT / "configs" / "profiles" / "gpt3-1b-h100-bf16-measured.json"
-# Measured at schema /2 on the shared CPU machine while other jobs ran (load 5-10 on 2 cores): its backward's context
-# fit (10.1% held out) and its link fit (27%) are off, and it says so (docs/results.md).
-LOADED = ROOT / "configs" / "profiles" / "tiny-cpu-measured.json"
+# Measured at schema /3 on the shared CPU machine with nothing else running: its context fit (10-12% held out, this
+# machine's timing noise) is off, and it says so (docs/results.md).
+CPU_MEASURED = ROOT / "configs" / "profiles" / "tiny-cpu-measured.json"
 # The tiny model's earlier measurement (schema /1, a quieter machine), whose fits are good: the base made bad below.
 MEASURED = json.loads((ROOT / "tests" / "data" / "tiny-cpu-measured-schema1.json").read_text())
 SIZES = [8192, 19972, 48692, 118716, 289432]  # a quick profile's five message sizes for the tiny model
@@ -63,7 +63,7 @@ def fitted_link(seconds: list[float]) -> dict:
 # ------------------------------------------------------------------------------------------------ the shipped ones
 
 
-QUIET = [p for p in PROFILES if p not in (NOISY, LOADED)]
+QUIET = [p for p in PROFILES if p not in (NOISY, CPU_MEASURED)]
 
 
 @pytest.mark.parametrize("path", QUIET, ids=[p.name for p in QUIET])
@@ -78,9 +78,11 @@ def test_the_noisy_gpu_profile_says_so():
     assert "forward 13.1% and backward 14.2%" in warning
 
 
-def test_the_cpu_profile_measured_on_a_loaded_machine_says_so():
-    context, link = fit_warnings(read_profile(LOADED))
-    assert "backward 10.1%" in context and "degenerate" in link and "idle machine" in link
+def test_the_cpu_profile_says_its_context_fit_is_this_machines_noise():
+    # Measured again with nothing else running (load average 1.1): the held-out context tiles of this 2-core machine
+    # still jump by 10-12%; the link fit holds.
+    (context,) = fit_warnings(read_profile(CPU_MEASURED))
+    assert "forward 12.0% and backward 10.6%" in context and "idle machine" in context
     assert fit_warnings(profile_from_dict(MEASURED, "the earlier measurement")) == []
 
 
