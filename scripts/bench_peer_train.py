@@ -5,6 +5,7 @@
     python scripts/bench_peer_train.py --rounds 4 --markdown
     python scripts/bench_peer_train.py --src before=/tmp/old/src --src after=src   # two versions of the package
     python scripts/bench_peer_train.py --rounds 0 --profile   # only where a step's time goes, under cProfile
+    python scripts/bench_peer_train.py --tune 2               # and the plan `terapipe plan --tune 2` measured here
 
 The tiny model (configs/models/tiny.toml), B = 4 sequences, K = 2 stage processes on CPU (gloo, one thread each):
 
@@ -109,6 +110,14 @@ def main() -> None:
     base = Path(a.base_src).resolve() if a.base_src else ROOT / "src"
     _plan(plans["GPipe"], a.batch, base, "--scheme", "gpipe")
     _plan(plans["planner"], a.batch, base)
+    if a.tune:
+        plans["tuned"] = tmp / "tuned.json"
+        started = time.perf_counter()
+        with cpu_lock():
+            _plan(plans["tuned"], a.batch, base, "--tune", str(a.tune))
+        tuned = json.loads(plans["tuned"].read_text())
+        print(f"plan --tune {a.tune}: {time.perf_counter() - started:.0f} s, chose {tuned.get('short_form', '?')} "
+              f"({tuned.get('order', '?')}, v = {tuned.get('virtual_stages', '?')})", flush=True)  # fmt: skip
     sources = _sources(a.src)
     candidates = [
         {"name": f"terapipe {what}{f' ({label})' if label else ''}", "plan": str(plans[what]), "src": str(src)}
@@ -296,6 +305,10 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--base-src", metavar="DIR", help="The package source folder that plans and runs the peers (default: src)."
     )
+    parser.add_argument(
+        "--tune", type=int, metavar="N",
+        help="Also a candidate planned with `terapipe plan --tune N` (the simulator's N best and GPipe trained here).",
+    )  # fmt: skip
     parser.add_argument("--markdown", action="store_true", help="Print the table as markdown.")
     parser.add_argument(
         "--profile", action="store_true", help="Then one run of each terapipe candidate per rank under cProfile."
