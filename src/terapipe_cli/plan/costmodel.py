@@ -669,10 +669,6 @@ class CostModel:
         last = self.partition.chunks - 1
         return self._time((self.partition.layers[chunk], chunk == 0, chunk == last, 1), b, i, j)
 
-    def device_time(self, device: int, b, i, j) -> np.ndarray:
-        """u_k: every chunk of device ``device`` on a tile."""
-        return sum(self.chunk_time(c, b, i, j) for c in self.partition.chunks_on(device))
-
     def _time(self, kind: tuple[int, bool, bool, int], b, i, j, layer=None) -> np.ndarray:
         parts = self.parts(b, i, j) if layer is None else {"layer": layer, "b": b, "i": i}
         return self._combine(kind, parts)

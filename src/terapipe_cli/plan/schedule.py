@@ -157,10 +157,6 @@ class Schedule:
     def label(self, action: Action) -> str:
         return action.label(self.token_slices_shown)
 
-    def forward_tiles(self, stage: int) -> list[Tile]:
-        """The tiles stage ``stage`` runs forward, in its order (the order its activations arrive)."""
-        return [a.tile for a in self.actions[stage] if a.phase is Phase.F]
-
     @property
     def token_slice_counts(self) -> dict[int, int]:
         """Batch slice -> its number of token slices."""
@@ -170,12 +166,6 @@ class Schedule:
     def split(self) -> bool:
         """Whether some backward runs as I and W (a zero-bubble order)."""
         return any(a.phase is Phase.I for row in self.actions for a in row)
-
-    def with_partition(self, partition: Partition | None) -> Schedule:
-        """The same actions, with the layers of each chunk known (for the memory estimate and the simulator)."""
-        if partition is not None and partition.chunks != self.chunks:
-            raise ValueError(f"a partition of {partition.chunks} chunks for a schedule of {self.chunks}")
-        return replace(self, partition=partition)
 
     # ---------------------------------------------------------------------------------------- checking
 
