@@ -5,16 +5,23 @@ from __future__ import annotations
 
 import json
 import math
+import threading
+from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 from conftest import assert_one_line_error, run_cli
 
 from terapipe_cli.config.model import ModelConfig
+from terapipe_cli.engine.local import LocalWorld
+from terapipe_cli.engine.tensor import TensorGroup
 from terapipe_cli.errors import UserError
 from terapipe_cli.plan.costmodel import read_profile
 from terapipe_cli.plan.file import read_plan
-from terapipe_cli.profile import options
+from terapipe_cli.profile import ends, options
+from terapipe_cli.profile.tiles import Settings
 from terapipe_cli.profile.timer import CLOCK_NAMES
 
 MICRO = ModelConfig(name="micro", layers=2, hidden=32, heads=2, vocab=16, seq_len=64)
@@ -58,6 +65,43 @@ def test_a_t2_profile_is_timed_by_two_ranks_and_plans_at_t2(tmp_path: Path, caps
 
     # --check-profile times one process: it refuses a profile of two tensor ranks.
     assert_one_line_error(run_cli(capsys, "profile", "--check-profile", out), "tensor parallelism 2", "--check")
+
+
+def test_the_ranks_agree_on_the_ends_heavy_tiles_whatever_their_own_clocks_say(monkeypatch):
+    # A heavy tile (slower than HEAVY_S in the warm-up) runs no priming forward and fewer rounds. Two tensor ranks
+    # (threads) whose clocks disagree on one tile: rank 1's first timed forward takes a second, rank 0's everything
+    # a millisecond. Decided on each rank's own clock, rank 1 would leave out that tile's priming forward (and its
+    # last round) and the ranks' all-reduces would stop pairing up: torchrun's ranks die of a collective mismatch.
+    readings: dict[str, int] = {}
+
+    def clock() -> float:
+        me = threading.current_thread().name
+        readings[me] = readings.get(me, 0) + 1
+        return readings[me] * 1e-3 + (1.0 if me == "rank-1" and readings[me] >= 2 else 0.0)
+
+    monkeypatch.setattr(ends, "time", SimpleNamespace(perf_counter=clock, process_time=clock))
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # process-wide: the threads would race on it
+    short = replace(MICRO, seq_len=16)  # 2 lengths on the grid and 2 held out: 8 visits a round
+    settings = Settings.make(MICRO, [1], 4, quick=True, check=False, clock="wall")
+    settings = replace(settings, token_lengths=(8, 16), repeats=1)
+    monkeypatch.setattr(ends, "QUICK_ROUNDS", 2)  # the last round leaves the heavy tiles out
+    world = LocalWorld(2, timeout_s=30)
+    calls: list[list[tuple]] = [[], []]
+
+    def rank(r: int) -> dict:
+        group = world.group("tensor", range(2), r)
+        reduce = group.all_reduce
+
+        def all_reduce(tensor, op="sum", what="an all-reduce"):
+            calls[r].append((tuple(tensor.shape), op))
+            reduce(tensor, op=op, what=what)
+
+        group.all_reduce = all_reduce
+        return ends.time_ends(short, settings, torch.device("cpu"), tensor=TensorGroup(r, 2, group))
+
+    first, second = world.run(rank)
+    assert calls[0] == calls[1] and len(calls[0]) > 0
+    assert first["embed_params"] == second["embed_params"] == 8 * 32 + 16 * 32
 
 
 def test_bad_tensor_parallel_requests_are_one_line_before_any_timing(tmp_path: Path, capsys):

@@ -44,6 +44,7 @@ MIN_ROUNDS, QUICK_ROUNDS = 15, 7
 # for the cheap tiles' jitter, and a large vocabulary's head tiles take up to a second each (a 128,256-token head,
 # hidden 64, b·i = 1024 on one CPU thread), where the extra rounds were most of `profile --quick`'s time. Nor does
 # such a tile follow another batch slice's forward: the allocator's state that priming reproduces is noise there.
+# With tensor ranks the slowest rank's warm-up decides, the same on every rank (`_heavy`).
 HEAVY_S = 0.05
 
 
@@ -154,7 +155,8 @@ def time_ends(
     visits = [(end, p) for end in ENDS for p in points]
     rounds = max(settings.repeats, QUICK_ROUNDS if settings.quick else MIN_ROUNDS)
     total, done = (rounds + 1) * len(visits), 0
-    heavy: set = set()  # the visits slower than HEAVY_S in the warm-up round
+    heavy: set = set()  # the visits slower than HEAVY_S in the warm-up round (`_heavy`), known after it
+    warm_s = [0.0] * len(visits)
     threads = torch.get_num_threads()
     if device.type == "cpu":
         torch.set_num_threads(1)
@@ -169,14 +171,16 @@ def time_ends(
                     continue
                 with timer.runners[end].step():
                     fwd, bwd = timer.time_tile(end, b, n, prime=visits[k] not in heavy)
-                if r == 0 and fwd + bwd > HEAVY_S:
-                    heavy.add(visits[k])
+                if r == 0:
+                    warm_s[k] = fwd + bwd
                 if r:
                     samples[(end, (b, n))][0].append(fwd)
                     samples[(end, (b, n))][1].append(bwd)
                 done += 1
                 if progress:
                     progress("embedding and head", done, total)
+            if r == 0:
+                heavy = _heavy(visits, warm_s, device, tensor)
             gc.collect()
     finally:
         gc.enable()
@@ -198,6 +202,17 @@ def time_ends(
     out["head_params"] = timer.params("head")
     out["heldout"] = [{"b": b, "i": n, **{f"{end}_s": sum(med[(end, (b, n))]) for end in ENDS}} for b, n in held]
     return out
+
+
+def _heavy(visits: list, warm_s: list[float], device: torch.device, tensor: TensorGroup | None) -> set:
+    """The visits whose warm-up took longer than `HEAVY_S`; with ``tensor``, by the slowest rank's time, so the same
+    set on every rank. A heavy visit runs no priming forward and fewer rounds, and the forwards' all-reduces must
+    pair up: on a rank's own clock alone the ranks can disagree near the threshold (a rank held up just before a
+    tile's clock starts makes the others wait inside theirs), and the ranks' collectives no longer match."""
+    seconds = torch.tensor(warm_s, dtype=torch.float64, device=device)
+    if tensor is not None and tensor.size > 1:
+        tensor.all_reduce(seconds, op="max")
+    return {visit for visit, s in zip(visits, seconds.tolist(), strict=True) if s > HEAVY_S}
 
 
 def held_out_errors(profile: Profile, heldout: list[dict]) -> dict:
