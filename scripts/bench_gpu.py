@@ -79,6 +79,7 @@ class Cell:
     times: list[float] = field(default_factory=list)
     peak_bytes: int = 0
     failed: str | None = None
+    loss_chunk_tokens: int | None = None  # the head's chunk (engine/loss.py); None: the runner's default
 
 
 def model_flops(model, batch: int) -> float:
@@ -92,7 +93,8 @@ def model_flops(model, batch: int) -> float:
 
 
 def candidates(planned: list, batch: int, seq_len: int) -> list[tuple[str, list]]:
-    """The schemes timed: whole sequence, 4 and 8 equal token slices, the planner's."""
+    """The schemes timed: whole sequence, 4 and 8 equal token slices, the planner's (and `plan_cells` adds the whole
+    sequence with the head unchunked)."""
     return [
         ("whole sequence", [(batch, [seq_len])]),
         ("uniform/4", [(batch, [seq_len // 4] * 4)]),
@@ -141,6 +143,9 @@ def plan_cells(model, precision: str, profile_path: Path, batches: list[int]) ->
         planned = solve(cost, seq_len=model.seq_len, batch_size=batch, stages=1, token_step=cost.profile.token_step)
         for name, slices in candidates(planned.slices, batch, model.seq_len):
             cells.append(Cell(precision, batch, name, slices, evaluate(cost, slices, 1)))
+        # The chunked head's price: the whole sequence again with the head's logits made at once (chunk 0).
+        whole = cells[-4]
+        cells.append(dataclasses.replace(whole, name="whole, head unchunked", times=[], loss_chunk_tokens=0))
     return cells
 
 
@@ -162,10 +167,12 @@ def time_group(model, cells: list[Cell], device, *, rounds: int, warmup: int) ->
     links = Links(prev_rank=None, next_rank=None, hidden=model.hidden, dtype=torch.float32, device=device, timeout_s=60)
     tokens = step_batch(load_data(None), seed=0, step=1, sequences=batch, seq_len=model.seq_len).to(device)
     executors = {c.name: StageExecutor(runner, Schedule.build(c.slices, 1), 0, links) for c in cells}
+    chunk = runner.loss_chunk_tokens
     linear = sum(m.weight.numel() for m in runner.module.modules() if isinstance(m, torch.nn.Linear))
     for round_ in range(warmup + rounds):
         for cell in cells:
             if cell.failed is None:
+                runner.loss_chunk_tokens = chunk if cell.loss_chunk_tokens is None else cell.loss_chunk_tokens
                 _time_step(cell, runner, optimizer, executors[cell.name], tokens, device, keep=round_ >= warmup)
     del runner, optimizer, links
     _free_cached(device)
