@@ -3,6 +3,7 @@
 from the files the step wrote, and the summary table.
 
     python scripts/gpu_bringup.py cut configs/models/llama3-8b.toml /tmp/cut.toml --layers 2 --seq-len 2048
+    python scripts/gpu_bringup.py cut configs/models/tiny.toml /tmp/cut.toml --seq-len 64 --hidden 128  # narrower
     python scripts/gpu_bringup.py verify RUN_DIR          # one line: --verify's checks, the backend, the device
     python scripts/gpu_bringup.py profile PROFILE.json     # the context fit's held-out error
     python scripts/gpu_bringup.py bench BENCH_OUTPUT.md    # whole sequence / uniform / planner, the per-tile floor
@@ -34,16 +35,23 @@ COLUMNS = ("#", "step", "device", "status", "seconds", "result")
 # ----------------------------------------------------------------------------------------------- the model cut
 
 
-def cut_model(source: str, out: Path, layers: int | None, seq_len: int | None) -> Path:
+def cut_model(source: str, out: Path, layers: int | None, seq_len: int | None, hidden: int | None = None) -> Path:
     """``source``'s model with ``layers`` decoder layers at sequence length ``seq_len`` (the same widths, heads,
-    K/V heads and vocabulary), written as a model TOML that every command reads like a bundled one."""
+    K/V heads and vocabulary), written as a model TOML that every command reads like a bundled one. ``hidden``: a
+    narrower width instead, the MLP's inner width scaled with it: the dry run's models (bf16 on a CPU without bf16
+    instructions takes about ten times fp32's time; the tiny model's layer at H = 128 takes a quarter of H = 256's)."""
     from terapipe_cli.config.demo import model_toml
     from terapipe_cli.config.model import load_model_config
 
     model = load_model_config(source)
     model = replace(model, layers=layers or model.layers, seq_len=seq_len or model.seq_len)
-    model = replace(model, name=f"{model.name}-{model.layers}l-L{model.seq_len}")
-    out.write_text(model_toml(model, f"{source} cut to {model.layers} layers at L = {model.seq_len} (gpu_bringup)"))
+    width = ""
+    if hidden and hidden != model.hidden:
+        model = replace(model, hidden=hidden, ffn_hidden=model.ffn_hidden * hidden // model.hidden)
+        width = f"-h{hidden}"
+    model = replace(model, name=f"{model.name}-{model.layers}l{width}-L{model.seq_len}")
+    at = f"L = {model.seq_len}" + (f", H = {model.hidden}" if width else "")
+    out.write_text(model_toml(model, f"{source} cut to {model.layers} layers at {at} (gpu_bringup)"))
     return out
 
 
@@ -189,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     cut.add_argument("out", type=Path)
     cut.add_argument("--layers", type=int)
     cut.add_argument("--seq-len", type=int)
+    cut.add_argument("--hidden", type=int, help="a narrower width (heads and K/V heads kept)")
     for name in ("verify", "profile", "memory", "memory-trace", "reference"):
         sub.add_parser(name).add_argument("path", type=Path)
     bench = sub.add_parser("bench")
@@ -204,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     summary.add_argument("--note", action="append", default=[])
     a = parser.parse_args(argv)
     if a.what == "cut":
-        cut_model(a.source, a.out, a.layers, a.seq_len)
+        cut_model(a.source, a.out, a.layers, a.seq_len, a.hidden)
     elif a.what == "summary":
         write_summary(a.rows, a.out, a.title, a.note)
     elif a.what == "bench":

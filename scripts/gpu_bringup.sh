@@ -16,7 +16,8 @@
 # summary.md and steps.log are written after every step, so a run stopped from outside still leaves what was done.
 #
 # Without CUDA (torch.cuda.is_available() False) the same steps run the same commands with --device cpu on the
-# tiny models at L = 64-128 (a dry run: tests/cli/test_gpu_bringup.py runs it, about a minute on two cores), and
+# tiny models at L = 32-128, the ones cut here narrowed to H = 128 (a dry run: tests/cli/test_gpu_bringup.py runs it,
+# about 3 minutes on two cores, most of it the 17 processes that start PyTorch, ~6 s of CPU each), and
 # the table says "no CUDA". Python: $PYTHON, else .venv/bin/python when there is one, else python3; the package from
 # src/ through PYTHONPATH, so nothing needs installing (the GPU machines have no .venv and perhaps no pytest).
 #
@@ -40,7 +41,8 @@
 #   8    the memory estimate traced from the runtime (scripts/bench_memory.py --part device): six shapes, one of them
 #        Llama 3 8B's widths at L = 32K with the 128K vocabulary, whole sequence and sliced, each one step on the GPU
 #        against the estimate of a profile traced on fake tensors with the caching allocator modelled (target: within
-#        5%, never 2% under), and whether a case estimated to fit the usable memory ran without running out of it.
+#        5%, never 2% under), and whether a case estimated to fit the usable memory ran without running out of it
+#        (two tiny cases without CUDA).
 #   9-10 bench_gpu.py on a 2-layer cut of llama3-8b (same widths, heads, K/V heads, vocabulary) written here:
 #        L = 2048 (B = 8) and L = 8192 (B = 2), bf16. Planned from the analytic profile of the calibrated H100
 #        bf16 hardware file (a second of CPU) instead of a measured one (a minute of GPU each).
@@ -113,13 +115,20 @@ if ((CUDA)); then
     GPT_SOURCE=configs/models/gpt3-1b.toml GPT_BATCH=8 PROFILE_BATCHES=1,8
     MEM_BATCH=4 MEM_STEPS=3
     LLAMA_SOURCE=configs/models/llama3-8b.toml LLAMA_SHORT=2048:8 LLAMA_LONG=8192:2
+    CUT_HIDDEN= # the models' own widths
     BENCH_ARGS="--rounds 3 --warmup 1 --floor-repeats 20"
 else
     DEVICE=cpu DEVICE_COLUMN="cpu (no CUDA)"
-    VERIFY_L=64 VERIFY_STEPS=2
+    # The smallest settings that take the GPU run's code paths. L = 32: the K = 2 plan still slices tokens
+    # ([(1, [16, 16])] * 2). The models the script cuts (steps 4, 5, 7, 9, 10) are narrowed to H = 128: bf16 on a CPU
+    # without bf16 instructions takes about ten times fp32's time, and their layer at H = 128 a quarter of H = 256's;
+    # at H = 64 a tile's fixed costs outweigh its products, and the memory step's plan stops slicing tokens. The
+    # profile keeps L = 64: enough distinct context tiles for the quick fit (24 of 34 at batch sizes 1 and 2).
+    VERIFY_L=32 VERIFY_STEPS=2
     GPT_SOURCE=configs/models/tiny.toml GPT_BATCH=2 PROFILE_BATCHES=1,2
     MEM_BATCH=2 MEM_STEPS=3
     LLAMA_SOURCE=configs/models/llama-tiny.toml LLAMA_SHORT=64:8 LLAMA_LONG=128:2
+    CUT_HIDDEN=128
     BENCH_ARGS="--rounds 1 --warmup 0 --floor-repeats 3"
     # One thread per process, as the runtime gives each CPU worker: on a shared two-core machine two threads per
     # process spin against each other's (tests/conftest.py measured an in-process step 100x slower).
@@ -135,12 +144,12 @@ if ((CUDA)) && ((${shm_free_kib:-0} > 40 * 1024 * 1024)); then
 fi
 export BIG_SCRATCH
 
-# The GPT model of steps 4, 5, 7: GPT3-1B as it is on CUDA; on the CPU the tiny model cut to L = 64.
+# The GPT model of steps 4, 5, 7: GPT3-1B as it is on CUDA; on the CPU the tiny model cut to L = 64, H = 128.
 if ((CUDA)); then
     GPT_MODEL=$GPT_SOURCE
 else
     GPT_MODEL=$SCRATCH/tiny-cut.toml
-    "$PY" scripts/gpu_bringup.py cut "$GPT_SOURCE" "$GPT_MODEL" --seq-len 64 >>"$LOG" 2>&1
+    "$PY" scripts/gpu_bringup.py cut "$GPT_SOURCE" "$GPT_MODEL" --seq-len 64 --hidden "$CUT_HIDDEN" >>"$LOG" 2>&1
 fi
 GPT_NAME=$(sed -n 's/^name = "\(.*\)"/\1/p' "$GPT_MODEL" | head -n 1)
 PROFILE=$OUT/profile-${GPT_NAME:-gpt}-bf16.json
@@ -262,7 +271,8 @@ result_memory_trace() { line memory-trace "$OUT/memory-trace.md"; }
 bench_llama() { # L:B
     local L=${1%%:*} B=${1##*:}
     local model=$SCRATCH/llama-cut-L$L.toml profile=$SCRATCH/llama-cut-L$L-profile.json name
-    py scripts/gpu_bringup.py cut "$LLAMA_SOURCE" "$model" --layers 2 --seq-len "$L" || return
+    py scripts/gpu_bringup.py cut "$LLAMA_SOURCE" "$model" --layers 2 --seq-len "$L" ${CUT_HIDDEN:+--hidden "$CUT_HIDDEN"} ||
+        return
     name=$(sed -n 's/^name = "\(.*\)"/\1/p' "$model")
     tp profile --analytic --hardware "$HARDWARE" --model "$model" --batch-sizes 1,2,4,8 --out "$profile" || return
     # shellcheck disable=SC2086 # BENCH_ARGS is a list of words
