@@ -62,6 +62,9 @@ def _llama(vocab: int, L: int, kv_heads: int = 2, **kw) -> dict:
     return _gpt(vocab, L, arch="llama", kv_heads=kv_heads, **kw) | {"name": f"llama-v{vocab}-l{L}"}
 
 
+_GPT1B = {"hidden": 2048, "heads": 16, "layers": 2}  # GPT3-1B's widths, two layers
+
+
 def grid_cases() -> list[Case]:
     """The grid: at least 20 shapes x schemes."""
     return [
@@ -130,6 +133,10 @@ def grid_cases() -> list[Case]:
             "gpipe",
             [False],
         ),  # fmt: skip
+        # GPT3-1B's widths (the device part's case): tiles of 2,048 to 8,192 tokens past the head's chunk.
+        Case("GPT3-1B B=4 whole bf16", _gpt(50257, 2048, **_GPT1B), [(4, [2048])], 1, "gpipe", [False], "bf16"),
+        Case("GPT3-1B B=1 whole bf16", _gpt(50257, 2048, **_GPT1B), [(1, [2048])], 1, "gpipe", [False], "bf16"),
+        Case("GPT3-1B B=2 halves bf16", _gpt(50257, 2048, **_GPT1B), [(2, [1024] * 2)], 1, "gpipe", [False], "bf16"),
     ]
 
 
@@ -205,7 +212,7 @@ def device_cases(cuda: bool) -> list[Case]:
         ]
     llama8b = {"hidden": 4096, "heads": 32, "kv_heads": 8, "layers": 2, "ffn_hidden": 14336}
     qwen15 = {"hidden": 1536, "heads": 12, "kv_heads": 2, "layers": 2, "ffn_hidden": 8960}
-    gpt1b = {"hidden": 2048, "heads": 16, "layers": 2}
+    gpt1b = _GPT1B
     return [
         Case(
             "llama3-8b L=32K V=128K whole",
@@ -276,10 +283,14 @@ def run_on_device(case: Case, device: str, usable_bytes: float | None) -> dict:
     model = ModelConfig.from_dict(case.model, case.name)
     key = (json.dumps(model.to_dict(), sort_keys=True), case.precision, cuda)
     if key not in _TRACES:
+        from terapipe_cli.plan.memory import loss_chunk_tokens
         from terapipe_cli.plan.traced import traced_from_dict
 
+        # The head's chunk the runner below takes (a GPU's from its memory), traced with it.
+        chunk = loss_chunk_tokens(model.vocab, torch.cuda.get_device_properties(0).total_memory if cuda else None)
         _TRACES[key] = traced_from_dict(
-            _stored_trace(model, case.precision, cuda) or trace_memory(model, precision=case.precision, cuda=cuda),
+            _stored_trace(model, case.precision, cuda)
+            or trace_memory(model, precision=case.precision, cuda=cuda, loss_chunk_tokens=chunk),
             "trace",
         )
     base = read_profile(ROOT / "configs" / "profiles" / "tiny-cpu-measured.json")

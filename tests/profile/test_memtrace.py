@@ -11,16 +11,25 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 from conftest import ROOT
 
 from terapipe_cli.config.model import ModelConfig
+from terapipe_cli.errors import UserError
 from terapipe_cli.plan.costmodel import read_profile
 from terapipe_cli.plan.memory import stage_memory, stage_sizes
 from terapipe_cli.plan.schedule import Schedule
-from terapipe_cli.plan.traced import traced_from_dict
-from terapipe_cli.profile.memtrace import LiveBytes, cuda_block_bytes, tracked_step_peaks
+from terapipe_cli.plan.traced import _forms, traced_from_dict
+from terapipe_cli.profile.memtrace import (
+    LiveBytes,
+    _fit_pieces,
+    _head_shapes,
+    cuda_block_bytes,
+    envelope,
+    tracked_step_peaks,
+)
 
 BUNDLED = read_profile(ROOT / "configs" / "profiles" / "tiny-cpu-measured.json")
 
@@ -106,3 +115,42 @@ def _measured_activation(cfg: ModelConfig) -> float:
     timer = TileTimer(cfg, torch.device("cpu"))
     with timer.runner.step():
         return timer.activation_bytes_per_token(1, 64)[0]
+
+
+def test_a_quantity_takes_the_forms_of_its_piece_of_tile_tokens():
+    """``pieces``: tiles of more than ``above_tokens`` tokens b·i take the piece's forms, the rest the base's."""
+    base = {"no_context": [[0, 1, 0, 0]], "context": [[0, 2, 0, 0]]}
+    obj = dict(base, pieces=[{"above_tokens": 100, "no_context": [[100, 0, 0, 0]], "context": [[200, 0, 0, 0]]}])
+    forms = _forms(obj, "q")
+    assert forms(1, [50, 100, 400], 0).tolist() == [50, 100, 100]
+    assert forms([1, 2], 100, 8).tolist() == [200, 200]
+    with pytest.raises(UserError):
+        _forms(dict(base, pieces=[{"above_tokens": 0, **base}]), "q")
+
+
+def test_the_head_is_fitted_in_pieces_that_stop_growing_at_its_chunk():
+    """A transient shaped as the chunked head's (engine/loss.py): linear in n = b·i up to the chunk c, then a chunk's
+    logits, the tile's own bytes and a weight gradient's block shrinking as 1/n. Fitted in the pieces `trace_memory`
+    fits, it holds every tile a plan may run from above, within 5% (on the tiles it was fitted and checked on, 3%),
+    where one linear fit through tiles of both sides of c doubles a whole sequence's."""
+    L, c, V = 4096, 1024, 65536.0
+
+    def head(n):
+        n = np.asarray(n, dtype=float)
+        return 1e6 + 64.0 * n + np.where(n <= c, 4 * V * n + 2e8, 4 * V * c + 2e8 * c / n)
+
+    fitted = []
+    for k, (lo, hi, shapes) in enumerate(_head_shapes(L, c)):
+        fit, held = shapes["no_context"]
+        got = _fit_pieces(fit, [[float(head(b * i))] for b, i, _ in fit], L, (lo, hi), k > 0)
+        fitted.extend(got)
+        for b, i, _ in fit + held:
+            forms = [f for above, f in got if b * i > above or above == got[0][0]][-1]
+            assert float(envelope(forms, b, i, 0)) == pytest.approx(float(head(b * i)), rel=0.03)
+    assert [round(above) for above, _ in fitted[:4]] == [0, c, round(c * 2**0.5), 2 * c] and fitted[-1][0] >= 64 * L
+    n = np.unique(np.geomspace(1, 128 * L, 400).round())
+    est = np.zeros_like(n)
+    for above, forms in fitted:
+        est = np.where(n > above, envelope(forms, 1, n, 0), est)
+    assert np.all(est >= head(n) * (1 - 1e-9)) and np.all(est <= head(n) * 1.05)
+    assert not _head_shapes(256, 2**16)  # no tile reaches the chunk: the quantity's own forms only

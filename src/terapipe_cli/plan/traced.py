@@ -14,9 +14,16 @@ backward meets one layer at a time), a recomputed tile's re-run holding ℓ − 
       "cache_bytes_per_token_per_layer": n,           K/V of one layer, per token of a batch slice's sequence
       "copies_bytes": {"layer": n, "middle": n, ...}, a 16-bit compute type's weight copies, one per step
       "layer": {"tile" | "kept" | "weight_grads": {"no_context": [[c0, c1, c2, c3], ...], "context": [...]}},
-      "stages": {"middle" | "first" | "last" | "only": {QUANTITY: {"no_context": [...], "context": [...]}}},
+      "stages": {"middle" | "first" | "last" | "only": {QUANTITY: {"no_context": [...], "context": [...],
+                 "pieces": [{"above_tokens": n, "no_context": [...], "context": [...]}, ...]}}},   pieces optional
+      "loss_chunk_tokens": c,                          the head's chunk the trace ran with (optional)
       "heldout_rel_err_max": e                         the largest error on tiles the forms were not fitted on
     }
+
+``pieces`` (the head's kinds' transients, `profile.memtrace`): the forms that hold for tiles of more than
+``above_tokens`` tokens b·i (the last piece whose bound the tile exceeds); a tile of no more than the first bound takes
+the quantity's own forms. The chunked head (engine/loss.py) holds at most a chunk's logits, so its transients stop
+growing with b·i at the chunk: one list of linear forms over every tile would keep growing past it.
 
 QUANTITY: ``tile`` (kept from F to B), ``kept`` (a recomputed tile's), ``weight_grads`` (kept from I to W),
 ``forward`` (F's peak over what is live after it), ``backward`` / ``input`` / ``weight`` (B's / I's / W's peak over
@@ -52,16 +59,22 @@ def terms(b, i, j) -> np.ndarray:
 
 @dataclass(frozen=True)
 class Forms:
-    """One quantity: its linear forms without context and with (each an (n, 4) array); its bytes are the largest."""
+    """One quantity: its linear forms without context and with (each an (n, 4) array); its bytes are the largest.
+    ``pieces``: (tokens, no_context, context), ascending: the forms of tiles of more than ``tokens`` tokens b·i."""
 
     no_context: np.ndarray
     context: np.ndarray
+    pieces: tuple[tuple[float, np.ndarray, np.ndarray], ...] = ()
 
     def __call__(self, b, i, j) -> np.ndarray:
         x = terms(b, i, j)
-        plain = np.max(x @ self.no_context.T, axis=-1)
-        ctx = np.max(x @ self.context.T, axis=-1)
-        return np.where(np.asarray(j) > 0, ctx, plain)
+        has_context = np.asarray(j) > 0
+        out = np.where(has_context, np.max(x @ self.context.T, axis=-1), np.max(x @ self.no_context.T, axis=-1))
+        n = np.asarray(b, dtype=float) * np.asarray(i, dtype=float)
+        for tokens, plain, ctx in self.pieces:
+            piece = np.where(has_context, np.max(x @ ctx.T, axis=-1), np.max(x @ plain.T, axis=-1))
+            out = np.where(n > tokens, piece, out)
+        return out
 
 
 @dataclass(frozen=True)
@@ -72,6 +85,7 @@ class TracedMemory:
     layer: dict[str, Forms]
     stages: dict[str, dict[str, Forms]]
     heldout_rel_err_max: float | None = None
+    loss_chunk_tokens: int | None = None  # the head's chunk the trace ran with (None: not recorded)
 
     def stage(self, layers: int, first: bool, last: bool) -> TracedStage:
         kind = "only" if first and last else "first" if first else "last" if last else "middle"
@@ -122,11 +136,7 @@ class TracedStage:
         return self.layers * self.traced.copies.get("layer", 0.0) + self.traced.copies.get(self.kind, 0.0)
 
 
-def _forms(obj, where: str, *, optional: bool = False) -> Forms:
-    if obj is None and optional:  # a quantity traces made before it did not record: none
-        return Forms(_ZERO, _ZERO)
-    if not isinstance(obj, dict):
-        raise UserError("must be an object with 'no_context' and 'context'", where=where)
+def _groups(obj, where: str) -> list[np.ndarray]:
     out = []
     for group in GROUPS:
         rows = obj.get(group)
@@ -137,7 +147,22 @@ def _forms(obj, where: str, *, optional: bool = False) -> Forms:
         if arr is None or arr.ndim != 2 or arr.shape[0] < 1 or arr.shape[1] != 4 or not np.all(np.isfinite(arr)):
             raise UserError(f"'{group}' must be a non-empty list of [c0, c1, c2, c3]", where=where)
         out.append(arr)
-    return Forms(*out)
+    return out
+
+
+def _forms(obj, where: str, *, optional: bool = False) -> Forms:
+    if obj is None and optional:  # a quantity traces made before it did not record: none
+        return Forms(_ZERO, _ZERO)
+    if not isinstance(obj, dict):
+        raise UserError("must be an object with 'no_context' and 'context'", where=where)
+    pieces, last = [], 0.0
+    for k, piece in enumerate(obj.get("pieces") or []):
+        tokens = piece.get("above_tokens") if isinstance(piece, dict) else None
+        if isinstance(tokens, bool) or not isinstance(tokens, (int, float)) or not tokens > last:
+            raise UserError("'above_tokens' must be positive and ascending", where=f"{where}.pieces[{k}]")
+        pieces.append((float(tokens), *_groups(piece, f"{where}.pieces[{k}]")))
+        last = float(tokens)
+    return Forms(*_groups(obj, where), tuple(pieces))
 
 
 def traced_from_dict(obj, where: str) -> TracedMemory:
@@ -169,6 +194,9 @@ def traced_from_dict(obj, where: str) -> TracedMemory:
             q: _forms(entry.get(q), field(f"stages.{kind}.{q}"), optional=q in _OPTIONAL) for q in QUANTITIES
         }
     err = obj.get("heldout_rel_err_max")
+    chunk = obj.get("loss_chunk_tokens")
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise UserError(f"must be a positive integer, got {chunk!r}", where=field("loss_chunk_tokens"))
     return TracedMemory(
         allocator,
         float(cache),
@@ -176,4 +204,5 @@ def traced_from_dict(obj, where: str) -> TracedMemory:
         layer,
         stages,
         float(err) if isinstance(err, (int, float)) and not isinstance(err, bool) else None,
+        chunk,
     )

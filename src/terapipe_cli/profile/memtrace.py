@@ -18,10 +18,12 @@ less one layer). For each tile (b, i, j) — a context tile of j tokens first, a
   live before each).
 
 Each is fitted as ``c0 + c1·b·i + c2·b·j + c3·b·i·(i + j)`` (the last term for masks of (b, 1, i, i + j), kept on the
-CPU context path and with packed documents) and checked on tiles it was not fitted on. ``cache`` (K/V bytes per
-token of a batch slice's sequence, per layer) and ``copies`` (a 16-bit compute type's copies of the weights, one per
-step) are constants. A CUDA profile's trace rounds each storage as the CUDA caching allocator does
-(`cuda_block_bytes`); the CPU's counts bytes exactly.
+CPU context path and with packed documents) and checked on tiles it was not fitted on. The transients of the stages
+with the head (``last``, ``only``) are fitted in pieces of tile tokens b·i instead, on tiles of their own: the chunked
+head holds one chunk's logits at a time, so they stop growing at its chunk (`_head_shapes`; the chunk the runner
+takes is recorded, ``loss_chunk_tokens``). ``cache`` (K/V bytes per token of a batch slice's sequence, per layer) and
+``copies`` (a 16-bit compute type's copies of the weights, one per step) are constants. A CUDA profile's trace rounds
+each storage as the CUDA caching allocator does (`cuda_block_bytes`); the CPU's counts bytes exactly.
 """
 
 from __future__ import annotations
@@ -161,7 +163,9 @@ class _Config:
     first: bool
     last: bool
 
-    def runner(self, model: ModelConfig, precision: str, tensor_parallel: int) -> StageRunner:
+    def runner(
+        self, model: ModelConfig, precision: str, tensor_parallel: int, loss_chunk_tokens: int | None = None
+    ) -> StageRunner:
         counts = [self.layers]
         if not self.first:
             counts.insert(0, 1)
@@ -175,8 +179,9 @@ class _Config:
         # fake tensors, which carry weak references).
         with mock.patch.object(torch.nn.Module, "to", lambda module, *a, **k: module), _no_data_pointer_warning():
             return StageRunner(
-                cfg, stage, stages, precision=precision, tensor=tensor, partition=Partition(tuple(counts), stages)
-            )
+                cfg, stage, stages, precision=precision, tensor=tensor, partition=Partition(tuple(counts), stages),
+                loss_chunk_tokens=loss_chunk_tokens,
+            )  # fmt: skip
 
 
 _CONFIGS = (
@@ -191,7 +196,15 @@ _CONFIGS = (
 class _Tracer:
     """One runner on fake tensors, tiles traced through it within one step (as the executor runs them)."""
 
-    def __init__(self, config: _Config, model: ModelConfig, precision: str, tensor_parallel: int, cuda: bool):
+    def __init__(
+        self,
+        config: _Config,
+        model: ModelConfig,
+        precision: str,
+        tensor_parallel: int,
+        cuda: bool,
+        loss_chunk_tokens: int | None = None,
+    ):
         self.config, self.model = config, model
         self.stack = ExitStack()
         # The CPU's attention path, also for a CUDA profile: the CUDA branch's mask is a tensor subclass fake tensors
@@ -199,7 +212,7 @@ class _Tracer:
         # CPU's mask is a strided view of O(L) bytes, so what a tile holds is the same up to the allocator's blocks.
         self.stack.enter_context(forced_branch("cpu"))
         self.stack.enter_context(_FakeMode())
-        self.runner = config.runner(model, precision, tensor_parallel)
+        self.runner = config.runner(model, precision, tensor_parallel, loss_chunk_tokens)
         self.live = LiveBytes(cuda_block_bytes if cuda else None)
         self.stack.enter_context(self.live)
         self.stack.enter_context(self.runner.step())
@@ -296,38 +309,113 @@ def _shapes(seq_len: int, token_step: int) -> dict[str, tuple[list, list]]:
     return {"no_context": plain, "context": context}
 
 
+# The head's kinds (``last``, ``only``) fit their transients in pieces of tile tokens n = b·i. The chunked head
+# (engine/loss.py) holds a chunk's logits, c tokens' worth, at a time: its backward's grow with n up to c and then stay,
+# its forward's up to 2c (a chunk's logits are made while the previous chunk's still live), and above c the backward's
+# block of vocabulary rows, so its 16-bit weight gradient, shrinks as 1/n. One list of forms linear in n, fitted on
+# tiles on both sides of c, keeps growing where the head stops (a whole sequence over-estimated by up to 2x) and may
+# pass under it between its tiles. So: n ≤ c, (c, 2c] and above 2c, the last two fitted with a column in 1/n besides
+# and bounded by its chords over pieces of a ratio √2 (over it: 1/n is convex) up to the largest tile a plan may run,
+# and beyond by its value there.
+_MAX_BATCH = 64  # the most sequences a tile of a plan holds (the grid `_fit_pieces` keeps forms on)
+
+
+def _head_tiles(n: int, seq_len: int) -> tuple[list, list]:
+    """Tiles of about n tokens b·i, without context and with: b a power of two from 2, i at most L/2, context up to
+    the rest of the sequence and half of it (the columns of `terms` told apart, over all a tile's context may be)."""
+    b = 2
+    while b < n and n // b > max(1, seq_len // 2):
+        b *= 2
+    i = max(1, -(-n // b))
+    half = max(1, i // 2)
+    rest = max(1, seq_len - i)
+    plain = [(b, i, 0), (2 * b, half, 0)]
+    return plain, [(b, i, max(1, rest // 2)), (b, i, rest), (2 * b, half, max(1, seq_len - half))]
+
+
+def _head_shapes(seq_len: int, chunk: int) -> list[tuple[float, float, dict[str, tuple[list, list]]]]:
+    """The head's pieces: (lo, hi, {group: (tiles to fit on, tiles to check on)}) for tiles of lo < b·i ≤ hi: up to
+    the chunk, to twice it, above; none when no tile a plan may run (b ≤ 64 sequences) has more tokens than the
+    chunk."""
+    if chunk >= _MAX_BATCH * seq_len or seq_len < 4:
+        return []
+    c = chunk
+    pieces = [
+        (0.0, float(c), [max(1, c // 4), c], [max(1, c // 2)]),
+        (float(c), float(2 * c), [c, 3 * c // 2, 2 * c], [5 * c // 4, 7 * c // 4]),
+        (float(2 * c), float("inf"), [2 * c, 4 * c, 8 * c], [3 * c, 6 * c]),
+    ]
+    out = []
+    for lo, hi, fit_at, held_at in pieces:
+        shapes: dict[str, tuple[list, list]] = {"no_context": ([], []), "context": ([], [])}
+        for at, part in ((fit_at, 0), (held_at, 1)):
+            for n in at:
+                plain, context = _head_tiles(n, seq_len)
+                shapes["no_context"][part].extend(plain if part == 0 else plain[:1])
+                shapes["context"][part].extend(context if part == 0 else context[:1])
+        out.append((lo, hi, shapes))
+    return out
+
+
 def envelope(coefs, b, i, j) -> np.ndarray:
     """A quantity's bytes at tiles (b, i, j): the largest of its linear forms (``coefs``: one row of four each)."""
     return np.max(terms(b, i, j) @ np.asarray(coefs, dtype=float).T, axis=-1)
 
 
-def _fit_envelope(points, series: list[list[float]], seq_len: int) -> list[list[float]]:
+def _fit_pieces(
+    points,
+    series: list[list[float]],
+    seq_len: int,
+    tokens: tuple[float, float] = (0.0, float("inf")),
+    inverse: bool = False,
+) -> list[tuple[float, list[list[float]]]]:
     """The linear forms of a quantity over a group of tiles: where every tile ran the same ops, one form per moment
     of the window, fitted through the tiles (raised to bound them), kept where it is the largest at some tile a plan
-    may run; else (the op sequences differ) one form through the tiles' peaks, raised to bound them all."""
+    may run; else (the op sequences differ) one form through the tiles' peaks, raised to bound them all. Returned as
+    pieces (above b·i tokens, forms): one, from ``tokens``'s lo, for tiles b·i in (lo, hi]. With ``inverse`` (the
+    head's pieces above its chunk) a column in 1/(b·i) joins the fit, and the pieces go from lo on, each √2 times the
+    last, the fit's chord over each (never under it: the 1/n term is convex); past 64 sequences (``tokens`` open
+    above) the term at its value there."""
     b, i, j = (np.array(x, dtype=float) for x in zip(*points, strict=True))
     X = terms(b, i, j)
     # Without context no term in i²: nothing of a tile's own (i, i) grows so on the runtime's paths (the fused
     # attention keeps no scores, the CPU's mask is a strided view), and fitted on three tiles it would extrapolate
     # a count of chunks (the chunked head's) quadratically to a whole sequence.
     cols = [0, 1] if not j.any() else [0, 1, 2, 3]
-    if len({len(s) for s in series}) == 1:
-        Y = np.array(series, dtype=float)  # (tiles, moments)
-        coef = np.zeros((Y.shape[1], 4))
-        coef[:, cols] = np.linalg.lstsq(X[:, cols], Y, rcond=None)[0].T
-        coef[:, 0] += np.maximum(np.max(Y - X @ coef.T, axis=0), 0.0)  # each form bounds its moment's tiles
+    A = np.column_stack([X[:, cols]] + ([1.0 / (b * i)] if inverse else []))
+    same_ops = len({len(s) for s in series}) == 1
+    Y = np.array(series, dtype=float) if same_ops else np.array([[max(s)] for s in series])  # (tiles, forms)
+    sol = np.linalg.lstsq(A, Y, rcond=None)[0]
+    coef = np.zeros((Y.shape[1], 4))
+    coef[:, cols] = sol[: len(cols)].T
+    inv = np.maximum(sol[len(cols)], 0.0) if inverse else np.zeros(Y.shape[1])  # (a term below 1/n: none)
+    fitted = X @ coef.T + inv / (b * i)[:, None]
+    coef[:, 0] += np.maximum(np.max(Y - fitted, axis=0), 0.0)  # each form bounds its moment's tiles
+    lo, hi = tokens
+    pieces = []
+    if inverse:  # the chord of C/n over [m, r·m]: C·(1 + 1/r)/m − C·n/(r·m²); from 64 sequences on, C/m
+        r, m, top = np.sqrt(2.0), lo, min(hi, _MAX_BATCH * seq_len)
+        while m < top * (1 - 1e-9):
+            chord = coef.copy()
+            chord[:, 0] += inv * (1 + 1 / r) / m
+            chord[:, 1] -= inv / (r * m * m)
+            pieces.append((m, min(r * m, hi), chord))
+            m *= r
+        if np.isinf(hi):
+            last = coef.copy()
+            last[:, 0] += inv / m
+            pieces.append((m, hi, last))
     else:
-        peaks = np.array([max(s) for s in series])
-        coef = np.zeros((1, 4))
-        coef[0, cols] = np.linalg.lstsq(X[:, cols], peaks, rcond=None)[0]
-        coef[0, 0] += max(0.0, float(np.max(peaks - X @ coef[0])))
+        pieces.append((lo, hi, coef))
     # Keep the forms that are the largest somewhere a plan may go: b up to 64, i and j over the sequence.
     lengths = np.unique(np.geomspace(1, seq_len, 24).round())
     bb, ii, jj = np.meshgrid([1, 2, 4, 8, 16, 64], lengths, [0.0] if not j.any() else lengths, indexing="ij")
-    ok = ii + jj <= seq_len
-    grid = terms(bb[ok], ii[ok], jj[ok])
-    best = np.unique(np.argmax(grid @ coef.T, axis=1))
-    return [[float(x) for x in coef[k]] for k in best]
+    out = []
+    for p_lo, p_hi, forms in pieces:
+        ok = (ii + jj <= seq_len) & (bb * ii > p_lo) & (bb * ii <= p_hi)
+        best = np.unique(np.argmax(terms(bb[ok], ii[ok], jj[ok]) @ forms.T, axis=1)) if ok.any() else range(len(forms))
+        out.append((float(p_lo), [[float(x) for x in forms[k]] for k in best]))
+    return out
 
 
 def trace_memory(
@@ -337,17 +425,30 @@ def trace_memory(
     tensor_parallel: int = 1,
     cuda: bool = False,
     token_step: int = 8,
+    loss_chunk_tokens: int | None = None,
 ) -> dict:
     """The profile's ``memory`` entry: every quantity's linear forms per stage kind and group of tiles (the module
     docstring), traced through the runtime's StageRunner on fake tensors, with their largest relative error on the
-    held-out tiles."""
+    held-out tiles. ``loss_chunk_tokens``: the head's chunk (default: the runtime's for a device that records no
+    memory; a GPU's runner sizes it from the device's, `plan.memory.planned_loss_chunk_tokens`)."""
     groups = _shapes(model.seq_len, token_step)
     traced: dict[str, dict[str, list[dict]]] = {}
+    heads: dict[str, list[dict[str, list[dict]]]] = {}  # the head's kinds: per piece, per group, the tiles traced
+    pieces: list = []
+    chunk = None
     cache, copies = 0.0, {}
     for config in _CONFIGS:
-        tracer = _Tracer(config, model, precision, tensor_parallel, cuda)
+        tracer = _Tracer(config, model, precision, tensor_parallel, cuda, loss_chunk_tokens)
+        seen: dict[tuple, dict] = {}
+        tile = lambda p: seen[p] if p in seen else seen.setdefault(p, tracer.tile(*p))  # noqa: E731, B023
         try:
-            traced[config.kind] = {g: [tracer.tile(*p) for p in fit + held] for g, (fit, held) in groups.items()}
+            traced[config.kind] = {g: [tile(p) for p in fit + held] for g, (fit, held) in groups.items()}
+            if config.last:
+                chunk = tracer.runner.loss_chunk_tokens
+                pieces = _head_shapes(model.seq_len, chunk)
+                heads[config.kind] = [
+                    {g: [tile(p) for p in fit + held] for g, (fit, held) in shapes.items()} for _, _, shapes in pieces
+                ]
             copies[config.kind], cache = tracer.copies, tracer.cache if config.kind == "middle1" else cache
         finally:
             tracer.close()
@@ -363,35 +464,76 @@ def trace_memory(
             return layer
         return [[a[0] - b[0]] for a, b in zip(get("middle1" if kind == "middle" else kind), layer, strict=True)]
 
-    entry: dict = {}
     worst, worst_at = 0.0, None
+
+    def fitted(kind: str, quantity: str, group: str, fit, held, values, tokens=(0.0, float("inf")), inverse=False):
+        """The pieces (above b·i tokens, forms) through ``fit``'s values, checked on ``held``'s (the rest of
+        ``values``)."""
+        nonlocal worst, worst_at
+        pieces = _fit_pieces(fit, values[: len(fit)], model.seq_len, tokens, inverse)
+        for p, v in zip(held, values[len(fit) :], strict=True):
+            forms = [f for lo, f in pieces if p[0] * p[1] > lo or lo == pieces[0][0]][-1]
+            actual = max(v)
+            error = abs(float(envelope(forms, *p)) - actual) / abs(actual) if abs(actual) > 4096 else 0.0
+            if error > worst:  # (bytes of a few scalars say nothing of the fit)
+                worst, worst_at = error, f"{kind} {quantity} at (b, i, j) = {tuple(p)}"
+        return pieces
+
+    entry: dict = {}
     for kind in KINDS:
         entry[kind] = {}
         for quantity in QUANTITIES:
             if kind == "layer" and quantity not in LAYER_QUANTITIES:
                 continue
             entry[kind][quantity] = {}
+            if heads.get(kind) and quantity not in LAYER_QUANTITIES:  # the head's transients, in pieces of b·i
+                by_piece: dict[float, dict] = {}
+                for k, (lo, hi, shapes) in enumerate(pieces):
+                    for group, (fit, held) in groups.items():
+                        # The piece's own tiles, and those of the group's that fall in it.
+                        inside = lambda p: lo < p[0] * p[1] <= hi  # noqa: E731, B023
+                        own, values = heads[kind][k][group], series(kind, group, quantity)
+                        pfit, pheld = shapes[group]
+                        f_pts = pfit + [p for p in fit if inside(p)]
+                        f_val = [t[quantity] for t in own[: len(pfit)]]
+                        f_val += [v for p, v in zip(fit, values, strict=False) if inside(p)]
+                        h_pts = pheld + [p for p in held if inside(p)]
+                        h_val = [t[quantity] for t in own[len(pfit) :]]
+                        h_val += [v for p, v in zip(held, values[len(fit) :], strict=True) if inside(p)]
+                        inverse = k > 0  # above the chunk: a column in 1/(b·i)
+                        for above, forms in fitted(
+                            kind, quantity, group, f_pts, h_pts, f_val + h_val, (lo, hi), inverse
+                        ):
+                            by_piece.setdefault(above, {})[group] = forms
+                out = entry[kind][quantity]
+                for above, forms in sorted(by_piece.items()):
+                    if above == 0:
+                        out.update(forms)
+                    else:
+                        out.setdefault("pieces", []).append({"above_tokens": int(above), **forms})
+                continue
             for group, (fit, held) in groups.items():
                 values = series(kind, group, quantity)
-                forms = _fit_envelope(fit, values[: len(fit)], model.seq_len)
-                entry[kind][quantity][group] = forms
-                for p, v in zip(held, values[len(fit) :], strict=True):
-                    actual = max(v)
-                    error = abs(float(envelope(forms, *p)) - actual) / abs(actual) if abs(actual) > 4096 else 0.0
-                    if error > worst:  # (bytes of a few scalars say nothing of the fit)
-                        worst, worst_at = error, f"{kind} {quantity} at (b, i, j) = {tuple(p)}"
+                entry[kind][quantity][group] = fitted(kind, quantity, group, fit, held, values)[0][1]
     layer_copies = copies["middle2"] - copies["middle1"]
     n_fit = sum(len(f) for f, _ in groups.values())
     n_held = sum(len(h) for _, h in groups.values())
+    head_note = (
+        f"; the head's transients in pieces of b·i from its chunk ({chunk} tokens) on, fitted on "
+        f"{sum(len(f) for _, _, s in pieces for f, _ in s.values())} tiles more"
+        if pieces
+        else ""
+    )
     return {
         "method": (
             "traced: the runtime's StageRunner on fake tensors (FakeTensorMode) under a tracker of every storage's "
             f"creation and release ({'the CUDA caching allocator modelled' if cuda else 'exact bytes'}); each "
             f"quantity the largest of linear forms in {', '.join(MEMORY_TERMS)}, fitted on {n_fit} tiles, checked "
-            f"on {n_held} others"
+            f"on {n_held} others{head_note}"
         ),
         "allocator": "cuda" if cuda else "cpu",
         "terms": list(MEMORY_TERMS),
+        "loss_chunk_tokens": chunk,
         "cache_bytes_per_token_per_layer": cache,
         "copies_bytes": {
             "layer": layer_copies,
