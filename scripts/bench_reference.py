@@ -77,7 +77,9 @@ def build(model, device, dtype=None):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+    )
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a dry run (default cuda)")
     parser.add_argument("--model", help="model TOML or bundled name (default gpt3-1b; on the CPU tiny at L = 128)")
     parser.add_argument("--batch", type=int, help="sequences per step B (default 8; on the CPU 1)")
@@ -89,8 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     import torch
-
     from bench_gpu import NO_GPU, load_model, peak_flops
+
     from terapipe_cli.plan.mfu import step_flops
 
     cuda = args.device == "cuda"
@@ -146,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         run["warm_s"] = time.perf_counter() - t0
         print(f"{mode}: {warmup} warm-up step(s) in {run['warm_s']:.1f} s, loss {run['loss']:.3f}", file=sys.stderr)
     for _ in range(rounds):
-        for mode, run in runs.items():
+        for run in runs.values():
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
             sync()

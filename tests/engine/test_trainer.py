@@ -84,7 +84,8 @@ def test_every_scheme_family_verifies(name):
 
 
 def _cpu_has_bf16_dot_products() -> bool:
-    """Whether this CPU multiplies bf16 natively (AVX-512 bf16), as the machines the bf16 tolerances were measured on."""
+    """Whether this CPU multiplies bf16 natively (AVX-512 bf16), as the machines the bf16 tolerances were measured
+    on."""
     try:
         with open("/proc/cpuinfo") as f:
             return "avx512_bf16" in f.read()

@@ -12,8 +12,9 @@ PyTorch form of it):
   whole tile made again, softmax − onehot (times the incoming gradient) in fp32, then its part of the input's
   gradient and its rows of the head's weight gradient — each row once per tile, in one product over the tile.
 
-So the head holds O(chunk × V) logits for a moment, never O(n × V). Exact: each chunk's loss and gradients are those of the
-whole tile's rows, so the sums equal the unchunked computation up to the order of additions (tests compare them).
+So the head holds O(chunk × V) logits for a moment, never O(n × V). Exact: each chunk's loss and each block's gradients
+are those of the whole tile's, so the sums equal the unchunked computation up to the order of additions (tests compare
+them).
 
 Precision. As ``F.linear`` then ``F.cross_entropy`` run under autocast: the product in the compute type (the weight's
 16-bit copy, one per step: `compute_weight`), the softmax and the loss in fp32, the logits' gradient cast back to the
