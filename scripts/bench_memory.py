@@ -59,6 +59,7 @@ def _gpt(vocab: int, L: int, hidden: int = 64, heads: int = 4, layers: int = 4, 
 
 
 def _llama(vocab: int, L: int, kv_heads: int = 2, **kw) -> dict:
+    kw.setdefault("ffn_hidden", 3 * kw.get("hidden", 64))  # a Llama names its MLP width; SwiGLU's ~8/3·H, rounded up
     return _gpt(vocab, L, arch="llama", kv_heads=kv_heads, **kw) | {"name": f"llama-v{vocab}-l{L}"}
 
 
@@ -83,11 +84,16 @@ def grid_cases() -> list[Case]:
             "GQA 8:1 1F1B", _llama(32000, 4096, heads=8, kv_heads=1), [(1, [2048, 2048])] * 3, 2, "1f1b", [False, False]
         ),  # fmt: skip
         Case(
-            "tied K=2", _gpt(50257, 2048, tie_embeddings=True), [(1, [1024, 1024])] * 2, 2, "gpipe", [False, False]
+            "tied K=2",
+            _gpt(50257, 2048, arch="gpt2", tie_embeddings=True),
+            [(1, [1024, 1024])] * 2,
+            2,
+            "gpipe",
+            [False, False],
         ),  # fmt: skip
         Case(
             "tied K=1 bf16",
-            _gpt(50257, 2048, tie_embeddings=True, layers=2),
+            _gpt(50257, 2048, arch="gpt2", tie_embeddings=True, layers=2),
             [(1, [2048])],
             1,
             "gpipe",

@@ -154,3 +154,16 @@ def test_the_head_is_fitted_in_pieces_that_stop_growing_at_its_chunk():
         est = np.where(n > above, envelope(forms, 1, n, 0), est)
     assert np.all(est >= head(n) * (1 - 1e-9)) and np.all(est <= head(n) * 1.05)
     assert not _head_shapes(256, 2**16)  # no tile reaches the chunk: the quantity's own forms only
+
+
+def test_every_case_of_the_memory_bench_is_a_model_that_loads(monkeypatch):
+    """scripts/bench_memory.py's grid and device cases name models the config accepts (a case that stopped loading
+    when a setting moved would end the GPU step or the grid at that case)."""
+    import importlib
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    bench = importlib.import_module("bench_memory")
+    cases = bench.grid_cases() + bench.device_cases(True) + bench.device_cases(False)
+    assert len(cases) >= 20
+    for case in cases:
+        ModelConfig.from_dict(case.model, case.name)
