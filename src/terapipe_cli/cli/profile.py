@@ -187,17 +187,16 @@ def profile(
 
 def _trace_memory(console: Console, prof: dict, cfg) -> None:
     """Add the memory traced on fake tensors (`profile.memtrace`) to ``prof``, for its precision, T and device."""
-    from terapipe_cli.config.model import vocab_share
-    from terapipe_cli.plan.memory import loss_chunk_tokens
+    from terapipe_cli.plan.memory import device_loss_chunk_tokens
     from terapipe_cli.profile.memtrace import trace_memory  # PyTorch: only when asked
 
     started = time.perf_counter()
     tensor_parallel = int(prof["device"].get("tensor_parallel", 1))
     cuda = prof["device"].get("kind") == "cuda"
-    # The head's chunk a plan of this profile records and the runtime then takes (from the device's memory, as
-    # `plan.memory.planned_loss_chunk_tokens`): the trace runs with it.
-    memory = prof["device"].get("memory_bytes")
-    chunk = loss_chunk_tokens(vocab_share(cfg.vocab, tensor_parallel), float(memory) if memory else None)
+    # The head's chunk a plan of this profile records and the runtime then takes (`planned_loss_chunk_tokens`, from the
+    # same fields): the trace runs with it.
+    vocab_parallel = bool(prof.get("vocab_parallel", False))
+    chunk = device_loss_chunk_tokens(cfg, tensor_parallel, vocab_parallel, prof["device"].get("memory_bytes"))
     with console.status("tracing a stage's memory on fake tensors"):
         prof["memory"] = trace_memory(
             cfg,

@@ -72,11 +72,18 @@ def loss_chunk_tokens(vocab_rows: int, limit_bytes: float | None = None) -> int:
 def planned_loss_chunk_tokens(profile) -> int:
     """`loss_chunk_tokens` for a profile's fullest tensor rank's rows and its device's memory (a GPU's; a CPU profile
     records none): what a plan records and the estimate prices."""
-    model, T = profile.model, profile.tensor_parallel
-    split = bool(getattr(profile, "vocab_parallel", False)) and T > 1
-    rows = vocab_share(model.vocab, T) if split else model.vocab
-    memory = (getattr(profile, "device", None) or {}).get("memory_bytes")
-    return loss_chunk_tokens(rows, float(memory) if isinstance(memory, (int, float)) else None)
+    device = getattr(profile, "device", None) or {}
+    vocab_parallel = bool(getattr(profile, "vocab_parallel", False))
+    return device_loss_chunk_tokens(profile.model, profile.tensor_parallel, vocab_parallel, device.get("memory_bytes"))
+
+
+def device_loss_chunk_tokens(model, tensor_parallel: int, vocab_parallel: bool, memory_bytes) -> int:
+    """`loss_chunk_tokens` of ``model`` on T = ``tensor_parallel`` ranks (the fullest rank's rows when the vocabulary
+    is split) of a device of ``memory_bytes`` (None or not a number: unknown)."""
+    split = vocab_parallel and tensor_parallel > 1
+    rows = vocab_share(model.vocab, tensor_parallel) if split else model.vocab
+    memory = float(memory_bytes) if isinstance(memory_bytes, (int, float)) else None
+    return loss_chunk_tokens(rows, memory)
 
 
 @dataclass(frozen=True)
