@@ -73,10 +73,10 @@ def test_attention_over_the_cache_takes_the_cuda_branch_to_the_cpu_result(precis
 def test_the_attention_negative_control_fails(monkeypatch):
     """The CUDA branch with the top-left causal alignment (each slice's first query sees no context): the outputs
     of every slice after the first differ, far beyond the tolerance."""
-    from torch.nn.attention.bias import causal_upper_left
+    from torch.nn.attention import bias
 
     cpu = _sliced_attention(None, "fp32", 4, 4)
-    monkeypatch.setattr(attention, "causal_lower_right", causal_upper_left)
+    monkeypatch.setattr(bias, "causal_lower_right", bias.causal_upper_left)  # attention imports it when it runs
     broken = _sliced_attention("cuda", "fp32", 4, 4)
     assert _max_rel(broken, cpu) > 100 * TOLERANCE["fp32"]
 

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 _FORCED: str | None = None  # the device type whose code path every tensor takes (None: its own device's)
 _CACHE_UNMASKED = False  # test-only negative control: the document mask dropped over the K/V cache's rows
@@ -239,7 +238,10 @@ def _causal(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: in
         mask = reversed_causal_mask(i, start, q.dtype)
         return F.scaled_dot_product_attention(q.flip(2), keys, values, attn_mask=mask, enable_gqa=gqa).flip(2)
     # Causal aligned to the bottom-right corner: the slice's first query sees all `start` earlier keys;
-    # the fused kernels apply it without building a mask.
+    # the fused kernels apply it without building a mask. Imported here: its module loads torch._dynamo, seconds of
+    # start-up for every process that imports this one, and only the CUDA branch needs it.
+    from torch.nn.attention.bias import causal_lower_right
+
     mask = causal_lower_right(i, start + i)
     return F.scaled_dot_product_attention(q.contiguous(), keys, values, attn_mask=mask, enable_gqa=gqa)
 
