@@ -40,21 +40,40 @@ def _schemes(batch, seq_len, step):
             yield [(b, list(ls)) for b, ls in zip(grouping, lengths, strict=True)]
 
 
+class _PricedOnce:
+    """A cost model's price of every tile (b, i, j) of the instance, each tile priced alone by the model once and
+    looked up after: the brute force prices the same few dozen tiles hundreds of thousands of times. `evaluate`
+    takes it for the model (the same tile prices, the same per-step constant, one chunk per device)."""
+
+    def __init__(self, cost: CostModel, batch: int, seq_len: int, step: int):
+        assert cost.bubble is None and cost.virtual == 1  # one chunk per device: a tile's bubble is its own price
+        self.step_s, self.virtual, self.bubble = cost.step_s, cost.virtual, None
+        self._price = {
+            (b, i, j): float(cost(np.array([b]), np.array([i]), np.array([j]))[0])
+            for b in range(1, batch + 1)
+            for i in range(step, seq_len + 1, step)
+            for j in range(0, seq_len - i + 1, step)
+        }
+
+    def __call__(self, b, i, j) -> np.ndarray:
+        return np.array([self._price[t] for t in zip(b.tolist(), i.tolist(), j.tolist(), strict=True)])
+
+
 @functools.cache
 def _every_candidate(batch, seq_len, step, stages):
     """(objective, peak of the fullest stage, scheme, order, recompute) of every scheme, order and choice of
     recomputing stages."""
-    plain = CostModel(MEASURED, stages)
-    rerun = CostModel(MEASURED, stages, recompute=True)
+    plain = _PricedOnce(CostModel(MEASURED, stages), batch, seq_len, step)
+    rerun = _PricedOnce(CostModel(MEASURED, stages, recompute=True), batch, seq_len, step)
     out = []
     for slices in _schemes(batch, seq_len, step):
         value = {False: evaluate(plain, slices, stages), True: evaluate(rerun, slices, stages)}
         for order in ORDERS:
-            # A stage's peak depends on its own recomputation only: walk every stage both ways once.
+            # A stage's peak depends on its own recomputation only: walk every stage both ways once (the order's
+            # actions do not depend on it: one schedule, recomputing nowhere and everywhere).
+            schedule = Schedule.build(slices, stages, order)
             per_stage = {
-                on: [
-                    m.total_bytes for m in stage_memory(Schedule.build(slices, stages, order, [on] * stages), MEASURED)
-                ]
+                on: [m.total_bytes for m in stage_memory(replace(schedule, recompute=(on,) * stages), MEASURED)]
                 for on in (False, True)
             }
             for recompute in itertools.product((False, True), repeat=stages):
@@ -64,12 +83,17 @@ def _every_candidate(batch, seq_len, step, stages):
 
 
 CASES = [
-    (B, L, 8, K) for B, L, K in [(1, 48, 1), (1, 48, 2), (2, 40, 2), (4, 32, 2), (2, 40, 4), (3, 32, 4), (5, 24, 4)]
+    (B, L, 8, K) for B, L, K in [(1, 48, 1), (1, 48, 2), (2, 40, 2), (4, 24, 2), (2, 40, 4), (3, 32, 4), (5, 16, 4)]
 ]
 
 
 @pytest.mark.parametrize("batch, seq_len, step, stages", CASES)
 def test_memory_aware_plans_equal_brute_force(batch, seq_len, step, stages):
+    """The planner's optimum under each limit is brute force's. The cases: one stage and two stages with one batch
+    slice (the token DP alone); two and four stages with up to two, three, four and five batch slices (the search
+    over groupings and their orders), more batch slices than stages in (4, 24, 2) and (5, 16, 4) (1F1B's steady
+    state); under the limits there, the optima slice batch slices of one grouping differently, recompute some
+    stages only, and take either order; in (5, 16, 4) the fastest scheme overall fits at the loosest limit."""
     candidates = _every_candidate(batch, seq_len, step, stages)
     peaks = np.unique([c[1] for c in candidates])
     fastest = plan_one(
@@ -118,12 +142,12 @@ def test_nothing_fits_gives_the_smallest_peak_of_brute_force(batch, seq_len, ste
 
 def test_a_fixed_order_or_recomputation_is_kept():
     """What the user fixed is searched around, not changed."""
-    request = plan_request(MEASURED, stages=2, batch_size=4, seq_len=32, token_step=8)
-    candidates = _every_candidate(4, 32, 8, 2)
+    request = plan_request(MEASURED, stages=2, batch_size=4, seq_len=24, token_step=8)
+    candidates = _every_candidate(4, 24, 8, 2)
     limit = float(np.quantile([c[1] for c in candidates], 0.3))
     for order, recompute in [("gpipe", None), ("1f1b", None), (None, True), (None, False)]:
         r = plan_request(
-            MEASURED, stages=2, batch_size=4, seq_len=32, token_step=8, memory_limit_gib=limit / 2**30, order=order,
+            MEASURED, stages=2, batch_size=4, seq_len=24, token_step=8, memory_limit_gib=limit / 2**30, order=order,
             recompute=recompute,
         )  # fmt: skip
         allowed = [
