@@ -1,7 +1,8 @@
-"""What a process of the runtime loads when it starts: every torchrun worker, `terapipe train`'s launcher and
-`terapipe profile` import torch, but not its compiler stack (``torch._dynamo``, sympy), which would double their
-start-up (measured: a worker's imports 3.6 s of CPU without it, 7.3 s with it, on a two-core machine). Whatever
-needs the compiler imports it where it runs (`engine.attention`'s CUDA mask, the memory tracer's fake tensors)."""
+"""What a process of the runtime loads when it starts: the worker, `terapipe train`'s launcher and `terapipe profile`
+import torch, but not its compiler stack (``torch._dynamo``, sympy): 2.5 s of CPU on a two-core machine, as much
+again as torch itself. A process that needs it imports it where it runs: `engine.attention`'s CUDA mask, the memory
+tracer's fake tensors — and torch.optim, whose optimizers load it when they are built, so a training worker pays it
+then, while a profile, a bench or a report never does."""
 
 from __future__ import annotations
 
