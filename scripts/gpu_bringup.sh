@@ -16,9 +16,10 @@
 # summary.md and steps.log are written after every step, so a run stopped from outside still leaves what was done.
 #
 # Without CUDA (torch.cuda.is_available() False) the same steps run the same commands with --device cpu on the
-# tiny models at L = 32-128, the ones cut here narrowed to H = 128 (a dry run: tests/cli/test_gpu_bringup.py runs it,
-# about 3 minutes on two cores, most of it the 17 processes that start PyTorch, ~6 s of CPU each), and
-# the table says "no CUDA". Python: $PYTHON, else .venv/bin/python when there is one, else python3; the package from
+# tiny models at L = 32-64, the ones cut here narrowed to H = 128 (a dry run: tests/cli/test_gpu_bringup.py runs it,
+# about 2 minutes on two cores, most of it the processes that start PyTorch, ~4-6 s of CPU each), and the table says
+# "no CUDA". Steps whose commands another step runs with other numbers (verify-k2-shared, verify-k2-v2,
+# bench-llama-long) are skipped in the dry run. Python: $PYTHON, else .venv/bin/python when there is one, else python3; the package from
 # src/ through PYTHONPATH, so nothing needs installing (the GPU machines have no .venv and perhaps no pytest).
 #
 # The order is by what a result is worth per second of the budget, most first:
@@ -187,7 +188,11 @@ verify_tiny() { # K v: train the tiny model on K stages (v chunks each) with --v
 }
 step_verify_k1() { verify_tiny 1 1; }
 result_verify_k1() { line verify "$SCRATCH/verify-k1-v1"; }
-step_verify_k2_shared() { verify_tiny 2 1; }
+step_verify_k2_shared() {
+    # Without CUDA: the command of verify-k1 at K = 2, and K = 2 verifies through torchrun in the test suite.
+    ((CUDA)) || skip "no CUDA: verify-k1's command at K = 2; K = 2 is verified on the CPU by the test suite (tests/train)"
+    verify_tiny 2 1
+}
 result_verify_k2_shared() { line verify "$SCRATCH/verify-k2-v1"; }
 step_verify_k2_v2() {
     # Without CUDA the dry run verifies K = 2 once (verify-k2-shared); interleaving's verify runs in the test suite.
@@ -285,7 +290,10 @@ bench_llama() { # L:B
 }
 step_bench_llama_short() { bench_llama "$LLAMA_SHORT"; }
 result_bench_llama_short() { line bench "$SCRATCH/bench-llama-L${LLAMA_SHORT%%:*}.md"; }
-step_bench_llama_long() { bench_llama "$LLAMA_LONG"; }
+step_bench_llama_long() {
+    ((CUDA)) || skip "no CUDA: bench-llama-short's commands at another length"
+    bench_llama "$LLAMA_LONG"
+}
 result_bench_llama_long() { line bench "$SCRATCH/bench-llama-L${LLAMA_LONG%%:*}.md"; }
 
 step_gpu_tests() {
