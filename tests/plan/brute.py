@@ -178,13 +178,16 @@ class BruteResult:
 
 
 def _composition_table(cost: Callable, b: int, n: int, g: int):
-    """For batch size b: every composition's (sum, max), sorted by max, with a running min of the sums."""
+    """For batch size b: every composition's (sum, max), sorted by max, with a running min of the sums.
+
+    The tiles of every composition are priced in one call (a cost prices each tile on its own), then summed and
+    maxed per composition, as `tile_costs` one composition at a time would."""
     comps = list(compositions(n))
-    sums = np.empty(len(comps))
-    maxes = np.empty(len(comps))
-    for c, comp in enumerate(comps):
-        t = tile_costs(cost, b, [u * g for u in comp])
-        sums[c], maxes[c] = t.sum(), t.max()
+    lengths = np.concatenate([np.asarray(comp, dtype=np.int64) * g for comp in comps])
+    context = np.concatenate([np.concatenate([[0], np.cumsum(comp)[:-1]]) * g for comp in comps]).astype(np.int64)
+    t = np.broadcast_to(np.asarray(cost(np.full_like(lengths, b), lengths, context), dtype=float), lengths.shape)
+    starts = np.cumsum([0] + [len(comp) for comp in comps[:-1]])
+    sums, maxes = np.add.reduceat(t, starts), np.maximum.reduceat(t, starts)
     order = np.argsort(maxes, kind="stable")
     sums, maxes = sums[order], maxes[order]
     best_index = np.empty(len(comps), dtype=np.int64)  # index (in sorted order) of the cheapest so far
@@ -274,8 +277,10 @@ def dp_reference(cost: Callable, seq_len: int, batch_size: int, stages: int, tok
         for end in range(1, n + 1):
             for length in range(1, end + 1):
                 c = table[bi, length - 1, end - length]
-                cand = np.where(c <= thresholds, best[end - length] + c, np.inf)
-                np.minimum(best[end], cand, out=best[end])
+                # The tile is allowed under the thresholds >= c: a suffix of the sorted thresholds.
+                allowed = int(np.searchsorted(thresholds, c, side="left"))
+                row = best[end, allowed:]
+                np.minimum(row, best[end - length, allowed:] + c, out=row)
         per_b.append(best[n])
     total = [np.zeros(len(thresholds))]
     for s in range(1, batch_size + 1):
