@@ -19,7 +19,7 @@ grouping, both orders and recomputation) must choose. Both run interleaved; the 
     python scripts/bench_planner.py --commands      # every target case's whole `terapipe plan`, CPU seconds
     python scripts/bench_planner.py --commands --cases paper,llama --record plans.json
 
-A third table (``--commands``, issue 38) times whole `terapipe plan` commands with every choice left to the planner
+A third table (``--commands``) times whole `terapipe plan` commands with every choice left to the planner
 — the 13 published settings, Llama 3 70B (analytic H100, T = 8, B = 16) at K = 8 and 16, Megatron-LM's ten settings
 (b) and (b′) and the six Table 2 rows — in CPU seconds of the command's process (user + system: the machine is
 shared), and can record each plan (scheme, order, v, partition, simulated step).
@@ -150,7 +150,7 @@ def memory_table(repeats: int, console: Console, markdown: bool) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Whole `terapipe plan` commands (issue 38): every choice left to the planner, CPU seconds of the command's process.
+# Whole `terapipe plan` commands: every choice left to the planner, CPU seconds of the command's process.
 
 DGX_A100 = ROOT / "configs" / "hardware" / "dgx-a100.toml"
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""SIGTERM at a random moment of a K = 4 CPU run of the tiny model, many times (issue 27's target; not in CI).
+"""SIGTERM at a random moment of a K = 4 CPU run of the tiny model, many times (the stop path's target: every trial
+resumable; not in CI).
 
     python scripts/sigterm_trials.py                 # 20 trials
     python scripts/sigterm_trials.py --trials 5 --steps 12

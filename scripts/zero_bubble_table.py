@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Simulated bubble with and without the split backward (issue 37): a plan's slicing on K stages, walked by the
+"""Simulated bubble with and without the split backward: a plan's slicing on K stages, walked by the
 simulator in 1F1B order, ZB-H1 (v = 1), interleaved 1F1B and ZB-H1 with v = 2, and ZB-V on the V.
 
     python scripts/zero_bubble_table.py PROFILE.json --stages 8 --batch 16 [--token-slices 4]

@@ -1,4 +1,4 @@
-"""Packed documents (docs/design.md §6, issue 36 item 3): block-causal attention across token slices, positions
+"""Packed documents (docs/design.md §6): block-causal attention across token slices, positions
 restarting at each document, the K/V cache read from the earliest document start only — for GPT and Llama, on the
 CPU's branch and on the CUDA branch forced on the CPU — and ``--verify`` with the document mask, with its negative
 control."""

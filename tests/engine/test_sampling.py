@@ -1,4 +1,4 @@
-"""How a step's windows are drawn (issue 36 item 4): several sources by weight (`Mixture`), ``--sampling epoch``
+"""How a step's windows are drawn: several sources by weight (`Mixture`), ``--sampling epoch``
 (shuffled non-overlapping windows, each once per epoch, as Megatron-LM's dataset) beside the random windows,
 ``--val-data`` (the held-out loss from a file of its own); exact under ``--verify`` and after a resume."""
 

@@ -1,4 +1,4 @@
-"""`terapipe plan`: simulated latencies, the memory estimate and its warning (issue 6)."""
+"""`terapipe plan`: simulated latencies, the memory estimate and its warning."""
 
 from __future__ import annotations
 

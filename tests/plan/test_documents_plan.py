@@ -1,4 +1,4 @@
-"""Document-aware planning (issue 36 item 6): ``terapipe plan --data CORPUS`` prices each tile's attention by the
+"""Document-aware planning: ``terapipe plan --data CORPUS`` prices each tile's attention by the
 context it is expected to attend under block-causal masking (`plan.documents`), from the corpus's document lengths;
 with short documents the later slices cost less, the chosen slicing changes and the step is predicted shorter."""
 

@@ -1,4 +1,4 @@
-"""Megatron-LM's settings plan the same before and after the planner's speed-ups of issue 38 (a ceiling on each
+"""Megatron-LM's settings plan the same before and after the planner's speed-ups (a ceiling on each
 partition's search, one judge over the plan and its baselines): the plans of settings 1 and 4 (b) and (b′), recorded
 at a58f813 before those changes, come out again — scheme, order, recomputation, v, partition and simulated step
 (priced as then: without the pass over the weight gradients on every tile, `conftest.without_accumulation`); recorded

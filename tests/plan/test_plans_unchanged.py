@@ -1,13 +1,13 @@
-"""The same plans as before the layout of the code changed (issue 23): a dozen plans of the shipped profiles and
-experiments, recorded by `terapipe plan ARGS` at the commit named in tests/data/plans_before_move.json, planned again
-now through the same command; their schemes, predicted and simulated times, orders and memory must be the same.
+"""The same plans as recorded before the planner's code moved into its packages: a dozen plans of the shipped profiles
+and experiments, recorded by `terapipe plan ARGS` at the commit named in tests/data/plans_shipped_configs.json, planned
+again now through the same command; their schemes, predicted and simulated times, orders and memory must be the same.
 
-Since then the planner also chooses the partition of the layers and the virtual stages, and prices the embedding and
-the head (issue 25): the plans are made with those pinned to what the recording had (`--virtual-stages 1 --partition
-balanced`, GPipe order where the memory limit did not choose the order and 1F1B where it did), and the published
-settings are priced by their analytic profile as it was then, without its ``ends`` (a profile without them is priced
-as before), without ``vocab_parallel`` (the embedding and the head counted whole on every tensor rank, as
-before) and without the pass over the weight gradients on every tile (issue 38: `conftest.without_accumulation`)."""
+Since then the planner also chooses the partition of the layers and the virtual stages, and prices the embedding and the
+head: the plans are made with those pinned to what the recording had (`--virtual-stages 1 --partition balanced`, GPipe
+order where the memory limit did not choose the order and 1F1B where it did), and the published settings are priced by
+their analytic profile as it was then, without its ``ends`` (a profile without them is priced as before), without
+``vocab_parallel`` (the embedding and the head counted whole on every tensor rank, as before) and without the pass over
+the weight gradients on every tile (`conftest.without_accumulation`)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from terapipe_cli.config.experiment import load_experiment
 from terapipe_cli.files import write_json_atomic
 from terapipe_cli.profile.analytic import experiment_profile
 
-RECORDED = json.loads((ROOT / "tests" / "data" / "plans_before_move.json").read_text())
+RECORDED = json.loads((ROOT / "tests" / "data" / "plans_shipped_configs.json").read_text())
 PINNED = ["--virtual-stages", "1", "--partition", "balanced"]
 # The tiny model's measured profile the plans were recorded on (schema /1), kept since the bundled one was measured
 # again (schema /2, I and W timed apart).
@@ -40,7 +40,7 @@ def _args(record: dict, tmp_path) -> list[str]:
         obj.pop("vocab_parallel")
         args += ["--profile", str(write_json_atomic(tmp_path / "analytic-without-ends.json", obj))]
     # Where the memory-aware search chose 1F1B order it chooses it again with the order fixed (it searched both and
-    # kept 1F1B); with the order free, ZB-H1 (the split backward, issue 37) may now run that plan faster.
+    # kept 1F1B); with the order free, ZB-H1 (the split backward) may now run that plan faster.
     chosen_by_memory = record["order"] == "1f1b" and "--order" not in args
     return args + PINNED + ([] if "--order" in args else ["--order", "1f1b" if chosen_by_memory else "gpipe"])
 

@@ -1,4 +1,4 @@
-"""`solve(ceiling=…)` (issue 38): the search of many cost models (one per partition, `plan.configs`) passes the best
+"""`solve(ceiling=…)`: the search of many cost models (one per partition, `plan.configs`) passes the best
 found so far, and each search prunes against it from the start. Below the ceiling the answer is the brute-force
 optimum; at or above it, the result only says that nothing is faster than the ceiling."""
 

@@ -1,4 +1,4 @@
-"""Work shared within one plan (issue 38, `plan.memo`): the tile prices of a profile's partitions, the search's tables
+"""Work shared within one plan (`plan.memo`): the tile prices of a profile's partitions, the search's tables
 and answers, the baselines — each computed once and the same to the last bit as computed afresh; the dominance check
 over partitions as it was (every partition's prices compared tile by tile); and a plan the same with and without
 the sharing."""

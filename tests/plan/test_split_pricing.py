@@ -1,4 +1,4 @@
-"""Pricing a split backward's I and W (issue 37, docs/design.md §11b): a profile of schema /2 has them apart, an older
+"""Pricing a split backward's I and W (docs/design.md §11b): a profile of schema /2 has them apart, an older
 /1 profile is split by the architecture's analytic I : W ratio and the plan says which; the simulator prices every
 tile's I and W from the profile, not by one flat share."""
 

@@ -1,4 +1,4 @@
-"""The report's model TFLOP/s per device and MFU (issue 38): the plan's count (`plan.mfu`) over the measured median
+"""The report's model TFLOP/s per device and MFU: the plan's count (`plan.mfu`) over the measured median
 step; ``mfu`` null where the device's peak is unknown (a CPU); the textbook bubble of interleaved plans."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The data settings of a run (issue 36 items 3 and 4) as `prepare_run` resolves and keeps them: the document mask on by
+"""The data settings of a run as `prepare_run` resolves and keeps them: the document mask on by
 default for a Megatron corpus only, the sampling (epoch for token ids, random for text and for runs begun before),
 ``--val-data`` instead of ``--val-fraction`` (both: one line), and a resumed run keeping each. In process."""
 

@@ -1,4 +1,4 @@
-"""What a new user meets first (issue 27): a mistyped rendezvous, a launch that never trained, a run that diverges,
+"""What a new user meets first: a mistyped rendezvous, a launch that never trained, a run that diverges,
 settings a resumed run keeps, a schedule that will not do what its numbers suggest. Each is one line, and nothing
 is left behind that blocks the same command from running again. In process: no workers start."""
 

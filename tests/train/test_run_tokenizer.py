@@ -1,4 +1,4 @@
-"""The run's own tokenizer everywhere (issue 36 item 5): a run on a ``terapipe data tokenize``d corpus records the
+"""The run's own tokenizer everywhere: a run on a ``terapipe data tokenize``d corpus records the
 corpus's tokenizer in its folder; ``terapipe sample`` decodes with that copy (the corpus may have moved; no tiktoken);
 ``terapipe export --format hf`` writes the tokenizer files and the run's BOS/EOS ids, so that ``transformers`` loads
 the tokenizer and the model from the folder together and a prompt round-trips."""

@@ -1,6 +1,6 @@
-"""ZB-V through real torchrun workers (gloo on the CPU), the smoke tier of issue 37: two stage processes each holding
-two chunks in a V (process k: chunks k and 3 − k), every backward split into I and W, --verify against the single
-device; the timelines hold every tile's F, I and W on both chunks. (Every case in one process:
+"""ZB-V through real torchrun workers (gloo on the CPU), the smoke tier of the zero-bubble orders: two stage processes
+each holding two chunks in a V (process k: chunks k and 3 − k), every backward split into I and W, --verify against the
+single device; the timelines hold every tile's F, I and W on both chunks. (Every case in one process:
 tests/engine/test_zero_bubble_training.py.)"""
 
 from __future__ import annotations
