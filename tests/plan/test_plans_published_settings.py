@@ -1,15 +1,14 @@
 """The published settings' fully automatic plans (`terapipe plan --experiment NAME`, order, v and partition left to the
-planner) are the ones recorded in tests/data/plans_issue38.json: at a58f813, before issue 38's speed-ups, and again
-after them; where the "one judge" of issue 38 changed the choice (a scheme faster in the simulator) the record keeps
-both, and the new one simulates faster. Once `--order auto` also tried each configuration with the backward split, all
-thirteen ran ZB-H1 (kept as ``estimated_split``, the plan before it as ``before_split``); since it plans the split only
-from a profile that timed I and W apart, the published settings (analytic profiles, whose split is an estimate) plan
-GPipe or 1F1B order again (recorded again then, priced with the chunked LM head, whose backward makes each chunk's
-logits again: 0–8% slower than ``before_split``, some schemes changed with it). Five of the thirteen are planned again
-here (the others take seconds each: `python scripts/bench_planner.py --commands --cases paper --record FILE` re-records
-them all). They are priced as recorded: without the pass over the weight gradients that every tile's backward makes
-(`conftest.experiment_without_accumulation`), which the analytic model counts since (docs/results.md, the 175B
-settings)."""
+planner) are the ones recorded in tests/data/plans_published_settings.json. The record keeps, beside each plan, the
+choices it replaced and why: ``before_one_judge`` where judging a plan and its baselines by one simulator changed the
+choice (the new one simulates faster); ``estimated_split`` the ZB-H1 plan `--order auto` made while it trusted an
+analytic profile's estimate of I and W (it plans the split only from a profile that timed I and W apart, so the
+published settings, priced by analytic profiles, plan GPipe or 1F1B order), and ``before_split`` the plan before
+the chunked LM head, whose backward makes each chunk's logits again (0–8% slower). Five of the thirteen are planned
+again here (the others take seconds each: `python scripts/bench_planner.py --commands --cases paper --record FILE`
+re-records them all). They are priced as recorded: without the pass over the weight gradients that every tile's
+backward makes (`conftest.experiment_without_accumulation`), which the analytic model counts since (docs/results.md,
+the 175B settings)."""
 
 from __future__ import annotations
 
@@ -18,7 +17,8 @@ import json
 import pytest
 from conftest import ROOT, experiment_without_accumulation, run_cli
 
-RECORDED = {p["name"]: p for p in json.loads((ROOT / "tests" / "data" / "plans_issue38.json").read_text())["plans"]}
+RECORD = ROOT / "tests" / "data" / "plans_published_settings.json"
+RECORDED = {p["name"]: p for p in json.loads(RECORD.read_text())["plans"]}
 PLANNED_HERE = ["paper-01-gpt3-1b", "paper-05-gpt3-13b-L6144", "paper-06-gpt3-44b", "paper-09-gpt3-175b",
                 "paper-10-gpt3-175b"]  # fmt: skip
 
