@@ -3,11 +3,10 @@ profile times the memory behaviour training has (docs/design.md §3b).
 
 PyTorch's CPU tensors come from the C library's ``malloc``. glibc serves a buffer above its mmap threshold (128 KiB
 at first, raised adaptively up to 32 MiB as such buffers are freed) with fresh pages from the kernel, and gives the
-heap's top back once more than the trim threshold is free there. A tile's buffers are megabytes (the tiny model's
-logits at b·i = 4096 tokens: 4 MiB), so each tile page-faulted much of its memory in again, at a cost that
-depended on what ran before it. Timing the tiny model's ends on the profile's grid in random order (with the leak
-of dropped tiles fixed, engine/stage.py), the held-out error was 40–45% (embedding) and 7–9% (head) with glibc's
-defaults, 4% and 2% with the thresholds below (docs/results.md, "The ends' held-out error").
+heap's top back once more than the trim threshold is free there. A tile's buffers are megabytes (a head's logits),
+so each tile page-faulted much of its memory in again, at a cost that depended on what ran before it: the ends'
+times on the profile's grid then depended on the order they were timed in, and their held-out error was several
+times what it is with the thresholds below (docs/results.md, "The ends' held-out error").
 
 The thresholds below keep what the process frees for reuse, as PyTorch's CUDA caching allocator keeps device
 memory: a process's resident memory stays at its peak (which is what the memory estimate bounds, §10). Only glibc

@@ -208,7 +208,7 @@ class StageRunner:
 
         Autocast keeps the low-precision copy of each weight until its outermost context ends. Entered once
         per step, every tile shares one copy per weight, as the whole sequence would; tile by tile, each tile's
-        graph would keep a copy of its own (measured: +64% saved bytes for 8 slices of the tiny model in bf16). The
+        graph would keep a copy of its own (far more saved bytes with many slices, docs/design.md §10). The
         chunked head keeps its own copy of its weight (`loss.compute_weight`), dropped here at the end too.
         """
         return self._step()

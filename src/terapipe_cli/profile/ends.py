@@ -35,10 +35,9 @@ from terapipe_cli.profile.timer import Progress
 
 ENDS = ("embed", "head")
 HELD_OUT = 8  # (b, i) points off the grid timed to check the interpolation
-# Rounds at least (`--quick`: QUICK_ROUNDS): an end's tile is cheap next to a layer's — the tiny model's embedding
-# takes 0.4–2 ms — and on a shared CPU its timings jitter by ~10% from round to round. Held-out error of the
-# embedding on the tiny model, 2 runs each (docs/results.md, "The ends' held-out error"): 4–8% mean with 7 rounds,
-# 5–6% with 15; 15 rounds cost ~6 s of an 80 s profile.
+# Rounds at least (`--quick`: QUICK_ROUNDS): an end's tile is cheap next to a layer's (the tiny model's embedding
+# takes milliseconds), and on a shared CPU its timings jitter from round to round; more rounds bring the embedding's
+# held-out error down at a small share of the profile's time (docs/results.md, "The ends' held-out error").
 MIN_ROUNDS, QUICK_ROUNDS = 15, 7
 # A tile that takes longer than this in the warm-up round is timed only `Settings.repeats` rounds: the extra rounds are
 # for the cheap tiles' jitter, and a large vocabulary's head tiles take up to a second each (a 128,256-token head,

@@ -18,8 +18,8 @@ The split backward (schema /2's I and W, docs/design.md §11b): on the tiles wit
 batch slice's tile — the same (b, i) — then runs its backward as the zero-bubble executor runs it, I
 (`StageRunner.backward_input`) then W (`StageRunner.backward_weight`), each timed. So a grid visit times the
 whole backward and the split one of the same tile, and I + W is the split's own cost, not a share of B's: on a
-CPU the split's two calls cost more than B (its graph walk and its per-consumer autograd calls are Python: +40% on
-the tiny model's 8-token tiles, 0–5% on its 1024-token ones), and timing it adds 20–30% to the tiles' timing. The
+CPU the split's two calls cost more than B (its graph walk and its per-consumer autograd calls are Python, which
+small tiles feel most), and timing it adds to the tiles' timing (docs/results.md, the split backward). The
 context tiles are not split: a tile's context adds to its I alone (attention's backward and the K/V hand-back), the
 context term of the whole backward.
 

@@ -23,11 +23,11 @@ only in rounding — the *spread* — and each check's tolerance is ``max(floor,
   path, on one process). The same tile shapes call the same low-precision kernels, which round differently from
   one CPU to the next (an AVX512-bf16 CPU's dot products differ from another's) and differently from the whole
   sequence's: the spread then measures exactly the rounding the pipelined run has, on the machine it ran on, and
-  the pipelined run differs from it only by where the stages are cut. (Measured on an AMD EPYC with avx512_bf16:
-  with 4 equal token slices instead, a correct 3-step bf16 run's layer-norm bias was 12x the spread's worst.) An
-  fp32 spread run would measure the precision's own error instead, 1.2–10× larger, a looser tolerance for
-  nothing. A bug inside the K/V cache would be in both this spread run and the pipelined run; the fp32
-  verification, whose spread run is the whole sequence, catches it. The negative controls (the K/V hand-back
+  the pipelined run differs from it only by where the stages are cut (a spread run of other slices can round
+  a correct run's weights beyond the factor, docs/results.md). An fp32 spread run would measure the precision's
+  own error instead, several times larger: a looser tolerance for nothing. A bug inside the K/V cache would be in
+  both this spread run and the pipelined run; the fp32 verification, whose spread run is the whole sequence,
+  catches it. The negative controls (the K/V hand-back
   dropped, a tensor-parallel all-reduce skipped) are faults of the pipelined run alone, so they still fail.
 
 `SPREAD_FACTOR`, measured on CPU as run difference / spread (docs/design.md §6a has the table): at most 1.9 in

@@ -66,10 +66,9 @@ def alternating_1f1b(
     order this then is exactly; with token slices a group can hold more than K tiles, and its first backward waits for
     more forwards).
 
-    It replaced a greedy replay that took any ready backward before the next batch slice's forward: backwards then
-    ran in bursts that starved the next device of forwards, and the simulator priced it 1–14% slower on every case
-    compared (the tiny model's K = 2 plans; Megatron-LM's settings 5–8 on DGX A100, v = 2–4, whole sequences and
-    token slices), 16% on the 310.1B setting (docs/results.md)."""
+    A greedy replay that takes any ready backward before the next batch slice's forward runs backwards in bursts
+    that starve the next device of forwards; the simulator prices it slower on every case compared (docs/results.md,
+    the interleaved 1F1B order)."""
     devices = len(forward)
     rows = []
     for k in range(devices):
@@ -88,14 +87,14 @@ def least_extra(forward: list[list[Action]], backward: list[list[Action]], chunk
     # A backward placed before its own forward can never run: device k's n-th backward comes after its
     # (warm-up + n)-th forward, so the warm-up must reach the forward's position less n. The smallest extra meeting
     # that on every device is a lower bound; from it, the first extra whose rows walk to the end (one or two walks
-    # in practice: a walk per extra from zero made paper-08's plan 9 s instead of 5 s).
+    # in practice, where a walk per extra from zero would take one per value below the bound).
     low = 0
     for k in range(len(forward)):
         at = {(a.tile, a.stage): i for i, a in enumerate(forward[k])}
         low = max([low] + [at[(b.tile, b.stage)] - n - rows.base[k] for n, b in enumerate(backward[k])])
     # Where the batch slices do not make whole groups of K tiles the first legal extra can lie hundreds above the
-    # bound (992 for one of Table 2's 529.6B builds on 560 GPUs: 993 walks, 19 s). A deadlock's cycle often stays a
-    # cycle for the next extras, which are then skipped without a walk (372 walks there).
+    # bound (Megatron-LM's largest settings). A deadlock's cycle often stays a cycle for the next extras, which are
+    # then skipped without a walk.
     extra, top = low, max(len(f) for f in forward)
     while extra <= top:
         found = rows.deadlock(extra)
