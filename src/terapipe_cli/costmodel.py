@@ -1,5 +1,6 @@
-"""The cost model's public face, kept where users first imported it: `CostModel.from_profile` lives in
-`plan.costmodel`."""
+"""The cost model as a library (documented API, stable): `CostModel.from_profile` reads a profile (measured or
+analytic) and prices a tile of a stage (docs/design.md §3), `read_profile` validates a profile file; they live in
+`plan.costmodel`. `terapipe_cli.planner` searches over these prices."""
 
 from terapipe_cli.plan.costmodel import CostModel, Profile, read_profile
 
