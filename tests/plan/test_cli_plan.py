@@ -361,3 +361,33 @@ def test_show_schedule_prints_the_grid_and_schedule_out_writes_the_csv(tmp_path:
     for k, row in enumerate(rows):  # every action of the stage, once, in its order
         assert [c for c in row.split()[2:] if c not in ("·", "…")] == [schedule.label(a) for a in schedule[k]]
     assert parse_schedule(csv.read_text(), plan.slices, plan.stages, plan.recompute).actions == schedule.actions
+
+
+def test_a_config_file_gives_the_settings_and_flags_override_it(tmp_path: Path, capsys) -> None:
+    """``--config FILE``: a ``[plan]`` table of the options (keys with underscores, paths relative to the file) plans
+    what the same flags plan; a flag given overrides the file's value; the file's bad key or value is one line naming
+    the file and the field, and nothing is written."""
+    folder = tmp_path / "configs"
+    folder.mkdir()
+    (folder / "p.json").write_text(EXAMPLE.read_text())
+    config = folder / "plan.toml"
+    config.write_text('[plan]\nprofile = "p.json"\nstages = 2\nbatch = 2\norder = "1f1b"\nvirtual_stages = "1"\n')
+    by_flags = run_cli(capsys, "plan", "--profile", EXAMPLE, "-k", 2, "-b", 2, "--order", "1f1b",
+                       "--virtual-stages", 1, "--out", tmp_path / "flags.json")  # fmt: skip
+    by_file = run_cli(capsys, "plan", "--config", config, "--out", tmp_path / "file.json")
+    assert by_flags.returncode == by_file.returncode == 0, by_file.stderr
+    flags, file = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("flags", "file"))
+    assert file["slices"] == flags["slices"] and file["order"] == flags["order"] == "1f1b"
+    assert file["profile"]["path"] == str((folder / "p.json").resolve())  # relative to the file
+    over = run_cli(capsys, "plan", "-c", config, "-b", 1, "--out", tmp_path / "over.json")
+    assert over.returncode == 0 and json.loads((tmp_path / "over.json").read_text())["batch_size"] == 1
+    for text, words in (
+        ("[plan]\nstagez = 2\n", ("plan.toml", "plan.stagez", "not a plan setting")),
+        ('[plan]\nstages = "two"\n', ("plan.toml", "plan.stages")),
+        ('[plan]\norder = "fast"\n', ("plan.toml", "plan.order", "gpipe")),
+        ("[train]\nsteps = 2\n", ("plan.toml", "[plan]")),
+    ):
+        config.write_text(text)
+        p = run_cli(capsys, "plan", "--config", config, "--out", tmp_path / "bad.json")
+        assert_one_line_error(p, *words)
+        assert not (tmp_path / "bad.json").exists()

@@ -28,6 +28,21 @@ PrecisionOption = Annotated[
 ]
 
 
+def config_option(table: str) -> object:
+    """``--config FILE`` of a command whose settings are declared once (`settings_options`): a TOML file with a
+    ``[table]`` table of them, keys as the options' names with underscores; flags given override it."""
+    return Annotated[
+        Path | None,
+        typer.Option(
+            "--config",
+            "-c",
+            help=f"A TOML file with a \\[{table}] table of these settings (keys: the options' names with underscores, "
+            "e.g. memory_limit = 40); flags given override it.",
+            show_default=False,
+        ),
+    ]
+
+
 def settings_options(cls) -> list[inspect.Parameter]:
     """One typer option per field of a settings dataclass (`config.fields.setting`): its flag (``--warmup-steps``
     for ``warmup_steps``, or the field's own), its one-line doc as help, its shown default and help panel. Every
@@ -39,7 +54,7 @@ def settings_options(cls) -> list[inspect.Parameter]:
         doc, kind = doc_of(f), kinds[f.name]
         names = [f"{flag_of(f)}/--no-{flag_of(f)[2:]}"] if kind is bool else [flag_of(f)]
         names += [doc.short] if doc.short else []
-        metavar = "NAME" if typing.get_origin(kind) is list else None  # a repeatable option: one name each time
+        metavar = doc.metavar or ("NAME" if typing.get_origin(kind) is list else None)  # a list: one name each time
         option = typer.Option(
             *names, help=doc.help, show_default=doc.shown_default or False, rich_help_panel=doc.panel, metavar=metavar
         )

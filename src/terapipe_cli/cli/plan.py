@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import sys
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Annotated
 
 import typer
 from rich.table import Table
 
 from terapipe_cli.cli.console import PlainProgress, make_console, plain_progress
+from terapipe_cli.cli.options import config_option, option, with_settings
 from terapipe_cli.config.device import available_memory_bytes
 from terapipe_cli.config.experiment import load_experiment
+from terapipe_cli.config.fields import doc_of, read_table, setting
 from terapipe_cli.engine import require_torch
 from terapipe_cli.engine.hostmem import retain_freed_memory
 from terapipe_cli.errors import UserError
@@ -25,8 +26,17 @@ from terapipe_cli.plan.documents import AttendedContext
 from terapipe_cli.plan.domain import domain_of, provenance
 from terapipe_cli.plan.file import PLAN_SCHEMA, write_plan
 from terapipe_cli.plan.fit_quality import fit_warnings
+from terapipe_cli.plan.orders import ALL_ORDERS
 from terapipe_cli.plan.partition import parse_layers
-from terapipe_cli.plan.request import PlanSetting, check_work, experiment_setting, experiment_shape, stored_path
+from terapipe_cli.plan.request import (
+    PARTITIONS,
+    PlanSetting,
+    check_work,
+    experiment_setting,
+    experiment_shape,
+    stored_path,
+)
+from terapipe_cli.plan.search import METHODS
 from terapipe_cli.profile.analytic import experiment_profile, extended_for_batch
 from terapipe_cli.report.preview import write_plan_picture
 from terapipe_cli.units import format_bytes, format_seconds
@@ -54,240 +64,205 @@ Examples:
 
     terapipe plan --profile p.json -k 4 -b 2 --show-schedule --schedule-out my-order.csv
 
+    terapipe plan --config plan.toml -b 4   # the settings of its [plan] table, the batch overridden
+
     terapipe plan --profile configs/profiles/tiny-cpu-measured.json -k 2 -b 4 --tune 2   # train the best 2 here
 """
 
 
-def plan(
-    profile: Annotated[
-        Path | None,
-        typer.Option(
-            "--profile",
-            help="Profile JSON (terapipe.profile/1-3) from `terapipe profile` (required without --experiment).",
-        ),
-    ] = None,
-    stages: Annotated[
-        int | None,
-        typer.Option(
-            "--stages", "-k", help="Pipeline stages K, at most the model's layers [default: the experiment's]."
-        ),
-    ] = None,
-    batch: Annotated[
-        int | None,
-        typer.Option(
-            "--batch", "-b", help="Sequences per pipeline replica per step (B) [default: the experiment's B / D]."
-        ),
-    ] = None,
-    experiment: Annotated[
-        str | None,
-        typer.Option(
-            "--experiment",
-            "-e",
-            help="Plan this experiment file's setting (a path, a bundled name such as paper-09-gpt3-175b, or the "
-            "start of exactly one); options given explicitly override its values.",
-        ),
-    ] = None,
-    seq_len: Annotated[int | None, typer.Option("--seq-len", help="Sequence length L [default: the model's].")] = None,
-    token_step: Annotated[
-        int | None,
-        typer.Option(
-            "--token-step",
-            "-g",
-            help="Token slices are multiples of this [default: the experiment's, else the profile's].",
-        ),
-    ] = None,
-    epsilon: Annotated[
-        float, typer.Option("--epsilon", help="Seconds; > 0 allows an answer within stages × epsilon of the optimum.")
-    ] = 0.0,
-    method: Annotated[
-        str, typer.Option("--method", help="exact (default) or enumerate (the published ε-enumeration, slower).")
-    ] = "exact",
-    data_parallel: Annotated[
-        int | None,
-        typer.Option(
-            "--data-parallel",
-            "-d",
-            help="Pipeline replicas D; adds their gradient all-reduce per step (left out, with a warning, when the "
-            "profile has no data_parallel_link) [default: the experiment's, else 1].",
-        ),
-    ] = None,
-    tensor_parallel: Annotated[
-        int | None,
-        typer.Option(
-            "--tensor-parallel",
-            "-t",
-            help="Processes per stage T, splitting heads and the MLP; must be the T the profile was made at "
-            "[default: the profile's, or the experiment's].",
-        ),
-    ] = None,
-    memory_limit: Annotated[
-        float | None,
-        typer.Option(
-            "--memory-limit",
-            help="GiB per device: the plan is the fastest scheme whose estimated peak fits on every stage (over "
-            "token slicing, batch grouping, the order and which stages recompute, where not fixed by --order "
-            "or --recompute); when none fits, one line with the smallest possible peak. Default: a GPU profile's "
-            "device memory (a CPU's memory, shared by all workers, only warns).",
-        ),
-    ] = None,
-    order: Annotated[
-        str,
-        typer.Option(
-            "--order",
-            help="Schedule order: gpipe (every forward, then every backward), 1f1b (a batch slice's backward as "
-            "soon as the pipeline allows: fewer batch slices' activations alive at once), zb1p (ZB-H1: 1F1B with each "
-            "backward split into I and W, the W's filling the bubble), zbv (ZB-V: two chunks per device in a V, the "
-            "backward split) or auto (the searches in gpipe and 1f1b order, then, where the profile timed I and W "
-            "apart (measured, schema /2), the result split into zb1p, and zbv as a configuration of its own: the "
-            "fastest in the simulator whose memory estimate fits; another profile's split is an estimate, planned "
-            "only when asked).",
-        ),
-    ] = "auto",
-    virtual_stages: Annotated[
-        str,
-        typer.Option(
-            "--virtual-stages",
-            help="Chunks of layers per device, v (Megatron's interleaving: device k runs chunks k, k+K, ...; the "
-            "bubble shrinks by v, the stage-to-stage traffic grows v-fold), or auto: the fastest simulated v "
-            "from 1 to 4.",
-        ),
-    ] = "auto",
-    layers_per_stage: Annotated[
-        str | None,
-        typer.Option(
-            "--layers-per-stage",
-            help="The decoder layers of every stage (of every chunk with v > 1), e.g. 5,6,6,7: K (K·v) counts "
-            "summing to the model's layers; the first and last may be 0 (they embed and run the head).",
-            show_default=False,
-        ),
-    ] = None,
-    partition: Annotated[
-        str | None,
-        typer.Option(
-            "--partition",
-            help="How the layers are cut when --layers-per-stage is not given: auto (the split the objective "
-            "prices fastest, the embedding and the LM head counted) or balanced (the most even by layers alone).",
-            show_default="auto",
-        ),
-    ] = None,
-    recompute: Annotated[
-        bool,
-        typer.Option(
-            "--recompute",
-            help="Every stage keeps only each tile's input and runs its forward again in the backward: priced as one "
-            "more forward per tile, in the memory estimate as the activations not kept.",
-            show_default="off, or what fits the memory limit",
-        ),
-    ] = False,
-    no_recompute: Annotated[
-        bool, typer.Option("--no-recompute", help="No stage recomputes, whatever the memory limit.")
-    ] = False,
-    rank: Annotated[
-        str,
-        typer.Option(
-            "--rank",
-            help="simulated: among the exact optimum of the objective and the schemes the search ranks next to it "
-            "(within 5%), the fastest in the schedule simulator (never slower there than the optimum); formula: "
-            "the exact optimum of the objective. The plan records both.",
-        ),
-    ] = "simulated",
-    show_schedule: Annotated[
-        bool,
-        typer.Option(
-            "--show-schedule",
-            help="Print the plan's schedule as a stage x time grid: every action one step, as early as its inputs "
-            "allow (0F3.2: stage 0 runs the forward of batch slice 3, token slice 2; B: backward).",
-        ),
-    ] = False,
-    schedule_out: Annotated[
-        Path | None,
-        typer.Option(
-            "--schedule-out",
-            help="Also write the plan's schedule as CSV, one row of actions per stage: edit it and train it with "
-            "`terapipe train --schedule FILE` (checked for legality there).",
-            show_default=False,
-        ),
-    ] = None,
-    scheme: Annotated[
-        str,
-        typer.Option(
-            "--scheme",
-            help="The scheme the plan file runs: terapipe (the planner's), gpipe (whole sequences, the best "
-            "microbatch) or uniform (the best equal slicing) — a baseline to train and compare, priced alike.",
-        ),
-    ] = "terapipe",
-    show: Annotated[
-        bool,
-        typer.Option(
-            "--show",
-            help="Also draw the plan before training: the simulated timeline of one step next to its GPipe "
-            "baseline's, and every stage's estimated peak memory against the limit (PNG beside --out).",
-        ),
-    ] = False,
-    data: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--data",
-            help="A Megatron corpus (PREFIX of .bin + .idx) the run trains on with its documents masked: each tile's "
-            "attention is priced by the context it is expected to attend, from the corpus's document lengths, "
-            "instead of the whole prefix. A mixture as train takes it: --data 0.7:web --data 0.3:code.",
-            show_default="the whole prefix (full causal attention)",
-            metavar="[W:]CORPUS",
-        ),
-    ] = None,
-    out: Annotated[Path, typer.Option("--out", "-o", help="Where to write the plan JSON.")] = Path("plan.json"),
-    force: Annotated[bool, typer.Option("--force", help="Overwrite --out even if it is not a plan.")] = False,
-    quiet: Annotated[
-        bool, typer.Option("--quiet", "-q", help="No progress line on stderr while the plan is searched.")
-    ] = False,
-    tune: Annotated[
-        int | None,
-        typer.Option(
-            "--tune",
-            help="Train the simulator's N best plans and the GPipe scheme a few steps each, in rounds, on this "
-            "machine (the profile's device, measured here) and write the measured fastest; the plan records "
-            "predicted and measured for each (plan.tune).",
-            show_default=False,
-        ),
-    ] = None,
-) -> None:
+TABLE = "plan"  # a --config file's table of these settings
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """`terapipe plan`'s settings, each declared once: its flag (`cli.options.settings_options`), its key in a
+    ``--config`` file's ``[plan]`` table (`read_fields`: type, choices, paths relative to the file) and its help.
+    Every field defaults to None (not given): flags given override the file, and what neither gives takes the
+    field's ``fallback`` (`value`), or a default of the setting's own (the experiment's, the profile's)."""
+
+    profile: str | None = setting(
+        "Profile JSON (terapipe.profile/1-3) from `terapipe profile` (required without --experiment).", path=True
+    )
+    stages: int | None = setting("Pipeline stages K, at most the model's layers.", short="-k", shown="the experiment's")
+    batch: int | None = setting(
+        "Sequences per pipeline replica per step (B).", short="-b", shown="the experiment's B / D"
+    )
+    experiment: str | None = setting(
+        "Plan this experiment file's setting (a path, a bundled name such as paper-09-gpt3-175b, or the start of "
+        "exactly one); options given explicitly override its values.",
+        short="-e",
+    )
+    seq_len: int | None = setting("Sequence length L.", shown="the model's")
+    token_step: int | None = setting(
+        "Token slices are multiples of this.", short="-g", shown="the experiment's, else the profile's"
+    )
+    epsilon: float | None = setting(
+        "Seconds; > 0 allows an answer within stages × epsilon of the optimum.", fallback=0.0
+    )
+    method: str | None = setting(
+        "exact, or enumerate (the published ε-enumeration, slower).", choices=METHODS, fallback="exact"
+    )
+    data_parallel: int | None = setting(
+        "Pipeline replicas D; adds their gradient all-reduce per step (left out, with a warning, when the profile "
+        "has no data_parallel_link).",
+        short="-d",
+        shown="the experiment's, else 1",
+    )
+    tensor_parallel: int | None = setting(
+        "Processes per stage T, splitting heads and the MLP; must be the T the profile was made at.",
+        short="-t",
+        shown="the profile's, or the experiment's",
+    )
+    memory_limit: float | None = setting(
+        "GiB per device: the plan is the fastest scheme whose estimated peak fits on every stage (over token "
+        "slicing, batch grouping, the order and which stages recompute, where not fixed by --order or --recompute); "
+        "when none fits, one line with the smallest possible peak.",
+        shown="a GPU profile's device memory (a CPU's memory, shared by all workers, only warns)",
+    )
+    order: str | None = setting(
+        "Schedule order: gpipe (every forward, then every backward), 1f1b (a batch slice's backward as soon as the "
+        "pipeline allows: fewer batch slices' activations alive at once), zb1p (ZB-H1: 1F1B with each backward "
+        "split into I and W, the W's filling the bubble), zbv (ZB-V: two chunks per device in a V, the backward "
+        "split) or auto (the searches in gpipe and 1f1b order, then, where the profile timed I and W apart "
+        "(measured, schema /2), the result split into zb1p, and zbv as a configuration of its own: the fastest in "
+        "the simulator whose memory estimate fits; another profile's split is an estimate, planned only when "
+        "asked).",
+        choices=("auto", *ALL_ORDERS),
+        fallback="auto",
+    )
+    virtual_stages: str | None = setting(
+        "Chunks of layers per device, v (Megatron's interleaving: device k runs chunks k, k+K, ...; the bubble "
+        "shrinks by v, the stage-to-stage traffic grows v-fold), or auto: the fastest simulated v from 1 to 4.",
+        fallback="auto",
+    )
+    layers_per_stage: str | None = setting(
+        "The decoder layers of every stage (of every chunk with v > 1), e.g. 5,6,6,7: K (K·v) counts summing to the "
+        "model's layers; the first and last may be 0 (they embed and run the head)."
+    )
+    partition: str | None = setting(
+        "How the layers are cut when --layers-per-stage is not given: auto (the split the objective prices "
+        "fastest, the embedding and the LM head counted) or balanced (the most even by layers alone).",
+        choices=PARTITIONS,
+        shown="auto",
+    )
+    recompute: bool | None = setting(
+        "Every stage keeps only each tile's input and runs its forward again in the backward: priced as one more "
+        "forward per tile, in the memory estimate as the activations not kept; --no-recompute: no stage recomputes, "
+        "whatever the memory limit.",
+        shown="what fits the memory limit",
+    )
+    rank: str | None = setting(
+        "simulated: among the exact optimum of the objective and the schemes the search ranks next to it (within "
+        "5%), the fastest in the schedule simulator (never slower there than the optimum); formula: the exact "
+        "optimum of the objective. The plan records both.",
+        fallback="simulated",
+    )
+    show_schedule: bool | None = setting(
+        "Print the plan's schedule as a stage x time grid: every action one step, as early as its inputs allow "
+        "(0F3.2: stage 0 runs the forward of batch slice 3, token slice 2; B: backward).",
+        fallback=False,
+    )
+    schedule_out: str | None = setting(
+        "Also write the plan's schedule as CSV, one row of actions per stage: edit it and train it with `terapipe "
+        "train --schedule FILE` (checked for legality there).",
+        path=True,
+    )
+    scheme: str | None = setting(
+        "The scheme the plan file runs: terapipe (the planner's), gpipe (whole sequences, the best microbatch) or "
+        "uniform (the best equal slicing) — a baseline to train and compare, priced alike.",
+        choices=SCHEMES,
+        fallback="terapipe",
+    )
+    show: bool | None = setting(
+        "Also draw the plan before training: the simulated timeline of one step next to its GPipe baseline's, and "
+        "every stage's estimated peak memory against the limit (PNG beside --out).",
+        fallback=False,
+    )
+    data: list[str] | None = setting(
+        "A Megatron corpus (PREFIX of .bin + .idx) the run trains on with its documents masked: each tile's "
+        "attention is priced by the context it is expected to attend, from the corpus's document lengths, instead "
+        "of the whole prefix. A mixture as train takes it: --data 0.7:web --data 0.3:code.",
+        shown="the whole prefix (full causal attention)",
+        metavar="[W:]CORPUS",
+    )
+    out: str | None = setting("Where to write the plan JSON.", short="-o", path=True, fallback="plan.json")
+    force: bool | None = setting("Overwrite --out even if it is not a plan.", fallback=False)
+    quiet: bool | None = setting("No progress line on stderr while the plan is searched.", short="-q", fallback=False)
+    tune: int | None = setting(
+        "Train the simulator's N best plans and the GPipe scheme a few steps each, in rounds, on this machine (the "
+        "profile's device, measured here) and write the measured fastest; the plan records predicted and measured "
+        "for each (plan.tune)."
+    )
+
+    def value(self, name: str):
+        """A field's value, or its fallback when left out."""
+        v = getattr(self, name)
+        return doc_of(next(f for f in fields(self) if f.name == name)).fallback if v is None else v
+
+
+def load_plan_options(path: Path) -> PlanOptions:
+    """`PlanOptions` from the ``[plan]`` table of a TOML file; paths in it are relative to the file."""
+    return PlanOptions(**read_table(PlanOptions, path, TABLE, what="plan setting"))
+
+
+def plan(*, config: Path | None, **settings) -> None:
+    """``terapipe plan``: the settings from ``--config`` with the flags given over them (`PlanOptions`)."""
+    from_file = load_plan_options(config) if config is not None else PlanOptions()
+    flags = {name: str(v) if isinstance(v, Path) else v for name, v in settings.items() if v is not None}
+    _plan(replace(from_file, **flags))
+
+
+def _plan(o: PlanOptions) -> None:
     # The search allocates and frees price arrays of tens of megabytes over and over; with glibc's defaults each
-    # comes back from the kernel as fresh pages. Kept for reuse: Llama 3 70B at K = 16 planned in 27.7 s of CPU
-    # instead of 31.2-35.6 (system time 4.1 s instead of 7.8-12.2), resident memory 3% higher (docs/results.md).
+    # comes back from the kernel as fresh pages: kept for reuse (engine/hostmem.py).
     retain_freed_memory()
     console = make_console()
-    _refuse_contradictions(recompute, no_recompute, layers_per_stage, partition)
+    if o.layers_per_stage is not None and o.partition is not None:
+        raise UserError(
+            f"--partition {o.partition} and --layers-per-stage contradict each other: the layers are given; leave "
+            "out --partition",
+            where="--layers-per-stage",
+        )
+    scheme, out = o.value("scheme"), Path(o.value("out"))
     if scheme not in SCHEMES:
         raise UserError(f"must be one of {', '.join(SCHEMES)}, got {scheme!r}", where="--scheme")
-    check_output_file(out, kind="plan", schema=PLAN_SCHEMA, force=force, example="plan.json")
-    picture = out.with_suffix(".png") if show else None
+    check_output_file(out, kind="plan", schema=PLAN_SCHEMA, force=o.value("force"), example="plan.json")
+    schedule_out = None if o.schedule_out is None else Path(o.schedule_out)
+    picture = out.with_suffix(".png") if o.value("show") else None
     for path, kind, example, flag in (
         (schedule_out, "schedule", "schedule.csv", "--schedule-out"),
         (picture, "picture", "plan.png", "--show"),
     ):
         if path is not None:
-            check_output_file(path, kind=kind, schema=None, force=force, example=example, flag=flag)
+            check_output_file(path, kind=kind, schema=None, force=o.value("force"), example=example, flag=flag)
     setting = setting_from_options(
-        profile=profile, experiment=experiment, stages=stages, batch_size=batch, data_parallel=data_parallel,
-        tensor_parallel=tensor_parallel, token_step=token_step,
+        profile=o.profile, experiment=o.experiment, stages=o.stages, batch_size=o.batch, data_parallel=o.data_parallel,
+        tensor_parallel=o.tensor_parallel, token_step=o.token_step,
     )  # fmt: skip
-    tuner = None if tune is None else _tuner(setting.profile, tune, scheme, data)  # refused before planning
-    counts = None if layers_per_stage is None else parse_layers(layers_per_stage)
+    tuner = None if o.tune is None else _tuner(setting.profile, o.tune, scheme, o.data)  # refused before planning
     request = setting.request(
-        seq_len=seq_len, epsilon=epsilon, method=method, memory_limit_gib=memory_limit, order=order,
-        recompute=True if recompute else False if no_recompute else None, rank=rank, virtual=virtual_stages,
-        layers_per_stage=counts, partition=partition or "auto",
+        seq_len=o.seq_len, epsilon=o.value("epsilon"), method=o.value("method"), memory_limit_gib=o.memory_limit,
+        order=o.value("order"), recompute=o.recompute, rank=o.value("rank"), virtual=o.value("virtual_stages"),
+        layers_per_stage=None if o.layers_per_stage is None else parse_layers(o.layers_per_stage),
+        partition=o.partition or "auto",
     )  # fmt: skip
-    if data is not None:
-        setting = replace(setting, profile=documents_priced(setting.profile, data, request.seq_len))
+    if o.data is not None:
+        setting = replace(setting, profile=documents_priced(setting.profile, o.data, request.seq_len))
     prof, r = setting.profile, request
     check_work(prof, r, available_memory_bytes())
     head = f"Planning {prof.model.name}: L={r.seq_len}, B={r.batch_size}, K={r.stages}, token step {r.token_step}"
-    with _progress_line(head, quiet) as progress:
+    with _progress_line(head, o.value("quiet")) as progress:
         configured = plan_configured(prof, request, progress)
         planned = replace(configured.planned, scheme=scheme)
-    tuned = None if tuner is None else tuner(configured, lambda p: _plan_object(p, setting), _told(quiet))
+    told = _told(o.value("quiet"))
+    tuned = None if tuner is None else tuner(configured, lambda p: _plan_object(p, setting), told)
     planned = planned if tuned is None else tuned.chosen.planned
+    _write_and_say(console, o, (request, configured, tuned), planned, setting, (out, schedule_out, picture))
+
+
+def _write_and_say(console, o: PlanOptions, searched, planned: Planned, setting: PlanSetting, paths) -> None:
+    """Write the plan file (and the schedule and picture asked for), then print its table and lines."""
+    (request, configured, tuned), (out, schedule_out, picture) = searched, paths
     schedule = planned.schedule()
     if picture is not None:
         with console.status("Drawing the plan's simulated timeline and memory …"):
@@ -298,16 +273,16 @@ def plan(
     write_plan(out, plan_obj)
     if schedule_out is not None:
         write_text_atomic(schedule_out, schedule.to_csv())
-
     console.print(_table(planned))
-    if show_schedule:
+    if o.value("show_schedule"):
         _print_schedule(console, schedule)
     _print_lines(console, planned, setting, out)
     if request.virtual is None or request.partition_mode == "auto" or configured.runner_up is not None:
         console.print(configured.line(), highlight=False)
     for line in [] if tuned is None else tuned.lines():
         console.print(line, highlight=False)
-    written = [p for p in (out, schedule_out, picture) if p is not None]
+    written = [p for p in paths if p is not None]
+    scheme = o.value("scheme")
     what = "" if scheme == "terapipe" else f" ({_NAMES[scheme]} {planned.chosen.short_form(fold=True)})"
     console.print("wrote " + " and ".join(f"[bold]{p}[/bold]" for p in written) + what, highlight=False)
 
@@ -348,18 +323,6 @@ def _progress_line(head: str, quiet: bool):
         return
     with console.status(head + " …") as status:
         yield lambda text: status.update(f"{head} — {text}")
-
-
-def _refuse_contradictions(recompute: bool, no_recompute: bool, layers: str | None, partition: str | None) -> None:
-    """Options that say opposite things, refused in one line rather than the last one silently winning."""
-    if recompute and no_recompute:
-        raise UserError("and --no-recompute contradict each other: give one of them, or neither", where="--recompute")
-    if layers is not None and partition is not None:
-        raise UserError(
-            f"--partition {partition} and --layers-per-stage contradict each other: the layers are given; leave out "
-            "--partition",
-            where="--layers-per-stage",
-        )
 
 
 def _print_lines(console, planned: Planned, setting: PlanSetting, out: Path) -> None:
@@ -554,4 +517,4 @@ def _within_reach(setting: PlanSetting) -> PlanSetting:
 
 
 def register(app: typer.Typer) -> None:
-    app.command("plan", help=HELP)(plan)
+    app.command("plan", help=HELP)(with_settings(plan, PlanOptions, option("config", config_option(TABLE), None)))

@@ -17,6 +17,8 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from terapipe_cli.config.bundled import load_toml
+from terapipe_cli.errors import UserError
 from terapipe_cli.files import Fields
 
 
@@ -36,6 +38,7 @@ class Doc:
     path: bool = False  # a file path: relative to the file that names it
     panel: str | None = None  # the group the option is listed under in ``--help``
     resume: str | None = None  # for a resumed run (config/run.py): "keep", "change", "layout" or "announce"
+    metavar: str | None = None  # how ``--help`` names the option's value (default: from its type)
 
     @property
     def shown_default(self) -> str | None:
@@ -193,6 +196,20 @@ def check_value(f: Fields, name: str, value: Any, kind: type, doc: Doc, base: Pa
             text = str(path if path.is_absolute() else base / path)
         return text
     return value
+
+
+def read_table(cls, path: Path, table: str, *, what: str = "setting") -> dict[str, Any]:
+    """The checked values of the ``[table]`` table of the TOML file ``path`` for ``cls``'s fields (`read_fields`;
+    paths relative to the file): the ``--config FILE`` of a command whose settings are ``cls``. A file with another
+    table, or without this one, is one line."""
+    data = load_toml(path, f"{table} config")
+    values = data.get(table)
+    if not isinstance(values, dict):
+        raise UserError(f"missing the [{table}] table", where=str(path))
+    extra = sorted(set(data) - {table})
+    if extra:
+        raise UserError(f"unknown table [{extra[0]}] (only [{table}] is read)", where=str(path))
+    return read_fields(cls, values, str(path), prefix=f"{table}.", what=what, base=path.parent)
 
 
 def to_toml(table: str, values: dict[str, Any], comments: dict[str, str] | None = None) -> str:
