@@ -28,7 +28,7 @@ PrecisionOption = Annotated[
 ]
 
 
-def config_option(table: str) -> object:
+def config_option(table: str, note: str = "keys: the options' names with underscores") -> object:
     """``--config FILE`` of a command whose settings are declared once (`settings_options`): a TOML file with a
     ``[table]`` table of them, keys as the options' names with underscores; flags given override it."""
     return Annotated[
@@ -36,8 +36,7 @@ def config_option(table: str) -> object:
         typer.Option(
             "--config",
             "-c",
-            help=f"A TOML file with a \\[{table}] table of these settings (keys: the options' names with underscores, "
-            "e.g. memory_limit = 40); flags given override it.",
+            help=f"A TOML file with a \\[{table}] table of these settings ({note}); flags given override it.",
             show_default=False,
         ),
     ]

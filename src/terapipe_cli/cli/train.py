@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from terapipe_cli.cli.console import ProgressBar, make_console
-from terapipe_cli.cli.options import option, with_settings
+from terapipe_cli.cli.options import config_option, option, with_settings
 from terapipe_cli.config.run import TABLE, LRSchedule, RunConfig, as_option, flag, load_run_config, run_fields
 from terapipe_cli.engine import require_torch
 from terapipe_cli.errors import UserError
@@ -134,16 +134,7 @@ def register(app: typer.Typer) -> None:
     app.command("train", help=HELP)(with_settings(train, RunConfig, *leading))
 
 
-ConfigOption = Annotated[
-    Path | None,
-    typer.Option(
-        "--config",
-        "-c",
-        help="A TOML file with a \\[train] table of these settings (a run folder's run.toml trains that run again); "
-        "flags given override it.",
-        show_default=False,
-    ),
-]
+ConfigOption = config_option(TABLE, "a run folder's run.toml trains that run again")
 ResumeOption = Annotated[
     bool, typer.Option("--resume", help="Continue the run in --out from its last complete checkpoint.")
 ]
