@@ -1,6 +1,10 @@
 """The memory estimate (plan/memory.py) against the bytes the runtime's StageRunner really keeps for its backward
 (`engine.stage.SavedBytes`), walked through each stage's schedule in one process, with the profile's activation size
-measured as `terapipe profile` measures it."""
+measured as `terapipe profile` measures it.
+
+The models are narrow (H = 64; the time goes into running every tile, in bf16 emulated on a CPU): the bytes kept per
+token grow with H alike in the estimate and in the count, so a term the estimate left out would be a like share of
+a stage's bytes at any width, and one that does not grow with H a larger one here."""
 
 from __future__ import annotations
 
@@ -109,7 +113,7 @@ CASES = [
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("name, slices, stages, order, recompute", CASES, ids=[c[0] for c in CASES])
 def test_the_estimate_is_within_ten_percent_of_the_bytes_kept(name, slices, stages, order, recompute, precision):
-    cfg = ModelConfig(name="mem", layers=6, hidden=128, heads=4, vocab=384, seq_len=256)
+    cfg = ModelConfig(name="mem", layers=6, hidden=64, heads=4, vocab=384, seq_len=256)
     prof = _measured_profile(cfg, precision)
     estimate = stage_memory(Schedule.build(slices, stages, order, recompute), prof)
     measured = _measured_peaks(cfg, slices, stages, order, recompute, precision)
@@ -125,7 +129,7 @@ def test_the_estimate_holds_with_the_vocabulary_split_over_two_tensor_ranks(
     """At T = 2 (each stage two ranks, threads), the embedding and the head split by vocabulary rows (V = 1025: the
     ranks hold 512 and 513 rows, and the logits dominate the last stage's bytes): the estimate of a vocab-parallel
     profile against the fullest rank's count."""
-    cfg = ModelConfig(name="mem", layers=6, hidden=128, heads=4, vocab=1025, seq_len=256)
+    cfg = ModelConfig(name="mem", layers=6, hidden=64, heads=4, vocab=1025, seq_len=256)
     prof = _measured_profile(cfg, precision, tensor_parallel=2)
     estimate = stage_memory(Schedule.build(slices, stages, order, recompute), prof)
     measured = _measured_peaks(cfg, slices, stages, order, recompute, precision, tensor_parallel=2)
@@ -137,7 +141,7 @@ def test_the_estimate_holds_with_the_vocabulary_split_over_two_tensor_ranks(
 def test_the_estimate_holds_for_zb_v_on_the_v(precision):
     """ZB-V: each device holds chunks k and 2K − 1 − k (device 0 the embedding and the head), every tile kept from
     its F to its W."""
-    cfg = ModelConfig(name="mem", layers=6, hidden=128, heads=4, vocab=384, seq_len=256)
+    cfg = ModelConfig(name="mem", layers=6, hidden=64, heads=4, vocab=384, seq_len=256)
     prof = _measured_profile(cfg, precision)
     slices, recompute = [(1, [128, 64, 64])] * 3 + [(2, [96, 96, 64])], [True, False, False, False, False, True]
     part = Partition((1, 1, 1, 1, 1, 1), 3, "v")
@@ -149,7 +153,7 @@ def test_the_estimate_holds_for_zb_v_on_the_v(precision):
 
 def test_the_memory_meter_can_fail():
     """Negative control: the meter sees what a tile keeps — a recomputed stage keeps far less than a plain one."""
-    cfg = ModelConfig(name="mem", layers=2, hidden=128, heads=4, vocab=384, seq_len=256)
+    cfg = ModelConfig(name="mem", layers=2, hidden=64, heads=4, vocab=384, seq_len=256)
     slices = [(1, [128, 128])]
     plain = _measured_peaks(cfg, slices, 1, "gpipe", [False], "fp32")[0]
     rerun = _measured_peaks(cfg, slices, 1, "gpipe", [True], "fp32")[0]
