@@ -379,3 +379,31 @@ def test_a_token_step_that_does_not_divide_the_sequence_is_refused_before_timing
     p = run_cli(capsys, "profile", "--model", "tiny", "--quick", "--token-step", "7", "--out", str(tmp_path / "p.json"))
     assert_one_line_error(p, "--token-step", "1024", "multiple of 7")
     assert not (tmp_path / "p.json").exists()
+
+
+def test_a_config_file_gives_the_profiles_settings_and_flags_override_it(tmp_path, capsys):
+    """``terapipe profile --config FILE``: a ``[profile]`` table of the options (paths relative to the file) makes
+    the profile the same flags make; a flag overrides the file; a key that is no option is one line naming the file
+    and the key, and nothing is written."""
+    hardware, model = ROOT / "configs/hardware/h100.toml", ROOT / "configs/models/tiny.toml"
+    flags = run_cli(capsys, "profile", "--analytic", "--hardware", hardware, "--model", model, "-t", 2,
+                    "--batch-sizes", "1,2", "--out", tmp_path / "flags.json")  # fmt: skip
+    assert flags.returncode == 0, flags.stderr
+    (tmp_path / "cfg").mkdir()
+    config = tmp_path / "cfg" / "profile.toml"
+    config.write_text(
+        f'[profile]\nanalytic = true\nhardware = "{hardware}"\nmodel = "{model}"\ntensor_parallel = 2\n'
+        'batch_sizes = "1,2"\nout = "file.json"\n'
+    )
+    by_file = run_cli(capsys, "profile", "--config", config)
+    assert by_file.returncode == 0, by_file.stderr
+    made = json.loads((tmp_path / "cfg" / "file.json").read_text())  # --out relative to the file
+    same = json.loads((tmp_path / "flags.json").read_text())
+    for key in ("forward_s", "backward_s", "context", "batch_sizes", "device", "model"):
+        assert made[key] == same[key], key
+    over = run_cli(capsys, "profile", "-c", config, "-t", 1, "--out", tmp_path / "t1.json")
+    assert over.returncode == 0 and json.loads((tmp_path / "t1.json").read_text())["device"]["tensor_parallel"] == 1
+    config.write_text("[profile]\nanalytik = true\n")
+    p = run_cli(capsys, "profile", "--config", config, "--out", tmp_path / "bad.json")
+    assert_one_line_error(p, "profile.toml", "profile.analytik", "not a profile setting")
+    assert not (tmp_path / "bad.json").exists()

@@ -14,19 +14,6 @@ import typer
 
 from terapipe_cli.config.fields import doc_of, field_types, flag_of
 
-# The one device rule behind it: `terapipe_cli.config.device.resolve_device`.
-DeviceOption = Annotated[str, typer.Option("--device", help="auto (CUDA when present), cpu or cuda.")]
-
-# The one precision rule behind it: `terapipe_cli.config.device.resolve_precision` (None: not given, the default).
-PrecisionOption = Annotated[
-    str | None,
-    typer.Option(
-        "--precision",
-        help="fp32, bf16 or fp16: bf16/fp16 compute under autocast with fp32 master weights.",
-        show_default="auto: bf16 on CUDA, fp32 on CPU",
-    ),
-]
-
 
 def config_option(table: str, note: str = "keys: the options' names with underscores") -> object:
     """``--config FILE`` of a command whose settings are declared once (`settings_options`): a TOML file with a
@@ -57,7 +44,9 @@ def settings_options(cls) -> list[inspect.Parameter]:
         option = typer.Option(
             *names, help=doc.help, show_default=doc.shown_default or False, rich_help_panel=doc.panel, metavar=metavar
         )
-        annotation = Annotated[(Path if doc.path else kind) | None, option]
+        listed = typing.get_origin(kind) is list
+        typed = (list[Path] if listed else Path) if doc.path else kind
+        annotation = Annotated[typed | None, option]
         params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=annotation))
     return params
 

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Annotated
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from terapipe_cli.cli.console import ProgressBar, make_console
-from terapipe_cli.cli.options import DeviceOption, PrecisionOption
+from terapipe_cli.cli.options import config_option, option, with_settings
+from terapipe_cli.config.device import device_setting, precision_setting
+from terapipe_cli.config.fields import doc_of, read_table, setting
 from terapipe_cli.files import write_json_atomic, write_text_atomic
 from terapipe_cli.plan.costmodel import profile_from_dict
 from terapipe_cli.plan.fit_quality import fit_warnings
@@ -45,144 +47,146 @@ Examples:
     terapipe profile --calibrate profile.json --hardware h100-fp32 --out h100-fp32-calibrated.toml
 
     terapipe profile --calibrate profile.json --calibrate tiles.csv --precision bf16 --hardware h100-bf16
+
+    terapipe profile --config profile.toml --quick   # the settings of its [profile] table (keys: the options' names)
 """  # noqa: E501
 
 
-def profile(
-    model: Annotated[
-        Path | None,
-        typer.Option(
-            "--model",
-            "-m",
-            help="The model: a TOML file, a bundled name (`terapipe configs`), or a transformers folder (Llama, "
-            "Mistral, GPT-2: its config.json is read).",
-        ),
-    ] = None,
-    batch_sizes: Annotated[
-        str | None,
-        typer.Option(
-            "--batch-sizes",
-            help=f"Batch-slice sizes to measure, comma-separated (default {options.DEFAULT_BATCH_SIZES}).",
-        ),
-    ] = None,
-    token_step: Annotated[
-        int, typer.Option("--token-step", "-g", help="Token slices are multiples of this (the profile's grid).")
-    ] = 8,
-    device: DeviceOption = "auto",
-    precision: PrecisionOption = None,
-    quick: Annotated[
-        bool,
-        typer.Option("--quick", help="Coarse grid, few repeats: about 30 s for the tiny model (10 min at L = 16384)."),
-    ] = False,
-    check: Annotated[
-        bool, typer.Option("--check", help="Also time tiles off the grids and compare with the profile's prediction.")
-    ] = False,
-    check_profile: Annotated[
-        Path | None,
-        typer.Option(
-            "--check-profile",
-            help="Check an existing profile (measured, or analytic for this device and precision) against direct "
-            "timings now; writes nothing.",
-        ),
-    ] = None,
-    no_comm: Annotated[
-        bool, typer.Option("--no-comm", help="Skip the torchrun link measurement (the profile records a free link).")
-    ] = False,
-    no_allreduce: Annotated[
-        bool,
-        typer.Option(
-            "--no-allreduce",
-            help="Skip the torchrun all-reduce measurement (the profile has no data_parallel_link; plans with "
-            "--data-parallel then leave the all-reduce out).",
-        ),
-    ] = False,
-    clock: Annotated[
-        str | None,
-        typer.Option(
-            "--clock",
-            help="CPU only: cpu (process CPU time: a stage owns its core, other processes' time is not its cost) "
-            "or wall (default cpu; with --check-profile, the profile's clock).",
-        ),
-    ] = None,
-    seed: Annotated[int, typer.Option("--seed", help="Seed of the weights and of the random tile choice.")] = 0,
-    analytic: Annotated[
-        bool, typer.Option("--analytic", help="Estimate from a hardware file instead of measuring (needs --hardware).")
-    ] = False,
-    hardware: Annotated[
-        Path | None,
-        typer.Option("--hardware", help="Hardware TOML for --analytic or --calibrate (configs/hardware/NAME.toml)."),
-    ] = None,
-    calibrate: Annotated[
-        list[Path] | None,
-        typer.Option(
-            "--calibrate",
-            help="Fit --hardware's dispatch floor and matrix-product efficiency to this measured profile (or CSV "
-            "tile table, with --precision) of the same device and precision; writes the calibrated hardware TOML. "
-            "Repeat to fit several files together.",
-        ),
-    ] = None,
-    tensor_parallel: Annotated[
-        int,
-        typer.Option(
-            "--tensor-parallel",
-            "-t",
-            help="Processes per stage T, splitting heads and the MLP: timed by T torchrun processes here, or "
-            "estimated with --analytic (GPUs per tensor-parallel group).",
-        ),
-    ] = 1,
-    out: Annotated[
-        Path | None,
-        typer.Option(
-            "--out",
-            "-o",
-            help="Where to write the profile JSON (with --calibrate: the hardware TOML).",
-            show_default="profile.json; with --calibrate, HARDWARE-calibrated.toml",
-        ),
-    ] = None,
-    force: Annotated[
-        bool, typer.Option("--force", help="Overwrite --out even if it is not a profile (--calibrate: any file).")
-    ] = False,
-    memory_trace: Annotated[
-        bool,
-        typer.Option(
-            "--memory-trace",
-            help="Also trace a stage's memory through the runtime's code on fake tensors (what a tile keeps and the "
-            "peaks of its actions, per stage kind; a CUDA profile with the caching allocator's blocks) and store it "
-            "for `terapipe plan`'s memory estimate (a minute or two on a CPU, whatever the model's size).",
-        ),
-    ] = False,
-) -> None:
+TABLE = "profile"  # a --config file's table of these settings
+
+
+@dataclass(frozen=True)
+class ProfileOptions:
+    """`terapipe profile`'s settings, each declared once: its flag (`cli.options.settings_options`), its key in a
+    ``--config`` file's ``[profile]`` table (paths relative to the file) and its help; what neither the flags nor the
+    file give takes the field's ``fallback`` (`value`)."""
+
+    model: str | None = setting(
+        "The model: a TOML file, a bundled name (`terapipe configs`), or a transformers folder (Llama, Mistral, GPT-2: "
+        "its config.json is read).",
+        short="-m",
+    )
+    batch_sizes: str | None = setting(
+        "Batch-slice sizes to measure, comma-separated.", fallback=None, shown=options.DEFAULT_BATCH_SIZES
+    )
+    token_step: int | None = setting("Token slices are multiples of this (the profile's grid).", short="-g", fallback=8)
+    device: str | None = device_setting()
+    precision: str | None = precision_setting("auto: bf16 on CUDA, fp32 on CPU")
+    quick: bool | None = setting(
+        "Coarse grid, few repeats: about 30 s for the tiny model (10 min at L = 16384).", fallback=False
+    )
+    check: bool | None = setting(
+        "Also time tiles off the grids and compare with the profile's prediction.", fallback=False
+    )
+    check_profile: str | None = setting(
+        "Check an existing profile (measured, or analytic for this device and precision) against direct timings now; "
+        "writes nothing.",
+        path=True,
+    )
+    comm: bool | None = setting(
+        "Measure the stage-to-stage link through torchrun (--no-comm: skip it; the profile records a free link).",
+        fallback=True,
+    )
+    allreduce: bool | None = setting(
+        "Measure the data-parallel all-reduce through torchrun (--no-allreduce: skip it; the profile has no "
+        "data_parallel_link, and plans with --data-parallel leave the all-reduce out).",
+        fallback=True,
+    )
+    clock: str | None = setting(
+        "CPU only: cpu (process CPU time: a stage owns its core, other processes' time is not its cost) or wall.",
+        choices=("cpu", "wall"),
+        shown="cpu; with --check-profile, the profile's clock",
+    )
+    seed: int | None = setting("Seed of the weights and of the random tile choice.", fallback=0)
+    analytic: bool | None = setting(
+        "Estimate from a hardware file instead of measuring (needs --hardware).", fallback=False
+    )
+    hardware: str | None = setting("Hardware TOML for --analytic or --calibrate (configs/hardware/NAME.toml).")
+    calibrate: list[str] | None = setting(
+        "Fit --hardware's dispatch floor and matrix-product efficiency to this measured profile (or CSV tile table, "
+        "with --precision) of the same device and precision; writes the calibrated hardware TOML. Repeat to fit "
+        "several files together.",
+        path=True,
+        metavar="FILE",
+    )
+    tensor_parallel: int | None = setting(
+        "Processes per stage T, splitting heads and the MLP: timed by T torchrun processes here, or estimated with "
+        "--analytic (GPUs per tensor-parallel group).",
+        short="-t",
+        fallback=1,
+    )
+    out: str | None = setting(
+        "Where to write the profile JSON (with --calibrate: the hardware TOML).",
+        short="-o",
+        path=True,
+        shown="profile.json; with --calibrate, HARDWARE-calibrated.toml",
+    )
+    force: bool | None = setting("Overwrite --out even if it is not a profile (--calibrate: any file).", fallback=False)
+    memory_trace: bool | None = setting(
+        "Also trace a stage's memory through the runtime's code on fake tensors (what a tile keeps and the peaks of "
+        "its actions, per stage kind; a CUDA profile with the caching allocator's blocks) and store it for `terapipe "
+        "plan`'s memory estimate (a minute or two on a CPU, whatever the model's size).",
+        fallback=False,
+    )
+
+    def value(self, name: str):
+        """A field's value, or its fallback when left out."""
+        v = getattr(self, name)
+        return doc_of(next(f for f in fields(self) if f.name == name)).fallback if v is None else v
+
+
+def profile(*, config: Path | None, **settings) -> None:
+    """``terapipe profile``: the settings from ``--config`` with the flags given over them (`ProfileOptions`)."""
+    from_file = ProfileOptions(**read_table(ProfileOptions, config, TABLE, what="profile setting")) if config else None
+    flags = {
+        name: [str(x) for x in v] if isinstance(v, list) else str(v) if isinstance(v, Path) else v
+        for name, v in settings.items()
+        if v is not None
+    }
+    _profile(replace(from_file or ProfileOptions(), **flags))
+
+
+def _profile(o: ProfileOptions) -> None:
     console = make_console()
-    if calibrate:
+    model = None if o.model is None else Path(o.model)
+    hardware = None if o.hardware is None else Path(o.hardware)
+    out = None if o.out is None else Path(o.out)
+    if o.calibrate:
         others = {
-            "--model": model is not None, "--analytic": analytic, "--check": check, "--quick": quick,
-            "--check-profile": check_profile is not None, "--batch-sizes": batch_sizes is not None,
-            "--tensor-parallel": tensor_parallel != 1, "--no-comm": no_comm, "--no-allreduce": no_allreduce,
+            "--model": model is not None, "--analytic": o.value("analytic"), "--check": o.value("check"),
+            "--quick": o.value("quick"), "--check-profile": o.check_profile is not None,
+            "--batch-sizes": o.batch_sizes is not None, "--tensor-parallel": o.value("tensor_parallel") != 1,
+            "--no-comm": not o.value("comm"), "--no-allreduce": not o.value("allreduce"),
         }  # fmt: skip
-        _calibrate(console, calibrate, hardware=hardware, precision=precision, out=out, force=force, others=others)
+        calibrated = [Path(c) for c in o.calibrate]
+        _calibrate(console, calibrated, hardware=hardware, precision=o.precision, out=out, force=o.value("force"),
+                   others=others)  # fmt: skip
         return
     out = out if out is not None else Path("profile.json")
-    if check_profile is not None:
-        _recheck(console, check_profile, device, precision, quick, seed, clock, model=model, analytic=analytic)
+    quick, seed, analytic = o.value("quick"), o.value("seed"), o.value("analytic")
+    if o.check_profile is not None:
+        _recheck(console, Path(o.check_profile), o.value("device"), o.precision, quick, seed, o.clock, model=model,
+                 analytic=analytic)  # fmt: skip
         return
-    cfg, sizes = options.model_to_profile(model, batch_sizes, out, force)
+    cfg, sizes = options.model_to_profile(model, o.batch_sizes, out, o.value("force"))
+    T, g = o.value("tensor_parallel"), o.value("token_step")
     if analytic:
         prof = options.analytic_request(
-            cfg, hardware=hardware, tensor_parallel=tensor_parallel, batch_sizes=sizes, token_step=token_step,
-            check=check, quick=quick, no_comm=no_comm, no_allreduce=no_allreduce, precision=precision,
+            cfg, hardware=hardware, tensor_parallel=T, batch_sizes=sizes, token_step=g, check=o.value("check"),
+            quick=quick, no_comm=not o.value("comm"), no_allreduce=not o.value("allreduce"), precision=o.precision,
         )  # fmt: skip
         prof["model_source"] = options.model_source(model)  # for the advice to profile it again
-        if memory_trace:
+        if o.value("memory_trace"):
             _trace_memory(console, prof, cfg)
         _write(console, out, prof)
         return
     settings, dev = options.measurement_request(
-        cfg, batch_sizes=sizes, token_step=token_step, device=device, quick=quick, check=check, seed=seed,
-        clock=clock, hardware=hardware, tensor_parallel=tensor_parallel, precision=precision,
+        cfg, batch_sizes=sizes, token_step=g, device=o.value("device"), quick=quick, check=o.value("check"),
+        seed=seed, clock=o.clock, hardware=hardware, tensor_parallel=T, precision=o.precision,
     )  # fmt: skip
-    measure = {"measure_comm": not no_comm, "measure_allreduce": not no_allreduce, "tensor_parallel": tensor_parallel}
+    measure = {"measure_comm": o.value("comm"), "measure_allreduce": o.value("allreduce"), "tensor_parallel": T}
     source = options.model_source(model)
-    _measure(console, cfg, settings, dev, measure, out=out, memory_trace=memory_trace, model_source=source)
+    _measure(console, cfg, settings, dev, measure, out=out, memory_trace=o.value("memory_trace"), model_source=source)
 
 
 def _trace_memory(console: Console, prof: dict, cfg) -> None:
@@ -416,4 +420,5 @@ def _render_calibration(console: Console, result, measured: str) -> None:
 
 
 def register(app: typer.Typer) -> None:
-    app.command("profile", help=HELP)(profile)
+    command = with_settings(profile, ProfileOptions, option("config", config_option(TABLE), None))
+    app.command("profile", help=HELP)(command)

@@ -14,6 +14,26 @@ DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
+def device_setting(**doc):
+    """The ``--device`` setting, declared once for every command that takes one (`config.fields.setting`)."""
+    from terapipe_cli.config.fields import setting
+
+    return setting("auto (CUDA when present), cpu or cuda.", choices=DEVICES, fallback="auto", **doc)
+
+
+def precision_setting(shown: str, **doc):
+    """The ``--precision`` setting, declared once for every command that takes one; ``shown``: its default in words
+    (the plan's, the device's)."""
+    from terapipe_cli.config.fields import setting
+
+    return setting(
+        "fp32, bf16 or fp16: bf16/fp16 compute under autocast with fp32 master weights.",
+        choices=("auto", *PRECISIONS),
+        shown=shown,
+        **doc,
+    )
+
+
 def resolve_device(name: str) -> str:
     """``auto`` is CUDA when PyTorch sees a GPU, else the CPU; ``cuda`` without a GPU is a user error.
 

@@ -175,6 +175,8 @@ def check_value(f: Fields, name: str, value: Any, kind: type, doc: Doc, base: Pa
     if typing.get_origin(kind) is list:  # a list of strings (a repeatable option)
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise f.fail(name, f"must be a list of strings, got {value!r}")
+        if doc.path and base is not None:  # a list of files, each relative to the file that names it
+            return [str(Path(v).expanduser() if Path(v).expanduser().is_absolute() else base / v) for v in value]
         return list(value)
     if kind is bool:
         if not isinstance(value, bool):

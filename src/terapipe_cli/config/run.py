@@ -34,7 +34,7 @@ from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
 from terapipe_cli.config.bundled import load_toml
-from terapipe_cli.config.device import DEVICES, PRECISIONS
+from terapipe_cli.config.device import PRECISIONS, device_setting, precision_setting
 from terapipe_cli.config.fields import (
     Doc,
     component_of,
@@ -253,13 +253,7 @@ class RunConfig:
         panel=OPTIMIZER,
         resume="keep",
     )
-    precision: str | None = setting(
-        "fp32, bf16 or fp16: bf16/fp16 compute under autocast with fp32 master weights.",
-        choices=("auto", *PRECISIONS),
-        shown="the plan's",
-        panel=OPTIMIZER,
-        resume="announce",
-    )
+    precision: str | None = precision_setting("the plan's", panel=OPTIMIZER, resume="announce")
     accept_precision: bool | None = setting(
         "Train at --precision even though the plan was profiled at another (its predicted times do not hold).",
         fallback=False,
@@ -276,9 +270,7 @@ class RunConfig:
         panel=LAYOUT,
         resume="layout",
     )
-    device: str | None = setting(
-        "auto (CUDA when present), cpu or cuda.", choices=DEVICES, fallback="auto", panel=LAYOUT, resume="change"
-    )
+    device: str | None = device_setting(panel=LAYOUT, resume="change")
     threads: int | None = setting("CPU threads per worker.", minimum=1, fallback=1, panel=LAYOUT, resume="change")
     timeout_s: float | None = setting(
         "Limit on every distributed wait (seconds).", positive=True, fallback=120.0, panel=LAYOUT, resume="change"
