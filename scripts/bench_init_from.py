@@ -38,6 +38,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "tests"))  # local_world: the tests' ranks as threads of one process
 LOCK = "/tmp/terapipe-cpu.lock"
 SEQ_LEN = 64
 STAGES = 2
@@ -95,10 +96,10 @@ def measure_rank(source: str, plan_path: str, stage: int) -> dict:
     import gc
 
     import torch
+    from local_world import LocalWorld, local_comms  # tests/: ranks as threads of this process
 
     from terapipe_cli.config.run import RunArguments
     from terapipe_cli.engine.data import load_data
-    from terapipe_cli.engine.local import LocalWorld, local_comms
     from terapipe_cli.engine.mesh import Layout
     from terapipe_cli.engine.trainer import Trainer
     from terapipe_cli.plan.file import read_plan

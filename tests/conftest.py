@@ -238,10 +238,11 @@ def local_setup(
 
 
 def train_locally(setup: LocalSetup, schedule=None, **world):
-    """Train ``setup`` with every rank a thread of this process (`engine.local.train_in_process`): the workers'
+    """Train ``setup`` with every rank a thread of this process (`local_world.train_in_process`): the workers'
     own trainer, executor and collectives (``world``: `train_in_process`'s rules and group_of). Returns the
-    `engine.local.LocalRun`."""
-    from terapipe_cli.engine.local import train_in_process
+    `local_world.LocalRun`."""
+    from local_world import train_in_process
+
     from terapipe_cli.plan.schedule import Schedule
 
     schedule = schedule if schedule is not None else Schedule.of_plan(setup.plan)

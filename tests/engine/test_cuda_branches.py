@@ -6,7 +6,7 @@ takes, so a GPU run has kernels and speed left to check, not arithmetic (docs/st
   grouped-query attention (and fp32 CUDA's expansion of the grouped key/value heads);
 - the fused AdamW kernel the CUDA optimizer takes instead of the multi-tensor one;
 - NCCL's pairing of messages (tags ignored, the n-th send meeting the n-th receive, the messages between two ranks
-  in issue order on one stream per process group), which no CPU process group has: `engine.local`'s NCCL rules run
+  in issue order on one stream per process group), which no CPU process group has: `local_world`'s NCCL rules run
   the workers' own executor under them, for every schedule order, interleaved chunks, D and T;
 - the host-memory copies of stages that share a GPU (gloo), forced on the CPU between two real processes.
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import local_setup, verify_locally
+from local_world import LocalWorld
 from test_tensor_parallel import shard_and_gather
 from test_trainer import FAMILIES
 
 from terapipe_cli.config.model import ModelConfig
-from terapipe_cli.engine.local import LocalWorld
 from terapipe_cli.engine.model import GPT2, build_model
 from terapipe_cli.engine.tensor import ColumnParallelLinear, RowParallelLinear, TensorGroup, shard_module, split_of
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import local_setup, train_locally, verify_locally
+from local_world import LocalWorld, local_comms
 from test_trainer import FAMILIES
 
 from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.engine.llama import LlamaAttention
-from terapipe_cli.engine.local import LocalWorld, local_comms
 from terapipe_cli.engine.mesh import Layout
 from terapipe_cli.engine.trainer import Trainer
 from terapipe_cli.plan.schedule import Schedule

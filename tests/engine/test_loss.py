@@ -1,6 +1,6 @@
 """The chunked LM head and cross-entropy (engine/loss.py): a tile's head and loss run a few tokens at a time, forward
 and backward, and give the unchunked computation's losses and every gradient — through the workers' own trainer
-(every rank a thread, `engine.local`), for both architectures, fp32 and bf16, the vocabulary split over two tensor
+(every rank a thread, `local_world`), for both architectures, fp32 and bf16, the vocabulary split over two tensor
 ranks, tied embeddings across stages, packed documents, recomputation and ZB-H1's split backward. ``--verify`` passes
 with a chunk smaller than a tile, and fails when one chunk's gradient is dropped."""
 

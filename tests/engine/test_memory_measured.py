@@ -13,9 +13,9 @@ from dataclasses import replace
 import pytest
 import torch
 from conftest import ROOT
+from local_world import LocalWorld
 
 from terapipe_cli.config.model import ModelConfig
-from terapipe_cli.engine.local import LocalWorld
 from terapipe_cli.engine.stage import StageRunner
 from terapipe_cli.engine.tensor import TensorGroup
 from terapipe_cli.plan.costmodel import read_profile
@@ -28,7 +28,7 @@ PROFILE = read_profile(ROOT / "configs" / "profiles" / "tiny-cpu-measured.json")
 
 
 def _on_tensor_ranks(tensor_parallel: int, fn):
-    """``fn(tp)`` on each of T tensor ranks (threads, `engine.local`), or ``fn(None)`` with T = 1; the results."""
+    """``fn(tp)`` on each of T tensor ranks (threads, `local_world`), or ``fn(None)`` with T = 1; the results."""
     if tensor_parallel == 1:
         return [fn(None)]
     world = LocalWorld(tensor_parallel)

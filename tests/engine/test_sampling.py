@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import local_setup, verify_locally
+from local_world import LocalWorld, local_comms
 
 from terapipe_cli.engine.data import (
     Mixture,
@@ -20,7 +21,6 @@ from terapipe_cli.engine.data import (
     step_windows,
     window_offsets,
 )
-from terapipe_cli.engine.local import LocalWorld, local_comms
 from terapipe_cli.engine.mesh import Layout
 from terapipe_cli.engine.trainer import Trainer
 from terapipe_cli.plan.schedule import Schedule

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import assert_one_line_error, run_cli, tiny_model, write_plan_file
+from local_world import LocalWorld
 
 from terapipe_cli.config.model import vocab_rows
 from terapipe_cli.engine.comm import DistGroup
-from terapipe_cli.engine.local import LocalWorld
 from terapipe_cli.engine.mesh import Layout
 from terapipe_cli.engine.model import GPT, token_loss_sum
 from terapipe_cli.engine.tensor import (

@@ -1,5 +1,5 @@
 """Pipelined training equals single-device training, checked in one process through the workers' own code: every
-rank of a D × K × T layout is a thread (`engine.local`) running the same `Trainer` (executor, collectives, update)
+rank of a D × K × T layout is a thread (`local_world`) running the same `Trainer` (executor, collectives, update)
 the torchrun workers run, compared by ``--verify``'s own comparison (`train.verify`) with the single-device
 reference. Every scheme family, schedule order, partition, precision and parallelism; each negative control must
 fail the same check. The torchrun tier (train/test_torchrun.py) runs a few of these through real processes."""
@@ -279,7 +279,8 @@ def test_a_trainer_continued_from_its_state_takes_the_same_steps(args, fields):
     """What --resume relies on: a stage's whole state (`Trainer.full_state`, gathered from its tensor ranks — the
     embedding's and the head's rows of the vocabulary too, with their Adam moments —, with fp16's loss scale; every
     chunk of an interleaved stage) loaded into new trainers continues the run to the same losses."""
-    from terapipe_cli.engine.local import LocalWorld, local_comms
+    from local_world import LocalWorld, local_comms
+
     from terapipe_cli.engine.mesh import Layout
     from terapipe_cli.engine.trainer import Trainer
 

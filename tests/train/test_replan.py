@@ -11,8 +11,8 @@ import json
 import pytest
 import torch
 from conftest import LocalSetup, local_setup, run_cli, terapipe, tiny_model, train_locally, write_plan_file
+from local_world import LocalWorld, local_comms
 
-from terapipe_cli.engine.local import LocalWorld, local_comms
 from terapipe_cli.engine.mesh import Layout
 from terapipe_cli.engine.trainer import Trainer
 from terapipe_cli.files import write_json_atomic

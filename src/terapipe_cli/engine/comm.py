@@ -1,5 +1,5 @@
 """What a rank says to the others, behind two small interfaces, so the engine runs the same code between
-torchrun processes and between threads of one process (`engine.local`, for tests):
+torchrun processes and between threads of one process (the tests' tests/local_world.py):
 
 * `Group` — the collectives of a set of ranks: ``all_reduce`` (in place: sum, max or min), ``all_reduce_start``
   (a sum started now and waited for later: a chunk's data-parallel gradient sum overlaps the rest of the step) and

@@ -1,6 +1,6 @@
 """The executor: one stage walks its actions of a schedule (`plan.schedule.Schedule`) for one step — the object
 torchtitan's trainer calls as ``pp_schedule.step(...)``. It knows the schedule and a `comm.Link`, nothing else: the
-same walk runs between torchrun processes (`engine.p2p.Links`) and between threads (`engine.local`).
+same walk runs between torchrun processes (`engine.p2p.Links`) and between threads (the tests' tests/local_world.py).
 
 A step pre-posts the receives of the activations of every tile this stage runs forward, then runs the actions in
 the schedule's order through the `StageRunner` (forward: wait for the activation, run, send it on; backward: wait
@@ -18,7 +18,8 @@ runs its tiles in (a hand-written schedule may differ from stage to stage).
 Receives are posted in the order the neighbour sends, read from the neighbour's own actions in the schedule. gloo
 pairs a send with a receive by tag, so there the order only has to be some order; NCCL ignores tags and pairs the
 n-th send of one rank to another with the n-th receive posted there (pytorch#94819), so a receive posted out of the
-sender's order would take another tile's tensor. `engine.local` runs the executor under NCCL's rules on the CPU.
+sender's order would take another tile's tensor. The tests run the executor under NCCL's rules on the CPU
+(tests/local_world.py).
 """
 
 from __future__ import annotations

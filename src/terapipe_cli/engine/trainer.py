@@ -8,7 +8,7 @@ then one small all-reduce over all ranks that both sums the step's loss and serv
 next step on every rank together.
 
 A trainer talks to the other ranks only through `Comms` — `torch.distributed` between torchrun processes
-(`train.worker`), threads of one process in the tests (`engine.local`) — so the workers' own code is what the
+(`train.worker`), threads of one process in the tests (tests/local_world.py) — so the workers' own code is what the
 tests run. The worker adds everything around it: start-up, checkpoints, records.
 """
 
