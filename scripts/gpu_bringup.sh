@@ -18,7 +18,7 @@
 # Without CUDA (torch.cuda.is_available() False) the same steps run the same commands with --device cpu on the
 # tiny models at L = 32-64, the ones cut here narrowed to H = 128 (a dry run: tests/cli/test_gpu_bringup.py runs it,
 # about 2 minutes on two cores, most of it the processes that start PyTorch, ~4-6 s of CPU each), and the table says
-# "no CUDA". Steps whose commands another step runs with other numbers (verify-k2-shared, verify-k2-v2,
+# "no CUDA". Steps whose commands another step runs with other numbers (verify-k2-shared, verify-k2-v2, t2-shared,
 # bench-llama-long) are skipped in the dry run. Python: $PYTHON, else .venv/bin/python when there is one, else python3; the package from
 # src/ through PYTHONPATH, so nothing needs installing (the GPU machines have no .venv and perhaps no pytest).
 #
@@ -236,6 +236,8 @@ step_reference() {
 result_reference() { line reference "$SCRATCH/reference.md"; }
 
 step_t2_shared() {
+    # Without CUDA: verify-k1's command with --tensor-parallel 2, which verifies through torchrun in the test suite.
+    ((CUDA)) || skip "no CUDA: verify-k1's command at T = 2; T = 2 is verified on the CPU by the test suite (tests/train)"
     local run=$SCRATCH/t2 rc
     tp plan --profile "$TINY_PROFILE" --stages 1 --batch 2 --seq-len "$VERIFY_L" --out "$run.plan.json" || return
     tp train --plan "$run.plan.json" --tensor-parallel 2 --steps "$VERIFY_STEPS" --verify --device "$DEVICE" \
