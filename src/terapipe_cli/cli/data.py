@@ -114,6 +114,11 @@ def tokenize(
             with contextlib.suppress(OSError):
                 prefix.parent.rmdir()
         raise
+    _print_summary(console, summary, tok, prefix)
+
+
+def _print_summary(console, summary, tok, prefix: Path) -> None:
+    """The corpus written: its documents, tokens, largest id, per-document template, tokenizer copy and speed."""
     table = Table(title=f"corpus {prefix}", show_header=False)
     rate = summary.input_bytes / summary.seconds / 1e6 if summary.seconds > 0 else 0.0
     rows = [

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+import inspect
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated
 
@@ -10,7 +11,8 @@ import typer
 from rich.table import Table
 
 from terapipe_cli.cli.console import make_console
-from terapipe_cli.config.fields import out_of_bounds
+from terapipe_cli.cli.options import option, with_settings
+from terapipe_cli.config.fields import out_of_bounds, setting
 from terapipe_cli.config.run import TABLE, RunConfig, flag, load_run_config, run_fields
 from terapipe_cli.engine.mesh import Layout
 from terapipe_cli.errors import UserError
@@ -49,134 +51,115 @@ def _passed(name: str) -> str:
     return f"Passed to `terapipe train`: {_DOCS[name].help}"
 
 
-def launch_script(
-    plan: Annotated[Path, typer.Argument(help="Plan JSON from `terapipe plan`.", show_default=False)],
-    nodes: Annotated[int, typer.Option("--nodes", "-n", help="Machines N.", show_default=False)],
-    gpus_per_node: Annotated[
-        int,
-        typer.Option(
-            "--gpus-per-node", "-g", help="Processes (GPUs) per machine G; N × G = D × K × T.", show_default=False
-        ),
-    ],
-    slurm: Annotated[bool, typer.Option("--slurm", help="Also write launch.sbatch, for `sbatch`.")] = False,
-    rdzv_endpoint: Annotated[
-        str | None,
-        typer.Option(
-            "--rdzv-endpoint",
-            help="HOST:PORT of the rendezvous on node 0, as the other nodes reach it (required without --slurm).",
-            show_default=f"with --slurm: the allocation's first host, port {cluster.JOB_PORT}",
-        ),
-    ] = None,
-    run_out: Annotated[
-        Path | None,
-        typer.Option(
-            "--run-out", help="The run folder the nodes train into (train's --out).", show_default="runs/PLAN"
-        ),
-    ] = None,
-    out: Annotated[
-        Path | None,
-        typer.Option("--out", "-o", help="The folder the scripts are written to.", show_default="launch-PLAN"),
-    ] = None,
-    config: Annotated[
-        Path | None,
-        typer.Option(
-            "--config",
-            "-c",
-            help="Passed to `terapipe train`: a TOML file of its settings (a \\[train] table); its data-parallel and "
-            "tensor-parallel degrees, when set, count in D × K × T.",
-            show_default=False,
-        ),
-    ] = None,
-    steps: Annotated[int | None, typer.Option("--steps", help=_passed("steps"), show_default=False)] = None,
-    device: Annotated[str | None, typer.Option("--device", help=_passed("device"), show_default=False)] = None,
-    precision: Annotated[
-        str | None,
-        typer.Option("--precision", help=_passed("precision"), show_default="the --config file's, else the plan's"),
-    ] = None,
-    rdzv_timeout_s: Annotated[
-        float | None, typer.Option("--rdzv-timeout", help=_passed("rdzv_timeout_s"), show_default=False)
-    ] = None,
-    grace_s: Annotated[
-        float | None,
-        typer.Option(
-            "--grace-s",
-            help=f"{_passed('grace_s')} With --slurm, Slurm warns the job (SIGUSR1) this long, one predicted step and "
-            f"{cluster.STOP_MARGIN_S} s before --time.",
-            show_default=f"the --config file's, else {_DOCS['grace_s'].shown_default}",
-        ),
-    ] = None,
-    time: Annotated[
-        str | None,
-        typer.Option(
-            "--time", help="Slurm's time limit of the job: minutes (90), HH:MM:SS or D-HH:MM:SS.", show_default=False
-        ),
-    ] = None,
-    partition: Annotated[str | None, typer.Option("--partition", help="Slurm partition.", show_default=False)] = None,
-    account: Annotated[str | None, typer.Option("--account", help="Slurm account charged.", show_default=False)] = None,
-    cpus_per_task: Annotated[
-        int | None,
-        typer.Option(
-            "--cpus-per-task",
-            help="Slurm CPUs per node: each worker's compute threads and one for its communication.",
-            show_default="G × (threads + 1)",
-        ),
-    ] = None,
-    terapipe: Annotated[
-        str,
-        typer.Option("--terapipe", help="The command that runs terapipe on the nodes, e.g. 'python -m terapipe_cli'."),
-    ] = "terapipe",
-    force: Annotated[bool, typer.Option("--force", help="Replace the scripts in --out written earlier.")] = False,
-) -> None:
-    # Everything is checked before anything is written.
-    program = cluster.parse_program(terapipe)
-    endpoint = None if rdzv_endpoint is None else cluster.parse_endpoint(rdzv_endpoint)
-    if endpoint is None and not slurm:
+@dataclass(frozen=True)
+class LaunchOptions:
+    """`terapipe launch-script`'s options, each declared once (`cli.options.settings_options`): its own, and the
+    settings it passes to every node's `terapipe train`, with train's help (`run_fields`)."""
+
+    nodes: int | None = setting("Machines N (required).", short="-n")
+    gpus_per_node: int | None = setting("Processes (GPUs) per machine G; N × G = D × K × T (required).", short="-g")
+    slurm: bool | None = setting("Also write launch.sbatch, for `sbatch`.", fallback=False)
+    rdzv_endpoint: str | None = setting(
+        "HOST:PORT of the rendezvous on node 0, as the other nodes reach it (required without --slurm).",
+        shown=f"with --slurm: the allocation's first host, port {cluster.JOB_PORT}",
+    )
+    run_out: str | None = setting("The run folder the nodes train into (train's --out).", shown="runs/PLAN", path=True)
+    out: str | None = setting("The folder the scripts are written to.", short="-o", shown="launch-PLAN", path=True)
+    config: str | None = setting(
+        "Passed to `terapipe train`: a TOML file of its settings (a \\[train] table); its data-parallel and "
+        "tensor-parallel degrees, when set, count in D × K × T.",
+        short="-c",
+        path=True,
+    )
+    steps: int | None = setting(_passed("steps"))
+    device: str | None = setting(_passed("device"))
+    precision: str | None = setting(_passed("precision"), shown="the --config file's, else the plan's")
+    rdzv_timeout_s: float | None = setting(_passed("rdzv_timeout_s"), flag="--rdzv-timeout")
+    grace_s: float | None = setting(
+        f"{_passed('grace_s')} With --slurm, Slurm warns the job (SIGUSR1) this long, one predicted step and "
+        f"{cluster.STOP_MARGIN_S} s before --time.",
+        shown=f"the --config file's, else {_DOCS['grace_s'].shown_default}",
+    )
+    time: str | None = setting("Slurm's time limit of the job: minutes (90), HH:MM:SS or D-HH:MM:SS.")
+    partition: str | None = setting("Slurm partition.")
+    account: str | None = setting("Slurm account charged.")
+    cpus_per_task: int | None = setting(
+        "Slurm CPUs per node: each worker's compute threads and one for its communication.",
+        shown="G × (threads + 1)",
+    )
+    terapipe: str | None = setting(
+        "The command that runs terapipe on the nodes, e.g. 'python -m terapipe_cli'.", fallback="terapipe"
+    )
+    force: bool | None = setting("Replace the scripts in --out written earlier.", fallback=False)
+
+
+def launch_script(*, plan: Path, **options) -> None:
+    """Everything is checked before anything is written."""
+    o = LaunchOptions(**{k: str(v) if isinstance(v, Path) else v for k, v in options.items()})
+    for value, where, what in ((o.nodes, "--nodes", "the machines N"), (o.gpus_per_node, "--gpus-per-node", "G")):
+        if value is None:
+            raise UserError(f"is required ({what})", where=where)
+    program = cluster.parse_program("terapipe" if o.terapipe is None else o.terapipe)
+    endpoint = None if o.rdzv_endpoint is None else cluster.parse_endpoint(o.rdzv_endpoint)
+    if endpoint is None and not o.slurm:
         raise UserError(
             "required without --slurm: HOST:PORT of node 0, as the other nodes reach it", where="--rdzv-endpoint"
         )
-    passed = RunConfig(steps=steps, device=device, rdzv_timeout_s=rdzv_timeout_s, precision=precision, grace_s=grace_s)
+    passed = RunConfig(steps=o.steps, device=o.device, rdzv_timeout_s=o.rdzv_timeout_s, precision=o.precision,
+                       grace_s=o.grace_s)  # fmt: skip
     _check_settings(passed)
-    if cpus_per_task is not None and cpus_per_task < 1:
-        raise UserError(f"must be at least 1, got {cpus_per_task}", where="--cpus-per-task")
-    time = None if time is None else cluster.parse_time(time)
-    partition = None if partition is None else cluster.parse_slurm_name(partition, "--partition")
-    account = None if account is None else cluster.parse_slurm_name(account, "--account")
-    if not slurm and (time, partition, account) != (None, None, None):
-        given = next(f for f, v in (("--time", time), ("--partition", partition), ("--account", account)) if v)
-        raise UserError("is for the sbatch file: add --slurm", where=given)
+    slurm_options = _slurm_options(o)
+    config = None if o.config is None else Path(o.config)
     from_file = load_run_config(config) if config is not None else RunConfig()
     the_plan = read_plan(plan)
-    layout = cluster.run_layout(the_plan, from_file, nodes=nodes, where=str(config))
+    layout = cluster.run_layout(the_plan, from_file, nodes=o.nodes, where=str(config))
     passed = replace(passed, precision=_node_precision(the_plan, passed, from_file, config))
-    cluster.check_layout(layout, nodes, gpus_per_node)
-    out = out if out is not None else Path(f"launch-{plan.stem}")
-    cluster.check_out_folder(out, force=force)
+    cluster.check_layout(layout, o.nodes, o.gpus_per_node)
+    out = Path(o.out) if o.out is not None else Path(f"launch-{plan.stem}")
+    cluster.check_out_folder(out, force=bool(o.force))
 
     settings = [("--config", str(config.resolve()))] if config is not None else []
     settings += [(flag(name), str(value)) for name, value in passed.given().items()]
     command = cluster.TrainCommand(
         program=program,
         plan=str(plan.resolve()),
-        nnodes=nodes,
+        nnodes=o.nodes,
         rdzv_endpoint=endpoint,
-        out=str((run_out if run_out is not None else Path("runs") / plan.stem).absolute()),
+        out=str((Path(o.run_out) if o.run_out is not None else Path("runs") / plan.stem).absolute()),
         settings=tuple(settings),
     )
-    job = None
-    if slurm:
-        on_gpus = cluster.runs_on_gpus(the_plan, passed.device or from_file.value("device"))
-        job = cluster.SlurmJob(
-            name=f"terapipe-{plan.stem}",
-            cpus_per_task=cpus_per_task or gpus_per_node * (from_file.value("threads") + 1),
-            gpus_per_node=gpus_per_node if on_gpus else 0,
-            warn_s=cluster.warn_seconds(the_plan, passed.grace_s or from_file.value("grace_s")),
-            time=time,
-            partition=partition,
-            account=account,
-        )
-    files = cluster.launch_files(command, layout, gpus_per_node=gpus_per_node, slurm=job)
+    job = _slurm_job(o, slurm_options, plan, the_plan, passed, from_file) if o.slurm else None
+    files = cluster.launch_files(command, layout, gpus_per_node=o.gpus_per_node, slurm=job)
     written = cluster.write_launch_folder(out, files)
-    _render(command, layout, gpus_per_node, out, written, slurm)
+    _render(command, layout, o.gpus_per_node, out, written, o.slurm)
+
+
+def _slurm_options(o: LaunchOptions) -> tuple:
+    """--time, --partition and --account checked (and --cpus-per-task): they are for the sbatch file only."""
+    if o.cpus_per_task is not None and o.cpus_per_task < 1:
+        raise UserError(f"must be at least 1, got {o.cpus_per_task}", where="--cpus-per-task")
+    time = None if o.time is None else cluster.parse_time(o.time)
+    partition = None if o.partition is None else cluster.parse_slurm_name(o.partition, "--partition")
+    account = None if o.account is None else cluster.parse_slurm_name(o.account, "--account")
+    if not o.slurm and (time, partition, account) != (None, None, None):
+        given = next(f for f, v in (("--time", time), ("--partition", partition), ("--account", account)) if v)
+        raise UserError("is for the sbatch file: add --slurm", where=given)
+    return time, partition, account
+
+
+def _slurm_job(o: LaunchOptions, slurm_options: tuple, plan: Path, the_plan: Plan, passed, from_file):
+    """The sbatch file's job: GPUs only for a GPU run, CPUs per task, the warning ahead of --time."""
+    time, partition, account = slurm_options
+    on_gpus = cluster.runs_on_gpus(the_plan, passed.device or from_file.value("device"))
+    return cluster.SlurmJob(
+        name=f"terapipe-{plan.stem}",
+        cpus_per_task=o.cpus_per_task or o.gpus_per_node * (from_file.value("threads") + 1),
+        gpus_per_node=o.gpus_per_node if on_gpus else 0,
+        warn_s=cluster.warn_seconds(the_plan, passed.grace_s or from_file.value("grace_s")),
+        time=time,
+        partition=partition,
+        account=account,
+    )
 
 
 def _check_settings(passed: RunConfig) -> None:
@@ -234,5 +217,9 @@ def _render(command: cluster.TrainCommand, layout: Layout, gpus_per_node: int, o
         console.print("start node-I.sh on machine I, in any order: node 0 hosts the rendezvous", markup=False)
 
 
+PlanArgument = Annotated[Path, typer.Argument(help="Plan JSON from `terapipe plan`.", show_default=False)]
+
+
 def register(app: typer.Typer) -> None:
-    app.command("launch-script", help=HELP)(launch_script)
+    command = with_settings(launch_script, LaunchOptions, option("plan", PlanArgument, inspect.Parameter.empty))
+    app.command("launch-script", help=HELP)(command)
