@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from terapipe_cli.plan.orders import DEFAULT_ORDER, order_of
 from terapipe_cli.units import format_bytes, format_seconds, format_stages
 
 NO_BASELINE = "No baseline was run (--no-baseline): no speed-up, and no loss comparison."
@@ -25,8 +26,9 @@ def shape(report: dict) -> str:
     schedule order and recomputation when not the defaults (``, 1F1B order, recomputed on stages 0, 1``)."""
     r = report["run"]
     text = f"D={r['data_parallel']}, K={r['stages']}, T={r['tensor_parallel']}, B={r['batch_size']}, L={r['seq_len']}"
-    if r.get("order", "gpipe") != "gpipe":
-        text += f", {r['order'].upper()} order"
+    order = order_of(r.get("order") or DEFAULT_ORDER.name)
+    if order is not DEFAULT_ORDER:
+        text += f", {order.title}"
     if any(r.get("recompute") or []):
         text += f", recomputed on {format_stages(r['recompute'])}"
     return text

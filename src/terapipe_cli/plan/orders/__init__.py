@@ -21,6 +21,7 @@ SPLIT_ORDERS = (ZB_H1.name, ZB_V.name)  # tried by `--order auto` on the searche
 # Those that run on a configuration's own partition (ZB-V's V is a configuration of its own).
 SPLIT_INTERLEAVED = tuple(o.name for o in (ZB_H1, ZB_V) if o.placement == "interleaved")
 ALL_ORDERS = tuple(_ALL)
+DEFAULT_ORDER = GPIPE  # a plan file's order when it names none
 
 
 def order_of(name: str | Order) -> Order:
@@ -32,4 +33,4 @@ def order_of(name: str | Order) -> Order:
     return _ALL[name]
 
 
-__all__ = ["ALL_ORDERS", "ORDERS", "SPLIT_INTERLEAVED", "SPLIT_ORDERS", "Order", "order_of"]
+__all__ = ["ALL_ORDERS", "DEFAULT_ORDER", "ORDERS", "SPLIT_INTERLEAVED", "SPLIT_ORDERS", "Order", "order_of"]
