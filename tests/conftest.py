@@ -195,9 +195,16 @@ def assert_one_line_error(p: subprocess.CompletedProcess, *words: str) -> None:
 
 def run_arguments(**changes):
     """`RunArguments` of a short run with the whole optimizer step active: warm-up, cosine decay, clipping below
-    the tiny model's gradient norm (about 1.5), a held-out part evaluated after the last step."""
+    the tiny model's gradient norm (about 1.5), a held-out part evaluated after the last step. A test-only switch
+    (`config.controls.Controls`: ``kv_handback=False``, ``rope_absolute=False``, ...) goes into its ``controls``."""
+    from dataclasses import fields
+
+    from terapipe_cli.config.controls import Controls
     from terapipe_cli.config.run import RunArguments
 
+    switches = {f.name: changes.pop(f.name) for f in fields(Controls) if f.name in changes}
+    if switches:
+        changes["controls"] = Controls(**switches).record()
     steps = changes.pop("steps", 3)
     base = dict(
         steps=steps, data=None, seed=0, lr=1e-3, data_parallel=1, checkpoint_every=10, threads=1, timeout_s=60.0,

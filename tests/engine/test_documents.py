@@ -13,9 +13,10 @@ import pytest
 import torch
 from conftest import local_setup, tiny_model, train_locally, verify_locally
 
+from terapipe_cli.config.controls import Controls
 from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.corpus.formats import Documents
-from terapipe_cli.engine.attention import DocumentMask, forced_branch, unmasked_cache
+from terapipe_cli.engine.attention import DocumentMask, forced_branch
 from terapipe_cli.engine.data import (
     TokenData,
     eos_document_starts,
@@ -79,9 +80,10 @@ def test_a_tile_reads_the_cache_from_its_earliest_document_start():
     assert tile.positions[1].tolist() == [*range(19, 26), 0]  # a document starts at 31
 
 
-def _sliced(cfg: ModelConfig, cuts: list[int], branch: str | None, precision: str = "fp32"):
-    """The loss and gradients of the model run in token slices ``cuts`` through a StageRunner, documents masked."""
-    runner = StageRunner(cfg, 0, 1, seed=0, precision=precision)
+def _sliced(cfg: ModelConfig, cuts: list[int], branch: str | None, precision: str = "fp32", controls=None):
+    """The loss and gradients of the model run in token slices ``cuts`` through a StageRunner, documents masked
+    (``controls``: its test-only switches)."""
+    runner = StageRunner(cfg, 0, 1, seed=0, precision=precision, controls=controls)
     tokens = torch.randint(0, 256, (2, 41), generator=torch.Generator().manual_seed(2))
     docs = _doc_starts(40)
     runner.set_loss_scale(1.0)
@@ -96,6 +98,12 @@ def _sliced(cfg: ModelConfig, cuts: list[int], branch: str | None, precision: st
     return loss, {name: p.grad.clone() for name, p in runner.module.named_parameters()}
 
 
+def unmasked(setup):
+    """``setup`` with the test-only switch that drops the document mask over the K/V cache (the pipelined run only:
+    the reference and spread runs run the whole sequence, or no switch)."""
+    return type(setup)(setup.plan, dataclasses.replace(setup.args, controls=Controls(cache_masked=False).record()))
+
+
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 @pytest.mark.parametrize("branch", [None, "cuda"])
 def test_token_slices_across_documents_equal_the_whole_sequence(arch, branch):
@@ -108,8 +116,7 @@ def test_token_slices_across_documents_equal_the_whole_sequence(arch, branch):
     assert loss == pytest.approx(whole_loss, rel=1e-5)
     for name, g in whole.items():
         torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6)
-    with unmasked_cache():
-        _, bad = _sliced(cfg, [8, 9, 12, 11], branch)
+    _, bad = _sliced(cfg, [8, 9, 12, 11], branch, controls=Controls(cache_masked=False))
     assert max(((bad[name] - g).norm() / g.norm()).item() for name, g in whole.items()) > 0.1  # measured: 0.76-0.94
 
 
@@ -177,7 +184,6 @@ def test_verify_with_document_mask(arch, slices, stages, precision):
     result, _ = verify_locally(setup)
     assert result.ok, result.to_dict()
     if precision == "fp32" and arch == "gpt" or precision == "bf16" and arch == "llama":
-        with unmasked_cache():
-            run = train_locally(setup)
+        run = train_locally(unmasked(setup))
         bad = verify_trajectory(Trajectory(run.losses, run.grads_step, run.grads, run.weights), setup)
         assert not bad.ok

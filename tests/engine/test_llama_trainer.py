@@ -12,7 +12,6 @@ from local_world import LocalWorld, local_comms
 from test_trainer import FAMILIES
 
 from terapipe_cli.config.model import ModelConfig
-from terapipe_cli.engine.llama import LlamaAttention
 from terapipe_cli.engine.mesh import Layout
 from terapipe_cli.engine.trainer import Trainer
 from terapipe_cli.plan.schedule import Schedule
@@ -56,9 +55,7 @@ def test_rope_at_slice_local_positions_fails_verification(precision):
     """Negative control: every slice of the pipelined run rotating its queries and keys as if it began the sequence
     (the reference and the spread runs, after it, rotate by the absolute positions): it must fail."""
     setup = llama_setup("K=2", precision=precision)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(LlamaAttention, "rope_local", True)
-        run = train_locally(setup)
+    run = train_locally(llama_setup("K=2", precision=precision, rope_absolute=False))
     result = verify_trajectory(Trajectory(run.losses, run.grads_step, run.grads, run.weights), setup)
     assert not result.ok
     grads = next(c for c in result.checks if c.what.startswith("gradients"))

@@ -18,10 +18,10 @@ import pytest
 from conftest import LocalSetup, run_cli, train_locally, write_plan_file
 from test_interrupt import start_train, wait_for_steps
 
+from terapipe_cli.config.controls import CONTROLS_ENV
 from terapipe_cli.plan.file import read_plan
 from terapipe_cli.train import checkpoint
 from terapipe_cli.train.rundir import read_config, read_events, read_metrics
-from terapipe_cli.train.worker import FAULT_ENV
 
 STEPS = 6
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the workers through /proc")
@@ -63,7 +63,7 @@ def uninterrupted_losses(plan: Path, out: Path) -> list[float]:
 def train_with_fault(capfd, plan: Path, out: Path, fault: str, *flags: str):
     """`terapipe train` in this process (its workers real torchrun processes), checkpointing every 2 steps."""
     argv = ["--plan", plan, "--steps", STEPS, "--out", out, "--val-fraction", "0", "--checkpoint-every", "2", *flags]
-    return run_cli(capfd, "train", *argv, env={FAULT_ENV: fault})
+    return run_cli(capfd, "train", *argv, env={CONTROLS_ENV: f"fault={fault}"})
 
 
 def losses(out: Path) -> list[float]:
@@ -76,7 +76,7 @@ def test_sigterm_saves_the_step_in_progress_and_the_resumed_run_matches(tmp_path
     out = (tmp_path / "run").resolve()
     rank = 0 if to == "launcher" else 1
     # Checkpoints every 4 steps: step 3, the one signalled, is saved because of the signal.
-    proc = start_train(plan, out, "--checkpoint-every", "4", steps=STEPS, env={FAULT_ENV: f"wait:{rank}:3"})
+    proc = start_train(plan, out, "--checkpoint-every", "4", steps=STEPS, env={CONTROLS_ENV: f"fault=wait:{rank}:3"})
     wait_for_steps(proc, out, 2)
     os.kill(proc.pid if to == "launcher" else worker_pid(out, rank), signal.SIGTERM)
     stdout, stderr = finish(proc)

@@ -18,12 +18,13 @@ import time
 import pytest
 from conftest import ROOT, LocalSetup, train_locally, write_plan_file
 
+from terapipe_cli.config.controls import CONTROLS_ENV
 from terapipe_cli.config.run import RunConfig
 from terapipe_cli.engine.mesh import Layout
 from terapipe_cli.train import checkpoint
 from terapipe_cli.train.prepare import prepare_run
 from terapipe_cli.train.rundir import read_metrics, read_summary, timeline_path
-from terapipe_cli.train.worker import FAULT_ENV, folder_roles
+from terapipe_cli.train.worker import folder_roles
 
 STEPS = ("--steps", "4", "--checkpoint-every", "2", "--device", "cpu", "--seed", "1")
 
@@ -78,7 +79,7 @@ def test_two_nodes_with_folders_of_their_own_train_like_one_and_resume(tmp_path,
     stage (node 0's the metrics). The losses of all 4 steps equal one node's."""
     plan, expected = reference
     outs = [tmp_path / "node0", tmp_path / "node1"]
-    first = run_nodes(outs, "--plan", plan, *STEPS, env={FAULT_ENV: "kill:1:3"}, first=1)
+    first = run_nodes(outs, "--plan", plan, *STEPS, env={CONTROLS_ENV: "fault=kill:1:3"}, first=1)
     assert [code for code, _, _ in first] == [1, 1], first
     node1_error = first[1][2].strip().splitlines()
     assert "rank 1 (stage 1, replica 0) failed: killed by signal SIGKILL" in node1_error[-1], first[1][2]

@@ -20,9 +20,9 @@ import pytest
 from conftest import ROOT, LocalSetup, run_cli, train_locally, write_plan_file
 from slurm_cluster import NODES, LoopbackSlurm, skip_reason
 
+from terapipe_cli.config.controls import CONTROLS_ENV
 from terapipe_cli.plan.file import read_plan
 from terapipe_cli.train.rundir import read_config, read_metrics
-from terapipe_cli.train.worker import FAULT_ENV
 
 pytestmark = pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or "")
 
@@ -100,7 +100,7 @@ def test_a_pre_empted_job_saves_and_its_requeued_run_finishes_with_the_uninterru
                 "--run-out", run, "--out", tmp_path / "launch", cwd=tmp_path)  # fmt: skip
     assert p.returncode == 0, p.stderr
 
-    env = job_env(slurm, **{FAULT_ENV: "wait:1:2"})  # rank 1 waits in step 2 until a stop signal reaches it
+    env = job_env(slurm, **{CONTROLS_ENV: "fault=wait:1:2"})  # rank 1 waits in step 2 until a stop signal reaches it
     job = slurm.submit(tmp_path / "launch" / "launch.sbatch", cwd=tmp_path, env=env)
     slurm.wait_for(lambda: len(read_metrics(run)) >= 1, "step 1 in metrics.jsonl", timeout_s=300)
     slurm.run("sbatch", "--partition=urgent", "--nodes=2", "--exclusive", f"--output={tmp_path / 'urgent.out'}",

@@ -14,6 +14,7 @@ import json
 import pytest
 from conftest import run_cli, write_plan_file
 
+from terapipe_cli.config.controls import CONTROLS_ENV
 from terapipe_cli.config.run import DEFAULT_LR
 from terapipe_cli.plan.schedule import plan_tiles
 from terapipe_cli.plan.timeline import read_timeline
@@ -114,7 +115,7 @@ def test_the_negative_control_fails_verify(tmp_path, capfd):
     p = run_cli(
         capfd,
         "train", "--plan", plan, "--steps", "2", "--out", tmp_path / "run", "--verify", "--device", "cpu",
-        env={"TERAPIPE_TEST_DROP_KV_GRADS": "1"},
+        env={CONTROLS_ENV: "kv_handback=off"},
     )  # fmt: skip
     assert p.returncode == 1, p.stdout + p.stderr
     assert "verification failed" in p.stderr and "MISMATCH" in p.stdout
@@ -136,7 +137,7 @@ def train_with_fault(tmp_path, capfd, fault: str, *options: str, stages: int = 2
         "--out",
         tmp_path / "run",
         *options,
-        env={"TERAPIPE_TEST_FAULT": fault},
+        env={CONTROLS_ENV: f"fault={fault}"},
     )
 
 

@@ -16,6 +16,7 @@ from rich.table import Table
 
 from terapipe_cli.cli.console import ProgressBar, make_console
 from terapipe_cli.cli.options import config_option, option, with_settings
+from terapipe_cli.config.controls import Controls
 from terapipe_cli.config.run import TABLE, LRSchedule, RunConfig, as_option, flag, load_run_config, run_fields
 from terapipe_cli.engine import require_torch
 from terapipe_cli.errors import UserError
@@ -78,7 +79,7 @@ def train(*, config: Path | None, resume: bool, dry_run: bool, **settings) -> No
             again = resume or run_config.value("resume_if_present")
             check_not_live(out, "resume it" if again else "use another --out, or --resume it")
         run_config, resume = prepare.start_or_continue(run_config, resume=resume)
-        controls = prepare.NegativeControls.from_environment()
+        controls = Controls.from_environment()
         prepared = prepare.prepare_run(run_config, resume=resume, write=not dry_run, controls=controls)
     except UserError as e:
         raise located(e, flags, from_file, config) from None

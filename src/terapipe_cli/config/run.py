@@ -34,6 +34,7 @@ from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
 from terapipe_cli.config.bundled import load_toml
+from terapipe_cli.config.controls import Controls
 from terapipe_cli.config.device import PRECISIONS, device_setting, precision_setting
 from terapipe_cli.config.fields import (
     Doc,
@@ -421,7 +422,6 @@ class RunArguments:
     threads: int = setting("CPU threads per worker.", REQUIRED, minimum=1)
     timeout_s: float = setting("Limit on every distributed wait.", REQUIRED, positive=True)
     verify: bool = setting("Compared with a single-process reference.", REQUIRED)
-    kv_handback: bool = setting("False only in the test-only negative control (the K/V hand-back dropped).", True)
     precision: str = setting("fp32, bf16 or fp16.", "fp32", choices=PRECISIONS)
     warmup_steps: int = setting("Linear warm-up steps.", 0, minimum=0)
     min_lr: float | None = setting("The floor of the cosine decay (None: lr, no decay).", minimum=0)
@@ -429,10 +429,6 @@ class RunArguments:
     grad_clip: float = setting("The global-norm limit (0: measured, not clipped).", 0.0, minimum=0)
     accept_precision: bool = setting("Allowed a precision other than the plan's.", False)
     tensor_parallel: int = setting("Tensor-parallel processes T per stage.", 1, minimum=1)
-    tp_allreduce: bool = setting("False only in the test-only negative control (one tensor all-reduce skipped).", True)
-    vocab_allreduce: bool = setting(
-        "False only in the test-only negative control (the vocab-parallel loss's all-reduces skipped).", True
-    )
     val_fraction: float = setting("The data's last part held out (0: none).", 0.0, minimum=0)
     eval_every: int = setting("Validation every N steps and after the last (0: never).", 0, minimum=0)
     log: list[str] | None = setting("Where each step's metrics go (`LOGS`; None: metrics.jsonl alone).")
@@ -452,6 +448,9 @@ class RunArguments:
         "The last stage's head and loss tokens at a time (None: the plan's; 0: a tile's whole logits at once).",
         minimum=0,
     )
+    controls: dict | None = setting(
+        "The test-only switches set at its launch (`config.controls.Controls.record`; None: none, the correct run)."
+    )
     data_fingerprints: dict | None = setting(
         "Each data file's fingerprint, path -> `corpus.identity.fingerprint`, checked by --resume (None: a run from "
         "before runs kept them; the embedded text has none)."
@@ -461,7 +460,16 @@ class RunArguments:
     def from_dict(cls, obj: dict, where: str) -> RunArguments:
         if "token_dtype" not in obj and str(obj.get("data")).endswith(".bin"):
             obj = {**obj, "token_dtype": "uint16"}  # a run from before --token-dtype read every .bin as uint16 ids
+        old = {k: obj[k] for k in ("kv_handback", "tp_allreduce", "vocab_allreduce") if k in obj}
+        if old:  # a run from before the switches were one record: each its own argument
+            obj = {k: v for k, v in obj.items() if k not in old}
+            obj["controls"] = Controls(**{k: bool(v) for k, v in old.items()}).record()
         return cls(**read_fields(cls, obj, where, prefix="arguments.", what="run argument"))
+
+    @property
+    def switches(self) -> Controls:
+        """The run's test-only switches (`config.controls.Controls`; all off for a correct run)."""
+        return Controls.of(self.controls)
 
     @property
     def optimizer(self) -> OptimizerConfig:

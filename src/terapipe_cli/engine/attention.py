@@ -26,7 +26,6 @@ import torch
 import torch.nn.functional as F
 
 _FORCED: str | None = None  # the device type whose code path every tensor takes (None: its own device's)
-_CACHE_UNMASKED = False  # test-only negative control: the document mask dropped over the K/V cache's rows
 
 
 def branch(t: torch.Tensor) -> str:
@@ -49,18 +48,6 @@ def forced_branch(device_type: str) -> Iterator[None]:
         _FORCED = before
 
 
-@contextmanager
-def unmasked_cache() -> Iterator[None]:
-    """Within: a tile's queries see every cached row of earlier slices, whatever document it belongs to (the mask is
-    kept inside the tile's own rows): a test-only negative control that must make ``--verify`` fail. Process-wide."""
-    global _CACHE_UNMASKED
-    before, _CACHE_UNMASKED = _CACHE_UNMASKED, True
-    try:
-        yield
-    finally:
-        _CACHE_UNMASKED = before
-
-
 @dataclass(frozen=True)
 class DocumentMask:
     """Block-causal attention of one tile over packed documents (docs/design.md §6): which keys its queries may see.
@@ -80,12 +67,16 @@ class DocumentMask:
     mask: torch.Tensor | None  # (b, 1, i, start + i - lo) bool, True where the query sees the key; None: causal
 
     @classmethod
-    def of(cls, doc_starts: torch.Tensor, start: int, device: torch.device | str = "cpu") -> DocumentMask:
+    def of(
+        cls, doc_starts: torch.Tensor, start: int, device: torch.device | str = "cpu", unmasked: bool = False
+    ) -> DocumentMask:
         """The tile of the tokens [start, start + i) whose queries' document starts are ``doc_starts`` (b, i),
-        given on the CPU (``lo`` is read without waiting for a device); the tensors are made on ``device``."""
+        given on the CPU (``lo`` is read without waiting for a device); the tensors are made on ``device``.
+        ``unmasked``: the tile's queries see every cached row of earlier slices, whatever document it belongs to
+        (the mask kept inside the tile's own rows) — a test-only negative control (`config.controls.Controls`)."""
         doc_starts = doc_starts.to(torch.int64)
         i = doc_starts.shape[1]
-        lo = 0 if _CACHE_UNMASKED else int(doc_starts[:, 0].min())
+        lo = 0 if unmasked else int(doc_starts[:, 0].min())
         one_document = bool((doc_starts == lo).all())
         doc_starts = doc_starts.to(device)
         queries = torch.arange(start, start + i, device=device)
@@ -93,7 +84,7 @@ class DocumentMask:
             return cls(start, lo, queries[None, :] - doc_starts, None)
         keys = torch.arange(lo, start + i, device=device)
         seen = keys[None, None, :] >= doc_starts[:, :, None]
-        if _CACHE_UNMASKED:
+        if unmasked:
             seen = seen | (keys < start)[None, None, :]
         mask = seen & (keys[None, None, :] <= queries[None, :, None])
         return cls(start, lo, queries[None, :] - doc_starts, mask[:, None])

@@ -96,8 +96,9 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 class LlamaAttention(nn.Module):
     """Grouped-query attention with rotary positions over the slice's context.
 
-    ``rope_local = True`` (the class's, set by a test) rotates by the slice-local positions 0 … i − 1 instead: a
-    test-only negative control (the scores then differ from the whole sequence's wherever start > 0)."""
+    ``rope_local = True`` (set on a stage's layers by `config.controls.Controls`' ``rope_absolute = False``) rotates by
+    the slice-local positions 0 … i − 1 instead: a test-only negative control (the scores then differ from the whole
+    sequence's wherever start > 0)."""
 
     rope_local = False
 

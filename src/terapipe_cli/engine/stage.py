@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from terapipe_cli.config.controls import Controls
 from terapipe_cli.config.model import ModelConfig, vocab_share
 from terapipe_cli.engine import split_backward
 from terapipe_cli.engine.attention import DocumentMask, KVCache
@@ -131,9 +132,10 @@ class StageRunner:
     (`plan.partition`), chunk ``stage`` of its chunks, or the ``chunks`` one device runs (interleaved: every tile
     method then takes the ``chunk`` it is for; each chunk keeps its own K/V caches and tiles).
 
-    ``kv_handback=False`` drops the earlier slices' K/V gradients: a test-only negative control that must
-    make verification fail. With ``tensor`` (T > 1), the stage keeps only its tensor rank's heads and MLP
-    columns (`tensor.shard_module`); a tile's input and output are still the whole (b, i, H) activation.
+    ``controls``: the test-only switches (`config.controls.Controls`: the K/V hand-back dropped, rotary positions
+    slice-local, the document mask dropped over the cache), negative controls that must make verification fail. With
+    ``tensor`` (T > 1), the stage keeps only its tensor rank's heads and MLP columns (`tensor.shard_module`); a
+    tile's input and output are still the whole (b, i, H) activation.
     ``recompute``: every chunk, or per chunk (a mapping). ``loss_chunk_tokens``: the last chunk's head and loss run
     that many tokens at a time (`engine.loss`; 0: the whole tile's logits at once; None: the default of
     `plan.memory.loss_chunk_tokens` for the device's memory, a CUDA device's or a CPU's fixed budget).
@@ -147,7 +149,7 @@ class StageRunner:
         *,
         seed: int = 0,
         device: str | torch.device = "cpu",
-        kv_handback: bool = True,
+        controls: Controls | None = None,
         precision: str = "fp32",
         tensor: TensorGroup | None = None,
         recompute: bool | Mapping[int, bool] = False,
@@ -168,7 +170,11 @@ class StageRunner:
         self.recompute = {c: bool(recompute[c] if isinstance(recompute, Mapping) else recompute) for c in self.chunks}
         self.first, self.last = self.module.first, self.module.last
         self.seq_len = model.seq_len
-        self.kv_handback = kv_handback
+        self.controls = controls if controls is not None else Controls()
+        if not self.controls.rope_absolute:
+            for m in self.module.modules():
+                if hasattr(m, "rope_local"):  # `llama.LlamaAttention`
+                    m.rope_local = True
         self.precision = precision
         if loss_chunk_tokens is None:
             rows = vocab_share(model.vocab, tensor.size if tensor is not None else 1)
@@ -246,7 +252,7 @@ class StageRunner:
             raise RuntimeError(f"tile {key[1:]} was already run forward")
         state = self._slices.get((c, batch_slice))
         if state is None:
-            caches = [KVCache(self.seq_len, handback=self.kv_handback) for _ in self.module.chunk_layers[c]]
+            caches = [KVCache(self.seq_len, handback=self.controls.kv_handback) for _ in self.module.chunk_layers[c]]
             state = self._slices[(c, batch_slice)] = _BatchSlice(caches)
         if token_slice != len(state.open_tiles):
             raise RuntimeError(f"tile {key[1:]}: token slices of a batch slice must run in order (reset between steps)")
@@ -257,7 +263,8 @@ class StageRunner:
             if targets is None:
                 raise ValueError("the last stage needs targets")
             targets = targets.to(self.device, non_blocking=True)
-        docs = None if doc_starts is None else DocumentMask.of(doc_starts, state.next_token, self.device)
+        unmasked = not self.controls.cache_masked
+        docs = None if doc_starts is None else DocumentMask.of(doc_starts, state.next_token, self.device, unmasked)
         if grad and not self.recompute[c]:
             with torch.enable_grad(), self.autocast(), self.saved.saving(key):
                 out = self._forward(c, x, state.next_token, state.caches, targets, docs)

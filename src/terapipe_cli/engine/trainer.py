@@ -111,8 +111,8 @@ class Trainer:
             layout.tensor_rank(rank),
             layout.tensor,
             comms.tensor,
-            skip_allreduce=not args.tp_allreduce,
-            skip_vocab_allreduce=not args.vocab_allreduce,
+            skip_allreduce=not args.switches.tp_allreduce,
+            skip_vocab_allreduce=not args.switches.vocab_allreduce,
         )
         # This stage's part of the model — this tensor rank's share of it (`tensor.shard_module`), computing at the
         # run's precision — and its optimizer, over exactly the parameters this rank holds.
@@ -125,7 +125,7 @@ class Trainer:
             plan.stages,
             seed=args.seed,
             device=device,
-            kv_handback=args.kv_handback,
+            controls=args.switches,
             precision=args.precision,
             tensor=self.tensor,
             recompute={c: schedule.recompute[c] for c in chunks},

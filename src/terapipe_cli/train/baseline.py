@@ -20,7 +20,7 @@ from terapipe_cli.files import write_json_atomic
 from terapipe_cli.plan.baseline import gpipe_plan_dict
 from terapipe_cli.plan.file import plan_from_dict
 from terapipe_cli.train.launch import launch
-from terapipe_cli.train.prepare import NegativeControls, PreparedRun, prepare_run
+from terapipe_cli.train.prepare import PreparedRun, prepare_run
 from terapipe_cli.train.rundir import read_config, read_metrics
 from terapipe_cli.train.worker import STEP_LINES_ENV
 
@@ -99,5 +99,4 @@ def _prepare(run_dir: Path, plan_path: Path, out: Path, *, write: bool) -> Prepa
     settings = RunConfig.of_run(
         args, plan=str(plan_path), out=str(out), verify=False, device=str(config.get("device", "auto"))
     )
-    controls = NegativeControls(args.kv_handback, args.tp_allreduce)
-    return prepare_run(settings, write=write, controls=controls)
+    return prepare_run(settings, write=write, controls=args.switches)

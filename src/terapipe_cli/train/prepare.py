@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import platform
 import sys
 import uuid
@@ -28,6 +27,7 @@ import torch
 
 import terapipe_cli
 from terapipe_cli import units
+from terapipe_cli.config.controls import Controls
 from terapipe_cli.config.device import default_precision, resolve_device, resolve_precision, runs_natively
 from terapipe_cli.config.fields import component_of, out_of_bounds
 from terapipe_cli.config.optimizer import OptimizerConfig
@@ -61,23 +61,6 @@ from terapipe_cli.train.rundir import (
     update_arguments,
     write_config,
 )
-
-DROP_KV_GRADS_ENV = "TERAPIPE_TEST_DROP_KV_GRADS"  # test-only negative control: "1" drops the K/V hand-back
-SKIP_TP_ALLREDUCE_ENV = "TERAPIPE_TEST_SKIP_TP_ALLREDUCE"  # test-only negative control: "1" skips one all-reduce
-
-
-@dataclass(frozen=True)
-class NegativeControls:
-    """Test-only faults that must make ``--verify`` fail: the K/V hand-back dropped (``kv_handback`` False), the
-    tensor-parallel backward all-reduce of the column-parallel inputs skipped (``tp_allreduce`` False)."""
-
-    kv_handback: bool = True
-    tp_allreduce: bool = True
-
-    @classmethod
-    def from_environment(cls) -> NegativeControls:
-        """As asked in the environment: ``TERAPIPE_TEST_DROP_KV_GRADS=1``, ``TERAPIPE_TEST_SKIP_TP_ALLREDUCE=1``."""
-        return cls(os.environ.get(DROP_KV_GRADS_ENV) != "1", os.environ.get(SKIP_TP_ALLREDUCE_ENV) != "1")
 
 
 @dataclass(frozen=True)
@@ -122,13 +105,15 @@ def versions() -> dict:
 
 
 def prepare_run(
-    config: RunConfig, *, resume: bool = False, write: bool = True, controls: NegativeControls | None = None
+    config: RunConfig, *, resume: bool = False, write: bool = True, controls: Controls | None = None
 ) -> PreparedRun:
     """Validate ``config`` (None fields: the defaults of a new run, or a resumed run's own values); unless
     ``write`` is False, write the run folder (config.json, plan.json, run.toml). On several nodes only node 0 writes
     here, with a fresh launch id; the other nodes' workers take node 0's config once the nodes have met
-    (`rundir.join_run_folder`)."""
+    (`rundir.join_run_folder`). ``controls``: the test-only switches of this launch (`config.controls.Controls`; a
+    resumed run carries only these, not its earlier launches')."""
     check_settings(config, resume=resume)
+    controls = controls or Controls()
     try:
         device = resolve_device(config.value("device"))
     except UserError as e:
@@ -136,8 +121,9 @@ def prepare_run(
     node_rank, nnodes = config.value("node_rank"), config.value("nnodes")
     if resume:
         run = _resumed_run(config, device)
+        run = dataclasses.replace(run, args=dataclasses.replace(run.args, controls=controls.record()))
     else:
-        run = _new_run(config, device, controls or NegativeControls(), joins_node_0=node_rank > 0)
+        run = _new_run(config, device, controls, joins_node_0=node_rank > 0)
     token_data, _, data_line = run_data(run.args, seq_len=run.plan.seq_len, vocab=run.plan.model.vocab)
     data_line += document_mask_note(run.args.document_mask, run.args.eos_id)
     per_node = workers_per_node(run.layout, nnodes, device)
@@ -247,7 +233,7 @@ def check_endpoint(endpoint: str) -> None:
 
 
 def _new_arguments(
-    config: RunConfig, device: str, plan: Plan, controls: NegativeControls, source: Source | None = None
+    config: RunConfig, device: str, plan: Plan, controls: Controls, source: Source | None = None
 ) -> RunArguments:
     """A new run's settings, every default filled in and checked (docs/design.md §6a); ``source``: the weights it
     starts from (`init_from`)."""
@@ -284,7 +270,6 @@ def _new_arguments(
         timeout_s=float(config.value("timeout_s")),
         verify=config.value("verify"),
         loss_chunk_tokens=config.loss_chunk_tokens,
-        kv_handback=controls.kv_handback,
         precision=_run_precision(config.precision, device, plan),
         warmup_steps=schedule.warmup_steps,
         min_lr=schedule.min_lr,
@@ -292,7 +277,7 @@ def _new_arguments(
         grad_clip=float(config.value("grad_clip")),
         accept_precision=config.value("accept_precision"),
         tensor_parallel=tensor_parallel,
-        tp_allreduce=controls.tp_allreduce,
+        controls=controls.record(),
         val_fraction=val_fraction,
         eval_every=_eval_every(config.eval_every, steps, val_fraction > 0 or val_data is not None),
         schedule=_schedule_text(config, plan),
@@ -381,7 +366,7 @@ def _check_plan_precision(run: _Run) -> None:
         )
 
 
-def _new_run(config: RunConfig, device: str, controls: NegativeControls, *, joins_node_0: bool) -> _Run:
+def _new_run(config: RunConfig, device: str, controls: Controls, *, joins_node_0: bool) -> _Run:
     """A run from a plan file into a fresh folder (default: runs/<local time>). A node other than node 0
     (``joins_node_0``) may find node 0's config.json in a shared folder: its workers decide (§6)."""
     if config.plan is None:

@@ -2,9 +2,9 @@
 
 runs/NAME/
   config.json        terapipe.run/1: {"plan": <the plan object>, "arguments": {steps, data, seed, lr,
-                     data_parallel, checkpoint_every, threads, timeout_s, verify, kv_handback, precision,
+                     data_parallel, checkpoint_every, threads, timeout_s, verify, precision,
                      warmup_steps, min_lr, decay_steps, grad_clip, accept_precision, tensor_parallel,
-                     tp_allreduce, vocab_allreduce, val_fraction, eval_every, log, schedule, ...}
+                     val_fraction, eval_every, log, schedule, ...}
                      (config.run.RunArguments, each key's doc there),
                      "world_size" (D × K × T), "stages", "device", "backend", "nnodes", "versions": {...}, "created",
                      "launch_id" (new at every launch by node 0; how another node tells node 0's folder from its own)}

@@ -131,5 +131,6 @@ def layout_of(t) -> dict:
 
 
 def _full_disk(path, data: bytes) -> None:
-    """Test-only (`worker.FAULT_ENV` "nospace"): the write of a disk that is full."""
+    """Test-only (the switch ``fault=nospace:RANK:STEP``, `config.controls.Controls`): the write of a disk that is
+    full."""
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))

@@ -75,8 +75,8 @@ from terapipe_cli.units import format_duration
 # failure handling and --resume: "kill:RANK:STEP" (SIGKILL itself), "raise:RANK:STEP" (an exception),
 # "hang:RANK:STEP" (stop responding, so the neighbours' waits time out), "wait:RANK:STEP" (wait there for a stop
 # signal, at most WAIT_FAULT_S), or "nospace:RANK:STEP" (its checkpoint write of that step fails as on a full disk).
-# Only in a launch's first attempt: the workers torchrun restarts (--max-restarts) run clean.
-FAULT_ENV = "TERAPIPE_TEST_FAULT"
+# Only in a launch's first attempt: the workers torchrun restarts (--max-restarts) run clean. Set as the test switch
+# ``fault`` (`config.controls.Controls`, e.g. TERAPIPE_TEST_CONTROLS=fault=kill:1:3).
 WAIT_FAULT_S = 60.0  # a test's signal comes within this (its own timeout is longer than the run it waits on)
 RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"  # set by torchrun: how many times it restarted the workers
 
@@ -142,7 +142,7 @@ def train(run_dir: Path, resume_step: int | None, request: NodeRequest) -> None:
         resume_step = restart_point(w, restarts)
     start_step, events = restore(w, resume_step)
     w.metrics = MetricsLog(run_dir, w.args.log, first_step=start_step + 1) if w.rank == 0 else None
-    saves = Saves(w, on_begin=lambda: save_timeline(w, events), fault=lambda step: _full_disk_fault(w.rank, step))
+    saves = Saves(w, on_begin=lambda: save_timeline(w, events), fault=lambda step: _full_disk_fault(w, step))
     try:
         run_steps(w, start_step, events, saves, signals, resume_step)
     finally:
@@ -161,7 +161,7 @@ def run_steps(
     boundaries: list[float] = []  # when each step's boundary work (log, checkpoint, stop check) ended
     grads_saved = False  # --verify: each stage's gradients of the first step not skipped
     for step in range(start_step + 1, w.args.steps + 1):
-        result = t.step(step, after_forward=_fault(w.rank, step, signals))
+        result = t.step(step, after_forward=_fault(w, step, signals))
         events.extend(result.events)
         if w.args.verify and t.replica == 0 and not grads_saved and not result.update.skipped:
             grads = t.gradients()  # a collective over the stage's tensor ranks; the first of them writes
@@ -484,21 +484,22 @@ def _device_name(device: torch.device) -> str:
     return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} thread(s))"
 
 
-def _fault_at(rank: int, step: int) -> str | None:
-    """The kind of fault `FAULT_ENV` injects on ``rank`` at ``step`` (only before any restart), or None."""
-    spec = os.environ.get(FAULT_ENV, "")
+def _fault_at(w: Worker, step: int) -> str | None:
+    """The kind of fault the run's ``fault`` switch (`config.controls.Controls`) injects on this worker's rank at
+    ``step`` (only before any restart), or None."""
+    spec = w.args.switches.fault
     if not spec or int(os.environ.get(RESTART_ENV, "0")) > 0:
         return None
     kind, fault_rank, fault_step = spec.split(":")
-    return kind if int(fault_rank) == rank and int(fault_step) == step else None
+    return kind if int(fault_rank) == w.rank and int(fault_step) == step else None
 
 
-def _full_disk_fault(rank: int, step: int) -> bool:
-    return _fault_at(rank, step) == "nospace"
+def _full_disk_fault(w: Worker, step: int) -> bool:
+    return _fault_at(w, step) == "nospace"
 
 
-def _fault(rank: int, step: int, signals: WorkerSignals | None = None) -> Callable[[], None] | None:
-    kind = _fault_at(rank, step)
+def _fault(w: Worker, step: int, signals: WorkerSignals | None = None) -> Callable[[], None] | None:
+    kind = _fault_at(w, step)
     if kind is None or kind == "nospace":
         return None
     if kind == "kill":
@@ -515,7 +516,7 @@ def _fault(rank: int, step: int, signals: WorkerSignals | None = None) -> Callab
         return wait_for_a_signal
 
     def fail() -> None:
-        raise RuntimeError(f"injected failure at step {step} ({FAULT_ENV})")
+        raise RuntimeError(f"injected failure at step {step} (the test switch fault={w.args.switches.fault})")
 
     return fail
 
