@@ -32,7 +32,8 @@ from terapipe_cli.plan.choice import Planned, outside_profile, plan_for_profile,
 from terapipe_cli.plan.costmodel import CostModel, GridKinds, Profile
 from terapipe_cli.plan.memory import check_memory, stage_memory
 from terapipe_cli.plan.orders import SPLIT_INTERLEAVED, order_of
-from terapipe_cli.plan.partition import Partition
+from terapipe_cli.plan.orders.zero_bubble import ZB_V
+from terapipe_cli.plan.partition import Partition, refuses_tied
 from terapipe_cli.plan.request import PlanRequest
 from terapipe_cli.plan.schedule import ORDERS, Schedule
 from terapipe_cli.plan.search import grid_kinds, grid_prices, lower_bound, solve
@@ -229,11 +230,12 @@ def _on_the_v(profile: Profile, request: PlanRequest, vs: list[int]) -> list[Pla
     own) beside those of ``vs``, when two chunks per device are among them, no partition is given, the head is not
     tied to the embedding (the V puts both ends on device 0, which the tied copy's gradient sum does not know) and the
     profile timed I and W apart (`split_timed`)."""
-    if not request.order_free or 2 not in vs or request.partition is not None or profile.model.tie_embeddings:
+    tied = profile.model.tie_embeddings and refuses_tied(ZB_V.placement)
+    if not request.order_free or 2 not in vs or request.partition is not None or tied:
         return []
     if not split_timed(profile):
         return []
-    return [replace(request, order="zbv", order_free=False)]
+    return [replace(request, order=ZB_V.name, order_free=False)]
 
 
 def _best_partition(

@@ -46,7 +46,7 @@ from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import Fields, read_json_with_schema, write_json_atomic
 from terapipe_cli.plan.orders import order_of
-from terapipe_cli.plan.partition import PLACEMENTS, Partition, check_partition
+from terapipe_cli.plan.partition import PLACEMENTS, Partition, check_partition, refuses_tied
 from terapipe_cli.plan.schedule import ALL_ORDERS
 
 PLAN_SCHEMA = "terapipe.plan/1"
@@ -226,7 +226,7 @@ def _partition(f: Fields, model: ModelConfig, stages: int, where: str) -> Partit
         raise f.fail(
             "placement", f"order {order!r} runs on the {order_of(order).placement} placement, not {placement!r}"
         )
-    if placement == "v" and model.tie_embeddings:
+    if refuses_tied(placement) and model.tie_embeddings:
         raise f.fail("placement", "the V placement with tied embeddings is not supported yet (both ends on device 0)")
     if counts is None:
         if virtual == 1 and placement == "interleaved":

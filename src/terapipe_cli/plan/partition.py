@@ -21,6 +21,13 @@ from terapipe_cli.errors import UserError
 PLACEMENTS = ("interleaved", "v")
 
 
+def refuses_tied(placement: str) -> bool:
+    """Whether ``placement`` cannot run a model whose LM head is tied to its embedding: the V puts both ends on
+    device 0, where the tied copies' gradient sum (the first and last stages' embedding group) has nothing to sum.
+    The one rule the plan file, the request and the search check."""
+    return placement == "v"
+
+
 @dataclass(frozen=True)
 class Partition:
     """``layers[c]``: the decoder layers of chunk c, in model order; chunk c runs on `device` (c), by ``placement``:

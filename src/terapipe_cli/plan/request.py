@@ -17,7 +17,8 @@ from pathlib import Path
 from terapipe_cli.config.experiment import Experiment
 from terapipe_cli.errors import UserError
 from terapipe_cli.plan.costmodel import Profile
-from terapipe_cli.plan.partition import Partition, check_partition
+from terapipe_cli.plan.orders.zero_bubble import ZB_V
+from terapipe_cli.plan.partition import Partition, check_partition, refuses_tied
 from terapipe_cli.plan.schedule import ALL_ORDERS, order_of
 from terapipe_cli.plan.search import METHODS
 from terapipe_cli.units import format_bytes
@@ -263,7 +264,7 @@ def _check_on_the_v(profile: Profile, stages: int, virtual) -> int | str | None:
     k holds chunks k and 2K − 1 − k), so device 0 holds both the embedding and the head. ``virtual`` as given, once
     it is 2 or auto."""
     model = profile.model
-    if model.tie_embeddings:
+    if model.tie_embeddings and refuses_tied(ZB_V.placement):
         raise UserError(
             f"zbv puts the embedding and the LM head on device 0 (the V), which a model with tied embeddings "
             f"({model.name}, in {profile.path or 'the profile'}) cannot run yet; use --order zb1p (the split "
