@@ -11,8 +11,8 @@ import typer
 from rich.table import Table
 
 from terapipe_cli.cli.console import make_console
-from terapipe_cli.cli.options import option, with_settings
-from terapipe_cli.config.fields import out_of_bounds, setting
+from terapipe_cli.cli.options import given, option, with_settings
+from terapipe_cli.config.fields import Fallbacks, out_of_bounds, setting
 from terapipe_cli.config.run import TABLE, RunConfig, flag, load_run_config, run_fields
 from terapipe_cli.engine.mesh import Layout
 from terapipe_cli.errors import UserError
@@ -52,7 +52,7 @@ def _passed(name: str) -> str:
 
 
 @dataclass(frozen=True)
-class LaunchOptions:
+class LaunchOptions(Fallbacks):
     """`terapipe launch-script`'s options, each declared once (`cli.options.settings_options`): its own, and the
     settings it passes to every node's `terapipe train`, with train's help (`run_fields`)."""
 
@@ -95,11 +95,11 @@ class LaunchOptions:
 
 def launch_script(*, plan: Path, **options) -> None:
     """Everything is checked before anything is written."""
-    o = LaunchOptions(**{k: str(v) if isinstance(v, Path) else v for k, v in options.items()})
+    o = LaunchOptions(**given(options))
     for value, where, what in ((o.nodes, "--nodes", "the machines N"), (o.gpus_per_node, "--gpus-per-node", "G")):
         if value is None:
             raise UserError(f"is required ({what})", where=where)
-    program = cluster.parse_program("terapipe" if o.terapipe is None else o.terapipe)
+    program = cluster.parse_program(o.value("terapipe"))
     endpoint = None if o.rdzv_endpoint is None else cluster.parse_endpoint(o.rdzv_endpoint)
     if endpoint is None and not o.slurm:
         raise UserError(
@@ -116,7 +116,7 @@ def launch_script(*, plan: Path, **options) -> None:
     passed = replace(passed, precision=_node_precision(the_plan, passed, from_file, config))
     cluster.check_layout(layout, o.nodes, o.gpus_per_node)
     out = Path(o.out) if o.out is not None else Path(f"launch-{plan.stem}")
-    cluster.check_out_folder(out, force=bool(o.force))
+    cluster.check_out_folder(out, force=o.value("force"))
 
     settings = [("--config", str(config.resolve()))] if config is not None else []
     settings += [(flag(name), str(value)) for name, value in passed.given().items()]

@@ -51,6 +51,16 @@ def settings_options(cls) -> list[inspect.Parameter]:
     return params
 
 
+def given(options: dict) -> dict:
+    """The options given on the command line (None: not given, left out), files as the strings a settings
+    dataclass keeps (`Doc.path`)."""
+
+    def plain(v):
+        return [plain(x) for x in v] if isinstance(v, list) else str(v) if isinstance(v, Path) else v
+
+    return {name: plain(v) for name, v in options.items() if v is not None}
+
+
 def with_settings(command: Callable, cls, *leading: inspect.Parameter) -> Callable:
     """``command`` as typer sees it: the ``leading`` parameters, then one option per field of ``cls``
     (`settings_options`); it is called with all of them as keyword arguments."""

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import sys
 from contextlib import contextmanager
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import typer
 from rich.table import Table
 
 from terapipe_cli.cli.console import PlainProgress, make_console, plain_progress
-from terapipe_cli.cli.options import config_option, option, with_settings
+from terapipe_cli.cli.options import config_option, given, option, with_settings
 from terapipe_cli.config.device import available_memory_bytes
 from terapipe_cli.config.experiment import load_experiment
-from terapipe_cli.config.fields import doc_of, read_table, setting
+from terapipe_cli.config.fields import Fallbacks, read_table, setting
 from terapipe_cli.engine import require_torch
 from terapipe_cli.engine.hostmem import retain_freed_memory
 from terapipe_cli.errors import UserError
@@ -74,7 +74,7 @@ TABLE = "plan"  # a --config file's table of these settings
 
 
 @dataclass(frozen=True)
-class PlanOptions:
+class PlanOptions(Fallbacks):
     """`terapipe plan`'s settings, each declared once: its flag (`cli.options.settings_options`), its key in a
     ``--config`` file's ``[plan]`` table (`read_fields`: type, choices, paths relative to the file) and its help.
     Every field defaults to None (not given): flags given override the file, and what neither gives takes the
@@ -194,11 +194,6 @@ class PlanOptions:
         "for each (plan.tune)."
     )
 
-    def value(self, name: str):
-        """A field's value, or its fallback when left out."""
-        v = getattr(self, name)
-        return doc_of(next(f for f in fields(self) if f.name == name)).fallback if v is None else v
-
 
 def load_plan_options(path: Path) -> PlanOptions:
     """`PlanOptions` from the ``[plan]`` table of a TOML file; paths in it are relative to the file."""
@@ -208,7 +203,7 @@ def load_plan_options(path: Path) -> PlanOptions:
 def plan(*, config: Path | None, **settings) -> None:
     """``terapipe plan``: the settings from ``--config`` with the flags given over them (`PlanOptions`)."""
     from_file = load_plan_options(config) if config is not None else PlanOptions()
-    flags = {name: str(v) if isinstance(v, Path) else v for name, v in settings.items() if v is not None}
+    flags = given(settings)
     _plan(replace(from_file, **flags))
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import typer
@@ -11,9 +11,9 @@ from rich.console import Console
 from rich.table import Table
 
 from terapipe_cli.cli.console import ProgressBar, make_console
-from terapipe_cli.cli.options import config_option, option, with_settings
+from terapipe_cli.cli.options import config_option, given, option, with_settings
 from terapipe_cli.config.device import device_setting, precision_setting
-from terapipe_cli.config.fields import doc_of, read_table, setting
+from terapipe_cli.config.fields import Fallbacks, read_table, setting
 from terapipe_cli.files import write_json_atomic, write_text_atomic
 from terapipe_cli.plan.costmodel import profile_from_dict
 from terapipe_cli.plan.fit_quality import fit_warnings
@@ -56,7 +56,7 @@ TABLE = "profile"  # a --config file's table of these settings
 
 
 @dataclass(frozen=True)
-class ProfileOptions:
+class ProfileOptions(Fallbacks):
     """`terapipe profile`'s settings, each declared once: its flag (`cli.options.settings_options`), its key in a
     ``--config`` file's ``[profile]`` table (paths relative to the file) and its help; what neither the flags nor the
     file give takes the field's ``fallback`` (`value`)."""
@@ -129,20 +129,11 @@ class ProfileOptions:
         fallback=False,
     )
 
-    def value(self, name: str):
-        """A field's value, or its fallback when left out."""
-        v = getattr(self, name)
-        return doc_of(next(f for f in fields(self) if f.name == name)).fallback if v is None else v
-
 
 def profile(*, config: Path | None, **settings) -> None:
     """``terapipe profile``: the settings from ``--config`` with the flags given over them (`ProfileOptions`)."""
     from_file = ProfileOptions(**read_table(ProfileOptions, config, TABLE, what="profile setting")) if config else None
-    flags = {
-        name: [str(x) for x in v] if isinstance(v, list) else str(v) if isinstance(v, Path) else v
-        for name, v in settings.items()
-        if v is not None
-    }
+    flags = given(settings)
     _profile(replace(from_file or ProfileOptions(), **flags))
 
 

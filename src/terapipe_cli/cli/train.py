@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from terapipe_cli.cli.console import ProgressBar, make_console
-from terapipe_cli.cli.options import config_option, option, with_settings
+from terapipe_cli.cli.options import config_option, given, option, with_settings
 from terapipe_cli.config.controls import Controls
 from terapipe_cli.config.run import TABLE, LRSchedule, RunConfig, as_option, flag, load_run_config, run_fields
 from terapipe_cli.engine import require_torch
@@ -71,7 +71,7 @@ def train(*, config: Path | None, resume: bool, dry_run: bool, **settings) -> No
     from terapipe_cli.train import launch, prepare  # PyTorch: only the commands that train load it
 
     from_file = load_run_config(config) if config is not None else RunConfig()
-    flags = {name: str(v) if isinstance(v, Path) else v for name, v in settings.items() if v is not None}
+    flags = given(settings)
     run_config = replace(from_file, **flags)
     try:
         if run_config.value("node_rank") == 0:  # other nodes join node 0's run, which holds the lock of a shared folder

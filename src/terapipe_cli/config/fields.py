@@ -200,18 +200,33 @@ def check_value(f: Fields, name: str, value: Any, kind: type, doc: Doc, base: Pa
     return value
 
 
-def read_table(cls, path: Path, table: str, *, what: str = "setting") -> dict[str, Any]:
-    """The checked values of the ``[table]`` table of the TOML file ``path`` for ``cls``'s fields (`read_fields`;
-    paths relative to the file): the ``--config FILE`` of a command whose settings are ``cls``. A file with another
-    table, or without this one, is one line."""
-    data = load_toml(path, f"{table} config")
+def toml_table(path: Path, table: str, what: str) -> dict:
+    """The ``[table]`` table of the TOML file ``path`` (a ``what``, for the error of a file that cannot be read); a
+    file with another table, or without this one, is one line."""
+    data = load_toml(path, what)
     values = data.get(table)
     if not isinstance(values, dict):
         raise UserError(f"missing the [{table}] table", where=str(path))
     extra = sorted(set(data) - {table})
     if extra:
         raise UserError(f"unknown table [{extra[0]}] (only [{table}] is read)", where=str(path))
+    return values
+
+
+def read_table(cls, path: Path, table: str, *, what: str = "setting") -> dict[str, Any]:
+    """The checked values of the ``[table]`` table of the TOML file ``path`` for ``cls``'s fields (`read_fields`;
+    paths relative to the file): the ``--config FILE`` of a command whose settings are ``cls``."""
+    values = toml_table(path, table, f"{table} config")
     return read_fields(cls, values, str(path), prefix=f"{table}.", what=what, base=path.parent)
+
+
+class Fallbacks:
+    """For a settings dataclass whose fields default to None (not given): `value` is a field's value, or its
+    `Doc.fallback` when left out (None for a field whose default depends on something else)."""
+
+    def value(self, name: str):
+        v = getattr(self, name)
+        return doc_of(self.__dataclass_fields__[name]).fallback if v is None else v
 
 
 def to_toml(table: str, values: dict[str, Any], comments: dict[str, str] | None = None) -> str:

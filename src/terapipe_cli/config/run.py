@@ -33,11 +33,11 @@ import math
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
-from terapipe_cli.config.bundled import load_toml
 from terapipe_cli.config.controls import Controls
 from terapipe_cli.config.device import PRECISIONS, device_setting, precision_setting
 from terapipe_cli.config.fields import (
     Doc,
+    Fallbacks,
     component_of,
     doc_of,
     flag_of,
@@ -45,6 +45,7 @@ from terapipe_cli.config.fields import (
     read_fields,
     setting,
     to_toml,
+    toml_table,
 )
 from terapipe_cli.config.optimizer import OPTIMIZER, OptimizerConfig
 from terapipe_cli.corpus.formats import TOKEN_DTYPES
@@ -80,7 +81,7 @@ RUN, LAYOUT, NODES = "Run", "Processes", "Several machines"  # help panels (and 
 
 @dataclass(frozen=True)
 @include_settings(OptimizerConfig, optional=True)  # --weight-decay, --beta1, ...: declared with the optimizer
-class RunConfig:
+class RunConfig(Fallbacks):
     """What `terapipe train` is asked to do; None: the default (a new run) or the run's own value (a resumed one)."""
 
     plan: str | None = setting(
@@ -310,12 +311,6 @@ class RunConfig:
         """The fields that are set."""
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
 
-    def value(self, name: str):
-        """A field's value, or its default when left out (`Doc.fallback`, for fields with a fixed one; None for the
-        others, which depend on the run: steps, the lr schedule, the plan)."""
-        v = getattr(self, name)
-        return run_fields()[name].fallback if v is None else v
-
 
 TABLE = "train"
 SCHEDULE_FILE = "schedule.csv"  # a run's own schedule, when it has one, in its folder
@@ -344,13 +339,7 @@ def as_option(name: str, value) -> str:
 def load_run_config(path: str | Path) -> RunConfig:
     """A `RunConfig` from the ``[train]`` table of a TOML file; paths in it are relative to the file."""
     path = Path(path)
-    data = load_toml(path, "run config")
-    table = data.get(TABLE)
-    if not isinstance(table, dict):
-        raise UserError(f"missing the [{TABLE}] table", where=str(path))
-    extra = sorted(set(data) - {TABLE})
-    if extra:
-        raise UserError(f"unknown table [{extra[0]}] (only [{TABLE}] is read)", where=str(path))
+    table = toml_table(path, TABLE, "run config")
     if isinstance(table.get("data"), str):  # one source, as a run.toml from before mixtures wrote it
         table = {**table, "data": [table["data"]]}
     values = read_fields(RunConfig, table, str(path), prefix=f"{TABLE}.", what="run setting", base=path.parent)
