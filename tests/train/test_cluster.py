@@ -70,23 +70,31 @@ def losses(out: Path) -> list[float]:
     return [r["loss"] for r in read_metrics(out)]
 
 
-@pytest.mark.parametrize("to", ["launcher", "worker"])
-def test_sigterm_saves_the_step_in_progress_and_the_resumed_run_matches(tmp_path, capfd, to):
-    plan = write_plan_file(tmp_path / "plan.json", [(1, [16, 16])], stages=2)
-    out = (tmp_path / "run").resolve()
+def stop_by_sigterm(plan: Path, out: Path, to: str, step: int, *flags: str) -> None:
+    """`terapipe train ... FLAGS` until SIGTERM, sent to the launcher or to worker rank 1 while it waits in ``step``:
+    the step in progress is saved (FLAGS put the periodic checkpoints elsewhere), exit 143, one line."""
     rank = 0 if to == "launcher" else 1
-    # Checkpoints every 4 steps: step 3, the one signalled, is saved because of the signal.
-    proc = start_train(plan, out, "--checkpoint-every", "4", steps=STEPS, env={CONTROLS_ENV: f"fault=wait:{rank}:3"})
-    wait_for_steps(proc, out, 2)
+    proc = start_train(plan, out, *flags, steps=STEPS, env={CONTROLS_ENV: f"fault=wait:{rank}:{step}"})
+    wait_for_steps(proc, out, step - 1)
     os.kill(proc.pid if to == "launcher" else worker_pid(out, rank), signal.SIGTERM)
     stdout, stderr = finish(proc)
     assert proc.returncode == 143, stdout + stderr
     assert stderr.strip().splitlines() == [
-        f"terapipe: stopped by SIGTERM after step 3; the last complete checkpoint is step 3; "
+        f"terapipe: stopped by SIGTERM after step {step}; the last complete checkpoint is step {step}; "
         f"continue with: terapipe train --resume --out {out} --steps {STEPS}"
     ]
-    assert checkpoint.complete_steps(out) == [3] and [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+    assert checkpoint.latest_complete(out) == step and [r["step"] for r in read_metrics(out)] == [*range(1, step + 1)]
     assert not (out / "stop.request").exists()
+
+
+def test_sigterm_to_the_launcher_or_a_worker_saves_the_step_in_progress_and_the_resumed_run_matches(tmp_path, capfd):
+    """SIGTERM to the launcher in step 3; the run resumed, SIGTERM to a worker in step 5; resumed again, the run ends
+    with an uninterrupted run's losses."""
+    plan = write_plan_file(tmp_path / "plan.json", [(1, [16, 16])], stages=2)
+    out = (tmp_path / "run").resolve()
+    stop_by_sigterm(plan, out, "launcher", 3, "--checkpoint-every", "4")
+    stop_by_sigterm(plan, out, "worker", 5, "--resume", "--checkpoint-every", "6")
+    assert checkpoint.complete_steps(out) == [3, 5]
 
     p = run_cli(capfd, "train", "--resume", "--out", out)
     assert p.returncode == 0, p.stdout + p.stderr

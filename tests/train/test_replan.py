@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from conftest import LocalSetup, local_setup, run_cli, terapipe, tiny_model, train_locally, write_plan_file
+from conftest import LocalSetup, local_setup, run_cli, tiny_model, train_locally, write_plan_file
 from local_world import LocalWorld, local_comms
 
 from terapipe_cli.engine.mesh import Layout
@@ -124,7 +124,7 @@ def test_resume_under_a_new_plan_through_the_workers(tmp_path, capsys):
     out = tmp_path / "run"
     first = ["train", "--plan", old, "--steps", str(SAVED), "--decay-steps", str(STEPS), "--out", out]
     assert run_cli(capsys, *first, "--checkpoint-every", str(SAVED), "--val-fraction", "0").returncode == 0
-    p = terapipe("train", "--resume", "--out", out, "--plan", new, "--steps", str(STEPS))
+    p = run_cli(capsys, "train", "--resume", "--out", out, "--plan", new, "--steps", STEPS)
     assert p.returncode == 0, p.stdout + p.stderr
     assert (
         "resuming step 3 under a new layout: D × K × T 1 × 2 × 1 -> 1 × 2 × 1, virtual stages 1 -> 2, "
