@@ -101,19 +101,10 @@ def test_sigterm_to_the_launcher_or_a_worker_saves_the_step_in_progress_and_the_
     assert losses(out) == pytest.approx(uninterrupted_losses(plan, out), rel=1e-6)
 
 
-def test_a_killed_worker_is_restarted_and_the_run_ends_as_if_uninterrupted(tmp_path, capfd):
-    plan, out = write_plan_file(tmp_path / "plan.json", [(1, [16, 16])], stages=2), tmp_path / "run"
-    p = train_with_fault(capfd, plan, out, "kill:1:4", "--max-restarts", "1")
-    assert p.returncode == 0, p.stdout + p.stderr
-    # Step 2's checkpoint, written in the background during step 3, was complete at its end; step 4's never was.
-    assert "restart 1 of 1: a worker failed; all workers continue from the checkpoint of step 2" in p.stdout
-    assert [(e["event"], e["restart"], e["resumed_from"]) for e in read_events(out)] == [("restart", 1, 2)]
-    assert [r["step"] for r in read_metrics(out)] == list(range(1, STEPS + 1))
-    assert losses(out) == pytest.approx(uninterrupted_losses(plan, out), rel=1e-6)
-    assert not (out / "errors").exists()  # the failed attempt's error files are cleared once the run succeeds
-
-
-def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint_and_the_run_resumes(tmp_path, capfd):
+def test_a_full_disk_keeps_the_previous_checkpoint_and_the_resumed_run_heals_a_killed_worker(tmp_path, capfd):
+    """A full disk during step 4's save: one line naming the cause, step 2's checkpoint kept. Resumed under
+    --max-restarts 1, a worker killed mid-step 6 is restarted from step 4's checkpoint (written in the background
+    during step 5, complete at its end), and the run ends with an uninterrupted run's losses."""
     plan, out = write_plan_file(tmp_path / "plan.json", [(1, [16, 16])], stages=2), tmp_path / "run"
     p = train_with_fault(capfd, plan, out, "nospace:1:4")
     assert p.returncode == 1, p.stdout + p.stderr
@@ -123,6 +114,10 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint_and_the_run_res
     assert "the last complete checkpoint, step 2, is kept" in lines[0]
     assert checkpoint.complete_steps(out) == [2] and not checkpoint.step_dir(out, 4).exists()
 
-    p = run_cli(capfd, "train", "--resume", "--out", out)
+    p = run_cli(capfd, "train", "--resume", "--out", out, "--max-restarts", "1", env={CONTROLS_ENV: "fault=kill:1:6"})
     assert p.returncode == 0, p.stdout + p.stderr
+    assert "restart 1 of 1: a worker failed; all workers continue from the checkpoint of step 4" in p.stdout
+    assert [(e["event"], e["restart"], e["resumed_from"]) for e in read_events(out)] == [("restart", 1, 4)]
+    assert [r["step"] for r in read_metrics(out)] == list(range(1, STEPS + 1))
     assert losses(out) == pytest.approx(uninterrupted_losses(plan, out), rel=1e-6)
+    assert not (out / "errors").exists()  # the failed attempts' error files are cleared once the run succeeds
