@@ -17,9 +17,9 @@
 #
 # Without CUDA (torch.cuda.is_available() False) the same steps run the same commands with --device cpu on the
 # tiny models at L = 32-64, the ones cut here narrowed to H = 128 (a dry run: tests/cli/test_gpu_bringup.py runs it,
-# about 2 minutes on two cores, most of it the processes that start PyTorch, ~4-6 s of CPU each), and the table says
+# about 80 s on two cores, most of it the processes that start PyTorch, ~4-6 s of CPU each), and the table says
 # "no CUDA". Steps whose commands another step runs with other numbers (verify-k2-shared, verify-k2-v2, t2-shared,
-# bench-llama-long) are skipped in the dry run. Python: $PYTHON, else .venv/bin/python when there is one, else python3; the package from
+# bench-llama-long), or the test suite runs (memory), are skipped in the dry run. Python: $PYTHON, else .venv/bin/python when there is one, else python3; the package from
 # src/ through PYTHONPATH, so nothing needs installing (the GPU machines have no .venv and perhaps no pytest).
 #
 # The order is by what a result is worth per second of the budget, most first:
@@ -254,6 +254,9 @@ step_t2_shared() {
 result_t2_shared() { line verify "$SCRATCH/t2"; }
 
 step_memory() {
+    # Without CUDA: plan --memory-limit, train and report --no-baseline run in the test suite (tests/train, on a
+    # resumed run's report), and this step's line reads a report's memory table as tests/report checks.
+    ((CUDA)) || skip "no CUDA: its commands run in the test suite (tests/train), its line on a report in tests/report"
     [[ -f $PROFILE ]] || skip "needs the profile step 'profile' writes, and there is none"
     local run=$BIG_SCRATCH/memory rc
     # Two stages share one GPU, while the planner's limit is per device: 35 GiB each keeps both within 80 GB.

@@ -1,4 +1,4 @@
-"""One judge (issue 38): every scheme of a plan's table — the plan's own, GPipe and the best uniform slicing — is
+"""One judge: every scheme of a plan's table — the plan's own, GPipe and the best uniform slicing — is
 ranked and shown by the simulated step, with the formula beside it, and the plan is never slower in the simulator
 than a baseline it shows (GPipe and uniform slicings are TeraPipe schemes too: the schedule-aware choice takes
 them when they simulate faster). Where the objective and the simulator disagree by more than 5%, the plan says so.
@@ -81,7 +81,7 @@ def _case(model, stages: int, batch: int, tensor_parallel: int, token_step: int)
     return plan_configured(prof, request).planned
 
 
-def test_the_cases_of_issue_38_are_judged_by_the_simulator():
+def test_a_large_vocabulary_a_long_context_and_forty_stages_are_judged_by_the_simulator():
     """A hidden-64 Llama with Llama 3's 128,256-token vocabulary at K = 2, Llama 3 8B at L = 131,072 on 8 stages and
     GPT-3 13B on 40: the chosen plan had simulated slower than a baseline the formula showed as slower."""
     tiny = load_model_config("llama-tiny")

@@ -8,7 +8,10 @@ code, its stages' kept bytes counted as a run counts them, then reported from a 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 from conftest import ROOT, LocalSetup, run_arguments, run_cli, train_locally
@@ -63,6 +66,13 @@ def test_estimated_and_measured_per_stage(run_dir, capsys):
         measured = m["measured_saved_bytes"]
         assert m["rel_err"] == pytest.approx((m["estimated_activation_bytes"] - measured) / measured)
         assert abs(m["rel_err"]) <= 0.10  # the estimate holds for what training kept (docs/design.md §10)
+    # The line scripts/gpu_bringup.sh's memory step prints from such a report (its dry run skips the step).
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gpu_bringup.py"), "memory", str(run_dir / "report" / "report.json")],
+        capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.count("kept for backward est.") == STAGES and "(process RSS)" in p.stdout
     table = md.split("## Memory per stage")[1].split("## Loss")[0]
     for header in ("estimated kept for backward", "measured kept (saved tensors)", "measured peak (process RSS)"):
         assert header in table
