@@ -1,15 +1,15 @@
 """The `terapipe` command itself: version, short help."""
 
-from conftest import terapipe
+from conftest import run_cli, terapipe
 
 from terapipe_cli import __version__
 
 
-def test_version_and_short_help():
-    p = terapipe("--version")
+def test_version_and_short_help(capsys):
+    p = terapipe("--version")  # a real process; the help pages in this one
     assert p.returncode == 0 and p.stdout.strip() == f"terapipe {__version__}"
     for args in (("-h",), ("plan", "-h"), ("train", "-h")):
-        p = terapipe(*args)
+        p = run_cli(capsys, *args)
         assert p.returncode == 0 and "Usage: terapipe" in p.stdout, args
 
 

@@ -81,4 +81,4 @@ def test_a_tile_dropped_by_reset_frees_its_graph(stage):
 
     alive_after_a_dropped_tile()
     first = alive_after_a_dropped_tile()
-    assert [alive_after_a_dropped_tile() for _ in range(3)] == [first] * 3
+    assert alive_after_a_dropped_tile() == first  # a leak keeps the tile's tensors: one more tile, more alive
