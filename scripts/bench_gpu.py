@@ -158,7 +158,7 @@ def time_group(model, cells: list[Cell], device, *, rounds: int, warmup: int) ->
     from terapipe_cli.engine.optim import make_optimizer
     from terapipe_cli.engine.p2p import Links
     from terapipe_cli.engine.stage import StageRunner
-    from terapipe_cli.plan.schedule import Schedule
+    from terapipe_cli.schedule.schedule import Schedule
 
     batch, precision = cells[0].batch, cells[0].precision
     runner = StageRunner(model, 0, 1, seed=0, device=device, precision=precision)

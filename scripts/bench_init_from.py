@@ -103,7 +103,7 @@ def measure_rank(source: str, plan_path: str, stage: int) -> dict:
     from terapipe_cli.engine.mesh import Layout
     from terapipe_cli.engine.trainer import Trainer
     from terapipe_cli.plan.file import read_plan
-    from terapipe_cli.plan.schedule import Schedule
+    from terapipe_cli.schedule.schedule import Schedule
     from terapipe_cli.train.init_from import open_source
     from terapipe_cli.train.worker import start_weights
 

@@ -167,9 +167,9 @@ def run_case(case: Case) -> list[tuple[float, float]]:
     from terapipe_cli.config.model import ModelConfig
     from terapipe_cli.plan.costmodel import read_profile
     from terapipe_cli.plan.memory import stage_memory
-    from terapipe_cli.plan.partition import Partition
-    from terapipe_cli.plan.schedule import Schedule
     from terapipe_cli.profile.memtrace import tracked_step_peaks
+    from terapipe_cli.schedule.partition import Partition
+    from terapipe_cli.schedule.schedule import Schedule
 
     model = ModelConfig.from_dict(case.model, case.name)
     base = read_profile(ROOT / "configs" / "profiles" / "tiny-cpu-measured.json")
@@ -282,8 +282,8 @@ def run_on_device(case: Case, device: str, usable_bytes: float | None) -> dict:
     from terapipe_cli.engine.stage import StageRunner
     from terapipe_cli.plan.costmodel import read_profile
     from terapipe_cli.plan.memory import stage_memory
-    from terapipe_cli.plan.schedule import Schedule
     from terapipe_cli.profile.memtrace import LiveBytes, trace_memory
+    from terapipe_cli.schedule.schedule import Schedule
 
     cuda = device == "cuda"
     model = ModelConfig.from_dict(case.model, case.name)

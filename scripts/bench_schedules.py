@@ -76,7 +76,7 @@ def candidates(B: int, L: int, virtual: int) -> list[dict]:
 def worker(config_path: str) -> None:
     from terapipe_cli.engine.data import load_data, step_batch
     from terapipe_cli.plan.file import plan_from_dict
-    from terapipe_cli.plan.schedule import Schedule
+    from terapipe_cli.schedule.schedule import Schedule
 
     cfg, rank, stages, model = join_bench_job(config_path)
     B, L = cfg["batch_size"], model.seq_len
@@ -95,8 +95,8 @@ def worker(config_path: str) -> None:
 
 def _one_process_step(model, rank: int, B: int, batch):
     """The whole model's step on rank 0 (one stage, B whole sequences); the other ranks do nothing."""
-    from terapipe_cli.plan.partition import Partition
-    from terapipe_cli.plan.schedule import Schedule
+    from terapipe_cli.schedule.partition import Partition
+    from terapipe_cli.schedule.schedule import Schedule
 
     if rank:
         return lambda: None
@@ -105,8 +105,8 @@ def _one_process_step(model, rank: int, B: int, batch):
 
 
 def _schedule(c: dict, model, stages: int):
-    from terapipe_cli.plan.partition import Partition
-    from terapipe_cli.plan.schedule import Schedule
+    from terapipe_cli.schedule.partition import Partition
+    from terapipe_cli.schedule.schedule import Schedule
 
     chunks = stages * c["virtual"]
     part = Partition((model.layers // chunks,) * chunks, stages)

@@ -102,7 +102,7 @@ def worker(config_path: str) -> None:
     from terapipe_cli.engine.optim import make_optimizer
     from terapipe_cli.engine.p2p import Links
     from terapipe_cli.engine.stage import StageRunner
-    from terapipe_cli.plan.schedule import Schedule
+    from terapipe_cli.schedule.schedule import Schedule
 
     cfg, rank, stages, model = join_bench_job(config_path)
     B, L = cfg["batch_size"], model.seq_len

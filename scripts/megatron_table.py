@@ -69,12 +69,12 @@ from terapipe_cli.plan.costmodel import CostModel, Profile, profile_from_dict  #
 from terapipe_cli.plan.file import short_form  # noqa: E402
 from terapipe_cli.plan.memory import stage_memory  # noqa: E402
 from terapipe_cli.plan.mfu import step_flops  # noqa: E402
-from terapipe_cli.plan.partition import Partition  # noqa: E402
 from terapipe_cli.plan.request import plan_request  # noqa: E402
-from terapipe_cli.plan.schedule import CUSTOM, Action, Schedule, Tile, plan_tiles  # noqa: E402
 from terapipe_cli.plan.search import evaluate  # noqa: E402
 from terapipe_cli.plan.simulate import simulate  # noqa: E402
 from terapipe_cli.profile.analytic import analytic_profile  # noqa: E402
+from terapipe_cli.schedule.partition import Partition  # noqa: E402
+from terapipe_cli.schedule.schedule import CUSTOM, Action, Schedule, Tile, plan_tiles  # noqa: E402
 
 HARDWARE = ROOT / "configs" / "hardware" / "dgx-a100.toml"
 VOCAB = 51200

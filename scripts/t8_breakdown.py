@@ -55,10 +55,10 @@ import numpy as np  # noqa: E402
 from terapipe_cli.arch.base import backward_gemms, layer_gemms  # noqa: E402
 from terapipe_cli.config.hardware import Hardware, Link, load_hardware  # noqa: E402
 from terapipe_cli.plan.costmodel import CostModel, Profile, profile_from_dict  # noqa: E402
-from terapipe_cli.plan.partition import Partition  # noqa: E402
-from terapipe_cli.plan.schedule import CUSTOM, Schedule, plan_tiles  # noqa: E402
 from terapipe_cli.plan.simulate import simulate  # noqa: E402
 from terapipe_cli.profile.analytic import _gemm_seconds, analytic_profile  # noqa: E402
+from terapipe_cli.schedule.partition import Partition  # noqa: E402
+from terapipe_cli.schedule.schedule import CUSTOM, Schedule, plan_tiles  # noqa: E402
 
 TOKEN_STEP = 256  # whole-sequence tiles only: the grid needs 2048, a coarse step keeps the context fit cheap
 BUSBW = (230e9, 200e9)  # published nccl-tests all_reduce busbw, 8 × A100 on NVSwitch, large messages

@@ -24,10 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 from terapipe_cli.plan.configs import plan_configured  # noqa: E402
 from terapipe_cli.plan.costmodel import CostModel, read_profile  # noqa: E402
 from terapipe_cli.plan.memory import stage_memory  # noqa: E402
-from terapipe_cli.plan.partition import Partition  # noqa: E402
 from terapipe_cli.plan.request import plan_request  # noqa: E402
-from terapipe_cli.plan.schedule import Schedule  # noqa: E402
 from terapipe_cli.plan.simulate import simulate  # noqa: E402
+from terapipe_cli.schedule.partition import Partition  # noqa: E402
+from terapipe_cli.schedule.schedule import Schedule  # noqa: E402
 from terapipe_cli.units import format_bytes  # noqa: E402
 
 

@@ -250,7 +250,7 @@ def train_locally(setup: LocalSetup, schedule=None, **world):
     `local_world.LocalRun`."""
     from local_world import train_in_process
 
-    from terapipe_cli.plan.schedule import Schedule
+    from terapipe_cli.schedule.schedule import Schedule
 
     schedule = schedule if schedule is not None else Schedule.of_plan(setup.plan)
     if setup.args.init_from is not None:  # --init-from: each rank starts from its share of SRC, as a worker does

@@ -11,9 +11,9 @@ from conftest import tiny_model
 from terapipe_cli.config.run import RunArguments
 from terapipe_cli.engine.mesh import Layout
 from terapipe_cli.plan.file import make_plan_dict
-from terapipe_cli.plan.schedule import Schedule
 from terapipe_cli.plan.simulate import simulate
-from terapipe_cli.plan.timeline import write_timeline
+from terapipe_cli.schedule.schedule import Schedule
+from terapipe_cli.schedule.timeline import write_timeline
 from terapipe_cli.train.rundir import append_metrics, timeline_path, write_config, write_summary
 
 SEQ = 32

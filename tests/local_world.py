@@ -31,7 +31,7 @@ from terapipe_cli.engine.data import TokenData
 from terapipe_cli.engine.mesh import Layout
 from terapipe_cli.engine.trainer import Comms, Trainer
 from terapipe_cli.plan.file import Plan
-from terapipe_cli.plan.schedule import Schedule
+from terapipe_cli.schedule.schedule import Schedule
 
 T = TypeVar("T")
 _POLL_S = 0.05

@@ -11,7 +11,7 @@ from conftest import ROOT
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 PACKAGE = ROOT / "src" / "terapipe_cli"
-# A path in code style: folders and a file name with an extension, e.g. `plan/schedule.py`, `tests/cli/x.py`.
+# A path in code style: folders and a file name with an extension, e.g. `schedule/schedule.py`, `tests/cli/x.py`.
 CODE_PATH = re.compile(r"`((?:[\w.-]+/)+[\w.-]+\.(?:py|toml|json|csv|sh|md|png))`")
 PLACEHOLDER = re.compile(r"\*|_N+\b|\b[A-Z]{3,}\b")  # rank_N.json, RUN/report, step_NNNNNN/
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")

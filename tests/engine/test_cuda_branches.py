@@ -25,7 +25,7 @@ from terapipe_cli.engine import attention
 from terapipe_cli.engine.attention import KVCache, attend, forced_branch
 from terapipe_cli.engine.executor import _StepWalk
 from terapipe_cli.engine.optim import make_optimizer
-from terapipe_cli.plan.schedule import parse_schedule
+from terapipe_cli.schedule.schedule import parse_schedule
 
 LOW = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -220,7 +220,7 @@ def _staged_messages(rank: int, init: str, out: str) -> None:
 
     from terapipe_cli.engine.comm import DistGroup
     from terapipe_cli.engine.p2p import Links
-    from terapipe_cli.plan.schedule import Tile
+    from terapipe_cli.schedule.schedule import Tile
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     tile = Tile(batch_slice=0, token_slice=0, batch_start=0, batch_size=2, token_start=0, tokens=3)

@@ -14,7 +14,7 @@ from test_trainer import FAMILIES
 from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.engine.mesh import Layout
 from terapipe_cli.engine.trainer import Trainer
-from terapipe_cli.plan.schedule import Schedule
+from terapipe_cli.schedule.schedule import Schedule
 from terapipe_cli.train.verify import Trajectory, verify_trajectory
 
 

@@ -20,9 +20,9 @@ from terapipe_cli.engine.stage import StageRunner
 from terapipe_cli.engine.tensor import TensorGroup
 from terapipe_cli.plan.costmodel import read_profile
 from terapipe_cli.plan.memory import stage_memory
-from terapipe_cli.plan.partition import Partition
-from terapipe_cli.plan.schedule import Schedule
 from terapipe_cli.profile.timer import TileTimer
+from terapipe_cli.schedule.partition import Partition
+from terapipe_cli.schedule.schedule import Schedule
 
 PROFILE = read_profile(ROOT / "configs" / "profiles" / "tiny-cpu-measured.json")
 

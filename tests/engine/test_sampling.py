@@ -23,7 +23,7 @@ from terapipe_cli.engine.data import (
 )
 from terapipe_cli.engine.mesh import Layout
 from terapipe_cli.engine.trainer import Trainer
-from terapipe_cli.plan.schedule import Schedule
+from terapipe_cli.schedule.schedule import Schedule
 
 
 def test_epoch_windows_are_shuffled_and_each_drawn_once_per_epoch():

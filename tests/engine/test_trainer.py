@@ -12,7 +12,7 @@ from conftest import local_setup, tiny_model, train_locally, verify_locally
 
 from terapipe_cli.engine.data import validation_batch
 from terapipe_cli.engine.model import GPT, token_loss_sum
-from terapipe_cli.plan.schedule import Schedule, parse_schedule
+from terapipe_cli.schedule.schedule import Schedule, parse_schedule
 
 # name: (slices, stages, run arguments, plan fields)
 FAMILIES = {

@@ -9,7 +9,7 @@ from conftest import local_setup, run_cli, verify_locally, write_plan_file
 
 from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.engine.stage import StageRunner
-from terapipe_cli.plan.schedule import Schedule, parse_schedule
+from terapipe_cli.schedule.schedule import Schedule, parse_schedule
 
 
 def llama(layers: int = 6) -> ModelConfig:

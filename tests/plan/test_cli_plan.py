@@ -347,7 +347,7 @@ def test_the_plan_stores_its_profile_path_absolute(tmp_path, capsys):
 def test_show_schedule_prints_the_grid_and_schedule_out_writes_the_csv(tmp_path: Path, capsys) -> None:
     """--show-schedule: the plan's schedule as a stage x time grid; --schedule-out: the same actions as CSV, which
     reads back into the schedule the plan runs."""
-    from terapipe_cli.plan.schedule import Schedule, parse_schedule
+    from terapipe_cli.schedule.schedule import Schedule, parse_schedule
 
     out, csv = tmp_path / "p.json", tmp_path / "order.csv"
     p = run_cli(

@@ -18,11 +18,11 @@ from terapipe_cli.errors import UserError
 from terapipe_cli.plan.configs import partition_candidates, plan_configured
 from terapipe_cli.plan.costmodel import CostModel, profile_from_dict
 from terapipe_cli.plan.memory import stage_memory
-from terapipe_cli.plan.partition import Partition, check_partition
 from terapipe_cli.plan.request import plan_request
-from terapipe_cli.plan.schedule import Schedule, parse_schedule
 from terapipe_cli.plan.search import evaluate, objective
 from terapipe_cli.plan.simulate import simulate, uniform_parts
+from terapipe_cli.schedule.partition import Partition, check_partition
+from terapipe_cli.schedule.schedule import Schedule, parse_schedule
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "configs" / "profiles" / "example-tiny-cpu.json"

@@ -15,9 +15,9 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from megatron_table import SETTINGS, main, megatron_rows, megatron_virtual, model_flops  # noqa: E402
 
 from terapipe_cli.config.hardware import load_hardware  # noqa: E402
-from terapipe_cli.plan.partition import Partition  # noqa: E402
-from terapipe_cli.plan.schedule import CUSTOM, Schedule, plan_tiles  # noqa: E402
 from terapipe_cli.plan.simulate import simulate, uniform_parts  # noqa: E402
+from terapipe_cli.schedule.partition import Partition  # noqa: E402
+from terapipe_cli.schedule.schedule import CUSTOM, Schedule, plan_tiles  # noqa: E402
 
 
 def test_the_dgx_a100_file_is_an_estimate_of_the_node():

@@ -19,7 +19,7 @@ from terapipe_cli.plan.memory import (
     stage_memory,
     stage_sizes,
 )
-from terapipe_cli.plan.schedule import Schedule, plan_tiles
+from terapipe_cli.schedule.schedule import Schedule, plan_tiles
 
 PROFILE = read_profile(ROOT / "tests" / "data" / "tiny-cpu-measured-schema1.json")
 

@@ -21,8 +21,8 @@ from terapipe_cli.plan.choice import plan_for_profile, plan_one
 from terapipe_cli.plan.costmodel import CostModel, read_profile
 from terapipe_cli.plan.memory import stage_memory
 from terapipe_cli.plan.request import plan_request
-from terapipe_cli.plan.schedule import ORDERS, Schedule
 from terapipe_cli.plan.search import evaluate
+from terapipe_cli.schedule.schedule import ORDERS, Schedule
 from terapipe_cli.units import format_bytes
 
 MEASURED = read_profile(ROOT / "tests" / "data" / "tiny-cpu-measured-schema1.json")

@@ -13,10 +13,10 @@ from terapipe_cli.config.experiment import load_experiment
 from terapipe_cli.plan.choice import plan_for_profile
 from terapipe_cli.plan.costmodel import CostModel, profile_from_dict, read_profile
 from terapipe_cli.plan.request import plan_request
-from terapipe_cli.plan.schedule import Schedule
 from terapipe_cli.plan.search import solve
 from terapipe_cli.plan.simulate import simulate
 from terapipe_cli.profile.analytic import experiment_profile
+from terapipe_cli.schedule.schedule import Schedule
 
 MEASURED = read_profile(ROOT / "configs" / "profiles" / "tiny-cpu-measured.json")
 

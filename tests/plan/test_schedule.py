@@ -1,9 +1,9 @@
 import pytest
 
 from terapipe_cli.errors import UserError
-from terapipe_cli.plan.schedule import Action, Schedule, Tile, parse_schedule, plan_tiles
 from terapipe_cli.plan.simulate import simulate, uniform_parts
-from terapipe_cli.plan.timeline import Event, read_timeline, write_timeline
+from terapipe_cli.schedule.schedule import Action, Schedule, Tile, parse_schedule, plan_tiles
+from terapipe_cli.schedule.timeline import Event, read_timeline, write_timeline
 
 
 def test_plan_tiles_uneven_slices_and_batch_slices():

@@ -1,4 +1,4 @@
-"""Work shared within one plan (`plan.memo`): the tile prices of a profile's partitions, the search's tables
+"""Work shared within one plan (`schedule.memo`): the tile prices of a profile's partitions, the search's tables
 and answers, the baselines — each computed once and the same to the last bit as computed afresh; the dominance check
 over partitions as it was (every partition's prices compared tile by tile); and a plan the same with and without
 the sharing."""
@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 from conftest import ROOT
 
-from terapipe_cli.plan import configs, memo, search
+from terapipe_cli.plan import configs, search
 from terapipe_cli.plan.costmodel import CostModel, read_profile
-from terapipe_cli.plan.partition import Partition
 from terapipe_cli.plan.request import plan_request
+from terapipe_cli.schedule import memo
+from terapipe_cli.schedule.partition import Partition
 
 TINY = ROOT / "configs" / "profiles" / "tiny-cpu-measured.json"
 EXAMPLE = ROOT / "configs" / "profiles" / "example-tiny-cpu.json"

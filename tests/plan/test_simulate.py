@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from terapipe_cli.plan.costmodel import CostModel, read_profile
-from terapipe_cli.plan.schedule import Action, Schedule, plan_tiles
 from terapipe_cli.plan.search import evaluate, gpipe_baseline, solve, uniform_baseline
 from terapipe_cli.plan.simulate import compare_timelines, cost_model_parts, simulate, uniform_parts
-from terapipe_cli.plan.timeline import read_timeline, write_timeline
+from terapipe_cli.schedule.schedule import Action, Schedule, plan_tiles
+from terapipe_cli.schedule.timeline import read_timeline, write_timeline
 
 ROOT = Path(__file__).resolve().parents[2]
 PROFILE = read_profile(ROOT / "configs" / "profiles" / "example-tiny-cpu.json")

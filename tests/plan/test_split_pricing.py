@@ -16,8 +16,8 @@ from terapipe_cli.errors import UserError
 from terapipe_cli.files import write_json_atomic
 from terapipe_cli.plan.choice import choice_text, split_text
 from terapipe_cli.plan.costmodel import CostModel, profile_from_dict, read_profile
-from terapipe_cli.plan.schedule import Schedule
 from terapipe_cli.plan.simulate import cost_model_parts, simulate, uniform_parts
+from terapipe_cli.schedule.schedule import Schedule
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "profiles" / "tiny-cpu-measured.json"

@@ -1,19 +1,19 @@
-"""The schedule's vocabulary with a split backward (plan/actions.py) and the zero-bubble order (plan/orders): I and W
-actions printed and parsed as torch.distributed.pipelining writes them, one dependency rule for the check, the grid,
-the simulator and the memory walk, and ZB-H1 legal for any K, v and slicing."""
+"""The schedule's vocabulary with a split backward (schedule/actions.py) and the zero-bubble order
+(schedule/orders): I and W actions printed and parsed as torch.distributed.pipelining writes them, one dependency rule
+for the check, the grid, the simulator and the memory walk, and ZB-H1 legal for any K, v and slicing."""
 
 from pathlib import Path
 
 import pytest
 
 from terapipe_cli.errors import UserError
-from terapipe_cli.plan.actions import Action, Phase, Tile, waits_for, walk_rows
 from terapipe_cli.plan.costmodel import read_profile
 from terapipe_cli.plan.memory import stage_memory, stage_sizes
-from terapipe_cli.plan.orders import ALL_ORDERS, ORDERS, order_of
-from terapipe_cli.plan.partition import Partition
-from terapipe_cli.plan.schedule import Schedule, parse_schedule
 from terapipe_cli.plan.simulate import simulate, uniform_parts
+from terapipe_cli.schedule.actions import Action, Phase, Tile, waits_for, walk_rows
+from terapipe_cli.schedule.orders import ALL_ORDERS, ORDERS, order_of
+from terapipe_cli.schedule.partition import Partition
+from terapipe_cli.schedule.schedule import Schedule, parse_schedule
 
 ROOT = Path(__file__).resolve().parents[2]
 PROFILE = read_profile(ROOT / "configs" / "profiles" / "tiny-cpu-measured.json")
@@ -149,7 +149,7 @@ def test_the_memory_walk_keeps_a_tile_until_its_w():
 def _walk_by_passes(rows, chunks):
     """The legality walk by its definition: pass over every row, running each row's head while what it waits for
     is done, until no row moves; the rows' stuck positions."""
-    from terapipe_cli.plan.actions import completes, token_slice_counts
+    from terapipe_cli.schedule.actions import completes, token_slice_counts
 
     counts, done, pos = token_slice_counts(rows), set(), [0] * len(rows)
     moved = True
@@ -199,8 +199,8 @@ def test_the_coded_walk_stops_where_the_walk_by_its_definition_does(seed):
 def test_interleaved_1f1bs_extra_warm_up_is_the_first_that_walks_by_its_definition(devices, virtual, tiles):
     """`least_extra` skips extras where an earlier deadlock's cycle still stands: the first legal extra scanned one
     by one with the walk by its definition is the same."""
-    from terapipe_cli.plan.orders.base import by_slice, interleaved_forwards
-    from terapipe_cli.plan.orders.one_f_one_b import alternating_1f1b, interleaved_backwards, least_extra
+    from terapipe_cli.schedule.orders.base import by_slice, interleaved_forwards
+    from terapipe_cli.schedule.orders.one_f_one_b import alternating_1f1b, interleaved_backwards, least_extra
 
     slices = [(1, [8])] * tiles
     every = list(Schedule.build(slices, devices, "gpipe").tiles)

@@ -17,12 +17,12 @@ from brute import compositions
 from terapipe_cli.plan.configs import plan_configured, split_timed
 from terapipe_cli.plan.costmodel import CostModel, Profile, profile_from_dict
 from terapipe_cli.plan.memory import stage_memory
-from terapipe_cli.plan.orders import ALL_ORDERS, order_of
-from terapipe_cli.plan.partition import Partition
 from terapipe_cli.plan.request import plan_request
-from terapipe_cli.plan.schedule import Schedule
 from terapipe_cli.plan.search import evaluate
 from terapipe_cli.plan.simulate import simulate
+from terapipe_cli.schedule.orders import ALL_ORDERS, order_of
+from terapipe_cli.schedule.partition import Partition
+from terapipe_cli.schedule.schedule import Schedule
 
 ROOT = Path(__file__).resolve().parents[2]
 MEASURED = ROOT / "configs" / "profiles" / "tiny-cpu-measured.json"

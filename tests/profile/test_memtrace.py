@@ -20,7 +20,6 @@ from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.errors import UserError
 from terapipe_cli.plan.costmodel import read_profile
 from terapipe_cli.plan.memory import stage_memory, stage_sizes
-from terapipe_cli.plan.schedule import Schedule
 from terapipe_cli.plan.traced import _forms, traced_from_dict
 from terapipe_cli.profile.memtrace import (
     LiveBytes,
@@ -30,6 +29,7 @@ from terapipe_cli.profile.memtrace import (
     envelope,
     tracked_step_peaks,
 )
+from terapipe_cli.schedule.schedule import Schedule
 
 BUNDLED = read_profile(ROOT / "configs" / "profiles" / "tiny-cpu-measured.json")
 

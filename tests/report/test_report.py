@@ -107,7 +107,7 @@ def test_report_files(pair, tmp_path):
 
 
 def test_trace_lays_steps_end_to_end():
-    from terapipe_cli.plan.timeline import Event
+    from terapipe_cli.schedule.timeline import Event
 
     events = {0: [Event(0, "F", 0, 0, 0.001, 0.002, 0, 0, 1), Event(0, "F", 0, 0, 0.001, 0.002, 0, 0, 2)]}
     trace = chrome_trace([TraceRun("X", events, [0.5, 0.25], Layout(1, 1), [(1, [4])])])

@@ -8,8 +8,8 @@ import pytest
 from fake_runs import make_run
 from file_errors import assert_file_error
 
-from terapipe_cli.plan.timeline import read_timeline
 from terapipe_cli.report.runs import load_run
+from terapipe_cli.schedule.timeline import read_timeline
 from terapipe_cli.train.launch import interrupted_message
 from terapipe_cli.train.rundir import keep_metrics_until, read_config, read_metrics, read_summary, timeline_path
 

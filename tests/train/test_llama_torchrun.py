@@ -16,8 +16,8 @@ from conftest import run_cli, write_plan_file
 
 from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.corpus.formats import MegatronWriter
-from terapipe_cli.plan.schedule import plan_tiles
-from terapipe_cli.plan.timeline import read_timeline
+from terapipe_cli.schedule.schedule import plan_tiles
+from terapipe_cli.schedule.timeline import read_timeline
 from terapipe_cli.train import checkpoint
 from terapipe_cli.train.rundir import read_summary, timeline_path
 

@@ -17,7 +17,7 @@ from terapipe_cli.engine.mesh import Layout
 from terapipe_cli.engine.trainer import Trainer
 from terapipe_cli.files import write_json_atomic
 from terapipe_cli.plan.file import read_plan
-from terapipe_cli.plan.schedule import Schedule
+from terapipe_cli.schedule.schedule import Schedule
 from terapipe_cli.train import checkpoint
 from terapipe_cli.train.rundir import read_metrics
 from terapipe_cli.train.saving import layout_of

@@ -26,8 +26,6 @@ from terapipe_cli.plan.documents import AttendedContext
 from terapipe_cli.plan.domain import domain_of, provenance
 from terapipe_cli.plan.file import PLAN_SCHEMA, write_plan
 from terapipe_cli.plan.fit_quality import fit_warnings
-from terapipe_cli.plan.orders import ALL_ORDERS
-from terapipe_cli.plan.partition import parse_layers
 from terapipe_cli.plan.request import (
     PARTITIONS,
     PlanSetting,
@@ -39,6 +37,8 @@ from terapipe_cli.plan.request import (
 from terapipe_cli.plan.search import METHODS
 from terapipe_cli.profile.analytic import experiment_profile, extended_for_batch
 from terapipe_cli.report.preview import write_plan_picture
+from terapipe_cli.schedule.orders import ALL_ORDERS
+from terapipe_cli.schedule.partition import parse_layers
 from terapipe_cli.units import format_bytes, format_seconds
 
 HELP = """Choose token and batch slicing for a profile with the exact dynamic program (docs/design.md §5).

@@ -102,7 +102,7 @@ def train(*, config: Path | None, resume: bool, dry_run: bool, **settings) -> No
 
 def _schedule_line(prepared, given: str | None) -> str:
     """What the workers will walk: the plan's own order, or the schedule file given (read, checked, as kept)."""
-    from terapipe_cli.plan.orders import order_of
+    from terapipe_cli.schedule.orders import order_of
     from terapipe_cli.train.rundir import run_schedule
 
     schedule = run_schedule(prepared.plan, prepared.args, where="--schedule")

@@ -421,7 +421,7 @@ class RunArguments:
     val_fraction: float = setting("The data's last part held out (0: none).", 0.0, minimum=0)
     eval_every: int = setting("Validation every N steps and after the last (0: never).", 0, minimum=0)
     log: list[str] | None = setting("Where each step's metrics go (`LOGS`; None: metrics.jsonl alone).")
-    schedule: str | None = setting("The schedule walked instead of the plan's order (`plan.schedule`, CSV text).")
+    schedule: str | None = setting("The schedule walked instead of the plan's order (`schedule.schedule`, CSV text).")
     keep_checkpoints: int = setting("Complete checkpoints kept.", DEFAULT_KEEP_CHECKPOINTS, minimum=1)
     grace_s: float = setting("Seconds to save a checkpoint after a stop signal.", DEFAULT_GRACE_S, positive=True)
     max_restarts: int = setting("Restarts of all workers from the last checkpoint when one dies.", 0, minimum=0)

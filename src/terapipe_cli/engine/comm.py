@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from terapipe_cli.engine.mesh import Layout
-from terapipe_cli.plan.schedule import Tile
+from terapipe_cli.schedule.schedule import Tile
 
 OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 

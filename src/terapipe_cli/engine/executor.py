@@ -1,4 +1,4 @@
-"""The executor: one stage walks its actions of a schedule (`plan.schedule.Schedule`) for one step — the object
+"""The executor: one stage walks its actions of a schedule (`schedule.schedule.Schedule`) for one step — the object
 torchtitan's trainer calls as ``pp_schedule.step(...)``. It knows the schedule and a `comm.Link`, nothing else: the
 same walk runs between torchrun processes (`engine.p2p.Links`) and between threads (the tests' tests/local_world.py).
 
@@ -31,8 +31,8 @@ import torch
 
 from terapipe_cli.engine.comm import Link
 from terapipe_cli.engine.stage import StageRunner
-from terapipe_cli.plan.schedule import Phase, Schedule, Tile
-from terapipe_cli.plan.timeline import Event
+from terapipe_cli.schedule.schedule import Phase, Schedule, Tile
+from terapipe_cli.schedule.timeline import Event
 
 
 def message_tag(phase: str, chunk: int, tile: int, tiles: int, chunks: int) -> int:

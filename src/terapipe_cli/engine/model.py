@@ -23,7 +23,7 @@ from torch import nn
 from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.engine.attention import DocumentMask, KVCache, attend
 from terapipe_cli.engine.init import EMBED_SEED, HEAD_SEED, LAYER_SEED, normal_, seeded
-from terapipe_cli.plan.partition import Partition
+from terapipe_cli.schedule.partition import Partition
 
 
 class CausalSelfAttention(nn.Module):
@@ -97,7 +97,7 @@ def stage_layer_range(cfg: ModelConfig, stage: int, stages: int, partition: Part
 
 class GPT(nn.Module):
     """The part of the model that pipeline stage ``stage`` of ``stages`` owns (the whole model by default): with a
-    ``partition`` (`plan.partition`), chunk ``stage`` of its chunks, its own layers — or, with ``chunks``, several
+    ``partition`` (`schedule.partition`), chunk ``stage`` of its chunks, its own layers — or, with ``chunks``, several
     chunks of it (one device's, interleaved), each run on its own by ``forward(..., chunk=c)``.
 
     Chunk 0 also holds the token and position embeddings; the last chunk the final LayerNorm and LM head (with

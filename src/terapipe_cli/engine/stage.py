@@ -39,7 +39,7 @@ from terapipe_cli.engine.loss import drop_compute_weights
 from terapipe_cli.engine.model import build_model
 from terapipe_cli.engine.tensor import TensorGroup, head_loss_sum, shard_module
 from terapipe_cli.plan.memory import loss_chunk_tokens as default_loss_chunk_tokens
-from terapipe_cli.plan.partition import Partition
+from terapipe_cli.schedule.partition import Partition
 
 AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -129,7 +129,7 @@ class _BatchSlice:
 
 class StageRunner:
     """Holds stage ``stage`` of ``stages`` of the model and runs tiles through it — with a ``partition``
-    (`plan.partition`), chunk ``stage`` of its chunks, or the ``chunks`` one device runs (interleaved: every tile
+    (`schedule.partition`), chunk ``stage`` of its chunks, or the ``chunks`` one device runs (interleaved: every tile
     method then takes the ``chunk`` it is for; each chunk keeps its own K/V caches and tiles).
 
     ``controls``: the test-only switches (`config.controls.Controls`: the K/V hand-back dropped, rotary positions

@@ -44,8 +44,8 @@ from terapipe_cli.engine.tensor import (
     split_of,
 )
 from terapipe_cli.plan.file import Plan
-from terapipe_cli.plan.schedule import Schedule
-from terapipe_cli.plan.timeline import Event
+from terapipe_cli.schedule.schedule import Schedule
+from terapipe_cli.schedule.timeline import Event
 
 
 @dataclass(frozen=True)

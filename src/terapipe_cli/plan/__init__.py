@@ -4,14 +4,11 @@ beyond the files it reads and writes.
 costmodel.py  the profile file (its reader) and the cost model t(b, i, j) built from it
 domain.py     where a profile's times hold (the batch slices it prices) and where they come from (provenance)
 fit_quality.py how far to trust a profile's fits: a warning line for each that is off
-partition.py  the layers of each chunk (stage, or virtual stage when a device runs several) and its device
 configs.py    the choice among partitions, virtual stages and orders (`plan_configured`, what `terapipe plan` calls)
 search.py     the exact slicing search: token DP per batch-slice size, batch knapsack, t_max branch and bound
 memory.py     the memory estimate: what each stage keeps, walked along its schedule, its closed forms, the limit
 groupings.py  batch groupings under a memory limit, as a state machine for the search
-schedule.py   the schedule object: per stage, its ordered actions (``0F3.2``)
 simulate.py   the schedule replayed with the cost model: a predicted timeline
-timeline.py   measured and predicted timelines, one form, and busy/idle per stage
 request.py    what to plan: a profile and a training shape, checked against each other; bounds on the work
 choice.py     the plan chosen for a request: the search, its baselines, re-ranking, the memory limit
 baseline.py   the GPipe baseline of a plan, as a plan of its own

@@ -31,11 +31,11 @@ from terapipe_cli.plan.memory import (
     stage_sizes,
 )
 from terapipe_cli.plan.mfu import Utilisation, utilisation
-from terapipe_cli.plan.orders import order_of
 from terapipe_cli.plan.request import PlanRequest
-from terapipe_cli.plan.schedule import ORDERS, Schedule
 from terapipe_cli.plan.search import PlanResult, divisors, gpipe_baseline, grid_tiles, solve, uniform_baseline
 from terapipe_cli.plan.simulate import simulated_latency
+from terapipe_cli.schedule.orders import order_of
+from terapipe_cli.schedule.schedule import ORDERS, Schedule
 from terapipe_cli.units import format_bytes, format_seconds, format_stages, utc_timestamp
 
 # The schemes a plan may run (`terapipe plan --scheme`): the TeraPipe plan, or one of its baselines.
@@ -88,7 +88,7 @@ class Planned:
 
     @property
     def partition(self):
-        """The layers of every chunk the plan runs (`plan.partition`)."""
+        """The layers of every chunk the plan runs (`schedule.partition`)."""
         return self.cost.partition
 
     def choice_text(self) -> str:
@@ -470,7 +470,8 @@ def _rerank(
 class _Forbidding:
     """A cost model under which tiles that do not fit the memory limit cost +inf (`planner.solve` skips them).
     ``key`` (hashable) names the tiles that fit, on the grid searched: the search shares its prices, tables and
-    answers within one plan (`plan.memo`, `CostModel.price_key`) with every other search of the same cost and fit."""
+    answers within one plan (`schedule.memo`, `CostModel.price_key`) with every other search of the same cost and
+    fit."""
 
     def __init__(self, cost: CostModel, fits, key: tuple) -> None:
         self.cost, self.fits, self.step_s, self.max_batch_slice = cost, fits, cost.step_s, cost.max_batch_slice

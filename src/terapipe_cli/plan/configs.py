@@ -27,16 +27,16 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from terapipe_cli.errors import UserError
-from terapipe_cli.plan import memo
 from terapipe_cli.plan.choice import Planned, outside_profile, plan_for_profile, plan_one, smallest_peak
 from terapipe_cli.plan.costmodel import CostModel, GridKinds, Profile
 from terapipe_cli.plan.memory import check_memory, stage_memory
-from terapipe_cli.plan.orders import SPLIT_INTERLEAVED, order_of
-from terapipe_cli.plan.orders.zero_bubble import ZB_V
-from terapipe_cli.plan.partition import Partition, refuses_tied
 from terapipe_cli.plan.request import PlanRequest
-from terapipe_cli.plan.schedule import ORDERS, Schedule
 from terapipe_cli.plan.search import grid_kinds, grid_prices, lower_bound, solve
+from terapipe_cli.schedule import memo
+from terapipe_cli.schedule.orders import SPLIT_INTERLEAVED, order_of
+from terapipe_cli.schedule.orders.zero_bubble import ZB_V
+from terapipe_cli.schedule.partition import Partition, refuses_tied
+from terapipe_cli.schedule.schedule import ORDERS, Schedule
 
 # What the search tells as it goes (`plan_configured(progress=…)`): one line of text.
 Progress = Callable[[str], None]
@@ -153,7 +153,7 @@ def _window(profile: Profile, layers: int, chunks: int) -> tuple[int, int]:
     return max(0, math.floor(even) - math.ceil(weight) - 1), math.ceil(even) + 1
 
 
-@memo.sharing()  # the tile prices and tables of the many configurations compared, each made once (`plan.memo`)
+@memo.sharing()  # the tile prices and tables of the many configurations compared, each made once (`schedule.memo`)
 def plan_configured(profile: Profile, request: PlanRequest, progress: Progress | None = None) -> Configured:
     """The plan of the fastest configuration (module docstring). ``progress`` hears, as the search goes, what is
     being searched, how much is left and the best so far (one line each time: `terapipe plan`'s moving line)."""

@@ -98,10 +98,10 @@ from terapipe_cli.config.device import precision_field
 from terapipe_cli.config.model import ModelConfig, vocab_share
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import Fields, read_json_with_schema
-from terapipe_cli.plan import memo
 from terapipe_cli.plan.documents import AttendedContext
-from terapipe_cli.plan.partition import Partition
 from terapipe_cli.plan.traced import TracedMemory, traced_from_dict
+from terapipe_cli.schedule import memo
+from terapipe_cli.schedule.partition import Partition
 
 PROFILE_SCHEMA = "terapipe.profile/3"  # what `terapipe profile` writes
 # What the reader takes: /1 has no I and W grids, /2 no traced memory (``memory``, which /3 may hold).
@@ -465,7 +465,7 @@ class CostModel:
     """``cost(b, i, j)``: seconds for one tile (docs/design.md §3), vectorised, as the objective adds it up.
 
     ``b``, ``i``, ``j`` are broadcastable integer arrays: sequences in the batch slice, new tokens, context
-    tokens. The pipeline is ``partition`` (`plan.partition`: K devices, K·v chunks, the layers of each; default the
+    tokens. The pipeline is ``partition`` (`schedule.partition`: K devices, K·v chunks, the layers of each; default the
     most even split of the layers over ``stages``): chunk c's time for a tile is
 
         t_c(b, i, j) = ℓ_c · [ t_nc(b, i) + t_ctx(b, i, j) ] + ends_c(b, i) + comm(b, i)

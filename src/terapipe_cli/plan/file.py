@@ -22,7 +22,7 @@ plan that runs a baseline (`terapipe plan --scheme`, or the report's GPipe run) 
 "corpus", "documents", "mean_document_tokens"}`` (the context a tile attends over the corpus's packed documents,
 `plan.documents`); absent in plans made before it (the prefix).
 ``layers_per_stage`` lists the decoder layers of every chunk (K·v of them, in model order) and ``virtual_stages`` is v,
-the chunks per device (`plan.partition`); a plan without them has v = 1 and N/K layers per stage. ``recompute`` then
+the chunks per device (`schedule.partition`); a plan without them has v = 1 and N/K layers per stage. ``recompute`` then
 has one entry per chunk.
 ``loss_chunk_tokens`` is the tokens the last stage's LM head and cross-entropy run at a time, forward and backward
 (their logits never all at once: `engine.loss`), chosen by the memory plan (`plan.memory.planned_loss_chunk_tokens`;
@@ -45,9 +45,9 @@ from terapipe_cli.config.hardware import load_hardware
 from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import Fields, read_json_with_schema, write_json_atomic
-from terapipe_cli.plan.orders import order_of
-from terapipe_cli.plan.partition import PLACEMENTS, Partition, check_partition, refuses_tied
-from terapipe_cli.plan.schedule import ALL_ORDERS
+from terapipe_cli.schedule.orders import order_of
+from terapipe_cli.schedule.partition import PLACEMENTS, Partition, check_partition, refuses_tied
+from terapipe_cli.schedule.schedule import ALL_ORDERS
 
 PLAN_SCHEMA = "terapipe.plan/1"
 

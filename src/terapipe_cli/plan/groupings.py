@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from terapipe_cli.plan.memory import StageSizes, plain_bytes, tile_fits
-from terapipe_cli.plan.orders import order_of
 from terapipe_cli.plan.search import Sequencing
+from terapipe_cli.schedule.orders import order_of
 
 # Beyond these the exact search over batch groupings is not run (`grouping_search` returns None): states of the
 # 1F1B machine, and DP table cells (rows × (L/g + 1)²; the search keeps two float64 arrays of them).

@@ -39,11 +39,11 @@ import numpy as np
 
 from terapipe_cli.config.device import machine_memory_bytes
 from terapipe_cli.config.model import vocab_share
-from terapipe_cli.plan.actions import Action, Phase
-from terapipe_cli.plan.orders import order_of
-from terapipe_cli.plan.partition import Partition
-from terapipe_cli.plan.schedule import Schedule
 from terapipe_cli.plan.traced import TracedStage
+from terapipe_cli.schedule.actions import Action, Phase
+from terapipe_cli.schedule.orders import order_of
+from terapipe_cli.schedule.partition import Partition
+from terapipe_cli.schedule.schedule import Schedule
 from terapipe_cli.units import format_bytes
 
 _INDEX_BYTES = 8  # an int64 token id or position, per token

@@ -17,17 +17,17 @@ from pathlib import Path
 from terapipe_cli.config.experiment import Experiment
 from terapipe_cli.errors import UserError
 from terapipe_cli.plan.costmodel import Profile
-from terapipe_cli.plan.orders.zero_bubble import ZB_V
-from terapipe_cli.plan.partition import Partition, check_partition, refuses_tied
-from terapipe_cli.plan.schedule import ALL_ORDERS, order_of
 from terapipe_cli.plan.search import METHODS
+from terapipe_cli.schedule.orders.zero_bubble import ZB_V
+from terapipe_cli.schedule.partition import Partition, check_partition, refuses_tied
+from terapipe_cli.schedule.schedule import ALL_ORDERS, order_of
 from terapipe_cli.units import format_bytes
 
 # How the plan's scheme is chosen: "formula", the exact optimum of the objective (docs/design.md §4); "simulated",
 # the fastest in the simulator (§11) among that optimum and the schemes the search ranks next to it (`plan.choice`).
 RANKS = ("simulated", "formula")
-# How the layers are cut into chunks (`plan.partition`): "balanced", the most even split by layers alone; "auto", the
-# split the objective prices fastest, the embedding and the head counted (`plan.configs`).
+# How the layers are cut into chunks (`schedule.partition`): "balanced", the most even split by layers alone;
+# "auto", the split the objective prices fastest, the embedding and the head counted (`plan.configs`).
 PARTITIONS = ("auto", "balanced")
 AUTO = "auto"
 

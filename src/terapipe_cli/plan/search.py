@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from terapipe_cli.errors import UserError
-from terapipe_cli.plan import memo
 from terapipe_cli.plan.file import Slices, short_form
+from terapipe_cli.schedule import memo
 
 Cost = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
 

@@ -31,10 +31,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from terapipe_cli.plan.actions import COMPLETES, WAITS, Action, Phase, Tile
 from terapipe_cli.plan.costmodel import CostModel
-from terapipe_cli.plan.schedule import Schedule
-from terapipe_cli.plan.timeline import Event, StageTimes, stage_times
+from terapipe_cli.schedule.actions import COMPLETES, WAITS, Action, Phase, Tile
+from terapipe_cli.schedule.schedule import Schedule
+from terapipe_cli.schedule.timeline import Event, StageTimes, stage_times
 
 # parts(b, i, j, chunk) -> (forward_s, backward_s, send_forward_s, send_backward_s), arrays over tiles: one chunk's
 # compute of the tile's forward and backward, and the transfer of its activation / gradient to the neighbour. Its

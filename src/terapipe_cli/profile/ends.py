@@ -3,7 +3,7 @@ embedding, and the last chunk's final norm, LM head and cross-entropy, per (b, i
 (`plan.costmodel.Ends`). Neither attends, so neither has a context term.
 
 Each end runs in a `StageRunner` holding that end alone: the first and the last chunk of a one-layer model cut
-``(0, 1, 0)`` (`plan.partition`), at the profile's precision, inside one ``StageRunner.step()`` as in training. A
+``(0, 1, 0)`` (`schedule.partition`), at the profile's precision, inside one ``StageRunner.step()`` as in training. A
 tile is timed as a forward of another batch slice (untimed, as in a pipeline step), then the tile's forward and
 backward; rounds visit every (b, i) in a fresh random order, medians kept, with the clock of the layer's tiles
 (`profile.timer`). The grid is the profile's batch sizes × token lengths (cells above `Settings.ends_max_tokens`, with
@@ -29,9 +29,9 @@ from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.engine.stage import StageRunner
 from terapipe_cli.engine.tensor import TensorGroup
 from terapipe_cli.plan.costmodel import CostModel, Profile
-from terapipe_cli.plan.partition import Partition
 from terapipe_cli.profile.tiles import Settings
 from terapipe_cli.profile.timer import Progress
+from terapipe_cli.schedule.partition import Partition
 
 ENDS = ("embed", "head")
 HELD_OUT = 8  # (b, i) points off the grid timed to check the interpolation

@@ -44,8 +44,8 @@ from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.engine.attention import forced_branch
 from terapipe_cli.engine.stage import StageRunner
 from terapipe_cli.engine.tensor import TensorGroup
-from terapipe_cli.plan.partition import Partition
 from terapipe_cli.plan.traced import LAYER_QUANTITIES, QUANTITIES, terms
+from terapipe_cli.schedule.partition import Partition
 
 MEMORY_TERMS = ("1", "b*i", "b*j", "b*i*(i+j)")  # the columns the coefficients multiply (`plan.traced.terms`)
 KINDS = ("layer", "middle", "first", "last", "only")  # a decoder layer; a stage's rest, by where it is
@@ -550,7 +550,7 @@ def trace_memory(
 def tracked_step_peaks(
     model: ModelConfig, schedule, *, precision: str = "fp32", tensor_parallel: int = 1, cuda: bool = False
 ) -> list[float]:
-    """Each device's most live bytes over one step of ``schedule`` (a `plan.schedule.Schedule`), its actions run
+    """Each device's most live bytes over one step of ``schedule`` (a `schedule.schedule.Schedule`), its actions run
     by the runtime's StageRunner on fake tensors under `LiveBytes`, less the parameters' gradients (the stage's
     state): the measured side of the estimate's activation bytes (with a 16-bit type's weight copies)."""
     out = []

@@ -18,14 +18,14 @@ from pathlib import Path
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import write_json_atomic, write_text_atomic
 from terapipe_cli.plan.costmodel import CostModel, read_profile
-from terapipe_cli.plan.schedule import plan_tiles
 from terapipe_cli.plan.simulate import simulate
-from terapipe_cli.plan.timeline import stage_times
 from terapipe_cli.report.compare import compare
 from terapipe_cli.report.figures import TimelinePanel, draw_losses, draw_timelines
 from terapipe_cli.report.runs import Run, baseline_dir, check_comparable, load_run
 from terapipe_cli.report.text import shape, to_markdown
 from terapipe_cli.report.trace import TraceRun, chrome_trace
+from terapipe_cli.schedule.schedule import plan_tiles
+from terapipe_cli.schedule.timeline import stage_times
 from terapipe_cli.units import format_seconds, utc_timestamp
 
 FILES = ("report.json", "report.md", "timeline.png", "loss.png", "trace.json")

@@ -31,8 +31,8 @@ from collections.abc import Sequence
 
 from terapipe_cli.plan.mfu import utilisation
 from terapipe_cli.plan.simulate import SimResult, compare_timelines
-from terapipe_cli.plan.timeline import StageTimes, stage_times
 from terapipe_cli.report.runs import Run
+from terapipe_cli.schedule.timeline import StageTimes, stage_times
 
 REPORT_SCHEMA = "terapipe.report/1"
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from terapipe_cli.files import write_bytes_atomic
-from terapipe_cli.plan.timeline import Event, stage_times
+from terapipe_cli.schedule.timeline import Event, stage_times
 
 FORWARD_COLORS = ("#3b6fb6", "#7fa7dc")  # alternate shades so neighbouring tiles stay distinguishable
 BACKWARD_COLORS = ("#d9722b", "#f0ab73")

@@ -6,10 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from terapipe_cli.plan.choice import Planned
-from terapipe_cli.plan.schedule import Schedule, plan_tiles
 from terapipe_cli.plan.simulate import simulate
-from terapipe_cli.plan.timeline import stage_times
 from terapipe_cli.report.figures import TimelinePanel, draw_plan
+from terapipe_cli.schedule.schedule import Schedule, plan_tiles
+from terapipe_cli.schedule.timeline import stage_times
 from terapipe_cli.units import format_bytes, format_seconds
 
 _LABELS = {"terapipe": "TeraPipe", "gpipe": "GPipe", "uniform": "uniform"}

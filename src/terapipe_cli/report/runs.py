@@ -15,8 +15,8 @@ from terapipe_cli.config.run import RunArguments, RunConfig, run_fields
 from terapipe_cli.engine.mesh import Layout
 from terapipe_cli.errors import UserError
 from terapipe_cli.plan.file import Plan, plan_from_dict
-from terapipe_cli.plan.schedule import Schedule, plan_tiles
-from terapipe_cli.plan.timeline import Event, read_timeline
+from terapipe_cli.schedule.schedule import Schedule, plan_tiles
+from terapipe_cli.schedule.timeline import Event, read_timeline
 from terapipe_cli.train.rundir import (
     read_config,
     read_metrics,

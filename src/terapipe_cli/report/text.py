@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from terapipe_cli.plan.orders import DEFAULT_ORDER, order_of
+from terapipe_cli.schedule.orders import DEFAULT_ORDER, order_of
 from terapipe_cli.units import format_bytes, format_seconds, format_stages
 
 NO_BASELINE = "No baseline was run (--no-baseline): no speed-up, and no loss comparison."

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from terapipe_cli.engine.mesh import Layout
-from terapipe_cli.plan.schedule import plan_tiles
-from terapipe_cli.plan.timeline import Event
+from terapipe_cli.schedule.schedule import plan_tiles
+from terapipe_cli.schedule.timeline import Event
 
 
 @dataclass

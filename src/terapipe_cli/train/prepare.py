@@ -48,7 +48,7 @@ from terapipe_cli.engine.mesh import Layout
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import check_free_space, read_user_text
 from terapipe_cli.plan.file import Plan, plan_from_dict, read_plan, replan_advice
-from terapipe_cli.plan.schedule import parse_schedule
+from terapipe_cli.schedule.schedule import parse_schedule
 from terapipe_cli.train import checkpoint, init_from
 from terapipe_cli.train.init_from import Source
 from terapipe_cli.train.launch import Launch

@@ -11,7 +11,7 @@ runs/NAME/
   plan.json          the plan as given (terapipe.plan/1)
   run.toml           the run's resolved settings as a [train] table: `terapipe train --config run.toml --out NEW`
                      trains it again (config.run.RunConfig)
-  schedule.csv       the schedule the run was given with --schedule (only then; plan.schedule)
+  schedule.csv       the schedule the run was given with --schedule (only then; schedule.schedule)
   tokenizer/         a corpus run's own tokenizer: the corpus's files and its summary (train.tokenizer)
   metrics.jsonl      one JSON object per line and step (terapipe.metrics/1): {"schema", "step", "loss",
                      "lr" (this step's), "grad_norm" (global, before clipping; null on a skipped step),
@@ -25,7 +25,7 @@ runs/NAME/
                      "val_loss" (only on evaluated steps: the held-out loss after the step's update)}
   metrics.csv        the same numbers, a row per step (only with --log csv; train/metrics.py names the columns)
   tensorboard/       the same numbers as TensorBoard event files (only with --log tensorboard)
-  timelines/rank_00000.json   terapipe.timeline/1 (see plan/timeline.py): every tile of every step, F and B
+  timelines/rank_00000.json   terapipe.timeline/1 (see schedule/timeline.py): every tile of every step, F and B
   segments/steps_from_000001/  a run resumed under another plan, D or T: the steps it trained under each earlier
                      one (`close_segment`): that plan's config.json, its ranks' timelines/, and segment.json
                      (terapipe.run-segment/1: {"first_step", "last_step"}); the run's own files hold the steps after
@@ -56,7 +56,7 @@ from terapipe_cli.config.run import SCHEDULE_FILE, RunArguments, run_toml
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import Fields, read_json, read_user_text, write_json_atomic, write_text_atomic
 from terapipe_cli.plan.file import Plan
-from terapipe_cli.plan.schedule import Schedule, parse_schedule
+from terapipe_cli.schedule.schedule import Schedule, parse_schedule
 from terapipe_cli.train.tokenizer import record_tokenizer
 
 RUN_SCHEMA = "terapipe.run/1"

@@ -53,7 +53,7 @@ from terapipe_cli.engine.model import build_model, token_loss_sum
 from terapipe_cli.engine.optim import LossScale, make_optimizer, set_lr, take_step
 from terapipe_cli.engine.stage import AUTOCAST_DTYPES, StageRunner
 from terapipe_cli.plan.file import Plan
-from terapipe_cli.plan.schedule import plan_tiles
+from terapipe_cli.schedule.schedule import plan_tiles
 from terapipe_cli.train import checkpoint
 from terapipe_cli.train.init_from import initial_weights
 from terapipe_cli.train.prepare import PreparedRun

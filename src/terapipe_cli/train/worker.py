@@ -51,7 +51,7 @@ from terapipe_cli.engine.trainer import BY_NAME_KEY, LOSS_SCALE_KEY, Comms, Step
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import write_text_atomic
 from terapipe_cli.plan.file import plan_from_dict
-from terapipe_cli.plan.timeline import Event, read_timeline, write_timeline
+from terapipe_cli.schedule.timeline import Event, read_timeline, write_timeline
 from terapipe_cli.train import checkpoint
 from terapipe_cli.train.init_from import initial_weights
 from terapipe_cli.train.metrics import MetricsLog

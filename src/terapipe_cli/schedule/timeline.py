@@ -10,7 +10,7 @@ Timeline file (schema ``terapipe.timeline/1``), one per rank or one per simulati
                  "start_s": 0.0123, "end_s": 0.0190, "rank": 0, "replica": 0, "step": 3, "chunk": null}, ...]}
 
 ``stage`` is the device (its row in a picture); ``chunk`` the chunk it ran when a device runs several (interleaved
-virtual stages, `plan.partition`), else null (absent in files written before it existed).
+virtual stages, `schedule.partition`), else null (absent in files written before it existed).
 
 ``start_s``/``end_s`` are seconds from the start of that step (all ranks start a step together, after a
 collective), so events of different ranks can be laid on one time axis. Imports no torch.
@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from terapipe_cli.files import Fields, read_json, write_json_atomic
-from terapipe_cli.plan.schedule import PHASES
+from terapipe_cli.schedule.schedule import PHASES
 
 TIMELINE_SCHEMA = "terapipe.timeline/1"
 

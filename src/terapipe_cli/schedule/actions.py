@@ -13,7 +13,7 @@ a dot (``0F3.2``). The kinds (`Phase`):
 tile; I (or B) after the tile's own F, after the next chunk's I of the tile (its output's gradient) and after this
 chunk's I of the batch slice's next token slice (which leaves this tile's K/V gradients in the cache — every later
 token slice transitively); W after its own I. A B counts as the I and the W it holds (`WAITS`, `COMPLETES`: the rule
-as data). The legality check and the walk (`walk_rows`), the grid (`plan.schedule`), the simulator
+as data). The legality check and the walk (`walk_rows`), the grid (`schedule.schedule`), the simulator
 (`plan.simulate`), the executor's messages (`engine.executor`) and the memory walk (`plan.memory`, by
 `Phase.opens`/`Phase.frees`) all ask this module. Imports no torch."""
 

@@ -12,9 +12,9 @@ half a backward sooner, so the chain of I's from the last chunk to the first is 
 
 from __future__ import annotations
 
-from terapipe_cli.plan.actions import Action, Phase, Tile, completes, waits_for
-from terapipe_cli.plan.orders.base import Order
-from terapipe_cli.plan.orders.one_f_one_b import ONE_F_ONE_B
+from terapipe_cli.schedule.actions import Action, Phase, Tile, completes, waits_for
+from terapipe_cli.schedule.orders.base import Order
+from terapipe_cli.schedule.orders.one_f_one_b import ONE_F_ONE_B
 
 
 def with_weights_delayed(row: list[Action], lag: int) -> list[Action]:

@@ -8,9 +8,9 @@ forward and one backward in turn — with the backwards in groups of batch slice
 
 from __future__ import annotations
 
-from terapipe_cli.plan import memo
-from terapipe_cli.plan.actions import Action, KeyCodes, Tile, token_slice_counts, walk_codes
-from terapipe_cli.plan.orders.base import Order, by_slice, interleaved_forwards
+from terapipe_cli.schedule import memo
+from terapipe_cli.schedule.actions import Action, KeyCodes, Tile, token_slice_counts, walk_codes
+from terapipe_cli.schedule.orders.base import Order, by_slice, interleaved_forwards
 
 
 class OneFOneB(Order):
@@ -23,7 +23,7 @@ class OneFOneB(Order):
         forward = [interleaved_forwards(k, tiles, devices, virtual) for k in range(devices)]
         backward = interleaved_backwards(groups, devices, virtual)
         # The extra warm-up depends only on how many token slices each batch slice has, not on their lengths: the
-        # schemes a plan compares share it (`plan.memo`), and finding it takes hundreds of walks where the batch
+        # schemes a plan compares share it (`schedule.memo`), and finding it takes hundreds of walks where the batch
         # slices do not make whole groups of K tiles (Table 2 of Megatron-LM's paper, docs/results.md).
         key = ("1f1b extra warm-up", devices, virtual, tuple(len(ts) for ts in groups))
         extra = memo.remembered(key, lambda: least_extra(forward, backward, devices * virtual, virtual))

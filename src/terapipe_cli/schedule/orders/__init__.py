@@ -10,10 +10,10 @@ asked). `order_of` finds any of them by name."""
 
 from __future__ import annotations
 
-from terapipe_cli.plan.orders.base import Order
-from terapipe_cli.plan.orders.gpipe import GPIPE
-from terapipe_cli.plan.orders.one_f_one_b import ONE_F_ONE_B
-from terapipe_cli.plan.orders.zero_bubble import ZB_H1, ZB_V
+from terapipe_cli.schedule.orders.base import Order
+from terapipe_cli.schedule.orders.gpipe import GPIPE
+from terapipe_cli.schedule.orders.one_f_one_b import ONE_F_ONE_B
+from terapipe_cli.schedule.orders.zero_bubble import ZB_H1, ZB_V
 
 _ALL: dict[str, Order] = {o.name: o for o in (GPIPE, ONE_F_ONE_B, ZB_H1, ZB_V)}
 ORDERS = (GPIPE.name, ONE_F_ONE_B.name)  # the searches' orders

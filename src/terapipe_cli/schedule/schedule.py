@@ -2,7 +2,7 @@
 walk (`engine.executor`), the simulator replays with a cost model (`plan.simulate`), the memory estimate walks
 (`plan.memory`) and the report draws.
 
-An action (`plan.actions`: its kind a `Phase` — F, B, or a split backward's I and W) is written as
+An action (`schedule.actions`: its kind a `Phase` — F, B, or a split backward's I and W) is written as
 torch.distributed.pipelining writes it, stage, kind and batch slice (``0F3``: stage 0 runs the forward of batch slice
 3), with the token slice after a dot: ``0F3.2`` is token slice 2 of it, ``1B0.0`` the backward of the first token
 slice of batch slice 0 on stage 1, ``0I3.2`` / ``0W3.2`` the two halves of a split backward. (Where every batch slice
@@ -18,14 +18,14 @@ checking that it is legal (`Schedule.check`):
 * no deadlock: walking every stage's row in order under the one dependency rule (`actions.waits_for`) reaches the
   end.
 
-The orders (`plan.orders`, one module each, `Schedule.build`): ``gpipe``, every forward then every backward (last
+The orders (`schedule.orders`, one module each, `Schedule.build`): ``gpipe``, every forward then every backward (last
 batch slice first), the same on every stage; ``1f1b``, where stage k of K runs the forwards of at most K − k batch
 slices ahead of their backwards, then alternates a backward (the oldest open batch slice) with a forward; ``zb1p``
 (ZB-H1), 1F1B with each backward split into I and W and the W's held back to fill the bubble; ``zbv`` (ZB-V), two
 chunks per device on the V placement. `Schedule.grid` prints a rank × time grid of the actions, each taking one time
-step. The timelines that walking a schedule produces are `plan.timeline`'s.
+step. The timelines that walking a schedule produces are `schedule.timeline`'s.
 
-Interleaved chunks (``partition`` with v > 1, `plan.partition`): an action's number is its chunk c (a virtual
+Interleaved chunks (``partition`` with v > 1, `schedule.partition`): an action's number is its chunk c (a virtual
 stage, as torch.distributed.pipelining numbers them), run by the partition's placement (`Schedule.device`: device
 c mod K, or on the V device k holding chunks k and 2K − 1 − k); a schedule has one row per device, and a forward of
 chunk c waits for chunk c − 1's, a backward for chunk c + 1's. ``gpipe`` order then runs the tiles in groups of K
@@ -41,9 +41,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from terapipe_cli.errors import UserError
-from terapipe_cli.plan.actions import PHASES, Action, Phase, Tile, completes, plan_tiles, waits_for, walk_rows
-from terapipe_cli.plan.orders import ALL_ORDERS, ORDERS, order_of
-from terapipe_cli.plan.partition import Partition
+from terapipe_cli.schedule.actions import PHASES, Action, Phase, Tile, completes, plan_tiles, waits_for, walk_rows
+from terapipe_cli.schedule.orders import ALL_ORDERS, ORDERS, order_of
+from terapipe_cli.schedule.partition import Partition
 
 __all__ = [
     "ALL_ORDERS",
@@ -64,7 +64,7 @@ CUSTOM = "custom"  # the order of a schedule read from a file
 @dataclass(frozen=True)
 class Schedule:
     """Per device, its actions in order, for a scheme ``slices`` on ``stages`` devices (K); with a ``partition`` of
-    v > 1 chunks per device (`plan.partition`) an action names its chunk. ``recompute[c]``: chunk c runs each tile's
+    v > 1 chunks per device (`schedule.partition`) an action names its chunk. ``recompute[c]``: chunk c runs each tile's
     forward again inside its backward (docs/design.md §10); one entry per chunk, per stage when v = 1."""
 
     slices: tuple[tuple[int, tuple[int, ...]], ...]

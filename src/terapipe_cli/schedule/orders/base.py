@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from terapipe_cli.plan.actions import Action, Tile
+from terapipe_cli.schedule.actions import Action, Tile
 
 
 class Order:

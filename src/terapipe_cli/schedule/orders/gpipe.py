@@ -4,8 +4,8 @@ With v > 1 chunks per device the forwards go in Megatron-LM's groups of K tiles 
 
 from __future__ import annotations
 
-from terapipe_cli.plan.actions import Action, Tile
-from terapipe_cli.plan.orders.base import Order, interleaved_forwards
+from terapipe_cli.schedule.actions import Action, Tile
+from terapipe_cli.schedule.orders.base import Order, interleaved_forwards
 
 
 class GPipe(Order):
