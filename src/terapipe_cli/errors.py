@@ -89,6 +89,29 @@ def signals_raise() -> Iterator[None]:
             signal.signal(s, before[s])
 
 
+def ending_signals_off_this_thread() -> None:
+    """Called first in a helper thread (or as a thread pool's initializer): the ending signals are never delivered
+    to it. The kernel hands a signal to any one thread that does not block it, and one that a helper thread takes
+    only sets Python's flag: a main thread blocked in a read (a pipe that stays open) would never run its handler."""
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_BLOCK, ENDING_SIGNALS)
+
+
+@contextmanager
+def threads_leave_signals_to_main() -> Iterator[None]:
+    """Threads started within (rich's refresh thread, a progress ticker) inherit a signal mask without the ending
+    signals, so only the main thread receives them (`ending_signals_off_this_thread` says why). The main thread
+    blocks them only while the body starts its threads; one arriving meanwhile waits and comes when they are back."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, ENDING_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
 @contextmanager
 def signals_held() -> Iterator[None]:
     """Within: an ending signal with a Python handler (`signals_raise`'s, Ctrl-C's) waits until the block is done, then

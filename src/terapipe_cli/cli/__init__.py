@@ -12,7 +12,13 @@ import sys
 import typer
 
 from terapipe_cli import __version__
-from terapipe_cli.errors import Interrupted, StopSignal, UserError, signals_raise
+from terapipe_cli.errors import Interrupted, StopSignal, UserError, signals_raise, threads_leave_signals_to_main
+
+# numpy starts its BLAS threads when it is first imported: started here, they leave the ending signals to the main
+# thread (errors.threads_leave_signals_to_main), whose handler would never run if one of them took a SIGTERM while
+# the main thread waits in a read (`data tokenize` on a pipe).
+with threads_leave_signals_to_main():
+    import numpy  # noqa: F401
 
 app = typer.Typer(
     name="terapipe",

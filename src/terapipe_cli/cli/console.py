@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from terapipe_cli.errors import threads_leave_signals_to_main
 from terapipe_cli.units import format_duration
 
 # Piped output has no terminal to measure, and rich would then fit every table into 80 columns, wrapping a
@@ -69,7 +70,8 @@ class ProgressBar:
         self.bar.update(self.tasks[key], completed=done, total=total, description=phase)
 
     def __enter__(self):
-        self.bar.__enter__()
+        with threads_leave_signals_to_main():  # rich's refresh thread
+            self.bar.__enter__()
         return self.update
 
     def __exit__(self, *exc) -> None:
@@ -122,7 +124,8 @@ def plain_progress(progress: PlainProgress) -> Iterator[PlainProgress]:
             progress.tick()
 
     thread = threading.Thread(target=loop, name="terapipe-progress", daemon=True)
-    thread.start()
+    with threads_leave_signals_to_main():
+        thread.start()
     try:
         yield progress
     finally:

@@ -44,7 +44,7 @@ import numpy as np
 from terapipe_cli import units
 from terapipe_cli.corpus.formats import MegatronWriter, megatron_dtype
 from terapipe_cli.corpus.identity import fingerprint_files, tokenizer_digest
-from terapipe_cli.errors import UserError
+from terapipe_cli.errors import UserError, ending_signals_off_this_thread
 from terapipe_cli.extras import require
 from terapipe_cli.files import Fields, _umask, check_free_space, read_json, write_json_atomic
 
@@ -451,7 +451,10 @@ def tokenize_corpus(
     assembler = _Assembler(tok, dtype)
     # One batch is encoded (by tokenizers' threads, without the GIL) while this thread reads the next one and writes
     # the one before: the reading and the writing take no time of their own.
-    with MegatronWriter(prefix, dtype) as writer, ThreadPoolExecutor(max_workers=1) as encoder:
+    with (
+        MegatronWriter(prefix, dtype) as writer,
+        ThreadPoolExecutor(max_workers=1, initializer=ending_signals_off_this_thread) as encoder,
+    ):
         waiting: tuple[_Batch, Future] | None = None
 
         def send(batch: _Batch) -> None:

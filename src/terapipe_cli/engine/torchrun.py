@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import terapipe_cli
+from terapipe_cli.errors import threads_leave_signals_to_main
 
 
 def rendezvous_args(
@@ -76,7 +77,8 @@ def polling(look: Callable[[], None], every_s: float = POLL_S) -> Iterator[None]
             look()
 
     thread = threading.Thread(target=loop, name="terapipe-polling", daemon=True)
-    thread.start()
+    with threads_leave_signals_to_main():
+        thread.start()
     try:
         yield
     finally:
