@@ -37,7 +37,7 @@ from terapipe_cli.plan.request import (
 from terapipe_cli.plan.search import METHODS
 from terapipe_cli.profile.analytic import experiment_profile, extended_for_batch
 from terapipe_cli.report.preview import write_plan_picture
-from terapipe_cli.schedule.orders import ALL_ORDERS
+from terapipe_cli.schedule.orders import ALL_ORDERS, ORDERS, SPLIT_INTERLEAVED, SPLIT_ORDERS, order_of
 from terapipe_cli.schedule.partition import parse_layers
 from terapipe_cli.units import format_bytes, format_seconds
 
@@ -120,13 +120,13 @@ class PlanOptions(Fallbacks):
         shown="a GPU profile's device memory (a CPU's memory, shared by all workers, only warns)",
     )
     order: str | None = setting(
-        "Schedule order: gpipe (every forward, then every backward), 1f1b (a batch slice's backward as soon as the "
-        "pipeline allows: fewer batch slices' activations alive at once), zb1p (ZB-H1: 1F1B with each backward "
-        "split into I and W, the W's filling the bubble), zbv (ZB-V: two chunks per device in a V, the backward "
-        "split) or auto (the searches in gpipe and 1f1b order, then, where the profile timed I and W apart "
-        "(measured, schema /2), the result split into zb1p, and zbv as a configuration of its own: the fastest in "
-        "the simulator whose memory estimate fits; another profile's split is an estimate, planned only when "
-        "asked).",
+        "Schedule order: "
+        + ", ".join(f"{o.name} ({o.summary})" for o in map(order_of, ALL_ORDERS))
+        + f" or auto (the searches in {' and '.join(ORDERS)} order, then, where the profile timed I and W apart "
+        f"(measured, schema /2), the result split into {', '.join(SPLIT_INTERLEAVED)}, and "
+        f"{', '.join(o for o in SPLIT_ORDERS if o not in SPLIT_INTERLEAVED)} as a configuration of its own: the "
+        "fastest in the simulator whose memory estimate fits; another profile's split is an estimate, planned only "
+        "when asked).",
         choices=("auto", *ALL_ORDERS),
         fallback="auto",
     )

@@ -34,6 +34,7 @@ from terapipe_cli.plan.request import PlanRequest
 from terapipe_cli.plan.search import grid_kinds, grid_prices, lower_bound, solve
 from terapipe_cli.schedule import memo
 from terapipe_cli.schedule.orders import SPLIT_INTERLEAVED, order_of
+from terapipe_cli.schedule.orders.one_f_one_b import ONE_F_ONE_B
 from terapipe_cli.schedule.orders.zero_bubble import ZB_V
 from terapipe_cli.schedule.partition import Partition, refuses_tied
 from terapipe_cli.schedule.schedule import ORDERS, Schedule
@@ -526,8 +527,8 @@ def _order_by_simulation(profile: Profile, planned: Planned) -> Planned:
     if not r.order_free:
         return planned
     others = []
-    if planned.order != "1f1b" and planned.unfitted is None and r.batch_size > 1:
-        others.append("1f1b")
+    if planned.order != ONE_F_ONE_B.name and planned.unfitted is None and r.batch_size > 1:
+        others.append(ONE_F_ONE_B.name)
     others += split_orders(profile)
     # Each other order re-ranks the same candidates (the objective's optimum, its neighbours, the baselines) in its
     # own simulation: the scheme GPipe order preferred can be slower in 1F1B order than the optimum is there.

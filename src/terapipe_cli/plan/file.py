@@ -27,8 +27,8 @@ has one entry per chunk.
 ``loss_chunk_tokens`` is the tokens the last stage's LM head and cross-entropy run at a time, forward and backward
 (their logits never all at once: `engine.loss`), chosen by the memory plan (`plan.memory.planned_loss_chunk_tokens`;
 ``terapipe train --loss-chunk-tokens`` overrides it; 0: a tile's whole logits at once; absent: the runtime's default).
-``order`` is the schedule order every stage walks, ``"gpipe"`` (all forwards, then all backwards; the default) or
-``"1f1b"`` (one batch slice's backward as soon as the pipeline allows, `schedule.Schedule.build`); ``recompute``
+``order`` is the schedule order every stage walks, by name (`schedule.orders`: GPipe's, all forwards then all
+backwards, when absent; 1F1B, ZB-H1, ZB-V); ``recompute``
 lists, per stage, whether its tiles re-run their forward inside their backward instead of keeping activations
 (absent: none).
 """
@@ -45,7 +45,7 @@ from terapipe_cli.config.hardware import load_hardware
 from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import Fields, read_json_with_schema, write_json_atomic
-from terapipe_cli.schedule.orders import order_of
+from terapipe_cli.schedule.orders import DEFAULT_ORDER, order_of
 from terapipe_cli.schedule.partition import PLACEMENTS, Partition, check_partition, refuses_tied
 from terapipe_cli.schedule.schedule import ALL_ORDERS
 
@@ -147,7 +147,7 @@ class Plan:
     data_parallel: int = 1
     precision: str = "fp32"  # the profile's: the precision `terapipe train` must run at
     tensor_parallel: int = 1  # T: processes per stage, splitting heads and the MLP (the profile's)
-    order: str = "gpipe"  # the schedule order: "gpipe", "1f1b" or "zb1p" (schedule.ALL_ORDERS)
+    order: str = DEFAULT_ORDER.name  # the schedule order, one of schedule.ALL_ORDERS
     recompute: tuple[bool, ...] = ()  # per chunk: recompute its tiles' forward in the backward (empty: none)
     raw: dict = field(default_factory=dict, repr=False, compare=False)
     path: str | None = None
@@ -218,7 +218,7 @@ def _partition(f: Fields, model: ModelConfig, stages: int, where: str) -> Partit
     ``placement`` says (absent: the order's — the V for ZB-V — else interleaved)."""
     virtual = f.int("virtual_stages", minimum=1, default=1)
     counts = f.get("layers_per_stage", None)
-    order = f.get("order", "gpipe")
+    order = f.get("order", DEFAULT_ORDER.name)
     placement = f.get("placement", order_of(order).placement if order in ALL_ORDERS else "interleaved")
     if placement not in PLACEMENTS:
         raise f.fail("placement", f"must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
@@ -245,7 +245,7 @@ def _tensor_parallel(f: Fields, model: ModelConfig, where: str) -> int:
 
 
 def _order(f: Fields) -> str:
-    order = f.get("order", "gpipe")
+    order = f.get("order", DEFAULT_ORDER.name)
     if order not in ALL_ORDERS:
         raise f.fail("order", f"must be one of {', '.join(ALL_ORDERS)}, got {order!r}")
     return order
@@ -315,7 +315,7 @@ def make_plan_dict(
     data_parallel: int = 1,
     precision: str = "fp32",
     tensor_parallel: int = 1,
-    order: str = "gpipe",
+    order: str = DEFAULT_ORDER.name,
     recompute: Sequence[bool] | None = None,
     partition: Partition | None = None,
     **extra,

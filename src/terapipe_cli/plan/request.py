@@ -18,6 +18,7 @@ from terapipe_cli.config.experiment import Experiment
 from terapipe_cli.errors import UserError
 from terapipe_cli.plan.costmodel import Profile
 from terapipe_cli.plan.search import METHODS
+from terapipe_cli.schedule.orders import DEFAULT_ORDER
 from terapipe_cli.schedule.orders.zero_bubble import ZB_V
 from terapipe_cli.schedule.partition import Partition, check_partition, refuses_tied
 from terapipe_cli.schedule.schedule import ALL_ORDERS, order_of
@@ -143,7 +144,7 @@ class PlanRequest:
     data_parallel: int = 1
     memory_limit_gib: float | None = None
     tensor_parallel: int = 1
-    order: str = "gpipe"  # the schedule order the plan runs in (schedule.ALL_ORDERS)
+    order: str = DEFAULT_ORDER.name  # the schedule order the plan runs in (schedule.ALL_ORDERS)
     recompute: bool = False  # every stage re-runs its tiles' forward in their backward
     # Whether the planner may choose the order and which stages recompute to fit the memory limit (the user fixed
     # neither with --order / --recompute, --no-recompute).
@@ -199,7 +200,7 @@ def plan_request(
     to choose; ``layers_per_stage`` fixes every chunk's layers, else ``partition`` says how they are cut."""
     order = None if order == AUTO else order
     order_free, recompute_free = order is None, recompute is None
-    order, recompute = order or "gpipe", bool(recompute)
+    order, recompute = order or DEFAULT_ORDER.name, bool(recompute)
     if order not in ALL_ORDERS:
         raise UserError(f"must be one of {', '.join(ALL_ORDERS + (AUTO,))}, got {order!r}", where="--order")
     model = profile.model

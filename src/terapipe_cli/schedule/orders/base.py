@@ -14,10 +14,12 @@ class Order:
     estimate and the planner use (`plan.memory`): how many batch slices are open on device k when one runs its
     backward. ``all_open``: every batch slice is open at the first backward (GPipe-like), which the planner's
     grouping search treats as one structure; otherwise the open batch slices are a window of ``open_slices``.
-    ``split``: the backward runs as I then W (zero-bubble orders). ``placement``: the chunks' placement it needs."""
+    ``split``: the backward runs as I then W (zero-bubble orders). ``placement``: the chunks' placement it needs.
+    ``summary``: what it does, in a few words (`terapipe plan --order`'s help lists every order with it)."""
 
     name: str = ""
     title: str = ""
+    summary: str = ""
     all_open: bool = False
     split: bool = False
     placement: str = "interleaved"  # where the chunks go (`partition.Partition`): the V for ZB-V

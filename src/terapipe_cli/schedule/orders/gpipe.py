@@ -10,6 +10,7 @@ from terapipe_cli.schedule.orders.base import Order, interleaved_forwards
 
 class GPipe(Order):
     name, title, all_open = "gpipe", "GPipe order", True
+    summary = "every forward, then every backward"
 
     def rows(self, tiles: list[Tile], slices: int, devices: int, virtual: int) -> list[list[Action]]:
         if virtual == 1:

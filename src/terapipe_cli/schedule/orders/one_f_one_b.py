@@ -15,6 +15,7 @@ from terapipe_cli.schedule.orders.base import Order, by_slice, interleaved_forwa
 
 class OneFOneB(Order):
     name, title = "1f1b", "1F1B order"
+    summary = "a batch slice's backward as soon as the pipeline allows: fewer batch slices' activations alive at once"
 
     def rows(self, tiles: list[Tile], slices: int, devices: int, virtual: int) -> list[list[Action]]:
         groups = by_slice(tiles, slices)

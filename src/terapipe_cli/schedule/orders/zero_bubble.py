@@ -35,6 +35,7 @@ def with_weights_delayed(row: list[Action], lag: int) -> list[Action]:
 
 class ZeroBubbleH1(Order):
     name, title, split = "zb1p", "ZB-H1 order", True
+    summary = "ZB-H1: 1F1B with each backward split into I and W, the W's filling the bubble"
 
     def lag(self, k: int, devices: int) -> int:
         """W's device k holds back: the stages nearest the loss finish their I's first and wait longest for the rest
@@ -58,6 +59,7 @@ class ZeroBubbleV(Order):
     a device would otherwise wait, and the walk is legal by construction (it only ever takes a ready action)."""
 
     name, title, split, placement = "zbv", "ZB-V order", True, "v"
+    summary = "ZB-V: two chunks per device in a V, the backward split"
 
     def rows(self, tiles: list[Tile], slices: int, devices: int, virtual: int) -> list[list[Action]]:
         if virtual != 2:
