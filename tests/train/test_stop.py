@@ -104,3 +104,29 @@ def test_a_repeated_sigterm_is_the_same_request_and_another_signal_stops_at_once
         worker.done()
         for s, handler in before.items():
             signal.signal(s, handler)
+
+
+def test_a_signal_handled_while_the_handlers_are_restored_leaves_them_restored(tmp_path, monkeypatch):
+    """A signal another thread took runs its Python handler at the main thread's next instruction, which can be within
+    the restoring of the handlers: it changes nothing there (it once set SIG_IGN on the signals already restored,
+    and a later Ctrl-C or SIGTERM in this process, or in a process it started, did nothing)."""
+    watched = (signal.SIGINT, *stop.STOP_SIGNALS, signal.SIGALRM)
+    before = {s: signal.getsignal(s) for s in watched}
+    restore = signal.signal
+    late = []
+
+    def restoring(signum, handler):
+        previous = restore(signum, handler)
+        if signum == signal.SIGINT and handler is before[signal.SIGINT] and not late:
+            late.append(signum)
+            signal.raise_signal(signal.SIGUSR1)  # runs SIGUSR1's handler now, still the launcher's
+            signal.raise_signal(signal.SIGALRM)
+        return previous
+
+    signals = stop.LauncherSignals(tmp_path, grace_s=60)
+    with signals.handled():
+        signal.raise_signal(signal.SIGTERM)
+        assert signals.received == signal.SIGTERM
+        monkeypatch.setattr(stop.signal, "signal", restoring)
+    monkeypatch.undo()
+    assert late and {s: signal.getsignal(s) for s in watched} == before and not signals.expired

@@ -148,8 +148,10 @@ class LauncherSignals:
             yield  # signal handlers belong to the main thread; torchrun says the same
             return
 
+        closed = False  # the handlers before are being restored: a late one is not acted on (below)
+
         def on_signal(signum, frame) -> None:
-            if repeated(signum, self.received):
+            if closed or repeated(signum, self.received):
                 return
             if self.received:
                 for s in (signal.SIGINT, *STOP_SIGNALS):
@@ -163,6 +165,8 @@ class LauncherSignals:
             signal.setitimer(signal.ITIMER_REAL, self.grace_s)
 
         def on_alarm(signum, frame) -> None:
+            if closed:
+                return
             self.expired = True
             raise SignalException("grace period over", sigval=signal.SIGKILL)
 
@@ -173,6 +177,9 @@ class LauncherSignals:
         try:
             yield
         finally:
+            # A signal another thread took runs its Python handler at the main thread's next instruction: maybe
+            # within this loop, where on_signal would set SIG_IGN on the signals restored before it and leave it.
+            closed = True
             signal.setitimer(signal.ITIMER_REAL, 0)
             for s, handler in before.items():
                 signal.signal(s, handler)
