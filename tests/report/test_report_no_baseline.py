@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, assert_one_line_error, run_cli
+from conftest import assert_one_line_error, run_cli
 from fake_runs import GPIPE, SEQ, TERAPIPE, assert_chrome_trace, assert_nontrivial_png, make_run
 
 from terapipe_cli.cli.console import PIPED_WIDTH, make_console
@@ -91,19 +90,20 @@ def test_a_run_from_before_tensor_parallelism_is_t_1(run_dir, capsys):
     assert "D=1, K=2, T=1," in p.stdout.splitlines()[0]
 
 
-def test_tables_stay_whole_when_piped(run_dir, tmp_path):
-    """stdout a pipe and COLUMNS unset, as in `terapipe report RUN | less`: no 80-column wrapping."""
+def test_tables_stay_whole_when_piped(run_dir, tmp_path, capsys, monkeypatch):
+    """stdout a pipe (here pytest's capture, not a terminal) and COLUMNS unset, as in `terapipe report RUN | less`:
+    no 80-column wrapping."""
+    from terapipe_cli.cli import main
+
     base = make_run(tmp_path / "base", GPIPE)
-    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
-    env.update(PYTHONPATH=str(ROOT / "src"), CUDA_VISIBLE_DEVICES="")
-    p = subprocess.run(
-        [sys.executable, "-m", "terapipe_cli", "report", str(run_dir), "--baseline", str(base)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        stdin=subprocess.DEVNULL,
-    )
+    capsys.readouterr()
+    with monkeypatch.context() as mp:
+        mp.delenv("COLUMNS", raising=False)
+        mp.setenv("NO_COLOR", "1")
+        with pytest.raises(SystemExit) as ended:
+            main(["report", str(run_dir), "--baseline", str(base)])
+    out = capsys.readouterr()
+    p = subprocess.CompletedProcess([], ended.value.code or 0, out.out, out.err)
     assert p.returncode == 0, p.stdout + p.stderr
     lines = p.stdout.splitlines()
     assert max(len(line) for line in lines) > 80  # wider than rich's default for a pipe
