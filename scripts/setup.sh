@@ -64,6 +64,11 @@ if ! has_slurm >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev
   fi
 fi
 
+# The package's own modules compiled too (an editable install leaves them as sources): where PYTHONDONTWRITEBYTECODE
+# is set, every process — each torchrun worker, each command — would compile them again on import (about a second of
+# CPU each on a slow core). Python still reads these files there, and compiles any source edited since in memory.
+.venv/bin/python -m compileall -q -j 0 src >/dev/null || true
+
 .venv/bin/python - <<'PY' >&2
 import torch
 gpu = torch.cuda.is_available()
