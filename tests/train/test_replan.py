@@ -1,7 +1,8 @@
 """A checkpoint is the model, not the layout (docs/design.md §6e): a run checkpointed under one plan continues under
 another — K, partition, virtual stages, D, T — from the same step with the same optimizer state, and its losses are
 those of the run continued under its old plan. In one process (every rank a thread, the checkpoint files written
-and read by the workers' own functions), then once through `terapipe train --resume --plan` with real workers."""
+and read by the workers' own functions), then once through `terapipe train --resume --plan` with real workers: that
+run starts from a `transformers` folder, and is also --init-from's one run through real workers."""
 
 from __future__ import annotations
 
@@ -115,16 +116,37 @@ def test_dropping_the_optimizer_state_fails_the_comparison(saved):
     assert max(abs(a - b) / abs(b) for a, b in zip(losses, whole[SAVED:], strict=True)) > 10 * 1e-5
 
 
-def test_resume_under_a_new_plan_through_the_workers(tmp_path, capsys):
-    """`terapipe train --resume --plan NEW`: K = 2 saved at step 3, continued as 2 stages of 2 virtual stages each
-    with another partition (real torchrun workers), the losses of steps 4–6 those of the run uninterrupted; then
-    `terapipe report RUN --no-baseline --warmup 1` on it."""
-    old = write_plan_file(tmp_path / "k2.json", SLICES, stages=2)
-    new = write_plan_file(tmp_path / "v2.json", SLICES, stages=2, virtual_stages=2, layers_per_stage=[2, 1, 2, 1])
+def test_resume_under_a_new_plan_through_the_workers(tmp_path, capfd):
+    """`terapipe train --resume --plan NEW` with real torchrun workers, of a run that started from a sharded
+    `transformers` folder (--init-from, test_init_from.py's one real run): K = 2 workers read their stages of the
+    folder and --verify passes (its reference starts from the same weights); saved at step 3, continued as 2 stages
+    of 2 virtual stages each with another partition, the losses of steps 1–6 those of the run uninterrupted from the
+    folder's weights in one process. The run keeps SRC in config.json and run.toml; `terapipe export --format hf` of
+    its last step computes the uninterrupted run's logits in `transformers`; `terapipe report RUN --no-baseline
+    --warmup 1` reads it."""
+    import transformers
+    from test_init_from import LLAMA, source_folder, tokens_of
+
+    from terapipe_cli.config.model import load_model_config
+    from terapipe_cli.engine.model import build_model
+    from terapipe_cli.train.rundir import read_summary
+
+    _, folder = source_folder(tmp_path, "LlamaForCausalLM", {**LLAMA, "num_hidden_layers": 6}, "20KB")
+    cfg = load_model_config(folder)
+    old = write_plan_file(tmp_path / "k2.json", SLICES, stages=2, model=cfg)
+    new = write_plan_file(tmp_path / "v2.json", SLICES, stages=2, model=cfg, virtual_stages=2,
+                          layers_per_stage=[2, 1, 2, 1])  # fmt: skip
     out = tmp_path / "run"
-    first = ["train", "--plan", old, "--steps", str(SAVED), "--decay-steps", str(STEPS), "--out", out]
-    assert run_cli(capsys, *first, "--checkpoint-every", str(SAVED), "--val-fraction", "0").returncode == 0
-    p = run_cli(capsys, "train", "--resume", "--out", out, "--plan", new, "--steps", STEPS)
+    first = ["train", "--plan", old, "--init-from", folder, "--steps", str(SAVED), "--decay-steps", str(STEPS)]
+    first += ["--out", out, "--checkpoint-every", str(SAVED), "--val-fraction", "0", "--verify", "--device", "cpu"]
+    p = run_cli(capfd, *first)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "verified" in p.stdout and "starting from the weights of transformers folder" in p.stderr
+    assert read_summary(out)["verify"]["ok"] is True
+    assert json.loads((out / "config.json").read_text())["arguments"]["init_from"] == str(folder.resolve())
+    assert "init_from = " in (out / "run.toml").read_text()
+
+    p = run_cli(capfd, "train", "--resume", "--out", out, "--plan", new, "--steps", STEPS, "--no-verify")
     assert p.returncode == 0, p.stdout + p.stderr
     assert (
         "resuming step 3 under a new layout: D × K × T 1 × 2 × 1 -> 1 × 2 × 1, virtual stages 1 -> 2, "
@@ -132,11 +154,21 @@ def test_resume_under_a_new_plan_through_the_workers(tmp_path, capsys):
     )
     resumed = [r["loss"] for r in sorted(read_metrics(out), key=lambda r: r["step"])]
     args = dataclasses.replace(_setup(**OLD).args, **_run_args(out))
-    whole = train_locally(LocalSetup(read_plan(old), args)).losses
-    assert resumed == pytest.approx(whole, rel=1e-5)
+    whole = train_locally(LocalSetup(read_plan(old), args))
+    assert resumed == pytest.approx(whole.losses, rel=1e-5)
     assert read_plan(out / "plan.json").virtual_stages == 2  # the run's plan is the new one from now on
+
+    p = run_cli(capfd, "export", out, "--format", "hf", "--out", tmp_path / "hf")
+    assert p.returncode == 0, p.stderr
+    again = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ours = build_model(cfg).eval()
+    ours.load_state_dict(whole.weights)
+    tokens = tokens_of(cfg)
+    with torch.no_grad():
+        torch.testing.assert_close(again(tokens).logits, ours(tokens), rtol=1e-4, atol=1e-5)
+
     # The report reads each plan's steps under that plan: steps 1–3 from the old ranks' timelines, kept aside.
-    p = run_cli(capsys, "report", out, "--no-baseline", "--warmup", "1")
+    p = run_cli(capfd, "report", out, "--no-baseline", "--warmup", "1")
     assert p.returncode == 0, p.stdout + p.stderr
     assert "Resumed under another plan: steps 1–3 under D × K × T 1 × 2 × 1" in p.stdout
 
@@ -145,7 +177,8 @@ def _run_args(out) -> dict:
     from terapipe_cli.train.rundir import read_config
 
     _, args = read_config(out)
-    return {k: getattr(args, k) for k in ("lr", "warmup_steps", "min_lr", "decay_steps", "grad_clip", "val_fraction")}
+    names = ("lr", "warmup_steps", "min_lr", "decay_steps", "grad_clip", "val_fraction", "init_from")
+    return {k: getattr(args, k) for k in names}
 
 
 @pytest.mark.parametrize(
