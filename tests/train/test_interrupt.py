@@ -1,5 +1,7 @@
 """Ctrl-C on `terapipe train`: exit 130, one line saying how to continue, no worker left, and the steps taken
-those of an uninterrupted run."""
+those of an uninterrupted run. One stage: Ctrl-C reaches the launcher alone, which asks the workers to stop through
+the run folder as it does for SIGTERM; that every rank of a pipeline stops at the same step boundary is
+test_cluster.py's SIGTERM to the launcher of two stages."""
 
 from __future__ import annotations
 
@@ -15,13 +17,15 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, LocalSetup, train_locally, write_plan_file
 
+from terapipe_cli.config.controls import CONTROLS_ENV
 from terapipe_cli.config.run import LRSchedule, RunArguments
 from terapipe_cli.plan.file import read_plan
 from terapipe_cli.train import checkpoint
 from terapipe_cli.train.launch import interrupted_message
 from terapipe_cli.train.rundir import append_metrics, read_config, read_metrics, write_config
 
-STEPS = 40  # long enough that the run is still going when the signal comes (a step takes tens of ms)
+STEPS = 6
+WAIT = "fault=wait:0:3"  # the worker waits in step 3 for the signal (at most a minute): the run is still going then
 
 
 def start_train(plan: Path, out: Path, *flags: str, steps: int = STEPS, env: dict | None = None) -> subprocess.Popen:
@@ -64,9 +68,9 @@ def processes_naming(text: str) -> list[int]:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="looks for leftover workers through /proc")
 def test_ctrl_c_stops_cleanly_after_the_steps_an_uninterrupted_run_takes(tmp_path):
-    plan = write_plan_file(tmp_path / "plan.json", [(1, [16, 16])], stages=2)
+    plan = write_plan_file(tmp_path / "plan.json", [(1, [16, 16])], stages=1)
     out = tmp_path / "run"
-    proc = start_train(plan, out, "--checkpoint-every", "1")
+    proc = start_train(plan, out, "--checkpoint-every", "1", env={CONTROLS_ENV: WAIT})
     try:
         wait_for_steps(proc, out, 2)
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: the whole foreground process group
