@@ -40,6 +40,20 @@ def test_the_failed_rank_is_placed_in_the_mesh(tmp_path: Path):
     )
 
 
+def test_the_root_cause_is_a_raised_exception_then_a_lost_peer_then_a_stopped_rank(tmp_path: Path):
+    """A rank that raised is named before one that lost its peer (a consequence), even when it failed later; a rank
+    that torchrun stopped with SIGTERM comes last."""
+    spec = Launch(run_dir=tmp_path, nproc_per_node=3, stages=3)
+    failures = {
+        0: Failure(1, "PeerLost: lost rank 1 (Timed out)", 1),
+        1: Failure(1, "RuntimeError: injected failure", 2),
+        2: Failure(-15, "", 0),
+    }
+    assert describe_failure(failures, spec).startswith("worker rank 1 (stage 1, replica 0) failed: RuntimeError")
+    del failures[1]
+    assert describe_failure(failures, spec).startswith("worker rank 0 (stage 0, replica 0) failed: PeerLost")
+
+
 def test_a_worker_writes_torchruns_error_file_whole(tmp_path: Path, monkeypatch):
     """The cause reaches the launcher through torchrun's JSON error file, renamed into place, so a rank stopped
     half-way through writing it never leaves torchrun a JSONDecodeError."""
