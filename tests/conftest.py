@@ -13,6 +13,7 @@ commands with ``terapipe(..., gpu=True)``.
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -95,6 +96,17 @@ def show_gpus(request, monkeypatch):
     torch = sys.modules.get("torch")
     for name, real in _REAL_CUDA.items():
         monkeypatch.setattr(torch.cuda, name, real)
+
+
+@pytest.fixture
+def frozen_gc():
+    """The objects alive when the test starts (PyTorch's modules, a few hundred thousand of them) frozen out of the
+    garbage collector's sight while it runs: a profile collects between its timing rounds, and each full collection
+    would otherwise walk them all again (a quarter of a second a round, most of a quick profile's CPU time). What the
+    test makes is collected as before; the objects are handed back to the collector after it."""
+    gc.freeze()
+    yield
+    gc.unfreeze()
 
 
 def tiny_model(layers: int = 4, hidden: int = 32, heads: int = 2, vocab: int = 256, seq_len: int = 64) -> ModelConfig:

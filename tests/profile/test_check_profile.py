@@ -19,6 +19,7 @@ from terapipe_cli.plan.costmodel import read_profile
 from terapipe_cli.profile import options, probe
 from terapipe_cli.profile.analytic import analytic_profile
 
+pytestmark = pytest.mark.usefixtures("frozen_gc")  # the timing rounds' collections skip what was alive before
 CPU_NAME = probe.device_info(torch.device("cpu"))["name"]
 
 
