@@ -159,8 +159,11 @@ def time_ends(
     threads = torch.get_num_threads()
     if device.type == "cpu":
         torch.set_num_threads(1)
+    freeze = gc.get_freeze_count() == 0  # as in `timer.time_points`
     gc.collect()
     gc.disable()
+    if freeze:
+        gc.freeze()
     try:
         for r in range(rounds + 1):  # round 0 warms every shape up
             for k in rng.permutation(len(visits)):
@@ -182,6 +185,8 @@ def time_ends(
                 heavy = _heavy(visits, warm_s, device, tensor)
             gc.collect()
     finally:
+        if freeze:
+            gc.unfreeze()
         gc.enable()
         torch.set_num_threads(threads)
     med = {key: (float(np.median(f)), float(np.median(b))) for key, (f, b) in samples.items()}

@@ -28,7 +28,9 @@ clock: time the OS gives to other processes on a shared machine is not the stage
 of this machine kept busy by others, a tile's wall time tripled while its CPU time moved by 1–4%). CUDA
 events after a synchronisation on GPU. A warm-up, then ``repeats`` rounds, each visiting every point in a
 fresh random order, so a drift of the machine's speed spreads over all points instead of bending the
-curve; the median is kept, with min and max. The Python garbage collector is paused while timing.
+curve; the median is kept, with min and max. The Python garbage collector is paused while timing and collects
+between rounds, with what was alive before the timing frozen out of its sight (PyTorch's few hundred thousand
+objects, a quarter of a second a collection to walk).
 """
 
 from __future__ import annotations
@@ -324,8 +326,11 @@ def time_points(
     wgt: list[list[float]] = [[] for _ in points]
     splits = [split and p.role == "grid" for p in points]
     gc_was_enabled = gc.isenabled()
+    freeze = gc.get_freeze_count() == 0  # what is alive now, out of the between-rounds collections' sight
     gc.collect()
     gc.disable()
+    if freeze:
+        gc.freeze()
     try:
         for p in warm:
             if split and p.role == "grid":
@@ -351,6 +356,8 @@ def time_points(
                     progress(f"{phase} (round {r + 1}/{repeats})", done, total)
             gc.collect()  # between rounds, outside any timed region
     finally:
+        if freeze:
+            gc.unfreeze()
         if gc_was_enabled:
             gc.enable()
     return Timings(points, fwd, bwd, inp if split else None, wgt if split else None)
