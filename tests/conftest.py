@@ -101,9 +101,9 @@ def show_gpus(request, monkeypatch):
 @pytest.fixture
 def frozen_gc():
     """The objects alive when the test starts (PyTorch's modules, a few hundred thousand of them) frozen out of the
-    garbage collector's sight while it runs: a profile collects between its timing rounds, and each full collection
-    would otherwise walk them all again (a quarter of a second a round, most of a quick profile's CPU time). What the
-    test makes is collected as before; the objects are handed back to the collector after it."""
+    garbage collector's sight while it runs: a profile collects before its timing and between its rounds, and each
+    full collection would otherwise walk them all again (a quarter of a second each). What the test makes is
+    collected as before; the objects are handed back to the collector after it."""
     gc.freeze()
     yield
     gc.unfreeze()
