@@ -98,15 +98,13 @@ def show_gpus(request, monkeypatch):
         monkeypatch.setattr(torch.cuda, name, real)
 
 
-@pytest.fixture
-def frozen_gc():
-    """The objects alive when the test starts (PyTorch's modules, a few hundred thousand of them) frozen out of the
-    garbage collector's sight while it runs: a profile collects before its timing and between its rounds, and each
-    full collection would otherwise walk them all again (a quarter of a second each). What the test makes is
-    collected as before; the objects are handed back to the collector after it."""
+def pytest_collection_finish(session):
+    """What is alive once the tests are collected (PyTorch's modules and the test modules: a few hundred thousand
+    objects) frozen out of the garbage collector's sight for the session: every full collection — automatic, or a
+    profile's between its timing rounds — would otherwise walk them all again (a quarter of a second each). What a
+    test makes is collected as before; a test that counts live objects (gc.get_objects) sees only those."""
+    gc.collect()
     gc.freeze()
-    yield
-    gc.unfreeze()
 
 
 def tiny_model(layers: int = 4, hidden: int = 32, heads: int = 2, vocab: int = 256, seq_len: int = 64) -> ModelConfig:

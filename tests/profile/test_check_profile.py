@@ -19,7 +19,6 @@ from terapipe_cli.plan.costmodel import read_profile
 from terapipe_cli.profile import options, probe
 from terapipe_cli.profile.analytic import analytic_profile
 
-pytestmark = pytest.mark.usefixtures("frozen_gc")  # the timing rounds' collections skip what was alive before
 MICRO = ModelConfig(name="micro", layers=2, hidden=32, heads=2, vocab=16, seq_len=64)
 CPU_NAME = probe.device_info(torch.device("cpu"))["name"]
 

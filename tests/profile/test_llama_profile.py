@@ -24,7 +24,6 @@ from terapipe_cli.profile.analytic import (
 )
 from terapipe_cli.profile.timer import TileTimer
 
-pytestmark = pytest.mark.usefixtures("frozen_gc")  # the timing rounds' collections skip what was alive before
 LLAMA_8B = load_model_config("llama3-8b")
 
 

@@ -21,7 +21,6 @@ from terapipe_cli.profile.tiles import check_points, context_points, token_grid
 from terapipe_cli.profile.timer import TileTimer, time_points
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.usefixtures("frozen_gc")  # the timing rounds' collections skip what was alive before
 MICRO = ModelConfig(name="micro", layers=2, hidden=32, heads=2, vocab=16, seq_len=64)
 
 

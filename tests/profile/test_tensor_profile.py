@@ -24,7 +24,6 @@ from terapipe_cli.profile import ends, options
 from terapipe_cli.profile.tiles import Settings
 from terapipe_cli.profile.timer import CLOCK_NAMES
 
-pytestmark = pytest.mark.usefixtures("frozen_gc")  # the timing rounds' collections skip what was alive before
 MICRO = ModelConfig(name="micro", layers=2, hidden=32, heads=2, vocab=16, seq_len=64)
 
 
