@@ -274,10 +274,70 @@ def train_locally(setup: LocalSetup, schedule=None, **world):
 
 def verify_locally(setup: LocalSetup, schedule=None, **world):
     """`train_locally`, then ``--verify``'s comparison with the single-device reference (`train.verify`)."""
+    run = train_locally(setup, schedule, **world)
+    return verify_local_run(run, setup), run
+
+
+def verify_local_run(run, setup: LocalSetup):
+    """``--verify``'s comparison (`train.verify.verify_trajectory`) of a `local_world.LocalRun` with the reference and
+    the spread run of ``setup``, those two taken from `single_process_runs_of`."""
     from terapipe_cli.train.verify import Trajectory, verify_trajectory
 
-    run = train_locally(setup, schedule, **world)
-    return verify_trajectory(Trajectory(run.losses, run.grads_step, run.grads, run.weights), setup), run
+    trajectory = Trajectory(run.losses, run.grads_step, run.grads, run.weights)
+    return verify_trajectory(trajectory, setup, runs=single_process_runs_of(setup))
+
+
+_SINGLE_PROCESS_RUNS: dict = {}  # `single_process_runs_of`'s, by `_single_process_key`
+_PATCHING: list[bool] = [False]  # whether the running test asks for ``monkeypatch``
+
+
+@pytest.fixture(autouse=True)
+def note_patching(request):
+    """Notes for `single_process_runs_of` whether the running test patches anything."""
+    _PATCHING[0] = "monkeypatch" in request.fixturenames
+    yield
+    _PATCHING[0] = False
+
+
+def single_process_runs_of(setup: LocalSetup):
+    """``--verify``'s reference and spread run of ``setup`` (`train.verify.single_process_runs`), computed once per
+    process for all that they depend on (`_single_process_key`): many tests verify other pipelines of the same model,
+    seed, data, batch and steps, whose single-process runs are the same numbers. A test that patches anything (it asks
+    for ``monkeypatch``: a patch may change the reference, as a negative control's does) and a run that starts from
+    ``--init-from``'s file compute their own, and leave nothing here."""
+    from terapipe_cli.train.verify import single_process_runs
+
+    if _PATCHING[0] or setup.args.init_from is not None:
+        return single_process_runs(setup)
+    key = _single_process_key(setup)
+    if key not in _SINGLE_PROCESS_RUNS:
+        _SINGLE_PROCESS_RUNS[key] = single_process_runs(setup)
+    return _SINGLE_PROCESS_RUNS[key]
+
+
+def _single_process_key(setup: LocalSetup) -> str:
+    """All that the single-process runs read (`train.verify.reference_run`, `spread_run`): the model, the batch, the
+    sequence length, the loss chunks, the run's arguments but the tensor-parallel size and the test-only switches
+    (both act on the stages alone), the data's tokens and documents, the device, the code path the attention and the
+    optimizer take (`engine.attention.forced_branch`) and, for bf16 and fp16, the plan's tiles (the spread run walks
+    them)."""
+    import hashlib
+    from dataclasses import replace
+
+    import torch
+
+    from terapipe_cli.engine.attention import branch
+
+    plan, args, data = setup.plan, setup.args, setup.data
+    digest = hashlib.sha256(bytes(data.tokens))
+    if data.documents is not None:
+        digest.update(bytes(data.documents.sequence_lengths))
+        digest.update(bytes(data.documents.document_indices))
+    tiles = plan.slices if args.precision != "fp32" else None
+    shared = replace(args, tensor_parallel=1, controls=None)
+    return repr((plan.model, plan.batch_size, plan.seq_len, plan.loss_chunk_tokens, tiles, shared,
+                 data.path, data.start, data.kind, data.format, digest.hexdigest(), str(setup.device),
+                 branch(torch.empty(0, device=setup.device))))  # fmt: skip
 
 
 def without_accumulation(hardware):

@@ -11,7 +11,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from conftest import local_setup, tiny_model, train_locally, verify_locally
+from conftest import local_setup, tiny_model, train_locally, verify_local_run, verify_locally
 
 from terapipe_cli.config.controls import Controls
 from terapipe_cli.config.model import ModelConfig
@@ -27,7 +27,6 @@ from terapipe_cli.engine.data import (
 )
 from terapipe_cli.engine.model import build_model
 from terapipe_cli.engine.stage import StageRunner
-from terapipe_cli.train.verify import Trajectory, verify_trajectory
 
 
 def _llama(layers: int = 2) -> ModelConfig:
@@ -185,5 +184,5 @@ def test_verify_with_document_mask(arch, slices, stages, precision):
     assert result.ok, result.to_dict()
     if precision == "fp32" and arch == "gpt" or precision == "bf16" and arch == "llama":
         run = train_locally(unmasked(setup))
-        bad = verify_trajectory(Trajectory(run.losses, run.grads_step, run.grads, run.weights), setup)
+        bad = verify_local_run(run, setup)
         assert not bad.ok

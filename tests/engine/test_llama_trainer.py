@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import local_setup, train_locally, verify_locally
+from conftest import local_setup, train_locally, verify_local_run, verify_locally
 from local_world import LocalWorld, local_comms
 from test_trainer import FAMILIES
 
@@ -15,7 +15,6 @@ from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.engine.mesh import Layout
 from terapipe_cli.engine.trainer import Trainer
 from terapipe_cli.schedule.schedule import Schedule
-from terapipe_cli.train.verify import Trajectory, verify_trajectory
 
 
 def llama_model(layers: int = 6, **fields) -> ModelConfig:
@@ -67,7 +66,7 @@ def test_rope_at_slice_local_positions_fails_verification(precision):
     (the reference and the spread runs, after it, rotate by the absolute positions): it must fail."""
     setup = llama_setup("K=2", precision=precision)
     run = train_locally(llama_setup("K=2", precision=precision, rope_absolute=False))
-    result = verify_trajectory(Trajectory(run.losses, run.grads_step, run.grads, run.weights), setup)
+    result = verify_local_run(run, setup)
     assert not result.ok
     grads = next(c for c in result.checks if c.what.startswith("gradients"))
     assert grads.max_rel > 10 * grads.tolerance, checks(result)

@@ -255,10 +255,12 @@ def verify_run(prepared: PreparedRun, progress: Progress | None = None) -> Verif
     return verify_trajectory(pipelined_run(prepared), prepared, progress)
 
 
-def verify_trajectory(run: Trajectory, setup, progress: Progress | None = None) -> Verification:
-    """Compare a pipelined run's ``run`` with the reference of ``setup`` (a `prepare.PreparedRun`, or anything with
-    its plan, args, data and device), with tolerances from the spread run; ``progress(phase, steps done, steps)``
-    follows the two single-process runs."""
+SingleProcessRuns = tuple[Trajectory, Trajectory, str]  # the reference, the spread run, what the spread run was
+
+
+def single_process_runs(setup, progress: Progress | None = None) -> SingleProcessRuns:
+    """The reference and the spread run of ``setup`` (a `prepare.PreparedRun`, or anything with its plan, args, data
+    and device); ``progress(phase, steps done, steps)`` follows them."""
     steps = setup.args.steps
 
     def phase(name: str) -> StepsDone | None:
@@ -266,6 +268,17 @@ def verify_trajectory(run: Trajectory, setup, progress: Progress | None = None) 
 
     ref = reference_run(setup, phase("reference (one process)"))
     alt, spread_what = spread_run(setup, phase("spread run (one process)"))
+    return ref, alt, spread_what
+
+
+def verify_trajectory(
+    run: Trajectory, setup, progress: Progress | None = None, runs: SingleProcessRuns | None = None
+) -> Verification:
+    """Compare a pipelined run's ``run`` with the reference of ``setup`` (a `prepare.PreparedRun`, or anything with
+    its plan, args, data and device), with tolerances from the spread run; ``progress(phase, steps done, steps)``
+    follows the two single-process runs. ``runs``: those two runs (`single_process_runs`), when already done."""
+    steps = setup.args.steps
+    ref, alt, spread_what = runs if runs is not None else single_process_runs(setup, progress)
     loss, loss_spread = _compare_losses(run.losses, ref.losses), _compare_losses(alt.losses, ref.losses)
     grads, grads_spread = _compare(run.grads, ref.grads), _compare(alt.grads, ref.grads)
     if run.grads_step != ref.grads_step:
