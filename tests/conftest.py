@@ -224,6 +224,13 @@ def run_arguments(**changes):
     return RunArguments(**{**base, **changes})
 
 
+# Two steps of a three-step schedule, for the many runs that verify one pipeline each: all that --verify compares
+# is there — the first step's gradients, a step taken after an update (its loss), the weights after two updates (the
+# second with Adam's moments of the first) — with the learning rate at warm-up and then mid-cosine, clipping active,
+# and the held-out part evaluated after the last step; a third step would repeat the second's code path.
+TWO_STEPS = {"steps": 2, "decay_steps": 3}
+
+
 class LocalSetup:
     """A plan and its resolved arguments, with the data a run draws from: what `train.verify` compares against
     (its reference and spread runs), and what `train_locally` trains."""

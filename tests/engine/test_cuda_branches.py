@@ -19,7 +19,7 @@ import contextlib
 
 import pytest
 import torch
-from conftest import local_setup, verify_locally
+from conftest import TWO_STEPS, local_setup, verify_locally
 
 from terapipe_cli.engine import attention
 from terapipe_cli.engine.attention import KVCache, attend, forced_branch
@@ -163,7 +163,8 @@ def test_every_order_trains_under_nccls_message_rules(name):
     numbers, as a GPU node with one GPU per stage would compute them."""
     slices, stages, args, fields = NCCL_FAMILIES[name]
     with forced_branch("cuda"):
-        result, _ = verify_locally(local_setup(slices, stages=stages, plan_fields=fields, **args), rules="nccl")
+        setup = local_setup(slices, stages=stages, plan_fields=fields, **TWO_STEPS, **args)
+        result, _ = verify_locally(setup, rules="nccl")
     assert result.ok, [(c.what, c.max_rel, c.tolerance) for c in result.checks]
 
 
@@ -175,7 +176,7 @@ def test_a_grouped_query_llama_trains_on_the_cuda_branches_under_nccls_rules(pre
 
     fields = {"virtual_stages": 2, "layers_per_stage": [1, 2, 2, 1], "order": "1f1b"}
     setup = local_setup([(2, [16, 16]), (1, [8, 8, 16])], stages=2, model=llama_model(), plan_fields=fields,
-                        precision=precision)  # fmt: skip
+                        precision=precision, **TWO_STEPS)  # fmt: skip
     with forced_branch("cuda"):
         result, _ = verify_locally(setup, rules="nccl")
     assert result.ok, [(c.what, c.max_rel, c.tolerance) for c in result.checks]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import local_setup, verify_locally
+from conftest import TWO_STEPS, local_setup, verify_locally
 from test_gpt2_trainer import gpt2_model
 from test_llama_trainer import llama_model
 
@@ -37,7 +37,8 @@ def _checks(result):
 @pytest.mark.parametrize("arch", list(MODELS))
 def test_tied_embeddings_verify_in_every_layout(arch, layout):
     slices, stages, args, fields = LAYOUTS[layout]
-    result, run = verify_locally(local_setup(slices, stages=stages, model=MODELS[arch](), plan_fields=fields, **args))
+    setup = local_setup(slices, stages=stages, model=MODELS[arch](), plan_fields=fields, **TWO_STEPS, **args)
+    result, run = verify_locally(setup)
     assert result.ok, _checks(result)
     assert torch.equal(run.weights["wte.weight"], run.weights["lm_head.weight"])  # the copies, bit-identical
 
@@ -54,7 +55,7 @@ def test_without_the_gradient_sum_the_copies_drift_and_verification_fails(monkey
     monkeypatch.setattr(Trainer, "sum_tied_gradients", lambda self: None)
     slices, stages, args, fields = LAYOUTS[layout]
     result, run = verify_locally(
-        local_setup(slices, stages=stages, model=MODELS["llama"](), plan_fields=fields, **args)
+        local_setup(slices, stages=stages, model=MODELS["llama"](), plan_fields=fields, **TWO_STEPS, **args)
     )
     assert not result.ok
     grads = next(c for c in result.checks if c.what.startswith("gradients"))

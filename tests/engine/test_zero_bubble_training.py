@@ -5,7 +5,7 @@ recomputation, T = 2, bf16, v = 2 — and negative controls that must fail. (Und
 tests/engine/test_cuda_branches.py.)"""
 
 import pytest
-from conftest import local_setup, run_cli, verify_locally, write_plan_file
+from conftest import TWO_STEPS, local_setup, run_cli, verify_locally, write_plan_file
 
 from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.engine.stage import StageRunner
@@ -61,10 +61,11 @@ CASES = {
 
 
 def setup_of(name: str, **changes):
+    """The case ``name``, two steps (conftest.TWO_STEPS) unless ``changes`` say."""
     slices, stages, args, fields = CASES[name]
     model = llama() if name.startswith("llama") else None
     extra = {"model": model} if model is not None else {}
-    return local_setup(slices, stages=stages, plan_fields=fields, **extra, **{**args, **changes})
+    return local_setup(slices, stages=stages, plan_fields=fields, **extra, **{**TWO_STEPS, **args, **changes})
 
 
 @pytest.mark.parametrize("name", list(CASES))
