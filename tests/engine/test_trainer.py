@@ -126,14 +126,13 @@ def test_low_precision_verifies_within_the_measured_spread(name, precision):
 )
 def test_the_default_settings_verify_on_a_larger_model(precision, seq_len, slicing):
     """The example that set the tolerances: 6 layers, H = 192, 6 heads, L = 512, K = 3, B = 1, lr, warm-up,
-    the decay's floor and clipping at their defaults; on any CPU (an AVX512-bf16 one rounds bf16 differently: the
-    spread run walks the run's own tiles, so it rounds alike). Two steps hold all that the check compares on this
-    model — the gradients of the first step, a step taken after an update (its loss), the weights after two updates
-    with Adam's moments from the first — and take a third less time than three; the cosine between warm-up and floor
-    is the same scalar on both sides, and every scheme family above runs it."""
+    cosine decay and clipping at their defaults; on any CPU (an AVX512-bf16 one rounds bf16 differently: the
+    spread run walks the run's own tiles, so it rounds alike). Two steps of the three-step schedule
+    (conftest.TWO_STEPS) hold all that the check compares — the first step's gradients, a step after an update, the
+    weights after two updates — in a third less time than three."""
     model = tiny_model(layers=6, hidden=192, heads=6, seq_len=seq_len)
-    defaults = {"lr": 3e-4, "warmup_steps": 1, "min_lr": 3e-5, "grad_clip": 1.0}  # those of a short run
-    setup = local_setup([(1, slicing)], stages=3, model=model, precision=precision, steps=2, **defaults)
+    defaults = {"lr": 3e-4, "warmup_steps": 1, "min_lr": 3e-5, "grad_clip": 1.0}  # those of a 3-step run
+    setup = local_setup([(1, slicing)], stages=3, model=model, precision=precision, **TWO_STEPS, **defaults)
     result, run = verify_locally(setup)
     assert result.ok, [(c.what, c.max_rel, c.tolerance, c.worst) for c in result.checks]
     assert run.losses[-1] < run.losses[0]
