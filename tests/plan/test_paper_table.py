@@ -1,8 +1,13 @@
 """scripts/paper_table.py: plans settings from analytic profiles within the device memory (or --memory-limit) and
-prints one row each, a setting that no scheme fits flagged with its smallest peak; bad input exits 2."""
+prints one row each, a setting that no scheme fits flagged with its smallest peak; bad input exits 2.
+
+The table's rows are checked through the script's own `main` in this process; its command line as a real process
+(arguments parsed, the exit code of `SystemExit(main())`) by the bad-input test. A setting planned at the same limit
+by two tests is planned once (`_planned`): the row is a function of the experiment and the limit alone."""
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 from dataclasses import replace
@@ -15,9 +20,25 @@ SCRIPT = ROOT / "scripts" / "paper_table.py"
 EXP = ROOT / "configs" / "experiments"
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from paper_table import calibrated_sibling, compact_form, plan_experiment, stage_ranges  # noqa: E402
+import paper_table  # noqa: E402
+from paper_table import calibrated_sibling, compact_form, stage_ranges  # noqa: E402
 
 from terapipe_cli.config.experiment import load_experiment  # noqa: E402
+
+_ROWS: dict = {}
+
+
+def _planned(exp, memory_limit_gib=None):
+    """`paper_table.plan_experiment`, once per experiment and limit in this process (a copy each time: the script
+    sets a row's ``calibrated``)."""
+    key = (exp, memory_limit_gib)
+    if key not in _ROWS:
+        _ROWS[key] = _plan_experiment(exp, memory_limit_gib)
+    return copy.copy(_ROWS[key])
+
+
+_plan_experiment = paper_table.plan_experiment
+plan_experiment = _planned
 
 
 def test_a_row_is_a_real_plan_better_than_both_baselines():
@@ -84,21 +105,24 @@ def test_compact_form_is_an_exact_python_expression():
     assert eval(text) == slices
 
 
-def _markdown(*args: str) -> tuple[list[str], str]:
-    """The script's Markdown rows (cells) of the settings, and its whole output."""
-    out = subprocess.run(
-        [sys.executable, str(SCRIPT), "--markdown", *args], capture_output=True, text=True, timeout=120
-    )
-    assert out.returncode == 0, out.stderr
-    rows = [line for line in out.stdout.splitlines() if line.startswith("| ") and "gpt3" in line]
-    return [[c.strip() for c in line.strip("|").split("|")] for line in rows], out.stdout
+def _markdown(capsys, monkeypatch, *args: str) -> tuple[list[str], str]:
+    """The script's Markdown rows (cells) of the settings, and its whole output: its `main` in this process, each
+    setting planned through `_planned`."""
+    monkeypatch.setattr(paper_table, "plan_experiment", _planned)
+    capsys.readouterr()
+    code = paper_table.main(["--markdown", *args])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    rows = [line for line in out.out.splitlines() if line.startswith("| ") and "gpt3" in line]
+    return [[c.strip() for c in line.strip("|").split("|")] for line in rows], out.out
 
 
-def test_script_prints_all_rows_given_and_flags_what_does_not_fit():
-    # Within 12 GiB no scheme of setting 6 (GPT3-44B, no tensor parallelism) fits; setting 9 (GPT3-175B, its
-    # vocabulary split over 4 tensor ranks) does.
+def test_script_prints_all_rows_given_and_flags_what_does_not_fit(capsys, monkeypatch):
+    """Within 12 GiB no scheme of setting 6 (GPT3-44B, no tensor parallelism) fits; setting 9 (GPT3-175B, its
+    vocabulary split over 4 tensor ranks) does. Planned on their own hardware only (``--no-calibrated``): the
+    calibrated rows are planned by `test_script_memory_limit_plans_within_it`."""
     settings = (str(EXP / "paper-06-gpt3-44b.toml"), str(EXP / "paper-09-gpt3-175b.toml"))
-    rows, text = _markdown("--memory-limit", "12", *settings)
+    rows, text = _markdown(capsys, monkeypatch, "--no-calibrated", "--memory-limit", "12", *settings)
     assert len(rows) == 2 and rows[0][1] == "gpt3-44b" and rows[1][1] == "gpt3-175b"
     big, fits = rows
     # order, recompute, peak GiB are the last three columns.
@@ -109,12 +133,15 @@ def test_script_prints_all_rows_given_and_flags_what_does_not_fit():
     assert "(!) no scheme fits 12 GiB per device" in text and "min = the smallest peak" in text
 
 
-def test_script_memory_limit_plans_within_it():
-    rows, text = _markdown("--memory-limit", "5", str(EXP / "paper-08-gpt3-44b.toml"))
+def test_script_memory_limit_plans_within_it(capsys, monkeypatch):
+    """Setting 8 within 5 GiB, and again on its calibrated hardware file (v100-dispatch.toml), as the table prints it
+    by default."""
+    rows, text = _markdown(capsys, monkeypatch, "--memory-limit", "5", str(EXP / "paper-08-gpt3-44b.toml"))
     (row,) = rows
     assert row[-3] == "1F1B" or row[-2] != "—"  # the fastest scheme (GPipe order, 6.1 GiB) does not fit
     assert float(row[-1]) <= 5
     assert "within 5 GiB per device" in text and "(!)" not in text
+    assert "calibrated: planned again on v100-dispatch.toml" in text
 
 
 def test_script_bad_experiment_is_one_line_exit_2(tmp_path: Path):
