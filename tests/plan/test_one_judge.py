@@ -11,6 +11,7 @@ from dataclasses import replace
 
 import pytest
 from conftest import ROOT, run_cli
+from paper_plans import paper_planned
 
 from terapipe_cli.arch import flops_per_token
 from terapipe_cli.config.bundled import bundled_names
@@ -45,15 +46,9 @@ def _never_slower_than_a_baseline_it_shows(planned: Planned) -> None:
 
 @pytest.mark.parametrize("name", PAPER)
 def test_every_published_setting_is_judged_by_the_simulator(name):
-    exp = load_experiment(name)
-    B = exp.batch_per_replica
-    obj = experiment_profile(exp, batch_size=B, tensor_parallel=exp.tensor_parallel, token_step=exp.token_step)
-    prof = profile_from_dict(obj, name)
-    request = plan_request(
-        prof, stages=exp.stages, batch_size=B, token_step=exp.token_step, data_parallel=exp.data_parallel,
-        memory_limit_gib=1e6,
-    )  # fmt: skip
-    _never_slower_than_a_baseline_it_shows(plan_for_profile(prof, request))
+    """Each published setting for one replica of its data-parallel run, every scheme compared (no memory limit):
+    the plan `paper_plans.paper_planned` makes, which tests/plan/test_rank.py reads too."""
+    _never_slower_than_a_baseline_it_shows(paper_planned(name))
 
 
 SHAPES = {  # every shipped profile at three shapes (stages, batch), the whole configuration search
