@@ -34,3 +34,15 @@ def paper_planned(name: str, rank: str = "simulated") -> Planned:
         data_parallel=exp.data_parallel, memory_limit_gib=1e6, rank=rank,
     )  # fmt: skip
     return plan_for_profile(prof, request)
+
+
+def assert_optimum_not_beaten(planned: Planned, label) -> int:
+    """The objective's exact optimum is no slower than GPipe or the best uniform slicing priced by the same formula;
+    a baseline that is faster does not fit the memory limit the optimum was chosen within, and the plan says so.
+    Returns the number of baselines compared (2)."""
+    optimum = planned.formula_optimal or planned.terapipe
+    for key in ("gpipe", "uniform"):
+        baseline = getattr(planned, key)
+        if baseline.predicted_s < optimum.predicted_s * (1 - 1e-12):
+            assert planned.unfitted is not None and planned.scheme_memory[key].exceeded, (label, key)
+    return 2

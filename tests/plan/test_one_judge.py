@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 from conftest import ROOT, run_cli
-from paper_plans import paper_planned
+from paper_plans import assert_optimum_not_beaten, paper_planned
 
 from terapipe_cli.arch import flops_per_token
 from terapipe_cli.config.bundled import bundled_names
@@ -47,8 +47,16 @@ def _never_slower_than_a_baseline_it_shows(planned: Planned) -> None:
 @pytest.mark.parametrize("name", PAPER)
 def test_every_published_setting_is_judged_by_the_simulator(name):
     """Each published setting for one replica of its data-parallel run, every scheme compared (no memory limit):
-    the plan `paper_plans.paper_planned` makes, which tests/plan/test_rank.py reads too."""
-    _never_slower_than_a_baseline_it_shows(paper_planned(name))
+    the plan `paper_plans.paper_planned` makes, which tests/plan/test_rank.py reads too. By the formula, its exact
+    optimum is no slower than either baseline (the claim tests/plan/test_trust.py makes of the shipped profiles)."""
+    planned = paper_planned(name)
+    _never_slower_than_a_baseline_it_shows(planned)
+    assert_optimum_not_beaten(planned, name)
+
+
+def test_every_published_setting_is_planned():
+    """The thirteen published settings are all found, so the checks above cover every one."""
+    assert len(PAPER) == 13
 
 
 SHAPES = {  # every shipped profile at three shapes (stages, batch), the whole configuration search

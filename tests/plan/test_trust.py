@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 from conftest import assert_one_line_error, run_cli
+from paper_plans import assert_optimum_not_beaten
 
-from terapipe_cli.config.bundled import bundled_names
-from terapipe_cli.config.experiment import load_experiment
 from terapipe_cli.config.hardware import load_hardware
 from terapipe_cli.config.model import load_model_config
 from terapipe_cli.errors import UserError
@@ -20,7 +19,7 @@ from terapipe_cli.plan.costmodel import CostModel, profile_from_dict, read_profi
 from terapipe_cli.plan.domain import domain_of, provenance
 from terapipe_cli.plan.request import MAX_BATCH, check_work, dp_bytes, plan_request
 from terapipe_cli.plan.search import evaluate, solve
-from terapipe_cli.profile.analytic import analytic_profile, experiment_profile, extended_for_batch
+from terapipe_cli.profile.analytic import analytic_profile, extended_for_batch
 
 ROOT = Path(__file__).resolve().parents[2]
 PROFILES = sorted((ROOT / "configs" / "profiles").glob("*.json"))
@@ -128,36 +127,23 @@ def test_an_old_analytic_profile_without_its_hardware_stays_within_its_grid():
 
 
 def _settings():
-    """Every shipped profile at a few shapes, and every shipped experiment (priced as `terapipe plan` prices it)."""
+    """Every shipped profile at a few shapes, planned within its device's memory."""
     for path in PROFILES:
         prof = read_profile(path)
         for stages, batch in ((2, 1), (2, 8), (prof.model.layers, 4)):
             yield path.name, prof, dict(stages=stages, batch_size=batch)
-    for name in (n for n in bundled_names("experiments") if n.startswith("paper-")):  # demo.toml: a run, no plan
-        exp = load_experiment(name)
-        batch = exp.batch_size // exp.data_parallel
-        obj = experiment_profile(exp, batch_size=batch, tensor_parallel=exp.tensor_parallel, token_step=exp.token_step)
-        prof = profile_from_dict(obj, name)
-        yield name, prof, dict(stages=exp.stages, batch_size=batch, token_step=exp.token_step)
 
 
 def test_the_exact_optimum_is_never_beaten_by_a_baseline_priced_alike():
-    """Over every shipped profile and experiment: the objective's optimum is no slower than GPipe or the uniform
-    slicing by the same formula; under a memory limit, a baseline that is faster does not fit, and says so."""
+    """Over every shipped profile: the objective's optimum is no slower than GPipe or the uniform slicing by the same
+    formula; under a memory limit, a baseline that is faster does not fit, and says so (`assert_optimum_not_beaten`).
+    Every shipped experiment is checked alike on the plan `terapipe plan --experiment` prices (its data-parallel
+    all-reduce included) by tests/plan/test_one_judge.py, which plans them all; at their devices' memory none is
+    bound by it (a baseline over a limit is checked by `test_one_worker_over_a_cpus_memory_binds_the_plan`)."""
     checked = 0
     for name, prof, shape in _settings():
-        try:
-            planned = plan_for_profile(prof, plan_request(prof, **shape))
-        except UserError as e:  # 175B fits a V100 nowhere (docs/status.md): plan it without the limit
-            assert e.where == "--memory-limit" and "no scheme fits" in e.message, (name, e)
-            planned = plan_for_profile(prof, plan_request(prof, **shape, memory_limit_gib=1e6))
-        optimum = planned.formula_optimal or planned.terapipe
-        for key in ("gpipe", "uniform"):
-            baseline = getattr(planned, key)
-            if baseline.predicted_s < optimum.predicted_s * (1 - 1e-12):
-                assert planned.unfitted is not None and planned.scheme_memory[key].exceeded, (name, shape, key)
-            checked += 1
-    assert checked == 2 * (3 * len(PROFILES) + 13)
+        checked += assert_optimum_not_beaten(plan_for_profile(prof, plan_request(prof, **shape)), (name, shape))
+    assert checked == 2 * 3 * len(PROFILES)
 
 
 # --- memory of every scheme -------------------------------------------------------------------------------------
@@ -211,6 +197,7 @@ def test_one_worker_over_a_cpus_memory_binds_the_plan():
     planned = plan_for_profile(prof, plan_request(prof, stages=2, batch_size=64))
     assert planned.unfitted is not None and planned.unfitted.memory.peak_bytes > 200 * 2**20
     assert planned.memory.peak_bytes <= 200 * 2**20
+    assert_optimum_not_beaten(planned, "200 MiB")  # the optimum within the limit; a faster baseline is over it
 
 
 # --- provenance ---------------------------------------------------------------------------------------------------
