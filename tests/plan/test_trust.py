@@ -255,6 +255,8 @@ def test_show_draws_the_plan_and_its_gpipe_baseline_before_training(tmp_path, ca
 
 @pytest.mark.parametrize("scheme", ["gpipe", "uniform"])
 def test_scheme_writes_a_baseline_as_the_plan_to_train(tmp_path, capsys, scheme):
+    """``--scheme`` writes the baseline's slices, times and memory as the plan; the GPipe plan written then trains
+    a step (whole sequences, one tile per batch slice)."""
     out = tmp_path / f"{scheme}.json"
     p = run_cli(capsys, "plan", "--profile", TINY, "-k", "2", "-b", "2", "--scheme", scheme, "--out", out)
     assert p.returncode == 0, p.stderr
@@ -265,18 +267,16 @@ def test_scheme_writes_a_baseline_as_the_plan_to_train(tmp_path, capsys, scheme)
     assert obj["microbatch"] == baseline["microbatch"]
     assert max(obj["memory"]["per_stage_bytes"]) == baseline["peak_bytes"]
     assert f"({'GPipe' if scheme == 'gpipe' else 'uniform (best)'} " in p.stdout
+    if scheme == "gpipe":
+        _trains(out)
 
 
-def test_a_gpipe_plan_trains(tmp_path, capsys):
+def _trains(out) -> None:
+    """The plan file ``out`` of whole sequences trains a step."""
     from conftest import LocalSetup, run_arguments, train_locally
 
     from terapipe_cli.plan.file import read_plan
 
-    out = tmp_path / "gpipe.json"
-    assert (
-        run_cli(capsys, "plan", "--profile", TINY, "-k", "2", "-b", "2", "--scheme", "gpipe", "--out", out).returncode
-        == 0
-    )
     plan = read_plan(out)
     assert all(lengths == [plan.seq_len] for _, lengths in plan.slices)
     run = train_locally(LocalSetup(plan, run_arguments(steps=1, verify=False, val_fraction=0.0, eval_every=0)))
