@@ -11,19 +11,18 @@ from dataclasses import replace
 
 import pytest
 from conftest import ROOT, run_cli
-from paper_plans import assert_optimum_not_beaten, paper_planned
+from paper_plans import assert_optimum_not_beaten, paper_planned, paper_profile
 
 from terapipe_cli.arch import flops_per_token
 from terapipe_cli.config.bundled import bundled_names
-from terapipe_cli.config.experiment import load_experiment
 from terapipe_cli.config.hardware import load_hardware
 from terapipe_cli.config.model import load_model_config
-from terapipe_cli.plan.choice import DISAGREE, Planned, plan_for_profile
+from terapipe_cli.plan.choice import DISAGREE, Planned
 from terapipe_cli.plan.configs import plan_configured
 from terapipe_cli.plan.costmodel import profile_from_dict, read_profile
 from terapipe_cli.plan.mfu import peak_flops, utilisation
 from terapipe_cli.plan.request import plan_request
-from terapipe_cli.profile.analytic import analytic_profile, experiment_profile
+from terapipe_cli.profile.analytic import analytic_profile
 
 PAPER = sorted(n for n in bundled_names("experiments") if n.startswith("paper-"))
 PROFILES = ROOT / "configs" / "profiles"
@@ -95,12 +94,13 @@ def test_a_large_vocabulary_a_long_context_and_forty_stages_are_judged_by_the_si
 
 
 def test_mfu_is_the_one_count_over_the_simulated_step():
-    exp = load_experiment("paper-04")
+    """On the plan of one replica of paper-04's 2-way data-parallel run (the one judged above): per device, a
+    replica's model FLOPs over its K × T devices and its simulated step, whatever the replicas' all-reduce adds."""
+    exp, prof = paper_profile("paper-04-gpt3-13b")
     B = exp.batch_per_replica
-    obj = experiment_profile(exp, batch_size=B, tensor_parallel=exp.tensor_parallel, token_step=exp.token_step)
-    prof = profile_from_dict(obj, "paper-04")
-    request = plan_request(prof, stages=exp.stages, batch_size=B, token_step=exp.token_step, memory_limit_gib=1e6)
-    planned = plan_for_profile(prof, request)
+    planned = paper_planned("paper-04-gpt3-13b")
+    request = planned.request
+    assert request.data_parallel == 2 and request.batch_size == B
     u = planned.utilisation()
     flops = flops_per_token(replace(prof.model, seq_len=request.seq_len)) * B * request.seq_len
     per_device = flops / (exp.stages * exp.tensor_parallel) / planned.simulated_s["terapipe"]
