@@ -336,6 +336,17 @@ def test_ctrl_c_during_tokenize_leaves_no_temporary_file(tmp_path, capsys, monke
     assert [q.name for q in tmp_path.iterdir()] == ["t.txt"]
 
 
+AS_FROM_A_SHELL = """
+import runpy, signal, sys
+signal.pthread_sigmask(signal.SIG_SETMASK, [])
+for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1):
+    signal.signal(s, signal.SIG_DFL)
+signal.signal(signal.SIGINT, signal.default_int_handler)
+sys.argv[0] = "terapipe"
+runpy.run_module("terapipe_cli", run_name="__main__", alter_sys=True)
+"""
+
+
 def test_sigterm_during_tokenize_leaves_no_temporary_file(tmp_path, bpe):
     """A real `terapipe data tokenize` process reading a pipe that is kept open: SIGTERM while it waits there for
     more text (its .bin's temporary file written) ends it with exit 143, one line, and no file left."""
@@ -345,7 +356,10 @@ def test_sigterm_during_tokenize_leaves_no_temporary_file(tmp_path, bpe):
     os.mkfifo(fifo)
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "COLUMNS": "200", "NO_COLOR": "1", "TERM": "dumb"}
     argv = ["data", "tokenize", fifo, "--tokenizer", bpe, "--eos", EOT, "--out", tmp_path / "c"]
-    command = [sys.executable, "-m", "terapipe_cli", *map(str, argv)]
+    # `python -m terapipe_cli`, with the signal state a shell gives a command: an ignored or blocked SIGTERM is
+    # inherited through exec, and this test is about the command, not about what this process was left with.
+    parent = (signal.getsignal(signal.SIGTERM), sorted(signal.pthread_sigmask(signal.SIG_BLOCK, [])))
+    command = [sys.executable, "-c", AS_FROM_A_SHELL, *map(str, argv)]
     p = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         # The command opens the pipe once its .bin's temporary file exists (one that never does fails the test).
@@ -363,5 +377,5 @@ def test_sigterm_during_tokenize_leaves_no_temporary_file(tmp_path, bpe):
         os.close(writer)
     finally:
         p.kill()
-    assert p.returncode == 143 and err.strip() == "terapipe: stopped by SIGTERM", err
+    assert p.returncode == 143 and err.strip() == "terapipe: stopped by SIGTERM", (err, "this process:", parent)
     assert [q.name for q in tmp_path.iterdir()] == ["in.txt"]
