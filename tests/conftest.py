@@ -107,6 +107,38 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
+_SIGNALS_WATCHED = ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1")
+
+
+def _signal_state() -> tuple[dict, list]:
+    import signal
+
+    handlers = {name: signal.getsignal(getattr(signal, name)) for name in _SIGNALS_WATCHED}
+    return handlers, sorted(signal.pthread_sigmask(signal.SIG_BLOCK, []))
+
+
+@pytest.fixture(autouse=True)
+def signal_state_kept(request):
+    """The ending signals' handlers and this thread's signal mask as the test found them: a test (or the code it
+    runs in this process) that leaves them changed is named in a warning, and they are put back, so that no later
+    test — nor a process it starts, which inherits an ignored or blocked signal through exec — runs under them."""
+    import signal
+    import warnings
+
+    handlers, blocked = _signal_state()
+    yield
+    after = _signal_state()
+    if after == (handlers, blocked):
+        return
+    warnings.warn(
+        f"{request.node.nodeid} left the signal state changed: {after}, was {(handlers, blocked)}", stacklevel=1
+    )
+    for name, handler in handlers.items():
+        if handler is not None:
+            signal.signal(getattr(signal, name), handler)
+    signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
 def tiny_model(layers: int = 4, hidden: int = 32, heads: int = 2, vocab: int = 256, seq_len: int = 64) -> ModelConfig:
     return ModelConfig(name="test-tiny", layers=layers, hidden=hidden, heads=heads, vocab=vocab, seq_len=seq_len)
 
