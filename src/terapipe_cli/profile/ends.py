@@ -30,7 +30,7 @@ from terapipe_cli.engine.stage import StageRunner
 from terapipe_cli.engine.tensor import TensorGroup
 from terapipe_cli.plan.costmodel import CostModel, Profile
 from terapipe_cli.profile.tiles import Settings
-from terapipe_cli.profile.timer import Progress
+from terapipe_cli.profile.timer import Progress, collector_paused
 from terapipe_cli.schedule.partition import Partition
 
 ENDS = ("embed", "head")
@@ -159,35 +159,28 @@ def time_ends(
     threads = torch.get_num_threads()
     if device.type == "cpu":
         torch.set_num_threads(1)
-    freeze = gc.get_freeze_count() == 0  # as in `timer.time_points`
-    gc.collect()
-    gc.disable()
-    if freeze:
-        gc.freeze()
     try:
-        for r in range(rounds + 1):  # round 0 warms every shape up
-            for k in rng.permutation(len(visits)):
-                end, (b, n) = visits[k]
-                if r > settings.repeats and visits[k] in heavy:
+        with collector_paused():
+            for r in range(rounds + 1):  # round 0 warms every shape up
+                for k in rng.permutation(len(visits)):
+                    end, (b, n) = visits[k]
+                    if r > settings.repeats and visits[k] in heavy:
+                        done += 1
+                        continue
+                    with timer.runners[end].step():
+                        fwd, bwd = timer.time_tile(end, b, n, prime=visits[k] not in heavy)
+                    if r == 0:
+                        warm_s[k] = fwd + bwd
+                    if r:
+                        samples[(end, (b, n))][0].append(fwd)
+                        samples[(end, (b, n))][1].append(bwd)
                     done += 1
-                    continue
-                with timer.runners[end].step():
-                    fwd, bwd = timer.time_tile(end, b, n, prime=visits[k] not in heavy)
+                    if progress:
+                        progress("embedding and head", done, total)
                 if r == 0:
-                    warm_s[k] = fwd + bwd
-                if r:
-                    samples[(end, (b, n))][0].append(fwd)
-                    samples[(end, (b, n))][1].append(bwd)
-                done += 1
-                if progress:
-                    progress("embedding and head", done, total)
-            if r == 0:
-                heavy = _heavy(visits, warm_s, device, tensor)
-            gc.collect()
+                    heavy = _heavy(visits, warm_s, device, tensor)
+                gc.collect()
     finally:
-        if freeze:
-            gc.unfreeze()
-        gc.enable()
         torch.set_num_threads(threads)
     med = {key: (float(np.median(f)), float(np.median(b))) for key, (f, b) in samples.items()}
     for b in settings.batch_sizes:  # the cells above ``ends_max_tokens``: scaled by b from the largest b timed

@@ -290,6 +290,26 @@ def visits_per_round(points: Sequence[Point], most: int = 4) -> list[int]:
     return [int(min(most, max(1, ref // p.work))) for p in points]
 
 
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Within: the garbage collector runs only where the timing calls it (between rounds, outside any timed region),
+    and what was alive on entry (PyTorch's modules, the model: a few hundred thousand objects) is frozen out of its
+    sight, so each of those collections walks only the timing's own objects. A caller's freeze is kept as it is."""
+    was_enabled = gc.isenabled()
+    freeze = gc.get_freeze_count() == 0
+    gc.collect()
+    gc.disable()
+    if freeze:
+        gc.freeze()
+    try:
+        yield
+    finally:
+        if freeze:
+            gc.unfreeze()
+        if was_enabled:
+            gc.enable()
+
+
 def time_points(
     timer: TileTimer,
     points: Sequence[Point],
@@ -325,13 +345,7 @@ def time_points(
     inp: list[list[float]] = [[] for _ in points]
     wgt: list[list[float]] = [[] for _ in points]
     splits = [split and p.role == "grid" for p in points]
-    gc_was_enabled = gc.isenabled()
-    freeze = gc.get_freeze_count() == 0  # what is alive now, out of the between-rounds collections' sight
-    gc.collect()
-    gc.disable()
-    if freeze:
-        gc.freeze()
-    try:
+    with collector_paused():
         for p in warm:
             if split and p.role == "grid":
                 timer.time_tile_split(p.b, p.i)
@@ -355,11 +369,6 @@ def time_points(
                 if progress:
                     progress(f"{phase} (round {r + 1}/{repeats})", done, total)
             gc.collect()  # between rounds, outside any timed region
-    finally:
-        if freeze:
-            gc.unfreeze()
-        if gc_was_enabled:
-            gc.enable()
     return Timings(points, fwd, bwd, inp if split else None, wgt if split else None)
 
 
