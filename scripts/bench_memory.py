@@ -377,7 +377,7 @@ def part_device(args) -> int:
         "|---|---|---|---|---|---|---|",
     ]
     missed = broken = 0
-    for case in device_cases(cuda):
+    for case in [c for c in device_cases(cuda) if args.only is None or args.only in c.name]:
         row = run_on_device(case, "cuda" if cuda else "cpu", usable)
         est, got = row["estimate"], row["measured"]
         err = (est - got) / got if got else None
@@ -389,6 +389,8 @@ def part_device(args) -> int:
             f"{'yes' if row['fits_estimated'] else 'no'} | {'yes' if row['fits_measured'] else 'no'} |"
         )
         print(lines[-1], flush=True)
+        if args.markdown:  # after every case: a run stopped by a time-out keeps the cases it measured
+            Path(args.markdown).write_text("\n".join(lines + [""] + [f"- {n}" for n in notes]) + "\n")
     print(f"{missed} case(s) outside the targets (within 5%, at most 2% under); {broken} estimated to fit did not run")
     print(*notes, sep="\n")
     if args.markdown:
@@ -496,7 +498,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--part", choices=sorted(PARTS), required=True)
     p.add_argument("--cases", type=int, default=None, help="grid: the first N cases only")
-    p.add_argument("--only", default=None, help="grid: the cases whose name holds this")
+    p.add_argument("--only", default=None, help="grid, device: the cases whose name holds this")
     p.add_argument("--model-json", help="trace: the model's fields (JSON)")
     p.add_argument("--precision", default="fp32")
     p.add_argument("--tensor-parallel", type=int, default=1)

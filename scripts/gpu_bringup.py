@@ -212,6 +212,10 @@ def main(argv: list[str] | None = None) -> int:
     summary.add_argument("--title", required=True)
     summary.add_argument("--note", action="append", default=[])
     a = parser.parse_args(argv)
+    path = getattr(a, "path", None)
+    if a.what not in ("cut", "summary") and path is not None and not path.exists():
+        print(f"no result: {path.name} was not written (steps.log says why)")  # a step cut short by its time-out
+        return 0
     if a.what == "cut":
         cut_model(a.source, a.out, a.layers, a.seq_len, a.hidden)
     elif a.what == "summary":

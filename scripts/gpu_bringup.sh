@@ -329,7 +329,7 @@ summarize() {
 
 # The steps in order (the header says why this order) and each one's own time limit, seconds.
 STEPS=(
-    "verify-k1 60" "verify-k2-shared 75" "profile 100" "bench-gpt 100" "memory-trace 240" "reference 150"
+    "verify-k1 60" "verify-k2-shared 75" "profile 100" "bench-gpt 100" "memory-trace 330" "reference 150"
     "verify-k2-v2 75" "t2-shared 75" "memory 100" "bench-llama-short 90" "bench-llama-long 90" "gpu-tests 300"
 )
 # GPU_BRINGUP_STEPS="NAME ...": only these steps, in the order above (each one runs alone; a step that reads another's
