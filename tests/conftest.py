@@ -31,6 +31,19 @@ _REAL_CUDA: dict = {}  # torch.cuda's own is_available and device_count, while h
 
 def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "gpu: a test that uses the GPU (the others see none)")
+    _signals_as_a_terminal_leaves_them()
+
+
+def _signals_as_a_terminal_leaves_them() -> None:
+    """The ending signals at their defaults and unblocked in this process (pytest's, and each xdist worker's), as a
+    command typed at a terminal has them. A suite started in the background of a shell without job control (``cmd &``
+    in a script) begins with SIGINT ignored, which every process it starts inherits through exec: the Ctrl-C tests
+    would then test a command that rightly keeps an ignored signal ignored (as under ``nohup``)."""
+    import signal
+
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [getattr(signal, name) for name in _SIGNALS_WATCHED])
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def gpu_test(fn):
