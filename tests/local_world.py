@@ -350,6 +350,7 @@ class LocalRun:
     losses: list[float] = field(default_factory=list)
     val_losses: list[float | None] = field(default_factory=list)
     saved: list[list[int]] = field(default_factory=list)  # per step, per rank: the most its stage kept for backward
+    live: list[list[int] | None] = field(default_factory=list)  # per step, per rank: the most bytes live (tracked)
     grads_step: int | None = None
     grads: dict = field(default_factory=dict)
     weights: dict = field(default_factory=dict)
@@ -389,6 +390,7 @@ def train_in_process(
             result = trainer.step(step)
             out.losses.append(result.loss)
             out.saved.append(result.saved)
+            out.live.append(result.live)
             out.val_losses.append(trainer.evaluate() if trainer.evaluation_due(step) else None)
             if out.grads_step is None and not result.update.skipped:
                 out.grads_step, out.grads = step, trainer.gradients()  # a collective over the tensor ranks

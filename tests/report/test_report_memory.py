@@ -39,8 +39,13 @@ def run_dir(tmp_path_factory):
     obj = json.loads((tmp / "plan.json").read_text())
     assert (obj["order"], any(obj["recompute"])) != ("gpipe", False)
     assert max(obj["memory"]["per_stage_bytes"]) <= 0.8 * needed
-    run = train_locally(LocalSetup(plan_from_dict(obj, "plan.json"), run_arguments(steps=2, val_fraction=0.0)))
-    records = [{"saved_bytes_per_rank": saved} for saved in run.saved]
+    run = train_locally(
+        LocalSetup(plan_from_dict(obj, "plan.json"), run_arguments(steps=2, val_fraction=0.0, track_memory=True))
+    )
+    records = [
+        {"saved_bytes_per_rank": saved, **({"live_bytes_per_rank": live} if live else {})}
+        for saved, live in zip(run.saved, run.live, strict=True)
+    ]
     return make_run(tmp / "run", obj["slices"], stages=STAGES, steps=2, plan=obj, records=records)
 
 
@@ -66,6 +71,14 @@ def test_estimated_and_measured_per_stage(run_dir, capsys):
         measured = m["measured_saved_bytes"]
         assert m["rel_err"] == pytest.approx((m["estimated_activation_bytes"] - measured) / measured)
         assert abs(m["rel_err"]) <= 0.10  # the estimate holds for what training kept (docs/design.md §10)
+        # The first step's tracked live bytes (the warm-up's), against the estimate less the state.
+        assert (
+            m["measured_live_bytes"]
+            == json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])["live_bytes_per_rank"][k]
+        )
+        assert m["estimated_live_bytes"] == estimate["per_stage_bytes"][k] - estimate["state_bytes"][k] > 0
+        got = m["measured_live_bytes"]
+        assert m["live_rel_err"] == pytest.approx((m["estimated_live_bytes"] - got) / got)
     # The line scripts/gpu_bringup.sh's memory step prints from such a report (its dry run skips the step).
     p = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "gpu_bringup.py"), "memory", str(run_dir / "report" / "report.json")],
@@ -74,7 +87,8 @@ def test_estimated_and_measured_per_stage(run_dir, capsys):
     assert p.returncode == 0, p.stderr
     assert p.stdout.count("kept for backward est.") == STAGES and "(process RSS)" in p.stdout
     table = md.split("## Memory per stage")[1].split("## Loss")[0]
-    for header in ("estimated kept for backward", "measured kept (saved tensors)", "measured peak (process RSS)"):
+    headers = ("estimated kept for backward", "measured kept (saved tensors)", "measured peak (process RSS)")
+    for header in (*headers, "estimated live (less state)", "measured live (tracked step)", "live error"):
         assert header in table
     assert table.count("| TeraPipe | ") == STAGES  # one row per stage
 
@@ -108,3 +122,6 @@ def test_an_estimate_more_than_ten_percent_off_gets_a_line():
     lines = memory_mismatch_lines({"run": run, "baseline": None})
     assert len(lines) == 1 and lines[0].startswith("terapipe stage 1: the plan estimated 80") and "-20" in lines[0]
     assert memory_mismatch_lines({"run": {"label": "x", "memory_per_stage": [stage(0, 1.0, 1.0)]}}) == []
+    live = {"stage": 0, "estimated_live_bytes": 50 * 2**20, "measured_live_bytes": 100 * 2**20, "live_rel_err": -0.5}
+    (line,) = memory_mismatch_lines({"run": {"label": "x", "memory_per_stage": [live]}, "baseline": None})
+    assert line.startswith("x stage 0: the plan estimated 50.0 MiB live beyond the state") and "-50" in line

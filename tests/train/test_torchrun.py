@@ -49,9 +49,9 @@ def test_two_stages_walk_a_hand_written_schedule_verified(tmp_path, capfd):
     p = run_cli(
         capfd,
         "train", "--plan", plan, "--schedule", tmp_path / "order.csv", "--steps", "3", "--out", out, "--verify",
-        "--grad-clip", CLIP, "--seed", "3", "--device", "cpu",
+        "--grad-clip", CLIP, "--seed", "3", "--device", "cpu", "--track-memory",
     )  # fmt: skip
-    _verified(p, out, "fp32")
+    _verified(p, out, "fp32")  # the tracked first step trains as the others (tests/engine/test_live.py)
     assert "step     3/3  loss" in p.stdout  # one grep-able metrics line per step
 
     # The run folder: its config, plan, resolved settings, schedule, metrics, timelines, checkpoint and summary.
@@ -62,6 +62,9 @@ def test_two_stages_walk_a_hand_written_schedule_verified(tmp_path, capfd):
     records = read_metrics(out)
     assert [r["step"] for r in records] == [1, 2, 3]
     assert set(records[-1]) >= {"schema", "step", "loss", "iteration_s", "tokens_per_s", "memory_bytes", "val_loss"}
+    # --track-memory: each worker's first step, tracked for the bytes live at once.
+    assert [("live_bytes_per_rank" in r) for r in records] == [True, False, False]
+    assert len(records[0]["live_bytes_per_rank"]) == 2 and min(records[0]["live_bytes_per_rank"]) > 0
     # Warm-up (1 step, the default for 3) to the peak, cosine down to 0.1 x lr at the last step; clipped throughout.
     assert [r["lr"] for r in records] == pytest.approx([DEFAULT_LR * f for f in (1, 0.55, 0.1)])
     assert all(r["grad_norm"] > CLIP and r["skipped"] is False for r in records)

@@ -213,6 +213,14 @@ class RunConfig(Fallbacks):
     verify: bool | None = setting(
         "Compare with a single-process reference; exit 1 on a mismatch.", fallback=False, panel=RUN
     )
+    track_memory: bool | None = setting(
+        "On a CPU, run the first step of each launch under a tracker of every tensor made: the most bytes live at "
+        "once per rank, in metrics.jsonl and the report next to the plan's estimate (that step runs slower). On a "
+        "GPU, CUDA's max allocated is always recorded.",
+        fallback=False,
+        panel=RUN,
+        resume="change",
+    )
     loss_chunk_tokens: int | None = setting(
         "Tokens the last stage's LM head and loss run at a time, forward and backward (their logits never all at "
         "once); 0 makes a tile's whole logits at once.",
@@ -433,6 +441,9 @@ class RunArguments:
     val_data: str | None = setting("The validation loss's own file (None: the data's held-out part).")
     sampling: str = setting("How each step's windows are drawn (`SAMPLINGS`).", "random", choices=SAMPLINGS)
     data_mix: list[str] | None = setting("A mixture's sources, WEIGHT:PATH each, weights normalised (None: one).")
+    track_memory: bool = setting(
+        "The first step of each launch on a CPU tracked for its live bytes (engine.live).", False
+    )
     loss_chunk_tokens: int | None = setting(
         "The last stage's head and loss tokens at a time (None: the plan's; 0: a tile's whole logits at once).",
         minimum=0,

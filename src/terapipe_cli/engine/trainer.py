@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,7 @@ from terapipe_cli.engine.data import (
     validation_documents,
 )
 from terapipe_cli.engine.executor import StageExecutor
+from terapipe_cli.engine.live import LiveBytes
 from terapipe_cli.engine.mesh import Layout
 from terapipe_cli.engine.optim import LossScale, StepOutcome, make_optimizer, set_lr, take_step
 from terapipe_cli.engine.stage import StageRunner
@@ -85,6 +87,7 @@ class StepResult:
     memory: list[int]  # per rank: its own peak memory (CUDA max allocated; CPU VmHWM, `peak_rss_bytes`)
     saved: list[int]  # per rank: the most its stage kept for the backward (`stage.SavedBytes`)
     seconds: float
+    live: list[int] | None = None  # per rank: the most bytes live during the step (`Trainer.step`); None: not tracked
 
 
 class Trainer:
@@ -106,6 +109,9 @@ class Trainer:
         self.plan, self.schedule, self.args, self.layout, self.rank = plan, schedule, args, layout, rank
         self.device, self.comms, self.data, self.held_out = device, comms, data, held_out
         self._started: list = []  # the data-parallel sums started during a step (`start_chunk_sum`)
+        # With --track-memory the first step on a CPU runs under a tracker of the bytes live (`step`); on a GPU
+        # CUDA's max allocated says it.
+        self._track_live = args.track_memory and device.type == "cpu"
         self.stage, self.replica = layout.stage(rank), layout.replica(rank)
         self.tensor = TensorGroup(
             layout.tensor_rank(rank),
@@ -154,28 +160,41 @@ class Trainer:
         return (self.loss_scale.scale if self.loss_scale is not None else 1.0) / self.tokens_per_step
 
     def step(self, step: int, *, after_forward: Callable[[], None] | None = None) -> StepResult:
-        """One training step (the module docstring): the same on every rank, in lockstep."""
+        """One training step (the module docstring): the same on every rank, in lockstep.
+
+        With ``track_memory``, the first step a process runs on a CPU walks its schedule under `LiveBytes` (the
+        tracker the memory estimate is traced with, here on real tensors): the most bytes live at once — what the
+        stage keeps for the backward, the transients on top, the K/V caches, the messages — with the gradients made
+        beforehand as zeros, so that they count as state, as in the estimate (adding into zeros gives the same
+        gradients). Every op of that step goes through the tracker, which slows it: one step only."""
         batch = self.replica_batch(step)
         step_start = time.perf_counter()
         lr = self.lr_schedule(step)
         set_lr(self.optimizer, lr)
         self.optimizer.zero_grad(set_to_none=True)
         self.runner.set_loss_scale(self.loss_multiplier)
-        loss, events = self.executor.step(
-            batch,
-            step_start=step_start,
-            rank=self.rank,
-            replica=self.replica,
-            step=step,
-            after_forward=after_forward,
-            documents=self.replica_documents(step),
-            chunk_done=self.start_chunk_sum if self.comms.replicas is not None else None,
-        )
+        tracked, self._track_live = self._track_live, False
+        if tracked:
+            for p in self.runner.module.parameters():
+                if p.requires_grad:
+                    p.grad = torch.zeros_like(p)
+        with LiveBytes() if tracked else nullcontext() as live:
+            loss, events = self.executor.step(
+                batch,
+                step_start=step_start,
+                rank=self.rank,
+                replica=self.replica,
+                step=step,
+                after_forward=after_forward,
+                documents=self.replica_documents(step),
+                chunk_done=self.start_chunk_sum if self.comms.replicas is not None else None,
+            )
         self.sum_replica_gradients()
         self.sum_tied_gradients()
         update = self.apply_update()
-        step_loss, memory, saved = self.end_of_step(loss)
-        return StepResult(step, step_loss, lr, update, events, memory, saved, time.perf_counter() - step_start)
+        step_loss, memory, saved, live_peaks = self.end_of_step(loss, live.peak if tracked else 0)
+        seconds = time.perf_counter() - step_start
+        return StepResult(step, step_loss, lr, update, events, memory, saved, seconds, live_peaks if tracked else None)
 
     def replica_batch(self, step: int) -> torch.Tensor:
         """This replica's B token windows (B, L + 1) of the step's global batch of B·D, on the device."""
@@ -310,18 +329,20 @@ class Trainer:
             counted=counted,
         )
 
-    def end_of_step(self, loss: torch.Tensor | None) -> tuple[float, list[int], list[int]]:
+    def end_of_step(self, loss: torch.Tensor | None, live: int = 0) -> tuple[float, list[int], list[int], list[int]]:
         """One collective per step: sums the loss and everyone's peak memory, and lines the ranks up. Returns the
-        step's loss (the single-device mean) and, per rank, the process's peak memory and the most its stage kept
-        for the backward during the step (the measured side of the plan's activation estimate)."""
+        step's loss (the single-device mean) and, per rank, the process's peak memory, the most its stage kept
+        for the backward during the step (the measured side of the plan's activation estimate) and ``live``, the
+        most bytes live during the step when it was tracked (0 when not)."""
         world = self.world
-        stats = torch.zeros(1 + 2 * world, dtype=torch.float64, device=self.device)
+        stats = torch.zeros(1 + 3 * world, dtype=torch.float64, device=self.device)
         stats[0] = self._loss_share(loss)
         stats[1 + self.rank] = float(peak_memory_bytes(self.device))
         stats[1 + world + self.rank] = float(self.runner.saved.take_peak())
+        stats[1 + 2 * world + self.rank] = float(live)
         self.comms.world.all_reduce(stats, what="the end-of-step all-reduce")
         values = [int(m) for m in stats[1:].tolist()]
-        return float(stats[0]), values[:world], values[world:]
+        return float(stats[0]), values[:world], values[world : 2 * world], values[2 * world :]
 
     def evaluation_due(self, step: int) -> bool:
         """Validation every ``eval_every`` steps and after the last, when the run holds data out."""

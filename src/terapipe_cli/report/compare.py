@@ -13,7 +13,9 @@ Every number here is recomputable from the run directories (the tests do so):
   median;
 * memory per stage: the plan's estimate (`terapipe_cli.plan.memory`) next to the largest a stage's ranks
   measured over the compared steps: what it kept for the backward (``saved_bytes_per_rank``, counted by the
-  runtime's saved-tensor hooks) and the process's peak (``memory_bytes_per_rank``).
+  runtime's saved-tensor hooks) and the process's peak (``memory_bytes_per_rank``); on a CPU also the most bytes
+  live during the first step the run's launch tracked (``live_bytes_per_rank``, whatever the warm-up) against the
+  estimate less the state (what is kept for the backward and the transients on top).
 
 The report file (schema ``terapipe.report/1``, `compare` builds it, `report.build` adds ``files`` and ``created``):
 ``warmup_steps``, ``model``, ``run`` and ``baseline`` (each: path, slices, tiles, latency statistics, tokens/s,
@@ -168,25 +170,38 @@ def stage_max(run: Run, steps: Sequence[int], key: str) -> list[int] | None:
 
 def memory_per_stage(run: Run, steps: Sequence[int]) -> list[dict]:
     """Per stage: the plan's estimate (None for a plan without one) and what the run measured over ``steps``,
-    with the error of the estimate of what is kept for the backward: (estimated − measured) / measured."""
+    with the error of the estimate of what is kept for the backward: (estimated − measured) / measured; and the
+    tracked live bytes of the run's tracked steps (any of its own, the warm-up's too) against the estimate less the
+    state, with their error likewise."""
     estimate = run.plan.raw.get("memory") or {}
 
     def planned(key: str, k: int) -> float | None:
         values = estimate.get(key)
         return values[k] if isinstance(values, list) and len(values) == run.stages else None
 
+    def error(est: float | None, measured: float | None) -> float | None:
+        return (est - measured) / measured if est is not None and measured else None
+
     saved = stage_max(run, steps, "saved_bytes_per_rank")
     peak = stage_max(run, steps, "memory_bytes_per_rank")
+    tracked = [s for s in run.own_steps if isinstance(run.metric(s).get("live_bytes_per_rank"), list)]
+    live = stage_max(run, tracked, "live_bytes_per_rank") if tracked else None
     out = []
     for k in range(run.stages):
         est, measured = planned("activation_bytes", k), saved[k] if saved else None
+        total, state = planned("per_stage_bytes", k), planned("state_bytes", k)
+        est_live = total - state if total is not None and state is not None else None
+        got_live = live[k] if live else None
         out.append(
             {
                 "stage": k,
                 "estimated_activation_bytes": est,
                 "measured_saved_bytes": measured,
-                "rel_err": (est - measured) / measured if est is not None and measured else None,
-                "estimated_total_bytes": planned("per_stage_bytes", k),
+                "rel_err": error(est, measured),
+                "estimated_live_bytes": est_live,
+                "measured_live_bytes": got_live,
+                "live_rel_err": error(est_live, got_live),
+                "estimated_total_bytes": total,
                 "measured_peak_bytes": peak[k] if peak else None,
             }
         )

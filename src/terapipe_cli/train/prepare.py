@@ -270,6 +270,7 @@ def _new_arguments(
         timeout_s=float(config.value("timeout_s")),
         verify=config.value("verify"),
         loss_chunk_tokens=config.loss_chunk_tokens,
+        track_memory=config.value("track_memory"),
         precision=_run_precision(config.precision, device, plan),
         warmup_steps=schedule.warmup_steps,
         min_lr=schedule.min_lr,

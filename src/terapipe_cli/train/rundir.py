@@ -22,6 +22,8 @@ runs/NAME/
                      "memory_bytes" (peak, largest rank), "memory_bytes_per_rank": [...] (each worker's own peak:
                      CUDA max allocated, on CPU its peak resident set, VmHWM), "saved_bytes_per_rank": [...] (the
                      most each rank's stage kept for its backward during the step, counted by engine.stage.SavedBytes),
+                     "live_bytes_per_rank": [...] (with --track-memory on a CPU, the first step of a launch only:
+                     the most bytes live at once during the step, engine.live.LiveBytes; gradients count as state),
                      "val_loss" (only on evaluated steps: the held-out loss after the step's update)}
   metrics.csv        the same numbers, a row per step (only with --log csv; train/metrics.py names the columns)
   tensorboard/       the same numbers as TensorBoard event files (only with --log tensorboard)

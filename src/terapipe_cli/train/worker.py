@@ -418,6 +418,8 @@ def log_step(w: Worker, result: StepResult, iteration_s: list[float], val_loss: 
     peaks = result.memory
     record.update(iteration_s=dt, tokens_per_s=tokens / dt, memory_bytes=max(peaks), memory_bytes_per_rank=peaks)
     record["saved_bytes_per_rank"] = result.saved
+    if result.live is not None:
+        record["live_bytes_per_rank"] = result.live
     record["tokens"], record["epoch"] = w.trainer.consumed(step)
     if val_loss is not None:
         record["val_loss"] = val_loss
