@@ -8,6 +8,7 @@ import errno
 import json
 import os
 import shutil
+import threading
 
 import pytest
 import torch
@@ -134,6 +135,7 @@ def test_the_writer_saves_a_copy_taken_before_the_weights_change(tmp_path):
     weights = torch.zeros(1000)
     writer = StageWriter()
     writer.start(tmp_path, 1, 0, 1, {"w": weights}, {})
+    writer.copied()  # as the next step does before its update
     weights += 1  # the next step's update, while the file is written
     entry = writer.wait()
     assert entry == FileEntry.of("stage_000.pt", checkpoint.stage_file(tmp_path, 1, 0).read_bytes())
@@ -198,3 +200,33 @@ def test_a_disk_without_room_for_one_checkpoint_is_one_line_before_the_launch(tm
         p, f"{out / 'checkpoints'}: disk full: needs about", "parameters: fp32 weights", "1,000 bytes"
     )
     assert not out.exists()
+
+
+def test_the_update_waits_for_the_writers_copy_and_without_the_wait_the_file_is_wrong(tmp_path, monkeypatch):
+    """The writer thread copies the state while the next step computes; `copied` holds the update back until the
+    copy is made. The copy is held here until the test lets it go (no timing): the wait returns only after it, and a
+    change made without the wait is what the file saves."""
+    release, done = threading.Event(), []
+    real = checkpoint.host_copy
+
+    def held_copy(obj):
+        release.wait()
+        done.append(1)
+        return real(obj)
+
+    monkeypatch.setattr(checkpoint, "host_copy", held_copy)
+    weights, writer = torch.zeros(1000), StageWriter()
+    writer.start(tmp_path, 1, 0, 1, {"w": weights}, {})
+    threading.Timer(0.05, release.set).start()
+    writer.copied()
+    assert done  # the copy was made before the wait returned
+    weights += 1
+    writer.wait()
+    assert torch.equal(checkpoint.load_stage(tmp_path, 1, 0)["model"]["w"], torch.zeros(1000))
+
+    release.clear()  # the negative control: the update made without the wait, while the copy is held
+    writer.start(tmp_path, 2, 0, 1, {"w": weights}, {})
+    weights += 1
+    release.set()
+    writer.wait()
+    assert torch.equal(checkpoint.load_stage(tmp_path, 2, 0)["model"]["w"], torch.full((1000,), 2.0))

@@ -159,8 +159,16 @@ class Trainer:
         single-device mean's, times the fp16 loss scale."""
         return (self.loss_scale.scale if self.loss_scale is not None else 1.0) / self.tokens_per_step
 
-    def step(self, step: int, *, after_forward: Callable[[], None] | None = None) -> StepResult:
-        """One training step (the module docstring): the same on every rank, in lockstep.
+    def step(
+        self,
+        step: int,
+        *,
+        after_forward: Callable[[], None] | None = None,
+        before_update: Callable[[], None] | None = None,
+    ) -> StepResult:
+        """One training step (the module docstring): the same on every rank, in lockstep. ``before_update`` is
+        called before the update changes the weights and the optimizer state (a checkpoint's copy of them being made
+        meanwhile: train/saving.py).
 
         With ``track_memory``, the first step a process runs on a CPU walks its schedule under `LiveBytes` (the
         tracker the memory estimate is traced with, here on real tensors): the most bytes live at once — what the
@@ -191,6 +199,8 @@ class Trainer:
             )
         self.sum_replica_gradients()
         self.sum_tied_gradients()
+        if before_update is not None:
+            before_update()
         update = self.apply_update()
         step_loss, memory, saved, live_peaks = self.end_of_step(loss, live.peak if tracked else 0)
         seconds = time.perf_counter() - step_start

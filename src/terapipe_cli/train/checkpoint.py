@@ -15,7 +15,9 @@ same model can continue from it: each rank reads the names it holds from whichev
 plan that wrote it.
 
 Each stage file is written atomically (`terapipe_cli.files`), by a background thread from a copy in host memory
-(`StageWriter`, torchtitan's async mode: the next step runs while the file is written). Its size and SHA-256 are
+(`StageWriter`, torchtitan's async mode: the next step runs while the file is written). The thread makes that copy
+too, while the next step's forward and backward read the weights; the step waits for it before its update changes
+them (`StageWriter.copied`). Its size and SHA-256 are
 taken from the bytes written, not read back. Completeness is decided through the process group: the ranks
 exchange their files' sizes and checksums in one all-reduce once every write has finished (train/worker.py), so
 when it returns every stage of the step is on disk somewhere, or every rank knows a write failed. Then one worker
@@ -239,14 +241,28 @@ def host_copy(obj: object) -> object:
     return obj
 
 
+def _first_device(obj: object) -> torch.device:
+    """The device of the first tensor in a (nested) state (the CPU when it holds none)."""
+    if torch.is_tensor(obj):
+        return obj.device
+    values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, list | tuple) else ()
+    for v in values:
+        device = _first_device(v)
+        if device.type != "cpu":
+            return device
+    return torch.device("cpu")
+
+
 class StageWriter:
-    """Writes one stage file at a time in a background thread (`start`), from a host copy of the state; `wait`
-    returns its manifest entry, or raises `WriteFailed`. A worker waits before it marks a checkpoint complete and
-    before it exits, however it exits."""
+    """Writes one stage file at a time in a background thread (`start`), from a host copy of the state that the
+    thread makes first (`copied` waits for it); `wait` returns its manifest entry, or raises `WriteFailed`. A worker
+    waits before it marks a checkpoint complete and before it exits, however it exits."""
 
     def __init__(self) -> None:
         self._thread: threading.Thread | None = None
         self._result: FileEntry | WriteFailed | None = None
+        self._copied = threading.Event()
+        self._copied.set()
 
     @property
     def busy(self) -> bool:
@@ -271,12 +287,20 @@ class StageWriter:
         origin: Origin | None = None,
     ) -> None:
         self.wait_quietly()
-        model, optimizer = host_copy(model), host_copy(optimizer)
+        copied = self._copied = threading.Event()
+
+        device = _first_device((model, optimizer))
 
         def write_file() -> None:
-            _lower_priority()
             try:
-                self._result = save_stage(run_dir, step, stage, stages, model, optimizer, write=write, origin=origin)
+                try:
+                    if device.type == "cuda":
+                        torch.cuda.set_device(device)  # this thread's CUDA work on the stage's GPU, as the worker's
+                    held = host_copy(model), host_copy(optimizer)
+                finally:
+                    copied.set()
+                _lower_priority()  # the copy at the training thread's priority: the update waits for it
+                self._result = save_stage(run_dir, step, stage, stages, *held, write=write, origin=origin)
             except WriteFailed as e:
                 self._result = e
             except BaseException as e:  # noqa: BLE001 - the worker raises it where it waits
@@ -284,6 +308,11 @@ class StageWriter:
 
         self._thread = threading.Thread(target=write_file, name=f"checkpoint-step-{step}", daemon=True)
         self._thread.start()
+
+    def copied(self) -> None:
+        """Returns once the file's host copy of the state (`start`'s ``model`` and ``optimizer``) is made: from then
+        on the tensors may change. Before every update of the weights or the optimizer state."""
+        self._copied.wait()
 
     def wait(self, timeout_s: float | None = None) -> FileEntry:
         """The entry of the file being written, once written; raises `WriteFailed` (also after ``timeout_s``)."""

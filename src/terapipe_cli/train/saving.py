@@ -1,6 +1,7 @@
-"""A worker's side of a checkpoint (train/checkpoint.py has the files): `Saves.begin` copies this rank's stage to
-host memory and has a background thread write it (torchrun's asynchronous checkpointing: the next step computes
-meanwhile), `Saves.finish` waits for the file, and then one all-reduce tells every rank what every other wrote:
+"""A worker's side of a checkpoint (train/checkpoint.py has the files): `Saves.begin` has a background thread copy
+this rank's stage to host memory and write it (torchrun's asynchronous checkpointing: the next step computes
+meanwhile, its update waiting for the copy: `Saves.copied`), `Saves.finish` waits for the file, and then one
+all-reduce tells every rank what every other wrote:
 
     one row per rank: [wrote (1), failed (-1) or not a writer (0), stage, run folder, size, SHA-256 as 4 int64]
 
@@ -74,6 +75,10 @@ class Saves:
         t.comms.world.all_reduce(largest, op="max", what=f"the checkpoint of step {step}")
         if largest.item() < ASYNC_MIN_BYTES or os.environ.get(SYNC_ENV) == "1":
             self.finish()  # alike on every rank: small stages' checkpoints are complete at once
+
+    def copied(self) -> None:
+        """Before an update: the pending file's host copy of the state is made (`checkpoint.StageWriter.copied`)."""
+        self.writer.copied()
 
     def finish(self) -> None:
         """Wait for the pending checkpoint's file, tell every rank, mark it complete (or give it up)."""

@@ -161,7 +161,7 @@ def run_steps(
     boundaries: list[float] = []  # when each step's boundary work (log, checkpoint, stop check) ended
     grads_saved = False  # --verify: each stage's gradients of the first step not skipped
     for step in range(start_step + 1, w.args.steps + 1):
-        result = t.step(step, after_forward=_fault(w, step, signals))
+        result = t.step(step, after_forward=_fault(w, step, signals), before_update=saves.copied)
         events.extend(result.events)
         if w.args.verify and t.replica == 0 and not grads_saved and not result.update.skipped:
             grads = t.gradients()  # a collective over the stage's tensor ranks; the first of them writes
