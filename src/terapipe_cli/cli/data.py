@@ -189,7 +189,7 @@ def inspect_data(
 def _corpus_summary(opened: formats.TokenFile) -> dict | None:
     if opened.format != "megatron":
         return None
-    from terapipe_cli.corpus.tokenize import corpus_prefix, read_summary
+    from terapipe_cli.corpus.identity import corpus_prefix, read_summary
 
     return read_summary(corpus_prefix(Path(opened.path)))
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from terapipe_cli.corpus.formats import FORMAT_NAMES, files_of
 from terapipe_cli.errors import UserError
+from terapipe_cli.files import Fields, read_json
 
 WHOLE_BELOW = 1 << 24  # a file up to 16 MiB is hashed whole (~10 ms)
 SAMPLE_BLOCKS = 64  # ... a larger one by 64 blocks of 16 KiB: 1 MiB read, whatever its size
@@ -34,6 +35,7 @@ _READ = 1 << 20
 # llm.c's header magic -> the tokenizer its ids are (dev/data/data_common.py) and that tokenizer's ids.
 LLMC_TOKENIZERS = {20240520: ("GPT-2", 50257), 20240801: ("Llama 3", 128256)}
 BYTES = 256  # text is read as bytes
+SUMMARY_SCHEMA = "terapipe.corpus/1"  # a corpus's PREFIX.json, `terapipe data tokenize`'s summary
 
 
 def file_fingerprint(path: Path) -> dict:
@@ -109,8 +111,6 @@ def vocabulary_of(path: str, format: str, largest: int | None = None, found: dic
         name, size = LLMC_TOKENIZERS[magic]
         return Vocabulary(path, f"llm.c:{name}", f"{name}'s, by its llm.c header", size, largest)
     if format == "megatron":
-        from terapipe_cli.corpus.tokenize import corpus_files, corpus_prefix, read_summary
-
         prefix = corpus_prefix(Path(path))
         summary = read_summary(prefix)
         if summary is not None:
@@ -202,3 +202,38 @@ def check_unchanged(kept: dict[str, dict] | None, paths: list[str]) -> tuple[str
                 where=path,
             )
     return None, kept
+
+
+def corpus_prefix(out: Path) -> Path:
+    """``--out`` as a corpus prefix (``data/c.bin`` or ``data/c.idx`` name ``data/c``, as Megatron names it)."""
+    return out.with_suffix("") if out.suffix in (".bin", ".idx") else out
+
+
+def corpus_files(prefix: Path) -> dict[str, Path]:
+    return {
+        "bin": Path(f"{prefix}.bin"),
+        "idx": Path(f"{prefix}.idx"),
+        "summary": Path(f"{prefix}.json"),
+        "tokenizer": Path(f"{prefix}.tokenizer"),
+    }
+
+
+def read_summary(prefix: Path) -> dict | None:
+    """A corpus's ``PREFIX.json`` (validated), or None when there is none or it is not a corpus summary."""
+    path = corpus_files(prefix)["summary"]
+    if not path.is_file():
+        return None
+    try:
+        obj = read_json(path, what="corpus summary")
+    except UserError:
+        return None
+    if obj.get("schema") != SUMMARY_SCHEMA:
+        return None
+    f = Fields(obj, str(path))
+    for key in ("documents", "tokens", "vocab"):
+        f.int(key, minimum=0)
+    f.int("max_token", minimum=-1)
+    f.str("dtype")
+    f.str("tokenizer")
+    f.sub("eos").str("token")
+    return obj

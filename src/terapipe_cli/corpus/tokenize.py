@@ -43,12 +43,18 @@ import numpy as np
 
 from terapipe_cli import units
 from terapipe_cli.corpus.formats import MegatronWriter, megatron_dtype
-from terapipe_cli.corpus.identity import fingerprint_files, tokenizer_digest
+from terapipe_cli.corpus.identity import (
+    SUMMARY_SCHEMA,
+    corpus_files,
+    corpus_prefix,
+    fingerprint_files,
+    read_summary,
+    tokenizer_digest,
+)
 from terapipe_cli.errors import UserError, ending_signals_off_this_thread
 from terapipe_cli.extras import require
-from terapipe_cli.files import Fields, _umask, check_free_space, read_json, write_json_atomic
+from terapipe_cli.files import _umask, check_free_space, read_json, write_json_atomic
 
-SUMMARY_SCHEMA = "terapipe.corpus/1"
 SPLITS = ("file", "line", "paragraph")  # what one document of a text file is
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 PARQUET_SUFFIXES = (".parquet",)
@@ -358,20 +364,6 @@ class CorpusSummary:
         }
 
 
-def corpus_prefix(out: Path) -> Path:
-    """``--out`` as a corpus prefix (``data/c.bin`` or ``data/c.idx`` name ``data/c``, as Megatron names it)."""
-    return out.with_suffix("") if out.suffix in (".bin", ".idx") else out
-
-
-def corpus_files(prefix: Path) -> dict[str, Path]:
-    return {
-        "bin": Path(f"{prefix}.bin"),
-        "idx": Path(f"{prefix}.idx"),
-        "summary": Path(f"{prefix}.json"),
-        "tokenizer": Path(f"{prefix}.tokenizer"),
-    }
-
-
 def check_corpus_out(out: Path, *, force: bool) -> Path:
     """The corpus prefix of ``--out``, checked before any work: its folder exists or is the one to create, it is
     writable, and an existing corpus there is overwritten only when it is one of ours (its summary) or ``force``."""
@@ -405,27 +397,6 @@ def check_corpus_room(prefix: Path, input_bytes: int, dtype: np.dtype) -> None:
     needed = input_bytes // INPUT_BYTES_PER_TOKEN * dtype.itemsize
     estimate = f"{units.format_bytes(input_bytes)} of input at {INPUT_BYTES_PER_TOKEN} bytes a token, {dtype.name} ids"
     check_free_space(corpus_files(prefix)["bin"], needed, estimate=estimate)
-
-
-def read_summary(prefix: Path) -> dict | None:
-    """A corpus's ``PREFIX.json`` (validated), or None when there is none or it is not a corpus summary."""
-    path = corpus_files(prefix)["summary"]
-    if not path.is_file():
-        return None
-    try:
-        obj = read_json(path, what="corpus summary")
-    except UserError:
-        return None
-    if obj.get("schema") != SUMMARY_SCHEMA:
-        return None
-    f = Fields(obj, str(path))
-    for key in ("documents", "tokens", "vocab"):
-        f.int(key, minimum=0)
-    f.int("max_token", minimum=-1)
-    f.str("dtype")
-    f.str("tokenizer")
-    f.sub("eos").str("token")
-    return obj
 
 
 def tokenize_corpus(

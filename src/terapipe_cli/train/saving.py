@@ -20,7 +20,8 @@ from __future__ import annotations
 import errno
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -28,7 +29,25 @@ from terapipe_cli.train import checkpoint
 from terapipe_cli.train.checkpoint import WORDS, FileEntry, WriteFailed
 
 if TYPE_CHECKING:
-    from terapipe_cli.train.worker import Worker
+    from terapipe_cli.config.run import RunArguments
+    from terapipe_cli.engine.trainer import Trainer
+
+
+class Saver(Protocol):
+    """What `Saves` reads of the worker it saves for (train/worker.py's ``Worker``)."""
+
+    run_dir: Path
+    trainer: Trainer
+    writes_shard: bool  # whether this rank writes its stage's file
+    marks_stages: list[int] | None  # the stages whose files this rank marks complete in its folder (one rank each)
+    folder: int  # the run folder this rank writes into
+
+    @property
+    def args(self) -> RunArguments: ...
+
+    @property
+    def rank(self) -> int: ...
+
 
 COLUMNS = 3 + WORDS  # wrote, stage, folder, then the file's entry
 # Stages whose state (weights and optimizer) is smaller on every rank are saved synchronously: their checkpoint is
@@ -46,7 +65,7 @@ class SaveFailed(Exception):
 class Saves:
     """This rank's checkpoints: at most one being written."""
 
-    def __init__(self, w: Worker, *, on_begin: Callable[[], None] = lambda: None, fault: Callable[[int], bool]):
+    def __init__(self, w: Saver, *, on_begin: Callable[[], None] = lambda: None, fault: Callable[[int], bool]):
         self.w = w
         self.on_begin = on_begin  # what else a checkpoint writes (this rank's timeline), synchronously
         self.fault = fault  # test-only: whether this rank's write of a step fails as on a full disk

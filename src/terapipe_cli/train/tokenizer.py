@@ -40,7 +40,7 @@ def corpus_tokenizer_folder(data: str | None) -> Path | None:
     """The tokenizer folder ``terapipe data tokenize`` copied beside the corpus ``data``, if there is one."""
     if data is None:
         return None
-    from terapipe_cli.corpus.tokenize import corpus_files, corpus_prefix
+    from terapipe_cli.corpus.identity import corpus_files, corpus_prefix
 
     folder = corpus_files(corpus_prefix(Path(data)))["tokenizer"]
     return folder if (folder / "tokenizer.json").is_file() else None
@@ -51,7 +51,7 @@ def record_tokenizer(run_dir: Path, data: str | None) -> None:
     folder = corpus_tokenizer_folder(data)
     if folder is None:
         return
-    from terapipe_cli.corpus.tokenize import corpus_prefix, read_summary
+    from terapipe_cli.corpus.identity import corpus_prefix, read_summary
 
     target = run_dir / RUN_TOKENIZER
     target.mkdir(parents=True, exist_ok=True)
@@ -75,7 +75,7 @@ def run_tokenizer_files(run_dir: Path | None, data: str | None) -> RunTokenizer 
         folder = corpus_tokenizer_folder(data)
         if folder is None:
             return None
-        from terapipe_cli.corpus.tokenize import corpus_prefix, read_summary
+        from terapipe_cli.corpus.identity import corpus_prefix, read_summary
 
         summary = read_summary(corpus_prefix(Path(data)))
     eos = (summary or {}).get("eos") or {}
