@@ -24,7 +24,9 @@ memory-trace step): per case one device runs the whole cut model (K = 1) for one
 allocated beyond its weights and gradients (``torch.cuda.max_memory_allocated``; on the CPU the tracker's live
 bytes of the real tensors) stands next to the traced estimate. A case whose estimated total (state, Adam's moments
 included, and activations) fits the memory a process can use (the hardware file's ``memory_bytes`` less its
-``reserved_bytes``: the CUDA context and NCCL's buffers) must run without running out of memory.
+``reserved_bytes``: the CUDA context and NCCL's buffers) must run without running out of memory. On CUDA the
+table also gives what the caching allocator reserved for the step (``torch.cuda.max_memory_reserved`` above what it
+held before: its segments, with what their blocks leave unused) and the estimate's error against it.
 """
 
 from __future__ import annotations
@@ -279,10 +281,11 @@ def run_on_device(case: Case, device: str, usable_bytes: float | None) -> dict:
     import torch
 
     from terapipe_cli.config.model import ModelConfig
+    from terapipe_cli.engine.live import LiveBytes
     from terapipe_cli.engine.stage import StageRunner
     from terapipe_cli.plan.costmodel import read_profile
     from terapipe_cli.plan.memory import stage_memory
-    from terapipe_cli.profile.memtrace import LiveBytes, trace_memory
+    from terapipe_cli.profile.memtrace import trace_memory
     from terapipe_cli.schedule.schedule import Schedule
 
     cuda = device == "cuda"
@@ -318,7 +321,7 @@ def run_on_device(case: Case, device: str, usable_bytes: float | None) -> dict:
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-            before = torch.cuda.memory_allocated()
+            before, reserved_before = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
         with live if not cuda else nullcontext(), runner.step():
             for a in schedule[0]:
                 t = a.tile
@@ -336,7 +339,8 @@ def run_on_device(case: Case, device: str, usable_bytes: float | None) -> dict:
         if cuda:
             torch.cuda.synchronize()
             row["measured"] = float(torch.cuda.max_memory_allocated() - before)
-            row["reserved"] = float(torch.cuda.max_memory_reserved())
+            # What the caching allocator held for it: its segments, with what their blocks leave unused.
+            row["reserved"] = float(torch.cuda.max_memory_reserved() - reserved_before)
         else:
             row["measured"] = float(live.peak)
         row["outcome"] = "ran"
@@ -350,6 +354,10 @@ def run_on_device(case: Case, device: str, usable_bytes: float | None) -> dict:
     )
     del runner, params
     return row
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:+.1f}%"
 
 
 def _mib(n: float) -> str:
@@ -373,20 +381,21 @@ def part_device(args) -> int:
         total = float(torch.cuda.get_device_properties(0).total_memory)
         usable = min(total, hw.device.memory_bytes) - float(getattr(hw.device, "reserved_bytes", 0.0) or 0.0)
     lines = [
-        "| case | estimate (activations) | measured | error | outcome | estimated to fit | fits |",
-        "|---|---|---|---|---|---|---|",
+        "| case | estimate (activations) | measured | error | outcome | estimated to fit | fits | reserved | error |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     missed = broken = 0
     for case in [c for c in device_cases(cuda) if args.only is None or args.only in c.name]:
         row = run_on_device(case, "cuda" if cuda else "cpu", usable)
-        est, got = row["estimate"], row["measured"]
+        est, got, reserved = row["estimate"], row["measured"], row.get("reserved")
         err = (est - got) / got if got else None
         missed += err is not None and not -0.02 <= err <= 0.05
         broken += row["fits_estimated"] and row["outcome"] != "ran"
         lines.append(
             f"| {case.name} | {_mib(est)} | {'-' if got is None else _mib(got)} | "
             f"{'-' if err is None else f'{100 * err:+.1f}%'} | {row['outcome']} | "
-            f"{'yes' if row['fits_estimated'] else 'no'} | {'yes' if row['fits_measured'] else 'no'} |"
+            f"{'yes' if row['fits_estimated'] else 'no'} | {'yes' if row['fits_measured'] else 'no'} | "
+            f"{_mib(reserved) if reserved else '-'} | {_pct((est - reserved) / reserved) if reserved else '-'} |"
         )
         print(lines[-1], flush=True)
         if args.markdown:  # after every case: a run stopped by a time-out keeps the cases it measured
