@@ -8,6 +8,9 @@
   workers and the reference, so both take exactly the same decisions.
 - ``make_optimizer``: AdamW with the run's `OptimizerConfig` (nanoGPT's by default), with the multi-tensor
   (``foreach``) or fused kernels where the device has them.
+- ``AdamW``: torch.optim.AdamW's update (its own functional kernels, the same arguments), state and state dict,
+  without torch.optim.Optimizer, whose methods load torch's compiler stack (``torch._dynamo``, about 2 s of CPU per
+  process on a small machine) the first time they run; a training worker never needs it.
 """
 
 from __future__ import annotations
@@ -27,7 +30,121 @@ from terapipe_cli.engine.attention import branch
 EMBEDDINGS_AND_HEAD = ("wte.weight", "wpe.weight", "lm_head.weight")
 
 
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+class AdamW:
+    """AdamW over parameter groups, as ``torch.optim.AdamW(groups, lr=, betas=, eps=, foreach= | fused=)`` computes
+    it: each step calls ``torch.optim.adam.adam`` with decoupled weight decay and the group's settings, as that
+    optimizer's ``step`` does; ``state`` holds each parameter's ``step`` (a float32 scalar: on the CPU, or with the
+    fused kernel on the parameter's device), ``exp_avg`` and ``exp_avg_sq``; `state_dict` and `load_state_dict` read
+    and write torch's format (state by index in group order), so checkpoints of either load in the other."""
+
+    def __init__(
+        self, groups: list[dict], *, lr: float, betas: tuple[float, float], eps: float, foreach: bool, fused: bool
+    ) -> None:
+        defaults = {
+            "lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": 1e-2, "amsgrad": False, "maximize": False,
+            "foreach": foreach or None, "capturable": False, "differentiable": False, "fused": fused or None,
+            "decoupled_weight_decay": True,
+        }  # fmt: skip
+        self.param_groups = [{**defaults, **g, "params": list(g["params"])} for g in groups]
+        self.state: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.detach_()
+                    p.grad.requires_grad_(False)
+                    p.grad.zero_()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        from torch.optim.adam import adam
+
+        for group in self.param_groups:
+            fused = bool(group["fused"])
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            for p in params:
+                if p not in self.state:
+                    step = torch.zeros((), dtype=torch.float32, device=p.device if fused else "cpu")
+                    self.state[p] = {
+                        "step": step,
+                        "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                        "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+                    }
+            states = [self.state[p] for p in params]
+            beta1, beta2 = group["betas"]
+            adam(
+                params,
+                [p.grad for p in params],
+                [s["exp_avg"] for s in states],
+                [s["exp_avg_sq"] for s in states],
+                [],
+                [s["step"] for s in states],
+                foreach=group["foreach"],
+                capturable=False,
+                differentiable=False,
+                fused=group["fused"],
+                grad_scale=None,
+                found_inf=None,
+                has_complex=any(torch.is_complex(p) for p in params),
+                decoupled_weight_decay=True,
+                amsgrad=False,
+                beta1=beta1,
+                beta2=beta2,
+                lr=group["lr"],
+                weight_decay=group["weight_decay"],
+                eps=group["eps"],
+                maximize=False,
+            )
+
+    def state_dict(self) -> dict:
+        """torch.optim's format: ``{"state": {index: state}, "param_groups": [settings with "params": indices]}``."""
+        index: dict[int, int] = {}
+        groups = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                index.setdefault(id(p), len(index))
+            groups.append({**{k: v for k, v in group.items() if k != "params"},
+                           "params": [index[id(p)] for p in group["params"]]})  # fmt: skip
+        state = {index[id(p)]: dict(s) for p, s in self.state.items()}
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """As torch.optim's: the groups' settings from ``state_dict``; each state tensor on its parameter's device,
+        its moments in the parameter's type (``step`` stays as saved, on the parameter's device with fused kernels)."""
+        saved = state_dict["param_groups"]
+        if len(saved) != len(self.param_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        if any(len(g["params"]) != len(s["params"]) for g, s in zip(self.param_groups, saved, strict=True)):
+            raise ValueError("loaded state dict has a parameter group of another size than the optimizer's")
+        by_index = {}
+        for group, stored in zip(self.param_groups, saved, strict=True):
+            by_index.update(zip(stored["params"], group["params"], strict=True))
+        pairs = zip(self.param_groups, saved, strict=True)
+        fused = {id(p): bool(stored.get("fused")) for group, stored in pairs for p in group["params"]}
+        self.state = {}
+        for i, values in state_dict["state"].items():
+            p = by_index[int(i)]
+            self.state[p] = {key: _as_state(key, v, p, fused[id(p)]) for key, v in values.items()}
+        self.param_groups = [{**s, "params": g["params"]} for g, s in zip(self.param_groups, saved, strict=True)]
+
+
+def _as_state(key: str, value, p: torch.Tensor, fused: bool):
+    """A loaded state value as torch.optim places it for parameter ``p``."""
+    if not torch.is_tensor(value):
+        return value
+    if key == "step":
+        return value.to(dtype=torch.float32, device=p.device) if fused else value
+    return value.to(dtype=p.dtype, device=p.device) if p.is_floating_point() else value.to(device=p.device)
+
+
+def set_lr(optimizer: AdamW, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
 
@@ -106,7 +223,7 @@ class StepOutcome:
 
 
 def take_step(
-    optimizer: torch.optim.Optimizer,
+    optimizer: AdamW,
     params: list[nn.Parameter],
     *,
     max_norm: float,
@@ -134,7 +251,7 @@ def take_step(
     return StepOutcome(norm, skipped=False, loss_scale=loss_scale.scale if loss_scale is not None else None)
 
 
-def make_optimizer(module: nn.Module, lr: float, config: OptimizerConfig | None = None) -> torch.optim.AdamW:
+def make_optimizer(module: nn.Module, lr: float, config: OptimizerConfig | None = None) -> AdamW:
     """AdamW with ``config``'s betas and eps, in two groups: ``config.weight_decay`` on the matrices (nanoGPT's
     rule; the embeddings and the head among them unless ``config.decay_embeddings`` is False), none on norms and
     biases. None: the defaults (`OptimizerConfig()`).
@@ -151,5 +268,4 @@ def make_optimizer(module: nn.Module, lr: float, config: OptimizerConfig | None 
         (decay if decays else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     on_cuda = any(branch(p) == "cuda" for p in module.parameters())  # `attention.forced_branch` tests it on CPU
-    kernel = {"fused": True} if on_cuda else {"foreach": True}
-    return torch.optim.AdamW(groups, lr=lr, betas=config.betas, eps=config.eps, **kernel)
+    return AdamW(groups, lr=lr, betas=config.betas, eps=config.eps, foreach=not on_cuda, fused=on_cuda)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +50,9 @@ from terapipe_cli.config.model import vocab_rows
 from terapipe_cli.engine.comm import Group
 from terapipe_cli.engine.loss import chunked_loss_sum, compute_weight
 from terapipe_cli.engine.model import token_loss_sum
+
+if TYPE_CHECKING:
+    from terapipe_cli.engine.optim import AdamW
 
 
 @dataclass(frozen=True)
@@ -307,7 +311,7 @@ def shard_module(module: nn.Module, tp: TensorGroup) -> None:
         block.attn.split_heads(tp.size)
 
 
-def parameter_names(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+def parameter_names(module: nn.Module, optimizer: AdamW) -> list[str]:
     """The names of the optimizer's parameters in its state dict's order (its groups' order)."""
     by_id = {id(p): name for name, p in module.named_parameters()}
     return [by_id[id(p)] for group in optimizer.param_groups for p in group["params"]]
