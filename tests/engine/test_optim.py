@@ -210,3 +210,54 @@ def test_a_bad_optimizer_setting_is_a_value_error_naming_it(field, value, words)
     with pytest.raises(ValueError, match=field) as e:
         OptimizerConfig(**{field: value})
     assert isinstance(e.value, UserError) and words in str(e.value)
+
+
+@pytest.mark.parametrize("kernel", ["foreach", "fused"])
+def test_the_runtimes_adamw_is_torchs_and_their_checkpoints_load_in_each_other(kernel):
+    """`optim.AdamW` (which never loads torch's compiler) against torch.optim.AdamW with the same groups and settings:
+    the same weights after steps whose learning rate changes, the same state dict (tensors, types, devices, groups),
+    and each one's state dict loaded by the other trains on alike."""
+    import copy
+
+    from terapipe_cli.engine.optim import AdamW
+
+    torch.manual_seed(0)
+    ours_model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+    torchs_model = copy.deepcopy(ours_model)
+
+    def groups(model):
+        ps = list(model.parameters())
+        return [
+            {"params": [p for p in ps if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in ps if p.dim() < 2], "weight_decay": 0.0},
+        ]
+
+    settings = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8}
+    ours = AdamW(groups(ours_model), **settings, foreach=kernel == "foreach", fused=kernel == "fused")
+    torchs = torch.optim.AdamW(groups(torchs_model), **settings, **{kernel: True})
+
+    def steps(pairs, n):
+        for step in range(n):
+            x = torch.randn(3, 8)
+            for model, optimizer in pairs:
+                optimizer.zero_grad(set_to_none=True)
+                model(x).pow(2).sum().backward()
+                for g in optimizer.param_groups:
+                    g["lr"] = 1e-2 * (step + 1)
+                optimizer.step()
+        for a, b in zip(ours_model.parameters(), torchs_model.parameters(), strict=True):
+            assert torch.equal(a, b)
+
+    steps([(ours_model, ours), (torchs_model, torchs)], 4)
+    mine, theirs = ours.state_dict(), torchs.state_dict()
+    assert mine["param_groups"] == theirs["param_groups"]
+    assert mine["state"].keys() == theirs["state"].keys()
+    for i, state in theirs["state"].items():
+        for key, value in state.items():
+            got = mine["state"][i][key]
+            assert torch.equal(got, value) and (got.dtype, got.device) == (value.dtype, value.device), (i, key)
+    ours_again = AdamW(groups(ours_model), **settings, foreach=True, fused=False)
+    ours_again.load_state_dict(theirs)
+    torchs_again = torch.optim.AdamW(groups(torchs_model), **settings)
+    torchs_again.load_state_dict(mine)
+    steps([(ours_model, ours_again), (torchs_model, torchs_again)], 2)
