@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -334,6 +335,36 @@ def test_ctrl_c_during_tokenize_leaves_no_temporary_file(tmp_path, capsys, monke
     )
     assert p.returncode == 130 and p.stderr.strip() == "terapipe: interrupted", (p.stdout, p.stderr)
     assert [q.name for q in tmp_path.iterdir()] == ["t.txt"]
+
+
+def test_a_stop_signal_another_thread_takes_ends_a_read_waiting_on_a_pipe(tmp_path):
+    """The kernel hands a process's signal to any thread that does not block it; one that a thread takes only marks
+    Python's handler to run in the main thread, which cannot while it waits in a read in the kernel. The corpus's
+    reader of a pipe waits in short steps (`tokenize._open_input`), so the handler runs and the read ends: here the
+    signal is sent to a helper thread itself, while the main thread waits on a pipe nobody writes to. (The same with a
+    plain ``open`` waits until the helper's safety valve writes, after 30 s: the test then fails.)"""
+    from terapipe_cli.errors import StopSignal, signals_raise
+
+    fifo = tmp_path / "in.txt"
+    os.mkfifo(fifo)
+    stopped, valve = threading.Event(), []
+
+    def helper():
+        writer = os.open(fifo, os.O_WRONLY)  # once the main thread has opened it for reading
+        signal.pthread_kill(threading.get_ident(), signal.SIGTERM)  # taken by this thread, not the main one
+        if not stopped.wait(30):
+            valve.append(1)
+            os.write(writer, b"x")
+        os.close(writer)
+
+    thread = threading.Thread(target=helper)
+    with signals_raise():
+        thread.start()
+        with pytest.raises(StopSignal), tz._open_input(fifo) as f:
+            f.read(1)
+        stopped.set()
+    thread.join()
+    assert not valve  # the read ended by the signal, not by data
 
 
 AS_FROM_A_SHELL = """

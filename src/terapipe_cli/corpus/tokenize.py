@@ -29,7 +29,9 @@ import codecs
 import io
 import json
 import os
+import select
 import shutil
+import stat
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -63,6 +65,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 PIECE_CHARS = 1 << 16  # a longer document is encoded in pieces of about this many characters
 BATCH_CHARS = 1 << 20  # characters per encode_batch_fast call (smaller batches: fewer cache misses, measured)
 READ_BYTES = 1 << 20
+WAKE_S = 0.2  # a pipe's reader comes back this often while it waits (`_open_input`)
 PARQUET_ROWS = 8192
 
 # Normalizers and pre-tokenizers under which a cut before " letter" gives the ids of the uncut text (`_cuttable`).
@@ -226,8 +229,41 @@ def _documents(path: Path, *, field: str, split: str, counter: _Counter) -> Iter
         yield from _text_documents(path, split, counter)
 
 
+class _WakingPipe(io.RawIOBase):
+    """A pipe (a named one, /dev/stdin) read by waiting for data at most `WAKE_S` at a time: the main thread comes
+    back to Python between the waits, so a stop signal's handler runs even when the kernel handed the signal to another
+    thread (one a library started without blocking it), which would leave a read blocked in the kernel waiting on."""
+
+    def __init__(self, raw: io.FileIO) -> None:
+        super().__init__()
+        self.raw = raw
+
+    def readable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self.raw.fileno()
+
+    def readinto(self, buffer) -> int | None:
+        while not select.select([self.raw], [], [], WAKE_S)[0]:
+            pass
+        return self.raw.readinto(buffer)
+
+    def close(self) -> None:
+        self.raw.close()
+        super().close()
+
+
+def _open_input(path: Path) -> io.BufferedReader:
+    """``path`` opened for reading bytes; a pipe through `_WakingPipe`."""
+    raw = open(path, "rb", buffering=0)  # noqa: SIM115 - the reader returned closes it
+    if stat.S_ISREG(os.fstat(raw.fileno()).st_mode):
+        return io.BufferedReader(raw)
+    return io.BufferedReader(_WakingPipe(raw))
+
+
 def _jsonl_documents(path: Path, field: str, counter: _Counter) -> Iterator[str]:
-    with open(path, "rb") as f:
+    with _open_input(path) as f:
         for number, raw in enumerate(f, 1):
             counter.done += len(raw)
             if not raw.strip():
@@ -266,7 +302,7 @@ def _parquet_documents(path: Path, field: str, counter: _Counter) -> Iterator[st
 
 def _text_documents(path: Path, split: str, counter: _Counter) -> Iterator[str]:
     decoder = codecs.getincrementaldecoder("utf-8")()
-    with open(path, "rb") as f:
+    with _open_input(path) as f:
         # Read on, never seek back: the input may be a pipe (a named one, /dev/stdin).
         head = f.read(len(codecs.BOM_UTF8))
         if head == codecs.BOM_UTF8:  # a byte-order mark (Windows editors) is no text
