@@ -135,26 +135,27 @@ def memory_table(report: dict) -> tuple[list[str], list[list[str]]] | None:
 MEMORY_TOLERANCE = 0.10  # an estimate further than this from what the run kept is worth a line
 
 
+# The estimates the report checks against what the run measured: (error, estimate, measured, what each holds).
+_CHECKED = (
+    ("rel_err", "estimated_activation_bytes", "measured_saved_bytes", ("kept for the backward", "the run kept")),
+    ("live_rel_err", "estimated_live_bytes", "measured_live_bytes", ("live beyond the state", "the tracked step held")),
+)
+
+
 def memory_mismatch_lines(report: dict) -> list[str]:
-    """One line per stage whose estimate of what it keeps for the backward is more than `MEMORY_TOLERANCE` from what
-    the run kept (``memory_per_stage``)."""
+    """One line per stage and estimate (what it keeps for the backward; with a tracked step, what is live beyond the
+    state) more than `MEMORY_TOLERANCE` from what the run measured (``memory_per_stage``)."""
     lines = []
     for s in summaries(report):
         for st in s.get("memory_per_stage") or []:
-            err, est, got = st.get("rel_err"), st.get("estimated_activation_bytes"), st.get("measured_saved_bytes")
-            if err is not None and abs(err) > MEMORY_TOLERANCE:
-                lines.append(
-                    f"{s['label']} stage {st['stage']}: the plan estimated {format_bytes(est, 'MiB')} kept for the "
-                    f"backward, the run kept {format_bytes(got, 'MiB')} ({_pct(err)}, more than "
-                    f"{MEMORY_TOLERANCE:.0%} off)"
-                )
-            err, est, got = st.get("live_rel_err"), st.get("estimated_live_bytes"), st.get("measured_live_bytes")
-            if err is not None and abs(err) > MEMORY_TOLERANCE:
-                lines.append(
-                    f"{s['label']} stage {st['stage']}: the plan estimated {format_bytes(est, 'MiB')} live beyond "
-                    f"the state, the tracked step held {format_bytes(got, 'MiB')} ({_pct(err)}, more than "
-                    f"{MEMORY_TOLERANCE:.0%} off)"
-                )
+            for err_key, est_key, got_key, (estimated, measured) in _CHECKED:
+                err = st.get(err_key)
+                if err is not None and abs(err) > MEMORY_TOLERANCE:
+                    lines.append(
+                        f"{s['label']} stage {st['stage']}: the plan estimated {format_bytes(st[est_key], 'MiB')} "
+                        f"{estimated}, {measured} {format_bytes(st[got_key], 'MiB')} ({_pct(err)}, more than "
+                        f"{MEMORY_TOLERANCE:.0%} off)"
+                    )
     return lines
 
 
