@@ -42,6 +42,7 @@ import os
 import shutil
 import tempfile
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -164,15 +165,18 @@ def save_stage(
         ) from None
 
 
+def _tensors_in(obj: object) -> Iterator[torch.Tensor]:
+    """Every tensor in a (nested) state: dicts, lists and tuples."""
+    if torch.is_tensor(obj):
+        yield obj
+    elif isinstance(obj, dict | list | tuple):
+        for v in obj.values() if isinstance(obj, dict) else obj:
+            yield from _tensors_in(v)
+
+
 def state_bytes(obj: object) -> int:
     """The bytes of every tensor in a (nested) state: about its checkpoint file's size."""
-    if torch.is_tensor(obj):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(state_bytes(v) for v in obj.values())
-    if isinstance(obj, list | tuple):
-        return sum(state_bytes(v) for v in obj)
-    return 0
+    return sum(t.numel() * t.element_size() for t in _tensors_in(obj))
 
 
 class _Hashing:
@@ -242,15 +246,8 @@ def host_copy(obj: object) -> object:
 
 
 def _first_device(obj: object) -> torch.device:
-    """The device of the first tensor in a (nested) state (the CPU when it holds none)."""
-    if torch.is_tensor(obj):
-        return obj.device
-    values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, list | tuple) else ()
-    for v in values:
-        device = _first_device(v)
-        if device.type != "cpu":
-            return device
-    return torch.device("cpu")
+    """The device of the first tensor in a (nested) state that is not on the CPU (the CPU when none is)."""
+    return next((t.device for t in _tensors_in(obj) if t.device.type != "cpu"), torch.device("cpu"))
 
 
 class StageWriter:
