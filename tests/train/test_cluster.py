@@ -22,26 +22,24 @@ from terapipe_cli.config.controls import CONTROLS_ENV
 from terapipe_cli.plan.file import read_plan
 from terapipe_cli.train import checkpoint
 from terapipe_cli.train.rundir import read_config, read_events, read_metrics
+from terapipe_cli.train.worker import PROCESS_NAME
 
 STEPS = 6
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the workers through /proc")
 
 
-def worker_pid(out: Path, rank: int) -> int:
-    """The process of worker ``rank`` of the run in ``out`` (its command line and environment, Linux /proc)."""
+def worker_pid(launcher: int, rank: int) -> int:
+    """The process of worker ``rank`` of the launcher with pid ``launcher``: its child named for the rank
+    (`worker.name_process`; Linux /proc)."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
-            environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
-        except OSError:
+            parent = int(Path(f"/proc/{entry}/stat").read_text().rpartition(")")[2].split()[1])
+            name = Path(f"/proc/{entry}/comm").read_text().strip()
+        except (OSError, IndexError, ValueError):
             continue
-        if (
-            b"terapipe_cli.train.worker" in cmdline
-            and str(out).encode() in cmdline
-            and f"RANK={rank}".encode() in environ
-        ):
+        if parent == launcher and name == f"{PROCESS_NAME}{rank}":
             return int(entry)
     raise AssertionError(f"no worker of rank {rank} found")
 
@@ -76,7 +74,7 @@ def stop_by_sigterm(plan: Path, out: Path, to: str, step: int, *flags: str) -> N
     rank = 0 if to == "launcher" else 1
     proc = start_train(plan, out, *flags, steps=STEPS, env={CONTROLS_ENV: f"fault=wait:{rank}:{step}"})
     wait_for_steps(proc, out, step - 1)
-    os.kill(proc.pid if to == "launcher" else worker_pid(out, rank), signal.SIGTERM)
+    os.kill(proc.pid if to == "launcher" else worker_pid(proc.pid, rank), signal.SIGTERM)
     stdout, stderr = finish(proc)
     assert proc.returncode == 143, stdout + stderr
     assert stderr.strip().splitlines() == [

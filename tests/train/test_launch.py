@@ -88,10 +88,10 @@ def test_a_worker_ended_by_sigterm_during_start_up_is_a_stop_not_a_crash(tmp_pat
 
     from terapipe_cli.train import launch as launching
 
-    def stopped_at_start_up(args):
+    def stopped_at_start_up(args, method, log_before):
         raise ChildFailedError("worker", {1: ProcessFailure(1, 4242, -signal.SIGTERM, "<N/A>")})
 
-    monkeypatch.setattr(launching.torchrun, "run", stopped_at_start_up)
+    monkeypatch.setattr(launching, "run_workers", stopped_at_start_up)
     plan, out = write_plan_file(tmp_path / "plan.json", [(1, [16, 16])], stages=2), tmp_path / "run"
     p = run_cli(capsys, "train", "--plan", plan, "--out", out, "--device", "cpu", "--steps", "2")
     assert p.returncode == 143, p.stdout + p.stderr

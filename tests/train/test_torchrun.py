@@ -19,7 +19,7 @@ from terapipe_cli.config.controls import CONTROLS_ENV
 from terapipe_cli.config.run import DEFAULT_LR
 from terapipe_cli.schedule.schedule import plan_tiles
 from terapipe_cli.schedule.timeline import read_timeline
-from terapipe_cli.train import checkpoint
+from terapipe_cli.train import checkpoint, launch
 from terapipe_cli.train.rundir import read_metrics, read_summary, timeline_path
 
 CLIP = 0.05  # below the tiny model's gradient norm (about 1.5) at every step: clipping is active
@@ -41,7 +41,12 @@ def _verified(p, out, precision: str) -> dict:
     return verify
 
 
-def test_two_stages_walk_a_hand_written_schedule_verified(tmp_path, capfd):
+def test_two_stages_walk_a_hand_written_schedule_verified(tmp_path, capfd, monkeypatch):
+    # Its workers started as with CUDA, each a fresh interpreter (`launch.start_method`); the other launches of the
+    # suite fork theirs from the launcher, as the CPU does.
+    methods = []
+    monkeypatch.setattr(launch, "start_method", lambda spec: "spawn")
+    monkeypatch.setattr(launch, "run_workers", lambda *a, run=launch.run_workers: methods.append(a[1]) or run(*a))
     slices = [(1, [16, 16]), (1, [32])]
     plan = write_plan_file(tmp_path / "plan.json", slices, stages=2)
     (tmp_path / "order.csv").write_text(SCHEDULE)
@@ -52,6 +57,7 @@ def test_two_stages_walk_a_hand_written_schedule_verified(tmp_path, capfd):
         "--grad-clip", CLIP, "--seed", "3", "--device", "cpu", "--track-memory",
     )  # fmt: skip
     _verified(p, out, "fp32")  # the tracked first step trains as the others (tests/engine/test_live.py)
+    assert methods == ["spawn"]
     assert "step     3/3  loss" in p.stdout  # one grep-able metrics line per step
 
     # The run folder: its config, plan, resolved settings, schedule, metrics, timelines, checkpoint and summary.

@@ -2,18 +2,20 @@
 torchrun command and its environment (`rendezvous_args`, `torchrun_argv`, `package_env`), which the link
 measurement of `terapipe profile` also runs through (`run_torchrun`).
 
-The command is exactly ``python -m torch.distributed.run <torchrun_args(...)>``; `launch` runs the same
-arguments in this process through ``torch.distributed.run.run`` (not ``main``, whose ``@record`` would print
-torchrun's failure table), so ``--dry-run`` prints what actually runs. torchrun's own failure handling does
-the rest: when a worker exits non-zero or is killed, it stops the others and raises ``ChildFailedError``
-with each failed rank's exit code and error file (written by the worker), which `launch` reduces to the
+The command is ``python -m torch.distributed.run <torchrun_args(...)>``; `launch` runs the same arguments in this
+process through torchrun's agent (``torch.distributed.run.run``, not ``main``, whose ``@record`` would print
+torchrun's failure table), so ``--dry-run`` prints a command that runs the same workers. On the CPU the agent forks
+them from this process instead of starting a fresh interpreter each (`start_method`). torchrun's own failure
+handling does the rest: when a worker exits non-zero or is killed, it stops the others and raises
+``ChildFailedError`` with the failed ranks' exit codes and error files (written by the workers; forked workers
+report the first that failed), which `launch` reduces to the
 root cause: a rank that raised or was killed; else one that lost contact with a neighbour (`PeerLost`, which
 names the neighbour and says whether the connection closed or a wait timed out, as when a rank hangs);
 last, one merely stopped with SIGTERM by torchrun after the first failure. Workers that only a stop signal ended
 (one that came before a worker could note it: its first seconds) were stopped, not broken: `stopped_at_once`.
 
 Ctrl-C, SIGTERM, SIGUSR1: a terminal sends SIGINT to its foreground process group, which is this launcher alone
-(torchrun's agent runs in it; torchrun starts every worker in its own session); a scheduler sends SIGTERM to the
+(torchrun's agent runs in it; every worker runs in a session of its own); a scheduler sends SIGTERM to the
 launcher, to every process, or to some. The workers save the step they are at and stop (train/stop.py: the
 launcher asks them through a file, and they agree on the step through an all-reduce), and `launch` raises
 `Interrupted` (Ctrl-C, exit 130) or `Stopped` (exit 143 for SIGTERM) with the one line that names the checkpoint
@@ -31,6 +33,7 @@ import os
 import re
 import shlex
 import signal
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -136,8 +139,8 @@ def launch(spec: Launch) -> None:
     stop.clear(spec.run_dir)
     signals = LauncherSignals(spec.run_dir, spec.grace_s)
     try:
-        with _torchrun_log(spec.run_dir), signals.handled():
-            torchrun.run(args)
+        with _torchrun_log(spec.run_dir) as log_before, signals.handled():
+            run_workers(args, start_method(spec), log_before)
     except ChildFailedError as e:
         diverged = diverged_message(e.failures, spec)
         if diverged is not None:
@@ -166,6 +169,50 @@ def launch(spec: Launch) -> None:
         raise Stopped(f"stopped by {signum.name} after step {stopped['step']}; {saved_line(spec.run_dir)}", signum)
 
 
+def start_method(spec: Launch) -> str:
+    """How the workers start. On the CPU, forked from this process by torchrun's agent (``fork``): torch and the
+    package are imported already, so a worker starts at once, where a fresh interpreter spends 3-4 s of CPU importing
+    torch on a small machine (a two-worker launch of a tiny model spent most of its CPU there). With CUDA, each a
+    fresh interpreter (``spawn``: torchrun's own ``python -m``): a child forked from a process that has asked the
+    CUDA driver anything (as ``--device auto`` does) cannot use the GPU."""
+    return "fork" if spec.device == "cpu" else "spawn"
+
+
+def run_workers(args, method: str, log_before: tuple = ()) -> None:
+    """torchrun's agent in this process with the parsed ``args``: as ``torch.distributed.run.run`` does it, its
+    workers fresh interpreters (``spawn``) or forked from this process (``fork``: `_forked_worker`, with the
+    worker module's arguments). ``log_before``: the torch.distributed logger's handlers and propagation before
+    `_torchrun_log`, which a forked worker restores (its log goes to its stderr, as a fresh worker's does)."""
+    if method == "spawn":
+        torchrun.run(args)
+        return
+    from torch.distributed.launcher.api import elastic_launch
+
+    if args.standalone:  # what `torchrun.run` does before it reads the arguments (`rendezvous_args`' two forms)
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = 29500
+    config, _, cmd_args = torchrun.config_from_args(args)
+    config.start_method = "fork"
+    worker_args = cmd_args[cmd_args.index(WORKER_MODULE) + 1 :]
+    elastic_launch(config=config, entrypoint=_forked_worker)(log_before, *worker_args)
+
+
+def _forked_worker(log_before: tuple, *argv: str) -> None:
+    """A worker forked from the launcher: in a session of its own, as torchrun starts a fresh one (a terminal's
+    Ctrl-C reaches the launcher alone), the ending signals at their defaults until the worker sets its own (not the
+    launcher's handlers it was forked with), the launcher's log capture undone; then the worker module's main."""
+    os.setsid()
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(signum, signal.SIG_DFL)
+    if log_before:
+        logger = logging.getLogger("torch.distributed")
+        logger.handlers, logger.propagate = log_before
+    from terapipe_cli.train import worker
+
+    worker.main(list(argv))
+
+
 # torchrun's agent handles these signals by stopping the workers with the same signal and raising; SIGINT, SIGTERM
 # and SIGUSR1 are left out: `stop.LauncherSignals` asks the workers to save first. Only in `launch`: the torchrun of
 # a pasted --dry-run command keeps its own handling.
@@ -188,7 +235,7 @@ TORCHRUN_LOG = "torchrun.log"
 
 
 @contextmanager
-def _torchrun_log(run_dir: Path) -> Iterator[None]:
+def _torchrun_log(run_dir: Path) -> Iterator[tuple]:
     """Keep torchrun's log off the terminal (its warnings and failure table; `launch` says what failed in one
     line) and write it to ``run_dir/errors/torchrun.log`` if the launch does not succeed."""
     logger = logging.getLogger("torch.distributed")  # every torchrun logger ends here (torch: propagate=False)
@@ -196,7 +243,7 @@ def _torchrun_log(run_dir: Path) -> Iterator[None]:
     before = (logger.handlers[:], logger.propagate)
     logger.handlers, logger.propagate = [kept], False
     try:
-        yield
+        yield before
     except BaseException:
         if kept.lines:
             _write_error_file(run_dir / "errors" / TORCHRUN_LOG, "\n".join(kept.lines) + "\n")

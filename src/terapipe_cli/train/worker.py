@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import ctypes
 import json
 import math
 import os
@@ -569,6 +570,25 @@ def profiled(rank: int) -> Iterator[None]:
         profiler.dump_stats(Path(folder) / f"rank_{rank:05d}.prof")
 
 
+PROCESS_NAME = "terapipe-r"  # + the rank: a worker's name in ps and top
+
+
+def name_process(name: str) -> None:
+    """This process's name as ps, top and /proc/PID/comm show it (Linux, at most 15 bytes; elsewhere nothing): a
+    worker forked from the launcher (`launch.start_method`) has the launcher's command line, so its name says
+    which rank it is."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return
+    prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+
+
+_PR_SET_NAME = 15  # linux/prctl.h
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="terapipe pipeline worker (started by `terapipe train`)")
     parser.add_argument("--run-dir", required=True, type=Path)
@@ -579,6 +599,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--settings", required=True, help="this node's `rundir.settings_digest`")
     a = parser.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
+    name_process(f"{PROCESS_NAME}{rank}")
     retain_freed_memory()  # freed tile buffers are reused, not faulted in again (engine/hostmem.py)
     try:
         with profiled(rank):
