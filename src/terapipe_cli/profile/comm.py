@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from terapipe_cli.engine.forking import run_agent_in_child
 from terapipe_cli.engine.torchrun import rendezvous_args, run_torchrun
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import read_json, write_json_atomic
@@ -262,22 +263,34 @@ def _run_torchrun(
             "--timeout", str(int(timeout_s)),
         ]  # fmt: skip
         # The workers' own distributed timeout goes first, with its clearer message.
-        data = run_workers(args, out, limit_s=timeout_s + 30, what="communication measurement")
+        data = run_workers(args, out, limit_s=timeout_s + 30, what="communication measurement", backend=backend)
     return {op: np.asarray(data[op]["seconds"], dtype=float) for op in ops}
 
 
-def run_workers(args: Sequence[str], out: Path, *, limit_s: float, what: str) -> dict:
+def run_workers(args: Sequence[str], out: Path, *, limit_s: float, what: str, backend: str) -> dict:
     """Run torchrun with ``args``, one thread per worker (one core per process, and torchrun stays quiet about
-    it), and read the JSON file ``out`` its rank 0 wrote. A timeout, a failure or a missing file is one line
-    naming ``what`` and the last error line the workers printed."""
-    try:
-        proc = run_torchrun(args, threads=1, timeout_s=limit_s)
-    except subprocess.TimeoutExpired:
-        raise UserError(f"torchrun did not finish within {limit_s:.0f} s", where=what) from None
-    if proc.returncode != 0 or not out.exists():
-        lines = [ln for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip()]
+    it), and read the JSON file ``out`` its rank 0 wrote. On gloo the agent runs in a child forked from this
+    process and forks its workers (`engine.forking`: no worker imports torch again); on NCCL torchrun is a child
+    process starting fresh interpreters. A timeout, a failure or a missing file is one line naming ``what`` and
+    the last error line the workers printed."""
+    if backend == "gloo":
+        with tempfile.TemporaryDirectory(prefix="terapipe-torchrun-") as tmp:
+            output = Path(tmp) / "output.txt"
+            code = run_agent_in_child(args, output=output, timeout_s=limit_s)
+            printed = output.read_text(errors="replace")
+    else:
+        try:
+            proc = run_torchrun(args, threads=1, timeout_s=limit_s)
+        except subprocess.TimeoutExpired:
+            code = None
+        else:
+            code, printed = proc.returncode, proc.stderr + proc.stdout
+    if code is None:
+        raise UserError(f"torchrun did not finish within {limit_s:.0f} s", where=what)
+    if code != 0 or not out.exists():
+        lines = [ln for ln in printed.splitlines() if ln.strip()]
         cause = next((ln for ln in reversed(lines) if "Error" in ln), lines[-1] if lines else "no output")
-        raise UserError(f"torchrun failed with exit code {proc.returncode}: {cause.strip()}", where=what)
+        raise UserError(f"torchrun failed with exit code {code}: {cause.strip()}", where=what)
     return read_json(out, what=what)
 
 

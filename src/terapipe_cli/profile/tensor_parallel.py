@@ -71,7 +71,7 @@ def time_layer_tensor_parallel(
             "--backend", backend, "--out", str(out), "--progress", str(lines), "--timeout", str(COLLECTIVE_TIMEOUT_S),
         ]  # fmt: skip
         with _relay_progress(lines, progress, f"starting {tensor_parallel} tensor ranks (torchrun, {backend})"):
-            data = run_workers(args, out, limit_s=LIMIT_S, what="tensor-parallel tile timing")
+            data = run_workers(args, out, limit_s=LIMIT_S, what="tensor-parallel tile timing", backend=backend)
     points = [Point(**p) for p in data["points"]]
     if points != tiles.all:
         raise RuntimeError("the tensor-parallel workers timed other tiles than the ones asked for")
@@ -134,6 +134,7 @@ def _worker(args: argparse.Namespace) -> None:
     request = read_json(args.request, what="tensor-parallel timing request")
     model = ModelConfig.from_dict(request["model"], args.request)
     settings = Settings(**{k: tuple(v) if isinstance(v, list) else v for k, v in request["settings"].items()})
+    torch.set_num_threads(1)  # as torchrun's OMP_NUM_THREADS=1 sets a fresh worker's (`comm.run_workers`)
     device, rank = join_worker_group(args.backend, args.timeout)
     retain_freed_memory()  # the allocator training's workers use (engine/hostmem.py)
     tensor = TensorGroup(rank, dist.get_world_size(), DistGroup(dist.group.WORLD))

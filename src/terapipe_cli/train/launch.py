@@ -33,7 +33,6 @@ import os
 import re
 import shlex
 import signal
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -44,6 +43,7 @@ from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+from terapipe_cli.engine.forking import launch_forked
 from terapipe_cli.engine.mesh import Layout
 from terapipe_cli.engine.torchrun import package_env, rendezvous_args, torchrun_argv
 from terapipe_cli.errors import Interrupted, Stopped, UserError
@@ -179,38 +179,14 @@ def start_method(spec: Launch) -> str:
 
 
 def run_workers(args, method: str, log_before: tuple = ()) -> None:
-    """torchrun's agent in this process with the parsed ``args``: as ``torch.distributed.run.run`` does it, its
-    workers fresh interpreters (``spawn``) or forked from this process (``fork``: `_forked_worker`, with the
-    worker module's arguments). ``log_before``: the torch.distributed logger's handlers and propagation before
+    """torchrun's agent in this process with the parsed ``args``, as ``torch.distributed.run.run`` runs it: its
+    workers fresh interpreters (``spawn``) or forked from this process, each in a session of its own (``fork``:
+    `engine.forking`). ``log_before``: the torch.distributed logger's handlers and propagation before
     `_torchrun_log`, which a forked worker restores (its log goes to its stderr, as a fresh worker's does)."""
     if method == "spawn":
         torchrun.run(args)
-        return
-    from torch.distributed.launcher.api import elastic_launch
-
-    if args.standalone:  # what `torchrun.run` does before it reads the arguments (`rendezvous_args`' two forms)
-        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
-    if args.master_port is None:
-        args.master_port = 29500
-    config, _, cmd_args = torchrun.config_from_args(args)
-    config.start_method = "fork"
-    worker_args = cmd_args[cmd_args.index(WORKER_MODULE) + 1 :]
-    elastic_launch(config=config, entrypoint=_forked_worker)(log_before, *worker_args)
-
-
-def _forked_worker(log_before: tuple, *argv: str) -> None:
-    """A worker forked from the launcher: in a session of its own, as torchrun starts a fresh one (a terminal's
-    Ctrl-C reaches the launcher alone), the ending signals at their defaults until the worker sets its own (not the
-    launcher's handlers it was forked with), the launcher's log capture undone; then the worker module's main."""
-    os.setsid()
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGQUIT):
-        signal.signal(signum, signal.SIG_DFL)
-    if log_before:
-        logger = logging.getLogger("torch.distributed")
-        logger.handlers, logger.propagate = log_before
-    from terapipe_cli.train import worker
-
-    worker.main(list(argv))
+    else:
+        launch_forked(args, own_session=True, log_before=log_before)
 
 
 # torchrun's agent handles these signals by stopping the workers with the same signal and raising; SIGINT, SIGTERM
