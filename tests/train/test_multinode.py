@@ -1,4 +1,5 @@
-"""Two "nodes" on loopback: two real `terapipe train` processes with --nnodes 2, one stage each (docs/design.md §6).
+"""Two "nodes" on loopback: two real processes running `terapipe train` with --nnodes 2, one stage each (docs/design.md
+§6): node 1 a `terapipe train` process of its own, node 0 this one (as `terapipe run` runs the command).
 
 Each node is its own launcher and torchrun agent, exactly as on two machines; only the rendezvous address is
 127.0.0.1. One --out per node, with a killed node and the resume of both: node 1's folder gets node 0's config, and
@@ -13,10 +14,9 @@ import os
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
-from conftest import ROOT, LocalSetup, train_locally, write_plan_file
+from conftest import ROOT, LocalSetup, run_cli, train_locally, write_plan_file
 
 from terapipe_cli.config.controls import CONTROLS_ENV
 from terapipe_cli.config.run import RunConfig
@@ -45,19 +45,19 @@ def start_node(node: int, port: int, out, *args, env: dict | None = None, nnodes
     return subprocess.Popen(command, env=base, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def run_nodes(outs, *args, env: dict | None = None, first: int = 0) -> list[tuple[int, str, str]]:
-    """Both nodes of one launch (node ``first`` started first); their (exit code, stdout, stderr)."""
+def run_nodes(capfd, outs, *args, env: dict | None = None) -> list[tuple[int, str, str]]:
+    """Both nodes of one launch, their (exit code, stdout, stderr): node 1 its own process, started first; node 0
+    in this process (its launcher and agent, as `terapipe run` runs them), which hosts the rendezvous."""
     port = free_port()
-    order = [first, 1 - first]
-    procs = {}
-    for node in order:
-        procs[node] = start_node(node, port, outs[node], *args, env=env)
-        time.sleep(0.3)
-    results = []
-    for node in (0, 1):
-        stdout, stderr = procs[node].communicate(timeout=120)
-        results.append((procs[node].returncode, stdout, stderr))
-    return results
+    node1 = start_node(1, port, outs[1], *args, env=env)
+    try:
+        endpoint = ("--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", f"127.0.0.1:{port}")
+        p = run_cli(capfd, "train", "--out", outs[0], *args, *endpoint, env=env)
+        stdout, stderr = node1.communicate(timeout=120)
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+    return [(p.returncode, p.stdout, p.stderr), (node1.returncode, stdout, stderr)]
 
 
 def losses(run_dir) -> list[float]:
@@ -74,12 +74,12 @@ def reference(tmp_path_factory):
     return plan, train_locally(LocalSetup(prepared.plan, prepared.args)).losses
 
 
-def test_two_nodes_with_folders_of_their_own_train_like_one_and_resume(tmp_path, reference):
+def test_two_nodes_with_folders_of_their_own_train_like_one_and_resume(tmp_path, reference, capfd):
     """Node 1 is killed in step 3; both nodes then resume from step 2's checkpoint, each folder holding its node's
     stage (node 0's the metrics). The losses of all 4 steps equal one node's."""
     plan, expected = reference
     outs = [tmp_path / "node0", tmp_path / "node1"]
-    first = run_nodes(outs, "--plan", plan, *STEPS, env={CONTROLS_ENV: "fault=kill:1:3"}, first=1)
+    first = run_nodes(capfd, outs, "--plan", plan, *STEPS, env={CONTROLS_ENV: "fault=kill:1:3"})
     assert [code for code, _, _ in first] == [1, 1], first
     node1_error = first[1][2].strip().splitlines()
     assert "rank 1 (stage 1, replica 0) failed: killed by signal SIGKILL" in node1_error[-1], first[1][2]
@@ -89,7 +89,7 @@ def test_two_nodes_with_folders_of_their_own_train_like_one_and_resume(tmp_path,
         marker = json.loads((checkpoint.step_dir(out, 2) / checkpoint.MARKER).read_text())
         assert [f["name"] for f in marker["files"]] == [f"stage_{node:03d}.pt"]  # each folder marks its node's stage
     assert (outs[0] / "errors" / "rank_00000.txt").is_file()  # rank 0's traceback: it lost rank 1
-    resumed = run_nodes(outs, "--resume", *STEPS)
+    resumed = run_nodes(capfd, outs, "--resume", *STEPS)
     assert [code for code, _, _ in resumed] == [0, 0], resumed
     assert not (outs[0] / "errors").exists()  # a successful resume clears the failed attempt's tracebacks
     assert "step     4/4" in resumed[0][1] and " loss " not in resumed[1][1]  # node 0 prints the steps
@@ -102,18 +102,22 @@ def test_two_nodes_with_folders_of_their_own_train_like_one_and_resume(tmp_path,
     assert not (outs[1] / "metrics.jsonl").exists() and not timeline_path(outs[1], 0).exists()
 
 
-def test_a_node_that_never_joins_is_named_in_one_line(tmp_path, reference):
-    """Node 0 alone: it names node 1 within --rdzv-timeout. Node 1 alone: it says node 0's rendezvous is absent."""
+def test_a_node_that_never_joins_is_named_in_one_line(tmp_path, reference, capsys):
+    """Node 0 alone: it names node 1 within --rdzv-timeout. Node 1 alone: it says node 0's rendezvous is absent.
+    (Each launcher in this process, as `terapipe run` runs one: what is tested is the launcher's rendezvous.)"""
     plan, _ = reference
-    alone = ("--plan", plan, *STEPS, "--rdzv-timeout", "1")
-    procs = [start_node(node, free_port(), tmp_path / f"n{node}", *alone) for node in (0, 1)]
-    results = [p.communicate(timeout=120) for p in procs]
-    for p, (stdout, stderr) in zip(procs, results, strict=True):
-        assert p.returncode == 1, stdout + stderr
-        lines = stderr.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith("terapipe: error: "), stderr
-    assert "node 1 of 2 did not join within 1 s at 127.0.0.1:" in results[0][1]
-    assert "node 1 of 2 found no rendezvous at 127.0.0.1:" in results[1][1]
+    alone = ("--plan", plan, *STEPS, "--rdzv-timeout", "1", "--nnodes", "2")
+    results = []
+    for node in (0, 1):
+        endpoint = f"127.0.0.1:{free_port()}"
+        out = tmp_path / f"n{node}"
+        p = run_cli(capsys, "train", *alone, "--node-rank", node, "--rdzv-endpoint", endpoint, "--out", out)
+        assert p.returncode == 1, p.stdout + p.stderr
+        lines = p.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("terapipe: error: "), p.stderr
+        results.append(lines[0])
+    assert "node 1 of 2 did not join within 1 s at 127.0.0.1:" in results[0]
+    assert "node 1 of 2 found no rendezvous at 127.0.0.1:" in results[1]
 
 
 def test_folder_roles():
