@@ -32,7 +32,9 @@ def require_torch(where: str) -> None:
 def peak_rss_bytes() -> int:
     """The peak resident set of this process alone: Linux's VmHWM. Not ``getrusage``'s ``ru_maxrss``: Linux carries
     that over an exec, so a worker torchrun starts would report its launcher's peak (the demo's workers showed the
-    launcher's 2460 MiB where each had used about 400 MB). Elsewhere ``ru_maxrss`` (macOS: bytes, not KiB)."""
+    launcher's 2460 MiB where each had used about 400 MB). A worker forked from the launcher (`engine.forking`) counts
+    the pages it still shares with it, as a fresh one counts the torch it imported. Elsewhere ``ru_maxrss`` (macOS:
+    bytes, not KiB)."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
