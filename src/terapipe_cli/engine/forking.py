@@ -55,10 +55,10 @@ def forked_worker(how: tuple, *argv: str) -> None:
     module, own_session, log_before = how
     if own_session:
         os.setsid()
-    start_as_new()
-    if log_before:
+    if log_before:  # before `start_as_new`, which points its stream handlers at the new streams
         logger = logging.getLogger("torch.distributed")
         logger.handlers, logger.propagate = log_before
+    start_as_new()
     importlib.import_module(module).main(list(argv))
 
 
