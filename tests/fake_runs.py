@@ -136,8 +136,10 @@ def assert_nontrivial_png(path: Path) -> None:
     assert data[:8] == b"\x89PNG\r\n\x1a\n", path
     img = matplotlib.image.imread(path)
     assert img.shape[0] > 200 and img.shape[1] > 400, img.shape
-    # Not blank: many distinct colours (boxes, hatching, text), not a flat image.
-    colours = np.unique((img[..., :3] * 255).astype(np.uint8).reshape(-1, 3), axis=0)
+    # Not blank: many distinct colours (boxes, hatching, text), not a flat image. Each pixel's RGB as one integer: a
+    # unique of those is a hundred times faster than one over rows of three (axis=0).
+    rgb = (img[..., :3] * 255).astype(np.uint8).astype(np.uint32)
+    colours = np.unique((rgb[..., 0] << 16) | (rgb[..., 1] << 8) | rgb[..., 2])
     assert len(colours) > 50, len(colours)
 
 
