@@ -44,8 +44,8 @@ def launch_forked(args, *, own_session: bool, log_before: tuple = ()) -> None:
         args.master_port = 29500
     config, _, cmd_args = torchrun.config_from_args(args)
     config.start_method = "fork"
-    module = cmd_args[cmd_args.index("-m") + 1]
-    worker_args = cmd_args[cmd_args.index(module) + 1 :]
+    at = cmd_args.index("-m") + 1  # ["-u", "-m", M, ARGS...]
+    module, worker_args = cmd_args[at], cmd_args[at + 1 :]
     elastic_launch(config=config, entrypoint=forked_worker)((module, own_session, log_before), *worker_args)
 
 
