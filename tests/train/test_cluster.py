@@ -11,6 +11,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -29,7 +31,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fi
 
 
 def worker_pid(launcher: int, rank: int) -> int:
-    """The process of worker ``rank`` of the launcher with pid ``launcher``: its child named for the rank
+    """The process of worker ``rank`` of the launcher in process ``launcher``: its child named for the rank
     (`worker.name_process`; Linux /proc)."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -68,15 +70,44 @@ def losses(out: Path) -> list[float]:
     return [r["loss"] for r in read_metrics(out)]
 
 
-def stop_by_sigterm(plan: Path, out: Path, to: str, step: int, *flags: str) -> None:
-    """`terapipe train ... FLAGS` until SIGTERM, sent to the launcher or to worker rank 1 while it waits in ``step``:
-    the step in progress is saved (FLAGS put the periodic checkpoints elsewhere), exit 143, one line."""
-    rank = 0 if to == "launcher" else 1
-    proc = start_train(plan, out, *flags, steps=STEPS, env={CONTROLS_ENV: f"fault=wait:{rank}:{step}"})
+def stop_the_launcher_by_sigterm(plan: Path, out: Path, step: int, *flags: str) -> None:
+    """`terapipe train ... FLAGS` as a process of its own until SIGTERM, sent to it while worker rank 0 waits in
+    ``step``: the step in progress is saved (FLAGS put the periodic checkpoints elsewhere), exit 143, one line."""
+    proc = start_train(plan, out, *flags, steps=STEPS, env={CONTROLS_ENV: f"fault=wait:0:{step}"})
     wait_for_steps(proc, out, step - 1)
-    os.kill(proc.pid if to == "launcher" else worker_pid(proc.pid, rank), signal.SIGTERM)
+    os.kill(proc.pid, signal.SIGTERM)
     stdout, stderr = finish(proc)
     assert proc.returncode == 143, stdout + stderr
+    assert_stopped_at(out, step, stderr)
+
+
+def stop_a_worker_by_sigterm(capfd, plan: Path, out: Path, step: int, *flags: str) -> None:
+    """`terapipe train ... FLAGS` with the launcher in this process (a worker's SIGTERM reaches only the worker, as a
+    cluster's per-process kill does) until SIGTERM, sent to worker rank 1 while it waits in ``step``: the same save,
+    exit code and line as a SIGTERM to the launcher."""
+    sent: list[BaseException] = []
+
+    def send() -> None:
+        try:
+            deadline = time.monotonic() + 120
+            while len(read_metrics(out)) < step - 1:
+                assert time.monotonic() < deadline, f"the run did not reach step {step - 1}"
+                time.sleep(0.02)
+            os.kill(worker_pid(os.getpid(), 1), signal.SIGTERM)
+        except BaseException as e:  # the run then waits out its fault hook: its failure names this
+            sent.append(e)
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    argv = ["--plan", plan, "--steps", STEPS, "--out", out, *flags, "--val-fraction", "0"]
+    p = run_cli(capfd, "train", *argv, env={CONTROLS_ENV: f"fault=wait:1:{step}"})
+    sender.join(timeout=10)
+    assert not sent, sent
+    assert p.returncode == 143, p.stdout + p.stderr
+    assert_stopped_at(out, step, p.stderr)
+
+
+def assert_stopped_at(out: Path, step: int, stderr: str) -> None:
     assert stderr.strip().splitlines() == [
         f"terapipe: stopped by SIGTERM after step {step}; the last complete checkpoint is step {step}; "
         f"continue with: terapipe train --resume --out {out} --steps {STEPS}"
@@ -90,8 +121,8 @@ def test_sigterm_to_the_launcher_or_a_worker_saves_the_step_in_progress_and_the_
     with an uninterrupted run's losses."""
     plan = write_plan_file(tmp_path / "plan.json", [(1, [16, 16])], stages=2)
     out = (tmp_path / "run").resolve()
-    stop_by_sigterm(plan, out, "launcher", 3, "--checkpoint-every", "4")
-    stop_by_sigterm(plan, out, "worker", 5, "--resume", "--checkpoint-every", "6")
+    stop_the_launcher_by_sigterm(plan, out, 3, "--checkpoint-every", "4")
+    stop_a_worker_by_sigterm(capfd, plan, out, 5, "--resume", "--checkpoint-every", "6")
     assert checkpoint.complete_steps(out) == [3, 5]
 
     p = run_cli(capfd, "train", "--resume", "--out", out)
