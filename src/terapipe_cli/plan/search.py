@@ -312,7 +312,7 @@ class _Tables:
         self.cost, self.cost_max = raws[0], raws[-1]
         self._longer = None  # `_longer_min`, made when a search first needs it (a bound does not)
         self._distinct = None  # every distinct cost of `cost_max`, sorted (`distinct_costs`)
-        self._top = None  # the probe at t_max = ∞ (`top`)
+        self.probed: dict[float, _Probe] = {}  # every probe made on these tables, by its t_max (`_probe`)
         self.bottleneck = self._bottleneck()
 
     @property
@@ -339,11 +339,7 @@ class _Tables:
 
     def top(self) -> _Probe:
         """The probe at t_max = ∞: S*(∞) and its scheme (every search and bound starts from it)."""
-        if self._top is None:
-            self._top = _probe(self, np.array([np.inf]))[0]
-        t = self._top
-        slices = None if t.slices is None else [(b, list(lengths)) for b, lengths in t.slices]
-        return _Probe(t.t_max, t.total, slices, t.realised)
+        return _probe(self, np.array([np.inf]))[0]
 
     def _priced(self, raw: np.ndarray, at, units: int, grouping: Sequencing | None) -> np.ndarray:
         """``raw`` (the prices of every tile per distinct row size, `grid_prices`) per row; +inf marks a tile no
@@ -648,18 +644,31 @@ class _Probe:
 
 
 def _probe(tables: _Tables, t_values: np.ndarray) -> list[_Probe]:
-    t_values = np.asarray(t_values, dtype=float)
-    best, choice = _batched_dp(tables, t_values)
-    total, back = tables.combine.combine(best[:, :, tables.units])
-    out = []
-    for m, t in enumerate(t_values):
-        s_star = float(total[m])
-        if not math.isfinite(s_star):
-            out.append(_Probe(float(t), math.inf, None, math.inf))
-            continue
-        slices, realised = _scheme(tables, choice, tables.combine.rows_of(back, m), m)
-        out.append(_Probe(float(t), s_star, slices, realised))
-    return out
+    """S*(t) and its scheme for every t of ``t_values`` (a copy of each: the caller may keep or change its scheme).
+
+    A probe depends on its tables and its t alone — each candidate's DP and knapsack run on their own, whichever
+    others share the batch — so the probes made on one set of tables are kept (`_Tables.probed`) and only new ones
+    run: the searches of one cost model (a partition's bound, its search below a ceiling, its search with
+    neighbours) probe many of the same t."""
+    t_values = [float(t) for t in np.asarray(t_values, dtype=float).reshape(-1)]
+    known = tables.probed
+    new = list(dict.fromkeys(t for t in t_values if t not in known))
+    if new:
+        best, choice = _batched_dp(tables, np.asarray(new))
+        total, back = tables.combine.combine(best[:, :, tables.units])
+        for m, t in enumerate(new):
+            s_star = float(total[m])
+            if not math.isfinite(s_star):
+                known[t] = _Probe(t, math.inf, None, math.inf)
+                continue
+            slices, realised = _scheme(tables, choice, tables.combine.rows_of(back, m), m)
+            known[t] = _Probe(t, s_star, slices, realised)
+    return [_copy_probe(known[t]) for t in t_values]
+
+
+def _copy_probe(pr: _Probe) -> _Probe:
+    slices = None if pr.slices is None else [(b, list(lengths)) for b, lengths in pr.slices]
+    return _Probe(pr.t_max, pr.total, slices, pr.realised)
 
 
 # --------------------------------------------------------------------------------------------------------------
