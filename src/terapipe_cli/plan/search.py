@@ -307,6 +307,7 @@ class _Tables:
         self.combine = _Knapsack(batch_size) if grouping is None else _Paths(grouping)
         # Only the valid (prefix, length) pairs are priced: half the cube, and the cost model's time.
         self.start = np.arange(n + 1) * (np.arange(n + 1) - 1) // 2  # where prefix p's tiles begin
+        self.start_list = self.start.tolist()
         distinct, at = np.unique(sizes, return_inverse=True)
         raws = [self._priced(raw, at, n, grouping) for raw in grid_prices(cost, distinct, n, token_step)]
         self.cost, self.cost_max = raws[0], raws[-1]
@@ -595,15 +596,21 @@ class _Paths:
 
 def _scheme(tables: _Tables, choice: np.ndarray, rows: Sequence[int], m: int) -> tuple[Slices, float]:
     """Read candidate m's scheme back from the argmins, for its rows in pipeline order; and its largest tile."""
-    g = tables.token_step
+    g, start = tables.token_step, tables.start_list
     paths: dict[int, tuple[list[int], float]] = {}
     for r in set(rows):
+        # Plain Python on the few token slices of one path: numpy's per-call cost outweighs the work here.
+        last = choice[m, r]
         units, p = [], tables.units
         while p > 0:
-            units.append(int(choice[m, r, p]) + 1)
+            units.append(int(last[p]) + 1)
             p -= units[-1]
-        units = units[::-1]
-        worst = float(tables.cost_max[r, tables.at(np.cumsum(units), np.asarray(units))].max())
+        units.reverse()
+        columns, end = [], 0
+        for n in units:
+            end += n
+            columns.append(start[end] + n - 1)  # `_Tables.at`
+        worst = float(tables.cost_max[r, columns].max())
         paths[r] = ([i * g for i in units], worst)
     slices = [(int(tables.row_sizes[r]), list(paths[r][0])) for r in rows]
     return slices, max(paths[r][1] for r in rows)
@@ -901,13 +908,13 @@ def _solve(
     if slices is None:
         return None
     shape = {"stages": stages, "seq_len": seq_len, "batch_size": batch_size, "token_step": token_step}
-    res = _result(cost, whole(slices), **shape, method=method, epsilon=float(epsilon), candidates=probes)
-    if neighbours and stages > 1:
-        near = [whole(sl) for sl in _neighbour_schemes(tables, t_max, neighbours)]
-        res.alternatives = sorted(
-            (_result(cost, sl, **shape, method=method) for sl in near if sl != res.slices),
-            key=lambda r: r.predicted_s,
-        )
+    chosen = whole(slices)
+    near = [whole(sl) for sl in _neighbour_schemes(tables, t_max, neighbours)] if neighbours and stages > 1 else []
+    # The scheme and its neighbours priced together (`_results`: one call of a cost model for all their tiles).
+    res, *alternatives = _results(cost, [chosen, *(sl for sl in near if sl != chosen)], **shape, method=method)
+    res.epsilon, res.candidates = float(epsilon), probes
+    if near:
+        res.alternatives = sorted(alternatives, key=lambda r: r.predicted_s)
     res.seconds = time.perf_counter() - started
     return res
 
