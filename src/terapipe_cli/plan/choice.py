@@ -34,6 +34,7 @@ from terapipe_cli.plan.mfu import Utilisation, utilisation
 from terapipe_cli.plan.request import PlanRequest
 from terapipe_cli.plan.search import PlanResult, divisors, gpipe_baseline, grid_tiles, solve, uniform_baseline
 from terapipe_cli.plan.simulate import scheme_latency
+from terapipe_cli.schedule import memo
 from terapipe_cli.schedule.orders import order_of
 from terapipe_cli.schedule.schedule import ORDERS, Schedule
 from terapipe_cli.units import format_bytes, format_seconds, format_stages, utc_timestamp
@@ -324,6 +325,7 @@ def _tiles(slices) -> list[tuple[int, int, int]]:
     return out
 
 
+@memo.sharing()  # the schemes' searches, layouts and tile prices, each made once within the plan (`schedule.memo`)
 def plan_for_profile(profile: Profile, request: PlanRequest, *, ceiling: float = math.inf) -> Planned | None:
     """Plan ``request`` on ``profile``: the fastest scheme (`plan_one`), or, when it does not fit an enforced
     memory limit, the fastest that does (`plan_within_memory`). ``ceiling`` (seconds, by the objective): only a plan
@@ -335,6 +337,7 @@ def plan_for_profile(profile: Profile, request: PlanRequest, *, ceiling: float =
     return plan_within_memory(profile, request, planned, ceiling=ceiling)
 
 
+@memo.sharing()  # as `plan_for_profile`
 def plan_one(
     profile: Profile,
     request: PlanRequest,
