@@ -651,7 +651,8 @@ class _Probe:
 
 
 def _probe(tables: _Tables, t_values: np.ndarray) -> list[_Probe]:
-    """S*(t) and its scheme for every t of ``t_values`` (a copy of each: the caller may keep or change its scheme).
+    """S*(t) and its scheme for every t of ``t_values``: the probes the tables keep, to be read and not changed (a
+    scheme leaves the search as a copy, `_solve`).
 
     A probe depends on its tables and its t alone — each candidate's DP and knapsack run on their own, whichever
     others share the batch — so the probes made on one set of tables are kept (`_Tables.probed`) and only new ones
@@ -670,12 +671,7 @@ def _probe(tables: _Tables, t_values: np.ndarray) -> list[_Probe]:
                 continue
             slices, realised = _scheme(tables, choice, tables.combine.rows_of(back, m), m)
             known[t] = _Probe(t, s_star, slices, realised)
-    return [_copy_probe(known[t]) for t in t_values]
-
-
-def _copy_probe(pr: _Probe) -> _Probe:
-    slices = None if pr.slices is None else [(b, list(lengths)) for b, lengths in pr.slices]
-    return _Probe(pr.t_max, pr.total, slices, pr.realised)
+    return [known[t] for t in t_values]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -897,14 +893,14 @@ def _solve(
     if batch_slice is None:
         tables = _tables(cost, seq_len=seq_len, batch_size=batch_size, token_step=token_step, grouping=grouping)
         slices, t_max, probes = search(tables, stages, float(epsilon))
-        whole = lambda sl: sl  # noqa: E731
+        whole = lambda sl: [(b, list(lengths)) for b, lengths in sl]  # noqa: E731  (a copy: the probe's is kept)
     else:
         if batch_size % batch_slice:
             raise UserError(f"{batch_slice} does not divide the batch of {batch_size}", where="batch_slice")
         one = _ScaledBatch(cost, batch_slice)
         tables = _tables(one, seq_len=seq_len, batch_size=1, token_step=token_step)
         slices, t_max, probes = search(tables, stages, float(epsilon), batch_size // batch_slice)
-        whole = lambda sl: [(batch_slice, sl[0][1])] * (batch_size // batch_slice)  # noqa: E731
+        whole = lambda sl: [(batch_slice, list(sl[0][1]))] * (batch_size // batch_slice)  # noqa: E731
     if slices is None:
         return None
     shape = {"stages": stages, "seq_len": seq_len, "batch_size": batch_size, "token_step": token_step}
