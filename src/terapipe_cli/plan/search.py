@@ -462,6 +462,7 @@ def _batched_dp(tables: _Tables, t_max: np.ndarray) -> tuple[np.ndarray, np.ndar
     widths = np.minimum(tables.widths(t_top), np.arange(n + 1)[None, :])  # (B, n+1)
     alive = np.nonzero(tables.bottleneck <= t_top)[0]  # the others cannot be sliced under any t_max here
     limit = t_max[:, None, None]
+    bounded = bool(np.isfinite(t_max).any())  # else no tile is over any candidate (the prices hold no NaN)
     separate = tables.cost_max is not tables.cost
     start = tables.start.tolist()
     for group in _width_groups(alive, widths.max(axis=1)):
@@ -471,11 +472,14 @@ def _batched_dp(tables: _Tables, t_max: np.ndarray) -> tuple[np.ndarray, np.ndar
         sub = best[:, rows]
         sub_choice = choice[:, rows]
         group_widths = widths[rows].max(axis=0).tolist()
-        room = np.empty((M, len(group), max(group_widths)))
+        G, wide = len(group), max(group_widths)
+        # Room for one prefix's values and their mask, each used as a contiguous (M, G, w) array: numpy's masked copy
+        # runs several times slower on a strided one.
+        room, over = np.empty(M * G * wide), np.empty(M * G * wide, dtype=bool)
         # ``sub`` backwards, back[..., n − q] = sub[..., q]: the prefixes a slice ending at p starts from, p − 1
         # down to p − w, lie in order there (a contiguous read instead of a reversed one).
         back = np.ascontiguousarray(sub[:, :, ::-1])
-        each_m, each_g = np.arange(M)[:, None], np.arange(len(group))[None, :]
+        each_m, each_g = np.arange(M)[:, None], np.arange(G)[None, :]
         for p in range(1, n + 1):
             w = group_widths[p]
             if w == 0:
@@ -483,8 +487,10 @@ def _batched_dp(tables: _Tables, t_max: np.ndarray) -> tuple[np.ndarray, np.ndar
             c = cost[:, start[p] : start[p] + w]  # (G, w): slice lengths 1..w ending at p
             c_max = cost_max[:, start[p] : start[p] + w] if separate else c
             prev = back[:, :, n - p + 1 : n - p + 1 + w]
-            vals = np.add(prev, c, out=room[:, :, :w])  # (M, G, w), +inf where a slice is over the candidate
-            np.copyto(vals, np.inf, where=c_max > limit)
+            # (M, G, w), +inf where a slice is over the candidate
+            vals = np.add(prev, c, out=room[: M * G * w].reshape(M, G, w))
+            if bounded:
+                np.copyto(vals, np.inf, where=np.greater(c_max, limit, out=over[: M * G * w].reshape(M, G, w)))
             # The least is the value at the first least (no NaN): read there, not reduced again.
             arg = vals.argmin(axis=2, out=sub_choice[:, :, p])
             sub[:, :, p] = back[:, :, n - p] = vals[each_m, each_g, arg]
