@@ -175,7 +175,7 @@ def scheme_latency(
     chunks = stages * virtual
     recompute = tuple(bool(x) for x in recompute) if recompute is not None else (False,) * chunks
     shape = layout(slices, stages, kind.name, virtual)
-    split = any(p is Phase.I for row in shape.rows for p, _, _ in row)
+    split = kind.split  # a split order's rows hold I and W, the others' neither
     parts, step_s = _resolve_parts(cost, stages, None)
     if len(recompute) != chunks or cost.partition.chunks != chunks or (split and getattr(parts, "split", None) is None):
         # What `Schedule.build` and `_pipeline` refuse, refused as they say it.

@@ -302,6 +302,9 @@ def layout(slices: Sequence, stages: int, order: str, virtual: int = 1) -> Layou
     kind = order_of(order)
 
     def make() -> Layout:
+        places = kind.places(counts, stages, virtual)
+        if places is not None:
+            return Layout(counts, tuple(tuple(row) for row in places))
         tiles = plan_tiles([(1, [1] * n) for n in counts])
         number = {t: n for n, t in enumerate(tiles)}
         rows = kind.rows(tiles, len(counts), stages, virtual)
