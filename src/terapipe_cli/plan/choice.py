@@ -27,13 +27,14 @@ from terapipe_cli.plan.memory import (
     check_memory,
     grouping_peaks,
     planned_loss_chunk_tokens,
-    stage_memory,
+    scheme_memory,
     stage_sizes,
 )
 from terapipe_cli.plan.mfu import Utilisation, utilisation
 from terapipe_cli.plan.request import PlanRequest
 from terapipe_cli.plan.search import PlanResult, divisors, gpipe_baseline, grid_tiles, solve, uniform_baseline
-from terapipe_cli.plan.simulate import simulated_latency
+from terapipe_cli.plan.simulate import scheme_latency
+from terapipe_cli.schedule import memo
 from terapipe_cli.schedule.orders import order_of
 from terapipe_cli.schedule.schedule import ORDERS, Schedule
 from terapipe_cli.units import format_bytes, format_seconds, format_stages, utc_timestamp
@@ -324,6 +325,7 @@ def _tiles(slices) -> list[tuple[int, int, int]]:
     return out
 
 
+@memo.sharing()  # the schemes' searches, layouts and tile prices, each made once within the plan (`schedule.memo`)
 def plan_for_profile(profile: Profile, request: PlanRequest, *, ceiling: float = math.inf) -> Planned | None:
     """Plan ``request`` on ``profile``: the fastest scheme (`plan_one`), or, when it does not fit an enforced
     memory limit, the fastest that does (`plan_within_memory`). ``ceiling`` (seconds, by the objective): only a plan
@@ -335,6 +337,7 @@ def plan_for_profile(profile: Profile, request: PlanRequest, *, ceiling: float =
     return plan_within_memory(profile, request, planned, ceiling=ceiling)
 
 
+@memo.sharing()  # as `plan_for_profile`
 def plan_one(
     profile: Profile,
     request: PlanRequest,
@@ -405,35 +408,32 @@ def outside_profile(profile: Profile, batch_size: int, what: str) -> str:
 
 
 class _Timed:
-    """Schemes scheduled, simulated and walked for memory in one order and recomputation on one cost model, each
-    once (by its slices): the re-ranking, the memory checks and the plan ask for the same schemes (building
-    Megatron-LM's 1008B schedules again took a third of its plan)."""
+    """Schemes simulated and walked for memory in one order and recomputation on one cost model, each once (by its
+    slices): the re-ranking, the memory checks and the plan ask for the same schemes. Neither builds the scheme's
+    schedule (`simulate.scheme_latency`, `memory.scheme_memory`: the order's layout, shared within the plan, walked
+    with the scheme's tiles) — building Megatron-LM's 1008B schedules took a third of its plan."""
 
     def __init__(self, r: PlanRequest, cost: CostModel, order: str, recompute: tuple[bool, ...]) -> None:
         self.r, self.cost, self.order, self.recompute = r, cost, order, recompute
-        self._schedules: dict[tuple, Schedule] = {}
         self._seconds: dict[tuple, float] = {}
         self._memory: dict[tuple, list] = {}
-
-    def schedule(self, res: PlanResult) -> Schedule:
-        key = _key(res)
-        if key not in self._schedules:
-            self._schedules[key] = Schedule.build(
-                res.slices, self.r.stages, self.order, self.recompute, self.cost.partition
-            )
-        return self._schedules[key]
 
     def memory(self, res: PlanResult, profile: Profile) -> list:
         """`stage_memory` of the scheme's schedule."""
         key = _key(res)
         if key not in self._memory:
-            self._memory[key] = stage_memory(self.schedule(res), profile)
+            self._memory[key] = scheme_memory(
+                profile, res.slices, self.r.stages, self.order, self.recompute, self.cost.partition
+            )
         return self._memory[key]
 
     def __call__(self, res: PlanResult) -> float:
+        """`simulated_latency` of the scheme's schedule."""
         key = _key(res)
         if key not in self._seconds:
-            self._seconds[key] = simulated_latency(self.schedule(res), self.cost)
+            self._seconds[key] = scheme_latency(
+                self.cost, res.slices, self.r.stages, self.order, self.recompute, self.cost.partition
+            )
         return self._seconds[key]
 
 
@@ -603,11 +603,11 @@ def _equal_slice_candidates(
 def _simulated(profile: Profile, r: PlanRequest, res: PlanResult, order: str, recompute: tuple[bool, ...]) -> float:
     partition = r.fixed_partition(profile.model.layers)
     cost = CostModel(profile, r.stages, r.data_parallel, within_profile=True, partition=partition)
-    return simulated_latency(Schedule.build(res.slices, r.stages, order, recompute, partition), cost)
+    return scheme_latency(cost, res.slices, r.stages, order, recompute, partition)
 
 
 def _fits(profile: Profile, slices, partition, order: str, recompute: tuple[bool, ...], limit: float) -> bool:
-    per_stage = stage_memory(Schedule.build(slices, partition.devices, order, recompute, partition), profile)
+    per_stage = scheme_memory(profile, slices, partition.devices, order, recompute, partition)
     return max(m.total_bytes for m in per_stage) <= limit
 
 

@@ -29,7 +29,7 @@ import numpy as np
 from terapipe_cli.errors import UserError
 from terapipe_cli.plan.choice import Planned, outside_profile, plan_for_profile, plan_one, smallest_peak
 from terapipe_cli.plan.costmodel import CostModel, GridKinds, Profile
-from terapipe_cli.plan.memory import check_memory, stage_memory
+from terapipe_cli.plan.memory import check_memory, scheme_memory
 from terapipe_cli.plan.request import PlanRequest
 from terapipe_cli.plan.search import grid_kinds, grid_prices, lower_bound, solve
 from terapipe_cli.schedule import memo
@@ -37,7 +37,7 @@ from terapipe_cli.schedule.orders import SPLIT_INTERLEAVED, order_of
 from terapipe_cli.schedule.orders.one_f_one_b import ONE_F_ONE_B
 from terapipe_cli.schedule.orders.zero_bubble import ZB_V
 from terapipe_cli.schedule.partition import Partition, refuses_tied
-from terapipe_cli.schedule.schedule import ORDERS, Schedule
+from terapipe_cli.schedule.schedule import ORDERS
 
 # What the search tells as it goes (`plan_configured(progress=…)`): one line of text.
 Progress = Callable[[str], None]
@@ -449,8 +449,8 @@ def _unconstrained(profile: Profile, request: PlanRequest, ceiling: float = math
     copies = r.data_parallel * r.tensor_parallel
 
     def fits(order: str) -> bool:
-        schedule = Schedule.build(res.slices, r.stages, order, (r.recompute,) * part.chunks, part)
-        memory = check_memory(stage_memory(schedule, profile), profile.device, r.memory_limit_gib, copies)
+        per_stage = scheme_memory(profile, res.slices, r.stages, order, (r.recompute,) * part.chunks, part)
+        memory = check_memory(per_stage, profile.device, r.memory_limit_gib, copies)
         return memory is None or not (memory.enforced and memory.exceeded)
 
     return res.predicted_s, any(fits(order) for order in orders)

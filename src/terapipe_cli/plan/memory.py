@@ -40,10 +40,10 @@ import numpy as np
 from terapipe_cli.config.device import machine_memory_bytes
 from terapipe_cli.config.model import vocab_share
 from terapipe_cli.plan.traced import TracedStage
-from terapipe_cli.schedule.actions import Action, Phase
+from terapipe_cli.schedule.actions import Action, Phase, Tile, plan_tiles
 from terapipe_cli.schedule.orders import order_of
 from terapipe_cli.schedule.partition import Partition
-from terapipe_cli.schedule.schedule import Schedule
+from terapipe_cli.schedule.schedule import Schedule, layout
 from terapipe_cli.units import format_bytes
 
 _INDEX_BYTES = 8  # an int64 token id or position, per token
@@ -219,22 +219,29 @@ def walk_peak(
 ) -> tuple[float, int]:
     """The most one device keeps at once along its actions, and how many tiles are in flight then; ``sizes`` and
     ``recompute`` are per chunk (an action's ``stage``), each chunk keeping its own K/V caches."""
+    return _walk_peak([(a.phase, a.stage, a.tile) for a in actions], sizes, seq_len, recompute)
+
+
+def _walk_peak(
+    actions: Sequence[tuple[Phase, int, Tile]], sizes: Sequence[StageSizes], seq_len: int, recompute: Sequence[bool]
+) -> tuple[float, int]:
+    """`walk_peak` of actions given as (kind, chunk, tile): a `Layout`'s need no `Action` made (`scheme_memory`)."""
     alive = peak = 0.0
     count = peak_count = 0
     open_tiles: dict[tuple[int, int], int] = {}  # (chunk, batch slice) -> its tiles run forward, not yet backward
     if actions:
-        alive = peak = sum(sizes[c].copies for c in {a.stage for a in actions})
-    for a in actions:
-        t, s, rerun = a.tile, sizes[a.stage], recompute[a.stage]
+        alive = peak = sum(sizes[c].copies for c in {c for _, c, _ in actions})
+    for phase, stage, t in actions:
+        s, rerun = sizes[stage], recompute[stage]
         if s.traced is not None:
-            alive, at = _traced_step(a, s.traced, rerun, open_tiles, alive, seq_len)
-            count += 1 if a.phase is Phase.F else -1 if a.phase.frees else 0
+            alive, at = _traced_step(phase, stage, t, s.traced, rerun, open_tiles, alive, seq_len)
+            count += 1 if phase is Phase.F else -1 if phase.frees else 0
             if at > peak:
-                peak, peak_count = at, count + (1 if a.phase.frees else 0)
+                peak, peak_count = at, count + (1 if phase.frees else 0)
             continue
-        key = (a.stage, t.batch_slice)
+        key = (stage, t.batch_slice)
         tokens = t.batch_size * t.tokens
-        if a.phase is Phase.F:
+        if phase is Phase.F:
             if not open_tiles.get(key):
                 alive += t.batch_size * seq_len * s.cache
             open_tiles[key] = open_tiles.get(key, 0) + 1
@@ -243,17 +250,17 @@ def walk_peak(
             if alive > peak:
                 peak, peak_count = alive, count
             continue
-        if not a.phase.frees:  # I: the tile stays until its W
+        if not phase.frees:  # I: the tile stays until its W
             # A split backward keeps the tile's graph (and a re-run's) until its W: the weights' gradients need it,
             # and the gradients of the weight consumers' outputs W starts from.
             alive += tokens * ((s.rerun if rerun else 0.0) + s.weight_grads)
             if alive > peak:
                 peak, peak_count = alive, count
             continue
-        if a.phase is Phase.B and rerun and alive + tokens * s.rerun > peak:
+        if phase is Phase.B and rerun and alive + tokens * s.rerun > peak:
             peak, peak_count = alive + tokens * s.rerun, count
-        alive -= tokens * (s.kept + (s.rerun if a.phase is Phase.W else 0.0) if rerun else s.tile)
-        alive -= tokens * s.weight_grads if a.phase is Phase.W else 0.0
+        alive -= tokens * (s.kept + (s.rerun if phase is Phase.W else 0.0) if rerun else s.tile)
+        alive -= tokens * s.weight_grads if phase is Phase.W else 0.0
         count -= 1
         open_tiles[key] -= 1
         if not open_tiles[key]:
@@ -262,16 +269,15 @@ def walk_peak(
 
 
 def _traced_step(
-    a: Action, ts: TracedStage, rerun: bool, open_tiles: dict, alive: float, seq_len: int
+    phase: Phase, stage: int, t: Tile, ts: TracedStage, rerun: bool, open_tiles: dict, alive: float, seq_len: int
 ) -> tuple[float, float]:
-    """One action of a traced chunk: what is live after it, and the most live during it (what is kept, plus the
-    action's own transient: `plan.traced`). ``open_tiles`` also keeps, per batch slice, the K/V gradients its last
-    backward handed back to its earlier tiles (under ``("handback", key)``)."""
-    t = a.tile
+    """One action (``phase`` of tile ``t`` on chunk ``stage``) of a traced chunk: what is live after it, and the most
+    live during it (what is kept, plus the action's own transient: `plan.traced`). ``open_tiles`` also keeps, per
+    batch slice, the K/V gradients its last backward handed back to its earlier tiles (under ``("handback", key)``)."""
     b, i, j = t.batch_size, t.tokens, t.token_start
-    key = (a.stage, t.batch_slice)
+    key = (stage, t.batch_slice)
     kept = float(ts.kept(b, i, j)) if rerun else float(ts.tile(b, i, j))
-    if a.phase is Phase.F:
+    if phase is Phase.F:
         if not open_tiles.get(key):
             alive += b * seq_len * ts.cache
         open_tiles[key] = open_tiles.get(key, 0) + 1
@@ -279,15 +285,15 @@ def _traced_step(
         return alive, alive + max(float(ts.transient("forward", b, i, j)), 0.0)
     # A recomputed tile's re-run holds its saved tensors again (on top of its input) until its B, or its W.
     held = float(ts.tile(b, i, j)) - kept if rerun else 0.0
-    if a.phase is Phase.W:  # the earlier hand-back goes at this W, this tile's stays until the next W
+    if phase is Phase.W:  # the earlier hand-back goes at this W, this tile's stays until the next W
         handback = float(ts.handback(b, i, j, split=True))
         at = alive + max(float(ts.transient("weight", b, i, j)), 0.0)
         alive -= kept + held + float(ts.weight_grads(b, i, j)) - handback + open_tiles.pop(("handback", key), 0.0)
         open_tiles[("handback", key)] = handback
     else:  # B or I: a B consumes the later tile's hand-back while it runs and leaves its own for the earlier ones
-        during = ts.rerun(b, i, j) if rerun else ts.transient("input" if a.phase is Phase.I else "backward", b, i, j)
+        during = ts.rerun(b, i, j) if rerun else ts.transient("input" if phase is Phase.I else "backward", b, i, j)
         at = alive + max(float(during), 0.0)
-        if a.phase is Phase.I:  # the tile stays until its W, with the gradients W starts from
+        if phase is Phase.I:  # the tile stays until its W, with the gradients W starts from
             return alive + held + float(ts.weight_grads(b, i, j)), at
         handback = float(ts.handback(b, i, j))
         alive += handback - open_tiles.pop(("handback", key), 0.0) - kept
@@ -301,16 +307,54 @@ def _traced_step(
 def stage_memory(schedule: Schedule, profile) -> list[StageMemory] | None:
     """Peak memory per device of a schedule, walking each device's actions (`walk_peak`) over the chunks it holds,
     recomputing where the schedule says. None when the profile lacks the sizes."""
-    sizes = stage_sizes(profile, schedule.stages, schedule.partition)
+    rows = [[(a.phase, a.stage, a.tile) for a in row] for row in schedule.actions]
+    return _stage_memory(rows, schedule.slices, schedule.stages, schedule.recompute, schedule.partition, profile)
+
+
+def scheme_memory(
+    profile,
+    slices: Sequence,
+    stages: int,
+    order: str,
+    recompute: Sequence[bool] | None = None,
+    partition: Partition | None = None,
+) -> list[StageMemory] | None:
+    """`stage_memory` of ``Schedule.build(slices, stages, order, recompute, partition)``, the same numbers, walked
+    along the order's `Layout` (shared within a plan) without building the schedule's actions."""
+    kind = order_of(order)
+    virtual = 1 if partition is None else partition.virtual
+    if partition is not None and partition.placement != kind.placement:
+        partition = replace(partition, placement=kind.placement)  # the order's placement, as `Schedule.build`'s
+    chunks = stages * virtual
+    recompute = tuple(bool(x) for x in recompute) if recompute is not None else (False,) * chunks
+    if len(recompute) != chunks:  # refused as `Schedule.build` refuses it
+        return stage_memory(Schedule.build(slices, stages, order, recompute, partition), profile)
+    tiles = plan_tiles(slices)
+    rows = [[(p, c, tiles[n]) for p, c, n in row] for row in layout(slices, stages, kind.name, virtual).rows]
+    return _stage_memory(rows, slices, stages, recompute, partition, profile)
+
+
+def _stage_memory(
+    rows: Sequence[Sequence[tuple[Phase, int, Tile]]],
+    slices: Sequence,
+    stages: int,
+    recompute: Sequence[bool],
+    partition: Partition | None,
+    profile,
+) -> list[StageMemory] | None:
+    """`stage_memory` of each device's actions as (kind, chunk, tile)."""
+    sizes = stage_sizes(profile, stages, partition)
     if sizes is None:
         return None
-    if len(sizes) != schedule.chunks:
-        raise ValueError(f"sizes for {len(sizes)} chunks, the schedule has {schedule.chunks}")
-    seq_len = sum(schedule.slices[0][1])
+    chunks = stages if partition is None else partition.chunks
+    if len(sizes) != chunks:
+        raise ValueError(f"sizes for {len(sizes)} chunks, the schedule has {chunks}")
+    device = (lambda c: c % stages) if partition is None else partition.device
+    seq_len = sum(slices[0][1])
     out = []
-    for k in range(schedule.stages):
-        peak, count = walk_peak(schedule[k], sizes, seq_len, schedule.recompute)
-        own = [c for c in range(schedule.chunks) if schedule.device(c) == k]
+    for k in range(stages):
+        peak, count = _walk_peak(rows[k], sizes, seq_len, recompute)
+        own = [c for c in range(chunks) if device(c) == k]
         state = sum(sizes[c].state for c in own)
         transient = sum(sizes[c].transient for c in own if sizes[c].traced is None)  # a traced walk's peak holds it
         out.append(StageMemory(k, state, peak, count, transient))

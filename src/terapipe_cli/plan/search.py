@@ -307,12 +307,13 @@ class _Tables:
         self.combine = _Knapsack(batch_size) if grouping is None else _Paths(grouping)
         # Only the valid (prefix, length) pairs are priced: half the cube, and the cost model's time.
         self.start = np.arange(n + 1) * (np.arange(n + 1) - 1) // 2  # where prefix p's tiles begin
+        self.start_list = self.start.tolist()
         distinct, at = np.unique(sizes, return_inverse=True)
         raws = [self._priced(raw, at, n, grouping) for raw in grid_prices(cost, distinct, n, token_step)]
         self.cost, self.cost_max = raws[0], raws[-1]
         self._longer = None  # `_longer_min`, made when a search first needs it (a bound does not)
         self._distinct = None  # every distinct cost of `cost_max`, sorted (`distinct_costs`)
-        self._top = None  # the probe at t_max = ∞ (`top`)
+        self.probed: dict[float, _Probe] = {}  # every probe made on these tables, by its t_max (`_probe`)
         self.bottleneck = self._bottleneck()
 
     @property
@@ -339,11 +340,7 @@ class _Tables:
 
     def top(self) -> _Probe:
         """The probe at t_max = ∞: S*(∞) and its scheme (every search and bound starts from it)."""
-        if self._top is None:
-            self._top = _probe(self, np.array([np.inf]))[0]
-        t = self._top
-        slices = None if t.slices is None else [(b, list(lengths)) for b, lengths in t.slices]
-        return _Probe(t.t_max, t.total, slices, t.realised)
+        return _probe(self, np.array([np.inf]))[0]
 
     def _priced(self, raw: np.ndarray, at, units: int, grouping: Sequencing | None) -> np.ndarray:
         """``raw`` (the prices of every tile per distinct row size, `grid_prices`) per row; +inf marks a tile no
@@ -465,6 +462,7 @@ def _batched_dp(tables: _Tables, t_max: np.ndarray) -> tuple[np.ndarray, np.ndar
     widths = np.minimum(tables.widths(t_top), np.arange(n + 1)[None, :])  # (B, n+1)
     alive = np.nonzero(tables.bottleneck <= t_top)[0]  # the others cannot be sliced under any t_max here
     limit = t_max[:, None, None]
+    bounded = bool(np.isfinite(t_max).any())  # else no tile is over any candidate (the prices hold no NaN)
     separate = tables.cost_max is not tables.cost
     start = tables.start.tolist()
     for group in _width_groups(alive, widths.max(axis=1)):
@@ -474,11 +472,14 @@ def _batched_dp(tables: _Tables, t_max: np.ndarray) -> tuple[np.ndarray, np.ndar
         sub = best[:, rows]
         sub_choice = choice[:, rows]
         group_widths = widths[rows].max(axis=0).tolist()
-        room = np.empty((M, len(group), max(group_widths)))
+        G, wide = len(group), max(group_widths)
+        # Room for one prefix's values and their mask, each used as a contiguous (M, G, w) array: numpy's masked copy
+        # runs several times slower on a strided one.
+        room, over = np.empty(M * G * wide), np.empty(M * G * wide, dtype=bool)
         # ``sub`` backwards, back[..., n − q] = sub[..., q]: the prefixes a slice ending at p starts from, p − 1
         # down to p − w, lie in order there (a contiguous read instead of a reversed one).
         back = np.ascontiguousarray(sub[:, :, ::-1])
-        each_m, each_g = np.arange(M)[:, None], np.arange(len(group))[None, :]
+        each_m, each_g = np.arange(M)[:, None], np.arange(G)[None, :]
         for p in range(1, n + 1):
             w = group_widths[p]
             if w == 0:
@@ -486,8 +487,10 @@ def _batched_dp(tables: _Tables, t_max: np.ndarray) -> tuple[np.ndarray, np.ndar
             c = cost[:, start[p] : start[p] + w]  # (G, w): slice lengths 1..w ending at p
             c_max = cost_max[:, start[p] : start[p] + w] if separate else c
             prev = back[:, :, n - p + 1 : n - p + 1 + w]
-            vals = np.add(prev, c, out=room[:, :, :w])  # (M, G, w), +inf where a slice is over the candidate
-            np.copyto(vals, np.inf, where=c_max > limit)
+            # (M, G, w), +inf where a slice is over the candidate
+            vals = np.add(prev, c, out=room[: M * G * w].reshape(M, G, w))
+            if bounded:
+                np.copyto(vals, np.inf, where=np.greater(c_max, limit, out=over[: M * G * w].reshape(M, G, w)))
             # The least is the value at the first least (no NaN): read there, not reduced again.
             arg = vals.argmin(axis=2, out=sub_choice[:, :, p])
             sub[:, :, p] = back[:, :, n - p] = vals[each_m, each_g, arg]
@@ -599,15 +602,21 @@ class _Paths:
 
 def _scheme(tables: _Tables, choice: np.ndarray, rows: Sequence[int], m: int) -> tuple[Slices, float]:
     """Read candidate m's scheme back from the argmins, for its rows in pipeline order; and its largest tile."""
-    g = tables.token_step
+    g, start = tables.token_step, tables.start_list
     paths: dict[int, tuple[list[int], float]] = {}
     for r in set(rows):
+        # Plain Python on the few token slices of one path: numpy's per-call cost outweighs the work here.
+        last = choice[m, r]
         units, p = [], tables.units
         while p > 0:
-            units.append(int(choice[m, r, p]) + 1)
+            units.append(int(last[p]) + 1)
             p -= units[-1]
-        units = units[::-1]
-        worst = float(tables.cost_max[r, tables.at(np.cumsum(units), np.asarray(units))].max())
+        units.reverse()
+        columns, end = [], 0
+        for n in units:
+            end += n
+            columns.append(start[end] + n - 1)  # `_Tables.at`
+        worst = float(tables.cost_max[r, columns].max())
         paths[r] = ([i * g for i in units], worst)
     slices = [(int(tables.row_sizes[r]), list(paths[r][0])) for r in rows]
     return slices, max(paths[r][1] for r in rows)
@@ -648,18 +657,27 @@ class _Probe:
 
 
 def _probe(tables: _Tables, t_values: np.ndarray) -> list[_Probe]:
-    t_values = np.asarray(t_values, dtype=float)
-    best, choice = _batched_dp(tables, t_values)
-    total, back = tables.combine.combine(best[:, :, tables.units])
-    out = []
-    for m, t in enumerate(t_values):
-        s_star = float(total[m])
-        if not math.isfinite(s_star):
-            out.append(_Probe(float(t), math.inf, None, math.inf))
-            continue
-        slices, realised = _scheme(tables, choice, tables.combine.rows_of(back, m), m)
-        out.append(_Probe(float(t), s_star, slices, realised))
-    return out
+    """S*(t) and its scheme for every t of ``t_values``: the probes the tables keep, to be read and not changed (a
+    scheme leaves the search as a copy, `_solve`).
+
+    A probe depends on its tables and its t alone — each candidate's DP and knapsack run on their own, whichever
+    others share the batch — so the probes made on one set of tables are kept (`_Tables.probed`) and only new ones
+    run: the searches of one cost model (a partition's bound, its search below a ceiling, its search with
+    neighbours) probe many of the same t."""
+    t_values = [float(t) for t in np.asarray(t_values, dtype=float).reshape(-1)]
+    known = tables.probed
+    new = list(dict.fromkeys(t for t in t_values if t not in known))
+    if new:
+        best, choice = _batched_dp(tables, np.asarray(new))
+        total, back = tables.combine.combine(best[:, :, tables.units])
+        for m, t in enumerate(new):
+            s_star = float(total[m])
+            if not math.isfinite(s_star):
+                known[t] = _Probe(t, math.inf, None, math.inf)
+                continue
+            slices, realised = _scheme(tables, choice, tables.combine.rows_of(back, m), m)
+            known[t] = _Probe(t, s_star, slices, realised)
+    return [known[t] for t in t_values]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -881,24 +899,24 @@ def _solve(
     if batch_slice is None:
         tables = _tables(cost, seq_len=seq_len, batch_size=batch_size, token_step=token_step, grouping=grouping)
         slices, t_max, probes = search(tables, stages, float(epsilon))
-        whole = lambda sl: sl  # noqa: E731
+        whole = lambda sl: [(b, list(lengths)) for b, lengths in sl]  # noqa: E731  (a copy: the probe's is kept)
     else:
         if batch_size % batch_slice:
             raise UserError(f"{batch_slice} does not divide the batch of {batch_size}", where="batch_slice")
         one = _ScaledBatch(cost, batch_slice)
         tables = _tables(one, seq_len=seq_len, batch_size=1, token_step=token_step)
         slices, t_max, probes = search(tables, stages, float(epsilon), batch_size // batch_slice)
-        whole = lambda sl: [(batch_slice, sl[0][1])] * (batch_size // batch_slice)  # noqa: E731
+        whole = lambda sl: [(batch_slice, list(sl[0][1]))] * (batch_size // batch_slice)  # noqa: E731
     if slices is None:
         return None
     shape = {"stages": stages, "seq_len": seq_len, "batch_size": batch_size, "token_step": token_step}
-    res = _result(cost, whole(slices), **shape, method=method, epsilon=float(epsilon), candidates=probes)
-    if neighbours and stages > 1:
-        near = [whole(sl) for sl in _neighbour_schemes(tables, t_max, neighbours)]
-        res.alternatives = sorted(
-            (_result(cost, sl, **shape, method=method) for sl in near if sl != res.slices),
-            key=lambda r: r.predicted_s,
-        )
+    chosen = whole(slices)
+    near = [whole(sl) for sl in _neighbour_schemes(tables, t_max, neighbours)] if neighbours and stages > 1 else []
+    # The scheme and its neighbours priced together (`_results`: one call of a cost model for all their tiles).
+    res, *alternatives = _results(cost, [chosen, *(sl for sl in near if sl != chosen)], **shape, method=method)
+    res.epsilon, res.candidates = float(epsilon), probes
+    if near:
+        res.alternatives = sorted(alternatives, key=lambda r: r.predicted_s)
     res.seconds = time.perf_counter() - started
     return res
 

@@ -27,13 +27,16 @@ from __future__ import annotations
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from terapipe_cli.plan.costmodel import CostModel
-from terapipe_cli.schedule.actions import COMPLETES, WAITS, Action, Phase, Tile
-from terapipe_cli.schedule.schedule import Schedule
+from terapipe_cli.schedule import memo
+from terapipe_cli.schedule.actions import COMPLETES, WAITS, Action, Phase, Tile, plan_tiles
+from terapipe_cli.schedule.orders import order_of
+from terapipe_cli.schedule.partition import Partition
+from terapipe_cli.schedule.schedule import Schedule, layout
 from terapipe_cli.schedule.timeline import Event, StageTimes, stage_times
 
 # parts(b, i, j, chunk) -> (forward_s, backward_s, send_forward_s, send_backward_s), arrays over tiles: one chunk's
@@ -153,6 +156,54 @@ def simulated_latency(schedule: Schedule, cost_parts: CostModel | TileParts, *, 
     return (max(pipeline.stage_free) if schedule.stages else 0.0) + step_s
 
 
+def scheme_latency(
+    cost: CostModel,
+    slices: Sequence,
+    stages: int,
+    order: str,
+    recompute: Sequence[bool] | None = None,
+    partition: Partition | None = None,
+) -> float:
+    """`simulated_latency` of ``Schedule.build(slices, stages, order, recompute, partition)`` priced by ``cost``, the
+    same number, without building the schedule: the walk's rows in slot form (`_Pipeline.compile`) depend only on
+    the order's `Layout`, and are made once per layout within a plan (`memo`) — the planner simulates many schemes of
+    a few layouts, where building each schedule's actions and compiling them took most of the simulation."""
+    kind = order_of(order)
+    virtual = 1 if partition is None else partition.virtual
+    if partition is not None and partition.placement != kind.placement:
+        partition = replace(partition, placement=kind.placement)  # the order's placement, as `Schedule.build`'s
+    chunks = stages * virtual
+    recompute = tuple(bool(x) for x in recompute) if recompute is not None else (False,) * chunks
+    shape = layout(slices, stages, kind.name, virtual)
+    split = kind.split  # a split order's rows hold I and W, the others' neither
+    parts, step_s = _resolve_parts(cost, stages, None)
+    if len(recompute) != chunks or cost.partition.chunks != chunks or (split and getattr(parts, "split", None) is None):
+        # What `Schedule.build` and `_pipeline` refuse, refused as they say it.
+        return simulated_latency(Schedule.build(slices, stages, order, recompute, partition), cost)
+    device = (lambda c: c % stages) if partition is None else partition.device
+    pipeline = _Pipeline(plan_tiles(slices), parts, stages, chunks, recompute, device, split)
+
+    def make() -> _Compiled:
+        return _Compiled([pipeline.compile_places(row) for row in shape.rows])
+
+    compiled = memo.remembered(("compiled", kind.name, stages, virtual, shape.counts), make)
+    pos = pipeline.play(compiled.rows)
+    if any(p < len(row) for p, row in zip(pos, compiled.rows, strict=True)):  # a deadlock: said as `walk` says it
+        return simulated_latency(Schedule.build(slices, stages, order, recompute, partition), cost)
+    return (max(pipeline.stage_free) if stages else 0.0) + step_s
+
+
+@dataclass(frozen=True)
+class _Compiled:
+    """A layout's rows in slot form (`_Pipeline.compile`), kept within a plan (`memo`)."""
+
+    rows: list[list[tuple]]
+
+    @property
+    def nbytes(self) -> int:
+        return 200 * sum(len(row) for row in self.rows)
+
+
 def _pipeline(schedule: Schedule, cost_parts: CostModel | TileParts, step_s: float | None) -> tuple[_Pipeline, float]:
     """The pipeline that walks ``schedule`` priced by ``cost_parts``, and the per-step constant (`simulate`)."""
     parts, step_s = _resolve_parts(cost_parts, schedule.stages, step_s)
@@ -241,6 +292,8 @@ class _Pipeline:
         for n, t in enumerate(tiles):
             self.counts[t.batch_slice] = max(self.counts.get(t.batch_slice, 0), t.token_slice + 1)
             self.first_tile.setdefault(t.batch_slice, n)
+        # Per tile number: whether it is its batch slice's last token slice.
+        self.last_of_slice = [t.token_slice + 1 >= self.counts[t.batch_slice] for t in tiles]
         size = chunks * 3 * len(tiles)
         self.end: list[float | None] = [None] * size  # when the action of a key ended
         self.arrive: list[float | None] = [None] * size  # when what it sent arrived at the next (previous) chunk
@@ -251,24 +304,27 @@ class _Pipeline:
     def compile(self, row: Sequence[Action]) -> list[tuple]:
         """Each action as (chunk, kind, its letter, tile number, base slot, the offsets of the slots it completes,
         what it waits for as (offset, sent)): `actions.WAITS` in slot arithmetic. A slot is (chunk, kind, tile),
-        base + offset; a batch slice's token slices are consecutive tiles. The offsets depend only on the kind and
-        where the action sits (first or last chunk, last token slice): made once per walk."""
+        base + offset; a batch slice's token slices are consecutive tiles."""
+        first = self.first_tile
+        return self.compile_places((a.phase, a.stage, first[a.tile.batch_slice] + a.tile.token_slice) for a in row)
+
+    def compile_places(self, row) -> list[tuple]:
+        """`compile` of actions given as (kind, chunk, tile number) (a `Layout`'s). The offsets depend only on the
+        kind and where the action sits (first or last chunk, last token slice): made once per row."""
         out = []
-        first, counts, tiles, chunks = self.first_tile, self.counts, self.tiles, self.chunks
-        memo: dict = {}
-        for a in row:
-            t, c, phase = a.tile, a.stage, a.phase
-            n = first[t.batch_slice] + t.token_slice
-            later = t.token_slice + 1 < counts[t.batch_slice]  # a later token slice exists
+        tiles, chunks, last = self.tiles, self.chunks, self.last_of_slice
+        offsets_at: dict = {}
+        for phase, c, n in row:
+            later = not last[n]  # a later token slice exists
             where = (phase, c == 0, c == chunks - 1, later)
-            offsets = memo.get(where)
+            offsets = offsets_at.get(where)
             if offsets is None:
                 deps = tuple(
                     ((dc * 3 + kind) * tiles + dm, dc != 0)
                     for dc, kind, dm in _WAITS[phase]
                     if 0 <= c + dc < chunks and (dm == 0 or later)
                 )
-                offsets = memo[where] = (tuple(kind * tiles for kind in _COMPLETES[phase]), deps)
+                offsets = offsets_at[where] = (tuple(kind * tiles for kind in _COMPLETES[phase]), deps)
             out.append((c, _KIND[phase], _LETTER[phase], n, c * 3 * tiles + n, *offsets))
         return out
 
@@ -283,10 +339,28 @@ class _Pipeline:
         Megatron-LM's 1008B plan on 64 devices. The times do not depend on the order the devices are walked in
         (an action reads only its own device's state and what it waits for), nor do the sorted events (ties on one
         device keep its row's order)."""
-        pos = [0] * self.stages
-        rows = [self.compile(actions) for actions in schedule]
-        events: list[Event] = []
+        ran: list[tuple[int, int, float, float]] | None = [] if record else None
+        pos = self.play([self.compile(actions) for actions in schedule], ran)
+        stuck = {k: schedule[k][pos[k]] for k in range(self.stages) if pos[k] < len(schedule[k])}
+        if stuck:
+            raise ValueError(f"the schedule deadlocks: stages waiting forever at {stuck}")
+        if ran is None:
+            return []
         interleaved = self.chunks > self.stages
+        events: list[Event] = []
+        for k, p, start, finish in ran:
+            a = schedule[k][p]
+            tile, chunk = a.tile, a.stage if interleaved else None
+            events.append(
+                Event(k, _LETTER[a.phase], tile.batch_slice, tile.token_slice, start, finish, k, replica, step, chunk)
+            )
+        events.sort(key=lambda e: (e.start_s, e.stage))
+        return events
+
+    def play(self, rows: Sequence[Sequence[tuple]], ran: list | None = None) -> list[int]:
+        """`walk` on compiled rows (`compile`): each device's position where it stopped (its row's length when it
+        ran to the end); every action run is added to ``ran`` as (device, position, start, end), in the order run."""
+        pos = [0] * self.stages
         end, arrive = self.end, self.arrive
         waiting: dict[int, list[int]] = {}  # a slot not yet done -> the devices whose next action waits for it
         ready = deque(range(self.stages))
@@ -294,7 +368,7 @@ class _Pipeline:
             k = ready.popleft()
             row, p = rows[k], pos[k]
             while p < len(row):
-                c, kind, letter, n, base, done, deps = row[p]
+                c, kind, _, n, base, done, deps = row[p]
                 t_ready = 0.0
                 for offset, sent in deps:
                     t = arrive[base + offset] if sent else end[base + offset]
@@ -309,21 +383,13 @@ class _Pipeline:
                         woken = waiting.pop(base + offset, None)
                         if woken:
                             ready.extend(woken)
-                    if record:
-                        tile = schedule[k][p].tile
-                        chunk = c if interleaved else None
-                        events.append(
-                            Event(k, letter, tile.batch_slice, tile.token_slice, start, finish, k, replica, step, chunk)
-                        )
+                    if ran is not None:
+                        ran.append((k, p, start, finish))
                     p += 1
                     continue
                 break
             pos[k] = p
-        stuck = {k: schedule[k][pos[k]] for k in range(self.stages) if pos[k] < len(schedule[k])}
-        if stuck:
-            raise ValueError(f"the schedule deadlocks: stages waiting forever at {stuck}")
-        events.sort(key=lambda e: (e.start_s, e.stage))
-        return events
+        return pos
 
     def run(
         self, k: int, c: int, kind: int, n: int, t_ready: float, base: int, done: tuple[int, ...]

@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from terapipe_cli.errors import UserError
+from terapipe_cli.schedule import memo
 from terapipe_cli.schedule.actions import PHASES, Action, Phase, Tile, completes, plan_tiles, waits_for, walk_rows
 from terapipe_cli.schedule.orders import ALL_ORDERS, ORDERS, order_of
 from terapipe_cli.schedule.partition import Partition
@@ -48,12 +49,14 @@ from terapipe_cli.schedule.partition import Partition
 __all__ = [
     "ALL_ORDERS",
     "CUSTOM",
+    "Layout",
     "ORDERS",
     "PHASES",
     "Action",
     "Phase",
     "Schedule",
     "Tile",
+    "layout",
     "parse_schedule",
     "plan_tiles",
 ]
@@ -101,7 +104,7 @@ class Schedule:
         kind = order_of(order)
         if partition is not None and partition.placement != kind.placement:
             partition = replace(partition, placement=kind.placement)  # the order's placement (ZB-V: the V)
-        rows = kind.rows(tiles, len(slices), stages, virtual)
+        rows = [[Action(p, tiles[n], c) for p, c, n in row] for row in layout(slices, stages, kind.name, virtual).rows]
         return cls.of_rows(slices, stages, order, rows, recompute, partition)
 
     @classmethod
@@ -272,6 +275,42 @@ class Schedule:
     def to_csv(self) -> str:
         """One line of comma-separated actions per stage (`parse_schedule` reads it back)."""
         return "".join(",".join(self.label(a) for a in row) + "\n" for row in self.actions)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A built-in order's rows for batch slices of ``counts`` token slices each: per device, its actions as (kind,
+    chunk, tile number), the tile's place in pipeline order (`plan_tiles`). What an order runs when depends only on
+    how many token slices each batch slice has, not on their sizes (`Order.rows` reads nothing else of a tile), so one
+    layout serves every scheme of those counts (`layout`)."""
+
+    counts: tuple[int, ...]
+    rows: tuple[tuple[tuple[Phase, int, int], ...], ...]
+
+    @property
+    def nbytes(self) -> int:
+        """About what its tuples take (`memo`'s budget)."""
+        return 100 * sum(len(row) for row in self.rows)
+
+
+def layout(slices: Sequence, stages: int, order: str, virtual: int = 1) -> Layout:
+    """The `Layout` of a built-in order for a scheme ``slices`` on ``stages`` devices of ``virtual`` chunks each:
+    the order's rows of a scheme of one-token tiles with as many token slices per batch slice, shared within one plan
+    (`memo`) by every scheme of those counts (`Schedule.build`, and the simulator's and the memory estimate's walks of
+    the schemes a plan compares, which need no `Action` of their own)."""
+    counts = tuple(len(lengths) for _, lengths in slices)
+    kind = order_of(order)
+
+    def make() -> Layout:
+        places = kind.places(counts, stages, virtual)
+        if places is not None:
+            return Layout(counts, tuple(tuple(row) for row in places))
+        tiles = plan_tiles([(1, [1] * n) for n in counts])
+        number = {t: n for n, t in enumerate(tiles)}
+        rows = kind.rows(tiles, len(counts), stages, virtual)
+        return Layout(counts, tuple(tuple((a.phase, a.stage, number[a.tile]) for a in row) for row in rows))
+
+    return memo.remembered(("layout", kind.name, stages, virtual, counts), make)
 
 
 _ACTION = re.compile(r"(\d+)([FBIW])(\d+)(?:\.(\d+))?")

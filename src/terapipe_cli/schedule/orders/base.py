@@ -27,6 +27,12 @@ class Order:
     def rows(self, tiles: list[Tile], slices: int, devices: int, virtual: int) -> list[list[Action]]:
         raise NotImplementedError
 
+    def places(self, counts: Sequence[int], devices: int, virtual: int) -> list[list[tuple]] | None:
+        """`rows` for batch slices of ``counts`` token slices, each action as (kind, chunk, tile number) — the
+        tile's place in pipeline order — made without an `Action` (`schedule.layout`); None where the order makes
+        them only through `rows`."""
+        return None
+
     def open_slices(self, k: int, devices: int, slices: int) -> int:
         """Batch slices open on device k at the backward of one, of D = ``slices`` in all (at most)."""
         return slices if self.all_open else min(devices - k, slices)

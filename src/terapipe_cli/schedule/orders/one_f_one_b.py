@@ -9,7 +9,7 @@ forward and one backward in turn — with the backwards in groups of batch slice
 from __future__ import annotations
 
 from terapipe_cli.schedule import memo
-from terapipe_cli.schedule.actions import Action, KeyCodes, Tile, token_slice_counts, walk_codes
+from terapipe_cli.schedule.actions import Action, KeyCodes, Phase, Tile, token_slice_counts, walk_codes
 from terapipe_cli.schedule.orders.base import Order, by_slice, interleaved_forwards
 
 
@@ -29,6 +29,13 @@ class OneFOneB(Order):
         key = ("1f1b extra warm-up", devices, virtual, tuple(len(ts) for ts in groups))
         extra = memo.remembered(key, lambda: least_extra(forward, backward, devices * virtual, virtual))
         return alternating_1f1b(forward, backward, virtual, extra)
+
+    def places(self, counts, devices: int, virtual: int) -> list[list[tuple]] | None:
+        if virtual > 1:  # the extra warm-up is found by walking actions (`least_extra`)
+            return None
+        first = [sum(counts[:d]) for d in range(len(counts))]
+        groups = [range(first[d], first[d] + n) for d, n in enumerate(counts)]
+        return [one_f_one_b_places(groups, k, warmup=min(devices - k, len(counts))) for k in range(devices)]
 
 
 ONE_F_ONE_B = OneFOneB()
@@ -178,6 +185,18 @@ class _Rows:
             self.at(waited, extra) >= self.at(cycle[(n + 1) % len(cycle)][0], extra)
             for n, (_, waited) in enumerate(cycle)
         )
+
+
+def one_f_one_b_places(by_slice: list[range], stage: int, warmup: int) -> list[tuple]:
+    """`one_f_one_b` of batch slices given by their tile numbers, as (kind, chunk, tile number) (`Order.places`)."""
+    forward = [[(Phase.F, stage, n) for n in ns] for ns in by_slice]
+    backward = [[(Phase.B, stage, n) for n in reversed(ns)] for ns in by_slice]
+    out = [a for d in range(warmup) for a in forward[d]]
+    for d in range(warmup, len(by_slice)):
+        out += backward[d - warmup] + forward[d]
+    for d in range(len(by_slice) - warmup, len(by_slice)):
+        out += backward[d]
+    return out
 
 
 def one_f_one_b(by_slice: list[list[Tile]], stage: int, warmup: int) -> list[Action]:
