@@ -186,7 +186,15 @@ def run_workers(args, method: str, log_before: tuple = ()) -> None:
     if method == "spawn":
         torchrun.run(args)
     else:
+        _import_what_every_worker_imports()
         launch_forked(args, own_session=True, log_before=log_before)
+
+
+def _import_what_every_worker_imports() -> None:
+    """The modules every training worker imports after it starts, imported once here, before the workers are forked,
+    so that they inherit them: autograd's backward with given gradients (every stage but the last) loads torch's
+    symbolic shapes and sympy on its first call, most of a second of CPU in each worker."""
+    import torch.fx.experimental.symbolic_shapes  # noqa: F401
 
 
 # torchrun's agent handles these signals by stopping the workers with the same signal and raising; SIGINT, SIGTERM
