@@ -32,6 +32,13 @@ from torch.distributed.launcher.api import elastic_launch
 _ENDING = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGQUIT)
 
 
+def import_what_a_backward_loads() -> None:
+    """What a worker's first backward with given gradients loads (autograd checks their shapes with torch's symbolic
+    shapes, which import sympy: most of a second of CPU), imported in the process that forks the workers, so that
+    every worker inherits it."""
+    import torch.fx.experimental.symbolic_shapes  # noqa: F401
+
+
 def launch_forked(args, *, own_session: bool, log_before: tuple = ()) -> None:
     """torchrun's agent in this process with the parsed torchrun ``args`` (``--module M ...``), as
     ``torch.distributed.run.run`` runs it, but each worker forked from this process to run ``M.main(ARGS)``, in

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.engine.comm import DistGroup
+from terapipe_cli.engine.forking import import_what_a_backward_loads
 from terapipe_cli.engine.hostmem import retain_freed_memory
 from terapipe_cli.engine.tensor import TensorGroup
 from terapipe_cli.engine.torchrun import polling, rendezvous_args
@@ -70,6 +71,8 @@ def time_layer_tensor_parallel(
             *rendezvous_args(tensor_parallel), "--module", WORKER_MODULE, "--worker", "--request", str(request),
             "--backend", backend, "--out", str(out), "--progress", str(lines), "--timeout", str(COLLECTIVE_TIMEOUT_S),
         ]  # fmt: skip
+        if backend == "gloo":  # the ranks are forked from this process (`comm.run_workers`)
+            import_what_a_backward_loads()
         with _relay_progress(lines, progress, f"starting {tensor_parallel} tensor ranks (torchrun, {backend})"):
             data = run_workers(args, out, limit_s=LIMIT_S, what="tensor-parallel tile timing", backend=backend)
     points = [Point(**p) for p in data["points"]]

@@ -43,7 +43,7 @@ from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from terapipe_cli.engine.forking import launch_forked
+from terapipe_cli.engine.forking import import_what_a_backward_loads, launch_forked
 from terapipe_cli.engine.mesh import Layout
 from terapipe_cli.engine.torchrun import package_env, rendezvous_args, torchrun_argv
 from terapipe_cli.errors import Interrupted, Stopped, UserError
@@ -186,15 +186,8 @@ def run_workers(args, method: str, log_before: tuple = ()) -> None:
     if method == "spawn":
         torchrun.run(args)
     else:
-        _import_what_every_worker_imports()
+        import_what_a_backward_loads()  # once here rather than once in every worker
         launch_forked(args, own_session=True, log_before=log_before)
-
-
-def _import_what_every_worker_imports() -> None:
-    """The modules every training worker imports after it starts, imported once here, before the workers are forked,
-    so that they inherit them: autograd's backward with given gradients (every stage but the last) loads torch's
-    symbolic shapes and sympy on its first call, most of a second of CPU in each worker."""
-    import torch.fx.experimental.symbolic_shapes  # noqa: F401
 
 
 # torchrun's agent handles these signals by stopping the workers with the same signal and raising; SIGINT, SIGTERM
