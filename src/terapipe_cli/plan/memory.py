@@ -43,7 +43,7 @@ from terapipe_cli.plan.traced import TracedStage
 from terapipe_cli.schedule.actions import Action, Phase, Tile, plan_tiles
 from terapipe_cli.schedule.orders import order_of
 from terapipe_cli.schedule.partition import Partition
-from terapipe_cli.schedule.schedule import Schedule, layout
+from terapipe_cli.schedule.schedule import Schedule, scheme_shape
 from terapipe_cli.units import format_bytes
 
 _INDEX_BYTES = 8  # an int64 token id or position, per token
@@ -321,17 +321,12 @@ def scheme_memory(
 ) -> list[StageMemory] | None:
     """`stage_memory` of ``Schedule.build(slices, stages, order, recompute, partition)``, the same numbers, walked
     along the order's `Layout` (shared within a plan) without building the schedule's actions."""
-    kind = order_of(order)
-    virtual = 1 if partition is None else partition.virtual
-    if partition is not None and partition.placement != kind.placement:
-        partition = replace(partition, placement=kind.placement)  # the order's placement, as `Schedule.build`'s
-    chunks = stages * virtual
-    recompute = tuple(bool(x) for x in recompute) if recompute is not None else (False,) * chunks
-    if len(recompute) != chunks:  # refused as `Schedule.build` refuses it
+    shape = scheme_shape(slices, stages, order, recompute, partition)
+    if len(shape.recompute) != shape.chunks:  # refused as `Schedule.build` refuses it
         return stage_memory(Schedule.build(slices, stages, order, recompute, partition), profile)
     tiles = plan_tiles(slices)
-    rows = [[(p, c, tiles[n]) for p, c, n in row] for row in layout(slices, stages, kind.name, virtual).rows]
-    return _stage_memory(rows, slices, stages, recompute, partition, profile)
+    rows = [[(p, c, tiles[n]) for p, c, n in row] for row in shape.layout.rows]
+    return _stage_memory(rows, slices, stages, shape.recompute, shape.partition, profile)
 
 
 def _stage_memory(

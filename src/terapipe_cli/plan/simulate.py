@@ -27,16 +27,15 @@ from __future__ import annotations
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
 from terapipe_cli.plan.costmodel import CostModel
 from terapipe_cli.schedule import memo
 from terapipe_cli.schedule.actions import COMPLETES, WAITS, Action, Phase, Tile, plan_tiles
-from terapipe_cli.schedule.orders import order_of
 from terapipe_cli.schedule.partition import Partition
-from terapipe_cli.schedule.schedule import Schedule, layout
+from terapipe_cli.schedule.schedule import Schedule, scheme_shape
 from terapipe_cli.schedule.timeline import Event, StageTimes, stage_times
 
 # parts(b, i, j, chunk) -> (forward_s, backward_s, send_forward_s, send_backward_s), arrays over tiles: one chunk's
@@ -168,25 +167,21 @@ def scheme_latency(
     same number, without building the schedule: the walk's rows in slot form (`_Pipeline.compile`) depend only on
     the order's `Layout`, and are made once per layout within a plan (`memo`) — the planner simulates many schemes of
     a few layouts, where building each schedule's actions and compiling them took most of the simulation."""
-    kind = order_of(order)
-    virtual = 1 if partition is None else partition.virtual
-    if partition is not None and partition.placement != kind.placement:
-        partition = replace(partition, placement=kind.placement)  # the order's placement, as `Schedule.build`'s
-    chunks = stages * virtual
-    recompute = tuple(bool(x) for x in recompute) if recompute is not None else (False,) * chunks
-    shape = layout(slices, stages, kind.name, virtual)
-    split = kind.split  # a split order's rows hold I and W, the others' neither
+    scheme = scheme_shape(slices, stages, order, recompute, partition)
+    chunks, shape = scheme.chunks, scheme.layout
+    split = scheme.order.split  # a split order's rows hold I and W, the others' neither
     parts, step_s = _resolve_parts(cost, stages, None)
-    if len(recompute) != chunks or cost.partition.chunks != chunks or (split and getattr(parts, "split", None) is None):
+    refused = len(scheme.recompute) != chunks or cost.partition.chunks != chunks
+    if refused or (split and getattr(parts, "split", None) is None):
         # What `Schedule.build` and `_pipeline` refuse, refused as they say it.
         return simulated_latency(Schedule.build(slices, stages, order, recompute, partition), cost)
-    device = (lambda c: c % stages) if partition is None else partition.device
-    pipeline = _Pipeline(plan_tiles(slices), parts, stages, chunks, recompute, device, split)
+    device = (lambda c: c % stages) if scheme.partition is None else scheme.partition.device
+    pipeline = _Pipeline(plan_tiles(slices), parts, stages, chunks, scheme.recompute, device, split)
 
     def make() -> _Compiled:
         return _Compiled([pipeline.compile_places(row) for row in shape.rows])
 
-    compiled = memo.remembered(("compiled", kind.name, stages, virtual, shape.counts), make)
+    compiled = memo.remembered(("compiled", scheme.order.name, stages, chunks // stages, shape.counts), make)
     pos = pipeline.play(compiled.rows)
     if any(p < len(row) for p, row in zip(pos, compiled.rows, strict=True)):  # a deadlock: said as `walk` says it
         return simulated_latency(Schedule.build(slices, stages, order, recompute, partition), cost)

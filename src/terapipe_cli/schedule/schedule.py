@@ -43,7 +43,7 @@ from dataclasses import dataclass, field, replace
 from terapipe_cli.errors import UserError
 from terapipe_cli.schedule import memo
 from terapipe_cli.schedule.actions import PHASES, Action, Phase, Tile, completes, plan_tiles, waits_for, walk_rows
-from terapipe_cli.schedule.orders import ALL_ORDERS, ORDERS, order_of
+from terapipe_cli.schedule.orders import ALL_ORDERS, ORDERS, Order, order_of
 from terapipe_cli.schedule.partition import Partition
 
 __all__ = [
@@ -311,6 +311,35 @@ def layout(slices: Sequence, stages: int, order: str, virtual: int = 1) -> Layou
         return Layout(counts, tuple(tuple((a.phase, a.stage, number[a.tile]) for a in row) for row in rows))
 
     return memo.remembered(("layout", kind.name, stages, virtual, counts), make)
+
+
+@dataclass(frozen=True)
+class SchemeShape:
+    """What `Schedule.build(slices, stages, order, recompute, partition)` runs, read without building it: the order,
+    the partition with the order's placement, the chunks, every chunk's recomputation and the order's `Layout`."""
+
+    order: Order
+    partition: Partition | None
+    chunks: int
+    recompute: tuple[bool, ...]
+    layout: Layout
+
+
+def scheme_shape(
+    slices: Sequence,
+    stages: int,
+    order: str,
+    recompute: Sequence[bool] | None = None,
+    partition: Partition | None = None,
+) -> SchemeShape:
+    """`SchemeShape` of a scheme (the simulator's and the memory estimate's walks of the schemes a plan compares)."""
+    kind = order_of(order)
+    virtual = 1 if partition is None else partition.virtual
+    if partition is not None and partition.placement != kind.placement:
+        partition = replace(partition, placement=kind.placement)  # the order's placement, as `Schedule.build`'s
+    chunks = stages * virtual
+    flags = tuple(bool(x) for x in recompute) if recompute is not None else (False,) * chunks
+    return SchemeShape(kind, partition, chunks, flags, layout(slices, stages, kind.name, virtual))
 
 
 _ACTION = re.compile(r"(\d+)([FBIW])(\d+)(?:\.(\d+))?")

@@ -191,21 +191,22 @@ def one_f_one_b_places(by_slice: list[range], stage: int, warmup: int) -> list[t
     """`one_f_one_b` of batch slices given by their tile numbers, as (kind, chunk, tile number) (`Order.places`)."""
     forward = [[(Phase.F, stage, n) for n in ns] for ns in by_slice]
     backward = [[(Phase.B, stage, n) for n in reversed(ns)] for ns in by_slice]
-    out = [a for d in range(warmup) for a in forward[d]]
-    for d in range(warmup, len(by_slice)):
-        out += backward[d - warmup] + forward[d]
-    for d in range(len(by_slice) - warmup, len(by_slice)):
-        out += backward[d]
-    return out
+    return _interleaved(forward, backward, warmup)
 
 
 def one_f_one_b(by_slice: list[list[Tile]], stage: int, warmup: int) -> list[Action]:
     """One stage's 1F1B order over batch slices, ``warmup`` forwards ahead."""
     forward = [[Action("F", t, stage) for t in ts] for ts in by_slice]
     backward = [[Action("B", t, stage) for t in reversed(ts)] for ts in by_slice]
+    return _interleaved(forward, backward, warmup)
+
+
+def _interleaved(forward: list[list], backward: list[list], warmup: int) -> list:
+    """``warmup`` batch slices' forwards, then each next slice's forward after the backward ``warmup`` slices back,
+    then the last backwards: one stage's 1F1B of the slices' forward and backward actions (each slice's in order)."""
     out = [a for d in range(warmup) for a in forward[d]]
-    for d in range(warmup, len(by_slice)):
+    for d in range(warmup, len(forward)):
         out += backward[d - warmup] + forward[d]
-    for d in range(len(by_slice) - warmup, len(by_slice)):
+    for d in range(len(forward) - warmup, len(forward)):
         out += backward[d]
     return out
