@@ -464,7 +464,7 @@ def _batched_dp(tables: _Tables, t_max: np.ndarray) -> tuple[np.ndarray, np.ndar
     limit = t_max[:, None, None]
     bounded = bool(np.isfinite(t_max).any())  # else no tile is over any candidate (the prices hold no NaN)
     separate = tables.cost_max is not tables.cost
-    start = tables.start.tolist()
+    start = tables.start_list
     for group in _width_groups(alive, widths.max(axis=1)):
         contiguous = group[-1] - group[0] + 1 == len(group)
         rows = slice(int(group[0]), int(group[-1]) + 1) if contiguous else group

@@ -59,9 +59,15 @@ def interleaved_forwards(k: int, tiles: list[Tile], devices: int, virtual: int) 
     """Device k's forwards with v chunks per device (Megatron-LM's interleaving): the tiles in groups of K, each
     group through the device's chunks in turn (a tile comes back round after K chunk-times, just when the group is
     done)."""
+    return [Action("F", tiles[n], c) for c, n in interleaved_forward_places(k, len(tiles), devices, virtual)]
+
+
+def interleaved_forward_places(k: int, tiles: int, devices: int, virtual: int) -> list[tuple[int, int]]:
+    """`interleaved_forwards` of ``tiles`` tiles as (chunk, tile number)."""
     chunks = devices * virtual
-    out = []
-    for g in range(0, len(tiles), devices):
-        group = tiles[g : g + devices]
-        out += [Action("F", t, c) for c in range(k, chunks, devices) for t in group]
-    return out
+    return [
+        (c, n)
+        for g in range(0, tiles, devices)
+        for c in range(k, chunks, devices)
+        for n in range(g, min(g + devices, tiles))
+    ]

@@ -5,7 +5,7 @@ With v > 1 chunks per device the forwards go in Megatron-LM's groups of K tiles 
 from __future__ import annotations
 
 from terapipe_cli.schedule.actions import Action, Phase, Tile
-from terapipe_cli.schedule.orders.base import Order, interleaved_forwards
+from terapipe_cli.schedule.orders.base import Order, interleaved_forward_places, interleaved_forwards
 
 
 class GPipe(Order):
@@ -23,17 +23,11 @@ class GPipe(Order):
         return rows
 
     def places(self, counts, devices: int, virtual: int) -> list[list[tuple]]:
-        tiles, chunks = sum(counts), devices * virtual
         rows = []
         for k in range(devices):
             # `interleaved_forwards` (with v = 1: every tile on chunk k), then the backwards in the exact reverse.
-            f = [
-                (Phase.F, c, n)
-                for g in range(0, tiles, devices)
-                for c in range(k, chunks, devices)
-                for n in range(g, min(g + devices, tiles))
-            ]
-            rows.append(f + [(Phase.B, c, n) for _, c, n in reversed(f)])
+            f = interleaved_forward_places(k, sum(counts), devices, virtual)
+            rows.append([(Phase.F, c, n) for c, n in f] + [(Phase.B, c, n) for c, n in reversed(f)])
         return rows
 
 
