@@ -398,4 +398,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from terapipe_cli.ending import entry_point
+
+    entry_point(main)

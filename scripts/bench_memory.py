@@ -531,4 +531,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from terapipe_cli.ending import entry_point
+
+    entry_point(main)

@@ -1,3 +1,3 @@
-from terapipe_cli.cli import main
+from terapipe_cli.cli import entry
 
-main()
+entry()

@@ -8,10 +8,12 @@ from __future__ import annotations
 import functools
 import importlib
 import sys
+from typing import NoReturn
 
 import typer
 
 from terapipe_cli import __version__
+from terapipe_cli.ending import entry_point
 from terapipe_cli.errors import Interrupted, StopSignal, UserError, signals_raise, threads_leave_signals_to_main
 
 # numpy starts its BLAS threads when it is first imported: started here, they leave the ending signals to the main
@@ -114,6 +116,12 @@ def main(argv: list[str] | None = None) -> None:
         sys.stderr.write("terapipe: interrupted\n")
         raise SystemExit(Interrupted.exit_code) from None
     raise SystemExit(code if isinstance(code, int) else 0)
+
+
+def entry() -> NoReturn:
+    """The ``terapipe`` command (``python -m terapipe_cli``): `main`, then the process ends without the interpreter's
+    teardown (`terapipe_cli.ending`). `main` itself raises ``SystemExit``, as a caller in the same process expects."""
+    entry_point(main)
 
 
 def _refuse_both_switches(command, argv: list[str]) -> None:

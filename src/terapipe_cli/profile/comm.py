@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from terapipe_cli.ending import entry_point
 from terapipe_cli.engine.forking import run_agent_in_child
 from terapipe_cli.engine.torchrun import rendezvous_args, run_torchrun
 from terapipe_cli.errors import UserError
@@ -381,4 +382,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    entry_point(main)

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from terapipe_cli.config.model import ModelConfig
+from terapipe_cli.ending import entry_point
 from terapipe_cli.engine.comm import DistGroup
 from terapipe_cli.engine.forking import import_what_a_backward_loads
 from terapipe_cli.engine.hostmem import retain_freed_memory
@@ -164,4 +165,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    entry_point(main)

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
 from terapipe_cli.config.run import DEFAULT_GRACE_S, RunArguments
+from terapipe_cli.ending import entry_point
 from terapipe_cli.engine.comm import DistGroup, PeerLost, make_groups, make_p2p_groups, short_error
 from terapipe_cli.engine.data import run_data
 from terapipe_cli.engine.hostmem import retain_freed_memory
@@ -632,4 +633,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    entry_point(main)
