@@ -21,10 +21,10 @@ def end_process(code: object = 0) -> NoReturn:
     the program would, less the interpreter's teardown: the exit functions run (``atexit``'s: logging's, the
     multiprocessing children's, torch's), the standard streams are flushed, then the process ends (`os._exit`).
 
-    The interpreter's own exit when another non-daemon thread is still running (it waits for them), when ``code`` is
-    not an int (it prints it), or under a profiler or a tracer (``python -m cProfile``, coverage: they write what
-    they gathered after the program returns). Only where the process began in this interpreter: a forked child (a CPU training
-    worker) inherits its parent's exit functions, and ends as its forking library ends it."""
+    The interpreter's own exit when another non-daemon thread is still running (it waits for them), when ``code`` is not
+    an int (it prints it), or under a profiler or a tracer (``python -m cProfile``, coverage: they write what they
+    gathered after the program returns). Only where the process began in this interpreter: a forked child (a CPU
+    training worker) inherits its parent's exit functions, and ends as its forking library ends it."""
     if code is None:
         code = 0
     me = threading.current_thread()

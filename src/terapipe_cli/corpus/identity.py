@@ -27,7 +27,7 @@ from terapipe_cli.corpus.formats import FORMAT_NAMES, files_of
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import Fields, read_json
 
-WHOLE_BELOW = 1 << 24  # a file up to 16 MiB is hashed whole (~10 ms)
+WHOLE_BELOW = 1 << 24  # a file up to 16 MiB is hashed whole
 SAMPLE_BLOCKS = 64  # ... a larger one by 64 blocks of 16 KiB: 1 MiB read, whatever its size
 BLOCK_BYTES = 1 << 14
 _READ = 1 << 20

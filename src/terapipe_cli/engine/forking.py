@@ -1,7 +1,8 @@
 """torchrun's agent in a process that has imported torch, its workers forked from it: a worker then starts at once,
-where a fresh interpreter spends 3-4 s of CPU importing torch on a small machine. The training launcher
-(`train.launch`, on the CPU) runs the agent in its own process; the measurements of `terapipe profile` that need
-several processes (`profile.comm`) run it in a forked child they can time out (`run_agent_in_child`).
+where a fresh interpreter spends seconds of CPU importing torch on a small machine (docs/results.md, "Ending a
+process"). The training launcher (`train.launch`, on the CPU) runs the agent in its own process; the measurements of
+`terapipe profile` that need several processes (`profile.comm`) run it in a forked child they can time out
+(`run_agent_in_child`).
 
 Only for the CPU: a child forked from a process that has asked the CUDA driver anything cannot use the GPU, so CUDA
 workers stay fresh interpreters (torchrun's own ``python -m``).

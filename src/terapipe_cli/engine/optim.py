@@ -9,7 +9,7 @@
 - ``make_optimizer``: AdamW with the run's `OptimizerConfig` (nanoGPT's by default), with the multi-tensor
   (``foreach``) or fused kernels where the device has them.
 - ``AdamW``: torch.optim.AdamW's update (its own functional kernels, the same arguments), state and state dict,
-  without torch.optim.Optimizer, whose methods load torch's compiler stack (``torch._dynamo``, about 2 s of CPU per
+  without torch.optim.Optimizer, whose methods load torch's compiler stack (``torch._dynamo``, seconds of CPU per
   process on a small machine) the first time they run; a training worker never needs it.
 """
 

@@ -131,7 +131,7 @@ class TileTimer:
             token_slice = 1
         else:
             # In a pipeline step forwards run back to back, and the first forward after a backward is slower
-            # on a CPU (~0.4 ms on a 1-ms tile: caches, allocator). So every timed forward follows an untimed
+            # on a CPU (caches, the allocator). So every timed forward follows an untimed
             # one: the context tile, or here the same tile of another batch slice (whose split backward follows).
             runner.forward_tile(1, 0, x)
         inp = wgt = 0.0

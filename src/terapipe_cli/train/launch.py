@@ -170,11 +170,11 @@ def launch(spec: Launch) -> None:
 
 
 def start_method(spec: Launch) -> str:
-    """How the workers start. On the CPU, forked from this process by torchrun's agent (``fork``): torch and the
-    package are imported already, so a worker starts at once, where a fresh interpreter spends 3-4 s of CPU importing
-    torch on a small machine (a two-worker launch of a tiny model spent most of its CPU there). With CUDA, each a
-    fresh interpreter (``spawn``: torchrun's own ``python -m``): a child forked from a process that has asked the
-    CUDA driver anything (as ``--device auto`` does) cannot use the GPU."""
+    """How the workers start. On the CPU, forked from this process by torchrun's agent (``fork``): torch and the package
+    are imported already, so a worker starts at once, where a fresh interpreter spends seconds of CPU importing torch on
+    a small machine (a two-worker launch of a tiny model spent most of its CPU there: docs/results.md, "Ending a
+    process"). With CUDA, each a fresh interpreter (``spawn``: torchrun's own ``python -m``): a child forked from a
+    process that has asked the CUDA driver anything (as ``--device auto`` does) cannot use the GPU."""
     return "fork" if spec.device == "cpu" else "spawn"
 
 

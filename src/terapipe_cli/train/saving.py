@@ -52,8 +52,7 @@ class Saver(Protocol):
 COLUMNS = 3 + WORDS  # wrote, stage, folder, then the file's entry
 # Stages whose state (weights and optimizer) is smaller on every rank are saved synchronously: their checkpoint is
 # complete at the boundary of the step it saves, where a background write completes only after the next step. A
-# 4 MiB stage file took 24 ms to write synchronously (serialise, SHA-256, fsync'd write: 170 MiB/s, one thread of a
-# 2-core CPU machine; 1 MiB 8 ms, 64 MiB 335 ms), a few tiny-model steps' worth.
+# stage file this small writes in a few tiny-model steps' worth of time (docs/results.md, "The step that checkpoints").
 ASYNC_MIN_BYTES = 4 * 2**20
 SYNC_ENV = "TERAPIPE_SYNC_CHECKPOINTS"  # "1": every checkpoint synchronous (scripts/bench_train.py --checkpoints)
 
