@@ -166,7 +166,7 @@ def _traced(model, precision: str, tensor_parallel: int):
 
 def run_case(case: Case) -> list[tuple[float, float]]:
     """(estimate, tracked) per device."""
-    from terapipe_cli.config.model import ModelConfig
+    from terapipe_cli.models import ModelConfig
     from terapipe_cli.plan.costmodel import read_profile
     from terapipe_cli.plan.memory import stage_memory
     from terapipe_cli.profile.memtrace import tracked_step_peaks
@@ -280,9 +280,9 @@ def run_on_device(case: Case, device: str, usable_bytes: float | None) -> dict:
     """One step of ``case``'s actions on the device, against the traced estimate."""
     import torch
 
-    from terapipe_cli.config.model import ModelConfig
     from terapipe_cli.engine.live import LiveBytes
     from terapipe_cli.engine.stage import StageRunner
+    from terapipe_cli.models import ModelConfig
     from terapipe_cli.plan.costmodel import read_profile
     from terapipe_cli.plan.memory import stage_memory
     from terapipe_cli.profile.memtrace import trace_memory
@@ -408,7 +408,7 @@ def part_device(args) -> int:
 
 
 def part_trace(args) -> int:
-    from terapipe_cli.config.model import ModelConfig
+    from terapipe_cli.models import ModelConfig
     from terapipe_cli.profile.memtrace import trace_memory
 
     model_obj = json.loads(Path(args.model_json).read_text())
@@ -433,8 +433,8 @@ def chunking_worker(seq_len: int, vocab: int, hidden: int, chunk: int, steps: in
     size before it (VmHWM − VmRSS), the most the stage kept for the backward (`SavedBytes`), the timed steps."""
     import torch
 
-    from terapipe_cli.config.model import ModelConfig
     from terapipe_cli.engine.stage import StageRunner
+    from terapipe_cli.models import ModelConfig
 
     torch.set_num_threads(1)
     cfg = ModelConfig(name="bench-head", layers=2, hidden=hidden, heads=2, vocab=vocab, seq_len=seq_len)

@@ -64,10 +64,10 @@ def peer_worker(config_path: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from terapipe_cli.config.model import ModelConfig
     from terapipe_cli.config.run import LRSchedule
     from terapipe_cli.engine.data import load_data, step_batch
     from terapipe_cli.engine.optim import set_lr
+    from terapipe_cli.models import ModelConfig
 
     cfg = json.loads(Path(config_path).read_text())
     torch.set_num_threads(1)

@@ -180,8 +180,8 @@ def peer_trainer(kind: str, model, rank: int, stages: int, B: int, *, lr: float,
     import torch.distributed.pipelining as pipelining
     import torch.nn.functional as F
 
-    from terapipe_cli.engine.model import GPT
     from terapipe_cli.engine.optim import make_optimizer
+    from terapipe_cli.models.gpt.module import GPT
 
     class Whole(torch.nn.Module):
         """A stage of the GPT on whole sequences (no K/V context: each microbatch is one whole sequence)."""

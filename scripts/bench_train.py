@@ -61,8 +61,8 @@ def join_bench_job(config_path: str):
     import torch
     import torch.distributed as dist
 
-    from terapipe_cli.config.model import ModelConfig
     from terapipe_cli.engine.hostmem import retain_freed_memory
+    from terapipe_cli.models import ModelConfig
 
     cfg = json.loads(Path(config_path).read_text())
     torch.set_num_threads(1)
@@ -98,10 +98,11 @@ def worker(config_path: str) -> None:
 
     from terapipe_cli.engine.data import load_data, step_batch
     from terapipe_cli.engine.executor import StageExecutor
-    from terapipe_cli.engine.model import GPT, token_loss_sum
+    from terapipe_cli.engine.loss import token_loss_sum
     from terapipe_cli.engine.optim import make_optimizer
     from terapipe_cli.engine.p2p import Links
     from terapipe_cli.engine.stage import StageRunner
+    from terapipe_cli.models.gpt.module import GPT
     from terapipe_cli.schedule.schedule import Schedule
 
     cfg, rank, stages, model = join_bench_job(config_path)

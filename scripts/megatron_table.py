@@ -61,8 +61,8 @@ from rich.table import Table  # noqa: E402
 
 from terapipe_cli.cli.console import ProgressBar  # noqa: E402
 from terapipe_cli.config.hardware import Hardware, load_hardware  # noqa: E402
-from terapipe_cli.config.model import ModelConfig  # noqa: E402
 from terapipe_cli.errors import UserError  # noqa: E402
+from terapipe_cli.models import ModelConfig  # noqa: E402
 from terapipe_cli.plan.choice import choice_text  # noqa: E402
 from terapipe_cli.plan.configs import Configured, plan_configured  # noqa: E402
 from terapipe_cli.plan.costmodel import CostModel, Profile, profile_from_dict  # noqa: E402
@@ -142,7 +142,7 @@ SETTINGS = tuple(
 
 def model_flops(setting: Setting, *, recompute: bool = False) -> float:
     """The FLOPs of one training step of the global batch by the one count of plan, report and scripts
-    (`plan.mfu.step_flops`, `arch.flops_per_token`): 72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h)), the model's FLOPs.
+    (`plan.mfu.step_flops`, `models.flops_per_token`): 72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h)), the model's FLOPs.
     With ``recompute`` the forward of the layers again: 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)), Narayanan et al.
     2021, eq. 3, exactly (the LM head is not recomputed). Eq. 3 with 72 in place of 96, as this script counted before,
     left out a quarter of the head's 6·V·h per token."""

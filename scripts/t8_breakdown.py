@@ -52,8 +52,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import megatron_table as mt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from terapipe_cli.arch.base import backward_gemms, layer_gemms  # noqa: E402
 from terapipe_cli.config.hardware import Hardware, Link, load_hardware  # noqa: E402
+from terapipe_cli.models.spec import backward_gemms, layer_gemms  # noqa: E402
 from terapipe_cli.plan.costmodel import CostModel, Profile, profile_from_dict  # noqa: E402
 from terapipe_cli.plan.simulate import simulate  # noqa: E402
 from terapipe_cli.profile.analytic import _gemm_seconds, analytic_profile  # noqa: E402

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from terapipe_cli.config.model import ModelConfig
+from terapipe_cli.models import ModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 # This process's own setting, before `hide_gpus` changes it for the session (None: not set).
@@ -371,14 +371,14 @@ def _single_process_key(setup: LocalSetup) -> str:
     """All that the single-process runs read (`train.verify.reference_run`, `spread_run`): the model, the batch, the
     sequence length, the loss chunks, the run's arguments but the tensor-parallel size and the test-only switches
     (both act on the stages alone), the data's tokens and documents, the device, the code path the attention and the
-    optimizer take (`engine.attention.forced_branch`) and, for bf16 and fp16, the plan's tiles (the spread run walks
+    optimizer take (`models.attention.forced_branch`) and, for bf16 and fp16, the plan's tiles (the spread run walks
     them)."""
     import hashlib
     from dataclasses import replace
 
     import torch
 
-    from terapipe_cli.engine.attention import branch
+    from terapipe_cli.models.attention import branch
 
     plan, args, data = setup.plan, setup.args, setup.data
     digest = hashlib.sha256(bytes(data.tokens))

@@ -165,7 +165,7 @@ def checkpointed_run(path: Path, model=None, *, stages: int = 2, step: int = 3, 
     (random weights, not trained) saved as the workers save them; ``data``: the data file its arguments name."""
     import json
 
-    from terapipe_cli.engine.model import build_model
+    from terapipe_cli.models import build_model
     from terapipe_cli.train import checkpoint
 
     model = model or tiny_model(seq_len=SEQ)

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import torch
 
-from terapipe_cli.config.model import ModelConfig
-from terapipe_cli.engine.model import build_model
+from terapipe_cli.models import ModelConfig, build_model
 
 
 def saved(folder: Path, cls: str, seed: int = 0, **config):

@@ -9,8 +9,9 @@ from conftest import run_cli
 from file_errors import assert_file_error
 
 from terapipe_cli.config.experiment import load_experiment
-from terapipe_cli.config.model import ModelConfig, load_model_config
+from terapipe_cli.config.model import load_model_config
 from terapipe_cli.errors import UserError
+from terapipe_cli.models import ModelConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_FILES = sorted((ROOT / "configs" / "models").glob("*.toml"))

@@ -13,8 +13,9 @@ from conftest import assert_one_line_error, run_cli
 from hf_models import saved
 
 from terapipe_cli.config.experiment import load_experiment
-from terapipe_cli.config.model import ModelConfig, load_model_config, model_from_transformers
+from terapipe_cli.config.model import load_model_config, model_from_transformers
 from terapipe_cli.errors import UserError
+from terapipe_cli.models import ModelConfig
 
 LLAMA = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64, rope_theta=500000.0, rms_norm_eps=1e-5)  # fmt: skip

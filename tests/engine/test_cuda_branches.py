@@ -21,10 +21,10 @@ import pytest
 import torch
 from conftest import TWO_STEPS, local_setup, verify_locally
 
-from terapipe_cli.engine import attention
-from terapipe_cli.engine.attention import KVCache, attend, forced_branch
 from terapipe_cli.engine.executor import _StepWalk
 from terapipe_cli.engine.optim import make_optimizer
+from terapipe_cli.models import attention
+from terapipe_cli.models.attention import KVCache, attend, forced_branch
 from terapipe_cli.schedule.schedule import parse_schedule
 
 LOW = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -14,9 +14,7 @@ import torch
 from conftest import local_setup, tiny_model, train_locally, verify_local_run, verify_locally
 
 from terapipe_cli.config.controls import Controls
-from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.corpus.formats import Documents
-from terapipe_cli.engine.attention import DocumentMask, forced_branch
 from terapipe_cli.engine.data import (
     TokenData,
     eos_document_starts,
@@ -25,8 +23,9 @@ from terapipe_cli.engine.data import (
     step_batch,
     step_documents,
 )
-from terapipe_cli.engine.model import build_model
 from terapipe_cli.engine.stage import StageRunner
+from terapipe_cli.models import ModelConfig, build_model
+from terapipe_cli.models.attention import DocumentMask, forced_branch
 
 
 def _llama(layers: int = 2) -> ModelConfig:

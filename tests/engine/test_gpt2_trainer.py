@@ -12,9 +12,9 @@ from local_world import LocalWorld
 from test_tensor_parallel import shard_and_gather
 from test_trainer import FAMILIES
 
-from terapipe_cli.config.model import ModelConfig
-from terapipe_cli.engine.model import GPT2, build_model
 from terapipe_cli.engine.tensor import ColumnParallelLinear, RowParallelLinear, TensorGroup, shard_module, split_of
+from terapipe_cli.models import ModelConfig, build_model
+from terapipe_cli.models.gpt.module import GPT2
 
 
 def gpt2_model(layers: int = 6, **fields) -> ModelConfig:

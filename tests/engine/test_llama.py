@@ -1,4 +1,4 @@
-"""The llama architecture (engine/llama.py): its config fields, its state dict as documented, token slices with RoPE at
+"""The llama architecture (models/llama/): its config fields, its state dict as documented, token slices with RoPE at
 their absolute positions equal to the whole sequence, and the slice-local negative control that must differ."""
 
 from __future__ import annotations
@@ -10,10 +10,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from terapipe_cli.config.model import ModelConfig, load_model_config
-from terapipe_cli.engine import llama
-from terapipe_cli.engine.model import GPT, KVCache, build_model
+from terapipe_cli.config.model import load_model_config
 from terapipe_cli.errors import UserError
+from terapipe_cli.models import ModelConfig, build_model
+from terapipe_cli.models.attention import KVCache
+from terapipe_cli.models.gpt.module import GPT
+from terapipe_cli.models.llama import module as llama
 
 BASE = {"name": "m", "layers": 2, "hidden": 64, "heads": 4, "vocab": 50, "seq_len": 64}
 LLAMA = {**BASE, "arch": "llama", "kv_heads": 2, "ffn_hidden": 96}
@@ -187,8 +189,8 @@ def test_llama_shards_gather_into_the_whole_tensors(T):
 
 
 def test_repeated_key_value_heads_equal_grouped_query_attention():
-    """What `model.expand_for_kernel` does on CUDA in fp32 (each key/value head repeated for its group) gives the same
-    output and gradients as the kernels' grouped-query mode."""
+    """What `attention.expand_for_kernel` does on CUDA in fp32 (each key/value head repeated for its group) gives the
+    same output and gradients as the kernels' grouped-query mode."""
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, h, 12, 8, generator=g, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
     y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)

@@ -1,4 +1,4 @@
-"""The llama architecture through the runtime (engine/llama.py): every scheme family of tests/engine/test_trainer.py
+"""The llama architecture through the runtime (models/llama/): every scheme family of tests/engine/test_trainer.py
 verifies against single-device training, one process with every rank a thread, on a grouped-query model (2 key/value
 heads for 4 query heads); bf16 too; a trainer continued from its state takes the same steps; RoPE at slice-local
 positions and a dropped K/V hand-back fail the same check."""
@@ -11,9 +11,9 @@ from conftest import TWO_STEPS, local_setup, train_locally, verify_local_run, ve
 from local_world import LocalWorld, local_comms
 from test_trainer import FAMILIES
 
-from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.engine.mesh import Layout
 from terapipe_cli.engine.trainer import Trainer
+from terapipe_cli.models import ModelConfig
 from terapipe_cli.schedule.schedule import Schedule
 
 

@@ -17,9 +17,9 @@ import torch
 from conftest import ROOT
 from local_world import LocalWorld
 
-from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.engine.stage import StageRunner
 from terapipe_cli.engine.tensor import TensorGroup
+from terapipe_cli.models import ModelConfig
 from terapipe_cli.plan.costmodel import read_profile
 from terapipe_cli.plan.memory import stage_memory
 from terapipe_cli.profile.timer import TileTimer

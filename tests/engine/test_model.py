@@ -1,7 +1,9 @@
 import torch
 from conftest import tiny_model
 
-from terapipe_cli.engine.model import GPT, KVCache, token_loss_sum
+from terapipe_cli.engine.loss import token_loss_sum
+from terapipe_cli.models.attention import KVCache
+from terapipe_cli.models.gpt.module import GPT
 
 
 def test_same_weights_whatever_the_stage_count(tiny):

@@ -8,12 +8,11 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.config.optimizer import OptimizerConfig
 from terapipe_cli.config.run import LRSchedule, RunArguments
-from terapipe_cli.engine.model import build_model
 from terapipe_cli.engine.optim import LossScale, clip_global_norm, make_optimizer, take_step
 from terapipe_cli.errors import UserError
+from terapipe_cli.models import ModelConfig, build_model
 
 
 def test_warmup_is_linear_up_to_the_peak():

@@ -7,8 +7,8 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.engine.stage import StageRunner
+from terapipe_cli.models import ModelConfig
 
 
 def llama(layers: int = 4) -> ModelConfig:

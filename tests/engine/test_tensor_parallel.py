@@ -10,10 +10,9 @@ import torch
 from conftest import assert_one_line_error, run_cli, tiny_model, write_plan_file
 from local_world import LocalWorld
 
-from terapipe_cli.config.model import vocab_rows
 from terapipe_cli.engine.comm import DistGroup
+from terapipe_cli.engine.loss import token_loss_sum
 from terapipe_cli.engine.mesh import Layout
-from terapipe_cli.engine.model import GPT, token_loss_sum
 from terapipe_cli.engine.tensor import (
     SPLITS,
     TensorGroup,
@@ -25,6 +24,8 @@ from terapipe_cli.engine.tensor import (
     split_of,
     vocab_parallel_loss_sum,
 )
+from terapipe_cli.models import vocab_rows
+from terapipe_cli.models.gpt.module import GPT
 
 CPU = ("--device", "cpu")
 

@@ -70,7 +70,8 @@ def test_the_plan_counts_both_copies_and_the_gradient_sum(tensor_parallel):
     from dataclasses import replace
 
     from terapipe_cli.config.hardware import load_hardware
-    from terapipe_cli.config.model import load_model_config, vocab_share
+    from terapipe_cli.config.model import load_model_config
+    from terapipe_cli.models import vocab_share
     from terapipe_cli.plan.costmodel import CostModel, profile_from_dict
     from terapipe_cli.plan.memory import stage_sizes
     from terapipe_cli.profile.analytic import analytic_profile

@@ -11,7 +11,8 @@ import torch
 from conftest import TWO_STEPS, local_setup, tiny_model, train_locally, verify_locally
 
 from terapipe_cli.engine.data import validation_batch
-from terapipe_cli.engine.model import GPT, token_loss_sum
+from terapipe_cli.engine.loss import token_loss_sum
+from terapipe_cli.models.gpt.module import GPT
 from terapipe_cli.schedule.schedule import Schedule, parse_schedule
 
 # name: (slices, stages, run arguments, plan fields)

@@ -7,8 +7,8 @@ tests/engine/test_cuda_branches.py.)"""
 import pytest
 from conftest import TWO_STEPS, local_setup, run_cli, verify_locally, write_plan_file
 
-from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.engine.stage import StageRunner
+from terapipe_cli.models import ModelConfig
 from terapipe_cli.schedule.schedule import Schedule, parse_schedule
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from terapipe_cli.config.model import ModelConfig
+from terapipe_cli.models import ModelConfig
 from terapipe_cli.plan.costmodel import CostModel, read_profile
 from terapipe_cli.plan.memory import scheme_memory, stage_memory
 from terapipe_cli.plan.simulate import scheme_latency, simulated_latency

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from conftest import ROOT
 
-from terapipe_cli.config.model import vocab_share
+from terapipe_cli.models import vocab_share
 from terapipe_cli.plan.costmodel import read_profile
 from terapipe_cli.plan.memory import (
     LOSS_BYTES_PER_LOGIT,

@@ -13,10 +13,10 @@ import pytest
 from conftest import ROOT, run_cli
 from paper_plans import assert_optimum_not_beaten, paper_planned, paper_profile
 
-from terapipe_cli.arch import flops_per_token
 from terapipe_cli.config.bundled import bundled_names
 from terapipe_cli.config.hardware import load_hardware
 from terapipe_cli.config.model import load_model_config
+from terapipe_cli.models import flops_per_token
 from terapipe_cli.plan.choice import DISAGREE, Planned
 from terapipe_cli.plan.configs import plan_configured
 from terapipe_cli.plan.costmodel import profile_from_dict, read_profile

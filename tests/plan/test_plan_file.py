@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from file_errors import assert_file_error
 
-from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import write_json_atomic
+from terapipe_cli.models import ModelConfig
 from terapipe_cli.plan.file import (
     PLAN_SCHEMA,
     check_slices,

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from conftest import run_cli
 
-from terapipe_cli.arch import backward_input_share
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import write_json_atomic
+from terapipe_cli.models import backward_input_share
 from terapipe_cli.plan.choice import choice_text, split_text
 from terapipe_cli.plan.costmodel import CostModel, profile_from_dict, read_profile
 from terapipe_cli.plan.simulate import cost_model_parts, simulate, uniform_parts

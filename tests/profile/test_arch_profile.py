@@ -9,9 +9,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from terapipe_cli.arch import ARCHS, flops_per_token
 from terapipe_cli.config.hardware import load_hardware
-from terapipe_cli.config.model import ModelConfig, load_model_config
+from terapipe_cli.config.model import load_model_config
+from terapipe_cli.models import ARCHS, ModelConfig, flops_per_token
 from terapipe_cli.plan.costmodel import profile_from_dict
 from terapipe_cli.profile.analytic import (
     analytic_profile,
@@ -38,7 +38,7 @@ TIES = [(a, t) for a in sorted(CONFIGS) for t in (False, True) if not t or "tie_
 
 @pytest.mark.parametrize(("arch", "tied"), TIES)
 def test_the_parameter_counts_are_the_modules(arch, tied):
-    from terapipe_cli.engine.model import build_model
+    from terapipe_cli.models import build_model
 
     cfg = replace(CONFIGS[arch], tie_embeddings=tied)
     whole = build_model(cfg)

@@ -12,9 +12,10 @@ from conftest import ROOT, assert_one_line_error, run_cli
 from terapipe_cli.config import device as device_mod
 from terapipe_cli.config.device import same_device_name
 from terapipe_cli.config.hardware import load_hardware
-from terapipe_cli.config.model import ModelConfig, load_model_config
+from terapipe_cli.config.model import load_model_config
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import write_json_atomic
+from terapipe_cli.models import ModelConfig
 from terapipe_cli.plan.costmodel import read_profile
 from terapipe_cli.profile import options, probe
 from terapipe_cli.profile.analytic import analytic_profile

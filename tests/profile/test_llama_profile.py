@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from terapipe_cli.config.hardware import load_hardware
-from terapipe_cli.config.model import ModelConfig, load_model_config, vocab_share
-from terapipe_cli.engine.model import build_model
+from terapipe_cli.config.model import load_model_config
+from terapipe_cli.models import ModelConfig, build_model, vocab_share
 from terapipe_cli.plan.costmodel import profile_from_dict
 from terapipe_cli.plan.memory import stage_sizes
 from terapipe_cli.profile.analytic import (

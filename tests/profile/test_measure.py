@@ -12,8 +12,8 @@ import torch
 from conftest import assert_one_line_error, run_cli, terapipe
 
 from terapipe_cli.config.device import default_precision, resolve_precision
-from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.errors import UserError
+from terapipe_cli.models import ModelConfig
 from terapipe_cli.plan.costmodel import CostModel, profile_from_dict, read_profile
 from terapipe_cli.plan.file import read_plan
 from terapipe_cli.profile.probe import resolve_device

@@ -16,8 +16,8 @@ import pytest
 import torch
 from conftest import ROOT
 
-from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.errors import UserError
+from terapipe_cli.models import ModelConfig
 from terapipe_cli.plan.costmodel import read_profile
 from terapipe_cli.plan.memory import stage_memory, stage_sizes
 from terapipe_cli.plan.traced import _forms, traced_from_dict

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from terapipe_cli.arch import backward_input_share
 from terapipe_cli.config.hardware import load_hardware
-from terapipe_cli.config.model import ModelConfig, load_model_config
+from terapipe_cli.config.model import load_model_config
+from terapipe_cli.models import ModelConfig, backward_input_share
 from terapipe_cli.plan.costmodel import profile_from_dict
 from terapipe_cli.profile.analytic import analytic_profile, layer_seconds, layer_seconds_split
 from terapipe_cli.profile.tiles import Point, context_points, token_grid

@@ -15,9 +15,9 @@ import torch
 from conftest import assert_one_line_error, run_cli
 from local_world import LocalWorld
 
-from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.engine.tensor import TensorGroup
 from terapipe_cli.errors import UserError
+from terapipe_cli.models import ModelConfig
 from terapipe_cli.plan.costmodel import read_profile
 from terapipe_cli.plan.file import read_plan
 from terapipe_cli.profile import ends, options

@@ -16,9 +16,9 @@ import pytest
 from conftest import assert_one_line_error, run_cli, tiny_model
 from fake_runs import GPIPE, SEQ, TERAPIPE, assert_chrome_trace, assert_nontrivial_png, make_run
 
-from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.engine.mesh import Layout
 from terapipe_cli.errors import UserError
+from terapipe_cli.models import ModelConfig
 from terapipe_cli.plan.baseline import gpipe_plan_dict
 from terapipe_cli.report.build import find_baseline, find_cost_model, write_report
 from terapipe_cli.report.compare import LOSS_RTOL, bubble_formula, compare, latency_stats

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 from fake_runs import TERAPIPE, make_run
 
-from terapipe_cli.arch import flops_per_token
+from terapipe_cli.models import flops_per_token
 from terapipe_cli.report.compare import bubble_formula, compare
 from terapipe_cli.report.runs import load_run
 from terapipe_cli.report.text import latency_rows

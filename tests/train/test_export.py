@@ -6,8 +6,9 @@ import torch
 from conftest import LocalSetup, assert_one_line_error, run_cli, train_locally, write_plan_file
 
 from terapipe_cli.config.run import RunConfig
-from terapipe_cli.engine.model import GPT, KVCache
 from terapipe_cli.engine.stage import StageRunner
+from terapipe_cli.models.attention import KVCache
+from terapipe_cli.models.gpt.module import GPT
 from terapipe_cli.plan.file import plan_from_dict
 from terapipe_cli.train import checkpoint
 from terapipe_cli.train.export import load_exported

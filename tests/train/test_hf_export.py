@@ -14,8 +14,7 @@ from conftest import assert_one_line_error, run_cli, tiny_model
 from fake_runs import checkpointed_run
 
 import terapipe_cli
-from terapipe_cli.config.model import ModelConfig
-from terapipe_cli.engine.model import build_model
+from terapipe_cli.models import ModelConfig, build_model
 
 
 def llama(**changes) -> ModelConfig:

@@ -18,10 +18,10 @@ from conftest import assert_one_line_error, local_setup, run_cli, train_locally,
 from fake_runs import checkpointed_run
 from hf_models import saved
 
-from terapipe_cli.config.model import ModelConfig, load_model_config
-from terapipe_cli.engine.model import build_model
+from terapipe_cli.config.model import load_model_config
 from terapipe_cli.engine.tensor import shard_ranges
 from terapipe_cli.errors import UserError
+from terapipe_cli.models import ModelConfig, build_model
 from terapipe_cli.train.export import write_export
 from terapipe_cli.train.hf import write_hf
 from terapipe_cli.train.init_from import check_source, load_weights, open_source
@@ -118,7 +118,7 @@ class Tensors(torch.nn.Module):
 def test_a_broken_name_mapping_fails_the_logits_comparison(tmp_path, monkeypatch):
     """Negative control: q and k swapped in the llama table (multi-head, so the shapes agree) load without complaint
     and compute other logits than the source's."""
-    from terapipe_cli.arch.llama import LlamaArch
+    from terapipe_cli.models.llama.spec import LlamaArch
 
     theirs, folder = source_folder(tmp_path, "LlamaForCausalLM", {**LLAMA, "num_key_value_heads": 4})
     source = open_source(folder)

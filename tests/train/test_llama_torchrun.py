@@ -3,7 +3,7 @@ K = 2 processes of a grouped-query Llama walking ZB-V (process k holds chunks k 
 and W, one chunk recomputed), two batch slices sliced differently, on a Megatron corpus of short documents (the
 document mask on by default: the corpus records its documents, the token slices cross them); --verify against one
 device with the same mask. The checkpoint holds each process's chunks under the single-device model's names
-(engine/llama.py); the timelines hold every tile's F, I and W on both chunks. Every scheme family, order,
+(models/llama/module.py); the timelines hold every tile's F, I and W on both chunks. Every scheme family, order,
 precision and negative control is verified in one process (tests/engine/test_llama_trainer.py,
 test_zero_bubble_training.py, test_documents.py)."""
 
@@ -14,8 +14,8 @@ import json
 import numpy as np
 from conftest import run_cli, write_plan_file
 
-from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.corpus.formats import MegatronWriter
+from terapipe_cli.models import ModelConfig
 from terapipe_cli.schedule.schedule import plan_tiles
 from terapipe_cli.schedule.timeline import read_timeline
 from terapipe_cli.train import checkpoint

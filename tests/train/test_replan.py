@@ -128,7 +128,7 @@ def test_resume_under_a_new_plan_through_the_workers(tmp_path, capfd):
     from test_init_from import LLAMA, source_folder, tokens_of
 
     from terapipe_cli.config.model import load_model_config
-    from terapipe_cli.engine.model import build_model
+    from terapipe_cli.models import build_model
     from terapipe_cli.train.rundir import read_summary
 
     _, folder = source_folder(tmp_path, "LlamaForCausalLM", {**LLAMA, "num_hidden_layers": 6}, "20KB")

@@ -13,8 +13,8 @@ import torch
 from conftest import run_cli
 from fake_runs import checkpointed_run
 
-from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.engine.data import generate_default_text
+from terapipe_cli.models import ModelConfig
 from terapipe_cli.train.tokenizer import RUN_TOKENIZER, record_tokenizer, run_tokenizer_files
 
 transformers = pytest.importorskip("transformers")

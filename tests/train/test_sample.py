@@ -10,9 +10,9 @@ import torch
 from conftest import assert_one_line_error, run_cli, tiny_model
 from fake_runs import checkpointed_run, make_run
 
-from terapipe_cli.arch import RopeScaling
-from terapipe_cli.config.model import ModelConfig
-from terapipe_cli.engine.model import GPT, KVCache, build_model
+from terapipe_cli.models import ModelConfig, RopeScaling, build_model
+from terapipe_cli.models.attention import KVCache
+from terapipe_cli.models.gpt.module import GPT
 from terapipe_cli.train.sample import Sampling, generate, pick, run_tokenizer
 
 

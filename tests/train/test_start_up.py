@@ -1,6 +1,6 @@
 """What a process of the runtime loads when it starts: the worker, `terapipe train`'s launcher and `terapipe profile`
 import torch, but not its compiler stack (``torch._dynamo``, sympy): 2.5 s of CPU on a two-core machine, as much
-again as torch itself. A process that needs it imports it where it runs: `engine.attention`'s CUDA mask, the memory
+again as torch itself. A process that needs it imports it where it runs: `models.attention`'s CUDA mask, the memory
 tracer's fake tensors. Nor does an optimizer step load it: torch.optim's optimizers do, the first time one of their
 methods runs, so the runtime's AdamW (`engine.optim.AdamW`) is built on torch's functional update instead."""
 

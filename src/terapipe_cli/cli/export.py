@@ -18,7 +18,7 @@ folder), loadable without terapipe's runtime.
 A model file loads with:
 
     from terapipe_cli import load_exported
-    model, info = load_exported("model.pt")     # GPT or Llama (engine.model.build_model), strict=True, eval mode
+    model, info = load_exported("model.pt")     # GPT or Llama (models.build_model), strict=True, eval mode
 
 or by hand: build_model(ModelConfig(**obj["model_config"])).load_state_dict(obj["state_dict"]) with
 obj = torch.load("model.pt", weights_only=True).

@@ -32,7 +32,7 @@ class Controls:
     kv_handback: bool = True  # False: the earlier token slices' K/V gradients dropped (`attention.KVCache`)
     tp_allreduce: bool = True  # False: the backward all-reduce of the column-parallel inputs skipped (`tensor`)
     vocab_allreduce: bool = True  # False: the vocabulary-parallel loss's all-reduces skipped (`engine.loss`)
-    rope_absolute: bool = True  # False: every slice rotates by the positions 0 … i − 1 (`engine.llama`)
+    rope_absolute: bool = True  # False: every slice rotates by the positions 0 … i − 1 (`models.llama.module`)
     cache_masked: bool = True  # False: the document mask dropped over the K/V cache's rows (`attention.DocumentMask`)
     fault: str | None = None  # "KIND:RANK:STEP": a failure injected in one worker's step (train/worker.py)
 

@@ -32,10 +32,11 @@ from pathlib import Path
 
 from terapipe_cli.config.bundled import load_toml
 from terapipe_cli.config.fields import known_keys, read_fields, setting
-from terapipe_cli.config.model import ModelConfig, load_model_config
+from terapipe_cli.config.model import load_model_config
 from terapipe_cli.config.run import DEFAULT_LR  # `terapipe train`'s default, the demo's too
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import Fields
+from terapipe_cli.models import ModelConfig
 
 # Kept equal to configs/experiments/demo.toml with configs/models/tiny.toml inlined (a test checks it).
 DEFAULT_TOML = """

@@ -25,9 +25,10 @@ from pathlib import Path
 from terapipe_cli.config.bundled import find_config, load_toml
 from terapipe_cli.config.fields import read_fields, setting
 from terapipe_cli.config.hardware import Hardware, load_hardware
-from terapipe_cli.config.model import ModelConfig, load_model_config
+from terapipe_cli.config.model import load_model_config
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import Fields
+from terapipe_cli.models import ModelConfig
 
 
 @dataclass(frozen=True)

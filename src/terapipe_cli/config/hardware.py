@@ -55,9 +55,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from terapipe_cli.config.bundled import find_config, load_toml
-from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import Fields
+from terapipe_cli.models import ModelConfig
 
 
 @dataclass(frozen=True)

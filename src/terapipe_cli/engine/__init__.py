@@ -1,10 +1,8 @@
-"""The engine: what one rank runs (docs/design.md §6). The model knows nothing of parallelism; the rest applies it.
+"""The engine: what one rank runs (docs/design.md §6). The model (`terapipe_cli.models`) knows nothing of
+parallelism; the engine applies it.
 
-model.py     the GPT decoder with a K/V cache per layer: the attention over earlier token slices; GPT-2 (arch = "gpt2")
-llama.py     the Llama-family decoder (arch = "llama"): RMSNorm, RoPE at each slice's positions, SwiGLU, GQA
-attention.py the K/V cache and the attention over a slice's context, shared by every architecture
-init.py      the seeded per-component initialisation every architecture's module uses
 stage.py     StageRunner: one stage's per-tile forward and backward, with the K/V gradient hand-back
+loss.py      the LM head and its cross-entropy a chunk of tokens at a time; the summed token loss
 tensor.py    tensor parallelism inside a stage (Megatron's split), applied to a plain model from outside
 p2p.py       pre-posted point-to-point messages between neighbouring stages (shapes from the plan)
 mesh.py      where every rank sits in the (data, pipeline, tensor) grid, and its process groups

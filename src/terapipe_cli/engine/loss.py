@@ -182,3 +182,8 @@ def chunked_loss_sum(
     hi = wc.shape[0] if hi is None else hi
     # The weight in a tuple: no autograd input (its gradient goes to .grad directly, the module docstring says why).
     return _ChunkedHeadLoss.apply(x2, targets.reshape(-1), wc, (weight,), max(1, int(chunk)), tp, lo, hi)
+
+
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed (not averaged) cross-entropy: the step divides by all predicted tokens of the step (docs/design.md §6)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")

@@ -22,9 +22,9 @@ import torch
 from torch import nn
 
 from terapipe_cli.config.optimizer import OptimizerConfig
-from terapipe_cli.engine.attention import branch
+from terapipe_cli.models.attention import branch
 
-# The token and position embeddings and the LM head, by the names every architecture gives them (engine/model.py's,
+# The token and position embeddings and the LM head, by the names every architecture gives them (models/gpt/module.py's,
 # kept by Llama and GPT-2) on every stage and tensor rank: what --no-decay-embeddings leaves undecayed. Tied, the
 # head's matrix is the embedding's, listed once by `named_parameters`, under ``wte.weight``.
 EMBEDDINGS_AND_HEAD = ("wte.weight", "wpe.weight", "lm_head.weight")

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.graph import GradientEdge
 
-from terapipe_cli.engine.attention import _Window
+from terapipe_cli.models.attention import _Window
 
 _WINDOW = _Window._backward_cls  # the K/V hand-back's node: always the rest (I)
 

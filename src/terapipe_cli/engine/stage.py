@@ -32,12 +32,11 @@ from dataclasses import dataclass, field
 import torch
 
 from terapipe_cli.config.controls import Controls
-from terapipe_cli.config.model import ModelConfig, vocab_share
 from terapipe_cli.engine import split_backward
-from terapipe_cli.engine.attention import DocumentMask, KVCache
 from terapipe_cli.engine.loss import drop_compute_weights
-from terapipe_cli.engine.model import build_model
 from terapipe_cli.engine.tensor import TensorGroup, head_loss_sum, shard_module
+from terapipe_cli.models import ModelConfig, build_model, vocab_share
+from terapipe_cli.models.attention import DocumentMask, KVCache
 from terapipe_cli.plan.memory import loss_chunk_tokens as default_loss_chunk_tokens
 from terapipe_cli.schedule.partition import Partition
 

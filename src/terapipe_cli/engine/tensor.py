@@ -9,7 +9,7 @@ Two all-reduces forward and two backward per layer and tile. Each rank's K/V cac
 and values.
 
 The vocabulary is split too (Megatron's vocab-parallel embedding and cross-entropy): each rank holds the rows
-[r·V//T, (r+1)·V//T) of the token embedding and of the LM head (`config.model.vocab_rows`; V need not divide by
+[r·V//T, (r+1)·V//T) of the token embedding and of the LM head (`models.config.vocab_rows`; V need not divide by
 T). The embedding looks up the tokens it holds, zeros the others' rows and sums over the ranks
 (`VocabParallelEmbedding`); the head is column-parallel over the vocabulary (`VocabParallelHead`), and the loss is
 the exact cross-entropy over the whole vocabulary from each rank's share of the logits
@@ -30,7 +30,7 @@ row-parallel layer's is whole on every rank and added once, after the sum over t
 the same output and the same bias gradient, as for the layer norms).
 
 Parameter names stay the single-device model's; a sharded parameter is a slice of the full one along one
-dimension (`SPLITS`: every architecture's splits, each declared by its spec in `terapipe_cli.arch`). `shard_tensor`
+dimension (`SPLITS`: every architecture's splits, each declared by its spec in `terapipe_cli.models`). `shard_tensor`
 cuts the full tensor into this rank's slice, `gather_tensor` puts the full one back together (an all-gather over
 the tensor group), so checkpoints, ``--verify`` and ``terapipe export`` see whole tensors whatever T was.
 """
@@ -45,11 +45,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from terapipe_cli.arch import Split, all_splits
-from terapipe_cli.config.model import vocab_rows
 from terapipe_cli.engine.comm import Group
-from terapipe_cli.engine.loss import chunked_loss_sum, compute_weight
-from terapipe_cli.engine.model import token_loss_sum
+from terapipe_cli.engine.loss import chunked_loss_sum, compute_weight, token_loss_sum
+from terapipe_cli.models import Split, all_splits, vocab_rows
 
 if TYPE_CHECKING:
     from terapipe_cli.engine.optim import AdamW
@@ -205,14 +203,14 @@ def vocab_parallel_loss_sum(
 ) -> torch.Tensor:
     """The summed (not averaged) cross-entropy over the whole vocabulary, from this rank's logits (b, i, hi − lo) of
     the vocabulary's rows [lo, hi): the same on every rank of the group (a collective: all ranks call it), equal to
-    ``model.token_loss_sum`` of the whole logits."""
+    ``loss.token_loss_sum`` of the whole logits."""
     return _VocabParallelCrossEntropy.apply(logits_local, targets, tp, lo, hi)
 
 
 def head_loss_sum(module: nn.Module, h: torch.Tensor, targets: torch.Tensor, chunk: int = 0) -> torch.Tensor:
-    """The last chunk's summed token loss of ``module`` (a `model.GPT`) from its final norm's output ``h``: the LM head
-    and the cross-entropy ``chunk`` tokens at a time (`engine.loss`; 0: the whole logits at once), over the whole
-    vocabulary from this rank's rows when the head is vocab-parallel (`shard_module`)."""
+    """The last chunk's summed token loss of ``module`` (a `models.gpt.module.GPT`) from its final norm's output
+    ``h``: the LM head and the cross-entropy ``chunk`` tokens at a time (`engine.loss`; 0: the whole logits at once),
+    over the whole vocabulary from this rank's rows when the head is vocab-parallel (`shard_module`)."""
     head = module.lm_head
     split = isinstance(head, VocabParallelHead)
     if chunk <= 0:
@@ -230,7 +228,7 @@ def head_loss_sum(module: nn.Module, h: torch.Tensor, targets: torch.Tensor, chu
     return chunked_loss_sum(x, targets, head.weight, wc, chunk, head.tp, head.lo, head.hi)
 
 
-# How each sharded parameter is cut, by the end of its name: every architecture's spec's (`terapipe_cli.arch`).
+# How each sharded parameter is cut, by the end of its name: every architecture's spec's (`terapipe_cli.models`).
 SPLITS: dict[str, Split] = all_splits()
 
 
@@ -277,8 +275,8 @@ def gather_tensor(name: str, local: torch.Tensor, tp: TensorGroup) -> torch.Tens
 
 
 def shard_module(module: nn.Module, tp: TensorGroup) -> None:
-    """Keep only this rank's part of every decoder layer of ``module`` (a `model.GPT`), and of the vocabulary's rows
-    of its token embedding (chunk 0) and LM head (the last chunk), in place."""
+    """Keep only this rank's part of every decoder layer of ``module`` (a `models.gpt.module.GPT`), and of the
+    vocabulary's rows of its token embedding (chunk 0) and LM head (the last chunk), in place."""
     if tp.size == 1:
         return
     module.cfg.check_tensor_parallel(tp.size)  # T splits the heads and the MLP's width

@@ -93,11 +93,10 @@ from pathlib import Path
 
 import numpy as np
 
-from terapipe_cli.arch import backward_input_share
 from terapipe_cli.config.device import precision_field
-from terapipe_cli.config.model import ModelConfig, vocab_share
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import Fields, read_json_with_schema
+from terapipe_cli.models import ModelConfig, backward_input_share, vocab_share
 from terapipe_cli.plan.documents import AttendedContext
 from terapipe_cli.plan.traced import TracedMemory, traced_from_dict
 from terapipe_cli.schedule import memo
@@ -225,7 +224,7 @@ class Profile:
 
     def split_grids(self) -> tuple[np.ndarray, np.ndarray]:
         """I's and W's seconds per layer on the grid, for tiles without context: the profile's own (schema /2), or
-        its backward split by the architecture's analytic I : W ratio (/1, `arch.backward_input_share`)."""
+        its backward split by the architecture's analytic I : W ratio (/1, `models.backward_input_share`)."""
         if self.backward_input_s is not None and self.backward_weight_s is not None:
             return self.backward_input_s, self.backward_weight_s
         b, i = np.meshgrid(self.batch_sizes, self.token_lengths, indexing="ij")

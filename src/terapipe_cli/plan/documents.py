@@ -1,7 +1,7 @@
 """Document-aware pricing of attention: the context a tile really attends under block-causal masking,
 from a corpus's measured document lengths. Pure numpy, no torch.
 
-With packed documents masked (`engine.attention.DocumentMask`), a tile of ``i`` tokens at offset ``j`` of its window
+With packed documents masked (`models.attention.DocumentMask`), a tile of ``i`` tokens at offset ``j`` of its window
 reads the K/V cache from ``lo``, the earliest document start among its b sequences' first tokens, so its attention
 over the context costs what ``j − lo`` context tokens cost: t_ctx(b, i, j − lo) instead of t_ctx(b, i, j). Windows
 start at random offsets in the corpus, so the first token of a slice lies in a document at a random place: its

@@ -42,9 +42,9 @@ from pathlib import Path
 from terapipe_cli.config.bundled import bundled_names
 from terapipe_cli.config.device import precision_field
 from terapipe_cli.config.hardware import load_hardware
-from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import Fields, read_json_with_schema, write_json_atomic
+from terapipe_cli.models import ModelConfig
 from terapipe_cli.schedule.orders import DEFAULT_ORDER, order_of
 from terapipe_cli.schedule.partition import PLACEMENTS, Partition, check_partition, refuses_tied
 from terapipe_cli.schedule.schedule import ALL_ORDERS

@@ -2,7 +2,7 @@
 (predicted, from the simulated step), the report (measured), scripts/megatron_table.py and scripts/bench_gpu.py.
 Imports no torch.
 
-The numerator is `terapipe_cli.arch.flops_per_token` (6·N plus attention, PaLM's count, without the recomputed
+The numerator is `terapipe_cli.models.flops_per_token` (6·N plus attention, PaLM's count, without the recomputed
 forward: model FLOPs, not hardware FLOPs) times the tokens of one replica's step, over the K·T devices that run it.
 The denominator is the device's dense peak at the run's precision: the hardware file an analytic profile was
 estimated from (when it prices that precision), else the datasheet figure of a known device (`KNOWN_PEAKS`), else
@@ -13,9 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from terapipe_cli.arch import flops_per_token
-from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.errors import UserError
+from terapipe_cli.models import ModelConfig, flops_per_token
 
 # Dense peaks by (device-name fragment, precision), FLOP/s, from the vendors' datasheets: tensor-core bf16/fp16
 # without sparsity; fp32 is the CUDA-core figure (PyTorch runs fp32 products without TF32 unless told to).

@@ -32,14 +32,13 @@ from dataclasses import replace
 
 import numpy as np
 
-from terapipe_cli.arch import arch_spec
-from terapipe_cli.arch.base import Gemm, backward_gemms, is_weight_gradient
-from terapipe_cli.arch.base import layer_gemms as forward_gemms
 from terapipe_cli.config.device import PRECISIONS
 from terapipe_cli.config.experiment import Experiment
 from terapipe_cli.config.hardware import Device, Hardware, hardware_from_dict, hardware_to_dict
-from terapipe_cli.config.model import ModelConfig, vocab_share
 from terapipe_cli.errors import UserError
+from terapipe_cli.models import ModelConfig, arch_spec, vocab_share
+from terapipe_cli.models.spec import Gemm, backward_gemms, is_weight_gradient
+from terapipe_cli.models.spec import layer_gemms as forward_gemms
 from terapipe_cli.plan.costmodel import PROFILE_SCHEMA, Profile, profile_from_dict, ring_allreduce_seconds
 from terapipe_cli.profile.fit import fit_context
 from terapipe_cli.units import utc_timestamp
@@ -105,7 +104,7 @@ def layer_seconds_split(
     device for tiles (b, i, j) (broadcast arrays).
 
     I holds every product's input gradient (``dgrad``), both of attention's backward products (the gradients of the
-    queries and of the keys and values, the context's too: `arch.base.ACTIVATION_PRODUCTS`), the fused attention's
+    queries and of the keys and values, the context's too: `models.spec.ACTIVATION_PRODUCTS`), the fused attention's
     backward, every element-wise kernel (the norms', the activation's, the softmax's, the residuals') and the
     tensor-parallel all-reduces, which sit on the activations' path; W the weights' gradient products (``wgrad``).
     Each is held at its own dispatch floor (its kernels: `weight_kernels_per_tile`), so where the floor binds,
@@ -132,7 +131,7 @@ def layer_seconds_split(
         attention_fwd, attention_bwd = _fused_attention_seconds(dev, e, model, b, i, j, t)
         forward, backward, inputs = forward + attention_fwd, backward + attention_bwd, inputs + attention_bwd
 
-    # Element-wise kernels, bytes moved (read + write): the architecture's (`terapipe_cli.arch`'s ``streams``).
+    # Element-wise kernels, bytes moved (read + write): the architecture's (`terapipe_cli.models`' ``streams``).
     fwd_stream, bwd_stream = model.spec.streams(model, act, inner, scores, t, e)
     forward = forward + sum(_stream_seconds(dev, x) for x in fwd_stream)
     bwd_streams = sum(_stream_seconds(dev, x) for x in bwd_stream)
@@ -168,7 +167,7 @@ def ends_seconds(
     ``embed_forward``/``embed_backward`` (the first chunk: token and position embedding) and ``head_forward``/
     ``head_backward`` (the last chunk: final layer norm, LM head, cross-entropy). With ``vocab_parallel`` each of
     the T tensor ranks holds its rows of the embedding and of the head (Megatron's split, engine/tensor.py; priced
-    for the fullest rank, ⌈V/T⌉ rows, `config.model.vocab_share`): its products and its logits' kernels shrink by
+    for the fullest rank, ⌈V/T⌉ rows, `models.config.vocab_share`): its products and its logits' kernels shrink by
     T, the embedding's output is all-reduced over the ranks, the loss's per-token max and then its sum of
     exponentials with the target's logit (one all-reduce of both), and the head input's gradient in the backward;
     otherwise every rank runs the whole of both.
@@ -221,8 +220,8 @@ def ends_seconds(
 
 def ends_params(model: ModelConfig, tensor_parallel: int = 1, *, vocab_parallel: bool = False) -> tuple[int, int]:
     """Parameters of the embedding (token and position tables) and of the head (final norm and LM head) on one
-    device: the fullest tensor rank's share of the vocabulary rows with ``vocab_parallel`` (`config.model.vocab_share`),
-    the whole vocabulary otherwise (`config.model.ModelConfig.end_params`)."""
+    device: the fullest tensor rank's share of the vocabulary rows with ``vocab_parallel`` (`models.vocab_share`), the
+    whole vocabulary otherwise (`models.ModelConfig.end_params`)."""
     return model.end_params(vocab_share(model.vocab, tensor_parallel if vocab_parallel else 1))
 
 
@@ -234,7 +233,7 @@ def kernels_per_tile(dtype: str, tensor_parallel: int = 1, model: ModelConfig | 
     """The kernels one tile of one layer of ``model`` launches (None: the ``gpt`` layer's), forward and backward,
     in ``dtype`` on T tensor ranks.
 
-    Counted from the runtime's layer (each architecture's tables, `terapipe_cli.arch`) for the PyTorch 2.x CUDA
+    Counted from the runtime's layer (each architecture's tables, `terapipe_cli.models`) for the PyTorch 2.x CUDA
     kernels; a version that fuses or splits a kernel differently moves the count by one or two of about 15 forward
     and 35 backward, which the calibrated ``dispatch_s`` absorbs (it is fitted against the ``gpt`` counts).
     """
@@ -274,7 +273,7 @@ def dispatch_floor_seconds(
 
 
 def activation_bytes_per_token(model: ModelConfig, dtype_bytes: int, tensor_parallel: int = 1) -> float:
-    """Activation bytes one layer keeps for the backward per token: the architecture's count (`terapipe_cli.arch`'s
+    """Activation bytes one layer keeps for the backward per token: the architecture's count (`terapipe_cli.models`'
     ``activation_bytes_per_token``: Korthikanti et al.'s for ``gpt`` and ``gpt2``, llama's from its ops)."""
     return model.spec.activation_bytes_per_token(model, dtype_bytes, tensor_parallel)
 

@@ -30,9 +30,9 @@ import numpy as np
 
 from terapipe_cli.config.device import same_device_name
 from terapipe_cli.config.hardware import Hardware
-from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import read_user_text
+from terapipe_cli.models import ModelConfig
 from terapipe_cli.plan.costmodel import Profile
 from terapipe_cli.profile.analytic import layer_seconds
 

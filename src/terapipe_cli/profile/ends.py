@@ -25,9 +25,9 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.engine.stage import StageRunner
 from terapipe_cli.engine.tensor import TensorGroup
+from terapipe_cli.models import ModelConfig
 from terapipe_cli.plan.costmodel import CostModel, Profile
 from terapipe_cli.profile.tiles import Settings
 from terapipe_cli.profile.timer import Progress, collector_paused

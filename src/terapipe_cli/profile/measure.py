@@ -11,8 +11,8 @@ import time
 import numpy as np
 import torch
 
-from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.engine.hostmem import retain_freed_memory
+from terapipe_cli.models import ModelConfig
 from terapipe_cli.plan.costmodel import PROFILE_SCHEMA, CostModel, profile_from_dict
 from terapipe_cli.profile.comm import (
     allreduce_processes,

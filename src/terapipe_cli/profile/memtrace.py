@@ -38,11 +38,11 @@ import numpy as np
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode, _BypassDispatchCache
 
-from terapipe_cli.config.model import ModelConfig
-from terapipe_cli.engine.attention import forced_branch
 from terapipe_cli.engine.live import LiveBytes
 from terapipe_cli.engine.stage import StageRunner
 from terapipe_cli.engine.tensor import TensorGroup
+from terapipe_cli.models import ModelConfig
+from terapipe_cli.models.attention import forced_branch
 from terapipe_cli.plan.traced import LAYER_QUANTITIES, QUANTITIES, terms
 from terapipe_cli.schedule.partition import Partition
 

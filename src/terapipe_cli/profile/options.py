@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING
 
 from terapipe_cli.config.device import default_precision, resolve_precision, runs_natively, same_device_name
 from terapipe_cli.config.hardware import Hardware, load_hardware
-from terapipe_cli.config.model import ModelConfig, load_model_config
+from terapipe_cli.config.model import load_model_config
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import check_output_file, read_user_text
+from terapipe_cli.models import ModelConfig
 from terapipe_cli.plan.costmodel import PROFILE_SCHEMAS, Profile, read_profile
 from terapipe_cli.profile.analytic import analytic_profile
 from terapipe_cli.profile.calibrate import Measurement, check_matches, combine, from_profile, read_tile_table

@@ -10,8 +10,8 @@ import torch
 
 from terapipe_cli.config.device import machine_memory_bytes
 from terapipe_cli.config.device import resolve_device as device_kind
-from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.errors import UserError
+from terapipe_cli.models import ModelConfig
 
 DTYPE_BYTES = 4  # activations and gradients go between stages in fp32 at every precision (docs/design.md §6)
 

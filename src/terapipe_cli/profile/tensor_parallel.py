@@ -34,7 +34,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.ending import entry_point
 from terapipe_cli.engine.comm import DistGroup
 from terapipe_cli.engine.forking import import_what_a_backward_loads
@@ -42,6 +41,7 @@ from terapipe_cli.engine.hostmem import retain_freed_memory
 from terapipe_cli.engine.tensor import TensorGroup
 from terapipe_cli.engine.torchrun import polling, rendezvous_args
 from terapipe_cli.files import read_json, write_json_atomic
+from terapipe_cli.models import ModelConfig
 from terapipe_cli.profile.comm import join_worker_group, run_workers
 from terapipe_cli.profile.ends import time_ends
 from terapipe_cli.profile.tiles import Point, Settings, Tiles

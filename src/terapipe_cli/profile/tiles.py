@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.errors import UserError
+from terapipe_cli.models import ModelConfig
 
 CLOCKS = ("cpu", "wall")
 

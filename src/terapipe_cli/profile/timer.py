@@ -45,9 +45,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.engine.optim import make_optimizer
 from terapipe_cli.engine.stage import AUTOCAST_DTYPES, StageRunner
+from terapipe_cli.models import ModelConfig
 from terapipe_cli.profile.tiles import CLOCKS, Point, Settings, Tiles
 
 if TYPE_CHECKING:

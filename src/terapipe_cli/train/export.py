@@ -1,7 +1,7 @@
 """``terapipe export``: a run's per-stage checkpoint as ONE single-device model file.
 
 Every stage keeps its layers under their global names (``blocks.5...``, docs/design.md §6), so the stages' state
-dicts join without renaming into the state dict of the whole model, `terapipe_cli.engine.model.build_model(cfg)` (the
+dicts join without renaming into the state dict of the whole model, `terapipe_cli.models.build_model(cfg)` (the
 module of the architecture ``cfg.arch`` names: `GPT`, `GPT2`, `Llama`).
 
 The file (``torch.save``, ``weights_only``-loadable) holds ``{"schema": "terapipe.export/1", "model_config": {...},
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from terapipe_cli.config.model import ModelConfig
-from terapipe_cli.engine.model import GPT, build_model
 from terapipe_cli.errors import UserError
+from terapipe_cli.models import ModelConfig, build_model
+from terapipe_cli.models.gpt.module import GPT
 from terapipe_cli.plan.file import plan_from_dict
 from terapipe_cli.train import checkpoint
 from terapipe_cli.train.rundir import read_config

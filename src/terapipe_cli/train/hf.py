@@ -8,10 +8,10 @@
 ``AutoModelForCausalLM.from_pretrained(OUT)`` loads it — a ``LlamaForCausalLM`` for ``arch = "llama"``, a
 ``GPT2LMHeadModel`` for ``arch = "gpt"`` and ``"gpt2"`` — with no missing or unexpected keys, and its logits equal
 the single-device model's (tests/train/test_hf_export.py). The names are one table per architecture, its spec's
-``hf_keys`` (`terapipe_cli.arch`; ``{n}``: a layer's global index), also in docs/design.md (§6c):
+``hf_keys`` (`terapipe_cli.models`; ``{n}``: a layer's global index), also in docs/design.md (§6c):
 
 - llama: the same tensors under `transformers`' names. No permutation: terapipe's RoPE is the rotate-half
-  convention of `transformers`' Llama (`engine.llama`); Llama 3.1's ``rope_scaling`` is written as it is.
+  convention of `transformers`' Llama (`models.llama.module`); Llama 3.1's ``rope_scaling`` is written as it is.
 - gpt2: GPT-2 itself; a tied head (``tie_embeddings``, GPT-2's default) is written once, as the embedding
   (``tie_word_embeddings = true``), as a tied llama head is.
 - gpt: GPT-2's computation with three differences the folder absorbs exactly: no biases in terapipe's linear
@@ -29,9 +29,9 @@ from pathlib import Path
 
 import torch
 
-from terapipe_cli.config.model import ModelConfig
 from terapipe_cli.errors import UserError
 from terapipe_cli.extras import require
+from terapipe_cli.models import ModelConfig
 from terapipe_cli.train.rundir import read_config
 from terapipe_cli.train.tokenizer import RunTokenizer, run_tokenizer_files, write_hf_tokenizer
 
@@ -67,7 +67,7 @@ def hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torc
 
 
 def hf_config(cfg: ModelConfig):
-    """The `transformers` config of ``cfg``: its architecture's (`terapipe_cli.arch`'s ``hf_config``)."""
+    """The `transformers` config of ``cfg``: its architecture's (`terapipe_cli.models`' ``hf_config``)."""
     require("transformers", where=WHERE)
     return cfg.spec.hf_config(cfg)
 

@@ -33,11 +33,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from terapipe_cli.config.model import ModelConfig, model_from_transformers
+from terapipe_cli.config.model import model_from_transformers
 from terapipe_cli.config.run import RunArguments
 from terapipe_cli.errors import UserError
 from terapipe_cli.extras import require
 from terapipe_cli.files import read_json
+from terapipe_cli.models import ModelConfig
 from terapipe_cli.plan.file import plan_from_dict
 from terapipe_cli.train import checkpoint
 from terapipe_cli.train.rundir import read_config

@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 
 from terapipe_cli.corpus.formats import names_token_ids
-from terapipe_cli.engine.attention import KVCache
 from terapipe_cli.errors import UserError
 from terapipe_cli.extras import require
+from terapipe_cli.models.attention import KVCache
 from terapipe_cli.train.export import run_model
 from terapipe_cli.train.rundir import read_config
 from terapipe_cli.train.tokenizer import RunTokenizer, run_tokenizer_files

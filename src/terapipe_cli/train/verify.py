@@ -47,11 +47,12 @@ from dataclasses import dataclass, field
 import torch
 
 from terapipe_cli.config.run import LRSchedule
-from terapipe_cli.engine.attention import DocumentMask
 from terapipe_cli.engine.data import step_batch, step_documents
-from terapipe_cli.engine.model import build_model, token_loss_sum
+from terapipe_cli.engine.loss import token_loss_sum
 from terapipe_cli.engine.optim import LossScale, make_optimizer, set_lr, take_step
 from terapipe_cli.engine.stage import AUTOCAST_DTYPES, StageRunner
+from terapipe_cli.models import build_model
+from terapipe_cli.models.attention import DocumentMask
 from terapipe_cli.plan.file import Plan
 from terapipe_cli.schedule.schedule import plan_tiles
 from terapipe_cli.train import checkpoint

@@ -1,8 +1,8 @@
 """A Llama-family decoder (``arch = "llama"``): RMSNorm, rotary positions, a SwiGLU MLP, grouped-query attention.
 
-It is `model.GPT` with other layers: the same stage layout (`Llama(cfg, stage, stages)` builds one stage's part),
-the same K/V cache per batch slice and layer (`attention.KVCache`, its gradient hand-back), the same fused attention
-(`attention.attend`). Two things are new for token slices (docs/design.md §6c):
+It is `gpt.module.GPT` with other layers: the same stage layout (`Llama(cfg, stage, stages)` builds one stage's part),
+the same K/V cache per batch slice and layer (`models.attention.KVCache`, its gradient hand-back), the same fused
+attention (`models.attention.attend`). Two things are new for token slices (docs/design.md §6c):
 
 - Rotary positions. A slice of ``i`` tokens after ``start`` earlier ones rotates its queries and keys by the
   angles of its absolute positions start … start + i − 1, so the keys in the cache carry the rotation of their own
@@ -42,11 +42,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from terapipe_cli.arch import RopeScaling
-from terapipe_cli.config.model import ModelConfig
-from terapipe_cli.engine.attention import DocumentMask, KVCache, attend
-from terapipe_cli.engine.init import EMBED_SEED, HEAD_SEED, LAYER_SEED, normal_, seeded
-from terapipe_cli.engine.model import GPT
+from terapipe_cli.models.attention import DocumentMask, KVCache, attend
+from terapipe_cli.models.config import ModelConfig
+from terapipe_cli.models.gpt.module import GPT
+from terapipe_cli.models.init import EMBED_SEED, HEAD_SEED, LAYER_SEED, normal_, seeded
+from terapipe_cli.models.llama.spec import RopeScaling
 
 
 def rope_angles(
@@ -115,7 +115,8 @@ class LlamaAttention(nn.Module):
     def forward(
         self, x: torch.Tensor, cache: KVCache | None = None, start: int = 0, docs: DocumentMask | None = None
     ) -> torch.Tensor:
-        """x: (b, i, H), the tokens [start, start + i); ``cache`` and ``docs`` as in `model.CausalSelfAttention`."""
+        """x: (b, i, H), the tokens [start, start + i); ``cache`` and ``docs`` as in `CausalSelfAttention`'s
+        (gpt/module.py)."""
         b, i, _ = x.shape
         q = self.q_proj(x).view(b, i, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, i, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -132,7 +133,7 @@ class LlamaAttention(nn.Module):
         return self.o_proj(y.transpose(1, 2).reshape(b, i, self.heads * self.head_dim))
 
     def split_heads(self, tensor_parallel: int) -> None:
-        """Keep 1/T of the query heads and of the key/value heads (tensor parallelism, `tensor.shard_module`):
+        """Keep 1/T of the query heads and of the key/value heads (tensor parallelism, `engine.tensor.shard_module`):
         rank r's query heads read exactly rank r's key/value heads, so the groups stay whole."""
         self.heads //= tensor_parallel
         self.kv_heads //= tensor_parallel
@@ -167,7 +168,7 @@ class LlamaBlock(nn.Module):
 
 
 class Llama(GPT):
-    """The part of a Llama-family model that stage ``stage`` of ``stages`` owns (arguments as `model.GPT`)."""
+    """The part of a Llama-family model that stage ``stage`` of ``stages`` owns (arguments as `gpt.module.GPT`)."""
 
     def make_parts(self, cfg: ModelConfig) -> None:
         if self.first:
@@ -179,7 +180,7 @@ class Llama(GPT):
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """As `model.GPT`'s: normal 0.02, the residual outputs (o_proj, down_proj) by 1/sqrt(2N), norms 1."""
+        """As `gpt.module.GPT`'s: normal 0.02, the residual outputs (o_proj, down_proj) by 1/sqrt(2N), norms 1."""
         if self.first:
             normal_(self.wte.weight, seeded(seed, EMBED_SEED))
         residual_std = 0.02 / math.sqrt(2 * self.cfg.layers)

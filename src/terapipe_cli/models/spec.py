@@ -1,8 +1,9 @@
 """What one architecture's spec says (`Arch`), and what every spec shares: the tensor-parallel `Split` of a parameter
 and the training FLOPs per token (`flops_per_token`). No torch: the planner and the analytic profile read specs.
 
-A spec is a class with one instance in the registry (`terapipe_cli.arch.ARCHS`); the runtime's module is named, not
-imported (``module = "terapipe_cli.engine.model:GPT"``, imported by `Arch.model_class` when a model is built).
+A spec is a class with one instance in the registry (`terapipe_cli.models.ARCHS`); the family's torch module is named,
+not imported (``module = "terapipe_cli.models.gpt.module:GPT"``, imported by `Arch.model_class` when a model is
+built).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from terapipe_cli.errors import UserError
 from terapipe_cli.files import Fields
 
 if TYPE_CHECKING:
-    from terapipe_cli.config.model import ModelConfig
+    from terapipe_cli.models.config import ModelConfig
 
 # The fields every architecture has (`ModelConfig`'s first six); an architecture adds its own (`Arch.fields`).
 COMMON_FIELDS = ("name", "layers", "hidden", "heads", "vocab", "seq_len")
@@ -32,7 +33,7 @@ Kernels = tuple[tuple[str, int], ...]
 
 class Split(NamedTuple):
     """How a tensor-parallel parameter is cut along ``dim``: ``parts`` equal blocks stacked there (the fused q, k, v),
-    each cut evenly T ways; or, with ``vocab``, the vocabulary's rows cut by `config.model.vocab_rows` (unevenly
+    each cut evenly T ways; or, with ``vocab``, the vocabulary's rows cut by `models.config.vocab_rows` (unevenly
     when T does not divide V). Cut along the output features (dim 0 of a weight, a bias): column-parallel; along the
     input features (dim 1): row-parallel (engine/tensor.py)."""
 

@@ -7,9 +7,9 @@ running it whole (TeraPipe, docs/design.md §1 and §6). The model knows nothing
 stages)` simply builds the part of the model that one pipeline stage owns; `GPT(cfg)` is the whole model.
 `GPT2` (``arch = "gpt2"``) is the same decoder as GPT-2 has it: biases, the tanh GELU, the head tied to the embedding.
 
-Weights are initialised per component from the seed (engine/init.py), so stage k of a K-stage split holds exactly
-the weights of the same layers of the one-stage model, for any K. `build_model` builds the architecture the
-config names (its spec's ``module``, `terapipe_cli.arch`).
+Weights are initialised per component from the seed (models/init.py), so stage k of a K-stage split holds exactly
+the weights of the same layers of the one-stage model, for any K. `terapipe_cli.models.build_model` builds the
+architecture the config names (its spec's ``module``).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from terapipe_cli.config.model import ModelConfig
-from terapipe_cli.engine.attention import DocumentMask, KVCache, attend
-from terapipe_cli.engine.init import EMBED_SEED, HEAD_SEED, LAYER_SEED, normal_, seeded
+from terapipe_cli.models.attention import DocumentMask, KVCache, attend
+from terapipe_cli.models.config import ModelConfig
+from terapipe_cli.models.init import EMBED_SEED, HEAD_SEED, LAYER_SEED, normal_, seeded
 from terapipe_cli.schedule.partition import Partition
 
 
@@ -50,7 +50,7 @@ class CausalSelfAttention(nn.Module):
         return self.proj(y)
 
     def split_heads(self, tensor_parallel: int) -> None:
-        """Keep 1/T of the heads (tensor parallelism, `tensor.shard_module`)."""
+        """Keep 1/T of the heads (tensor parallelism, `engine.tensor.shard_module`)."""
         self.heads //= tensor_parallel
         self.hidden //= tensor_parallel
 
@@ -227,14 +227,3 @@ class GPT2(GPT):
 
     bias = True
     gelu = "tanh"
-
-
-def build_model(cfg: ModelConfig, stage: int = 0, stages: int = 1, **kwargs) -> GPT:
-    """The module of the architecture ``cfg.arch`` names (its spec's, `terapipe_cli.arch`: `GPT`, `GPT2`,
-    `llama.Llama`; same arguments, same stage layout)."""
-    return cfg.spec.model_class()(cfg, stage, stages, **kwargs)
-
-
-def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Summed (not averaged) cross-entropy: the step divides by all predicted tokens of the step (docs/design.md §6)."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")

@@ -1,4 +1,4 @@
-"""``arch = "llama"``: the Llama-family decoder of engine/llama.py (RMSNorm, rotary positions with Llama 3.1's optional
+"""``arch = "llama"``: the Llama-family decoder of llama/module.py (RMSNorm, rotary positions with Llama 3.1's optional
 frequency scaling, a SwiGLU MLP of ffn_hidden, grouped-query attention, no biases). Exported as, and read from,
 `transformers`' ``LlamaForCausalLM``; a ``MistralForCausalLM`` is the same layer when no sliding window cuts its
 attention short."""
@@ -8,12 +8,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any
 
-from terapipe_cli.arch.base import Arch, Gemm, HFKey, Split, boolean, unsupported
-from terapipe_cli.arch.gpt import eot_token
 from terapipe_cli.files import Fields
+from terapipe_cli.models.gpt.spec import eot_token
+from terapipe_cli.models.spec import Arch, Gemm, HFKey, Split, boolean, unsupported
 
 if TYPE_CHECKING:
-    from terapipe_cli.config.model import ModelConfig
+    from terapipe_cli.models.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class RopeScaling:
 
 
 # (terapipe name, transformers name, transposed): the same tensors under `transformers`' names. No permutation:
-# terapipe's RoPE is the rotate-half convention of `transformers`' Llama (engine/llama.py).
+# terapipe's RoPE is the rotate-half convention of `transformers`' Llama (llama/module.py).
 LLAMA_KEYS: tuple[HFKey, ...] = (
     ("wte.weight", "model.embed_tokens.weight", False),
     ("blocks.{n}.attn_norm.weight", "model.layers.{n}.input_layernorm.weight", False),
@@ -105,14 +105,14 @@ BACKWARD_KERNELS = (
     ("q, k, v: dgrad, wgrad, .grad += each; their input gradients summed", 11),
     ("attn_norm: dx, dweight, .grad +=", 3),
 )
-# Llama 3.1's frequency scaling (engine/llama.py's `scaled_frequencies`): the wavelengths, the two bands' masks and
+# Llama 3.1's frequency scaling (llama/module.py's `scaled_frequencies`): the wavelengths, the two bands' masks and
 # the blend, element-wise on head_dim/2 numbers per tile.
 ROPE_SCALING_KERNELS = (("rotary frequencies rescaled (llama3): wavelengths, two bands, the blend", 18),)
 
 
 class LlamaArch(Arch):
     name = "llama"
-    module = "terapipe_cli.engine.llama:Llama"
+    module = "terapipe_cli.models.llama.module:Llama"
     fields = ("kv_heads", "ffn_hidden", "rope_theta", "norm_eps", "tie_embeddings", "rope_scaling")
     # Rank r keeps query heads [r·heads/T, (r+1)·heads/T) and key/value heads [r·kv_heads/T, (r+1)·kv_heads/T) —
     # exactly the ones its query heads read — and 1/T of the SwiGLU's width.
