@@ -434,10 +434,10 @@ def chunking_worker(seq_len: int, vocab: int, hidden: int, chunk: int, steps: in
     import torch
 
     from terapipe_cli.engine.stage import StageRunner
-    from terapipe_cli.models import ModelConfig
+    from terapipe_cli.models import GptConfig
 
     torch.set_num_threads(1)
-    cfg = ModelConfig(name="bench-head", layers=2, hidden=hidden, heads=2, vocab=vocab, seq_len=seq_len)
+    cfg = GptConfig(name="bench-head", layers=2, hidden=hidden, heads=2, vocab=vocab, seq_len=seq_len)
     runner = StageRunner(cfg, 1, 2, precision=precision, loss_chunk_tokens=chunk)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(1, seq_len, hidden, generator=gen)

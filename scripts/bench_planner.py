@@ -179,7 +179,7 @@ def command_cases() -> list[tuple[str, list[str], object]]:
         cases.append((f"megatron {s.number} ({s.params_b:g}B) (b)", args, spec))
         cases.append((f"megatron {s.number} ({s.params_b:g}B) (b')", [*args, "--recompute"], spec))
     # Narayanan et al. 2021, Table 2: data parallelism grows at a fixed global batch; microbatch 1.
-    gpt3 = mt.ModelConfig("megatron-174.6b", 96, 12288, 96, mt.VOCAB, mt.SEQ_LEN)
+    gpt3 = mt.GptConfig("megatron-174.6b", 96, 12288, 96, mt.VOCAB, mt.SEQ_LEN)
     big = next(s for s in mt.SETTINGS if s.number == 9).model()
     for model, K, batch, gpus in ((gpt3, 12, 1536, (384, 768, 1536)), (big, 35, 2240, (560, 1120, 2240))):
         for n in gpus:

@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 
 def build(model, device, dtype=None):
-    """The reference GPT of ``model``'s shape (a `terapipe_cli.models.ModelConfig` of arch gpt)."""
+    """The reference GPT of ``model``'s shape (a `terapipe_cli.models.GptConfig`)."""
     import torch
     from torch import nn
     from torch.nn import functional as F

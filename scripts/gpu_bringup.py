@@ -21,7 +21,7 @@ import argparse
 import json
 import re
 import sys
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,7 +47,10 @@ def cut_model(source: str, out: Path, layers: int | None, seq_len: int | None, h
     model = replace(model, layers=layers or model.layers, seq_len=seq_len or model.seq_len)
     width = ""
     if hidden and hidden != model.hidden:
-        model = replace(model, hidden=hidden, ffn_hidden=model.ffn_hidden * hidden // model.hidden)
+        # A family that names its MLP width scales it with H; a GPT's (mlp_ratio · H) follows by itself.
+        named = "ffn_hidden" in {f.name for f in fields(model)}
+        scaled = {"ffn_hidden": model.ffn_hidden * hidden // model.hidden} if named else {}
+        model = replace(model, hidden=hidden, **scaled)
         width = f"-h{hidden}"
     model = replace(model, name=f"{model.name}-{model.layers}l{width}-L{model.seq_len}")
     at = f"L = {model.seq_len}" + (f", H = {model.hidden}" if width else "")

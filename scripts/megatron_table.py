@@ -62,7 +62,7 @@ from rich.table import Table  # noqa: E402
 from terapipe_cli.cli.console import ProgressBar  # noqa: E402
 from terapipe_cli.config.hardware import Hardware, load_hardware  # noqa: E402
 from terapipe_cli.errors import UserError  # noqa: E402
-from terapipe_cli.models import ModelConfig  # noqa: E402
+from terapipe_cli.models import GptConfig  # noqa: E402
 from terapipe_cli.plan.choice import choice_text  # noqa: E402
 from terapipe_cli.plan.configs import Configured, plan_configured  # noqa: E402
 from terapipe_cli.plan.costmodel import CostModel, Profile, profile_from_dict  # noqa: E402
@@ -112,8 +112,8 @@ class Setting:
     def batch_per_replica(self) -> int:
         return self.batch // self.data_parallel
 
-    def model(self) -> ModelConfig:
-        return ModelConfig(f"megatron-{self.params_b:g}b", self.layers, self.hidden, self.heads, VOCAB, SEQ_LEN)
+    def model(self) -> GptConfig:
+        return GptConfig(f"megatron-{self.params_b:g}b", self.layers, self.hidden, self.heads, VOCAB, SEQ_LEN)
 
 
 # Narayanan et al. 2021, Table 1: parameters (billions), heads, hidden, layers, T, P, GPUs, global batch, achieved

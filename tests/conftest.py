@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from terapipe_cli.models import ModelConfig
+from terapipe_cli.models import GptConfig, ModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 # This process's own setting, before `hide_gpus` changes it for the session (None: not set).
@@ -153,7 +153,7 @@ def signal_state_kept(request):
 
 
 def tiny_model(layers: int = 4, hidden: int = 32, heads: int = 2, vocab: int = 256, seq_len: int = 64) -> ModelConfig:
-    return ModelConfig(name="test-tiny", layers=layers, hidden=hidden, heads=heads, vocab=vocab, seq_len=seq_len)
+    return GptConfig(name="test-tiny", layers=layers, hidden=hidden, heads=heads, vocab=vocab, seq_len=seq_len)
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from file_errors import assert_file_error
 from terapipe_cli.config.experiment import load_experiment
 from terapipe_cli.config.model import load_model_config
 from terapipe_cli.errors import UserError
-from terapipe_cli.models import ModelConfig
+from terapipe_cli.models import GptConfig, ModelConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_FILES = sorted((ROOT / "configs" / "models").glob("*.toml"))
@@ -55,8 +55,8 @@ def test_a_stage_count_that_does_not_divide_the_layers_names_the_ones_that_do(tm
     cfg = load_model_config("gpt3-13b")
     assert cfg.stage_counts() == [1, 2, 4, 5, 8, 10, 20, 40]
     assert load_model_config("gpt3-1b").stage_counts() == [1, 2, 3, 4, 6, 8, 12, 24]
-    assert ModelConfig("prime", 7, 8, 2, 16, 8).stage_counts() == [1, 7]
-    assert ModelConfig("one", 1, 8, 2, 16, 8).stage_counts() == [1]
+    assert GptConfig("prime", 7, 8, 2, 16, 8).stage_counts() == [1, 7]
+    assert GptConfig("one", 1, 8, 2, 16, 8).stage_counts() == [1]
     with pytest.raises(UserError) as err:
         cfg.stage_layers(16)
     assert str(err.value) == (
@@ -108,7 +108,7 @@ def test_bad_model_file(tmp_path: Path, what: str, text: str, word: str) -> None
 def test_good_model_file(tmp_path: Path) -> None:
     path = tmp_path / "m.toml"
     path.write_text(GOOD)
-    assert load_model_config(path) == ModelConfig("m", 4, 64, 4, 256, 128)
+    assert load_model_config(path) == GptConfig("m", 4, 64, 4, 256, 128)
 
 
 def test_missing_and_folder(tmp_path: Path) -> None:

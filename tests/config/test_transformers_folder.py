@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 
 import pytest
 from conftest import assert_one_line_error, run_cli
@@ -15,7 +16,7 @@ from hf_models import saved
 from terapipe_cli.config.experiment import load_experiment
 from terapipe_cli.config.model import load_model_config, model_from_transformers
 from terapipe_cli.errors import UserError
-from terapipe_cli.models import ModelConfig
+from terapipe_cli.models import Gpt2Config, LlamaConfig
 
 LLAMA = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64, rope_theta=500000.0, rms_norm_eps=1e-5)  # fmt: skip
@@ -28,8 +29,8 @@ GPT2 = dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=48)
 def test_a_llama_folder_with_rope_scaling(tmp_path, tied):
     saved(tmp_path / "Tiny-Llama-3.1", "LlamaForCausalLM", **LLAMA, tie_word_embeddings=tied, rope_scaling=LLAMA31)
     cfg = load_model_config(tmp_path / "Tiny-Llama-3.1")
-    assert cfg == ModelConfig(
-        name="Tiny-Llama-3.1", layers=2, hidden=32, heads=4, vocab=64, seq_len=64, arch="llama", kv_heads=2,
+    assert cfg == LlamaConfig(
+        name="Tiny-Llama-3.1", layers=2, hidden=32, heads=4, vocab=64, seq_len=64, kv_heads=2,
         ffn_hidden=48, rope_theta=500000.0, norm_eps=1e-5, tie_embeddings=tied, rope_scaling=cfg.rope_scaling,
     )  # fmt: skip
     assert cfg.to_dict()["rope_scaling"] == LLAMA31
@@ -72,15 +73,13 @@ def test_a_mistral_folder_without_a_sliding_window_in_effect(tmp_path):
 def test_a_gpt2_folder(tmp_path):
     saved(tmp_path / "gpt2-tiny", "GPT2LMHeadModel", **GPT2)
     cfg = load_model_config(tmp_path / "gpt2-tiny")
-    assert cfg == ModelConfig(
-        name="gpt2-tiny", layers=2, hidden=32, heads=4, vocab=64, seq_len=48, arch="gpt2", tie_embeddings=True
-    )
+    assert cfg == Gpt2Config(name="gpt2-tiny", layers=2, hidden=32, heads=4, vocab=64, seq_len=48, tie_embeddings=True)
     assert model_from_transformers(tmp_path / "gpt2-tiny", seq_len=32).seq_len == 32
     # A model is its architecture and shapes, not its folder's name: a copy elsewhere is the same model.
     shutil.copytree(tmp_path / "gpt2-tiny", tmp_path / "copy")
     copy = load_model_config(tmp_path / "copy")
     assert copy.name == "copy" and copy == cfg and copy.difference(cfg) is None
-    untied = ModelConfig(**{**cfg.__dict__, "tie_embeddings": False})
+    untied = replace(cfg, tie_embeddings=False)
     assert untied != cfg and cfg.difference(untied) == ("tie_embeddings", False, True)
     with pytest.raises(UserError, match="field 'n_positions' is 48: the position table holds no place for 64"):
         model_from_transformers(tmp_path / "gpt2-tiny", seq_len=64)

@@ -24,13 +24,13 @@ from terapipe_cli.engine.data import (
     step_documents,
 )
 from terapipe_cli.engine.stage import StageRunner
-from terapipe_cli.models import ModelConfig, build_model
+from terapipe_cli.models import LlamaConfig, ModelConfig, build_model
 from terapipe_cli.models.attention import DocumentMask, forced_branch
 
 
 def _llama(layers: int = 2) -> ModelConfig:
-    return ModelConfig(
-        name="test-llama", arch="llama", layers=layers, hidden=32, heads=4, kv_heads=2, vocab=256, seq_len=64,
+    return LlamaConfig(
+        name="test-llama", layers=layers, hidden=32, heads=4, kv_heads=2, vocab=256, seq_len=64,
         ffn_hidden=64,
     )  # fmt: skip
 

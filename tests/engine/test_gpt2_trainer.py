@@ -13,14 +13,14 @@ from test_tensor_parallel import shard_and_gather
 from test_trainer import FAMILIES
 
 from terapipe_cli.engine.tensor import ColumnParallelLinear, RowParallelLinear, TensorGroup, shard_module, split_of
-from terapipe_cli.models import ModelConfig, build_model
+from terapipe_cli.models import Gpt2Config, ModelConfig, build_model
 from terapipe_cli.models.gpt.module import GPT2
 
 
 def gpt2_model(layers: int = 6, **fields) -> ModelConfig:
     """6 layers (the families' partitions), H = 32, 2 heads; the head untied unless asked (pipelines need that)."""
-    base = dict(name="test-gpt2", layers=layers, hidden=32, heads=2, vocab=256, seq_len=32, arch="gpt2")
-    return ModelConfig(**{**base, "tie_embeddings": False, **fields})
+    base = dict(name="test-gpt2", layers=layers, hidden=32, heads=2, vocab=256, seq_len=32)
+    return Gpt2Config(**{**base, "tie_embeddings": False, **fields})
 
 
 def gpt2_setup(name: str, **changes):

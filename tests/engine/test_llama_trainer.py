@@ -13,14 +13,14 @@ from test_trainer import FAMILIES
 
 from terapipe_cli.engine.mesh import Layout
 from terapipe_cli.engine.trainer import Trainer
-from terapipe_cli.models import ModelConfig
+from terapipe_cli.models import LlamaConfig, ModelConfig
 from terapipe_cli.schedule.schedule import Schedule
 
 
 def llama_model(layers: int = 6, **fields) -> ModelConfig:
     """6 layers (the families' partitions), H = 32, 4 query heads and 2 key/value heads of 8 features, SwiGLU 64."""
-    base = dict(name="test-llama", layers=layers, hidden=32, heads=4, vocab=256, seq_len=32, arch="llama")
-    return ModelConfig(**{**base, "kv_heads": 2, "ffn_hidden": 64, **fields})
+    base = dict(name="test-llama", layers=layers, hidden=32, heads=4, vocab=256, seq_len=32)
+    return LlamaConfig(**{**base, "kv_heads": 2, "ffn_hidden": 64, **fields})
 
 
 def llama_setup(name: str, **changes):

@@ -19,7 +19,7 @@ from local_world import LocalWorld
 
 from terapipe_cli.engine.stage import StageRunner
 from terapipe_cli.engine.tensor import TensorGroup
-from terapipe_cli.models import ModelConfig
+from terapipe_cli.models import GptConfig, ModelConfig
 from terapipe_cli.plan.costmodel import read_profile
 from terapipe_cli.plan.memory import stage_memory
 from terapipe_cli.profile.timer import TileTimer
@@ -115,7 +115,7 @@ CASES = [
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("name, slices, stages, order, recompute", CASES, ids=[c[0] for c in CASES])
 def test_the_estimate_is_within_ten_percent_of_the_bytes_kept(name, slices, stages, order, recompute, precision):
-    cfg = ModelConfig(name="mem", layers=6, hidden=64, heads=4, vocab=384, seq_len=128)
+    cfg = GptConfig(name="mem", layers=6, hidden=64, heads=4, vocab=384, seq_len=128)
     prof = _measured_profile(cfg, precision)
     estimate = stage_memory(Schedule.build(slices, stages, order, recompute), prof)
     measured = _measured_peaks(cfg, slices, stages, order, recompute, precision)
@@ -131,7 +131,7 @@ def test_the_estimate_holds_with_the_vocabulary_split_over_two_tensor_ranks(
     """At T = 2 (each stage two ranks, threads), the embedding and the head split by vocabulary rows (V = 1025: the
     ranks hold 512 and 513 rows, and the logits dominate the last stage's bytes): the estimate of a vocab-parallel
     profile against the fullest rank's count."""
-    cfg = ModelConfig(name="mem", layers=6, hidden=64, heads=4, vocab=1025, seq_len=128)
+    cfg = GptConfig(name="mem", layers=6, hidden=64, heads=4, vocab=1025, seq_len=128)
     prof = _measured_profile(cfg, precision, tensor_parallel=2)
     estimate = stage_memory(Schedule.build(slices, stages, order, recompute), prof)
     measured = _measured_peaks(cfg, slices, stages, order, recompute, precision, tensor_parallel=2)
@@ -143,7 +143,7 @@ def test_the_estimate_holds_with_the_vocabulary_split_over_two_tensor_ranks(
 def test_the_estimate_holds_for_zb_v_on_the_v(precision):
     """ZB-V: each device holds chunks k and 2K − 1 − k (device 0 the embedding and the head), every tile kept from
     its F to its W."""
-    cfg = ModelConfig(name="mem", layers=6, hidden=64, heads=4, vocab=384, seq_len=128)
+    cfg = GptConfig(name="mem", layers=6, hidden=64, heads=4, vocab=384, seq_len=128)
     prof = _measured_profile(cfg, precision)
     slices, recompute = [(1, [64, 32, 32])] * 3 + [(2, [48, 48, 32])], [True, False, False, False, False, True]
     part = Partition((1, 1, 1, 1, 1, 1), 3, "v")
@@ -155,7 +155,7 @@ def test_the_estimate_holds_for_zb_v_on_the_v(precision):
 
 def test_the_memory_meter_can_fail():
     """Negative control: the meter sees what a tile keeps — a recomputed stage keeps far less than a plain one."""
-    cfg = ModelConfig(name="mem", layers=2, hidden=64, heads=4, vocab=384, seq_len=256)
+    cfg = GptConfig(name="mem", layers=2, hidden=64, heads=4, vocab=384, seq_len=256)
     slices = [(1, [128, 128])]
     plain = _measured_peaks(cfg, slices, 1, "gpipe", [False], "fp32")[0]
     rerun = _measured_peaks(cfg, slices, 1, "gpipe", [True], "fp32")[0]

@@ -12,7 +12,7 @@ from terapipe_cli.config.optimizer import OptimizerConfig
 from terapipe_cli.config.run import LRSchedule, RunArguments
 from terapipe_cli.engine.optim import LossScale, clip_global_norm, make_optimizer, take_step
 from terapipe_cli.errors import UserError
-from terapipe_cli.models import ModelConfig, build_model
+from terapipe_cli.models import LlamaConfig, build_model
 
 
 def test_warmup_is_linear_up_to_the_peak():
@@ -182,7 +182,7 @@ def test_no_decay_embeddings_leaves_the_embeddings_and_the_head_undecayed(tied):
     """``decay_embeddings=False``: the token and position embeddings and the LM head join the norms and biases
     (tied: the one matrix); every other matrix keeps its decay."""
     cfg = (
-        ModelConfig(name="t", layers=2, hidden=32, heads=4, vocab=256, seq_len=32, arch="llama", tie_embeddings=True)
+        LlamaConfig(name="t", layers=2, hidden=32, heads=4, vocab=256, seq_len=32, tie_embeddings=True)
         if tied
         else tiny_model(layers=2)
     )

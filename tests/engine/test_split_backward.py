@@ -8,11 +8,11 @@ import torch
 from conftest import tiny_model
 
 from terapipe_cli.engine.stage import StageRunner
-from terapipe_cli.models import ModelConfig
+from terapipe_cli.models import LlamaConfig, ModelConfig
 
 
 def llama(layers: int = 4) -> ModelConfig:
-    return ModelConfig(name="test-llama", layers=layers, hidden=32, heads=4, vocab=256, seq_len=32, arch="llama")
+    return LlamaConfig(name="test-llama", layers=layers, hidden=32, heads=4, vocab=256, seq_len=32)
 
 
 def run(cfg, stage, stages, slices, *, split, weights_late=True, **kwargs):

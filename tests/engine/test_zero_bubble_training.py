@@ -8,12 +8,12 @@ import pytest
 from conftest import TWO_STEPS, local_setup, run_cli, verify_locally, write_plan_file
 
 from terapipe_cli.engine.stage import StageRunner
-from terapipe_cli.models import ModelConfig
+from terapipe_cli.models import LlamaConfig, ModelConfig
 from terapipe_cli.schedule.schedule import Schedule, parse_schedule
 
 
 def llama(layers: int = 6) -> ModelConfig:
-    return ModelConfig(name="test-llama", layers=layers, hidden=32, heads=4, vocab=256, seq_len=32, arch="llama")
+    return LlamaConfig(name="test-llama", layers=layers, hidden=32, heads=4, vocab=256, seq_len=32)
 
 
 ZB = {"order": "zb1p"}

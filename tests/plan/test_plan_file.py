@@ -10,7 +10,7 @@ from file_errors import assert_file_error
 
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import write_json_atomic
-from terapipe_cli.models import ModelConfig
+from terapipe_cli.models import GptConfig
 from terapipe_cli.plan.file import (
     PLAN_SCHEMA,
     check_slices,
@@ -21,7 +21,7 @@ from terapipe_cli.plan.file import (
     write_plan,
 )
 
-MODEL = ModelConfig(name="t", layers=4, hidden=32, heads=2, vocab=256, seq_len=64)
+MODEL = GptConfig(name="t", layers=4, hidden=32, heads=2, vocab=256, seq_len=64)
 
 
 def plan_dict(**changes) -> dict:

@@ -15,12 +15,12 @@ from terapipe_cli.config.hardware import load_hardware
 from terapipe_cli.config.model import load_model_config
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import write_json_atomic
-from terapipe_cli.models import ModelConfig
+from terapipe_cli.models import GptConfig, ModelConfig
 from terapipe_cli.plan.costmodel import read_profile
 from terapipe_cli.profile import options, probe
 from terapipe_cli.profile.analytic import analytic_profile
 
-MICRO = ModelConfig(name="micro", layers=2, hidden=32, heads=2, vocab=16, seq_len=64)
+MICRO = GptConfig(name="micro", layers=2, hidden=32, heads=2, vocab=16, seq_len=64)
 CPU_NAME = probe.device_info(torch.device("cpu"))["name"]
 
 

@@ -12,7 +12,7 @@ import torch
 
 from terapipe_cli.config.hardware import load_hardware
 from terapipe_cli.config.model import load_model_config
-from terapipe_cli.models import ModelConfig, build_model, vocab_share
+from terapipe_cli.models import LlamaConfig, build_model, vocab_share
 from terapipe_cli.plan.costmodel import profile_from_dict
 from terapipe_cli.plan.memory import stage_sizes
 from terapipe_cli.profile.analytic import (
@@ -66,9 +66,7 @@ def test_the_analytic_activation_bytes_are_what_the_runtime_keeps(precision, dty
     """The count of analytic.activation_bytes_per_token against `SavedBytes` through the runtime's StageRunner (the
     measured profile's method on a CPU): equal but for RMSNorm's per-token statistic and attention's log-sum-exp
     (a few floats per token, left out)."""
-    cfg = ModelConfig(
-        name="m", layers=1, hidden=128, heads=4, vocab=64, seq_len=256, arch="llama", kv_heads=2, ffn_hidden=320
-    )
+    cfg = LlamaConfig(name="m", layers=1, hidden=128, heads=4, vocab=64, seq_len=256, kv_heads=2, ffn_hidden=320)
     timer = TileTimer(cfg, torch.device("cpu"), precision=precision)
     with timer.runner.step():
         measured, _ = timer.activation_bytes_per_token(1, 64)

@@ -13,7 +13,7 @@ from conftest import assert_one_line_error, run_cli, terapipe
 
 from terapipe_cli.config.device import default_precision, resolve_precision
 from terapipe_cli.errors import UserError
-from terapipe_cli.models import ModelConfig
+from terapipe_cli.models import GptConfig
 from terapipe_cli.plan.costmodel import CostModel, profile_from_dict, read_profile
 from terapipe_cli.plan.file import read_plan
 from terapipe_cli.profile.probe import resolve_device
@@ -21,7 +21,7 @@ from terapipe_cli.profile.tiles import check_points, context_points, token_grid
 from terapipe_cli.profile.timer import TileTimer, time_points
 
 ROOT = Path(__file__).resolve().parents[2]
-MICRO = ModelConfig(name="micro", layers=2, hidden=32, heads=2, vocab=16, seq_len=64)
+MICRO = GptConfig(name="micro", layers=2, hidden=32, heads=2, vocab=16, seq_len=64)
 
 
 def write_model(path: Path, **fields) -> Path:

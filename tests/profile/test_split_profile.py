@@ -13,14 +13,14 @@ import torch
 
 from terapipe_cli.config.hardware import load_hardware
 from terapipe_cli.config.model import load_model_config
-from terapipe_cli.models import ModelConfig, backward_input_share
+from terapipe_cli.models import GptConfig, backward_input_share
 from terapipe_cli.plan.costmodel import profile_from_dict
 from terapipe_cli.profile.analytic import analytic_profile, layer_seconds, layer_seconds_split
 from terapipe_cli.profile.tiles import Point, context_points, token_grid
 from terapipe_cli.profile.timer import TileTimer, time_points
 
 ROOT = Path(__file__).resolve().parents[2]
-MICRO = ModelConfig(name="micro", layers=2, hidden=32, heads=2, vocab=16, seq_len=64)
+MICRO = GptConfig(name="micro", layers=2, hidden=32, heads=2, vocab=16, seq_len=64)
 
 
 def test_the_timer_times_i_and_w_through_the_runtimes_split(monkeypatch):

@@ -17,14 +17,14 @@ from local_world import LocalWorld
 
 from terapipe_cli.engine.tensor import TensorGroup
 from terapipe_cli.errors import UserError
-from terapipe_cli.models import ModelConfig
+from terapipe_cli.models import GptConfig
 from terapipe_cli.plan.costmodel import read_profile
 from terapipe_cli.plan.file import read_plan
 from terapipe_cli.profile import ends, options
 from terapipe_cli.profile.tiles import Settings
 from terapipe_cli.profile.timer import CLOCK_NAMES
 
-MICRO = ModelConfig(name="micro", layers=2, hidden=32, heads=2, vocab=16, seq_len=64)
+MICRO = GptConfig(name="micro", layers=2, hidden=32, heads=2, vocab=16, seq_len=64)
 
 
 def write_micro(path: Path) -> Path:

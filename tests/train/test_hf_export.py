@@ -14,15 +14,15 @@ from conftest import assert_one_line_error, run_cli, tiny_model
 from fake_runs import checkpointed_run
 
 import terapipe_cli
-from terapipe_cli.models import ModelConfig, build_model
+from terapipe_cli.models import Gpt2Config, LlamaConfig, ModelConfig, build_model
 
 
 def llama(**changes) -> ModelConfig:
     """A tiny Llama-family model with grouped-query attention (4 query heads, 2 key/value heads) and a base other
     than the default (so the exported rope_theta is checked)."""
-    base = dict(name="test-llama", layers=2, hidden=32, heads=4, vocab=256, seq_len=32, arch="llama", kv_heads=2,
-                ffn_hidden=48, rope_theta=500000.0, norm_eps=1e-5)  # fmt: skip
-    return ModelConfig(**{**base, **changes})
+    base = dict(name="test-llama", layers=2, hidden=32, heads=4, vocab=256, seq_len=32, kv_heads=2, ffn_hidden=48,
+                rope_theta=500000.0, norm_eps=1e-5)  # fmt: skip
+    return LlamaConfig(**{**base, **changes})
 
 
 def exported(tmp_path, capsys, cfg: ModelConfig, *, stages: int = 2):
@@ -144,8 +144,8 @@ def test_a_missing_extra_is_one_line_and_nothing_is_written(tmp_path, capsys, mo
 
 
 def gpt2(**changes) -> ModelConfig:
-    base = dict(name="test-gpt2", layers=2, hidden=32, heads=4, vocab=256, seq_len=32, arch="gpt2")
-    return ModelConfig(**{**base, **changes})
+    base = dict(name="test-gpt2", layers=2, hidden=32, heads=4, vocab=256, seq_len=32)
+    return Gpt2Config(**{**base, **changes})
 
 
 @pytest.mark.parametrize("cfg", [gpt2(tie_embeddings=False), gpt2()], ids=["untied", "tied"])

@@ -21,7 +21,7 @@ from hf_models import saved
 from terapipe_cli.config.model import load_model_config
 from terapipe_cli.engine.tensor import shard_ranges
 from terapipe_cli.errors import UserError
-from terapipe_cli.models import ModelConfig, build_model
+from terapipe_cli.models import Gpt2Config, GptConfig, LlamaConfig, ModelConfig, build_model
 from terapipe_cli.train.export import write_export
 from terapipe_cli.train.hf import write_hf
 from terapipe_cli.train.init_from import check_source, load_weights, open_source
@@ -144,7 +144,7 @@ def test_a_gpt_export_reads_back_as_gpt_and_refuses_nonzero_biases(tmp_path):
     weights load exactly; a nonzero bias (a GPT-2 that is not a gpt export) is one line."""
     import safetensors.torch
 
-    model = ModelConfig(name="g", layers=2, hidden=32, heads=2, vocab=256, seq_len=32)
+    model = GptConfig(name="g", layers=2, hidden=32, heads=2, vocab=256, seq_len=32)
     state = build_model(model, seed=2).state_dict()
     write_hf(tmp_path / "hf", model, state, step=0, run=tmp_path)
     source = open_source(tmp_path / "hf")
@@ -170,7 +170,7 @@ def test_a_gpt_export_reads_back_as_gpt_and_refuses_nonzero_biases(tmp_path):
 def test_an_export_and_a_run_folder_as_sources(tmp_path, capsys):
     """A terapipe export (model.pt) and a run folder (its newest checkpoint that passes its checksums; a damaged newer
     one is passed over, said in one line) give their weights, each tensor under its own name."""
-    model = ModelConfig(name="m", layers=2, hidden=32, heads=4, vocab=256, seq_len=32, arch="llama", kv_heads=2)
+    model = LlamaConfig(name="m", layers=2, hidden=32, heads=4, vocab=256, seq_len=32, kv_heads=2)
     run = checkpointed_run(tmp_path / "run", model, stages=2, step=3, seed=4)
     state = build_model(model, seed=4).state_dict()
     write_export(tmp_path / "model.pt", run, model, 3, state)
@@ -267,10 +267,10 @@ def test_init_from_and_resume_are_one_line(tmp_path, capsys):
 @pytest.mark.parametrize(
     "cfg",
     [
-        ModelConfig(name="g", layers=2, hidden=32, heads=2, vocab=64, seq_len=16),
-        ModelConfig(name="g2", layers=2, hidden=32, heads=2, vocab=64, seq_len=16, arch="gpt2"),
-        ModelConfig(name="l", layers=2, hidden=32, heads=4, vocab=64, seq_len=16, arch="llama", kv_heads=2),
-        ModelConfig(name="lt", layers=2, hidden=32, heads=4, vocab=64, seq_len=16, arch="llama", tie_embeddings=True),
+        GptConfig(name="g", layers=2, hidden=32, heads=2, vocab=64, seq_len=16),
+        Gpt2Config(name="g2", layers=2, hidden=32, heads=2, vocab=64, seq_len=16),
+        LlamaConfig(name="l", layers=2, hidden=32, heads=4, vocab=64, seq_len=16, kv_heads=2),
+        LlamaConfig(name="lt", layers=2, hidden=32, heads=4, vocab=64, seq_len=16, tie_embeddings=True),
     ],
     ids=["gpt", "gpt2-tied", "llama-gqa", "llama-tied"],
 )

@@ -15,7 +15,7 @@ import numpy as np
 from conftest import run_cli, write_plan_file
 
 from terapipe_cli.corpus.formats import MegatronWriter
-from terapipe_cli.models import ModelConfig
+from terapipe_cli.models import LlamaConfig
 from terapipe_cli.schedule.schedule import plan_tiles
 from terapipe_cli.schedule.timeline import read_timeline
 from terapipe_cli.train import checkpoint
@@ -33,8 +33,8 @@ def short_documents_corpus(prefix, *, documents: int = 400, seed: int = 0) -> No
 
 
 def test_a_llama_on_zb_v_with_packed_documents_verifies_through_torchrun(tmp_path, capfd):
-    model = ModelConfig(
-        name="test-llama", layers=4, hidden=32, heads=4, vocab=256, seq_len=32, arch="llama", kv_heads=2, ffn_hidden=64
+    model = LlamaConfig(
+        name="test-llama", layers=4, hidden=32, heads=4, vocab=256, seq_len=32, kv_heads=2, ffn_hidden=64
     )
     slices = [(1, [20, 12]), (1, [5, 5, 22])]
     plan = write_plan_file(

@@ -152,10 +152,10 @@ def test_bench_gpu_model_flops_are_the_plans_count():
     """bench_gpu counts what `terapipe plan` and `terapipe report` count (`plan.mfu.step_flops`): 6·N·B·L with N the
     layers' matrices and the LM head, plus 12·layers·B·L²·H (the whole L × L rectangle, PaLM's count) — twice the
     causal tiles' attention summed over any slicing."""
-    from terapipe_cli.models import ModelConfig
+    from terapipe_cli.models import GptConfig
 
     layers, H, V, L = 24, 2048, 50257, 2048
-    model = ModelConfig("gpt3-1b", layers, H, 16, V, L)
+    model = GptConfig("gpt3-1b", layers, H, 16, V, L)
     for B, slices in ((1, [2048]), (8, [512] * 4), (1, [1000, 600, 448])):
         matrices, attention, j = 0.0, 0.0, 0
         for i in slices:

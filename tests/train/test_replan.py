@@ -194,7 +194,9 @@ def test_a_plan_of_another_model_is_one_line_naming_the_field(tmp_path, capsys, 
     GPT-2 whose head is tied to its embedding, and one whose is not, differ); one of the same model is not."""
     from fake_runs import SEQ, checkpointed_run
 
-    gpt2 = dataclasses.replace(tiny_model(seq_len=SEQ), arch="gpt2", tie_embeddings=True)
+    from terapipe_cli.models import Gpt2Config
+
+    gpt2 = Gpt2Config(**tiny_model(seq_len=SEQ).to_dict(), tie_embeddings=True)
     run = checkpointed_run(tmp_path / "run", gpt2, step=3)
     plan = json.loads((run / "plan.json").read_text())
     plan["model"].update(model)

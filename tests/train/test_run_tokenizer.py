@@ -14,7 +14,7 @@ from conftest import run_cli
 from fake_runs import checkpointed_run
 
 from terapipe_cli.engine.data import generate_default_text
-from terapipe_cli.models import ModelConfig
+from terapipe_cli.models import LlamaConfig
 from terapipe_cli.train.tokenizer import RUN_TOKENIZER, record_tokenizer, run_tokenizer_files
 
 transformers = pytest.importorskip("transformers")
@@ -54,7 +54,7 @@ def test_sample_and_the_hf_export_use_the_runs_tokenizer(tmp_path, capsys, llama
         "--out", corpus,
     )  # fmt: skip
     assert p.returncode == 0, p.stderr
-    cfg = ModelConfig(name="tok-llama", arch="llama", layers=2, hidden=32, heads=4, kv_heads=2, ffn_hidden=48,
+    cfg = LlamaConfig(name="tok-llama", layers=2, hidden=32, heads=4, kv_heads=2, ffn_hidden=48,
                       vocab=512, seq_len=32)  # fmt: skip
     run = checkpointed_run(tmp_path / "run", cfg, data=str(corpus))
     record_tokenizer(run, str(corpus))  # what writing the run folder does (rundir.write_config)

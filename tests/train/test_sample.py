@@ -10,7 +10,7 @@ import torch
 from conftest import assert_one_line_error, run_cli, tiny_model
 from fake_runs import checkpointed_run, make_run
 
-from terapipe_cli.models import ModelConfig, RopeScaling, build_model
+from terapipe_cli.models import Gpt2Config, LlamaConfig, RopeScaling, build_model
 from terapipe_cli.models.attention import KVCache
 from terapipe_cli.models.gpt.module import GPT
 from terapipe_cli.train.sample import Sampling, generate, pick, run_tokenizer
@@ -30,14 +30,14 @@ def recomputed(model, prompt: list[int], sampling: Sampling, vocab: int) -> tupl
 
 # Every architecture: the GPT, GPT-2 (biases, the tanh GELU), and a Llama with grouped-query attention (its cache holds
 # 2 key/value heads of 4), also with Llama 3.1's rescaled rotary frequencies.
-LLAMA = ModelConfig(name="test-llama", layers=2, hidden=32, heads=4, vocab=256, seq_len=64, arch="llama", kv_heads=2,
+LLAMA = LlamaConfig(name="test-llama", layers=2, hidden=32, heads=4, vocab=256, seq_len=64, kv_heads=2,
                     ffn_hidden=48)  # fmt: skip
 LLAMA31 = RopeScaling(
     "llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16
 )
 MODELS = {
     "gpt": tiny_model(seq_len=64),
-    "gpt2": replace(tiny_model(seq_len=64), arch="gpt2", tie_embeddings=False),  # two stages in checkpointed_run
+    "gpt2": Gpt2Config(**tiny_model(seq_len=64).to_dict(), tie_embeddings=False),  # two stages in checkpointed_run
     "llama": LLAMA,
     "llama3.1": replace(LLAMA, rope_scaling=LLAMA31),
 }

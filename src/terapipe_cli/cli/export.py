@@ -20,8 +20,8 @@ A model file loads with:
     from terapipe_cli import load_exported
     model, info = load_exported("model.pt")     # GPT or Llama (models.build_model), strict=True, eval mode
 
-or by hand: build_model(ModelConfig(**obj["model_config"])).load_state_dict(obj["state_dict"]) with
-obj = torch.load("model.pt", weights_only=True).
+or by hand: build_model(ModelConfig.from_dict(obj["model_config"], "model.pt")).load_state_dict(obj["state_dict"])
+with obj = torch.load("model.pt", weights_only=True) (build_model and ModelConfig from terapipe_cli.models).
 
 --format hf writes a Hugging Face folder instead (config.json, model.safetensors) that
 transformers' AutoModelForCausalLM.from_pretrained(OUT) loads; it needs pip install 'terapipe-cli\\[hf]'.

@@ -9,11 +9,12 @@ heads = 4
 vocab = 256
 seq_len = 1024    # L
 
-``arch`` names the architecture, a family of the registry (`terapipe_cli.models`), which says what else the table takes.
-arch = "gpt" (the default) is a GPT-2-style decoder: LayerNorm, learned positions, a GELU MLP of mlp_ratio·H, no
-biases. arch = "gpt2" is GPT-2 exactly: biases, the tanh GELU, and (default) tie_embeddings = true; it takes
-mlp_ratio, norm_eps (LayerNorm's, default 1e-5) and tie_embeddings. arch = "llama" is a Llama-family decoder
-(RMSNorm, rotary positions, a SwiGLU MLP of ffn_hidden, grouped-query attention):
+``arch`` names the architecture, a family of the registry (`terapipe_cli.models`), whose config class says what
+else the table takes (`GptConfig`, `Gpt2Config`, `LlamaConfig`). arch = "gpt" (the default) is a GPT-2-style
+decoder: LayerNorm, learned positions, a GELU MLP of mlp_ratio·H, no biases. arch = "gpt2" is GPT-2 exactly: biases,
+the tanh GELU, and (default) tie_embeddings = true; it takes mlp_ratio, norm_eps (LayerNorm's, default 1e-5) and
+tie_embeddings. arch = "llama" is a Llama-family decoder (RMSNorm, rotary positions, a SwiGLU MLP of ffn_hidden,
+grouped-query attention):
 
 arch = "llama"
 kv_heads = 2          # key/value heads, dividing heads (default: heads)
@@ -87,6 +88,6 @@ def model_from_transformers(path: str | Path, *, seq_len: int | None = None, nam
         raise f.fail("architectures", message)
     spec = spec.reads_transformers_as(f)
     fields = spec.from_transformers(f, seq_len)
-    cfg = ModelConfig(name=name or config.resolve().parent.name, arch=spec.name, **fields)
+    cfg = spec.config(name=name or config.resolve().parent.name, **fields)
     cfg.check(f)
     return cfg

@@ -9,7 +9,7 @@ Two all-reduces forward and two backward per layer and tile. Each rank's K/V cac
 and values.
 
 The vocabulary is split too (Megatron's vocab-parallel embedding and cross-entropy): each rank holds the rows
-[r·V//T, (r+1)·V//T) of the token embedding and of the LM head (`models.config.vocab_rows`; V need not divide by
+[r·V//T, (r+1)·V//T) of the token embedding and of the LM head (`models.vocab_rows`; V need not divide by
 T). The embedding looks up the tokens it holds, zeros the others' rows and sums over the ranks
 (`VocabParallelEmbedding`); the head is column-parallel over the vocabulary (`VocabParallelHead`), and the loss is
 the exact cross-entropy over the whole vocabulary from each rank's share of the logits

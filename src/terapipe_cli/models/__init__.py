@@ -2,24 +2,32 @@
 terapipe asks the spec, never ``if arch == ...`` (docs/design.md §6c). No torch here or in any spec: the planner reads
 specs too; a family's torch module is named by its spec (``Arch.module``) and imported when a model is built.
 
-spec.py       what a spec says (`Arch`): its module, settings, parameter counts, tensor-parallel splits, analytic
-              FLOP/byte description, `transformers` key table and configs; `flops_per_token` (the MFU numerator)
-config.py     `ModelConfig`, the settings every family has; `vocab_rows`, the vocabulary's rows per tensor rank
+spec.py       what every family's config has (`ModelConfig`) and what a spec says (`Arch`): its module, settings,
+              parameter counts, tensor-parallel splits, analytic FLOP/byte description, `transformers` key table and
+              configs; `vocab_rows`, the vocabulary's rows per tensor rank; `flops_per_token` (the MFU numerator)
 attention.py  the K/V cache and the attention over a slice's context, shared by every family's module (torch)
 init.py       the seeded per-component initialisation every family's module uses (torch)
 gpt/          ``gpt``, the default: nanoGPT's decoder; ``gpt2``: GPT-2 exactly (biases, tanh GELU, tied embeddings)
 llama/        ``llama``: the Llama family, Llama 3.1's RoPE scaling; Mistral's layer read as it
 
-A family is a folder: ``spec.py`` (its settings and its spec, torch-free) and ``module.py`` (its torch module), and
-one line in `ARCHS`.
+A family is a folder: ``spec.py`` (torch-free: its config, a `ModelConfig` subclass with its own settings, and its
+spec, an `Arch` subclass naming that config) and ``module.py`` (its torch module), and one line in `ARCHS`.
 """
 
 from __future__ import annotations
 
-from terapipe_cli.models.config import ModelConfig, vocab_rows, vocab_share
-from terapipe_cli.models.gpt.spec import Gpt2Arch, GptArch
-from terapipe_cli.models.llama.spec import LlamaArch, RopeScaling
-from terapipe_cli.models.spec import COMMON_FIELDS, Arch, Split, backward_input_share, flops_per_token
+from terapipe_cli.models.gpt.spec import Gpt2Arch, Gpt2Config, GptArch, GptConfig
+from terapipe_cli.models.llama.spec import LlamaArch, LlamaConfig, RopeScaling
+from terapipe_cli.models.spec import (
+    COMMON_FIELDS,
+    Arch,
+    ModelConfig,
+    Split,
+    backward_input_share,
+    flops_per_token,
+    vocab_rows,
+    vocab_share,
+)
 
 ARCHS: dict[str, Arch] = {spec.name: spec for spec in (GptArch(), Gpt2Arch(), LlamaArch())}
 
@@ -58,6 +66,9 @@ __all__ = [
     "ARCHS",
     "COMMON_FIELDS",
     "Arch",
+    "Gpt2Config",
+    "GptConfig",
+    "LlamaConfig",
     "ModelConfig",
     "RopeScaling",
     "Split",

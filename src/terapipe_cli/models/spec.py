@@ -1,27 +1,207 @@
-"""What one architecture's spec says (`Arch`), and what every spec shares: the tensor-parallel `Split` of a parameter
-and the training FLOPs per token (`flops_per_token`). No torch: the planner and the analytic profile read specs.
+"""What every model family shares: what its config has (`ModelConfig`, the shapes common to all and the structural
+quantities generic code reads of any model), what its spec says (`Arch`), how the vocabulary's rows are cut over
+tensor ranks (`vocab_rows`), the tensor-parallel `Split` of a parameter and the training FLOPs per token
+(`flops_per_token`). No torch: the planner and the analytic profile read specs.
 
-A spec is a class with one instance in the registry (`terapipe_cli.models.ARCHS`); the family's torch module is named,
-not imported (``module = "terapipe_cli.models.gpt.module:GPT"``, imported by `Arch.model_class` when a model is
-built).
+A family's `spec.py` holds its config (a `ModelConfig` subclass whose own fields are its settings) and its spec (an
+`Arch` subclass naming that config, with one instance in the registry, `terapipe_cli.models.ARCHS`). The spec names
+its torch module rather than importing it (``module = "terapipe_cli.models.gpt.module:GPT"``, imported by
+`Arch.model_class` when a model is built). Reading a model TOML or a `transformers` folder is `config.model`'s.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
-from dataclasses import asdict, fields, is_dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from dataclasses import asdict, dataclass, field, is_dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import Fields
 
-if TYPE_CHECKING:
-    from terapipe_cli.models.config import ModelConfig
 
-# The fields every architecture has (`ModelConfig`'s first six); an architecture adds its own (`Arch.fields`).
-COMMON_FIELDS = ("name", "layers", "hidden", "heads", "vocab", "seq_len")
+@dataclass(frozen=True)
+class ModelConfig:
+    """A model's architecture and shapes: what decides its tensors and numbers, and so which plans, profiles,
+    checkpoints and weights are its own. ``name`` labels it (a transformers folder's is the folder's) and is no part
+    of that identity: two models equal when every other field does (`difference` names the first that does not).
+
+    The common part: each family's config adds its own settings and ``arch``, its name in the registry (a field
+    fixed by the class). Generic code reads ``kv_heads``, ``ffn_hidden`` and ``tie_embeddings`` of every model: a
+    family gives each as a setting or computes it (a GPT's inner width is mlp_ratio · H). `from_dict` builds the
+    config the ``arch`` of a file names."""
+
+    name: str = field(compare=False)
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    seq_len: int
+
+    def __post_init__(self) -> None:
+        if not hasattr(self, "arch"):
+            raise TypeError("ModelConfig is what every family's config has: build a family's (GptConfig, LlamaConfig, "
+                            "...) or read one with ModelConfig.from_dict")  # fmt: skip
+
+    @property
+    def spec(self) -> Arch:
+        """The architecture's spec (`terapipe_cli.models.ARCHS`): its module, splits, parameter and FLOP counts."""
+        from terapipe_cli.models import arch_spec  # the registry imports every family, whose configs import this module
+
+        return arch_spec(self.arch)
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: one per query head (multi-head attention) unless the family groups them."""
+        return self.heads
+
+    @property
+    def ffn_hidden(self) -> int:
+        """The MLP's inner width (tensor parallelism cuts it)."""
+        raise NotImplementedError(f"{type(self).__name__} says no MLP width")
+
+    @property
+    def tie_embeddings(self) -> bool:
+        """Whether the LM head is the token embedding's matrix: not unless the family's settings say so."""
+        return False
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def kv_width(self) -> int:
+        """Features of one token's keys (and of its values): kv_heads · head_dim; H with one K/V head per query head.
+        The K/V cache of a grouped-query model is kv_heads / heads of the multi-head one's."""
+        return self.kv_heads * self.head_dim
+
+    def end_params(self, vocab_rows: int) -> tuple[int, int]:
+        """Parameters of the embedding (chunk 0) and of the head (the last chunk, its final norm with it) holding
+        ``vocab_rows`` rows of the vocabulary (the architecture's count; tied, the head's matrix is the embedding's,
+        trained once)."""
+        return self.spec.end_params(self, vocab_rows)
+
+    def params_per_layer(self, tensor_parallel: int = 1, *, bias: bool = True) -> int:
+        """Parameters of one decoder layer held by one device, with ``tensor_parallel`` ranks sharing the layer (the
+        architecture's count: `terapipe_cli.models`). ``bias``: count GPT-3's biases for ``gpt``, whose runtime model
+        has none (as nanoGPT); the other architectures count what they have."""
+        return self.spec.params_per_layer(self, tensor_parallel, bias=bias)
+
+    def check_tensor_parallel(self, tensor_parallel: int, where: str = "tensor_parallel") -> None:
+        """T ranks split the heads and the MLP's inner dimension (docs/design.md §6b): T must divide both."""
+        t = tensor_parallel
+        if isinstance(t, bool) or not isinstance(t, int) or t < 1:
+            raise UserError(f"must be a positive integer, got {t!r}", where=where)
+        if self.heads % t:
+            raise UserError(f"{t} does not divide the {self.heads} heads of model '{self.name}'", where=where)
+        if self.kv_heads % t:  # each rank keeps whole key/value heads, those its own query heads read
+            raise UserError(f"{t} does not divide the {self.kv_heads} kv_heads of model '{self.name}'", where=where)
+        inner = self.ffn_hidden
+        if inner % t:
+            raise UserError(f"{t} does not divide the MLP's {inner} inner features of model '{self.name}'", where=where)
+
+    def difference(self, other: ModelConfig) -> tuple[str, object, object] | None:
+        """The first field of the identity (every field but ``name``) in which ``other`` differs: (field, other's
+        value, this one's), the common shapes first, then ``arch``, then the family's settings; None for the same
+        model."""
+        common = [f.name for f in dataclasses.fields(ModelConfig) if f.compare]
+        own = [f.name for f in dataclasses.fields(self) if f.compare and f.name not in common and f.name != "arch"]
+        for name in [*common, "arch", *own]:
+            if getattr(self, name) != getattr(other, name):
+                return name, getattr(other, name), getattr(self, name)
+        return None
+
+    def to_dict(self) -> dict:
+        """The fields a TOML or JSON file gives: the common ones, ``arch`` and the architecture's own (a GPT model's
+        as before ``arch`` existed: its plans and profiles are unchanged)."""
+        return self.spec.to_dict(self)
+
+    @classmethod
+    def from_dict(cls, obj: dict, where: str, prefix: str = "model.") -> ModelConfig:
+        """Build and validate from a mapping (a TOML table, a JSON object, `to_dict`'s): the config of the family its
+        ``arch`` names (default: gpt; called on a family's class, that family's); errors name ``where``."""
+        f = Fields(obj, where, prefix)
+        common = {
+            "name": f.str("name"),
+            "layers": f.int("layers", minimum=1),
+            "hidden": f.int("hidden", minimum=1),
+            "heads": f.int("heads", minimum=1),
+            "vocab": f.int("vocab", minimum=2),
+            "seq_len": f.int("seq_len", minimum=1),
+        }
+        from terapipe_cli.models import ARCHS
+
+        arch = f.str("arch", default=getattr(cls, "arch", "gpt"))
+        if arch not in ARCHS:
+            raise f.fail("arch", f"must be one of {', '.join(ARCHS)}, got {arch!r}")
+        spec = ARCHS[arch]
+        if not issubclass(spec.config, cls):
+            raise f.fail("arch", f"must be {cls.arch!r} here, got {arch!r}")
+        cfg = spec.config(**common, **spec.read_fields(f))
+        cfg.check(f)
+        known = {*COMMON_FIELDS, "arch", *cfg.spec.fields}
+        unknown = sorted(set(obj) - known)
+        if unknown:
+            raise f.fail(unknown[0], f"is not a setting of arch = {cfg.arch!r} (known: {', '.join(sorted(known))})")
+        return cfg
+
+    def check(self, f: Fields) -> None:
+        """What the fields must satisfy together (``f`` names the one at fault): the common rules, the spec's."""
+        if self.hidden % self.heads:
+            raise f.fail("heads", f"must divide hidden ({self.hidden}), got {self.heads}")
+        if self.heads % self.kv_heads:
+            raise f.fail("kv_heads", f"must divide heads ({self.heads}), got {self.kv_heads}")
+        self.spec.check(self, f)
+
+    def stage_layers(self, stages: int, where: str = "stages") -> int:
+        """Layers per stage; the layer count must divide evenly (docs/design.md §6)."""
+        if stages < 1:
+            raise UserError(f"must be at least 1, got {stages}", where=where)
+        if self.layers % stages:
+            raise UserError(
+                f"{stages} stages do not divide the {self.layers} layers of model '{self.name}' "
+                f"(stage counts that divide them: {', '.join(map(str, self.stage_counts()))})",
+                where=where,
+            )
+        return self.layers // stages
+
+    def check_stages(self, stages: int, where: str = "stages") -> None:
+        """A pipeline of ``stages`` stages needs at least one layer per stage: 1 ≤ K ≤ N (the layers need not divide
+        evenly: a plan may give stages different counts, docs/design.md §11)."""
+        if stages < 1:
+            raise UserError(f"must be at least 1, got {stages}", where=where)
+        if stages > self.layers:
+            raise UserError(
+                f"{stages} stages are more than the {self.layers} layers of model '{self.name}'", where=where
+            )
+
+    def stage_counts(self) -> list[int]:
+        """The stage counts K that divide the layers evenly, ascending (1, 2, 4, 5, 8, 10, 20, 40 for 40 layers)."""
+        small = [k for k in range(1, int(self.layers**0.5) + 1) if self.layers % k == 0]
+        return sorted({*small, *(self.layers // k for k in small)})
+
+
+# The fields every family has; a family adds its own (`Arch.fields`).
+COMMON_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig))
+
+
+def vocab_rows(vocab: int, tensor_parallel: int, rank: int) -> range:
+    """The rows of the token embedding and of the LM head that tensor rank ``rank`` of T holds under Megatron's
+    vocabulary split (docs/design.md §6b): [r·V//T, (r+1)·V//T). V need not divide by T (GPT-3's 50257 does not):
+    the shares then differ by one row. The runtime, its checkpoints, the memory estimate and the analytic profile
+    all cut by this one rule."""
+    t = tensor_parallel
+    if not 0 <= rank < t:
+        raise ValueError(f"tensor rank {rank} out of range for {t} ranks")
+    return range(rank * vocab // t, (rank + 1) * vocab // t)
+
+
+def vocab_share(vocab: int, tensor_parallel: int) -> int:
+    """The most rows of `vocab_rows` one tensor rank holds: ⌈V / T⌉, the fullest device's share."""
+    return -(-vocab // tensor_parallel)
+
 
 # (terapipe name, transformers name, transposed): every weight of the model once; ``{n}`` is a layer's global index.
 HFKey = tuple[str, str, bool]
@@ -33,7 +213,7 @@ Kernels = tuple[tuple[str, int], ...]
 
 class Split(NamedTuple):
     """How a tensor-parallel parameter is cut along ``dim``: ``parts`` equal blocks stacked there (the fused q, k, v),
-    each cut evenly T ways; or, with ``vocab``, the vocabulary's rows cut by `models.config.vocab_rows` (unevenly
+    each cut evenly T ways; or, with ``vocab``, the vocabulary's rows cut by `models.vocab_rows` (unevenly
     when T does not divide V). Cut along the output features (dim 0 of a weight, a bias): column-parallel; along the
     input features (dim 1): row-parallel (engine/tensor.py)."""
 
@@ -46,8 +226,9 @@ class Arch:
     """One architecture, everything the rest of terapipe asks of it (subclasses fill it in; one instance each).
 
     - the model: ``module`` (the torch class building a stage's part, named as ``"package.module:Class"``), its
-      settings beyond `COMMON_FIELDS` (``fields``, read and checked by `read_fields` and `check`), how many
-      parameters a layer and the two ends hold (`params_per_layer`, `end_params`);
+      config (``config``, a `ModelConfig` subclass whose own fields are its settings, `fields`, read and checked by
+      `read_fields` and `check`), how many parameters a layer and the two ends hold (`params_per_layer`,
+      `end_params`);
     - tensor parallelism: ``splits``, how each cut parameter is cut, by the end of its name (engine/tensor.py);
     - the analytic profile: the layer's matrix products (`forward_gemms`), its element-wise byte streams
       (`streams`), the kernels it launches (``forward_kernels``, ..., ``weight_kernels``: a split backward's W's),
@@ -59,8 +240,7 @@ class Arch:
 
     name: str = ""
     module: str = ""
-    fields: tuple[str, ...] = ()
-    ties_by_default = False  # tie_embeddings when a model does not say
+    config: type[ModelConfig] = ModelConfig
     records_arch = True  # `to_dict` writes ``arch`` (gpt's does not: its files are as before ``arch`` existed)
     learned_positions = False  # a position table beside the token embedding (chunk 0)
     splits: dict[str, Split] = {}
@@ -80,6 +260,15 @@ class Arch:
         return getattr(importlib.import_module(path), cls)
 
     # --- the model's settings -------------------------------------------------------------------------------
+    @property
+    def fields(self) -> tuple[str, ...]:
+        """The settings beyond `COMMON_FIELDS`, in order: the config's own fields (``arch`` apart)."""
+        return tuple(f.name for f in dataclasses.fields(self.config) if f.init and f.name not in COMMON_FIELDS)
+
+    def default(self, name: str) -> Any:
+        """What a model that does not give the setting ``name`` gets (its config's default)."""
+        return next(f.default for f in dataclasses.fields(self.config) if f.name == name)
+
     def read_fields(self, f: Fields) -> dict:
         """This architecture's settings from a TOML table or a JSON object, defaults filled in."""
         return {}
@@ -91,7 +280,7 @@ class Arch:
         """The fields a model file gives: the common ones, ``arch`` and this architecture's (None ones left out)."""
         keep = {*COMMON_FIELDS, *(["arch"] if self.records_arch else []), *self.fields}
         out = {}
-        for f in fields(cfg):
+        for f in dataclasses.fields(cfg):
             value = getattr(cfg, f.name)
             if f.name in keep and value is not None:
                 out[f.name] = asdict(value) if is_dataclass(value) else value

@@ -136,7 +136,7 @@ def stage_sizes(profile, stages: int, partition: Partition | None = None) -> lis
     `StageRunner.step`) while tiles are in flight.
 
     The token embedding and the head: a profile that says ``vocab_parallel`` (the runtime's Megatron split,
-    engine/tensor.py) counts the fullest tensor rank's share of their rows, ⌈V/T⌉ (`models.config.vocab_share`),
+    engine/tensor.py) counts the fullest tensor rank's share of their rows, ⌈V/T⌉ (`models.vocab_share`),
     in their parameters, their 16-bit copy and the logits' transient, plus what the split keeps besides: the local
     token ids and the mask of the tokens another rank holds (stage 0). A profile without it (made before the split)
     counts them whole on every tensor rank, as before.

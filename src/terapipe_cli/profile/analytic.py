@@ -167,7 +167,7 @@ def ends_seconds(
     ``embed_forward``/``embed_backward`` (the first chunk: token and position embedding) and ``head_forward``/
     ``head_backward`` (the last chunk: final layer norm, LM head, cross-entropy). With ``vocab_parallel`` each of
     the T tensor ranks holds its rows of the embedding and of the head (Megatron's split, engine/tensor.py; priced
-    for the fullest rank, ⌈V/T⌉ rows, `models.config.vocab_share`): its products and its logits' kernels shrink by
+    for the fullest rank, ⌈V/T⌉ rows, `models.vocab_share`): its products and its logits' kernels shrink by
     T, the embedding's output is all-reduced over the ranks, the loss's per-token max and then its sum of
     exponentials with the target's logit (one all-reduce of both), and the head input's gradient in the backward;
     otherwise every rank runs the whole of both.

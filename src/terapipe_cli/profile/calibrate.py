@@ -32,7 +32,7 @@ from terapipe_cli.config.device import same_device_name
 from terapipe_cli.config.hardware import Hardware
 from terapipe_cli.errors import UserError
 from terapipe_cli.files import read_user_text
-from terapipe_cli.models import ModelConfig
+from terapipe_cli.models import GptConfig, ModelConfig
 from terapipe_cli.plan.costmodel import Profile
 from terapipe_cli.profile.analytic import layer_seconds
 
@@ -208,7 +208,7 @@ def read_tile_table(path: str | Path, precision: str) -> Measurement:
     tiles = []
     for (name, hidden, heads), values in shapes.items():
         b, i, j, eager, graphed_ms = np.array(values, dtype=float).T
-        model = ModelConfig(
+        model = GptConfig(
             name=name, layers=1, hidden=hidden, heads=heads, vocab=2, seq_len=int(max(i + j)), mlp_ratio=4
         )
         tiles.append(TileTimes(model, f"{name} eager", b, i, j, eager / 1e3, accumulates=False))

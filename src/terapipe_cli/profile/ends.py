@@ -63,7 +63,7 @@ class EndsTimer:
     ) -> None:
         # The ends timed apart, so untied: a tied head runs the same products on the embedding's matrix (`params`
         # counts that matrix once, with the embedding).
-        one = replace(model, layers=1, tie_embeddings=False)
+        one = replace(model, layers=1, **({"tie_embeddings": False} if model.tie_embeddings else {}))
         self.tied = model.tie_embeddings
         part = Partition((0, 1, 0), 3)
         common = {"seed": seed, "device": device, "precision": precision, "partition": part, "tensor": tensor}

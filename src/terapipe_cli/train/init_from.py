@@ -134,7 +134,7 @@ def source_note(source: Source, model: ModelConfig) -> str:
     changed = [
         f"{key} {getattr(source.model, key)!r} -> {getattr(model, key)!r}"
         for key in CONTEXT_FIELDS
-        if getattr(source.model, key) != getattr(model, key)
+        if hasattr(model, key) and getattr(source.model, key) != getattr(model, key)  # the same arch: the same keys
     ]
     line = f"terapipe: starting from the weights of {source.describe()}; the optimizer starts fresh"
     if changed:

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from terapipe_cli.models.attention import DocumentMask, KVCache, attend
-from terapipe_cli.models.config import ModelConfig
 from terapipe_cli.models.init import EMBED_SEED, HEAD_SEED, LAYER_SEED, normal_, seeded
+from terapipe_cli.models.spec import ModelConfig
 from terapipe_cli.schedule.partition import Partition
 
 
@@ -59,8 +59,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, bias: bool = False, gelu: str = "none") -> None:
         super().__init__()
         self.gelu = gelu  # F.gelu's approximate: "none" (erf, GPT's) or "tanh" (GPT-2's gelu_new)
-        self.fc = nn.Linear(cfg.hidden, cfg.mlp_ratio * cfg.hidden, bias=bias)
-        self.proj = nn.Linear(cfg.mlp_ratio * cfg.hidden, cfg.hidden, bias=bias)
+        self.fc = nn.Linear(cfg.hidden, cfg.ffn_hidden, bias=bias)
+        self.proj = nn.Linear(cfg.ffn_hidden, cfg.hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(F.gelu(self.fc(x), approximate=self.gelu))

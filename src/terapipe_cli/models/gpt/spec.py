@@ -15,13 +15,39 @@ the ranks (engine/tensor.py).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
 from terapipe_cli.files import Fields
-from terapipe_cli.models.spec import Arch, Gemm, HFKey, Split, boolean, unsupported
+from terapipe_cli.models.spec import Arch, Gemm, HFKey, ModelConfig, Split, boolean, unsupported
 
-if TYPE_CHECKING:
-    from terapipe_cli.models.config import ModelConfig
+
+@dataclass(frozen=True)
+class GptConfig(ModelConfig):
+    """``arch = "gpt"``: the MLP's inner width is ``mlp_ratio`` · H; the LayerNorms have torch's epsilon and the head
+    is its own."""
+
+    mlp_ratio: int = 4
+    arch: str = field(default="gpt", init=False)
+
+    @property
+    def ffn_hidden(self) -> int:
+        return self.mlp_ratio * self.hidden
+
+    @property
+    def norm_eps(self) -> float:
+        return 1e-5  # torch.nn.LayerNorm's default
+
+
+@dataclass(frozen=True)
+class Gpt2Config(GptConfig):
+    """``arch = "gpt2"``: `GptConfig`'s width, GPT-2's LayerNorm epsilon and its head tied to the embedding by
+    default (both settings here)."""
+
+    arch: str = field(default="gpt2", init=False)
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+
 
 GPT2_EOT = 50256  # GPT-2 BPE's <|endoftext|>: the configs' bos/eos id, kept only where the vocabulary holds it
 
@@ -94,7 +120,7 @@ BACKWARD_KERNELS = (
 class GptArch(Arch):
     name = "gpt"
     module = "terapipe_cli.models.gpt.module:GPT"
-    fields = ("mlp_ratio",)
+    config = GptConfig
     learned_positions = True
     records_arch = False  # the profiles and plans of GPT models are as before ``arch`` existed
     # The fused q/k/v weight is three matrices stacked along dim 0 (parts = 3): each rank keeps its heads' rows of
@@ -119,7 +145,7 @@ class GptArch(Arch):
     weight_kernels = (8 + 6, 4)
 
     def read_fields(self, f: Fields) -> dict:
-        return {"mlp_ratio": f.int("mlp_ratio", minimum=1, default=4)}
+        return {"mlp_ratio": f.int("mlp_ratio", minimum=1, default=self.default("mlp_ratio"))}
 
     def params_per_layer(self, cfg: ModelConfig, tensor_parallel: int = 1, *, bias: bool = True) -> int:
         """Sharded: the Q/K/V and output projections and both MLP matrices (with their biases when ``bias``, as
@@ -282,8 +308,7 @@ TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")
 class Gpt2Arch(GptArch):
     name = "gpt2"
     module = "terapipe_cli.models.gpt.module:GPT2"
-    fields = ("mlp_ratio", "norm_eps", "tie_embeddings")
-    ties_by_default = True
+    config = Gpt2Config
     records_arch = True
     splits = {**GptArch.splits, "attn.qkv.bias": Split(0, 3), "mlp.fc.bias": Split(0)}
     hf_keys: tuple[HFKey, ...] = (*GPT2_KEYS, *((ours, theirs, False) for ours, theirs, _ in GPT2_BIASES))
@@ -298,9 +323,9 @@ class Gpt2Arch(GptArch):
 
     def read_fields(self, f: Fields) -> dict:
         return {
-            "mlp_ratio": f.int("mlp_ratio", minimum=1, default=4),
-            "norm_eps": f.number("norm_eps", positive=True, default=1e-5),
-            "tie_embeddings": boolean(f, "tie_embeddings", self.ties_by_default),
+            "mlp_ratio": f.int("mlp_ratio", minimum=1, default=self.default("mlp_ratio")),
+            "norm_eps": f.number("norm_eps", positive=True, default=self.default("norm_eps")),
+            "tie_embeddings": boolean(f, "tie_embeddings", self.default("tie_embeddings")),
         }
 
     def params_per_layer(self, cfg: ModelConfig, tensor_parallel: int = 1, *, bias: bool = True) -> int:

@@ -43,10 +43,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from terapipe_cli.models.attention import DocumentMask, KVCache, attend
-from terapipe_cli.models.config import ModelConfig
 from terapipe_cli.models.gpt.module import GPT
 from terapipe_cli.models.init import EMBED_SEED, HEAD_SEED, LAYER_SEED, normal_, seeded
 from terapipe_cli.models.llama.spec import RopeScaling
+from terapipe_cli.models.spec import ModelConfig
 
 
 def rope_angles(

@@ -5,15 +5,12 @@ attention short."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
-from typing import TYPE_CHECKING, Any
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
 
 from terapipe_cli.files import Fields
 from terapipe_cli.models.gpt.spec import eot_token
-from terapipe_cli.models.spec import Arch, Gemm, HFKey, Split, boolean, unsupported
-
-if TYPE_CHECKING:
-    from terapipe_cli.models.config import ModelConfig
+from terapipe_cli.models.spec import Arch, Gemm, HFKey, ModelConfig, Split, boolean, unsupported
 
 
 @dataclass(frozen=True)
@@ -53,6 +50,29 @@ class RopeScaling:
             raise sub.fail("high_freq_factor", f"must exceed low_freq_factor ({scaling.low_freq_factor}), got "
                            f"{scaling.high_freq_factor}")  # fmt: skip
         return scaling
+
+
+@dataclass(frozen=True)
+class LlamaConfig(ModelConfig):
+    """``arch = "llama"``: grouped-query attention, the SwiGLU's width, the rotary base and scaling, RMSNorm's
+    epsilon, and whether the head is the embedding's matrix."""
+
+    arch: str = field(default="llama", init=False)
+    kv_heads: int | None = None  # None: heads (multi-head attention)
+    ffn_hidden: int | None = None  # the SwiGLU's inner width; None: 4 · hidden
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    rope_scaling: RopeScaling | None = None  # Llama 3.1's rescaled rotary frequencies; None: the plain ones
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.kv_heads is None:
+            object.__setattr__(self, "kv_heads", self.heads)
+        if self.ffn_hidden is None:
+            object.__setattr__(self, "ffn_hidden", 4 * self.hidden)
+        if isinstance(self.rope_scaling, dict):  # as `to_dict` writes it
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
 
 
 # (terapipe name, transformers name, transposed): the same tensors under `transformers`' names. No permutation:
@@ -113,7 +133,7 @@ ROPE_SCALING_KERNELS = (("rotary frequencies rescaled (llama3): wavelengths, two
 class LlamaArch(Arch):
     name = "llama"
     module = "terapipe_cli.models.llama.module:Llama"
-    fields = ("kv_heads", "ffn_hidden", "rope_theta", "norm_eps", "tie_embeddings", "rope_scaling")
+    config = LlamaConfig
     # Rank r keeps query heads [r·heads/T, (r+1)·heads/T) and key/value heads [r·kv_heads/T, (r+1)·kv_heads/T) —
     # exactly the ones its query heads read — and 1/T of the SwiGLU's width.
     splits = {
@@ -143,9 +163,9 @@ class LlamaArch(Arch):
         return {
             "kv_heads": f.int("kv_heads", minimum=1, default=f.int("heads", minimum=1)),
             "ffn_hidden": f.int("ffn_hidden", minimum=1),
-            "rope_theta": f.number("rope_theta", positive=True, default=10000.0),
-            "norm_eps": f.number("norm_eps", positive=True, default=1e-5),
-            "tie_embeddings": boolean(f, "tie_embeddings", self.ties_by_default),
+            "rope_theta": f.number("rope_theta", positive=True, default=self.default("rope_theta")),
+            "norm_eps": f.number("norm_eps", positive=True, default=self.default("norm_eps")),
+            "tie_embeddings": boolean(f, "tie_embeddings", self.default("tie_embeddings")),
             "rope_scaling": RopeScaling.read(f) if f.get("rope_scaling", None) is not None else None,
         }
 
