@@ -11,7 +11,7 @@ gpt/          ``gpt``, the default: nanoGPT's decoder; ``gpt2``: GPT-2 exactly (
 llama/        ``llama``: the Llama family, Llama 3.1's RoPE scaling; Mistral's layer read as it
 
 A family is a folder: ``spec.py`` (torch-free: its config, a `ModelConfig` subclass with its own settings, and its
-spec, an `Arch` subclass naming that config) and ``module.py`` (its torch module), and one line in `ARCHS`.
+spec, an `Arch` subclass naming that config) and ``module.py`` (its torch module), its import and its entry in `ARCHS`.
 """
 
 from __future__ import annotations

@@ -258,35 +258,30 @@ def _new_arguments(
     if val_data is not None:
         val_fraction = 0.0  # the held-out loss comes from its own file; training takes all of --data
     sampling = config.sampling or ("random" if files[0].kind == "text" else "epoch")
-    return RunArguments(
+    # A setting that reaches the workers as given (its fallback filled in) needs no line here: every field of
+    # RunArguments that is a RunConfig setting is taken from it, unless resolved below.
+    settings = {f.name for f in dataclasses.fields(RunConfig)}
+    given = {f.name: config.value(f.name) for f in dataclasses.fields(RunArguments) if f.name in settings}
+    resolved = dict(
         steps=steps,
         data=_data_path(config),
         data_mix=_data_mix(config),
-        seed=config.value("seed"),
         lr=schedule.lr,
         data_parallel=data_parallel,
-        checkpoint_every=config.value("checkpoint_every"),
-        threads=config.value("threads"),
         timeout_s=float(config.value("timeout_s")),
-        verify=config.value("verify"),
         loss_chunk_tokens=config.loss_chunk_tokens,
-        track_memory=config.value("track_memory"),
         precision=_run_precision(config.precision, device, plan),
         warmup_steps=schedule.warmup_steps,
         min_lr=schedule.min_lr,
         decay_steps=config.decay_steps or steps,
         grad_clip=float(config.value("grad_clip")),
-        accept_precision=config.value("accept_precision"),
         tensor_parallel=tensor_parallel,
         controls=controls.record(),
         val_fraction=val_fraction,
         eval_every=_eval_every(config.eval_every, steps, val_fraction > 0 or val_data is not None),
         schedule=_schedule_text(config, plan),
         log=resolve_logs(config.log),
-        keep_checkpoints=config.value("keep_checkpoints"),
         grace_s=float(config.value("grace_s")),
-        max_restarts=config.value("max_restarts"),
-        token_dtype=config.token_dtype,
         init_from=None if source is None else str(source.path),
         init_step=None if source is None else source.step,
         document_mask=document_mask,
@@ -296,6 +291,7 @@ def _new_arguments(
         data_fingerprints=fingerprints,
         **dataclasses.asdict(component_of(OptimizerConfig, config)),
     )
+    return RunArguments(**given | resolved)
 
 
 def _data_path(config: RunConfig) -> str | None:
