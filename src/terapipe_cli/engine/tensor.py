@@ -208,7 +208,7 @@ def vocab_parallel_loss_sum(
 
 
 def head_loss_sum(module: nn.Module, h: torch.Tensor, targets: torch.Tensor, chunk: int = 0) -> torch.Tensor:
-    """The last chunk's summed token loss of ``module`` (a `models.gpt.module.GPT`) from its final norm's output
+    """The last chunk's summed token loss of ``module`` (a `models.decoder.Decoder`) from its final norm's output
     ``h``: the LM head and the cross-entropy ``chunk`` tokens at a time (`engine.loss`; 0: the whole logits at once),
     over the whole vocabulary from this rank's rows when the head is vocab-parallel (`shard_module`)."""
     head = module.lm_head
@@ -275,7 +275,7 @@ def gather_tensor(name: str, local: torch.Tensor, tp: TensorGroup) -> torch.Tens
 
 
 def shard_module(module: nn.Module, tp: TensorGroup) -> None:
-    """Keep only this rank's part of every decoder layer of ``module`` (a `models.gpt.module.GPT`), and of the
+    """Keep only this rank's part of every decoder layer of ``module`` (a `models.decoder.Decoder`), and of the
     vocabulary's rows of its token embedding (chunk 0) and LM head (the last chunk), in place."""
     if tp.size == 1:
         return

@@ -7,6 +7,7 @@ spec.py       what every family's config has (`ModelConfig`) and what a spec say
               configs; `vocab_rows`, the vocabulary's rows per tensor rank; `flops_per_token` (the MFU numerator)
 attention.py  the K/V cache and the attention over a slice's context, shared by every family's module (torch)
 init.py       the seeded per-component initialisation every family's module uses (torch)
+decoder.py    the stage layout every family's module shares: a stage's layers, the ends, tied embeddings (torch)
 gpt/          ``gpt``, the default: nanoGPT's decoder; ``gpt2``: GPT-2 exactly (biases, tanh GELU, tied embeddings)
 llama/        ``llama``: the Llama family, Llama 3.1's RoPE scaling; Mistral's layer read as it
 

@@ -18,7 +18,7 @@ import torch
 
 from terapipe_cli.errors import UserError
 from terapipe_cli.models import ModelConfig, build_model
-from terapipe_cli.models.gpt.module import GPT
+from terapipe_cli.models.decoder import Decoder
 from terapipe_cli.plan.file import plan_from_dict
 from terapipe_cli.train import checkpoint
 from terapipe_cli.train.rundir import read_config
@@ -80,13 +80,13 @@ def verified_step(run_dir: Path, step: int | None) -> int:
     return found
 
 
-def single_device_model(cfg: ModelConfig) -> GPT:
+def single_device_model(cfg: ModelConfig) -> Decoder:
     """The whole model of ``cfg`` on one device, of its architecture (its weights as initialised: a state dict is
     loaded into it)."""
     return build_model(cfg)
 
 
-def run_model(run_dir: Path, step: int | None = None) -> tuple[GPT, int]:
+def run_model(run_dir: Path, step: int | None = None) -> tuple[Decoder, int]:
     """The single-device model of a run's complete checkpoint of ``step`` (default: the latest), in eval mode."""
     cfg, step, state = export_state(run_dir, step)
     model = single_device_model(cfg)
@@ -105,7 +105,7 @@ def write_export(path: Path, run_dir: Path, model: ModelConfig, step: int, state
     checkpoint.save_torch_atomic(path, record)
 
 
-def load_exported(path: str | Path, map_location: str | torch.device = "cpu") -> tuple[GPT, dict]:
+def load_exported(path: str | Path, map_location: str | torch.device = "cpu") -> tuple[Decoder, dict]:
     """The single-device model of an export file (``strict=True``, eval mode), and the file's record without the
     weights: ``{"schema", "model_config" (a dict: `ModelConfig`'s fields), "step", "run"}``."""
     record = read_export(path, map_location)

@@ -1,8 +1,9 @@
 """A Llama-family decoder (``arch = "llama"``): RMSNorm, rotary positions, a SwiGLU MLP, grouped-query attention.
 
-It is `gpt.module.GPT` with other layers: the same stage layout (`Llama(cfg, stage, stages)` builds one stage's part),
-the same K/V cache per batch slice and layer (`models.attention.KVCache`, its gradient hand-back), the same fused
-attention (`models.attention.attend`). Two things are new for token slices (docs/design.md §6c):
+It is a `decoder.Decoder` as `gpt.module.GPT` is, with other layers: the same stage layout (`Llama(cfg, stage, stages)`
+builds one stage's part), the same K/V cache per batch slice and layer (`models.attention.KVCache`, its gradient
+hand-back), the same fused attention (`models.attention.attend`). Two things are new for token slices (docs/design.md
+§6c):
 
 - Rotary positions. A slice of ``i`` tokens after ``start`` earlier ones rotates its queries and keys by the
   angles of its absolute positions start … start + i − 1, so the keys in the cache carry the rotation of their own
@@ -43,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from terapipe_cli.models.attention import DocumentMask, KVCache, attend
-from terapipe_cli.models.gpt.module import GPT
+from terapipe_cli.models.decoder import Decoder
 from terapipe_cli.models.init import EMBED_SEED, HEAD_SEED, LAYER_SEED, normal_, seeded
 from terapipe_cli.models.llama.spec import RopeScaling
 from terapipe_cli.models.spec import ModelConfig
@@ -167,8 +168,8 @@ class LlamaBlock(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-class Llama(GPT):
-    """The part of a Llama-family model that stage ``stage`` of ``stages`` owns (arguments as `gpt.module.GPT`)."""
+class Llama(Decoder):
+    """The part of a Llama-family model that stage ``stage`` of ``stages`` owns (arguments as `decoder.Decoder`)."""
 
     def make_parts(self, cfg: ModelConfig) -> None:
         if self.first:
@@ -176,7 +177,7 @@ class Llama(GPT):
         self.blocks = nn.ModuleDict({str(n): LlamaBlock(cfg) for n in self.layer_ids})
         if self.last:
             self.norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
-            self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)  # the embedding's when tied (`GPT`)
+            self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)  # the embedding's when tied (`Decoder`)
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
@@ -195,7 +196,7 @@ class Llama(GPT):
             self.norm.weight.fill_(1.0)
             if not self.cfg.tie_embeddings:
                 normal_(self.lm_head.weight, seeded(seed, HEAD_SEED))
-            elif not self.first:  # the tied matrix's copy on the last stage (`GPT.tied_copy`)
+            elif not self.first:  # the tied matrix's copy on the last stage (`Decoder.tied_copy`)
                 normal_(self.lm_head.weight, seeded(seed, EMBED_SEED))
 
     def embed(self, tokens: torch.Tensor, token_start: int = 0, docs: DocumentMask | None = None) -> torch.Tensor:
