@@ -187,6 +187,15 @@ class ModelConfig:
 COMMON_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig))
 
 
+GPT2_EOT = 50256  # GPT-2 BPE's <|endoftext|>: the exported configs' bos/eos id, kept only where the vocabulary holds it
+
+
+def eot_token(vocab: int) -> int | None:
+    """The bos/eos id a `transformers` config of a model with ``vocab`` ids names: GPT-2's <|endoftext|> where the
+    vocabulary holds it, else none."""
+    return GPT2_EOT if vocab > GPT2_EOT else None
+
+
 def vocab_rows(vocab: int, tensor_parallel: int, rank: int) -> range:
     """The rows of the token embedding and of the LM head that tensor rank ``rank`` of T holds under Megatron's
     vocabulary split (docs/design.md §6b): [r·V//T, (r+1)·V//T). V need not divide by T (GPT-3's 50257 does not):

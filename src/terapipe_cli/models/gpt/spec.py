@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from terapipe_cli.files import Fields
-from terapipe_cli.models.spec import Arch, Gemm, HFKey, ModelConfig, Split, boolean, unsupported
+from terapipe_cli.models.spec import Arch, Gemm, HFKey, ModelConfig, Split, boolean, eot_token, unsupported
 
 
 @dataclass(frozen=True)
@@ -47,13 +47,6 @@ class Gpt2Config(GptConfig):
     arch: str = field(default="gpt2", init=False)
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
-
-
-GPT2_EOT = 50256  # GPT-2 BPE's <|endoftext|>: the configs' bos/eos id, kept only where the vocabulary holds it
-
-
-def eot_token(vocab: int) -> int | None:
-    return GPT2_EOT if vocab > GPT2_EOT else None
 
 
 # GPT-2's names. Its ``Conv1D`` stores a linear layer's weight as (in, out): transposed.

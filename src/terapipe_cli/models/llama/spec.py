@@ -9,8 +9,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from terapipe_cli.files import Fields
-from terapipe_cli.models.gpt.spec import eot_token
-from terapipe_cli.models.spec import Arch, Gemm, HFKey, ModelConfig, Split, boolean, unsupported
+from terapipe_cli.models.spec import Arch, Gemm, HFKey, ModelConfig, Split, boolean, eot_token, unsupported
 
 
 @dataclass(frozen=True)
