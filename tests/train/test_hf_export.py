@@ -1,5 +1,5 @@
 """`terapipe export --format hf`: `transformers` loads the folder with no missing or unexpected keys and computes the
-single-device model's logits; the folder is written whole or not at all; `terapipe_cli.exported.load_exported` for both
+single-device model's logits; the folder is written whole or not at all; `terapipe_cli.load_exported` for both
 architectures; the optional packages named in one line when they are missing."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import transformers  # an optional extra that the test set-up installs (pip inst
 from conftest import assert_one_line_error, run_cli, tiny_model
 from fake_runs import checkpointed_run
 
-from terapipe_cli.exported import load_exported
+import terapipe_cli
 from terapipe_cli.models import Gpt2Config, LlamaConfig, ModelConfig, build_model
 
 
@@ -86,7 +86,7 @@ def test_gpt2_lm_head_model_loads_a_gpt_run_and_computes_the_same_logits(tmp_pat
 def test_load_exported_from_the_package_top_level(tmp_path, capsys, cfg):
     run = checkpointed_run(tmp_path / "run", cfg)
     assert run_cli(capsys, "export", str(run), "--out", str(tmp_path / "m.pt")).returncode == 0
-    model, info = load_exported(tmp_path / "m.pt")
+    model, info = terapipe_cli.load_exported(tmp_path / "m.pt")
     assert (info["step"], model.cfg, type(model), model.training) == (3, cfg, type(build_model(cfg)), False)
     tokens = torch.randint(0, cfg.vocab, (1, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -94,7 +94,7 @@ def test_load_exported_from_the_package_top_level(tmp_path, capsys, cfg):
     (tmp_path / "junk.pt").write_bytes(b"not torch")
     for path, words in ((tmp_path / "none.pt", "no such export file"), (tmp_path / "junk.pt", "not a terapipe export")):
         with pytest.raises(ValueError, match=words):
-            load_exported(path)
+            terapipe_cli.load_exported(path)
 
 
 def test_the_folder_is_new_and_written_whole(tmp_path, capsys, monkeypatch):

@@ -17,7 +17,7 @@ folder), loadable without terapipe's runtime.
 
 A model file loads with:
 
-    from terapipe_cli.exported import load_exported
+    from terapipe_cli import load_exported
     model, info = load_exported("model.pt")     # GPT or Llama (models.build_model), strict=True, eval mode
 
 or by hand: build_model(ModelConfig.from_dict(obj["model_config"], "model.pt")).load_state_dict(obj["state_dict"])

@@ -5,8 +5,8 @@ dicts join without renaming into the state dict of the whole model, `terapipe_cl
 module of the architecture ``cfg.arch`` names: `GPT`, `GPT2`, `Llama`).
 
 The file (``torch.save``, ``weights_only``-loadable) holds ``{"schema": "terapipe.export/1", "model_config": {...},
-"step", "run", "state_dict"}``; `load_exported` (also ``terapipe_cli.exported.load_exported``) rebuilds the model from
-it with ``strict=True``. ``--format hf`` writes a Hugging Face folder instead (`train.hf`).
+"step", "run", "state_dict"}``; `load_exported` (also ``terapipe_cli.load_exported``) rebuilds the model from it with
+``strict=True``. ``--format hf`` writes a Hugging Face folder instead (`train.hf`).
 """
 
 from __future__ import annotations
