@@ -21,6 +21,7 @@ from terapipe_cli.models import ModelConfig
 from terapipe_cli.plan.costmodel import PROFILE_SCHEMAS, Profile, read_profile
 from terapipe_cli.profile.analytic import analytic_profile
 from terapipe_cli.profile.calibrate import Measurement, check_matches, combine, from_profile, read_tile_table
+from terapipe_cli.profile.operator_table import OPERATORS_SCHEMA, operator_profile, read_operator_table
 from terapipe_cli.profile.tiles import Settings
 
 if TYPE_CHECKING:
@@ -168,14 +169,28 @@ def analytic_request(
     no_comm: bool,
     no_allreduce: bool = False,
     precision: str | None = None,
+    operator_table: Path | None = None,
 ) -> dict:
     """For ``--analytic``: the estimated profile (`terapipe_cli.profile.analytic`); the flags about measuring
     this machine do not apply. ``precision`` None or auto: the hardware file's; another one is refused, since
-    the file's peak FLOPs are for its own precision."""
+    the file's peak FLOPs are for its own precision. With ``operator_table`` every kernel is priced from that table
+    (`operator_table.operator_profile`), in its precision, and ``hardware`` is optional."""
 
     if check or quick or no_comm or no_allreduce:
         flag = "--check" if check else "--quick" if quick else "--no-comm" if no_comm else "--no-allreduce"
         raise UserError("applies to measuring this machine, not to --analytic", where=flag)
+    kwargs: dict = {"tensor_parallel": tensor_parallel, "token_step": token_step}
+    if batch_sizes:
+        kwargs["batch_sizes"] = tuple(batch_sizes)
+    if operator_table is not None:
+        table = read_operator_table(operator_table)
+        if precision not in (None, "auto") and precision != table.precision:
+            raise UserError(
+                f"must be {table.precision} with {operator_table}: the table was timed in it, got {precision!r}",
+                where="--precision",
+            )
+        hw = None if hardware is None else load_hardware(hardware)
+        return operator_profile(cfg, table, hw, **kwargs)
     if hardware is None:
         raise UserError(
             "is required with --analytic (a hardware TOML such as configs/hardware/v100.toml)", where="--hardware"
@@ -187,10 +202,23 @@ def analytic_request(
             f"(a hardware file prices one precision), got {precision!r}",
             where="--precision",
         )
-    kwargs: dict = {"tensor_parallel": tensor_parallel, "token_step": token_step}
-    if batch_sizes:
-        kwargs["batch_sizes"] = tuple(batch_sizes)
     return analytic_profile(cfg, hw, **kwargs)
+
+
+def operators_request(
+    device: str, precision: str | None, quick: bool, out: Path, *, others: dict[str, bool], force: bool = False
+):
+    """For ``--operators``: the grid to time (`profile.operators`: the quick one or the full), the device and the
+    precision resolved for it, and a writable ``out``. ``others``: flag -> whether it was given, for the flags that
+    do not apply."""
+    given = [flag for flag, on in others.items() if on]
+    if given:
+        raise UserError("applies to a profile, not to timing an operator table (--operators)", where=given[0])
+    check_output_file(out, kind="operator table", schema=OPERATORS_SCHEMA, force=force, example="operators.json")
+    from terapipe_cli.profile.operators import CPU_GRID, QUICK_GRID  # PyTorch: only when timing
+
+    dev = _probe().resolve_device(device)
+    return (QUICK_GRID if quick else CPU_GRID), dev, resolve_precision(precision, dev.type)
 
 
 def measurement_request(
