@@ -36,7 +36,12 @@ def flat_table() -> dict:
         "precision": "fp32",
         "torch": "test",
         "host_s": HOST,
-        "gemm": {"m": [1, 64], "n": [1, 64], "k": [1, 64], "seconds": np.full((2, 2, 2), G).tolist()},
+        "gemm": {
+            "m": [1, 64],
+            "n": [1, 64],
+            "k": [1, 64],
+            **{f"{x}_s": np.full((2, 2, 2), G).tolist() for x in ("forward", "dgrad", "wgrad")},
+        },
         "attention": {
             "heads": [1, 8],
             "group": [1, 4],
@@ -61,7 +66,7 @@ def write(tmp_path: Path, obj: dict) -> Path:
     [
         (lambda t: t.update(schema="terapipe.operators/0"), "field 'schema'"),
         (lambda t: t.pop("host_s"), "field 'host_s' is missing"),
-        (lambda t: t["gemm"].update(seconds=[[G]]), "field 'gemm.seconds' must have the grid's shape"),
+        (lambda t: t["gemm"].update(wgrad_s=[[G]]), "field 'gemm.wgrad_s' must have the grid's shape"),
         (lambda t: t["gemm"].update(m=[64, 1]), "field 'gemm.m' must be strictly ascending"),
         (lambda t: t["attention"]["forward_s"][0][0][0][0].__setitem__(0, -1.0), "field 'attention.forward_s'"),
         (lambda t: t["device"].update(kind="tpu"), "field 'device.kind' must be cpu or cuda"),
@@ -80,7 +85,7 @@ def test_the_reader_refuses_a_bad_table_in_one_line(tmp_path, change, field):
 
 def test_interpolation_returns_grid_points_and_stays_between_neighbours():
     table = flat_table()
-    table["gemm"]["seconds"] = [[[1e-5, 2e-5], [3e-5, 4e-5]], [[5e-5, 6e-5], [7e-5, 8e-4]]]
+    table["gemm"]["forward_s"] = [[[1e-5, 2e-5], [3e-5, 4e-5]], [[5e-5, 6e-5], [7e-5, 8e-4]]]
     t = operator_table_from_dict(table, "ops.json")
     assert t.gemm_seconds(64, 1, 64) == pytest.approx(6e-5)
     assert t.gemm_seconds(64, 64, 64) == pytest.approx(8e-4)

@@ -3,8 +3,8 @@ made by summing its kernels priced from the table. Pure numpy, no torch.
 
 A table (``terapipe.operators/1``) holds, for one device and precision:
 
-* ``gemm``: a ``torch.nn.functional.linear`` product of an (m, k) input and an (n, k) weight, on a grid of (m, n, k).
-  The backward's products are products too (`models.spec.backward_gemms`), priced by the same time(m, n, k);
+* ``gemm``: a ``torch.nn.functional.linear`` product of an (m, k) input and an (n, k) weight, on a grid of (m, n, k);
+  the backward's products (`models.spec.backward_gemms`) on the same grid in the layouts autograd runs them in;
 * ``attention``: `models.attention.attend` forward and backward at batch 1, on a grid of (query heads, query heads
   per key/value head, head_dim, query length i, context length j); b sequences of h heads are b·h query heads;
 * ``stream``: one element-wise kernel (a residual add) by bytes moved, which prices every element-wise pass;
@@ -41,6 +41,7 @@ from terapipe_cli.profile import analytic
 
 OPERATORS_SCHEMA = "terapipe.operators/1"
 ATTENTION_AXES = ("heads", "group", "head_dim", "i", "j")
+GEMM_LAYOUTS = ("forward", "dgrad", "wgrad")  # a product of the forward, of an input's gradient, of a weight's
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # What a profile made from a table without --hardware records for what no operator prices: the links as free, as
 # `terapipe profile --no-comm` does, and the optimizer's and the memory's bytes per parameter of plain AdamW.
@@ -110,7 +111,7 @@ class OperatorTable:
     device: dict
     precision: str
     host_s: float
-    gemm: Grid
+    gemm: dict[str, Grid]  # by layout (`GEMM_LAYOUTS`)
     attention_forward: Grid
     attention_backward: Grid
     stream: Grid
@@ -120,8 +121,8 @@ class OperatorTable:
     def gpu(self) -> bool:
         return self.device.get("kind") == "cuda"
 
-    def gemm_seconds(self, m, n, k) -> np.ndarray:
-        return self.gemm.at((m, n, k), _gemm_work, (np.log,) * 3)
+    def gemm_seconds(self, m, n, k, layout: str = "forward") -> np.ndarray:
+        return self.gemm[layout].at((m, n, k), _gemm_work, (np.log,) * 3)
 
     def attention_seconds(self, heads, group, head_dim, i, j) -> tuple[np.ndarray, np.ndarray]:
         """Forward and backward seconds of attention for ``heads`` query heads (b sequences × their heads)."""
@@ -182,7 +183,7 @@ def operator_table_from_dict(obj: dict, where: str, sha256: str = "") -> Operato
         device=dict(obj["device"]),
         precision=precision,
         host_s=f.number("host_s", positive=True),
-        gemm=_grid(f.sub("gemm"), ("m", "n", "k")),
+        gemm={layout: _grid(f.sub("gemm"), ("m", "n", "k"), f"{layout}_s") for layout in GEMM_LAYOUTS},
         attention_forward=_grid(attention, ATTENTION_AXES, "forward_s", zero_axes=("j",)),
         attention_backward=_grid(attention, ATTENTION_AXES, "backward_s", zero_axes=("j",)),
         stream=_grid(f.sub("stream"), ("bytes",)),
@@ -206,8 +207,9 @@ class TablePricer:
         self.table, self.model = table, model
 
     def gemm(self, gemm: Gemm) -> np.ndarray:
-        _, batch, m, n, k = gemm
-        return batch * self.table.gemm_seconds(m, n, k)
+        name, batch, m, n, k = gemm
+        kind = name.rsplit(".", 1)[-1]
+        return batch * self.table.gemm_seconds(m, n, k, kind if kind in GEMM_LAYOUTS else "forward")
 
     def attention(self, model: ModelConfig, b, i, j, t: int) -> tuple[np.ndarray, np.ndarray]:
         heads = b * model.heads / t

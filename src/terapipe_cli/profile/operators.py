@@ -4,7 +4,8 @@ Each operator is the runtime's own call, in the run's precision (bf16/fp16: its 
 hands the kernels): ``torch.nn.functional.linear`` for the products, `models.attention.attend` (with a K/V cache
 holding the context, as a stage's later token slices run it) forward and backward for attention, a residual add
 ``x + y`` for every element-wise pass (bytes moved: two reads and a write), and a one-element add for the host's
-cost of one kernel. The backward's products are timed as forward products of their shapes.
+cost of one kernel. The backward's products are timed in the layouts autograd runs them in (the input's gradient
+dy · w, the weight's xᵀ · dy), which on a CPU take up to a few tens of percent more or less than a ``linear``.
 
 Timing as `profile.timer` times tiles: one thread on a CPU (a stage owns one core), process CPU time there (CUDA
 events after a synchronisation on a GPU), the garbage collector paused; a warm-up visit of every point, then
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 
 from terapipe_cli.engine.stage import AUTOCAST_DTYPES
 from terapipe_cli.models.attention import KVCache, attend
-from terapipe_cli.profile.operator_table import ATTENTION_AXES, OPERATORS_SCHEMA
+from terapipe_cli.profile.operator_table import ATTENTION_AXES, GEMM_LAYOUTS, OPERATORS_SCHEMA
 from terapipe_cli.profile.probe import device_info
 from terapipe_cli.profile.timer import Progress, collector_paused, one_thread_per_stage
 from terapipe_cli.units import utc_timestamp
@@ -85,9 +86,22 @@ class _Clock:
         return (time.process_time() - t0) / repeat
 
 
-def _gemm_point(device, dtype, m: int, n: int, k: int):
-    x, w = torch.randn(m, k, device=device, dtype=dtype), torch.randn(n, k, device=device, dtype=dtype)
-    return lambda clock, repeat: clock.time(lambda: F.linear(x, w), repeat)
+def _gemm_point(device, dtype, layout: str, m: int, n: int, k: int):
+    """An (m × n) product over k in ``layout`` (`GEMM_LAYOUTS`): the forward's ``linear`` (x · wᵀ, w of shape (n,
+    k)), the input gradient's ``dgrad`` (dy · w, both as stored) or the weight gradient's ``wgrad`` (xᵀ · dy, x of
+    shape (k, m) transposed), as autograd runs `models.spec.backward_gemms`' products."""
+
+    def randn(*shape):
+        return torch.randn(*shape, device=device, dtype=dtype)
+
+    if layout == "forward":
+        x, w = randn(m, k), randn(n, k)
+        return lambda clock, repeat: clock.time(lambda: F.linear(x, w), repeat)
+    if layout == "dgrad":
+        a, b = randn(m, k), randn(k, n)
+        return lambda clock, repeat: clock.time(lambda: a @ b, repeat)
+    a, b = randn(k, m), randn(k, n)
+    return lambda clock, repeat: clock.time(lambda: a.t() @ b, repeat)
 
 
 def _stream_point(device, dtype, nbytes: int):
@@ -133,7 +147,7 @@ def measure_operators(
 ) -> dict:
     """The operator table (``terapipe.operators/1``) of ``device`` in ``precision``, timed on ``grid``."""
     dtype = AUTOCAST_DTYPES[precision] or torch.float32
-    gemms = list(itertools.product(grid.m, grid.n, grid.k))
+    gemms = list(itertools.product(GEMM_LAYOUTS, grid.m, grid.n, grid.k))
     attention = list(itertools.product(grid.heads, grid.group, grid.head_dim, grid.i, grid.j))
     points = (
         [("gemm", p, _gemm_point(device, dtype, *p)) for p in gemms]
@@ -168,6 +182,7 @@ def _table(device, precision, grid: OperatorGrid, points, samples, host_s, shape
     medians = [np.median(np.asarray(s), axis=0) for s in samples]
     kinds = [kind for kind, _, _ in points]
     gemm_s = np.array([m for m, kind in zip(medians, kinds, strict=True) if kind == "gemm"])
+    gemm_s = gemm_s.reshape(len(GEMM_LAYOUTS), len(grid.m), len(grid.n), len(grid.k))
     att = np.array([m for m, kind in zip(medians, kinds, strict=True) if kind == "attention"])
     stream_s = np.array([m for m, kind in zip(medians, kinds, strict=True) if kind == "stream"])
     att_shape = tuple(len(getattr(grid, axis)) for axis in ATTENTION_AXES)
@@ -182,11 +197,12 @@ def _table(device, precision, grid: OperatorGrid, points, samples, host_s, shape
         "host_s": host_s,
         "host_op": "a one-element add (x + y)",
         "gemm": {
-            "op": "torch.nn.functional.linear of an (m, k) input and an (n, k) weight",
+            "op": "forward_s: torch.nn.functional.linear of an (m, k) input and an (n, k) weight; dgrad_s: (m, k) @ "
+            "(k, n); wgrad_s: (k, m)ᵀ @ (k, n)",
             "m": list(grid.m),
             "n": list(grid.n),
             "k": list(grid.k),
-            "seconds": gemm_s.reshape(len(grid.m), len(grid.n), len(grid.k)).tolist(),
+            **{f"{layout}_s": gemm_s[n].tolist() for n, layout in enumerate(GEMM_LAYOUTS)},
         },
         "attention": {
             "op": "terapipe_cli.models.attention.attend at batch 1, i queries after j rows of a K/V cache",
