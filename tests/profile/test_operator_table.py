@@ -23,6 +23,7 @@ from terapipe_cli.profile.operator_table import (
     read_operator_table,
     table_hardware,
 )
+from terapipe_cli.profile.options import profile_to_check
 
 G, A, S, HOST = 1e-4, 3e-4, 2e-5, 1e-6  # every product, attention forward (backward 2A), element-wise pass, host
 
@@ -142,3 +143,6 @@ def test_time_a_table_price_a_profile_and_plan_on_it(capsys, tmp_path, monkeypat
     p = run_cli(capsys, "plan", "--profile", prof, "--stages", "2", "--batch", "2", "--out", tmp_path / "plan.json")
     assert p.returncode == 0, p.stderr
     assert "operators: each kernel priced from the table ops.json" in p.stdout
+    # --check-profile times it on the device its table was timed on (this one), as an analytic estimate for it.
+    checked, device = profile_to_check(prof, "cpu", precision=None, model=None, analytic=False)
+    assert checked.source == "operators" and device.type == "cpu"

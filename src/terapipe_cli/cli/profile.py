@@ -210,12 +210,8 @@ def _measure_operators(console: Console, o: ProfileOptions, out: Path) -> None:
     }, force=o.value("force"))  # fmt: skip
     from terapipe_cli.profile.operators import measure_operators  # PyTorch: loaded by the commands that time
 
-    points = len(grid.m) * len(grid.n) * len(grid.k), len(grid.heads) * len(grid.group) * len(grid.head_dim) * len(
-        grid.i) * len(grid.j), len(grid.bytes)  # fmt: skip
-    console.print(
-        f"Timing operators on {dev.type} in {precision}: {points[0]} matrix products, {points[1]} attention shapes, "
-        f"{points[2]} element-wise sizes, {grid.rounds} rounds" + (", quick" if o.value("quick") else "")
-    )
+    quick = ", quick" if o.value("quick") else ""
+    console.print(f"Timing operators on {dev.type} in {precision}: {grid.describe()}{quick}")
     started = time.perf_counter()
     with ProgressBar(console) as update:
         table = measure_operators(dev, precision, grid, seed=o.value("seed"), progress=update)
@@ -385,9 +381,10 @@ def _recheck(
     from terapipe_cli.profile import measure, probe  # PyTorch: loaded by the commands that time
 
     prof, dev = options.profile_to_check(path, device, precision=precision, model=model, analytic=analytic)
-    estimated = prof.source == "analytic"
+    estimated = prof.source != "measured"
+    what = f"an {prof.source} estimate for " if estimated else ""
     console.print(
-        f"Checking [bold]{path}[/bold] ({'an analytic estimate for ' if estimated else ''}{prof.device.get('name')}) "
+        f"Checking [bold]{path}[/bold] ({what}{prof.device.get('name')}) "
         f"against direct timings on {dev.type} ({probe.device_info(dev)['name']}) in {prof.precision}"
     )
     with ProgressBar(console) as update:

@@ -50,6 +50,14 @@ class OperatorGrid:
     bytes: tuple[int, ...]
     rounds: int
 
+    def describe(self) -> str:
+        products = len(self.m) * len(self.n) * len(self.k)
+        attention = int(np.prod([len(getattr(self, axis)) for axis in ATTENTION_AXES]))
+        return (
+            f"{products} matrix-product shapes in {len(GEMM_LAYOUTS)} layouts, {attention} attention shapes, "
+            f"{len(self.bytes)} element-wise sizes, {self.rounds} rounds"
+        )
+
 
 # Sized for models of hidden ≤ 512, vocabularies ≤ 32K and tiles ≤ 2K tokens on one CPU core: about a minute.
 CPU_GRID = OperatorGrid(

@@ -83,7 +83,8 @@ def profile_to_check(
 ) -> tuple[Profile, torch.device]:
     """For ``--check-profile``: the profile at ``path`` and the device to time it on. A measured profile is timed
     on the kind of device it was measured on; an analytic one only on the device and in the precision it
-    describes (`check_analytic_device`), since its prediction is for that GPU. An example profile (made-up
+    describes (`check_analytic_device`), since its prediction is for that GPU; one made from an operator table
+    (``operators``) likewise, on the device the table was timed on. An example profile (made-up
     numbers) predicts no device and is refused. The check times at the profile's precision; another
     ``--precision`` is refused, and so is T > 1 (the check times one process)."""
 
@@ -92,9 +93,10 @@ def profile_to_check(
             "checks an existing profile; do not combine it with --model or --analytic", where="--check-profile"
         )
     prof = read_profile(path)
-    if prof.source not in ("measured", "analytic"):
+    if prof.source not in ("measured", "analytic", "operators"):
         raise UserError(
-            f"is an {prof.source!r} profile; only a measured profile or an analytic one can be checked by timing",
+            f"is an {prof.source!r} profile; only a measured profile or an estimate (analytic, operators) can be "
+            "checked by timing",
             where=str(path),
         )
     dev = _probe().resolve_device(device)
@@ -148,8 +150,9 @@ def check_analytic_device(prof: Profile, dev: torch.device, path: Path) -> None:
     here = prof.precision if runs_natively(prof.precision, dev.type) else default_precision(dev.type)
     if kind == dev.type and same_device_name(described, local) and here == prof.precision:
         return
+    what = "an analytic estimate" if prof.source == "analytic" else "an estimate from an operator table"
     raise UserError(
-        f"is an analytic estimate for {described} ({kind}) in {prof.precision}, but this check would time "
+        f"is {what} for {described} ({kind}) in {prof.precision}, but this check would time "
         f"{local} ({dev.type}) in {here}; an estimate is checked only on the device and in the precision it "
         f"describes: make a measured profile of this machine with `terapipe profile --model {prof.model_argument} "
         "--check`",
