@@ -101,7 +101,7 @@ def test_a_tile_priced_from_a_table_is_the_sum_of_its_kernels():
     model = ModelConfig.from_dict({"name": "t", "layers": 2, "hidden": 8, "heads": 2, "vocab": 16, "seq_len": 16}, "t")
     table = operator_table_from_dict(flat_table(), "ops.json")
     fwd, bwd, inp, wgt = (float(x) for x in layer_seconds_split(model, table_hardware(table), 1, 8, 4, 1,
-                                                                  TablePricer(table, model)))  # fmt: skip
+                                                                  TablePricer(table)))  # fmt: skip
     kernels_f, kernels_b = kernels_per_tile("fp32", 1, model)
     kernels_w = weight_kernels_per_tile("fp32", model)
     # gpt's layer, fused attention: 4 products (qkv, proj, fc, fc2), 5 element-wise passes each way (2 norms, the

@@ -203,8 +203,8 @@ class TablePricer:
 
     fused = True
 
-    def __init__(self, table: OperatorTable, model: ModelConfig) -> None:
-        self.table, self.model = table, model
+    def __init__(self, table: OperatorTable) -> None:
+        self.table = table
 
     def gemm(self, gemm: Gemm) -> np.ndarray:
         name, batch, m, n, k = gemm
@@ -289,7 +289,7 @@ def operator_profile(
             where=str(hardware.path),
         )
     hw = hardware if hardware is not None else table_hardware(table)
-    pricer = TablePricer(table, model)
+    pricer = TablePricer(table)
     prof = analytic.analytic_profile(
         model, hw, tensor_parallel=tensor_parallel, batch_sizes=batch_sizes, token_step=token_step, pricer=pricer
     )
