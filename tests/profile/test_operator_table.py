@@ -146,3 +146,24 @@ def test_time_a_table_price_a_profile_and_plan_on_it(capsys, tmp_path, monkeypat
     # --check-profile times it on the device its table was timed on (this one), as an analytic estimate for it.
     checked, device = profile_to_check(prof, "cpu", precision=None, model=None, analytic=False)
     assert checked.source == "operators" and device.type == "cpu"
+
+
+def test_attention_is_read_at_its_grid_points_and_scaled_by_flops_beyond(tmp_path):
+    table = flat_table()
+    table["attention"]["forward_s"][1][0][1][1][1] = 8 * A  # 8 heads, no grouping, head_dim 8, i = 16, j = 16
+    t = operator_table_from_dict(table, "ops.json")
+    forward, backward = t.attention_seconds(8, 1, 8, 16, 16)
+    assert forward == pytest.approx(8 * A) and backward == pytest.approx(2 * A)
+    # i = 32, j = 32 is beyond the grid: i·(i + j) four times the edge's, so four times its time.
+    assert t.attention_seconds(8, 1, 8, 32, 32)[0] == pytest.approx(4 * 8 * A)
+    between = t.attention_seconds(8, 1, 8, 16, np.array([1.0, 4.0, 15.0]))[0]
+    assert np.all((between > A) & (between < 8 * A)) and np.all(np.diff(between) > 0)
+
+
+def test_the_commands_refuse_what_does_not_apply_in_one_line(capsys, tmp_path):
+    ops = write(tmp_path, flat_table())
+    p = run_cli(capsys, "profile", "--operators", "--model", "tiny", "--out", tmp_path / "o.json")
+    assert p.returncode != 0 and "--model" in p.stderr and "--operators" in p.stderr
+    p = run_cli(capsys, "profile", "--analytic", "--operator-table", ops, "--model", "tiny", "--precision", "bf16")
+    assert p.returncode != 0 and "--precision" in p.stderr and "fp32" in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
