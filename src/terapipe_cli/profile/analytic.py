@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
+from typing import Protocol
 
 import numpy as np
 
@@ -89,6 +90,24 @@ def _stream_seconds(dev: Device, nbytes: np.ndarray) -> np.ndarray:
     return np.maximum(nbytes / (dev.memory_bytes_per_s * dev.memory_efficiency), dev.kernel_launch_s)
 
 
+class Pricer(Protocol):
+    """How `layer_seconds_split` and `ends_seconds` price each kernel they list: `Roofline` (a hardware file) or
+    `profile.operator_table.TablePricer` (timed operators). ``fused``: attention runs as one kernel, priced by
+    ``attention``, rather than as its two products and its score passes."""
+
+    fused: bool
+
+    def gemm(self, gemm: Gemm) -> np.ndarray: ...
+
+    def attention(self, model: ModelConfig, b, i, j, t: int) -> tuple[np.ndarray, np.ndarray]: ...
+
+    def stream(self, nbytes) -> np.ndarray: ...
+
+    def hold_layer(self, model: ModelConfig, t: int, times: tuple, priced: tuple[int, int, int]) -> tuple: ...
+
+    def hold_end(self, seconds: np.ndarray, kernels: int, priced: int) -> np.ndarray: ...
+
+
 class Roofline:
     """Prices each kernel of a layer by the hardware file's roofline (the module docstring), and holds a tile at the
     file's dispatch floor: the pricer of `layer_seconds_split` and `ends_seconds` for an analytic profile (the other
@@ -126,7 +145,7 @@ class Roofline:
 
 
 def layer_seconds(
-    model: ModelConfig, hardware: Hardware, b, i, j, tensor_parallel: int = 1, pricer=None
+    model: ModelConfig, hardware: Hardware, b, i, j, tensor_parallel: int = 1, pricer: Pricer | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """Forward and backward seconds of one layer on one device for tiles (b, i, j) (broadcast arrays)."""
     forward, backward, _, _ = layer_seconds_split(model, hardware, b, i, j, tensor_parallel, pricer)
@@ -134,7 +153,7 @@ def layer_seconds(
 
 
 def layer_seconds_split(
-    model: ModelConfig, hardware: Hardware, b, i, j, tensor_parallel: int = 1, pricer=None
+    model: ModelConfig, hardware: Hardware, b, i, j, tensor_parallel: int = 1, pricer: Pricer | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Forward, backward, and the backward split into I and W (docs/design.md §11b): seconds of one layer on one
     device for tiles (b, i, j) (broadcast arrays), each kernel priced by ``pricer`` (None: the hardware file's
@@ -195,14 +214,21 @@ def layer_seconds_split(
     return pricer.hold_layer(model, t, (forward, backward, inputs, weight), priced)
 
 
-def _accumulate_seconds(hardware: Hardware, params: float, pricer) -> float:
+def _accumulate_seconds(hardware: Hardware, params: float, pricer: Pricer) -> float:
     """One tile's weight gradients of ``params`` parameters added into the step's gradient buffers."""
     nbytes = hardware.training.grad_accumulate_bytes_per_param * params
     return float(pricer.stream(np.asarray(nbytes))) if nbytes else 0.0
 
 
 def ends_seconds(
-    model: ModelConfig, hardware: Hardware, b, i, tensor_parallel: int = 1, *, vocab_parallel: bool = False, pricer=None
+    model: ModelConfig,
+    hardware: Hardware,
+    b,
+    i,
+    tensor_parallel: int = 1,
+    *,
+    vocab_parallel: bool = False,
+    pricer: Pricer | None = None,
 ) -> dict[str, np.ndarray]:
     """Forward and backward seconds of the pipeline's ends on one device for tiles (b, i) (docs/design.md §3):
     ``embed_forward``/``embed_backward`` (the first chunk: token and position embedding) and ``head_forward``/
@@ -352,7 +378,7 @@ def analytic_profile(
     batch_sizes: Sequence[int] = (1, 2, 4, 8),
     token_step: int = 8,
     vocab_parallel: bool = True,
-    pricer=None,
+    pricer: Pricer | None = None,
 ) -> dict:
     """A ``terapipe.profile/3`` object (``"source": "analytic"``) for ``model`` on ``hardware``.
 
@@ -438,7 +464,12 @@ def _check_grid(
 
 
 def _fit_context_term(
-    model: ModelConfig, hardware: Hardware, tensor_parallel: int, sizes: Sequence[int], token_step: int, pricer=None
+    model: ModelConfig,
+    hardware: Hardware,
+    tensor_parallel: int,
+    sizes: Sequence[int],
+    token_step: int,
+    pricer: Pricer | None = None,
 ) -> dict:
     """The profile's ``context`` entry: t_ctx fitted on two thirds of the points, its relative tile-time error
     reported on the rest."""
