@@ -30,6 +30,8 @@ Times one decoder layer through the runtime's own per-slice code path (forward a
 
 --check also times tiles off the measured grids and compares them with the profile's prediction; --check-profile does that for an existing profile, at its precision: a measured one on the kind of device it was measured on, an analytic one only on the device and in the precision it describes (the same GPU model, e.g. the hardware file's "NVIDIA H100-SXM5-80GB" and CUDA's "NVIDIA H100 80GB HBM3"; elsewhere it is refused: measure a profile instead). --analytic estimates a profile for hardware you do not have.
 
+--operators times this device's operators (matrix products, attention, element-wise passes, a kernel's host cost) into an operator table; --analytic --operator-table then prices any model's profile kernel by kernel from that table instead of a hardware file's roofline.
+
 --calibrate fits a hardware file's dispatch floor and matrix-product efficiency to a measured profile of the same device and precision (or to a CSV tile table, with --precision), writes the calibrated hardware TOML and prints the fit's error per tile size; --analytic with that file then predicts what the runtime measures. Given more than once, the files are fitted together; a tile table's eager rows (a stand-alone layer) then give way to the profile's (the runtime's own code path), and its CUDA-graphed rows pin the GPU's own constants.
 
 Examples:
@@ -45,6 +47,10 @@ Examples:
     terapipe profile --analytic --hardware configs/hardware/v100.toml --model configs/models/gpt3-175b.toml -t 8
 
     terapipe profile --calibrate profile.json --hardware h100-fp32 --out h100-fp32-calibrated.toml
+
+    terapipe profile --operators --out ops.json   # time this device's operators (--quick: a smaller grid)
+
+    terapipe profile --analytic --operator-table ops.json --model llama-tiny --out llama-tiny.json
 
     terapipe profile --calibrate profile.json --calibrate tiles.csv --precision bf16 --hardware h100-bf16
 
@@ -121,6 +127,17 @@ class ProfileOptions(Fallbacks):
         path=True,
         shown="profile.json; with --calibrate, HARDWARE-calibrated.toml",
     )
+    operators: bool | None = setting(
+        "Time this device's operators (matrix products, attention, element-wise passes, a kernel's host cost) at "
+        "--precision into an operator table at --out (default operators.json); --quick: a smaller grid.",
+        fallback=False,
+    )
+    operator_table: str | None = setting(
+        "With --analytic: price every kernel from this operator table (made by --operators) instead of a hardware "
+        "file's roofline; --hardware, if given, then prices only the links, the optimizer and the memory.",
+        path=True,
+        metavar="OPS.json",
+    )
     force: bool | None = setting("Overwrite --out even if it is not a profile (--calibrate: any file).", fallback=False)
     memory_trace: bool | None = setting(
         "Also trace a stage's memory through the runtime's code on fake tensors (what a tile keeps and the peaks of "
@@ -153,6 +170,9 @@ def _profile(o: ProfileOptions) -> None:
         _calibrate(console, calibrated, hardware=hardware, precision=o.precision, out=out, force=o.value("force"),
                    others=others)  # fmt: skip
         return
+    if o.value("operators"):
+        _measure_operators(console, o, out if out is not None else Path("operators.json"))
+        return
     out = out if out is not None else Path("profile.json")
     quick, seed, analytic = o.value("quick"), o.value("seed"), o.value("analytic")
     if o.check_profile is not None:
@@ -165,6 +185,7 @@ def _profile(o: ProfileOptions) -> None:
         prof = options.analytic_request(
             cfg, hardware=hardware, tensor_parallel=T, batch_sizes=sizes, token_step=g, check=o.value("check"),
             quick=quick, no_comm=not o.value("comm"), no_allreduce=not o.value("allreduce"), precision=o.precision,
+            operator_table=None if o.operator_table is None else Path(o.operator_table),
         )  # fmt: skip
         prof["model_source"] = options.model_source(model)  # for the advice to profile it again
         if o.value("memory_trace"):
@@ -178,6 +199,27 @@ def _profile(o: ProfileOptions) -> None:
     measure = {"measure_comm": o.value("comm"), "measure_allreduce": o.value("allreduce"), "tensor_parallel": T}
     source = options.model_source(model)
     _measure(console, cfg, settings, dev, measure, out=out, memory_trace=o.value("memory_trace"), model_source=source)
+
+
+def _measure_operators(console: Console, o: ProfileOptions, out: Path) -> None:
+    """``--operators``: time this device's operator table (`profile.operators`) and write it to ``out``."""
+    grid, dev, precision = options.operators_request(o.value("device"), o.precision, o.value("quick"), out, others={
+        "--model": o.model is not None, "--analytic": o.value("analytic"), "--check": o.value("check"),
+        "--hardware": o.hardware is not None, "--operator-table": o.operator_table is not None,
+        "--tensor-parallel": o.value("tensor_parallel") != 1, "--memory-trace": o.value("memory_trace"),
+    }, force=o.value("force"))  # fmt: skip
+    from terapipe_cli.profile.operators import measure_operators  # PyTorch: loaded by the commands that time
+
+    quick = ", quick" if o.value("quick") else ""
+    console.print(f"Timing operators on {dev.type} in {precision}: {grid.describe()}{quick}")
+    started = time.perf_counter()
+    with ProgressBar(console) as update:
+        table = measure_operators(dev, precision, grid, seed=o.value("seed"), progress=update)
+    write_json_atomic(out, table)
+    console.print(
+        f"host cost of a kernel {_ms(table['host_s'])}; took {time.perf_counter() - started:.1f} s\n"
+        f"wrote [bold]{out}[/bold]"
+    )
 
 
 def _trace_memory(console: Console, prof: dict, cfg) -> None:
@@ -237,7 +279,7 @@ def _measure(
 
 def _write(console: Console, out: Path, prof: dict, *, seconds: float | None = None) -> None:
     write_json_atomic(out, prof)
-    if prof["source"] == "analytic":
+    if prof["source"] in ("analytic", "operators"):
         _render_analytic(console, prof)
     else:
         _render(console, prof, seconds)
@@ -339,9 +381,10 @@ def _recheck(
     from terapipe_cli.profile import measure, probe  # PyTorch: loaded by the commands that time
 
     prof, dev = options.profile_to_check(path, device, precision=precision, model=model, analytic=analytic)
-    estimated = prof.source == "analytic"
+    estimated = prof.source != "measured"
+    what = f"an {prof.source} estimate for " if estimated else ""
     console.print(
-        f"Checking [bold]{path}[/bold] ({'an analytic estimate for ' if estimated else ''}{prof.device.get('name')}) "
+        f"Checking [bold]{path}[/bold] ({what}{prof.device.get('name')}) "
         f"against direct timings on {dev.type} ({probe.device_info(dev)['name']}) in {prof.precision}"
     )
     with ProgressBar(console) as update:
@@ -354,7 +397,7 @@ def _recheck(
 def _render_analytic(console: Console, prof: dict) -> None:
     ctx = prof["context"]
     console.print(
-        f"analytic profile of {prof['model']['name']} on {prof['device']['name']} "
+        f"{prof['source']} profile of {prof['model']['name']} on {prof['device']['name']} "
         f"(tensor parallel {prof['device']['tensor_parallel']}, {prof['precision']}): "
         f"context fit held-out error forward {ctx['forward']['heldout_rel_err_mean']:.2%} mean, "
         f"backward {ctx['backward']['heldout_rel_err_mean']:.2%} mean"

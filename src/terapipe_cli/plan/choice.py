@@ -290,6 +290,7 @@ def choice_text(order: str, recompute: tuple[bool, ...], split: str | None = Non
 _SPLIT_SOURCES = {
     "measured": "timed apart (measured)",
     "analytic": "an estimate, not timed (analytic profile)",
+    "operators": "an estimate from timed operators, not timed apart (operator profile)",
     "example": "an estimate, not timed (example profile)",
 }
 

@@ -19,7 +19,7 @@ The profile format (every field is checked by `read_profile`):
       "schema": "terapipe.profile/3",                 or "terapipe.profile/2": the same without "memory";
                                                        "terapipe.profile/1": also without the two
                                                        backward_*_s grids below
-      "source": "measured" | "analytic" | "example",   how the numbers were obtained
+      "source": "measured" | "analytic" | "operators" | "example",   how the numbers were obtained
       "note": "...",                                   free text (e.g. how an example was made)
       "created": "2026-11-21T20:00:00Z",
       "device": {"kind": "cpu" | "cuda", "name": "...", "tensor_parallel": T, ...},
@@ -116,7 +116,7 @@ _END_BACKWARDS = {
     "input": (0.0, HEAD_INPUT_SHARE),
     "weight": (1.0, 1.0 - HEAD_INPUT_SHARE),
 }
-PROFILE_SOURCES = ("measured", "analytic", "example")
+PROFILE_SOURCES = ("measured", "analytic", "operators", "example")
 
 
 def context_terms(b, i, j) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

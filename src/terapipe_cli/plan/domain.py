@@ -83,6 +83,9 @@ def provenance(profile: Profile) -> str:
         hardware = device.get("hardware_file")
         named = Path(hardware).name if isinstance(hardware, str) else device.get("hardware", "?")
         return f"analytic: hardware {named}, {_constants(profile)}"
+    if profile.source == "operators":
+        table = profile.raw.get("operator_table", {}).get("path", "?")
+        return f"operators: each kernel priced from the table {Path(table).name} ({device.get('name', '?')}), {created}"
     return "example: made-up numbers that show the format, not a measurement"
 
 

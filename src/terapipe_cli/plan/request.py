@@ -340,7 +340,7 @@ def check_tensor_parallel(profile: Profile, tensor_parallel: int | None) -> int:
     model = profile.model
     model.check_tensor_parallel(tensor_parallel, where="--tensor-parallel")
     if tensor_parallel != have:
-        how = "estimated" if profile.source == "analytic" else "measured"
+        how = "measured" if profile.source == "measured" else "estimated"
         hardware = profile.device.get("hardware_file") or "HARDWARE.toml"
         raise UserError(
             f"{tensor_parallel} asked for, but {profile.path or 'the profile'} was {how} at tensor parallelism "

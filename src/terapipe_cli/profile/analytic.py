@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
+from typing import Protocol
 
 import numpy as np
 
@@ -89,19 +90,74 @@ def _stream_seconds(dev: Device, nbytes: np.ndarray) -> np.ndarray:
     return np.maximum(nbytes / (dev.memory_bytes_per_s * dev.memory_efficiency), dev.kernel_launch_s)
 
 
+class Pricer(Protocol):
+    """How `layer_seconds_split` and `ends_seconds` price each kernel they list: `Roofline` (a hardware file) or
+    `profile.operator_table.TablePricer` (timed operators). ``fused``: attention runs as one kernel, priced by
+    ``attention``, rather than as its two products and its score passes."""
+
+    fused: bool
+
+    def gemm(self, gemm: Gemm) -> np.ndarray: ...
+
+    def attention(self, model: ModelConfig, b, i, j, t: int) -> tuple[np.ndarray, np.ndarray]: ...
+
+    def stream(self, nbytes) -> np.ndarray: ...
+
+    def hold_layer(self, model: ModelConfig, t: int, times: tuple, priced: tuple[int, int, int]) -> tuple: ...
+
+    def hold_end(self, seconds: np.ndarray, kernels: int, priced: int) -> np.ndarray: ...
+
+
+class Roofline:
+    """Prices each kernel of a layer by the hardware file's roofline (the module docstring), and holds a tile at the
+    file's dispatch floor: the pricer of `layer_seconds_split` and `ends_seconds` for an analytic profile (the other
+    is `profile.operator_table.TablePricer`, from timed operators)."""
+
+    def __init__(self, hardware: Hardware) -> None:
+        self.hardware, self.dev, self.dtype_bytes = hardware, hardware.device, hardware.training.dtype_bytes
+        self.fused = hardware.training.attention == "fused"
+
+    def gemm(self, gemm: Gemm) -> np.ndarray:
+        return _gemm_seconds(self.dev, self.dtype_bytes, gemm)
+
+    def attention(self, model: ModelConfig, b, i, j, t: int) -> tuple[np.ndarray, np.ndarray]:
+        return _fused_attention_seconds(self.dev, self.dtype_bytes, model, b, i, j, t)
+
+    def stream(self, nbytes) -> np.ndarray:
+        return _stream_seconds(self.dev, nbytes)
+
+    def hold_layer(self, model: ModelConfig, t: int, times: tuple, priced: tuple[int, int, int]) -> tuple:
+        """(forward, backward, I, W) held at the dispatch floor (`dispatch_floor_seconds`), where the file has one;
+        ``priced``: the kernels priced one by one forward, in I and in W (the roofline needs no count of them)."""
+        forward, backward, inputs, weight = times
+        dev, hardware = self.dev, self.hardware
+        if dev.dispatch_s:
+            floor_fwd, floor_bwd = dispatch_floor_seconds(hardware, t, model)
+            floor_w = weight_kernels_per_tile(hardware.training.dtype, model) * dev.dispatch_s
+            forward, backward = np.maximum(forward, floor_fwd), np.maximum(backward, floor_bwd)
+            inputs, weight = np.maximum(inputs, floor_bwd - floor_w), np.maximum(weight, floor_w)
+        return forward, backward, inputs, weight
+
+    def hold_end(self, seconds: np.ndarray, kernels: int, priced: int) -> np.ndarray:
+        """One end's forward or backward of ``kernels`` kernels (``priced`` of them priced one by one), held at the
+        dispatch floor."""
+        return np.maximum(seconds, kernels * self.dev.dispatch_s) if self.dev.dispatch_s else seconds
+
+
 def layer_seconds(
-    model: ModelConfig, hardware: Hardware, b, i, j, tensor_parallel: int = 1
+    model: ModelConfig, hardware: Hardware, b, i, j, tensor_parallel: int = 1, pricer: Pricer | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """Forward and backward seconds of one layer on one device for tiles (b, i, j) (broadcast arrays)."""
-    forward, backward, _, _ = layer_seconds_split(model, hardware, b, i, j, tensor_parallel)
+    forward, backward, _, _ = layer_seconds_split(model, hardware, b, i, j, tensor_parallel, pricer)
     return forward, backward
 
 
 def layer_seconds_split(
-    model: ModelConfig, hardware: Hardware, b, i, j, tensor_parallel: int = 1
+    model: ModelConfig, hardware: Hardware, b, i, j, tensor_parallel: int = 1, pricer: Pricer | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Forward, backward, and the backward split into I and W (docs/design.md §11b): seconds of one layer on one
-    device for tiles (b, i, j) (broadcast arrays).
+    device for tiles (b, i, j) (broadcast arrays), each kernel priced by ``pricer`` (None: the hardware file's
+    `Roofline`; `profile.operator_table.TablePricer`: timed operators).
 
     I holds every product's input gradient (``dgrad``), both of attention's backward products (the gradients of the
     queries and of the keys and values, the context's too: `models.spec.ACTIVATION_PRODUCTS`), the fused attention's
@@ -109,7 +165,8 @@ def layer_seconds_split(
     tensor-parallel all-reduces, which sit on the activations' path; W the weights' gradient products (``wgrad``).
     Each is held at its own dispatch floor (its kernels: `weight_kernels_per_tile`), so where the floor binds,
     I + W is more than the whole backward, as the split's two calls launch their kernels in two runs."""
-    dev, e = hardware.device, hardware.training.dtype_bytes
+    pricer = Roofline(hardware) if pricer is None else pricer
+    e = hardware.training.dtype_bytes
     b, i, j = np.broadcast_arrays(*(np.asarray(x, dtype=float) for x in (b, i, j)))
     t = tensor_parallel
     H = float(model.hidden)
@@ -118,23 +175,23 @@ def layer_seconds_split(
     scores = b * (model.heads / t) * i * (i + j) * e  # bytes of one attention score matrix
 
     fwd_gemms = forward_gemms(model, b, i, j, t)
-    fused = hardware.training.attention == "fused"
+    fused = pricer.fused
     if fused:  # the attention products run inside one kernel, priced on their own
         fwd_gemms = [g for g in fwd_gemms if g[0] not in ("scores", "values")]
         scores = 0.0 * scores  # never written to memory
-    forward = sum(_gemm_seconds(dev, e, g) for g in fwd_gemms)
+    forward = sum(pricer.gemm(g) for g in fwd_gemms)
     bwd_gemms = backward_gemms(fwd_gemms)
-    backward = sum(_gemm_seconds(dev, e, g) for g in bwd_gemms)
-    weight = sum(_gemm_seconds(dev, e, g) for g in bwd_gemms if is_weight_gradient(g))
-    inputs = sum(_gemm_seconds(dev, e, g) for g in bwd_gemms if not is_weight_gradient(g))
+    backward = sum(pricer.gemm(g) for g in bwd_gemms)
+    weight = sum(pricer.gemm(g) for g in bwd_gemms if is_weight_gradient(g))
+    inputs = sum(pricer.gemm(g) for g in bwd_gemms if not is_weight_gradient(g))
     if fused:
-        attention_fwd, attention_bwd = _fused_attention_seconds(dev, e, model, b, i, j, t)
+        attention_fwd, attention_bwd = pricer.attention(model, b, i, j, t)
         forward, backward, inputs = forward + attention_fwd, backward + attention_bwd, inputs + attention_bwd
 
     # Element-wise kernels, bytes moved (read + write): the architecture's (`terapipe_cli.models`' ``streams``).
     fwd_stream, bwd_stream = model.spec.streams(model, act, inner, scores, t, e)
-    forward = forward + sum(_stream_seconds(dev, x) for x in fwd_stream)
-    bwd_streams = sum(_stream_seconds(dev, x) for x in bwd_stream)
+    forward = forward + sum(pricer.stream(x) for x in fwd_stream)
+    bwd_streams = sum(pricer.stream(x) for x in bwd_stream)
     backward, inputs = backward + bwd_streams, inputs + bwd_streams
 
     # Megatron's f/g operators: two all-reduces of the activation forward, two of its gradient backward.
@@ -144,24 +201,34 @@ def layer_seconds_split(
     # The tile's weight gradients added into the step's (`config.hardware.Training.grad_accumulate_bytes_per_param`):
     # a pass over the layer's parameters whatever the tile's length, in W where the backward is split. GPU work like
     # the rest, so under the dispatch floor below where the host sets the pace.
-    accumulate = _accumulate_seconds(hardware, model.params_per_layer(t))
+    accumulate = _accumulate_seconds(hardware, model.params_per_layer(t), pricer)
     backward, weight = backward + accumulate, weight + accumulate
-    if dev.dispatch_s:
-        floor_fwd, floor_bwd = dispatch_floor_seconds(hardware, t, model)
-        floor_w = weight_kernels_per_tile(hardware.training.dtype, model) * dev.dispatch_s
-        forward, backward = np.maximum(forward, floor_fwd), np.maximum(backward, floor_bwd)
-        inputs, weight = np.maximum(inputs, floor_bwd - floor_w), np.maximum(weight, floor_w)
-    return forward, backward, inputs, weight
+    wgrads = sum(1 for g in bwd_gemms if is_weight_gradient(g)) + 1  # and the accumulation
+    attention_ops = 1 if fused else 0
+    streams_run = [sum(1 for x in side if np.any(x)) for side in (fwd_stream, bwd_stream)]  # fused: no score passes
+    priced = (
+        len(fwd_gemms) + attention_ops + streams_run[0],
+        len(bwd_gemms) + 1 - wgrads + attention_ops + streams_run[1],
+        wgrads,
+    )
+    return pricer.hold_layer(model, t, (forward, backward, inputs, weight), priced)
 
 
-def _accumulate_seconds(hardware: Hardware, params: float) -> float:
+def _accumulate_seconds(hardware: Hardware, params: float, pricer: Pricer) -> float:
     """One tile's weight gradients of ``params`` parameters added into the step's gradient buffers."""
     nbytes = hardware.training.grad_accumulate_bytes_per_param * params
-    return float(_stream_seconds(hardware.device, np.asarray(nbytes))) if nbytes else 0.0
+    return float(pricer.stream(np.asarray(nbytes))) if nbytes else 0.0
 
 
 def ends_seconds(
-    model: ModelConfig, hardware: Hardware, b, i, tensor_parallel: int = 1, *, vocab_parallel: bool = False
+    model: ModelConfig,
+    hardware: Hardware,
+    b,
+    i,
+    tensor_parallel: int = 1,
+    *,
+    vocab_parallel: bool = False,
+    pricer: Pricer | None = None,
 ) -> dict[str, np.ndarray]:
     """Forward and backward seconds of the pipeline's ends on one device for tiles (b, i) (docs/design.md §3):
     ``embed_forward``/``embed_backward`` (the first chunk: token and position embedding) and ``head_forward``/
@@ -177,24 +244,27 @@ def ends_seconds(
     (2·b·i·H), the product (b·i) × H × V forward and again in the backward (the chunked head makes its logits again)
     with its two products, and the cross-entropy's
     log-softmax over b·i × V (the logits read and written twice forward, three times backward, fp32).
-    Each backward also adds its tables' gradients into the step's (as a layer does, `layer_seconds_split`).
+    Each backward also adds its tables' gradients into the step's (as a layer does, `layer_seconds_split`). Each
+    kernel priced by ``pricer``, as a layer's.
     """
-    dev, e = hardware.device, hardware.training.dtype_bytes
+    pricer = Roofline(hardware) if pricer is None else pricer
+    e = hardware.training.dtype_bytes
     b, i = np.broadcast_arrays(*(np.asarray(x, dtype=float) for x in (b, i)))
     H, t = float(model.hidden), (tensor_parallel if vocab_parallel else 1)
     V = float(vocab_share(model.vocab, t))
     rows = b * i
     act = rows * H * e
     one = np.ones_like(rows)
-    embed_fwd, embed_bwd = _stream_seconds(dev, 2 * act), _stream_seconds(dev, 3 * act)  # gather; scatter-add
+    stream, gemm = pricer.stream, pricer.gemm
+    embed_fwd, embed_bwd = stream(2 * act), stream(3 * act)  # gather; scatter-add
     if model.spec.learned_positions:  # + positions (rotary ones turn inside attention); their rows' gradient
-        embed_fwd, embed_bwd = embed_fwd + _stream_seconds(dev, 3 * act), embed_bwd + _stream_seconds(dev, act)
+        embed_fwd, embed_bwd = embed_fwd + stream(3 * act), embed_bwd + stream(act)
     head = ("head", one, rows, one * V, one * H)
     logits = rows * V * 4.0  # the loss works in fp32
-    head_fwd = _stream_seconds(dev, 2 * act) + _gemm_seconds(dev, e, head) + 2 * _stream_seconds(dev, 2 * logits)
+    head_fwd = stream(2 * act) + gemm(head) + 2 * stream(2 * logits)
     # The backward makes each chunk's logits again (the chunked head, engine/loss.py): the forward's product, its two.
-    head_bwd = _stream_seconds(dev, 3 * act) + sum(_gemm_seconds(dev, e, g) for g in [head, *backward_gemms([head])])
-    head_bwd = head_bwd + 3 * _stream_seconds(dev, 2 * logits)
+    head_bwd = stream(3 * act) + sum(gemm(g) for g in [head, *backward_gemms([head])])
+    head_bwd = head_bwd + 3 * stream(2 * logits)
     if t > 1:  # the embedding's partial rows summed, the loss's per-token max and sum of exponentials
         link = hardware.intra_node
         embed_fwd = embed_fwd + ring_allreduce_seconds(act, t, latency_s=link.latency_s, bytes_per_s=link.bytes_per_s)
@@ -205,16 +275,16 @@ def ends_seconds(
         head_bwd = head_bwd + ring_allreduce_seconds(act, t, latency_s=link.latency_s, bytes_per_s=link.bytes_per_s)
     # Each tile's gradients of the tables added into the step's, as a layer's (`layer_seconds_split`).
     embed_params, head_params = ends_params(model, tensor_parallel, vocab_parallel=vocab_parallel)
-    embed_bwd = embed_bwd + _accumulate_seconds(hardware, embed_params)
-    head_bwd = head_bwd + _accumulate_seconds(hardware, head_params)
-    if dev.dispatch_s:  # a handful of kernels each way (gather/add; norm, product, loss): no tile is shorter
-        embed_fwd, embed_bwd = np.maximum(embed_fwd, 3 * dev.dispatch_s), np.maximum(embed_bwd, 4 * dev.dispatch_s)
-        head_fwd, head_bwd = np.maximum(head_fwd, 6 * dev.dispatch_s), np.maximum(head_bwd, 10 * dev.dispatch_s)
+    embed_bwd = embed_bwd + _accumulate_seconds(hardware, embed_params, pricer)
+    head_bwd = head_bwd + _accumulate_seconds(hardware, head_params, pricer)
+    # A handful of kernels each way (gather/add; norm, product, loss), of which the priced ones above (with the
+    # positions' and the accumulation): no tile is shorter than their dispatch.
+    positions = 1 if model.spec.learned_positions else 0
     return {
-        "embed_forward": embed_fwd,
-        "embed_backward": embed_bwd,
-        "head_forward": head_fwd,
-        "head_backward": head_bwd,
+        "embed_forward": pricer.hold_end(embed_fwd, 3, 1 + positions),
+        "embed_backward": pricer.hold_end(embed_bwd, 4, 2 + positions),
+        "head_forward": pricer.hold_end(head_fwd, 6, 4),
+        "head_backward": pricer.hold_end(head_bwd, 10, 8),
     }
 
 
@@ -308,6 +378,7 @@ def analytic_profile(
     batch_sizes: Sequence[int] = (1, 2, 4, 8),
     token_step: int = 8,
     vocab_parallel: bool = True,
+    pricer: Pricer | None = None,
 ) -> dict:
     """A ``terapipe.profile/3`` object (``"source": "analytic"``) for ``model`` on ``hardware``.
 
@@ -315,7 +386,8 @@ def analytic_profile(
     (``batch_sizes``) × (every multiple of ``token_step`` up to the model's seq_len). The profile's precision is
     the hardware file's ``[training] dtype``, the precision its ``peak_flops`` is for. The embedding and the head
     are priced split over the tensor ranks by vocabulary rows, as the runtime runs them (``vocab_parallel``;
-    False only to price a profile again as it was made before the split, `extended_for_batch`).
+    False only to price a profile again as it was made before the split, `extended_for_batch`). ``pricer``: how each
+    kernel is priced (None: `Roofline`; `profile.operator_table.operator_profile` passes its table's).
     """
     sizes = _check_grid(model, hardware, tensor_parallel, batch_sizes, token_step)
     if hardware.training.dtype not in PRECISIONS:
@@ -327,8 +399,8 @@ def analytic_profile(
     t, e = tensor_parallel, hardware.training.dtype_bytes
     lengths = token_grid(model.seq_len, token_step)
     bb, ii = np.meshgrid(np.array(sizes, dtype=float), np.array(lengths, dtype=float), indexing="ij")
-    fwd, bwd, bwd_input, bwd_weight = layer_seconds_split(model, hardware, bb, ii, 0.0, t)
-    ends = ends_seconds(model, hardware, bb, ii, t, vocab_parallel=vocab_parallel)
+    fwd, bwd, bwd_input, bwd_weight = layer_seconds_split(model, hardware, bb, ii, 0.0, t, pricer)
+    ends = ends_seconds(model, hardware, bb, ii, t, vocab_parallel=vocab_parallel, pricer=pricer)
     embed_params, head_params = ends_params(model, t, vocab_parallel=vocab_parallel)
     params = model.params_per_layer(t)
     net = hardware.network
@@ -356,7 +428,7 @@ def analytic_profile(
         # I and W from the kernel tables (`layer_seconds_split`); a tile's context adds to I alone (the costmodel).
         "backward_input_s": bwd_input.tolist(),
         "backward_weight_s": bwd_weight.tolist(),
-        "context": _fit_context_term(model, hardware, t, sizes, token_step),
+        "context": _fit_context_term(model, hardware, t, sizes, token_step, pricer),
         "ends": {
             **{f"{name}_s": value.tolist() for name, value in ends.items()},
             "embed_params": embed_params,
@@ -392,14 +464,19 @@ def _check_grid(
 
 
 def _fit_context_term(
-    model: ModelConfig, hardware: Hardware, tensor_parallel: int, sizes: Sequence[int], token_step: int
+    model: ModelConfig,
+    hardware: Hardware,
+    tensor_parallel: int,
+    sizes: Sequence[int],
+    token_step: int,
+    pricer: Pricer | None = None,
 ) -> dict:
     """The profile's ``context`` entry: t_ctx fitted on two thirds of the points, its relative tile-time error
     reported on the rest."""
     t = tensor_parallel
     b, i, j = _context_points(sizes, model.seq_len, token_step)
-    f_ctx, b_ctx = layer_seconds(model, hardware, b, i, j, t)
-    f_nc, b_nc = layer_seconds(model, hardware, b, i, 0.0, t)
+    f_ctx, b_ctx = layer_seconds(model, hardware, b, i, j, t, pricer)
+    f_nc, b_nc = layer_seconds(model, hardware, b, i, 0.0, t, pricer)
     held = np.random.default_rng(0).permutation(b.size) % 3 == 0
     context = {}
     for name, nc, full in (("forward", f_nc, f_ctx), ("backward", b_nc, b_ctx)):

@@ -21,6 +21,7 @@ from terapipe_cli.models import ModelConfig
 from terapipe_cli.plan.costmodel import PROFILE_SCHEMAS, Profile, read_profile
 from terapipe_cli.profile.analytic import analytic_profile
 from terapipe_cli.profile.calibrate import Measurement, check_matches, combine, from_profile, read_tile_table
+from terapipe_cli.profile.operator_table import OPERATORS_SCHEMA, operator_profile, read_operator_table
 from terapipe_cli.profile.tiles import Settings
 
 if TYPE_CHECKING:
@@ -82,7 +83,8 @@ def profile_to_check(
 ) -> tuple[Profile, torch.device]:
     """For ``--check-profile``: the profile at ``path`` and the device to time it on. A measured profile is timed
     on the kind of device it was measured on; an analytic one only on the device and in the precision it
-    describes (`check_analytic_device`), since its prediction is for that GPU. An example profile (made-up
+    describes (`check_analytic_device`), since its prediction is for that GPU; one made from an operator table
+    (``operators``) likewise, on the device the table was timed on. An example profile (made-up
     numbers) predicts no device and is refused. The check times at the profile's precision; another
     ``--precision`` is refused, and so is T > 1 (the check times one process)."""
 
@@ -91,9 +93,10 @@ def profile_to_check(
             "checks an existing profile; do not combine it with --model or --analytic", where="--check-profile"
         )
     prof = read_profile(path)
-    if prof.source not in ("measured", "analytic"):
+    if prof.source not in ("measured", "analytic", "operators"):
         raise UserError(
-            f"is an {prof.source!r} profile; only a measured profile or an analytic one can be checked by timing",
+            f"is an {prof.source!r} profile; only a measured profile or an estimate (analytic, operators) can be "
+            "checked by timing",
             where=str(path),
         )
     dev = _probe().resolve_device(device)
@@ -147,8 +150,9 @@ def check_analytic_device(prof: Profile, dev: torch.device, path: Path) -> None:
     here = prof.precision if runs_natively(prof.precision, dev.type) else default_precision(dev.type)
     if kind == dev.type and same_device_name(described, local) and here == prof.precision:
         return
+    what = "an analytic estimate" if prof.source == "analytic" else "an estimate from an operator table"
     raise UserError(
-        f"is an analytic estimate for {described} ({kind}) in {prof.precision}, but this check would time "
+        f"is {what} for {described} ({kind}) in {prof.precision}, but this check would time "
         f"{local} ({dev.type}) in {here}; an estimate is checked only on the device and in the precision it "
         f"describes: make a measured profile of this machine with `terapipe profile --model {prof.model_argument} "
         "--check`",
@@ -168,14 +172,28 @@ def analytic_request(
     no_comm: bool,
     no_allreduce: bool = False,
     precision: str | None = None,
+    operator_table: Path | None = None,
 ) -> dict:
     """For ``--analytic``: the estimated profile (`terapipe_cli.profile.analytic`); the flags about measuring
     this machine do not apply. ``precision`` None or auto: the hardware file's; another one is refused, since
-    the file's peak FLOPs are for its own precision."""
+    the file's peak FLOPs are for its own precision. With ``operator_table`` every kernel is priced from that table
+    (`operator_table.operator_profile`), in its precision, and ``hardware`` is optional."""
 
     if check or quick or no_comm or no_allreduce:
         flag = "--check" if check else "--quick" if quick else "--no-comm" if no_comm else "--no-allreduce"
         raise UserError("applies to measuring this machine, not to --analytic", where=flag)
+    kwargs: dict = {"tensor_parallel": tensor_parallel, "token_step": token_step}
+    if batch_sizes:
+        kwargs["batch_sizes"] = tuple(batch_sizes)
+    if operator_table is not None:
+        table = read_operator_table(operator_table)
+        if precision not in (None, "auto") and precision != table.precision:
+            raise UserError(
+                f"must be {table.precision} with {operator_table}: the table was timed in it, got {precision!r}",
+                where="--precision",
+            )
+        hw = None if hardware is None else load_hardware(hardware)
+        return operator_profile(cfg, table, hw, **kwargs)
     if hardware is None:
         raise UserError(
             "is required with --analytic (a hardware TOML such as configs/hardware/v100.toml)", where="--hardware"
@@ -187,10 +205,23 @@ def analytic_request(
             f"(a hardware file prices one precision), got {precision!r}",
             where="--precision",
         )
-    kwargs: dict = {"tensor_parallel": tensor_parallel, "token_step": token_step}
-    if batch_sizes:
-        kwargs["batch_sizes"] = tuple(batch_sizes)
     return analytic_profile(cfg, hw, **kwargs)
+
+
+def operators_request(
+    device: str, precision: str | None, quick: bool, out: Path, *, others: dict[str, bool], force: bool = False
+):
+    """For ``--operators``: the grid to time (`profile.operators`: the quick one or the full), the device and the
+    precision resolved for it, and a writable ``out``. ``others``: flag -> whether it was given, for the flags that
+    do not apply."""
+    given = [flag for flag, on in others.items() if on]
+    if given:
+        raise UserError("applies to a profile, not to timing an operator table (--operators)", where=given[0])
+    check_output_file(out, kind="operator table", schema=OPERATORS_SCHEMA, force=force, example="operators.json")
+    from terapipe_cli.profile.operators import CPU_GRID, QUICK_GRID  # PyTorch: only when timing
+
+    dev = _probe().resolve_device(device)
+    return (QUICK_GRID if quick else CPU_GRID), dev, resolve_precision(precision, dev.type)
 
 
 def measurement_request(

@@ -1,0 +1,106 @@
+"""How well profiles made from this machine's operator table predict its tiles, for models not on the table's grid.
+
+Times the CPU operator table (`terapipe profile --operators`), prices a profile of each model below from it
+(`terapipe profile --analytic --operator-table`), then times tiles off the profile's grid through the runtime's
+own stage code (`terapipe profile --check-profile`'s `measure.recheck_profile`: one decoder layer, process CPU
+time) and prints predicted vs measured per tile with the mean and max relative error, and the machine's load average
+before and after. The prediction is the profile's one-layer tile, ``no_context(b, i) + context(b, i, j)``: the
+check's own ``cost(b, i, j)`` is the slowest stage's of a pipeline of one layer per stage, which holds the
+embedding or the LM head too (with a large vocabulary, most of it), while the timed tile is one layer's alone.
+
+    PYTHONPATH=src python scripts/bench_operators.py [--quick] [--out-dir DIR]
+
+Nothing is fitted to the tiles: the table is timed first, the profiles priced from it, the tiles timed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# Shapes the table's grid does not hold: hidden widths, head sizes, vocabularies and lengths between its points.
+MODELS = {
+    "gpt-h384": {"arch": "gpt", "layers": 4, "hidden": 384, "heads": 6, "vocab": 5000, "seq_len": 384},
+    "llama-gqa-h320": {
+        "arch": "llama",
+        "layers": 4,
+        "hidden": 320,
+        "heads": 8,
+        "kv_heads": 2,
+        "ffn_hidden": 864,
+        "vocab": 3000,
+        "seq_len": 384,
+    },  # fmt: skip
+    "gpt2-tied-h192": {"arch": "gpt2", "layers": 4, "hidden": 192, "heads": 3, "vocab": 20000, "seq_len": 256},
+}
+
+
+def toml_of(name: str, fields: dict) -> str:
+    lines = ["[model]", f'name = "{name}"']
+    lines += [f'{k} = "{v}"' if isinstance(v, str) else f"{k} = {v}" for k, v in fields.items()]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the quick operator grid and fewer check tiles")
+    parser.add_argument("--out-dir", type=Path, default=None, help="keep the table and profiles here")
+    args = parser.parse_args()
+
+    import numpy as np
+    import torch
+
+    from terapipe_cli.cli import main as terapipe
+    from terapipe_cli.plan.costmodel import CostModel, read_profile
+    from terapipe_cli.profile import measure, probe
+
+    out = args.out_dir or Path(tempfile.mkdtemp(prefix="bench-operators-"))
+    out.mkdir(parents=True, exist_ok=True)
+    load_before = os.getloadavg()
+    ops = out / "operators.json"
+    started = time.perf_counter()
+    cpu = time.process_time()
+    _run(terapipe, ["profile", "--operators", "--out", str(ops), "--force", *(["--quick"] if args.quick else [])])
+    table_wall, table_cpu = time.perf_counter() - started, time.process_time() - cpu
+    device = torch.device("cpu")
+    print(f"\noperator table: {table_wall:.1f} s wall, {table_cpu:.1f} s CPU; load average before {load_before}")
+    errors = []
+    for name, fields in MODELS.items():
+        model_file, prof_file = out / f"{name}.toml", out / f"{name}.json"
+        model_file.write_text(toml_of(name, fields))
+        _run(terapipe, ["profile", "--analytic", "--operator-table", str(ops), "--model", str(model_file),
+                        "--batch-sizes", "1,2", "--token-step", "16", "--out", str(prof_file), "--force"])  # fmt: skip
+        prof = read_profile(prof_file)
+        result = measure.recheck_profile(prof.raw, device, count=4 if args.quick else 8, repeats=3 if args.quick else 5)
+        cost = CostModel(prof, stages=prof.model.layers)
+        print(f"\n{name} ({probe.device_info(device)['name']}, one layer, fp32): tile   predicted   measured   error")
+        mine = []
+        for r in result["points"]:
+            predicted = float(cost.no_context(r["b"], r["i"]) + cost.context(r["b"], r["i"], r["j"]))
+            mine.append(abs(predicted - r["measured_s"]) / r["measured_s"])
+            print(f"  b={r['b']} i={r['i']:4d} j={r['j']:4d}   {predicted * 1e3:8.3f} ms  "
+                  f"{r['measured_s'] * 1e3:8.3f} ms  {mine[-1]:6.1%}")  # fmt: skip
+        ref = [r["measured_s"] / float(cost.no_context(r["b"], r["i"])) for r in result["reference"]["points"]]
+        check = result["rel_err_mean"]
+        print(f"  error mean {np.mean(mine):.1%}, max {max(mine):.1%}; on-grid tiles take {np.median(ref):.3f}x "
+              f"their predicted time (the check's cost(b, i, j), with the ends: mean {check:.1%})")  # fmt: skip
+        errors += mine
+    print(f"\nall models: {len(errors)} tiles, error mean {sum(errors) / len(errors):.1%}, max {max(errors):.1%}; "
+          f"load average after {os.getloadavg()}; files in {out}")  # fmt: skip
+    return 0
+
+
+def _run(terapipe, argv: list[str]) -> None:
+    try:
+        terapipe(argv)
+    except SystemExit as e:
+        if e.code:
+            raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())
