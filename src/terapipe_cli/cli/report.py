@@ -117,14 +117,14 @@ def report(
 
 def _baseline(console: Console, run, given: Path | None):
     """The baseline: the one given, the sibling an earlier report trained, or one trained now (checked first)."""
-    from terapipe_cli.train.baseline import check_baseline  # PyTorch: loaded only when a baseline is trained
-
     choice = find_baseline(run, given)
     if choice.exists:
         base = load_baseline(run, choice)
         if not choice.given:
             console.print(f"reusing the GPipe baseline in {choice.path}")
         return base
+    from terapipe_cli.train.baseline import check_baseline  # PyTorch: loaded only when a baseline is trained
+
     check_baseline(run.path, choice.path)
     train_gpipe(console, run, choice.path)
     return load_baseline(run, choice)
