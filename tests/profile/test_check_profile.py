@@ -135,3 +135,23 @@ def test_on_a_gpu_the_hardware_files_name_matches_what_cuda_reports(tmp_path: Pa
 )
 def test_device_names_match_by_gpu_model(described: str, local: str, same: bool):
     assert same_device_name(described, local) is same
+
+
+def test_the_check_compares_one_layers_tile_not_a_stage_with_the_head():
+    """The check times one decoder layer, so it compares that with the profile's one-layer tile. A stage's cost would
+    add the LM head (here, with a 50K vocabulary, most of the stage's time): timings equal to the layer's tile check
+    with no error, while the stage's cost would read them as far off."""
+    from terapipe_cli.plan.costmodel import CostModel, profile_from_dict
+    from terapipe_cli.profile.measure import check_against
+
+    model = GptConfig(name="wide-vocab", layers=4, hidden=256, heads=4, vocab=50_000, seq_len=256)
+    profile = analytic_profile(model, load_hardware("h100"), batch_sizes=(1, 2), token_step=16)
+    cost = CostModel(profile_from_dict(profile, "profile"), stages=model.layers)
+    tiles = [(1, 24, 40), (2, 72, 8), (1, 200, 0)]
+    measured = []
+    for b, i, j in tiles:
+        layer = float(cost.no_context(b, i) + cost.context(b, i, j))
+        assert float(cost(b, i, j)) > 1.5 * layer  # the head's stage: what the check must not compare with
+        measured.append({"b": b, "i": i, "j": j, "forward_s": layer / 3, "backward_s": 2 * layer / 3})
+    result = check_against(profile, measured)
+    assert result["rel_err_max"] < 1e-9, result["points"]
