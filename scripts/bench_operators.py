@@ -6,7 +6,8 @@ own stage code (`terapipe profile --check-profile`'s `measure.recheck_profile`: 
 time) and prints predicted vs measured per tile with the mean and max relative error, and the machine's load average
 before and after. The prediction is the profile's one-layer tile, ``no_context(b, i) + context(b, i, j)``: the
 check's own ``cost(b, i, j)`` is the slowest stage's of a pipeline of one layer per stage, which holds the
-embedding or the LM head too (with a large vocabulary, most of it), while the timed tile is one layer's alone.
+embedding or the LM head too (with a large vocabulary, most of it), while the timed tile is one layer's alone. Each
+tile is also priced from the same table without its per-tile host terms (``tile_host_s``), its kernels alone.
 
     PYTHONPATH=src python scripts/bench_operators.py [--quick] [--out-dir DIR]
 
