@@ -205,7 +205,7 @@ def measure_operators(
                     progress(f"operators (round {r + 1}/{grid.rounds})", len(points) * (r + 2), total)
         host_s = float(np.median([clock.time(lambda: one + other, 1000) for _ in range(grid.rounds)]))
     table = _table(device, precision, grid, points, samples, host_s, (gemms, attention))
-    del points, one, other  # the operators' tensors, not alive while the tiles are timed
+    del points  # the operators' tensors: not alive while the tiles are timed
     priced = operator_table_from_dict(table, "the table being timed")
     table["tile_host_s"] = tile_host_seconds(priced, device, precision, grid.rounds, seed)
     table["tile_host_shape"] = {**TILE_HOST_SHAPE, "b": TILE_HOST_B, "i": TILE_HOST_I, "j": TILE_HOST_J}
