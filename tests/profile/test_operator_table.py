@@ -26,6 +26,9 @@ from terapipe_cli.profile.operator_table import (
 from terapipe_cli.profile.options import profile_to_check
 
 G, A, S, HOST = 1e-4, 3e-4, 2e-5, 1e-6  # every product, attention forward (backward 2A), element-wise pass, host
+# A hand-made per-tile host term of the gpt family: without context forward, backward, I, W; with context.
+TILE = {"forward": 1e-3, "backward": 2e-3, "input": 1.5e-3, "weight": 1e-3, "context_forward": 3e-3,
+        "context_backward": 5e-3}  # fmt: skip
 
 
 def flat_table() -> dict:
@@ -72,6 +75,10 @@ def write(tmp_path: Path, obj: dict) -> Path:
         (lambda t: t["attention"]["forward_s"][0][0][0][0].__setitem__(0, -1.0), "field 'attention.forward_s'"),
         (lambda t: t["device"].update(kind="tpu"), "field 'device.kind' must be cpu or cuda"),
         (lambda t: t.update(precision="fp8"), "field 'precision'"),
+        (lambda t: t.update(tile_host_s=[]), "field 'tile_host_s' must be an object"),
+        (lambda t: t.update(tile_host_s={}), "field 'tile_host_s' must name at least one model family"),
+        (lambda t: t.update(tile_host_s={"gpt": {**TILE, "weight": -1e-3}}), "field 'tile_host_s.gpt.weight' must be"),
+        (lambda t: t.update(tile_host_s={"gpt": {"forward": 1e-3}}), "field 'tile_host_s.gpt.backward' is missing"),
     ],
 )
 def test_the_reader_refuses_a_bad_table_in_one_line(tmp_path, change, field):
@@ -82,6 +89,12 @@ def test_the_reader_refuses_a_bad_table_in_one_line(tmp_path, change, field):
         read_operator_table(path)
     text = str(e.value)
     assert str(path) in text and field in text and "\n" not in text
+
+
+def test_the_reader_takes_a_table_with_or_without_the_per_tile_host_term(tmp_path):
+    assert read_operator_table(write(tmp_path, flat_table())).tile_host_s is None
+    table = read_operator_table(write(tmp_path, {**flat_table(), "tile_host_s": {"gpt": TILE, "llama": TILE}}))
+    assert table.tile_host_s == {"gpt": TILE, "llama": TILE}
 
 
 def test_interpolation_returns_grid_points_and_stays_between_neighbours():
@@ -97,10 +110,12 @@ def test_interpolation_returns_grid_points_and_stays_between_neighbours():
     assert t.gemm_seconds(0.5, 1, 1) == pytest.approx(1e-5)
 
 
-def test_a_tile_priced_from_a_table_is_the_sum_of_its_kernels():
+@pytest.mark.parametrize(("tile_host", "j"), [(None, 4), (TILE, 0), (TILE, 4)])
+def test_a_tile_priced_from_a_table_is_the_sum_of_its_kernels(tile_host, j):
     model = ModelConfig.from_dict({"name": "t", "layers": 2, "hidden": 8, "heads": 2, "vocab": 16, "seq_len": 16}, "t")
-    table = operator_table_from_dict(flat_table(), "ops.json")
-    fwd, bwd, inp, wgt = (float(x) for x in layer_seconds_split(model, table_hardware(table), 1, 8, 4, 1,
+    raw = flat_table() if tile_host is None else {**flat_table(), "tile_host_s": {"gpt": tile_host, "llama": TILE}}
+    table = operator_table_from_dict(raw, "ops.json")
+    fwd, bwd, inp, wgt = (float(x) for x in layer_seconds_split(model, table_hardware(table), 1, 8, j, 1,
                                                                   TablePricer(table)))  # fmt: skip
     kernels_f, kernels_b = kernels_per_tile("fp32", 1, model)
     kernels_w = weight_kernels_per_tile("fp32", model)
@@ -110,10 +125,32 @@ def test_a_tile_priced_from_a_table_is_the_sum_of_its_kernels():
     forward = 4 * G + A + 5 * S + (kernels_f - 10) * HOST
     inputs = 4 * G + 2 * A + 5 * S + (kernels_b - kernels_w - 10) * HOST
     weight = 4 * G + S + (kernels_w - 5) * HOST
+    backward = inputs + weight
+    # The family's per-tile host term on top: a tile with context takes its context terms, the difference in I.
+    # The whole backward takes its own term, not I's and W's: the split's two calls cost the host more than one.
+    if tile_host is not None and j:
+        forward, backward = forward + TILE["context_forward"], backward + TILE["context_backward"]
+        inputs, weight = inputs + TILE["input"] + TILE["context_backward"] - TILE["backward"], weight + TILE["weight"]
+    elif tile_host is not None:
+        forward, backward = forward + TILE["forward"], backward + TILE["backward"]
+        inputs, weight = inputs + TILE["input"], weight + TILE["weight"]
     assert fwd == pytest.approx(forward)
     assert inp == pytest.approx(inputs)
     assert wgt == pytest.approx(weight)
-    assert bwd == pytest.approx(inputs + weight)
+    assert bwd == pytest.approx(backward)
+
+
+def test_on_a_gpu_the_per_tile_host_term_raises_the_dispatch_floor():
+    model = ModelConfig.from_dict({"name": "t", "layers": 2, "hidden": 8, "heads": 2, "vocab": 16, "seq_len": 16}, "t")
+    slow = {key: 1.0 for key in TILE}  # a host far slower than the kernels: the floor sets the tile's time
+    raw = {**flat_table(), "device": {"kind": "cuda", "name": "test gpu"}, "tile_host_s": {"gpt": slow}}
+    table = operator_table_from_dict(raw, "ops.json")
+    fwd, bwd, inp, wgt = (float(x) for x in layer_seconds_split(model, table_hardware(table), 1, 8, 0, 1,
+                                                                  TablePricer(table)))  # fmt: skip
+    kernels_f, kernels_b = kernels_per_tile("fp32", 1, model)
+    kernels_w = weight_kernels_per_tile("fp32", model)
+    assert fwd == pytest.approx(kernels_f * HOST + 1.0) and bwd == pytest.approx(kernels_b * HOST + 1.0)
+    assert inp == pytest.approx((kernels_b - kernels_w) * HOST + 1.0) and wgt == pytest.approx(kernels_w * HOST + 1.0)
 
 
 def test_an_operator_profile_says_where_it_comes_from(tmp_path):
@@ -121,6 +158,7 @@ def test_an_operator_profile_says_where_it_comes_from(tmp_path):
     table = read_operator_table(write(tmp_path, flat_table()))
     prof = operator_profile(model, table, batch_sizes=(1, 2), token_step=4)
     assert prof["source"] == "operators" and str(table.path) in prof["note"] and "links priced as free" in prof["note"]
+    assert "no per-tile host work" in prof["note"]  # a table timed without the term prices tiles as before
     assert prof["device"]["kind"] == "cpu" and "hardware_config" not in prof
     profile_from_dict(prof, "p.json")
 
@@ -137,6 +175,7 @@ def test_time_a_table_price_a_profile_and_plan_on_it(capsys, tmp_path, monkeypat
     assert "host cost of a kernel" in p.stdout
     table = read_operator_table(ops)
     assert table.device["kind"] == "cpu" and table.precision == "fp32"
+    assert table.tile_host_s is not None and set(table.tile_host_s) == {"gpt", "gpt2", "llama"}
     p = run_cli(capsys, "profile", "--analytic", "--operator-table", ops, "--model", "tiny", "--out", prof)
     assert p.returncode == 0, p.stderr
     assert json.loads(prof.read_text())["source"] == "operators"

@@ -216,9 +216,13 @@ def _measure_operators(console: Console, o: ProfileOptions, out: Path) -> None:
     with ProgressBar(console) as update:
         table = measure_operators(dev, precision, grid, seed=o.value("seed"), progress=update)
     write_json_atomic(out, table)
+    tiles = "; ".join(
+        f"{arch} {_ms(terms['forward'])} forward, {_ms(terms['backward'])} backward"
+        for arch, terms in table["tile_host_s"].items()
+    )
     console.print(
-        f"host cost of a kernel {_ms(table['host_s'])}; took {time.perf_counter() - started:.1f} s\n"
-        f"wrote [bold]{out}[/bold]"
+        f"host cost of a kernel {_ms(table['host_s'])}; host's work per tile beyond its kernels: {tiles}; "
+        f"took {time.perf_counter() - started:.1f} s\nwrote [bold]{out}[/bold]"
     )
 
 

@@ -103,7 +103,7 @@ class Pricer(Protocol):
 
     def stream(self, nbytes) -> np.ndarray: ...
 
-    def hold_layer(self, model: ModelConfig, t: int, times: tuple, priced: tuple[int, int, int]) -> tuple: ...
+    def hold_layer(self, model: ModelConfig, t: int, j, times: tuple, priced: tuple[int, int, int]) -> tuple: ...
 
     def hold_end(self, seconds: np.ndarray, kernels: int, priced: int) -> np.ndarray: ...
 
@@ -126,9 +126,10 @@ class Roofline:
     def stream(self, nbytes) -> np.ndarray:
         return _stream_seconds(self.dev, nbytes)
 
-    def hold_layer(self, model: ModelConfig, t: int, times: tuple, priced: tuple[int, int, int]) -> tuple:
+    def hold_layer(self, model: ModelConfig, t: int, j, times: tuple, priced: tuple[int, int, int]) -> tuple:
         """(forward, backward, I, W) held at the dispatch floor (`dispatch_floor_seconds`), where the file has one;
-        ``priced``: the kernels priced one by one forward, in I and in W (the roofline needs no count of them)."""
+        ``j``: the tiles' context lengths; ``priced``: the kernels priced one by one forward, in I and in W (the
+        roofline needs neither)."""
         forward, backward, inputs, weight = times
         dev, hardware = self.dev, self.hardware
         if dev.dispatch_s:
@@ -211,7 +212,7 @@ def layer_seconds_split(
         len(bwd_gemms) + 1 - wgrads + attention_ops + streams_run[1],
         wgrads,
     )
-    return pricer.hold_layer(model, t, (forward, backward, inputs, weight), priced)
+    return pricer.hold_layer(model, t, j, (forward, backward, inputs, weight), priced)
 
 
 def _accumulate_seconds(hardware: Hardware, params: float, pricer: Pricer) -> float:

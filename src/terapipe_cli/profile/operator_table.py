@@ -8,7 +8,12 @@ A table (``terapipe.operators/1``) holds, for one device and precision:
 * ``attention``: `models.attention.attend` forward and backward at batch 1, on a grid of (query heads, query heads
   per key/value head, head_dim, query length i, context length j); b sequences of h heads are b·h query heads;
 * ``stream``: one element-wise kernel (a residual add) by bytes moved, which prices every element-wise pass;
-* ``host_s``: the time of a tiny op, the host's cost of issuing one kernel.
+* ``host_s``: the time of a tiny op, the host's cost of issuing one kernel;
+* ``tile_host_s`` (optional): per model family, what one layer's tile costs through the runtime's stage code beyond
+  its kernels priced from this table, timed at a shape so small its kernels take next to nothing: the host's own
+  per-tile work (Python module calls, autograd's bookkeeping, the K/V cache, the K/V gradient hand-back, autocast's
+  copies). Forward, backward and the split backward's I and W of a tile without context, and forward and backward
+  of a tile with context (`TILE_HOST_KEYS`).
 
 Times are read by multilinear interpolation of log(time) over log(m), log(n), log(k) (attention: log of heads, group,
 head_dim and i, log(1 + j); streams: log(bytes)), so a grid point returns its own time and a point between grid
@@ -17,8 +22,9 @@ up by the ratio, never down (below the grid a kernel costs what the smallest mea
 
 A tile on a CPU runs its kernels one after another, each timed with its host cost: the tile is their sum, plus
 ``host_s`` for each kernel the layer launches (`analytic.kernels_per_tile`) that no table entry prices (views,
-casts, autograd's own). On a GPU the host runs ahead, so a tile is max(GPU time, kernels × ``host_s``), the
-analytic model's dispatch floor.
+casts, autograd's own), plus the family's ``tile_host_s``. On a GPU the host runs ahead, so a tile is max(GPU time,
+kernels × ``host_s`` + the family's ``tile_host_s``), the analytic model's dispatch floor with the host's per-tile
+work. A table without ``tile_host_s`` prices tiles from their kernels alone.
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ from terapipe_cli.profile import analytic
 OPERATORS_SCHEMA = "terapipe.operators/1"
 ATTENTION_AXES = ("heads", "group", "head_dim", "i", "j")
 GEMM_LAYOUTS = ("forward", "dgrad", "wgrad")  # a product of the forward, of an input's gradient, of a weight's
+# A tile's host term without context (its backward whole, and split into I and W), and with context.
+TILE_HOST_KEYS = ("forward", "backward", "input", "weight", "context_forward", "context_backward")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # What a profile made from a table without --hardware records for what no operator prices: the links as free, as
 # `terapipe profile --no-comm` does, and the optimizer's and the memory's bytes per parameter of plain AdamW.
@@ -116,6 +124,7 @@ class OperatorTable:
     attention_backward: Grid
     stream: Grid
     raw: dict
+    tile_host_s: dict[str, dict[str, float]] | None = None  # by family, `TILE_HOST_KEYS`; None: not timed
 
     @property
     def gpu(self) -> bool:
@@ -188,7 +197,19 @@ def operator_table_from_dict(obj: dict, where: str, sha256: str = "") -> Operato
         attention_backward=_grid(attention, ATTENTION_AXES, "backward_s", zero_axes=("j",)),
         stream=_grid(f.sub("stream"), ("bytes",)),
         raw=obj,
+        tile_host_s=_tile_host(f) if "tile_host_s" in obj else None,
     )
+
+
+def _tile_host(f: Fields) -> dict[str, dict[str, float]]:
+    families = f.sub("tile_host_s")
+    if not families.obj:
+        raise f.fail("tile_host_s", "must name at least one model family")
+    out = {}
+    for family in families.obj:
+        terms = families.sub(family)
+        out[family] = {key: terms.number(key, minimum=0.0) for key in TILE_HOST_KEYS}
+    return out
 
 
 def read_operator_table(path: str | Path) -> OperatorTable:
@@ -206,6 +227,19 @@ class TablePricer:
     def __init__(self, table: OperatorTable) -> None:
         self.table = table
 
+    def tile_host(self, model: ModelConfig, j) -> tuple:
+        """The family's per-tile host seconds (forward, backward, I, W) at context lengths ``j``: the tile without
+        context's, or with context's (which adds to I alone); zeros where the table has no term for the family."""
+        terms = (self.table.tile_host_s or {}).get(model.arch)
+        if terms is None:
+            return 0.0, 0.0, 0.0, 0.0
+        with_context = np.asarray(j) > 0
+        forward = np.where(with_context, terms["context_forward"], terms["forward"])
+        backward = np.where(with_context, terms["context_backward"], terms["backward"])
+        context_input = max(terms["input"] + terms["context_backward"] - terms["backward"], 0.0)
+        inputs = np.where(with_context, context_input, terms["input"])
+        return forward, backward, inputs, np.full(np.shape(forward), terms["weight"])
+
     def gemm(self, gemm: Gemm) -> np.ndarray:
         name, batch, m, n, k = gemm
         kind = name.rsplit(".", 1)[-1]
@@ -218,19 +252,21 @@ class TablePricer:
     def stream(self, nbytes) -> np.ndarray:
         return self.table.stream_seconds(nbytes)
 
-    def hold_layer(self, model: ModelConfig, t: int, times: tuple, priced: tuple[int, int, int]) -> tuple:
-        """(forward, backward, I, W) with the host's cost of the kernels not priced (CPU), or held at the dispatch
-        floor (GPU); ``priced``: the kernels priced one by one forward, in I and in W."""
+    def hold_layer(self, model: ModelConfig, t: int, j, times: tuple, priced: tuple[int, int, int]) -> tuple:
+        """(forward, backward, I, W) with the host's cost of the kernels not priced and the family's per-tile host
+        term added (CPU), or held at the dispatch floor with that term (GPU); ``priced``: the kernels priced one by
+        one forward, in I and in W; ``j``: the tiles' context lengths (`tile_host`)."""
         forward, backward, inputs, weight = times
         host = self.table.host_s
         fwd, bwd = analytic.kernels_per_tile(self.table.precision, t, model)
         wgt = analytic.weight_kernels_per_tile(self.table.precision, model)
+        tile_f, tile_b, tile_i, tile_w = self.tile_host(model, j)
         if self.table.gpu:
-            floor_w = wgt * host
-            return (np.maximum(forward, fwd * host), np.maximum(backward, bwd * host),
-                    np.maximum(inputs, (bwd - wgt) * host), np.maximum(weight, floor_w))  # fmt: skip
+            floors = (fwd * host + tile_f, bwd * host + tile_b, (bwd - wgt) * host + tile_i, wgt * host + tile_w)
+            return tuple(np.maximum(x, floor) for x, floor in zip(times, floors, strict=True))
         extra_f, extra_i, extra_w = (max(n - p, 0) * host for n, p in zip((fwd, bwd - wgt, wgt), priced, strict=True))
-        return forward + extra_f, backward + extra_i + extra_w, inputs + extra_i, weight + extra_w
+        return (forward + extra_f + tile_f, backward + extra_i + extra_w + tile_b, inputs + extra_i + tile_i,
+                weight + extra_w + tile_w)  # fmt: skip
 
     def hold_end(self, seconds: np.ndarray, kernels: int, priced: int) -> np.ndarray:
         host = self.table.host_s
@@ -301,6 +337,12 @@ def operator_profile(
         f"{OPTIMIZER_BYTES_PER_PARAM} bytes per parameter a step, {STATE_BYTES_PER_PARAM} of state; the device's "
         "memory as the table records it); pass --hardware for others"
     )
+    host = (
+        f"the host's per-tile work of a {model.arch} layer as the table timed it at a tiny shape"
+        if (table.tile_host_s or {}).get(model.arch) is not None
+        else f"no per-tile host work (the table has no tile_host_s for {model.arch}: tiles priced from their kernels "
+        "alone, short ones low on a CPU)"
+    )
     device = {k: v for k, v in table.device.items() if k in ("kind", "name", "memory_bytes", "threads", "cores")}
     if hardware is not None:
         device.update(memory_bytes=hw.device.memory_bytes, hardware_file=hw.path, gpus_per_node=hw.gpus_per_node)
@@ -309,7 +351,7 @@ def operator_profile(
         note=(
             f"ESTIMATED from timed operators, not from timed tiles: each kernel of one decoder layer priced from the "
             f"operator table {table.path} ({table.device['kind']}, {table.device['name']}, {table.precision}, "
-            f"torch {table.raw.get('torch')}), tensor parallelism {tensor_parallel}; {rest}. Made by "
+            f"torch {table.raw.get('torch')}), with {host}, tensor parallelism {tensor_parallel}; {rest}. Made by "
             "terapipe_cli.profile.operator_table."
         ),
         device={**device, "tensor_parallel": tensor_parallel},

@@ -12,6 +12,11 @@ events after a synchronisation on a GPU), the garbage collector paused; a warm-u
 ``rounds`` rounds each in a fresh random order, the median kept. A call shorter than about a millisecond is repeated
 back to back within one sample and divided. The attention's timed forward follows an untimed one of the same shape,
 since on a CPU the first forward after a backward is slower.
+
+Last, each model family's per-tile host term (`operator_table.TILE_HOST_KEYS`): one layer's tiles timed through the
+runtime's stage code as `profile.timer` times a profile's (`timer.TileTimer`), at a shape so small its kernels take
+next to nothing (`TILE_HOST_SHAPE`), less that same tile priced from the table just timed, so no kernel is counted
+twice. What is left is the host's per-tile work the kernels do not hold; a remainder below zero is kept as zero.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,13 +32,28 @@ import torch
 import torch.nn.functional as F
 
 from terapipe_cli.engine.stage import AUTOCAST_DTYPES
+from terapipe_cli.models import ARCHS, ModelConfig
 from terapipe_cli.models.attention import KVCache, attend
-from terapipe_cli.profile.operator_table import ATTENTION_AXES, GEMM_LAYOUTS, OPERATORS_SCHEMA
+from terapipe_cli.profile.analytic import layer_seconds_split
+from terapipe_cli.profile.operator_table import (
+    ATTENTION_AXES,
+    GEMM_LAYOUTS,
+    OPERATORS_SCHEMA,
+    TILE_HOST_KEYS,
+    TablePricer,
+    operator_table_from_dict,
+    table_hardware,
+)
 from terapipe_cli.profile.probe import device_info
-from terapipe_cli.profile.timer import Progress, collector_paused, one_thread_per_stage
+from terapipe_cli.profile.timer import Progress, TileTimer, collector_paused, one_thread_per_stage
 from terapipe_cli.units import utc_timestamp
 
 SAMPLE_S = 1e-3  # a sample of a shorter call repeats it back to back up to about this long
+# The per-tile host term's model and tiles: 2 heads of 8, one sequence, a slice of 8 tokens without and after 8 of
+# context; each family's other widths (its MLP's) at their defaults, or 4 × hidden.
+TILE_HOST_SHAPE = {"hidden": 16, "heads": 2, "vocab": 16, "seq_len": 16, "ffn_hidden": 64}
+TILE_HOST_B, TILE_HOST_I, TILE_HOST_J = 1, 8, 8
+TILE_HOST_VISITS = 8  # visits of each tile per round
 
 
 @dataclass(frozen=True)
@@ -183,7 +204,53 @@ def measure_operators(
                 if progress:
                     progress(f"operators (round {r + 1}/{grid.rounds})", len(points) * (r + 2), total)
         host_s = float(np.median([clock.time(lambda: one + other, 1000) for _ in range(grid.rounds)]))
-    return _table(device, precision, grid, points, samples, host_s, (gemms, attention))
+    table = _table(device, precision, grid, points, samples, host_s, (gemms, attention))
+    del points  # the operators' tensors: not alive while the tiles are timed
+    priced = operator_table_from_dict(table, "the table being timed")
+    table["tile_host_s"] = tile_host_seconds(priced, device, precision, grid.rounds, seed)
+    table["tile_host_shape"] = {**TILE_HOST_SHAPE, "b": TILE_HOST_B, "i": TILE_HOST_I, "j": TILE_HOST_J}
+    return table
+
+
+def tiny_model(arch: str) -> ModelConfig:
+    """The per-tile host term's model of family ``arch`` (`TILE_HOST_SHAPE`)."""
+    fields = {"name": f"{arch}-tile-host", "arch": arch, "layers": 1, **TILE_HOST_SHAPE}
+    if "ffn_hidden" not in ARCHS[arch].config.__dataclass_fields__:
+        fields.pop("ffn_hidden")
+    return ModelConfig.from_dict(fields, "the per-tile host term's model")
+
+
+def tile_host_seconds(table, device: torch.device, precision: str, rounds: int, seed: int = 0) -> dict[str, dict]:
+    """Each family's per-tile host term (`operator_table.TILE_HOST_KEYS`): the median of its tiny tiles timed
+    through `timer.TileTimer` less their price from ``table`` (an `operator_table.OperatorTable` without the term).
+    The families' tiles are visited in rounds, each in a fresh random order, so a drift of the machine's speed spreads
+    over all of them."""
+    b, i, j = TILE_HOST_B, TILE_HOST_I, TILE_HOST_J
+    models = {arch: tiny_model(arch) for arch in ARCHS}
+    rng = np.random.default_rng(seed)
+    split: dict[str, list] = {arch: [] for arch in ARCHS}
+    context: dict[str, list] = {arch: [] for arch in ARCHS}
+    with one_thread_per_stage(device), collector_paused(), ExitStack() as steps:
+        timers = {arch: TileTimer(model, device, seed=seed, precision=precision) for arch, model in models.items()}
+        for timer in timers.values():
+            steps.enter_context(timer.runner.step())
+            timer.time_tile_split(b, i)  # warm-up: the first calls pay their one-off costs
+            timer.time_tile(b, i, j)
+        visits = [arch for arch in ARCHS for _ in range(TILE_HOST_VISITS)]
+        for _ in range(rounds):
+            for n in rng.permutation(len(visits)):
+                timer = timers[visits[n]]
+                split[visits[n]].append(timer.time_tile_split(b, i))
+                context[visits[n]].append(timer.time_tile(b, i, j))
+    hardware, pricer = table_hardware(table), TablePricer(table)
+    terms = {}
+    for arch, model in models.items():
+        measured = [*np.median(split[arch], axis=0), *np.median(context[arch], axis=0)]
+        alone = layer_seconds_split(model, hardware, b, i, 0, 1, pricer)
+        with_context = layer_seconds_split(model, hardware, b, i, j, 1, pricer)[:2]
+        prices = [float(x) for x in (*alone, *with_context)]
+        terms[arch] = {key: max(float(m) - p, 0.0) for key, m, p in zip(TILE_HOST_KEYS, measured, prices, strict=True)}
+    return terms
 
 
 def _table(device, precision, grid: OperatorGrid, points, samples, host_s, shapes) -> dict:
