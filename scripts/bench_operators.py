@@ -1,13 +1,12 @@
 """How well profiles made from this machine's operator table predict its tiles, for models not on the table's grid.
 
-Times the CPU operator table (`terapipe profile --operators`), prices a profile of each model below from it
-(`terapipe profile --analytic --operator-table`), then times tiles off the profile's grid through the runtime's
-own stage code (`terapipe profile --check-profile`'s `measure.recheck_profile`: one decoder layer, process CPU
-time) and prints predicted vs measured per tile with the mean and max relative error, and the machine's load average
-before and after. The prediction is the profile's one-layer tile, ``no_context(b, i) + context(b, i, j)``: the
-check's own ``cost(b, i, j)`` is the slowest stage's of a pipeline of one layer per stage, which holds the
-embedding or the LM head too (with a large vocabulary, most of it), while the timed tile is one layer's alone. Each
-tile is also priced from the same table without its per-tile host terms (``tile_host_s``), its kernels alone.
+Times the CPU operator table (`terapipe profile --operators`), prices a profile of each model below from it (`terapipe
+profile --analytic --operator-table`), then times tiles off the profile's grid through the runtime's own stage code
+(`terapipe profile --check-profile`'s `measure.recheck_profile`: one decoder layer, process CPU time) and prints
+predicted vs measured per tile with the mean and max relative error, and the machine's load average before and after.
+The prediction is the profile's one-layer tile, ``no_context(b, i) + context(b, i, j)``, as the check's own
+(`measure.check_against`). Each tile is also priced from the same table without its per-tile host terms
+(``tile_host_s``), its kernels alone.
 
     PYTHONPATH=src python scripts/bench_operators.py [--quick] [--out-dir DIR]
 
@@ -127,7 +126,7 @@ def main() -> int:
         check = result["rel_err_mean"]
         print(
             f"  error mean {np.mean(mine):.1%}, max {max(mine):.1%}; on-grid tiles take {np.median(ref):.3f}x "
-            f"their predicted time (the check's cost(b, i, j), with the ends: mean {check:.1%}); "
+            f"their predicted time (the check's mean error {check:.1%}); "
             f"without the per-tile host term: error mean {np.mean(mine_bare):.1%}, max {max(mine_bare):.1%}"
         )
         errors += mine
