@@ -206,3 +206,35 @@ def test_the_commands_refuse_what_does_not_apply_in_one_line(capsys, tmp_path):
     p = run_cli(capsys, "profile", "--analytic", "--operator-table", ops, "--model", "tiny", "--precision", "bf16")
     assert p.returncode != 0 and "--precision" in p.stderr and "fp32" in p.stderr
     assert len(p.stderr.strip().splitlines()) == 1
+
+
+def test_a_points_tensors_are_kept_when_small_and_made_again_when_large():
+    """Every point of the CPU grid keeps its tensors between visits (made once); a GPU grid's large products and
+    attention shapes are made anew at each visit, so the grid's points never need to fit in memory all at once."""
+    import itertools
+
+    from terapipe_cli.profile import operators as ops
+
+    made = []
+
+    def make(device, dtype, size):
+        made.append(size)
+        return lambda clock, repeat: float(size)
+
+    small, large = (
+        ops._Point(make, ops.KEEP_BYTES, "cpu", None, (1,)),
+        ops._Point(make, ops.KEEP_BYTES + 1, "cpu", None, (2,)),
+    )
+    for _ in range(3):
+        assert small(None, 1) == 1.0 and large(None, 1) == 2.0
+    assert made.count(1) == 1 and made.count(2) == 3
+
+    def sizes(grid):
+        gemms = [ops._gemm_bytes(*p) for p in itertools.product(ops.GEMM_LAYOUTS, grid.m, grid.n, grid.k)]
+        axes = (grid.heads, grid.group, grid.head_dim, grid.i, grid.j)
+        return gemms + [ops._attention_bytes(*p) for p in itertools.product(*axes)] + list(grid.bytes)
+
+    assert max(sizes(ops.CPU_GRID)) <= ops.KEEP_BYTES and max(sizes(ops.QUICK_GRID)) <= ops.KEEP_BYTES
+    gpu = sizes(ops.GPU_GRID)
+    kept = sum(b for b in gpu if b <= ops.KEEP_BYTES)
+    assert max(gpu) > ops.KEEP_BYTES and kept < 16 * 2**30  # what stays allocated on a GPU: well within one device

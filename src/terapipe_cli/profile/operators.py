@@ -86,6 +86,13 @@ CPU_GRID = OperatorGrid(
     heads=(4, 16), group=(1, 4), head_dim=(32, 128), i=(8, 64, 512), j=(0, 64, 512),
     bytes=tuple(4**e for e in range(5, 14)), rounds=5,
 )  # fmt: skip
+# Sized for GPU models of hidden 512-8192, head sizes 64-128, K/V groups of 1-8, MLPs of 2.7-4 H, vocabularies of
+# 32K-152K (past the grid's last point a product is scaled by its FLOPs) and tiles of 8-32K tokens.
+GPU_GRID = OperatorGrid(
+    m=(8, 64, 512, 4096, 32768), n=(512, 2048, 8192, 32768, 131072), k=(512, 2048, 8192, 32768),
+    heads=(8, 32, 64), group=(1, 4, 8), head_dim=(64, 128), i=(8, 128, 2048, 16384), j=(0, 2048, 16384),
+    bytes=tuple(4**e for e in range(5, 17)), rounds=3,
+)  # fmt: skip
 # Coarser, the same range of tiles (m and i to 2K tokens): a few seconds.
 QUICK_GRID = OperatorGrid(
     m=(8, 128, 2048), n=(64, 512), k=(64, 512), heads=(4,), group=(1,), head_dim=(64,), i=(8, 128, 1024), j=(0, 256),
@@ -116,6 +123,38 @@ class _Clock:
         return (time.process_time() - t0) / repeat
 
 
+KEEP_BYTES = (
+    64 * 2**20
+)  # a point's tensors up to this size stay allocated between its visits; larger ones are made anew
+
+
+class _Point:
+    """One operator to time, its tensors made when first timed: kept between visits when they are small (every
+    point of the CPU grid), made again for each visit when large (a GPU grid's products reach gigabytes: all at once
+    they would not fit)."""
+
+    def __init__(self, make, nbytes: int, device, dtype, shape: tuple) -> None:
+        self.make, self.nbytes, self.args = make, nbytes, (device, dtype, *shape)
+        self.kept = None
+
+    def __call__(self, clock: _Clock, repeat: int):
+        run = self.kept or self.make(*self.args)
+        if self.nbytes <= KEEP_BYTES:
+            self.kept = run
+        return run(clock, repeat)
+
+
+def _gemm_bytes(layout: str, m: int, n: int, k: int) -> int:
+    """Elements of a product's two inputs and its output (float32's size: an upper bound for every precision)."""
+    return 4 * (m * k + k * n + m * n)
+
+
+def _attention_bytes(heads: int, group: int, head_dim: int, i: int, j: int) -> int:
+    """Elements of attention's queries, keys, values, context, output and their gradients (float32's size)."""
+    kv = max(1, heads // group)
+    return 4 * head_dim * (3 * heads * i + 4 * kv * (i + j))
+
+
 def _gemm_point(device, dtype, layout: str, m: int, n: int, k: int):
     """An (m × n) product over k in ``layout`` (`GEMM_LAYOUTS`): the forward's ``linear`` (x · wᵀ, w of shape (n,
     k)), the input gradient's ``dgrad`` (dy · w, both as stored) or the weight gradient's ``wgrad`` (xᵀ · dy, x of
@@ -144,10 +183,9 @@ def _stream_point(device, dtype, nbytes: int):
 def _attention_point(device, dtype, heads: int, group: int, head_dim: int, i: int, j: int):
     """Forward and backward of `attend` for i queries after j context rows in a K/V cache, at batch 1."""
     kv_heads = max(1, heads // group)
-    gen = torch.Generator().manual_seed(0)
 
-    def tensors(n, h):
-        return torch.randn(1, h, n, head_dim, generator=gen).to(device=device, dtype=dtype)
+    def tensors(n, h):  # made on the device: a GPU grid's are gigabytes
+        return torch.randn(1, h, n, head_dim, device=device, dtype=dtype)
 
     q, k, v = tensors(i, heads), tensors(i, kv_heads), tensors(i, kv_heads)
     ctx_k, ctx_v = tensors(j, kv_heads), tensors(j, kv_heads)
@@ -180,9 +218,9 @@ def measure_operators(
     gemms = list(itertools.product(GEMM_LAYOUTS, grid.m, grid.n, grid.k))
     attention = list(itertools.product(grid.heads, grid.group, grid.head_dim, grid.i, grid.j))
     points = (
-        [("gemm", p, _gemm_point(device, dtype, *p)) for p in gemms]
-        + [("attention", p, _attention_point(device, dtype, *p)) for p in attention]
-        + [("stream", (b,), _stream_point(device, dtype, b)) for b in grid.bytes]
+        [("gemm", p, _Point(_gemm_point, _gemm_bytes(*p), device, dtype, p)) for p in gemms]
+        + [("attention", p, _Point(_attention_point, _attention_bytes(*p), device, dtype, p)) for p in attention]
+        + [("stream", (b,), _Point(_stream_point, b, device, dtype, (b,))) for b in grid.bytes]
     )
     one, other = torch.ones(1, device=device, dtype=dtype), torch.ones(1, device=device, dtype=dtype)
     samples: list[list] = [[] for _ in points]

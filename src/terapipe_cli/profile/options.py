@@ -218,10 +218,11 @@ def operators_request(
     if given:
         raise UserError("applies to a profile, not to timing an operator table (--operators)", where=given[0])
     check_output_file(out, kind="operator table", schema=OPERATORS_SCHEMA, force=force, example="operators.json")
-    from terapipe_cli.profile.operators import CPU_GRID, QUICK_GRID  # PyTorch: only when timing
+    from terapipe_cli.profile.operators import CPU_GRID, GPU_GRID, QUICK_GRID  # PyTorch: only when timing
 
     dev = _probe().resolve_device(device)
-    return (QUICK_GRID if quick else CPU_GRID), dev, resolve_precision(precision, dev.type)
+    grid = QUICK_GRID if quick else GPU_GRID if dev.type == "cuda" else CPU_GRID
+    return grid, dev, resolve_precision(precision, dev.type)
 
 
 def measurement_request(
