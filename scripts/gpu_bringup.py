@@ -9,6 +9,7 @@ from the files the step wrote, and the summary table.
     python scripts/gpu_bringup.py bench BENCH_OUTPUT.md    # whole sequence / uniform / planner, the per-tile floor
     python scripts/gpu_bringup.py memory REPORT.json       # the plan's memory estimate against the measured peaks
     python scripts/gpu_bringup.py pytest PYTEST_OUTPUT     # passed / failed / skipped
+    python scripts/gpu_bringup.py operators CHECKS.txt     # each operator-table profile's --check-profile error
     python scripts/gpu_bringup.py summary ROWS.tsv SUMMARY.md --title ... --note ...
 
 It runs between the steps, so it imports no torch (a fraction of a second each) and reads every file through
@@ -163,6 +164,16 @@ def reference_line(path: Path) -> str:
     return "plain PyTorch: " + "; ".join(cells) if cells else "no table (see steps.log)"
 
 
+def operators_line(path: Path) -> str:
+    """The operator table's step in one line: per model, the ``--check-profile`` error of its profile priced from the
+    table (``NAME: check: relative error mean X%, max Y%`` lines, as the step writes them)."""
+    found = re.findall(r"^(\S+): check: relative error mean ([\d.]+)%, max ([\d.]+)%", path.read_text(), re.M)
+    if not found:
+        return "no check finished (see steps.log)"
+    cells = [f"{name} {mean}% mean, {top}% max" for name, mean, top in found]
+    return f"tiles off the table's grid, predicted vs timed: {'; '.join(cells)}"
+
+
 def pytest_line(path: Path, device: str) -> str:
     """pytest's closing counts, or, when it was stopped before them, the tests' own result lines so far."""
     text = path.read_text(errors="replace")
@@ -201,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     cut.add_argument("--layers", type=int)
     cut.add_argument("--seq-len", type=int)
     cut.add_argument("--hidden", type=int, help="a narrower width (heads and K/V heads kept)")
-    for name in ("verify", "profile", "memory", "memory-trace", "reference"):
+    for name in ("verify", "profile", "memory", "memory-trace", "reference", "operators"):
         sub.add_parser(name).add_argument("path", type=Path)
     bench = sub.add_parser("bench")
     bench.add_argument("path", type=Path)
@@ -234,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
             "memory": memory_line,
             "memory-trace": memory_trace_line,
             "reference": reference_line,
+            "operators": operators_line,
         }
         print(lines[a.what](a.path))
     return 0

@@ -5,7 +5,7 @@
 #
 # Runs the steps below in order, each under its own `timeout` and all under one budget (GPU_BRINGUP_BUDGET_S,
 # default 285 s: a step gets the smaller of its own limit and what is left, and is skipped when under 20 s are
-# left), going on after a step that fails. Writes into OUTDIR (flat, 7 files, so that it fits what a lent
+# left), going on after a step that fails. Writes into OUTDIR (flat, 8 files, so that it fits what a lent
 # GPU machine sends back: 8 files, names of letters, digits, '.', '_', '-'):
 #   summary.md                     one row per step: status, seconds, the step's result in one line
 #   steps.log                      every step's commands and output, one after the other, under a header
@@ -13,13 +13,14 @@
 #   bench-MODEL.md, bench-CUT.md   scripts/bench_gpu.py's tables (steps 5, 8, 9)
 #   memory-report.md               `terapipe report` of step 7's run (the memory table among the rest)
 #   memory-trace.md                step 8's table: the traced memory estimate against max_memory_allocated
+#   operators-bf16.json            step 11's operator table of the GPU (`terapipe profile --operators`)
 # summary.md and steps.log are written after every step, so a run stopped from outside still leaves what was done.
 #
 # Without CUDA (torch.cuda.is_available() False) the same steps run the same commands with --device cpu on the
 # tiny models at L = 32-64, the ones cut here narrowed to H = 128 (a dry run: tests/cli/test_gpu_bringup.py runs it,
 # about 80 s on two cores, most of it the processes that start PyTorch, ~4-6 s of CPU each), and the table says
 # "no CUDA". Steps whose commands another step runs with other numbers (verify-k2-shared, verify-k2-v2, t2-shared,
-# bench-llama-long), or the test suite runs (memory), are skipped in the dry run. Python: $PYTHON, else .venv/bin/python when there is one, else python3; the package from
+# bench-llama-long), or the test suite runs (memory, operators), are skipped in the dry run. Python: $PYTHON, else .venv/bin/python when there is one, else python3; the package from
 # src/ through PYTHONPATH, so nothing needs installing (the GPU machines have no .venv and perhaps no pytest).
 #
 # The order is by what a result is worth per second of the budget, most first:
@@ -47,7 +48,12 @@
 #   9-10 bench_gpu.py on a 2-layer cut of llama3-8b (same widths, heads, K/V heads, vocabulary) written here:
 #        L = 2048 (B = 8) and L = 8192 (B = 2), bf16. Planned from the analytic profile of the calibrated H100
 #        bf16 hardware file (a second of CPU) instead of a measured one (a minute of GPU each).
-#   11   the tests marked `gpu` (tests/train/test_placement.py: K = 2 sharing the GPU with --verify in fp32, bf16
+#   11   the operator table (`terapipe profile --operators`, the GPU grid) and, for four model shapes off its grid
+#        (GPT3-1B's widths at L = 2048 and narrowed to H = 1536 at L = 4096, Llama 3 8B's at L = 8192 and narrowed
+#        to H = 3072 at L = 32768, 2 layers each), a profile priced from it (`--analytic --operator-table`) checked
+#        against tiles timed on the GPU (`--check-profile`). Past the default budget: run it alone
+#        (GPU_BRINGUP_STEPS=operators). Without CUDA its commands run in the test suite on a small grid.
+#   12   the tests marked `gpu` (tests/train/test_placement.py: K = 2 sharing the GPU with --verify in fp32, bf16
 #        and D = 2, the demo twice). Last: they repeat 1-3's check in other precisions and the demos take
 #        minutes, so they get what is left of the budget; "skipped: pytest not installed" where it is missing.
 # shellcheck disable=SC2329 # the steps' functions run by name in child shells (run_step), not called here
@@ -127,6 +133,8 @@ if ((CUDA)); then
     MEM_BATCH=4 MEM_STEPS=3
     LLAMA_SOURCE=configs/models/llama3-8b.toml LLAMA_SHORT=2048:8 LLAMA_LONG=8192:2
     CUT_HIDDEN= # the models' own widths
+    # The operator table's check: SOURCE:L:H (H 0: the model's own width), 2 layers each.
+    OPS_MODELS="configs/models/gpt3-1b.toml:2048:0 configs/models/gpt3-1b.toml:4096:1536 configs/models/llama3-8b.toml:8192:0 configs/models/llama3-8b.toml:32768:3072"
     BENCH_ARGS="--rounds 3 --warmup 1 --floor-repeats 20"
 else
     DEVICE=cpu DEVICE_COLUMN="cpu (no CUDA)"
@@ -311,6 +319,27 @@ step_bench_llama_long() {
 }
 result_bench_llama_long() { line bench "$SCRATCH/bench-llama-L${LLAMA_LONG%%:*}.md"; }
 
+step_operators() {
+    ((CUDA)) || skip "no CUDA: its commands (profile --operators, --analytic --operator-table, --check-profile) run in the test suite on a small grid (tests/profile/test_operator_table.py)"
+    local table=$OUT/operators-bf16.json spec source L H model name
+    tp profile --operators --device "$DEVICE" --precision bf16 --out "$table" --force || return
+    : >"$SCRATCH/operators-check.txt"
+    for spec in $OPS_MODELS; do
+        IFS=: read -r source L H <<<"$spec"
+        model=$SCRATCH/ops-$(basename "$source" .toml)-L$L.toml
+        # shellcheck disable=SC2046 # no --hidden for the model's own width
+        py scripts/gpu_bringup.py cut "$source" "$model" --layers 2 --seq-len "$L" $( ((H)) && echo --hidden "$H") ||
+            return
+        name=$(sed -n 's/^name = "\(.*\)"/\1/p' "$model")
+        tp profile --analytic --operator-table "$table" --model "$model" --batch-sizes 1,2 --token-step 256 \
+            --out "${model%.toml}.json" || return
+        tp profile --check-profile "${model%.toml}.json" | tee "$SCRATCH/operators-one.txt"
+        ((PIPESTATUS[0] == 0)) || return
+        echo "$name: $(grep -m 1 '^check: ' "$SCRATCH/operators-one.txt")" >>"$SCRATCH/operators-check.txt"
+    done
+}
+result_operators() { line operators "$SCRATCH/operators-check.txt"; }
+
 step_gpu_tests() {
     ((CUDA)) || skip "no CUDA: the tests marked gpu need one"
     "$PY" -c "import pytest" 2>/dev/null || skip "pytest not installed"
@@ -340,7 +369,8 @@ summarize() {
 # The steps in order (the header says why this order) and each one's own time limit, seconds.
 STEPS=(
     "verify-k1 60" "verify-k2-shared 75" "profile 100" "bench-gpt 100" "memory-trace 330" "reference 150"
-    "verify-k2-v2 75" "t2-shared 75" "memory 100" "bench-llama-short 90" "bench-llama-long 90" "gpu-tests 300"
+    "verify-k2-v2 75" "t2-shared 75" "memory 100" "bench-llama-short 90" "bench-llama-long 90" "operators 300"
+    "gpu-tests 300"
 )
 # GPU_BRINGUP_STEPS="NAME ...": only these steps, in the order above (each one runs alone; a step that reads another's
 # files says so and is skipped without them).

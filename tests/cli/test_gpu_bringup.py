@@ -64,7 +64,7 @@ def test_the_dry_run_runs_every_step_on_the_cpu_and_fits_what_is_sent_back(tmp_p
     assert "no CUDA" in summary
     rows = table_rows(summary)
     steps = script_steps()
-    assert len(steps) == 12 and [r[1] for r in rows] == steps, summary
+    assert len(steps) == 13 and [r[1] for r in rows] == steps, summary
     for _, name, device, status, seconds, result in rows:
         assert device == "cpu (no CUDA)", (name, device)
         # ok with a result line, or skipped with its reason; never failed or timed out
@@ -77,7 +77,8 @@ def test_the_dry_run_runs_every_step_on_the_cpu_and_fits_what_is_sent_back(tmp_p
     # the same commands as another step's with other numbers: K = 2, T = 2 and v = 2 verify in tests/train and
     # tests/engine
     # and the memory step's plan, train and report run in tests/train, its line on a report in tests/report
-    for name in ("verify-k2-shared", "verify-k2-v2", "t2-shared", "bench-llama-long", "memory"):
+    # and the operator step's commands run in tests/profile on a small grid
+    for name in ("verify-k2-shared", "verify-k2-v2", "t2-shared", "bench-llama-long", "memory", "operators"):
         assert statuses[name].startswith("skipped: no CUDA"), (name, statuses[name])
     assert "held-out context-fit error" in results["profile"]
     assert "whole sequence" in results["bench-gpt"] and "no CUDA" in results["bench-gpt"]
@@ -100,3 +101,22 @@ def test_the_dry_run_runs_every_step_on_the_cpu_and_fits_what_is_sent_back(tmp_p
         assert len(f.relative_to(out).parts) <= FOLDERS_DEEP + 1 and PLAIN_NAME.match(f.name), f
     assert {"summary.md", "steps.log"} <= {f.name for f in files}
     assert not list(scratch.iterdir())  # the scratch folder (runs, cuts, profiles) is gone
+
+
+def test_the_operator_steps_line_names_each_models_check(tmp_path):
+    """The operator step's result line reads the check lines the step collects (``NAME: check: ...``, as
+    `terapipe profile --check-profile` prints its error), and says so when none finished."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_bringup", ROOT / "scripts" / "gpu_bringup.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    path = tmp_path / "checks.txt"
+    path.write_text("")
+    assert module.operators_line(path) == "no check finished (see steps.log)"
+    path.write_text(
+        "gpt3-1b-2l-L2048: check: relative error mean 6.1%, max 12.0%\n"
+        "llama3-8b-2l-h3072-L32768: check: relative error mean 9.9%, max 18.5%\n"
+    )
+    line = module.operators_line(path)
+    assert line.endswith("gpt3-1b-2l-L2048 6.1% mean, 12.0% max; llama3-8b-2l-h3072-L32768 9.9% mean, 18.5% max")
