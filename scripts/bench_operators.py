@@ -6,9 +6,10 @@ profile --analytic --operator-table`), then times tiles off the profile's grid t
 predicted vs measured per tile with the mean and max relative error, and the machine's load average before and after.
 The prediction is the profile's one-layer tile, ``no_context(b, i) + context(b, i, j)``, as the check's own
 (`measure.check_against`). Each tile is also priced from the same table without its per-tile host terms
-(``tile_host_s``), its kernels alone.
+(``tile_host_s``), its kernels alone. With ``--steps N`` each model is also planned on its operator profile (one stage,
+B = 2), trained N steps here (`terapipe train`), and the plan's simulated step compared with the measured median.
 
-    PYTHONPATH=src python scripts/bench_operators.py [--quick] [--out-dir DIR]
+    PYTHONPATH=src python scripts/bench_operators.py [--quick] [--out-dir DIR] [--steps N]
 
 Nothing is fitted to the tiles: the table is timed first, the profiles priced from it, the tiles timed last.
 """
@@ -73,6 +74,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the quick operator grid and fewer check tiles")
     parser.add_argument("--out-dir", type=Path, default=None, help="keep the table and profiles here")
+    parser.add_argument(
+        "--steps", type=int, default=0,
+        help="also plan each model on its operator profile (K = 1, B = 2), train it this many steps here, and compare "
+        "the plan's simulated step with the measured median step (the first two left out)",
+    )  # fmt: skip
     args = parser.parse_args()
 
     import numpy as np
@@ -99,6 +105,7 @@ def main() -> int:
     table.pop("tile_host_s", None)
     bare.write_text(json.dumps(table))
     errors, errors_bare = [], []
+    steps: list[tuple[str, float, float]] = []  # (model, simulated step, measured median step)
     for name, fields in MODELS.items():
         model_file, prof_file = out / f"{name}.toml", out / f"{name}.json"
         model_file.write_text(toml_of(name, fields))
@@ -131,10 +138,37 @@ def main() -> int:
         )
         errors += mine
         errors_bare += mine_bare
+        if args.steps:
+            steps.append((name, *_planned_step(terapipe, prof_file, out / name, args.steps)))
     print(f"\nall models: {len(errors)} tiles, error mean {np.mean(errors):.1%}, max {max(errors):.1%} (without the "
           f"per-tile host term: mean {np.mean(errors_bare):.1%}, max {max(errors_bare):.1%}); load average after "
           f"{os.getloadavg()}; files in {out}")  # fmt: skip
+    if steps:
+        print("\nplanned step (K = 1, B = 2) against the measured median step:")
+        for name, simulated, measured in steps:
+            print(f"  {name}: simulated {simulated * 1e3:.1f} ms, measured {measured * 1e3:.1f} ms, "
+                  f"error {abs(simulated - measured) / measured:.1%}")  # fmt: skip
+        errs = [abs(s - m) / m for _, s, m in steps]
+        print(f"  all: mean {np.mean(errs):.1%}, max {max(errs):.1%}; load average {os.getloadavg()}")
     return 0
+
+
+def _planned_step(terapipe, profile: Path, folder: Path, steps: int) -> tuple[float, float]:
+    """Plan ``profile``'s model on one stage, train it ``steps`` steps here (`terapipe train`, its own worker), and
+    return the plan's simulated step and the measured median of the steps after the first two."""
+    import json
+    import shutil
+
+    import numpy as np
+
+    plan, run = folder.with_suffix(".plan.json"), folder.with_suffix(".run")
+    shutil.rmtree(run, ignore_errors=True)
+    _run(terapipe, ["plan", "--profile", str(profile), "--stages", "1", "--batch", "2", "--token-step", "16",
+                    "--out", str(plan), "--force"])  # fmt: skip
+    _run(terapipe, ["train", "--plan", str(plan), "--steps", str(steps), "--out", str(run)])
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    measured = float(np.median([r["iteration_s"] for r in rows if r.get("step", 0) > 2 and "iteration_s" in r]))
+    return float(json.loads(plan.read_text())["simulated_s"]), measured
 
 
 def _run(terapipe, argv: list[str]) -> None:
