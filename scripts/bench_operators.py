@@ -63,13 +63,6 @@ MODELS = {
 }
 
 
-def toml_of(name: str, fields: dict) -> str:
-    lines = ["[model]", f'name = "{name}"']
-    lines += [f'{k} = "{v}"' if isinstance(v, str) else f"{k} = {str(v).lower() if isinstance(v, bool) else v}"
-              for k, v in fields.items()]  # fmt: skip
-    return "\n".join(lines) + "\n"
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the quick operator grid and fewer check tiles")
@@ -85,6 +78,8 @@ def main() -> int:
     import torch
 
     from terapipe_cli.cli import main as terapipe
+    from terapipe_cli.config.demo import model_toml
+    from terapipe_cli.models import ModelConfig
     from terapipe_cli.plan.costmodel import CostModel, read_profile
     from terapipe_cli.profile import measure, probe
 
@@ -108,7 +103,8 @@ def main() -> int:
     steps: list[tuple[str, float, float]] = []  # (model, simulated step, measured median step)
     for name, fields in MODELS.items():
         model_file, prof_file = out / f"{name}.toml", out / f"{name}.json"
-        model_file.write_text(toml_of(name, fields))
+        model = ModelConfig.from_dict({"name": name, **fields}, "bench_operators.py")
+        model_file.write_text(model_toml(model, "scripts/bench_operators.py"))
         _run(terapipe, ["profile", "--analytic", "--operator-table", str(ops), "--model", str(model_file),
                         "--batch-sizes", "1,2", "--token-step", "16", "--out", str(prof_file), "--force"])  # fmt: skip
         prof = read_profile(prof_file)
