@@ -11,14 +11,17 @@ decoder.py    the stage layout every family's module shares: a stage's layers, t
 gpt/          ``gpt``, the default: nanoGPT's decoder; ``gpt2``: GPT-2 exactly (biases, tanh GELU, tied embeddings)
 llama/        ``llama``: the Llama family, Llama 3.1's RoPE scaling; Mistral's layer read as it
 
-A family is a folder: ``spec.py`` (torch-free: its config, a `ModelConfig` subclass with its own settings, and its
-spec, an `Arch` subclass naming that config) and ``module.py`` (its torch module), its import and its entry in `ARCHS`.
+A family is a folder: ``spec.py`` (torch-free: its config, a `ModelConfig` subclass with its own settings, its spec,
+an `Arch` subclass naming that config, and ``SPECS``, the instances it registers) and ``module.py`` (its torch module),
+and its name in `FAMILIES`.
 """
 
 from __future__ import annotations
 
-from terapipe_cli.models.gpt.spec import Gpt2Arch, Gpt2Config, GptArch, GptConfig
-from terapipe_cli.models.llama.spec import LlamaArch, LlamaConfig, RopeScaling
+import importlib
+
+from terapipe_cli.models.gpt.spec import Gpt2Config, GptConfig
+from terapipe_cli.models.llama.spec import LlamaConfig, RopeScaling
 from terapipe_cli.models.spec import (
     COMMON_FIELDS,
     Arch,
@@ -30,7 +33,16 @@ from terapipe_cli.models.spec import (
     vocab_share,
 )
 
-ARCHS: dict[str, Arch] = {spec.name: spec for spec in (GptArch(), Gpt2Arch(), LlamaArch())}
+# The families, one folder each: a line here registers every spec its ``spec.SPECS`` holds.
+FAMILIES = (
+    "gpt",
+    "llama",
+)
+ARCHS: dict[str, Arch] = {
+    spec.name: spec
+    for family in FAMILIES
+    for spec in importlib.import_module(f"terapipe_cli.models.{family}.spec").SPECS
+}
 
 
 def arch_spec(name: str) -> Arch:
@@ -65,6 +77,7 @@ def build_model(cfg: ModelConfig, stage: int = 0, stages: int = 1, **kwargs):
 
 __all__ = [
     "ARCHS",
+    "FAMILIES",
     "COMMON_FIELDS",
     "Arch",
     "Gpt2Config",

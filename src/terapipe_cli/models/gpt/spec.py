@@ -386,3 +386,6 @@ class Gpt2Arch(GptArch):
             "norm_eps": f.number("layer_norm_epsilon", positive=True, default=1e-5),
             "tie_embeddings": boolean(f, "tie_word_embeddings", True),
         }
+
+
+SPECS = (GptArch(), Gpt2Arch())  # what the registry holds of this family (`terapipe_cli.models.FAMILIES`)

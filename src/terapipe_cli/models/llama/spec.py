@@ -315,3 +315,6 @@ class LlamaArch(Arch):
             "tie_embeddings": boolean(f, "tie_word_embeddings", False),
             "rope_scaling": RopeScaling.read(f, key, strict=False) if kind == "llama3" else None,
         }
+
+
+SPECS = (LlamaArch(),)  # what the registry holds of this family (`terapipe_cli.models.FAMILIES`)
