@@ -146,7 +146,7 @@ else
     VERIFY_L=32 VERIFY_STEPS=2
     GPT_SOURCE=configs/models/tiny.toml GPT_BATCH=2 PROFILE_BATCHES=1,2
     MEM_BATCH=2 MEM_STEPS=3
-    LLAMA_SOURCE=configs/models/llama-tiny.toml LLAMA_SHORT=64:8 LLAMA_LONG=128:2
+    LLAMA_SOURCE=configs/models/llama-tiny.toml LLAMA_SHORT=64:2 LLAMA_LONG=128:2
     CUT_HIDDEN=128
     BENCH_ARGS="--rounds 1 --warmup 0 --floor-repeats 3"
     # One thread per process, as the runtime gives each CPU worker: on a shared two-core machine two threads per
