@@ -45,7 +45,7 @@ def test_a_failing_worker_is_an_exit_code_and_its_error_line(tmp_path):
 
 
 def test_a_hang_is_a_time_out_and_leaves_no_process(tmp_path):
-    code, seen, _ = probe(tmp_path, "hang", timeout_s=5)  # the agent and its forked workers start within a second or two
+    code, seen, _ = probe(tmp_path, "hang", timeout_s=5)  # the agent and its workers start within a second or two
     assert code is None and seen, "no worker started within the time-out"
     deadline = time.monotonic() + 30  # killed at once; a large process takes a moment to end
     while any(alive(s["pid"]) for s in seen):

@@ -3,11 +3,12 @@ grid of tiles, and each is bounded, searched and searched again within the memor
 search's tables would be computed again every time. Inside `sharing()` they are computed once — `remembered(key,
 make)` — and kept while the plan is made, at most `BUDGET_BYTES` of arrays, the least recently used dropped first.
 Outside it nothing is kept and every call computes afresh, so a result never depends on whether it was shared.
-Imports no torch.
+Inside it the garbage collector also looks at young objects less often (`YOUNG_COLLECTION_EVERY`). Imports no torch.
 """
 
 from __future__ import annotations
 
+import gc
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -21,6 +22,11 @@ T = TypeVar("T")
 # What one plan keeps at most (bytes of arrays): Llama 3 70B at L = 8192, g = 8, B = 16 (16 rows of 524,800 tiles)
 # prices a kind in 67 MB and a partition's tables in 200-340 MB.
 BUDGET_BYTES = 2 * 2**30
+# Allocations between two collections of the youngest generation while a plan is made (Python's default: 700). A plan
+# makes hundreds of thousands of small objects that last (tiles, rows, schemes) and few cycles: at the default the
+# collector ran over a thousand times in a plan of a published setting and took a fifth of its CPU time
+# (docs/results.md, "The garbage collector while planning").
+YOUNG_COLLECTION_EVERY = 20_000
 
 
 class _Store:
@@ -57,9 +63,12 @@ def sharing(budget_bytes: int = BUDGET_BYTES) -> Iterator[None]:
         yield
         return
     token = _current.set(_Store(budget_bytes))
+    thresholds = gc.get_threshold()
+    gc.set_threshold(max(thresholds[0], YOUNG_COLLECTION_EVERY), *thresholds[1:])
     try:
         yield
     finally:
+        gc.set_threshold(*thresholds)
         _current.reset(token)
 
 
