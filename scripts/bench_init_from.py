@@ -23,7 +23,6 @@ Timing holds /tmp/terapipe-cpu.lock (flock) so no other measurement on this mach
 from __future__ import annotations
 
 import argparse
-import fcntl
 import json
 import os
 import shutil
@@ -33,28 +32,18 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "tests"))  # local_world: the tests' ranks as threads of one process
-LOCK = "/tmp/terapipe-cpu.lock"
+from bench_train import cpu_lock  # noqa: E402  (this folder: one CPU-bound benchmark at a time)
+
 SEQ_LEN = 64
 STAGES = 2
 LLAMA_300M = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=20,
                   num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=2048,
                   tie_word_embeddings=False, rope_theta=500000.0)  # fmt: skip
-
-
-@contextmanager
-def cpu_lock():
-    with open(LOCK, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def build_source(folder: Path) -> int:

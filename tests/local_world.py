@@ -341,6 +341,30 @@ def local_comms(world: LocalWorld, layout: Layout, rank: int) -> Comms:
     )
 
 
+def continued_in_new_trainers(make_trainer: Callable, world_size: int, after: Callable | None = None):
+    """What ``--resume`` relies on, in one process: steps 1 and 2 on trainers ``make_trainer(world, rank)`` of one
+    world, each rank's whole state (`Trainer.full_state`) loaded into the trainers of a second world, steps 3 and 4
+    there. By rank: the losses of steps 1-2, the state saved after them, the losses of steps 3-4, and what
+    ``after(trainer)`` returns once they are taken (None without it)."""
+    first = LocalWorld(world_size)
+
+    def two_steps(rank):
+        t = make_trainer(first, rank)
+        return [t.step(s).loss for s in (1, 2)], t.full_state()
+
+    saved = first.run(two_steps)
+    second = LocalWorld(world_size)
+
+    def two_more(rank):
+        t = make_trainer(second, rank)
+        t.load_full_state(*saved[rank][1])
+        losses = [t.step(s).loss for s in (3, 4)]
+        return losses, after(t) if after is not None else None
+
+    rest = second.run(two_more)
+    return [(*saved[rank], *rest[rank]) for rank in range(world_size)]
+
+
 @dataclass
 class LocalRun:
     """What `train_in_process` returns: the loss of every step (and the held-out loss where evaluated, and what each

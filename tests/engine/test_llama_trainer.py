@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import TWO_STEPS, local_setup, train_locally, verify_local_run, verify_locally
-from local_world import LocalWorld, local_comms
+from local_world import continued_in_new_trainers, local_comms
 from test_trainer import FAMILIES
 
 from terapipe_cli.engine.mesh import Layout
@@ -94,21 +94,7 @@ def test_a_llama_trainer_continued_from_its_state_takes_the_same_steps(args):
             comms=local_comms(world, layout, rank), data=setup.data, held_out=setup.held_out,
         )  # fmt: skip
 
-    first = LocalWorld(layout.world)
-
-    def two_steps(rank):
-        t = trainer(first, rank)
-        return [t.step(s).loss for s in (1, 2)], t.full_state()
-
-    states = first.run(two_steps)
-    second = LocalWorld(layout.world)
-
-    def two_more(rank):
-        t = trainer(second, rank)
-        t.load_full_state(*states[rank][1])
-        return [t.step(s).loss for s in (3, 4)]
-
-    rest = second.run(two_more)
-    assert states[0][0] + rest[0] == pytest.approx(whole, rel=1e-6)
-    model = states[0][1][0]  # stage 0, tensor rank 0: whole tensors, whatever T
+    first_two, (model, _), last_two, _ = continued_in_new_trainers(trainer, layout.world)[0]
+    assert first_two + last_two == pytest.approx(whole, rel=1e-6)
+    # stage 0, tensor rank 0: whole tensors, whatever T
     assert model["blocks.0.attn.k_proj.weight"].shape == (2 * 8, 32)

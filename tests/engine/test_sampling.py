@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import local_setup, verify_locally
-from local_world import LocalWorld, local_comms
+from local_world import LocalWorld, continued_in_new_trainers, local_comms
 
 from terapipe_cli.engine.data import (
     Mixture,
@@ -132,21 +132,7 @@ def test_a_trainer_continued_from_its_state_draws_the_same_windows(source, reque
     world = LocalWorld(layout.world)
     straight = world.run(lambda rank: four_steps(rank, world))
 
-    first = LocalWorld(layout.world)
-
-    def two_steps(rank):
-        t = trainer(first, rank)
-        return [t.step(s).loss for s in (1, 2)], t.full_state()
-
-    states = first.run(two_steps)
-    second = LocalWorld(layout.world)
-
-    def two_more(rank):
-        t = trainer(second, rank)
-        t.load_full_state(*states[rank][1])
-        return [t.step(s).loss for s in (3, 4)] + [t.evaluate()]
-
-    rest = second.run(two_more)
-    assert states[0][0] + rest[0] == pytest.approx(straight[0], rel=1e-6)
+    first_two, _, last_two, held_out = continued_in_new_trainers(trainer, layout.world, Trainer.evaluate)[0]
+    assert first_two + last_two + [held_out] == pytest.approx(straight[0], rel=1e-6)
     t = trainer(LocalWorld(layout.world), 0)
     assert t.consumed(4) == (4 * 32, pytest.approx(epochs_done(setup.data, step=4, sequences=1, seq_len=32)))

@@ -286,7 +286,7 @@ def test_a_trainer_continued_from_its_state_takes_the_same_steps(args, fields):
     """What --resume relies on: a stage's whole state (`Trainer.full_state`, gathered from its tensor ranks — the
     embedding's and the head's rows of the vocabulary too, with their Adam moments —, with fp16's loss scale; every
     chunk of an interleaved stage) loaded into new trainers continues the run to the same losses."""
-    from local_world import LocalWorld, local_comms
+    from local_world import continued_in_new_trainers, local_comms
 
     from terapipe_cli.engine.mesh import Layout
     from terapipe_cli.engine.trainer import Trainer
@@ -302,28 +302,14 @@ def test_a_trainer_continued_from_its_state_takes_the_same_steps(args, fields):
             comms=local_comms(world, layout, rank), data=setup.data, held_out=setup.held_out,
         )  # fmt: skip
 
-    first = LocalWorld(layout.world)
-
-    def two_steps(rank):
-        t = trainers(first)(rank)
-        losses = [t.step(s).loss for s in (1, 2)]
-        return losses, t.full_state()
-
-    states = first.run(two_steps)
-    second = LocalWorld(layout.world)
-
-    def two_more(rank):
-        t = trainers(second)(rank)
-        t.load_full_state(*states[rank][1])
-        return [t.step(s).loss for s in (3, 4)], t.loss_scale
-
-    rest = second.run(two_more)
-    assert states[0][0] + rest[0][0] == pytest.approx(whole, rel=1e-6)
+    ranks = continued_in_new_trainers(lambda world, rank: trainers(world)(rank), layout.world, lambda t: t.loss_scale)
+    first_two, first, last_two, loss_scale = ranks[0]
+    assert first_two + last_two == pytest.approx(whole, rel=1e-6)
     cfg = setup.plan.model
-    first, last = states[0][1], states[layout.rank(0, 1, 0)][1]  # tensor rank 0 of stage 0 and of stage 1
+    last = ranks[layout.rank(0, 1, 0)][1]  # the states of tensor rank 0 of stage 0 (first) and of stage 1
     for (model, optimizer), name in ((first, "wte.weight"), (last, "lm_head.weight")):
         assert model[name].shape == (cfg.vocab, cfg.hidden)
         moments = [m for m in optimizer["by_name"][name].values() if torch.is_tensor(m) and m.dim()]
         assert [m.shape for m in moments] == [(cfg.vocab, cfg.hidden)] * 2  # Adam's m and v, whole, by name
     if args.get("precision") == "fp16":
-        assert rest[0][1].clean_steps == 4  # the loss scale's count went on from the state
+        assert loss_scale.clean_steps == 4  # the loss scale's count went on from the state
