@@ -1,8 +1,12 @@
-"""terapipe: plan and launch token-level pipeline-parallel training (TeraPipe)."""
+"""terapipe: plan and launch token-level pipeline-parallel training (TeraPipe). The package's face: its version and
+`load_exported`, what a user's own code reads of a run; the commands live in `cli`, the layers below it in their
+packages (docs/design.md, "Layout")."""
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from terapipe_cli.version import __version__
+
+__all__ = ["__version__", "load_exported"]
 
 
 def load_exported(path, map_location="cpu"):

@@ -12,9 +12,9 @@ from typing import NoReturn
 
 import typer
 
-from terapipe_cli import __version__
 from terapipe_cli.ending import entry_point
 from terapipe_cli.errors import Interrupted, StopSignal, UserError, signals_raise, threads_leave_signals_to_main
+from terapipe_cli.version import __version__
 
 # numpy starts its BLAS threads when it is first imported: started here, they leave the ending signals to the main
 # thread (errors.threads_leave_signals_to_main), whose handler would never run if one of them took a SIGTERM while

@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-import terapipe_cli
 from terapipe_cli.errors import threads_leave_signals_to_main
 
 
@@ -49,7 +48,7 @@ def torchrun_argv(args: Sequence[str]) -> list[str]:
 def package_env(threads: int) -> dict[str, str]:
     """Environment torchrun's workers need beyond the caller's: their thread count, and this package first on
     the path, so they import it however the caller did (installed, or ``PYTHONPATH=src`` from any folder)."""
-    package_root = str(Path(terapipe_cli.__file__).resolve().parent.parent)
+    package_root = str(Path(__file__).resolve().parents[2])  # the folder that holds terapipe_cli/
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != package_root]
     return {"OMP_NUM_THREADS": str(threads), "PYTHONPATH": os.pathsep.join([package_root, *paths])}
 

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from terapipe_cli import __version__
 from terapipe_cli.errors import UserError
 from terapipe_cli.plan.costmodel import CostModel, Profile
 from terapipe_cli.plan.domain import domain_of, provenance_record
@@ -38,6 +37,7 @@ from terapipe_cli.schedule import memo
 from terapipe_cli.schedule.orders import order_of
 from terapipe_cli.schedule.schedule import ORDERS, Schedule
 from terapipe_cli.units import format_bytes, format_seconds, format_stages, utc_timestamp
+from terapipe_cli.version import __version__
 
 # The schemes a plan may run (`terapipe plan --scheme`): the TeraPipe plan, or one of its baselines.
 SCHEMES = ("terapipe", "gpipe", "uniform")

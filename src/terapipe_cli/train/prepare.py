@@ -25,7 +25,6 @@ from pathlib import Path
 import numpy
 import torch
 
-import terapipe_cli
 from terapipe_cli import units
 from terapipe_cli.config.controls import Controls
 from terapipe_cli.config.device import default_precision, resolve_device, resolve_precision, runs_natively
@@ -61,6 +60,7 @@ from terapipe_cli.train.rundir import (
     update_arguments,
     write_config,
 )
+from terapipe_cli.version import __version__
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ class _Run:
 
 def versions() -> dict:
     return {
-        "terapipe": terapipe_cli.__version__,
+        "terapipe": __version__,
         "torch": torch.__version__,
         "numpy": numpy.__version__,
         "python": platform.python_version(),
