@@ -25,7 +25,7 @@ tie_embeddings = false
 rope_scaling = {rope_type = "llama3", factor = 8.0, low_freq_factor = 1.0, high_freq_factor = 4.0,
                 original_max_position_embeddings = 8192}  # Llama 3.1's; optional
 
-A model may also be a `transformers` folder (or its config.json): `load_model_config` reads it through the spec
+A model may also be a `transformers` folder (or its config.json): `load_model_config` reads it through the arch spec
 whose ``transformers_classes`` name its architecture (`model_from_transformers`).
 """
 
@@ -66,9 +66,9 @@ def load_model_config(path: str | Path) -> ModelConfig:
 
 def model_from_transformers(path: str | Path, *, seq_len: int | None = None, name: str | None = None) -> ModelConfig:
     """The model of a `transformers` folder (``save_pretrained``'s) or of its ``config.json``: its architecture
-    (``architectures``) read by the spec that names it (`terapipe_cli.models.transformers_arch`: LlamaForCausalLM,
-    MistralForCausalLM, GPT2LMHeadModel); any other, or a setting the spec cannot compute exactly, is refused in one
-    line naming it. ``seq_len``: the longest the model takes (max_position_embeddings, n_positions) unless given;
+    (``architectures``) read by the arch spec that names it (`terapipe_cli.models.transformers_arch`: LlamaForCausalLM,
+    MistralForCausalLM, GPT2LMHeadModel); any other, or a setting its arch spec cannot compute exactly, is refused in
+    one line naming it. ``seq_len``: the longest the model takes (max_position_embeddings, n_positions) unless given;
     ``name``: the folder's."""
     path = Path(path)
     config = path / "config.json" if path.is_dir() else path

@@ -1,6 +1,6 @@
 """The model families, one folder each, and their registry: one spec per ``arch`` a model config names. The rest of
-terapipe asks the spec, never ``if arch == ...`` (docs/design.md §6c). No torch here or in any spec: the planner reads
-specs too; a family's torch module is named by its spec (``Arch.module``) and imported when a model is built.
+terapipe asks its `Arch`, never ``if arch == ...`` (docs/design.md §6c). No torch here or in any spec: the planner
+reads specs too; a family's torch module is named by its spec (``Arch.module``) and imported when a model is built.
 
 spec.py       what every family's config has (`ModelConfig`) and what a spec says (`Arch`): its module, settings,
               parameter counts, tensor-parallel splits, analytic FLOP/byte description, `transformers` key table and
@@ -46,7 +46,7 @@ ARCHS: dict[str, Arch] = {
 
 
 def arch_spec(name: str) -> Arch:
-    """The spec of architecture ``name`` (a `KeyError` naming the known ones otherwise)."""
+    """The arch spec of architecture ``name`` (a `KeyError` naming the known ones otherwise)."""
     try:
         return ARCHS[name]
     except KeyError:
@@ -54,7 +54,7 @@ def arch_spec(name: str) -> Arch:
 
 
 def transformers_arch(cls: str) -> Arch | None:
-    """The spec that reads a `transformers` class's config (``LlamaForCausalLM``: llama), or None."""
+    """The arch spec that reads a `transformers` class's config (``LlamaForCausalLM``: llama), or None."""
     return next((spec for spec in ARCHS.values() if cls in spec.transformers_classes), None)
 
 

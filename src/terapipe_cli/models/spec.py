@@ -4,7 +4,7 @@ tensor ranks (`vocab_rows`), the tensor-parallel `Split` of a parameter and the 
 (`flops_per_token`). No torch: the planner and the analytic profile read specs.
 
 A family's `spec.py` holds its config (a `ModelConfig` subclass whose own fields are its settings) and its spec (an
-`Arch` subclass naming that config, with one instance in the registry, `terapipe_cli.models.ARCHS`). The spec names
+`Arch` subclass naming that config, with one instance in the registry, `terapipe_cli.models.ARCHS`). The arch spec names
 its torch module rather than importing it (``module = "terapipe_cli.models.gpt.module:GPT"``, imported by
 `Arch.model_class` when a model is built). Reading a model TOML or a `transformers` folder is `config.model`'s.
 """
@@ -148,7 +148,7 @@ class ModelConfig:
         return cfg
 
     def check(self, f: Fields) -> None:
-        """What the fields must satisfy together (``f`` names the one at fault): the common rules, the spec's."""
+        """What the fields must satisfy together (``f`` names the one at fault): the common rules, the arch spec's."""
         if self.hidden % self.heads:
             raise f.fail("heads", f"must divide hidden ({self.hidden}), got {self.heads}")
         if self.heads % self.kv_heads:
@@ -359,7 +359,7 @@ class Arch:
         raise NotImplementedError
 
     def reads_transformers_as(self, f: Fields) -> Arch:
-        """The spec that reads this `transformers` config (``f``): this one, unless another computes it exactly (a
+        """The arch spec that reads this `transformers` config (``f``): this one, unless another computes it exactly (a
         ``GPT2LMHeadModel`` with the erf GELU is an export of ``gpt``)."""
         return self
 
@@ -387,7 +387,7 @@ def flops_per_token(cfg: ModelConfig, *, recompute: float = 0.0) -> float:
     """Training FLOPs per token of sequences of ``cfg.seq_len`` tokens: the numerator of MFU (PaLM, Chowdhery et
     al. 2022, appendix B): 6·N + 12·layers·H·L.
 
-    N: the parameters that take part in a product for every token — the layers' weight matrices (the spec's
+    N: the parameters that take part in a product for every token — the layers' weight matrices (the arch spec's
     `Arch.forward_gemms` at one token) and the LM head (the token embedding is a lookup, biases and norms are
     element-wise). 2·N forward, twice that backward. Attention: the scores and the weighted sum, 2·2·H per key per
     layer forward, over the whole L × L rectangle as PaLM and the dense kernels count (a causal fused kernel does

@@ -15,7 +15,7 @@ the single-device model's (tests/train/test_hf_export.py). The names are one tab
 - gpt2: GPT-2 itself; a tied head (``tie_embeddings``, GPT-2's default) is written once, as the embedding
   (``tie_word_embeddings = true``), as a tied llama head is.
 - gpt: GPT-2's computation with three differences the folder absorbs exactly: no biases in terapipe's linear
-  layers (GPT-2 has them: written as zeros, the spec's `hf_zero_tensors`), the exact erf GELU
+  layers (GPT-2 has them: written as zeros, the arch spec's `hf_zero_tensors`), the exact erf GELU
   (``activation_function = "gelu"``, not GPT-2's tanh approximation ``gelu_new``), and an LM head of its own
   (``tie_word_embeddings = false``). GPT-2's ``Conv1D`` stores a linear layer's weight as (in, out): transposed.
 """
