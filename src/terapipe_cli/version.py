@@ -1,3 +1,4 @@
-"""terapipe's version, as every file it writes records it (pyproject.toml gives the installed package the same)."""
+"""terapipe's version, as every file it writes records it; the installed package's metadata reads it from here
+(pyproject.toml)."""
 
 __version__ = "0.1.0"

@@ -77,8 +77,8 @@ def build_model(cfg: ModelConfig, stage: int = 0, stages: int = 1, **kwargs):
 
 __all__ = [
     "ARCHS",
-    "FAMILIES",
     "COMMON_FIELDS",
+    "FAMILIES",
     "Arch",
     "Gpt2Config",
     "GptConfig",
