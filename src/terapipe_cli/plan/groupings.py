@@ -18,6 +18,10 @@ MAX_GROUPING_STATES = 4096
 MAX_GROUPING_CELLS = 2**25
 
 
+class _TooLarge(Exception):
+    """The search's rows have passed `MAX_GROUPING_CELLS`: they only grow, so it is not run."""
+
+
 def grouping_search(
     sizes: Sequence[StageSizes], batch_size: int, seq_len: int, token_step: int, order: str, limit: float,
     recompute: bool,
@@ -37,19 +41,33 @@ def grouping_search(
     rows: dict[tuple, int] = {}
     moves: list[tuple[int, int, int]] = []
 
+    cells = (seq_len // token_step + 1) ** 2
+
     def row(b: int, opened: tuple[int, ...]) -> int:
         key = (b, opened) if recompute else (b,)
+        if key not in rows and (len(rows) + 1) * cells > MAX_GROUPING_CELLS:
+            raise _TooLarge  # rows only grow: the search would be too large whatever comes next
         return rows.setdefault(key, len(rows))
 
     def fits_plain(opened: tuple[int, ...]) -> bool:
         return recompute or all(plain_bytes(s, w, L) <= limit for s, w in zip(alike, opened, strict=True))
 
+    # More sequences open never take fewer bytes (every per-token size non-negative): past the first batch slice size
+    # that does not fit, none does, and the moves of a state stop there.
+    growing = all(s.cache + s.tile >= 0 for s in alike)
+
     if order_of(order).all_open:
         for placed in range(B):
             for b in range(1, B - placed + 1):
                 opened = (placed + b,) * len(alike)
-                if fits_plain(opened):
+                if not fits_plain(opened):
+                    if growing:
+                        break
+                    continue
+                try:
                     moves.append((placed, placed + b, row(b, opened)))
+                except _TooLarge:
+                    return None
         states, finals, last_first = B + 1, (B,), False
     else:
         index: dict[tuple[int, tuple[int, ...]], int] = {(0, ()): 0}
@@ -64,6 +82,8 @@ def grouping_search(
                 if opened not in fitting:
                     fitting[opened] = fits_plain(opened)
                 if not fitting[opened]:
+                    if growing:
+                        break
                     continue
                 nxt = (placed + b, ((b,) + after)[: K - 1])
                 if nxt not in index:
@@ -71,7 +91,10 @@ def grouping_search(
                     todo.append(nxt)
                     if len(index) > MAX_GROUPING_STATES:
                         return None
-                moves.append((index[(placed, after)], index[nxt], row(b, opened)))
+                try:
+                    moves.append((index[(placed, after)], index[nxt], row(b, opened)))
+                except _TooLarge:
+                    return None
         # Number the states by sequences placed, so that every move goes forward.
         ranked = sorted(index, key=lambda st: (st[0], index[st]))
         renumber = {index[st]: n for n, st in enumerate(ranked)}
@@ -80,7 +103,7 @@ def grouping_search(
         finals = tuple(renumber[index[st]] for st in index if st[0] == B)
     if not finals:  # no grouping fits: a Sequencing without moves
         moves, finals = [], (0,)
-    if len(rows) * (seq_len // token_step + 1) ** 2 > MAX_GROUPING_CELLS:
+    if len(rows) * cells > MAX_GROUPING_CELLS:
         return None
     keys = sorted(rows, key=rows.get)
     fits = tuple(tile_fits(alike, key, L, limit) if recompute else None for key in keys)
