@@ -4,6 +4,7 @@ writes it, `train.checkpoint.StageWriter`) against the same write in a process o
 
     python scripts/bench_checkpoint_writer.py                  # 300 MiB state, 5 rounds
     python scripts/bench_checkpoint_writer.py --mib 100 --rounds 9
+    python scripts/bench_checkpoint_writer.py --copy         # the writer's host copy: fresh buffers or the last ones
 
 The training thread runs a stand-in for a CPU step of many small operators (eight linear layers of 512 and their
 GELUs, forward and backward on 16 rows, eight times), one thread. Each round times steps while nothing is written,
@@ -12,6 +13,9 @@ at nice 10, as the runtime's writer) from a thread of this process, then while a
 same state first) writes it — the two modes in turn within every round. Prints each mode's slowdown of the median
 step over the clean steps of its round: median (min-max) over the rounds. If the writer's hold on the interpreter's
 lock were what stalls the step, the process would stall it less.
+
+--copy times the host copy the update waits for (`checkpoint.host_copy`, in a thread as the writer makes it, under
+the runtime's allocator settings, `engine.hostmem`): into fresh tensors, and in turn written over the copy before.
 
 Timing holds /tmp/terapipe-cpu.lock (flock) so no other measurement on this machine runs at the same time.
 """
@@ -35,7 +39,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import torch  # noqa: E402
 from bench_train import cpu_lock  # noqa: E402
 
-from terapipe_cli.train.checkpoint import WRITER_NICE, _stream_atomic  # noqa: E402
+from terapipe_cli.engine.hostmem import retain_freed_memory  # noqa: E402
+from terapipe_cli.train.checkpoint import WRITER_NICE, _stream_atomic, host_copy  # noqa: E402
 
 STEPS = 6  # timed steps per window: a window ends before the write does (checked)
 
@@ -56,8 +61,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mib", type=int, default=300, help="size of the state written (MiB)")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--copy", action="store_true", help="time the writer's host copy instead")
     a = parser.parse_args()
     torch.set_num_threads(1)
+    if a.copy:
+        copy_times(a)
+        return
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[m for _ in range(8) for m in (torch.nn.Linear(512, 512), torch.nn.GELU())])
     x = torch.randn(16, 512)
@@ -129,6 +138,42 @@ def main() -> None:
         )
     if cut_short:
         print(f"({cut_short} window(s) outlasted their write: raise --mib)")
+
+
+def copy_times(a: argparse.Namespace) -> None:
+    retain_freed_memory()  # as every training worker
+    parts = 24
+    state = {f"w{n}": torch.randn(a.mib * 2**20 // 4 // parts) for n in range(parts)}
+
+    def in_thread(make):
+        out = []
+        thread = threading.Thread(target=lambda: out.append(make()))
+        started = time.perf_counter()
+        thread.start()
+        thread.join()
+        return time.perf_counter() - started, out[0]
+
+    times: dict[str, list[float]] = {"fresh": [], "written over": []}
+    held = None
+    with cpu_lock():
+        for _ in range(a.rounds):
+            seconds, copy = in_thread(lambda: host_copy(state))
+            times["fresh"].append(seconds)
+            del copy
+            seconds, held = in_thread(lambda earlier=held: _copy_over(state, earlier))
+            times["written over"].append(seconds)
+    print(f"host copy of a {a.mib} MiB state, {a.rounds} rounds, in turn:")
+    for name, values in times.items():
+        each = ", ".join(f"{v * 1e3:.0f}" for v in values)
+        print(f"{name:13} {statistics.median(values) * 1e3:6.1f} ms median (each: {each} ms)")
+
+
+def _copy_over(state: dict, held: dict | None) -> dict:
+    if held is None:
+        return host_copy(state)
+    for k, v in state.items():
+        held[k].copy_(v)
+    return held
 
 
 if __name__ == "__main__":
