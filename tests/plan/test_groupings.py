@@ -3,26 +3,13 @@ state machine's paths are exactly the groupings whose closed-form peak fits the 
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
+from brute import compositions
 
 from terapipe_cli.plan.groupings import grouping_search
 from terapipe_cli.plan.memory import StageSizes, grouping_peaks
 
 SEQ_LEN = 16
-
-
-def _compositions(total: int):
-    for cuts in itertools.product((False, True), repeat=total - 1):
-        sizes, run = [], 1
-        for cut in cuts:
-            if cut:
-                sizes.append(run)
-                run = 1
-            else:
-                run += 1
-        yield (*sizes, run)
 
 
 def _paths(seq) -> set[tuple[int, ...]]:
@@ -49,7 +36,7 @@ def test_the_paths_are_the_groupings_that_fit(order, stages):
         seq = grouping_search(sizes, batch, SEQ_LEN, 4, order, limit, recompute=False)
         fitting = {
             g
-            for g in _compositions(batch)
+            for g in compositions(batch)
             if max(grouping_peaks(list(g), None, sizes, SEQ_LEN, order, [False] * stages)) <= limit
         }
         assert _paths(seq) == fitting, limit
