@@ -354,15 +354,23 @@ class _Pipeline:
 
     def play(self, rows: Sequence[Sequence[tuple]], ran: list | None = None) -> list[int]:
         """`walk` on compiled rows (`compile`): each device's position where it stopped (its row's length when it
-        ran to the end); every action run is added to ``ran`` as (device, position, start, end), in the order run."""
+        ran to the end); every action run is added to ``ran`` as (device, position, start, end), in the order run.
+
+        An action that can run is computed in place (its tile's time on its chunk, the re-run forward of a recomputed
+        chunk in its backward or I, and its output sent on over the device's link when the next chunk is on another
+        device): the hottest loop of a plan, written without a call per action."""
         pos = [0] * self.stages
         end, arrive = self.end, self.arrive
+        fwd, bwd, inp, wgt, recompute = self.fwd, self.bwd, self.inp, self.wgt, self.recompute
+        device, chunks, send_f, send_b = self.device, self.chunks, self.send_f, self.send_b
+        link_fwd, link_bwd, stage_free = self.link_fwd_free, self.link_bwd_free, self.stage_free
         waiting: dict[int, list[int]] = {}  # a slot not yet done -> the devices whose next action waits for it
         ready = deque(range(self.stages))
         while ready:
             k = ready.popleft()
             row, p = rows[k], pos[k]
-            while p < len(row):
+            length = len(row)
+            while p < length:
                 c, kind, _, n, base, done, deps = row[p]
                 t_ready = 0.0
                 for offset, sent in deps:
@@ -373,8 +381,28 @@ class _Pipeline:
                     if t > t_ready:
                         t_ready = t
                 else:
-                    start, finish = self.run(k, c, kind, n, t_ready, base, done)
+                    start = stage_free[k]
+                    if t_ready > start:
+                        start = t_ready
+                    if kind == 0:  # F
+                        finish = start + fwd[c][n]
+                    elif kind == 3:  # W
+                        finish = start + wgt[c][n]
+                    else:  # B, or I (with the re-run forward of a recomputed chunk either way)
+                        own = bwd[c][n] if kind == 1 else inp[c][n]
+                        finish = start + own + (fwd[c][n] if recompute[c] else 0.0)
+                    arrival = finish
+                    if kind == 0:
+                        if c + 1 < chunks and device[c + 1] != k:
+                            depart = max(finish, link_fwd[k])
+                            link_fwd[k] = arrival = depart + send_f[c][n]
+                    elif kind != 3 and c > 0 and device[c - 1] != k:
+                        depart = max(finish, link_bwd[k])
+                        link_bwd[k] = arrival = depart + send_b[c][n]
+                    stage_free[k] = finish
                     for offset in done:
+                        end[base + offset] = finish
+                        arrive[base + offset] = arrival
                         woken = waiting.pop(base + offset, None)
                         if woken:
                             ready.extend(woken)
@@ -385,35 +413,6 @@ class _Pipeline:
                 break
             pos[k] = p
         return pos
-
-    def run(
-        self, k: int, c: int, kind: int, n: int, t_ready: float, base: int, done: tuple[int, ...]
-    ) -> tuple[float, float]:
-        """Compute tile n's action of ``kind`` (`_KIND`) on chunk c, device k, and send its output on; returns its
-        (start, end)."""
-        start = self.stage_free[k]
-        if t_ready > start:
-            start = t_ready
-        if kind == 0:  # F
-            end = start + self.fwd[c][n]
-        elif kind == 3:  # W
-            end = start + self.wgt[c][n]
-        else:  # B, or I (with the re-run forward of a recomputed chunk either way)
-            own = self.bwd[c][n] if kind == 1 else self.inp[c][n]
-            end = start + own + (self.fwd[c][n] if self.recompute[c] else 0.0)
-        arrival = end
-        if kind == 0:
-            if c + 1 < self.chunks and self.device[c + 1] != k:
-                depart = max(end, self.link_fwd_free[k])
-                self.link_fwd_free[k] = arrival = depart + self.send_f[c][n]
-        elif kind != 3 and c > 0 and self.device[c - 1] != k:
-            depart = max(end, self.link_bwd_free[k])
-            self.link_bwd_free[k] = arrival = depart + self.send_b[c][n]
-        for offset in done:
-            self.end[base + offset] = end
-            self.arrive[base + offset] = arrival
-        self.stage_free[k] = end
-        return start, end
 
 
 @dataclass(frozen=True)
