@@ -30,9 +30,10 @@ row-parallel layer's is whole on every rank and added once, after the sum over t
 the same output and the same bias gradient, as for the layer norms).
 
 Parameter names stay the single-device model's; a sharded parameter is a slice of the full one along one
-dimension (`SPLITS`: every architecture's splits, each declared by its spec in `terapipe_cli.models`). `shard_tensor`
-cuts the full tensor into this rank's slice, `gather_tensor` puts the full one back together (an all-gather over
-the tensor group), so checkpoints, ``--verify`` and ``terapipe export`` see whole tensors whatever T was.
+dimension (`SPLITS`: every architecture's splits, each declared by its arch spec in `terapipe_cli.models`).
+`shard_tensor` cuts the full tensor into this rank's slice, `gather_tensor` puts the full one back together (an
+all-gather over the tensor group), so checkpoints, ``--verify`` and ``terapipe export`` see whole tensors whatever T
+was.
 """
 
 from __future__ import annotations
@@ -228,7 +229,7 @@ def head_loss_sum(module: nn.Module, h: torch.Tensor, targets: torch.Tensor, chu
     return chunked_loss_sum(x, targets, head.weight, wc, chunk, head.tp, head.lo, head.hi)
 
 
-# How each sharded parameter is cut, by the end of its name: every architecture's spec's (`terapipe_cli.models`).
+# How each sharded parameter is cut, by the end of its name: every arch spec's (`terapipe_cli.models`).
 SPLITS: dict[str, Split] = all_splits()
 
 
@@ -301,7 +302,7 @@ def shard_module(module: nn.Module, tp: TensorGroup) -> None:
             bias = linear.bias
             if bias is not None and kind is ColumnParallelLinear:
                 if split_of(f"{path}.bias") is None:
-                    raise ValueError(f"the bias of column-parallel {path} has no split (its spec's splits)")
+                    raise ValueError(f"the bias of column-parallel {path} has no split (its arch spec's splits)")
                 bias = shard_tensor(f"blocks.{n}.{path}.bias", bias, tp)
             sharded = kind(weight, tp, bias).to(linear.weight.device)
             owner, attr = path.rsplit(".", 1)

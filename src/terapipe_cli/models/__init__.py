@@ -1,8 +1,9 @@
-"""The model families, one folder each, and their registry: one spec per ``arch`` a model config names. The rest of
-terapipe asks its `Arch`, never ``if arch == ...`` (docs/design.md §6c). No torch here or in any spec: the planner
-reads specs too; a family's torch module is named by its spec (``Arch.module``) and imported when a model is built.
+"""The model families, one folder each, and their registry: one arch spec per ``arch`` a model config names. The
+rest of terapipe asks its `Arch`, never ``if arch == ...`` (docs/design.md §6c). No torch here or in any arch spec:
+the planner reads them too; a family's torch module is named by its arch spec (``Arch.module``) and imported when a
+model is built.
 
-spec.py       what every family's config has (`ModelConfig`) and what a spec says (`Arch`): its module, settings,
+spec.py       what every family's config has (`ModelConfig`) and what an arch spec says (`Arch`): its module, settings,
               parameter counts, tensor-parallel splits, analytic FLOP/byte description, `transformers` key table and
               configs; `vocab_rows`, the vocabulary's rows per tensor rank; `flops_per_token` (the MFU numerator)
 attention.py  the K/V cache and the attention over a slice's context, shared by every family's module (torch)
@@ -11,9 +12,9 @@ decoder.py    the stage layout every family's module shares: a stage's layers, t
 gpt/          ``gpt``, the default: nanoGPT's decoder; ``gpt2``: GPT-2 exactly (biases, tanh GELU, tied embeddings)
 llama/        ``llama``: the Llama family, Llama 3.1's RoPE scaling; Mistral's layer read as it
 
-A family is a folder: ``spec.py`` (torch-free: its config, a `ModelConfig` subclass with its own settings, its spec,
-an `Arch` subclass naming that config, and ``SPECS``, the instances it registers) and ``module.py`` (its torch module),
-and its name in `FAMILIES`.
+A family is a folder: ``spec.py`` (torch-free: its config, a `ModelConfig` subclass with its own settings, its arch
+spec, an `Arch` subclass naming that config, and ``ARCHS``, the instances it registers) and ``module.py`` (its torch
+module), and its name in `FAMILIES`.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from terapipe_cli.models.spec import (
     vocab_share,
 )
 
-# The families, one folder each: a line here registers every spec its ``spec.SPECS`` holds.
+# The families, one folder each: a line here registers every arch spec its ``spec.ARCHS`` holds.
 FAMILIES = (
     "gpt",
     "llama",
@@ -41,7 +42,7 @@ FAMILIES = (
 ARCHS: dict[str, Arch] = {
     spec.name: spec
     for family in FAMILIES
-    for spec in importlib.import_module(f"terapipe_cli.models.{family}.spec").SPECS
+    for spec in importlib.import_module(f"terapipe_cli.models.{family}.spec").ARCHS
 }
 
 
@@ -70,7 +71,7 @@ def all_splits() -> dict[str, Split]:
 
 
 def build_model(cfg: ModelConfig, stage: int = 0, stages: int = 1, **kwargs):
-    """The torch module of the architecture ``cfg.arch`` names (its spec's ``module``: `gpt.module.GPT`,
+    """The torch module of the architecture ``cfg.arch`` names (its arch spec's ``module``: `gpt.module.GPT`,
     `gpt.module.GPT2`, `llama.module.Llama`; same arguments, same stage layout). Imports torch."""
     return cfg.spec.model_class()(cfg, stage, stages, **kwargs)
 

@@ -1,13 +1,13 @@
 """``terapipe export --format hf``: a run's model as a Hugging Face ``transformers`` folder.
 
-    OUT/config.json          the model's `transformers` config (its spec's `hf_config`), by ``save_pretrained``
+    OUT/config.json          the model's `transformers` config (its arch spec's `hf_config`), by ``save_pretrained``
     OUT/model.safetensors    its weights under `transformers`' names, fp32 (metadata: terapipe's step and run)
     OUT/tokenizer.json       a corpus run's own tokenizer (`train.tokenizer`), with tokenizer_config.json naming
                              its BOS and EOS, which config.json's bos/eos_token_id give as ids; none for a byte run
 
 ``AutoModelForCausalLM.from_pretrained(OUT)`` loads it — a ``LlamaForCausalLM`` for ``arch = "llama"``, a
 ``GPT2LMHeadModel`` for ``arch = "gpt"`` and ``"gpt2"`` — with no missing or unexpected keys, and its logits equal
-the single-device model's (tests/train/test_hf_export.py). The names are one table per architecture, its spec's
+the single-device model's (tests/train/test_hf_export.py). The names are one table per architecture, its arch spec's
 ``hf_keys`` (`terapipe_cli.models`; ``{n}``: a layer's global index), also in docs/design.md (§6c):
 
 - llama: the same tensors under `transformers`' names. No permutation: terapipe's RoPE is the rotate-half

@@ -10,7 +10,7 @@ stages)` simply builds the part of the model that one pipeline stage owns (the l
 
 Weights are initialised per component from the seed (models/init.py), so stage k of a K-stage split holds exactly
 the weights of the same layers of the one-stage model, for any K. `terapipe_cli.models.build_model` builds the
-architecture the config names (its spec's ``module``).
+architecture the config names (its arch spec's ``module``).
 """
 
 from __future__ import annotations

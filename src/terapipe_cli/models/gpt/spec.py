@@ -1,4 +1,4 @@
-"""The GPT family's specs (torch-free; the modules are gpt/module.py's).
+"""The GPT family's arch specs (torch-free; the modules are gpt/module.py's).
 
 ``arch = "gpt"`` (the default): the plain GPT decoder (nanoGPT's: LayerNorm, learned positions, a GELU MLP of
 mlp_ratio·H, no biases in the linear layers), priced as Megatron's GPT-3 layer (biases and dropout) so that the
@@ -388,4 +388,4 @@ class Gpt2Arch(GptArch):
         }
 
 
-SPECS = (GptArch(), Gpt2Arch())  # what the registry holds of this family (`terapipe_cli.models.FAMILIES`)
+ARCHS = (GptArch(), Gpt2Arch())  # what the registry holds of this family (`terapipe_cli.models.FAMILIES`)

@@ -317,4 +317,4 @@ class LlamaArch(Arch):
         }
 
 
-SPECS = (LlamaArch(),)  # what the registry holds of this family (`terapipe_cli.models.FAMILIES`)
+ARCHS = (LlamaArch(),)  # what the registry holds of this family (`terapipe_cli.models.FAMILIES`)
