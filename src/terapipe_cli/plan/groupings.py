@@ -18,10 +18,6 @@ MAX_GROUPING_STATES = 4096
 MAX_GROUPING_CELLS = 2**25
 
 
-class _TooLarge(Exception):
-    """The search's rows have passed `MAX_GROUPING_CELLS`: they only grow, so it is not run."""
-
-
 def grouping_search(
     sizes: Sequence[StageSizes], batch_size: int, seq_len: int, token_step: int, order: str, limit: float,
     recompute: bool,
@@ -45,8 +41,6 @@ def grouping_search(
 
     def row(b: int, opened: tuple[int, ...]) -> int:
         key = (b, opened) if recompute else (b,)
-        if key not in rows and (len(rows) + 1) * cells > MAX_GROUPING_CELLS:
-            raise _TooLarge  # rows only grow: the search would be too large whatever comes next
         return rows.setdefault(key, len(rows))
 
     def fits_plain(opened: tuple[int, ...]) -> bool:
@@ -64,9 +58,8 @@ def grouping_search(
                     if growing:
                         break
                     continue
-                try:
-                    moves.append((placed, placed + b, row(b, opened)))
-                except _TooLarge:
+                moves.append((placed, placed + b, row(b, opened)))
+                if len(rows) * cells > MAX_GROUPING_CELLS:  # rows only grow: too large whatever comes next
                     return None
         states, finals, last_first = B + 1, (B,), False
     else:
@@ -91,9 +84,8 @@ def grouping_search(
                     todo.append(nxt)
                     if len(index) > MAX_GROUPING_STATES:
                         return None
-                try:
-                    moves.append((index[(placed, after)], index[nxt], row(b, opened)))
-                except _TooLarge:
+                moves.append((index[(placed, after)], index[nxt], row(b, opened)))
+                if len(rows) * cells > MAX_GROUPING_CELLS:  # rows only grow: too large whatever comes next
                     return None
         # Number the states by sequences placed, so that every move goes forward.
         ranked = sorted(index, key=lambda st: (st[0], index[st]))
